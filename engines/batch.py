@@ -1,0 +1,106 @@
+"""The state of one ragged batch between speculative steps, and the model calls on it.
+
+Invariant between steps, for every row `b`: `tokens[b]` holds the row's prompt and new tokens
+(right-aligned, `lengths[b]` of them); the target cache, and the draft cache when there is one,
+hold the keys and values of all but the last token (`lengths[b] - 1` real columns, right-aligned);
+the last token is pending: it is the first input of the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from engines import ragged
+
+
+@dataclass
+class BatchState:
+    rows: list[int]  # prompt index of each row
+    tokens: torch.Tensor  # [B, W] right-aligned, pad placeholder on the left
+    lengths: torch.Tensor  # [B] real tokens per row (prompt + new)
+    prompt_lengths: torch.Tensor  # [B]
+    target_cache: DynamicCache
+    draft_cache: DynamicCache | None = None
+
+    @property
+    def cache_lengths(self) -> torch.Tensor:  # [B]
+        return self.lengths - 1
+
+    def pad_lengths(self) -> torch.Tensor:  # [B] left padding of the target cache
+        return ragged.cache_width(self.target_cache) - self.cache_lengths
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` (indices, ascending), caches included, between steps."""
+        if keep.numel() == self.lengths.numel():
+            return
+        if keep.numel() == 0:
+            self.rows = []
+            return
+        cache_lengths = self.cache_lengths.index_select(0, keep)
+        for cache in (self.target_cache, self.draft_cache):
+            if cache is not None:
+                keep_end = torch.full_like(cache_lengths, ragged.cache_width(cache))
+                ragged.realign_cache(cache, keep_end, cache_lengths, rows=keep)
+        self.select(keep)
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` (indices, ascending) of the tokens; trims surplus padding.
+        The caches are left to the caller (`realign_cache` takes the same `keep`)."""
+        keep_list = keep.tolist()
+        self.rows = [self.rows[i] for i in keep_list]
+        self.lengths = self.lengths.index_select(0, keep)
+        self.prompt_lengths = self.prompt_lengths.index_select(0, keep)
+        width = int(self.lengths.max().item()) if keep_list else 0
+        self.tokens = self.tokens.index_select(0, keep)[:, self.tokens.shape[1] - width:]
+
+
+def forward(
+    model: PreTrainedModel,
+    cache: DynamicCache,
+    inputs: torch.Tensor,  # [B, q] real tokens after each row's cache
+    cache_lengths: torch.Tensor,  # [B] real cached positions per row
+) -> torch.Tensor:
+    """One cached forward pass of `q` real tokens per row; returns logits [B, q, V]."""
+    width = ragged.cache_width(cache)
+    q = inputs.shape[1]
+    out = model(
+        input_ids=inputs,
+        attention_mask=ragged.attention_mask(cache_lengths, width, q),
+        position_ids=ragged.position_ids(cache_lengths, q),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits
+
+
+def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """Run a left-padded batch of prompts through `model`.
+
+    Returns the cache (each row's prompt, right-aligned, padding zeroed) and the logits at each
+    row's last prompt token [B, V].
+    """
+    width = tokens.shape[1]
+    pad = width - lengths  # [B]
+    positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=tokens,
+        attention_mask=ragged.padding_mask(lengths, width).long(),
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    # zero the padding columns, so that nothing a padded query produced is ever read
+    ragged.realign_cache(cache, torch.full_like(lengths, width), lengths)
+    return cache, out.logits[:, -1]
+
+
+def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, cache_lengths: torch.Tensor, keep: torch.Tensor) -> None:
+    """After a step that appended columns from `old_width` on: keep, for each kept row, its old
+    cache plus its pending token and accepted draft tokens (`accepted_counts + 1` columns)."""
+    keep_end = (old_width + accepted_counts + 1).index_select(0, keep)
+    new_lengths = (cache_lengths + accepted_counts + 1).index_select(0, keep)
+    ragged.realign_cache(cache, keep_end, new_lengths, rows=keep)

@@ -1,0 +1,104 @@
+"""Drafters propose `k` tokens per row; the target verifies them.
+
+`ModelDrafter` runs a draft model with its own KV cache, kept aligned with the target's: after
+each step it holds exactly the row's accepted tokens (never re-running the draft over the whole
+sequence). `ScriptedDrafter` is for tests: it proposes the reference's own next tokens for a
+chosen number of positions and then a wrong one, so a test dictates each row's acceptance.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from engines import batch as batch_ops
+from engines import ragged
+from engines.batch import BatchState
+
+
+class Drafter(Protocol):
+    def prefill(self, state: BatchState) -> None: ...
+
+    def propose(self, state: BatchState, k: int) -> torch.Tensor:  # [B, k]
+        ...
+
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None: ...
+
+
+class ModelDrafter:
+    """Greedy drafting with a draft model whose cache lives in `state.draft_cache`."""
+
+    def __init__(self, draft: PreTrainedModel) -> None:
+        self.draft = draft
+        self._proposed: torch.Tensor | None = None  # [B, k] last proposal, for the fill pass
+        self._old_width = 0
+
+    def prefill(self, state: BatchState) -> None:
+        # every row holds its prompt and one new token; the pending last column is not cached
+        state.draft_cache, _ = batch_ops.prefill(self.draft, state.tokens[:, :-1], state.cache_lengths)
+
+    def propose(self, state: BatchState, k: int) -> torch.Tensor:
+        cache = state.draft_cache
+        self._old_width = ragged.cache_width(cache)
+        token = state.tokens[:, -1:]  # [B, 1] pending token
+        cache_lengths = state.cache_lengths
+        proposed = []
+        for i in range(k):
+            logits = batch_ops.forward(self.draft, cache, token, cache_lengths + i)  # [B, 1, V]
+            token = logits[:, -1:].argmax(-1)  # [B, 1]
+            proposed.append(token)
+        self._proposed = torch.cat(proposed, dim=1)  # [B, k]
+        return self._proposed
+
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+        """Realign the draft cache to the rows' accepted tokens; `state` still describes the batch
+        before the step. A row that accepted all k needs the k-th draft token's keys and values,
+        which the k drafting passes never computed: one fill pass adds them when any row needs it."""
+        assert self._proposed is not None
+        k = self._proposed.shape[1]
+        cache = state.draft_cache
+        if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):
+            batch_ops.forward(self.draft, cache, self._proposed[:, -1:], state.cache_lengths + k)
+        batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
+        self._proposed = None
+
+
+Schedule = Callable[[int, int], int]  # (prompt index, row's step number) -> tokens to get right
+
+
+class ScriptedDrafter:
+    """Proposes `schedule(prompt, step)` of the reference's next tokens, then a wrong token.
+
+    `reference_outputs[p]` is the reference decoder's output for prompt `p`. Past the end of the
+    reference output the proposal repeats its last token; those positions never count, because a
+    correct engine stops there. A schedule value >= k proposes k correct tokens (all accepted).
+    """
+
+    def __init__(self, reference_outputs: list[list[int]], schedule: Schedule, vocab_size: int) -> None:
+        self.reference_outputs = reference_outputs
+        self.schedule = schedule
+        self.vocab_size = vocab_size
+        self.row_steps: dict[int, int] = {}
+
+    def prefill(self, state: BatchState) -> None:
+        state.draft_cache = None
+
+    def propose(self, state: BatchState, k: int) -> torch.Tensor:
+        generated = (state.lengths - state.prompt_lengths).tolist()
+        proposals = []
+        for prompt, done in zip(state.rows, generated):  # host-side script, test-only
+            step = self.row_steps.get(prompt, 0)
+            self.row_steps[prompt] = step + 1
+            right = min(max(self.schedule(prompt, step), 0), k)
+            ref = self.reference_outputs[prompt]
+            tail = ref[done : done + k] or [0]
+            row = (tail + [tail[-1]] * k)[:k]
+            if right < k:
+                row[right] = (ref[done + right] + 1) % self.vocab_size if done + right < len(ref) else row[right]
+            proposals.append(row)
+        return torch.tensor(proposals, dtype=torch.long, device=state.tokens.device)
+
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+        return None

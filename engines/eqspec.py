@@ -1,0 +1,222 @@
+"""EQSPEC: batched speculative decoding on a fixed batch, realigned after every step.
+
+Contract: token ids in, token ids out, exactly the tokens greedy decoding of each prompt alone
+would give. Prompts are taken in consecutive batches of `batch_size`. Each step, for the rows
+still running:
+
+1. draft:   the drafter proposes k tokens per row                       # [B, k]
+2. verify:  one target pass over [pending token, k draft tokens]          # [B, k+1, V]
+3. accept:  each row keeps its longest draft prefix equal to the target's
+            greedy choices (accepted tokens), then the target's own next
+            token (the bonus token); cut at the first EOS or at exactly
+            max_new_tokens, never later
+4. realign: unpad-append-repad the tokens, drop finished rows, and gather
+            both caches so each row holds exactly its accepted tokens
+
+Per-row state is the vector `lengths[B]`, never one scalar position: position ids and attention
+masks are derived from it every pass (see `engines/ragged.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from engines import batch as batch_ops
+from engines import ragged
+from engines.batch import BatchState
+from engines.drafters import Drafter, ModelDrafter
+from engines.trace import StepRecord, Trace
+
+
+class Clock:
+    """Stage timer; waits for the device at stage boundaries so GPU times are real."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+
+@dataclass
+class StepResult:
+    record: StepRecord
+    emitted: list[list[int]]  # per row of the step, the new tokens it appended
+    logits: list[torch.Tensor] | None  # per row, the target logits of those tokens [n, V]
+    finished: list[int]  # prompt indices that finished this step
+
+
+def start_batch(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    prompts: list[list[int]],
+    rows: list[int],
+    pad_id: int,
+    eos_token_id: int | None,
+    max_new_tokens: int,
+    record_logits: bool,
+) -> tuple[BatchState, StepResult]:
+    """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
+    clock = Clock(target.device)
+    tokens, lengths = ragged.left_pad([prompts[r] for r in rows], pad_id, target.device)
+    target_cache, last_logits = batch_ops.prefill(target, tokens, lengths)  # [B, V]
+    first = last_logits.argmax(-1, keepdim=True)  # [B, 1]
+    ones = torch.ones_like(lengths)
+    tokens, new_lengths = ragged.append_and_repad(tokens, lengths, first, ones, pad_id)
+    state = BatchState(list(rows), tokens, new_lengths, lengths.clone(), target_cache)
+    verify_seconds = clock.lap()
+    drafter.prefill(state)
+    draft_seconds = clock.lap()
+    done = torch.zeros_like(lengths, dtype=torch.bool) | (max_new_tokens <= 1)
+    if eos_token_id is not None:
+        done |= first[:, 0] == eos_token_id
+    first_list, done_list = first[:, 0].tolist(), done.tolist()
+    record = StepRecord(
+        step=0, kind="prefill", rows=list(rows), pad_lengths=(tokens.shape[1] - new_lengths).tolist(),
+        accepted_counts=[0] * len(rows), emitted_counts=[1] * len(rows),
+        seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": 0.0},
+    )
+    logits = [row.unsqueeze(0) for row in last_logits] if record_logits else None
+    finished = [r for r, d in zip(rows, done_list) if d]
+    state.keep_rows((~done).nonzero().flatten())
+    return state, StepResult(record, [[t] for t in first_list], logits, finished)
+
+
+def speculative_step(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    state: BatchState,
+    k: int,
+    step: int,
+    eos_token_id: int | None,
+    max_new_tokens: int,
+    pad_id: int,
+    record_logits: bool,
+    kind: str = "batch",
+) -> StepResult:
+    """One speculative step on every row of `state` (all running); updates `state` in place."""
+    clock = Clock(target.device)
+    pad_lengths = state.pad_lengths().tolist()
+    rows = list(state.rows)
+
+    # 1. draft
+    draft_tokens = drafter.propose(state, k)  # [B, k]
+    draft_seconds = clock.lap()
+
+    # 2. verify: the pending token and the k draft tokens in one target pass
+    old_width = ragged.cache_width(state.target_cache)
+    inputs = torch.cat([state.tokens[:, -1:], draft_tokens], dim=1)  # [B, k+1]
+    logits = batch_ops.forward(target, state.target_cache, inputs, state.cache_lengths)  # [B, k+1, V]
+    target_tokens = logits.argmax(-1)  # [B, k+1]
+    verify_seconds = clock.lap()
+
+    # 3. accept: draft token i is accepted while it equals the target's choice after token i-1;
+    #    accepted draft tokens equal target_tokens[:, :a], and the bonus token is target_tokens[:, a]
+    matches = (draft_tokens == target_tokens[:, :k]).long()  # [B, k]
+    accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]
+    offered = accepted_counts + 1  # accepted + bonus
+    room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1 for running rows
+    emitted = torch.minimum(offered, room)
+    if eos_token_id is not None:
+        position = torch.arange(k + 1, device=inputs.device).unsqueeze(0)  # [1, k+1]
+        is_eos = (target_tokens == eos_token_id) & (position < emitted.unsqueeze(1))
+        first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(emitted, k + 1))
+        emitted = torch.minimum(emitted, first_eos + 1)
+        done = (emitted >= room) | is_eos.any(1)
+    else:
+        done = emitted >= room
+    # the one host sync of the step: accepted and emitted counts, and who finished
+    accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
+
+    # 4. realign: both caches keep [old cache, pending token, accepted tokens] of each running
+    #    row; the tokens get the accepted and bonus tokens; finished rows leave the batch
+    keep = (~done).nonzero().flatten()
+    new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]
+    row_logits = [logits[b, :n] for b, n in enumerate(emitted_list)] if record_logits else None
+    if keep.numel():
+        drafter.commit(state, accepted_counts, keep)
+        batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)
+        state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, target_tokens, emitted, pad_id)
+        state.select(keep)
+    else:
+        state.rows = []
+    realign_seconds = clock.lap()
+
+    record = StepRecord(
+        step=step, kind=kind, rows=rows, pad_lengths=pad_lengths, accepted_counts=accepted_list,
+        emitted_counts=emitted_list,
+        seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": realign_seconds},
+    )
+    finished = [r for r, d in zip(rows, done_list) if d]
+    return StepResult(record, new_tokens, row_logits, finished)
+
+
+class EQSpec:
+    """EQSPEC engine: consecutive fixed batches of `batch_size` prompts."""
+
+    name = "eqspec"
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        *,
+        batch_size: int = 8,
+        draft_tokens: int = 4,
+        drafter: Drafter | None = None,
+        pad_token_id: int | None = None,
+        record_logits: bool = False,
+        **_: object,
+    ) -> None:
+        if batch_size < 1 or draft_tokens < 1:
+            raise ValueError("batch_size and draft_tokens must be at least 1")
+        if drafter is None and draft is None:
+            raise ValueError("EQSPEC needs a draft model or a drafter")
+        self.target = target
+        self.drafter = drafter if drafter is not None else ModelDrafter(draft)
+        self.batch_size = batch_size
+        self.k = draft_tokens
+        self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
+        self.record_logits = record_logits
+        self.last_trace: Trace | None = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        if max_new_tokens <= 0:
+            self.last_trace = trace
+            return outputs
+        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for start in range(0, len(prompts), self.batch_size):
+            rows = list(range(start, min(start + self.batch_size, len(prompts))))
+            state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,
+                                        max_new_tokens, self.record_logits)
+            self._collect(trace, result, outputs, logits)
+            while state.rows:
+                result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
+                                          max_new_tokens, self.pad_id, self.record_logits)
+                self._collect(trace, result, outputs, logits)
+        if self.record_logits:
+            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
+        self.last_trace = trace
+        return outputs
+
+    @staticmethod
+    def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        trace.record(result.record)
+        for i, row in enumerate(result.record.rows):
+            outputs[row].extend(result.emitted[i])
+            if result.logits is not None:
+                logits[row].append(result.logits[i])

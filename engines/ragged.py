@@ -1,0 +1,122 @@
+"""Pure tensor operations on a ragged, left-padded batch.
+
+Layout: every row is right-aligned. A row of real length `n` in a batch of width `W` holds its
+tokens (or its keys and values) in columns `W - n .. W - 1`; columns before that are padding,
+filled with a placeholder (`pad_id` for tokens, zeros for keys and values) that is never read
+as content. Rows are told apart from padding by their lengths alone, never by token values, so a
+pad id that is also a real token is harmless.
+
+Every function here is vectorised over rows: one gather per tensor, no Python loop over rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-align token lists in one tensor. Returns `tokens` [B, W] and `lengths` [B]."""
+    if not seqs:
+        raise ValueError("left_pad needs at least one sequence")
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    for b, s in enumerate(seqs):  # host-side build of the initial batch, once per run
+        if s:
+            tokens[b, width - len(s):] = torch.tensor(s, dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    return tokens.to(device), lengths.to(device)
+
+
+def unpad(tokens: torch.Tensor, lengths: torch.Tensor) -> list[list[int]]:
+    """Inverse of `left_pad`: the real tokens of each row, as lists."""
+    width = tokens.shape[1]
+    rows = tokens.tolist()
+    return [row[width - n:] if n else [] for row, n in zip(rows, lengths.tolist())]
+
+
+def padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """`[B, width]` bool, True on each row's real (right-aligned) columns."""
+    columns = torch.arange(width, device=lengths.device)
+    return columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)
+
+
+def realign_index(keep_end: torch.Tensor, new_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather plan that right-aligns, for each row, the `new_lengths[b]` source columns ending
+    (exclusively) at `keep_end[b]`.
+
+    Returns `source` [B, W'] (column to read, clamped to be a valid index) and `valid` [B, W']
+    (False on padding), with `W' = max(new_lengths)`: the batch never keeps more padding than
+    its longest row needs.
+    """
+    width = int(new_lengths.max().item()) if new_lengths.numel() else 0
+    columns = torch.arange(width, device=keep_end.device).unsqueeze(0)  # [1, W']
+    source = columns + (keep_end - width).unsqueeze(1)  # [B, W']
+    valid = columns >= (width - new_lengths).unsqueeze(1)
+    return source.clamp(min=0), valid
+
+
+def append_and_repad(
+    tokens: torch.Tensor,  # [B, W]
+    lengths: torch.Tensor,  # [B]
+    new_tokens: torch.Tensor,  # [B, K]
+    new_counts: torch.Tensor,  # [B], 0..K
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpad, append each row's first `new_counts[b]` new tokens, and repad to the new longest row."""
+    width = tokens.shape[1]
+    combined = torch.cat([tokens, new_tokens], dim=1)  # [B, W + K]
+    new_lengths = lengths + new_counts
+    source, valid = realign_index(width + new_counts, new_lengths)
+    out = torch.gather(combined, 1, source.clamp(max=combined.shape[1] - 1))
+    return torch.where(valid, out, torch.full_like(out, pad_id)), new_lengths
+
+
+def position_ids(cache_lengths: torch.Tensor, query_length: int) -> torch.Tensor:
+    """`[B, q]`: the index in its own row's real sequence of each of the next `q` tokens."""
+    return cache_lengths.unsqueeze(1) + torch.arange(query_length, device=cache_lengths.device)
+
+
+def attention_mask(cache_lengths: torch.Tensor, cache_width: int, query_length: int) -> torch.Tensor:
+    """`[B, cache_width + q]` 2D mask (1 = attend) for `q` real query tokens after a right-aligned cache."""
+    real_cache = padding_mask(cache_lengths, cache_width)
+    queries = torch.ones(cache_lengths.shape[0], query_length, dtype=torch.bool, device=cache_lengths.device)
+    return torch.cat([real_cache, queries], dim=1).long()
+
+
+def gather_columns(x: torch.Tensor, source: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Gather along dim -2 of `x` [B, H, S, D] with a per-row plan [B, W']; padding becomes zeros."""
+    b, h, _, d = x.shape
+    index = source.clamp(max=x.shape[-2] - 1)[:, None, :, None].expand(b, h, source.shape[1], d)
+    out = torch.gather(x, 2, index)
+    return out * valid[:, None, :, None].to(out.dtype)
+
+
+def cache_layers(cache) -> list:
+    """The per-layer key/value holders of a transformers 5.x cache."""
+    return list(cache.layers)
+
+
+def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Keep, for each row, the `new_lengths[b]` cached positions ending (exclusively) at column
+    `keep_end[b]`, right-aligned, padding zeroed; optionally first select the batch `rows`.
+
+    One gather per layer and tensor, the same plan for every layer; modifies `cache` in place.
+    """
+    source, valid = realign_index(keep_end, new_lengths)
+    for layer in cache_layers(cache):
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        keys, values = layer.keys, layer.values
+        if rows is not None:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
+        layer.keys = gather_columns(keys, source, valid)
+        layer.values = gather_columns(values, source, valid)
+
+
+def cache_width(cache) -> int:
+    """Number of columns (real and padding) held by the cache."""
+    for layer in cache_layers(cache):
+        keys = getattr(layer, "keys", None)
+        if keys is not None and keys.numel():
+            return keys.shape[-2]
+    return 0

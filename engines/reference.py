@@ -1,0 +1,66 @@
+"""The ground truth: greedy autoregressive decoding of one prompt at a time, with a KV cache.
+
+Contract (every engine): token ids in, token ids out. `generate` returns, per prompt, only the
+new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from engines.trace import Trace
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: PreTrainedModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    record_logits: bool = False,
+) -> tuple[list[int], torch.Tensor | None]:
+    """Decode one prompt greedily. Returns the new tokens and, if asked, the logits each was chosen from [n, V]."""
+    if not prompt:
+        raise ValueError("a prompt needs at least one token")
+    device = model.device
+    cache = DynamicCache(config=model.config)
+    inputs = torch.tensor([prompt], dtype=torch.long, device=device)
+    position = torch.arange(len(prompt), device=device).unsqueeze(0)
+    new_tokens: list[int] = []
+    logits_rows: list[torch.Tensor] = []
+    while len(new_tokens) < max_new_tokens:
+        out = model(input_ids=inputs, position_ids=position, past_key_values=cache, use_cache=True)
+        logits = out.logits[0, -1]  # [V]
+        token = int(logits.argmax())
+        new_tokens.append(token)
+        if record_logits:
+            logits_rows.append(logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits)
+        if eos_token_id is not None and token == eos_token_id:
+            break
+        next_position = int(position[0, -1]) + 1
+        inputs = torch.tensor([[token]], dtype=torch.long, device=device)
+        position = torch.tensor([[next_position]], device=device)
+    recorded = torch.stack(logits_rows) if record_logits and logits_rows else None
+    return new_tokens, recorded
+
+
+class ReferenceDecoder:
+    """Engine wrapper around `greedy_decode`, one prompt at a time. The draft is unused."""
+
+    name = "reference"
+
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, record_logits: bool = False, **_: object) -> None:
+        self.target = target
+        self.record_logits = record_logits
+        self.last_trace: Trace | None = None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        trace = Trace(num_prompts=len(prompts))
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            tokens, logits = greedy_decode(self.target, prompt, max_new_tokens, eos_token_id, self.record_logits)
+            outputs.append(tokens)
+            trace.logits[i] = logits
+        self.last_trace = trace
+        return outputs

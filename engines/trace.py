@@ -1,0 +1,80 @@
+"""Per-step records that engines expose for attribution and timing.
+
+An engine that keeps a `last_trace: Trace` after `generate` lets the harness say, for any output
+position, which step produced it, what the batch looked like then, and what the row accepted up
+to that point. Everything here is plain Python data, cheap to serialise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepRecord:
+    step: int
+    kind: str  # "batch" (EQSPEC), "group" (EXSPEC same-length group), "fallback" (EXSPEC padded)
+    rows: list[int]  # prompt index of each row, in batch order
+    pad_lengths: list[int]  # left padding of each row's target cache when the step began
+    accepted_counts: list[int]  # accepted draft tokens per row, 0..k
+    emitted_counts: list[int]  # tokens appended per row: accepted + bonus, cut at EOS / max_new_tokens
+    seconds: dict[str, float] = field(default_factory=dict)  # draft, verify, realign
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Trace:
+    num_prompts: int
+    draft_tokens: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+    # per prompt, the target logits each emitted token was chosen from: [n_new, V], or None
+    logits: list[torch.Tensor | None] = field(default_factory=list)
+    # per prompt, the step that emitted each new token (index into `steps`; -1 for the prefill token)
+    emitted_at: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.logits:
+            self.logits = [None] * self.num_prompts
+        if not self.emitted_at:
+            self.emitted_at = [[] for _ in range(self.num_prompts)]
+
+    def record(self, step: StepRecord) -> None:
+        index = len(self.steps)
+        self.steps.append(step)
+        for row, count in zip(step.rows, step.emitted_counts):
+            self.emitted_at[row].extend([index] * count)
+
+    def accepted_history(self, prompt_index: int, up_to_step: int | None = None) -> list[int]:
+        """The row's accepted counts at every step it took part in, up to and including `up_to_step`."""
+        history = []
+        for index, step in enumerate(self.steps):
+            if up_to_step is not None and index > up_to_step:
+                break
+            if prompt_index in step.rows:
+                history.append(step.accepted_counts[step.rows.index(prompt_index)])
+        return history
+
+    def totals(self) -> dict[str, Any]:
+        seconds: dict[str, float] = {}
+        kinds: dict[str, int] = {}
+        group_sizes: list[int] = []
+        accepted = proposed = 0
+        for step in self.steps:
+            for stage, value in step.seconds.items():
+                seconds[stage] = seconds.get(stage, 0.0) + value
+            kinds[step.kind] = kinds.get(step.kind, 0) + 1
+            group_sizes.append(len(step.rows))
+            accepted += sum(step.accepted_counts)
+            proposed += self.draft_tokens * len(step.rows)
+        return {
+            "steps": len(self.steps),
+            "step_kinds": kinds,
+            "mean_rows_per_step": (sum(group_sizes) / len(group_sizes)) if group_sizes else 0.0,
+            "acceptance_rate": (accepted / proposed) if proposed else None,
+            "seconds": seconds,
+        }

@@ -1,0 +1,195 @@
+"""Built-in tiny model pairs and the loader for a user's Hugging Face pair.
+
+A built-in pair `tiny-<family>` is made from `fixtures/pairs/tiny-<family>.json`, nothing is
+downloaded: the target is built from its config and initialised from a seeded `torch.Generator`
+(never torch's global RNG); the draft is the target truncated to its first `draft_layers` layers,
+its weights copied from the target and perturbed by `draft_noise` (a fraction of each tensor's own
+standard deviation) so that acceptance is naturally ragged. Both speak bytes: token ids 0..255 are
+UTF-8 bytes, then `<pad>`, `<bos>`, `<eos>`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+PAIR_DIR = FIXTURES / "pairs"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, plus three specials; the tokenizer of the built-in pairs."""
+
+    pad_token_id = 256
+    bos_token_id = 257
+    eos_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        specials = {256: "<pad>", 257: "<bos>", 258: "<eos>"}
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(specials.get(i, f"<{i}>"))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+@dataclass
+class ModelPair:
+    """A target and its draft, on one device and dtype, sharing one vocabulary."""
+
+    name: str
+    target: PreTrainedModel
+    draft: PreTrainedModel
+    tokenizer: Any | None
+    eos_token_id: int | None
+    pad_token_id: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def builtin_pair_names() -> list[str]:
+    return sorted(p.stem for p in PAIR_DIR.glob("tiny-*.json"))
+
+
+def _layer_key(model_type: str) -> str:
+    return "n_layer" if model_type == "gpt2" else "num_hidden_layers"
+
+
+def _config(spec: dict[str, Any], layers: int):
+    kwargs = dict(spec["target"])
+    model_type = kwargs.pop("model_type")
+    tok = ByteTokenizer
+    kwargs[_layer_key(model_type)] = layers
+    kwargs.update(
+        vocab_size=tok.vocab_size,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def _seeded_init(model: PreTrainedModel, std: float, seed: int) -> None:
+    """Every matrix ~ N(0, std^2), every vector left at its default (norm weights 1, biases 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * std)
+
+
+def build_builtin_pair(name: str) -> tuple[PreTrainedModel, PreTrainedModel, dict[str, Any]]:
+    """Build the float64 CPU target and draft of a built-in pair from its fixture."""
+    path = PAIR_DIR / f"{name}.json"
+    if not path.exists():
+        raise ValueError(f"unknown pair {name!r}; built-in pairs: {', '.join(builtin_pair_names())}")
+    spec = json.loads(path.read_text())
+    target = AutoModelForCausalLM.from_config(_config(spec, spec["target_layers"]), dtype=torch.float64)
+    _seeded_init(target, spec["init_std"], spec["seed"])
+    draft = AutoModelForCausalLM.from_config(_config(spec, spec["draft_layers"]), dtype=torch.float64)
+    target_state = target.state_dict()
+    gen = torch.Generator().manual_seed(spec["seed"] + 1)
+    with torch.no_grad():
+        for key, param in sorted(draft.state_dict().items()):
+            source = target_state[key]
+            noise = torch.randn(source.shape, generator=gen, dtype=torch.float64)
+            scale = source.std() if source.numel() > 1 else source.abs()
+            param.copy_(source + spec["draft_noise"] * scale * noise)
+    return target, draft, spec
+
+
+def _prepare(model: PreTrainedModel, dtype: torch.dtype, device: str) -> PreTrainedModel:
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_pair(
+    name: str | None = None,
+    *,
+    target_path: str | None = None,
+    draft_path: str | None = None,
+    dtype: str | torch.dtype = "float64",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> ModelPair:
+    """Load a built-in pair by name, or a user's pair from two local Hugging Face folders."""
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if name is not None:
+        target, draft, spec = build_builtin_pair(name)
+        tok = ByteTokenizer()
+        return ModelPair(
+            name=name,
+            target=_prepare(target, torch_dtype, device),
+            draft=_prepare(draft, torch_dtype, device),
+            tokenizer=tok,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            info={"family": spec["target"]["model_type"], "seed": spec["seed"]},
+        )
+    if not (target_path and draft_path):
+        raise ValueError("give a built-in pair name, or both a target and a draft path")
+    models = []
+    for path in (target_path, draft_path):
+        if not Path(path).is_dir():
+            raise ValueError(f"{path!r} is not a local folder; nothing is downloaded")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+            local_files_only=True,
+        )
+        models.append(_prepare(model, torch_dtype, device))
+    target, draft = models
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(
+            f"target and draft vocabularies differ ({target.config.vocab_size} vs {draft.config.vocab_size})"
+        )
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+    except Exception:  # a pair without a tokenizer is still auditable on token ids
+        tokenizer = None
+    eos = target.generation_config.eos_token_id if target.generation_config else None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    pad = target.config.pad_token_id
+    if pad is None:
+        pad = eos if eos is not None else 0
+    return ModelPair(
+        name=f"{Path(target_path).name}+{Path(draft_path).name}",
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        eos_token_id=eos,
+        pad_token_id=int(pad),
+        info={"target_path": str(target_path), "draft_path": str(draft_path)},
+    )
+
+
+def builtin_prompts(tokenizer: ByteTokenizer | None = None) -> list[list[int]]:
+    """The built-in prompt set as token ids (bytes)."""
+    tok = tokenizer or ByteTokenizer()
+    lines = (FIXTURES / "prompts.jsonl").read_text().splitlines()
+    return [tok.encode(json.loads(line)["prompt"]) for line in lines if line.strip()]
