@@ -1,0 +1,64 @@
+"""Engine names: the built-in ones, or `package.module:factory` for anything else.
+
+A factory is called as `factory(target, draft, batch_size=..., draft_tokens=..., **options)` with
+the two loaded models and returns an object with
+`generate(prompts, max_new_tokens, eos_token_id) -> list[list[int]]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+BUILTIN_ENGINES: dict[str, str] = {
+    "reference": "engines.reference:ReferenceDecoder",
+    "eqspec": "engines.eqspec:EQSpec",
+    "exspec": "engines.exspec:EXSpec",
+    "hf-assisted": "engines.adapters.hf_assisted:HFAssisted",
+    "hf-batched": "engines.adapters.hf_batched:HFBatched",
+    "bsp": "engines.adapters.bsp:BSPEngine",
+    "dsd": "engines.adapters.dsd:DSDEngine",
+}
+
+
+class EngineSpecError(ValueError):
+    """An engine name that is neither built in nor an importable `module:factory`."""
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """The factory named by a built-in engine name or by `package.module:factory`."""
+    path = BUILTIN_ENGINES.get(spec, spec)
+    if ":" not in path:
+        raise EngineSpecError(
+            f"unknown engine {spec!r}: use a built-in name ({', '.join(BUILTIN_ENGINES)}) or package.module:factory"
+        )
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EngineSpecError(f"cannot import {module_name!r} for engine {spec!r}: {exc}") from exc
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise EngineSpecError(f"{module_name!r} has no attribute {attr!r} (engine {spec!r})")
+    if not callable(factory):
+        raise EngineSpecError(f"engine {spec!r} names {type(factory).__name__}, not a callable factory")
+    return factory
+
+
+def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_tokens: int, **options: Any) -> Any:
+    """Build an engine. Options the factory does not accept (it has no **kwargs and no such
+    parameter) are left out, so a minimal user factory need only take the four contract arguments."""
+    factory = resolve(spec)
+    try:
+        params = inspect.signature(factory).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        options = {k: v for k, v in options.items() if takes_any or k in params}
+    except (TypeError, ValueError):  # builtins without a signature: pass everything
+        pass
+    engine = factory(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+    if not callable(getattr(engine, "generate", None)):
+        raise EngineSpecError(f"engine {spec!r}: the factory returned {type(engine).__name__}, which has no generate()")
+    return engine

@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+from engines import zoo
+
+# tiny models: one thread per process is fastest, and xdist runs one process per core
+torch.set_num_threads(1)
+
+
+@pytest.fixture(params=zoo.builtin_pair_names())
+def pair_name(request) -> str:
+    return request.param

@@ -1,0 +1,29 @@
+"""Cached built-in pairs and reference outputs, built once per process (tests, plugin)."""
+
+from __future__ import annotations
+
+import functools
+
+from engines import zoo
+from engines.reference import ReferenceDecoder
+
+MAX_NEW_TOKENS = 24
+
+
+@functools.lru_cache(maxsize=None)
+def pair(name: str, dtype: str = "float64") -> zoo.ModelPair:
+    return zoo.load_pair(name, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def prompts() -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(p) for p in zoo.builtin_prompts())
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name: str, max_new_tokens: int = MAX_NEW_TOKENS, dtype: str = "float64"):
+    """Reference outputs and logits for every built-in prompt, with no EOS: (outputs, logits)."""
+    p = pair(name, dtype)
+    decoder = ReferenceDecoder(p.target, record_logits=True)
+    outputs = decoder.generate([list(x) for x in prompts()], max_new_tokens, None)
+    return outputs, decoder.last_trace.logits
