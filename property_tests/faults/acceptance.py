@@ -1,0 +1,36 @@
+"""Acceptance faults: the wrong number of tokens taken from a verified step."""
+
+from __future__ import annotations
+
+from property_tests.faults.mutation import FaultEngine, LineChange
+
+
+class FirstRejectedDraftAccepted(FaultEngine):
+    """The first rejected draft token accepted: `speculative_step` counts one draft token more
+    than the matching prefix (up to k), so the rejected token's keys and values stay in the cache
+    and the target's choice after it is emitted."""
+
+    changes = (
+        LineChange("engines.eqspec", "accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]",
+                   "accepted_counts = (matches.cumprod(dim=1).sum(dim=1) + 1).clamp(max=k)  # [B]"),
+    )
+
+
+class BonusTokenDropped(FaultEngine):
+    """Bonus token dropped: `speculative_step` offers only the accepted draft tokens, not the
+    target's own next token; a row that accepts nothing makes no progress at all."""
+
+    changes = (
+        LineChange("engines.eqspec", "offered = accepted_counts + 1  # accepted + bonus",
+                   "offered = accepted_counts"),
+    )
+
+
+class BonusTokenDoubled(FaultEngine):
+    """Bonus token doubled: `speculative_step` emits the step's pending token (the previous
+    step's bonus token, already emitted) again before the step's own tokens."""
+
+    changes = (
+        LineChange("engines.eqspec", "new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]",
+                   "new_tokens = [[p] + row[:n] for p, row, n in zip(inputs[:, 0].tolist(), target_tokens.tolist(), emitted_list)]"),
+    )

@@ -1,0 +1,66 @@
+"""KV-cache faults: a cache that keeps what a row rejected, or loses what it accepted.
+
+The draft-cache faults change no output token or logit (the target alone decides every token);
+they only change what the draft proposes, so only the draft-proposal check
+(`property_tests.faults.draft_check`) can see them.
+"""
+
+from __future__ import annotations
+
+from property_tests.faults.mutation import FaultEngine, LineChange
+
+TARGET_REALIGN = "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)"
+
+
+class TargetCacheNotTrimmed(FaultEngine):
+    """Target cache not trimmed after a rejection: `speculative_step` realigns the target cache
+    as if every draft token had been accepted, so it keeps the rejected tokens' keys and values."""
+
+    changes = (
+        LineChange("engines.eqspec", TARGET_REALIGN,
+                   "batch_ops.realign(state.target_cache, old_width, torch.full_like(accepted_counts, k), state.cache_lengths, keep)"),
+    )
+
+
+class CacheTrimmedToSmallestAcceptance(FaultEngine):
+    """Every row trimmed to the batch's smallest acceptance: `speculative_step` realigns each
+    row's target cache to the fewest draft tokens any row accepted, while its tokens keep its own
+    acceptance (the DSD baseline's shortcut)."""
+
+    changes = (
+        LineChange("engines.eqspec", TARGET_REALIGN,
+                   "batch_ops.realign(state.target_cache, old_width, accepted_counts.min().expand_as(accepted_counts), state.cache_lengths, keep)"),
+    )
+
+
+class FinishedRowsDroppedByPosition(FaultEngine):
+    """Finished rows dropped from the target cache by position instead of by index:
+    `speculative_step` keeps the first n cache rows rather than the n rows still running, so a
+    row that outlives an earlier-finishing one inherits that row's cache."""
+
+    changes = (
+        LineChange("engines.eqspec", TARGET_REALIGN,
+                   "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, torch.arange(keep.numel()))"),
+    )
+
+
+class DraftCacheNotTrimmed(FaultEngine):
+    """Draft cache not trimmed after a rejection: `ModelDrafter.commit` realigns the draft cache
+    as if every draft token had been accepted, so the draft keeps its rejected tokens."""
+
+    drafter_kind = "model"
+    changes = (
+        LineChange("engines.drafters", "batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)",
+                   "batch_ops.realign(cache, self._old_width, torch.full_like(accepted_counts, k), state.cache_lengths, keep)"),
+    )
+
+
+class DraftFillPassSkipped(FaultEngine):
+    """Draft cache missing the k-th draft token: `ModelDrafter.commit` skips the fill pass, so a
+    row that accepted all k draft tokens keeps no keys and values for the last of them."""
+
+    drafter_kind = "model"
+    changes = (
+        LineChange("engines.drafters", "if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):",
+                   "if False:"),
+    )
