@@ -188,8 +188,12 @@ def load_pair(
     )
 
 
+def builtin_prompt_texts() -> list[str]:
+    lines = (FIXTURES / "prompts.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
 def builtin_prompts(tokenizer: ByteTokenizer | None = None) -> list[list[int]]:
     """The built-in prompt set as token ids (bytes)."""
     tok = tokenizer or ByteTokenizer()
-    lines = (FIXTURES / "prompts.jsonl").read_text().splitlines()
-    return [tok.encode(json.loads(line)["prompt"]) for line in lines if line.strip()]
+    return [tok.encode(text) for text in builtin_prompt_texts()]

@@ -1,0 +1,110 @@
+"""Where a divergence arises, and whether it is a bug (`structural`) or a near-tie (`numerical`).
+
+For the first divergent position of a prompt: the engine step that emitted it, the row's
+accepted counts at every step up to it, the batch at that step (rows, pad lengths, group or
+fallback), and the target's top-2 margin there on the common prefix. The label is `numerical`
+only when all of these hold, and the evidence is kept beside it:
+
+- the audit runs below float64 (in float64 every token mismatch is a bug);
+- the reference's own top-2 margin at that position is within the dtype's noise;
+- a float64 replay of the target on the same prefix confirms the near-tie (its margin is
+  within that noise too) and has the engine's token among its top two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engines.trace import Trace
+from equivalence.compare import top2
+
+CONTEXT_TOKENS = 16
+
+# unit roundoff of each dtype; noise = NOISE_FACTOR * eps * max(1, |top logit|)
+EPS: dict[str, float] = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "float64": 2.0**-53}
+NOISE_FACTOR = 64.0
+
+
+def dtype_noise(dtype: str, top_logit: float) -> float:
+    return NOISE_FACTOR * EPS[dtype] * max(1.0, abs(top_logit))
+
+
+def step_context(trace: Trace | None, prompt_index: int, position: int) -> dict[str, Any]:
+    """Step, accepted history and batch composition for the engine token at `position`."""
+    if trace is None or prompt_index >= len(trace.emitted_at):
+        return {"step": None, "accepted_history": None, "batch": None}
+    emitted_at = trace.emitted_at[prompt_index]
+    if not emitted_at:
+        return {"step": None, "accepted_history": None, "batch": None}
+    step = emitted_at[min(position, len(emitted_at) - 1)]
+    record = trace.steps[step]
+    return {
+        "step": step,
+        "accepted_history": trace.accepted_history(prompt_index, up_to_step=step),
+        "batch": {"kind": record.kind, "rows": record.rows, "pad_lengths": record.pad_lengths},
+    }
+
+
+def classify(
+    dtype: str,
+    reference_margin: float | None,
+    reference_top_logit: float | None,
+    engine_token: int | None,
+    replay_top2: list[list[float]] | None,
+    replay_margin: float | None,
+) -> tuple[str, dict[str, Any]]:
+    """The kind of a token divergence and the evidence for it."""
+    evidence: dict[str, Any] = {
+        "replay_float64_margin": replay_margin,
+        "replay_float64_top2": replay_top2,
+        "dtype_noise": None,
+    }
+    if dtype == "float64":
+        evidence["reason"] = "float64: every token mismatch is a bug"
+        return "structural", evidence
+    if engine_token is None or reference_margin is None or replay_top2 is None or replay_margin is None:
+        evidence["reason"] = "length mismatch (early or late stop): not a near-tie"
+        return "structural", evidence
+    noise = dtype_noise(dtype, reference_top_logit or 0.0)
+    evidence["dtype_noise"] = noise
+    replay_tokens = {int(t) for t, _ in replay_top2}
+    if engine_token not in replay_tokens:
+        evidence["reason"] = "engine token is not among the float64 replay's top two"
+        return "structural", evidence
+    if reference_margin > noise:
+        evidence["reason"] = f"reference margin {reference_margin:.3g} exceeds {dtype} noise {noise:.3g}"
+        return "structural", evidence
+    if replay_margin > noise:
+        evidence["reason"] = f"float64 replay margin {replay_margin:.3g} exceeds {dtype} noise {noise:.3g}"
+        return "structural", evidence
+    evidence["reason"] = (
+        f"near-tie: reference margin {reference_margin:.3g} and float64 margin {replay_margin:.3g} "
+        f"within {dtype} noise {noise:.3g}"
+    )
+    return "numerical", evidence
+
+
+def context(common: list[int], reference: list[int], engine: list[int], position: int, tokenizer: Any | None) -> tuple[dict, dict | None]:
+    start = max(0, position - CONTEXT_TOKENS)
+    ids = {
+        "common": list(common[start:position]),
+        "reference": list(reference[position : position + CONTEXT_TOKENS]),
+        "engine": list(engine[position : position + CONTEXT_TOKENS]),
+    }
+    text = None
+    if tokenizer is not None:
+        try:
+            text = {key: tokenizer.decode(value) for key, value in ids.items()}
+        except Exception:  # a tokenizer that cannot decode some ids: ids alone still tell the story
+            text = None
+    return ids, text
+
+
+def reference_margin_at(reference_logits: torch.Tensor | None, position: int) -> tuple[float | None, float | None]:
+    """Top-2 margin and top logit of the reference at `position` (on the common prefix)."""
+    if reference_logits is None or position >= reference_logits.shape[0]:
+        return None, None
+    pairs, margin = top2(reference_logits[position])
+    return margin, pairs[0][1]

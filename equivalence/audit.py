@@ -1,0 +1,159 @@
+"""Audit one engine on one pair: run it, compare with the reference, attribute each divergence.
+
+`audit_engine` returns one run record of `audit.json` (see DESIGN.md): counts, the largest logit
+error, per-prompt comparisons and a list of divergences, each with its kind and evidence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from engines.reference import ReferenceDecoder
+from engines.trace import Trace
+from engines.zoo import ModelPair
+from equivalence import attribute
+from equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
+
+
+class Reference:
+    """Reference outputs and logits for one (pair, dtype, prompts, max_new_tokens, eos), computed once."""
+
+    def __init__(self, pair: ModelPair, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> None:
+        decoder = ReferenceDecoder(pair.target, record_logits=True)
+        self.outputs = decoder.generate(prompts, max_new_tokens, eos_token_id)
+        self.logits: list[torch.Tensor | None] = decoder.last_trace.logits
+
+
+def accepted_histogram(trace: Trace | None) -> list[int] | None:
+    if trace is None or not trace.draft_tokens:
+        return None
+    counts = [0] * (trace.draft_tokens + 1)
+    for step in trace.steps:
+        if step.kind == "prefill":
+            continue
+        for accepted in step.accepted_counts:
+            counts[min(accepted, trace.draft_tokens)] += 1
+    return counts
+
+
+def trace_summary(trace: Trace | None) -> dict[str, Any] | None:
+    if trace is None or not hasattr(trace, "totals"):
+        return None
+    summary = trace.totals()
+    summary["accepted_histogram"] = accepted_histogram(trace)
+    return summary
+
+
+def _divergence(
+    index: int, position: int, reference_out: list[int], engine_out: list[int], reference: Reference,
+    trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, prompt: list[int], tokenizer: Any,
+    detected_by: str, logit_error_value: float | None,
+) -> dict[str, Any]:
+    reference_token = reference_out[position] if position < len(reference_out) else None
+    engine_token = engine_out[position] if position < len(engine_out) else None
+    margin, top_logit = attribute.reference_margin_at(reference.logits[index], position)
+    replay_pairs = replay_margin = None
+    if replay_target is not None:
+        # the float64 target on the common prefix: prompt + the tokens both agree on
+        common = list(reference_out[:position])
+        logits = replay_logits(replay_target, prompt, common + [0])[-1]
+        replay_pairs, replay_margin = top2(logits)
+    if detected_by == "logits":
+        kind, evidence = "structural", {
+            "replay_float64_margin": replay_margin, "replay_float64_top2": replay_pairs, "dtype_noise": None,
+            "reason": f"tokens agree but logits differ by {logit_error_value:.3g} "
+                      f"(> {LOGIT_TOLERANCE.get(dtype, float('nan')):.0e} in {dtype})",
+        }
+    else:
+        kind, evidence = attribute.classify(dtype, margin, top_logit, engine_token, replay_pairs, replay_margin)
+    ids, text = attribute.context(engine_out[:position], reference_out, engine_out, position, tokenizer)
+    record: dict[str, Any] = {
+        "prompt_index": index, "position": position, "reference_token": reference_token,
+        "engine_token": engine_token, "margin": margin, "kind": kind, "detected_by": detected_by,
+        "logit_error": logit_error_value, "evidence": evidence, "context": ids, "text": text,
+    }
+    record.update(attribute.step_context(trace, index, position))
+    return record
+
+
+def audit_engine(
+    engine: Any,
+    pair: ModelPair,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    dtype: str,
+    reference: Reference | None = None,
+    replay_target: PreTrainedModel | None = None,
+    engine_name: str = "engine",
+    batch_size: int | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Run `engine` on `prompts` and return its run record.
+
+    `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
+    pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
+    """
+    if reference is None:
+        reference = Reference(pair, prompts, max_new_tokens, eos_token_id)
+    if replay_target is None and dtype == "float64":
+        replay_target = pair.target
+    if hasattr(engine, "record_logits"):
+        engine.record_logits = True
+    started = time.perf_counter()
+    outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+    seconds = time.perf_counter() - started
+    if len(outputs) != len(prompts):
+        raise ValueError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
+    trace = getattr(engine, "last_trace", None)
+    engine_logits = getattr(trace, "logits", None) or [None] * len(prompts)
+    tolerance = LOGIT_TOLERANCE.get(dtype)
+
+    comparisons, divergences = [], []
+    worst_error: float | None = None
+    for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, outputs)):
+        eng_out = [int(t) for t in eng_out]
+        comparison = compare_tokens(index, ref_out, eng_out)
+        if engine_logits[index] is not None:
+            # replay along the engine's own output, in the audit dtype: what its step should have seen
+            replay = replay_logits(pair.target, prompt, eng_out)
+            error, where = logit_error(engine_logits[index], replay)
+            comparison.max_logit_error, comparison.worst_logit_position = error, where
+            if error is not None:
+                worst_error = error if worst_error is None else max(worst_error, error)
+        comparisons.append(comparison)
+        if not comparison.exact:
+            divergences.append(_divergence(
+                index, comparison.first_divergence, ref_out, eng_out, reference, trace, dtype, replay_target,
+                prompt, pair.tokenizer, "tokens", comparison.max_logit_error))
+        elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
+            divergences.append(_divergence(
+                index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
+                prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+
+    structural = sum(d["kind"] == "structural" for d in divergences)
+    return {
+        "engine": engine_name,
+        "pair": pair.name,
+        "batch_size": batch_size,
+        "dtype": dtype,
+        "device": device or str(pair.target.device),
+        "num_prompts": len(prompts),
+        "exact_matches": sum(c.exact for c in comparisons),
+        "equivalent": structural == 0,
+        "structural_divergences": structural,
+        "numerical_divergences": len(divergences) - structural,
+        "max_logit_error": worst_error,
+        "logit_tolerance": tolerance,
+        "seconds": seconds,
+        "tokens_generated": sum(len(o) for o in outputs),
+        "error": None,
+        "trace": trace_summary(trace),
+        "prompts": [c.to_dict() for c in comparisons],
+        "divergences": divergences,
+    }

@@ -1,0 +1,197 @@
+"""`specaudit`: audit batched speculative decoding engines against greedy decoding.
+
+Exit status of `specaudit audit`: 0 when every audited engine is equivalent, 1 when any run has a
+structural divergence (or its engine failed), 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_USAGE = 0, 1, 2
+DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _option(value: str) -> tuple[str, Any]:
+    key, sep, raw = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    try:
+        return key.replace("-", "_"), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), raw
+
+
+def _eos(value: str) -> int | None | str:
+    if value in ("pair", "none"):
+        return None if value == "none" else "pair"
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from engines.registry import BUILTIN_ENGINES
+    from engines.zoo import builtin_pair_names
+
+    parser = argparse.ArgumentParser(prog="specaudit", description=__doc__, formatter_class=_Formatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    audit = commands.add_parser(
+        "audit", formatter_class=_Formatter,
+        help="audit engines for output equivalence with greedy decoding",
+        description="Run each engine on each model pair, batch size and dtype; compare every token (and, in "
+                    "float64, every logit) with plain greedy decoding of one prompt at a time; attribute each "
+                    "divergence; write OUT/audit.json, OUT/report.md and OUT/report.html.",
+        epilog="examples:\n"
+               "  specaudit audit --engine eqspec --pair tiny-llama --batch-size 8 --dtype float64 --out out/\n"
+               "  specaudit audit --engine mypkg.engine:make --target ./target --draft ./draft "
+               "--prompts questions.jsonl --dtype bfloat16 --device cuda --out out/\n"
+               "exit status: 0 equivalent, 1 structural divergence or engine failure, 2 bad usage",
+    )
+    what = audit.add_argument_group("what to audit")
+    what.add_argument("--engine", action="append", required=True, metavar="E",
+                      help=f"engine to audit (repeatable): a built-in name ({', '.join(BUILTIN_ENGINES)}) or "
+                           "package.module:factory, called as factory(target, draft, batch_size=..., "
+                           "draft_tokens=..., **options)")
+    what.add_argument("--engine-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
+                      help="extra keyword for every engine factory (JSON value), e.g. window_size=16")
+    what.add_argument("--pair", action="append", default=[], metavar="P",
+                      help=f"built-in model pair (repeatable): {', '.join(builtin_pair_names())}")
+    what.add_argument("--target", metavar="PATH", help="a local Hugging Face target model folder (safetensors)")
+    what.add_argument("--draft", metavar="PATH", help="its draft model folder (same vocabulary)")
+    what.add_argument("--trust-remote-code", action="store_true", help="allow custom model code in --target/--draft")
+
+    how = audit.add_argument_group("how to run")
+    how.add_argument("--batch-size", nargs="+", type=_positive, default=[8], metavar="N", help="batch sizes")
+    how.add_argument("--dtype", nargs="+", choices=DTYPE_CHOICES, default=["float64"], metavar="DTYPE",
+                     help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
+    how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
+                     help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
+    how.add_argument("--num-prompts", type=_positive, default=None, metavar="N", help="use the first N prompts (default: all)")
+    how.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="new tokens per prompt")
+    how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
+    how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID|pair|none",
+                     help="stop token: the pair's own EOS, an id, or none")
+
+    out = audit.add_argument_group("output")
+    out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    commands.add_parser("pairs", help="list the built-in model pairs")
+    commands.add_parser("engines", help="list the built-in engines")
+    return parser
+
+
+def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    from engines.zoo import builtin_pair_names
+    from equivalence.runner import AuditConfig, UserPair
+
+    if bool(args.target) != bool(args.draft):
+        parser.error("--target and --draft go together")
+    pairs: list[Any] = []
+    for name in args.pair:
+        if name not in builtin_pair_names():
+            parser.error(f"unknown pair {name!r}; built-in pairs: {', '.join(builtin_pair_names())} "
+                         "(or give --target PATH --draft PATH)")
+        pairs.append(name)
+    if args.target:
+        pairs.append(UserPair(args.target, args.draft, args.trust_remote_code))
+    if not pairs:
+        parser.error("give at least one --pair, or --target and --draft")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device is available")
+    return AuditConfig(
+        engines=args.engine, pairs=pairs, batch_sizes=args.batch_size, dtypes=args.dtype, device=args.device,
+        prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=dict(args.engine_option),
+    )
+
+
+def _check_engines(names: list[str], parser: argparse.ArgumentParser) -> None:
+    from engines.registry import EngineSpecError, resolve
+
+    for name in names:
+        try:
+            resolve(name)
+        except EngineSpecError as exc:
+            parser.error(str(exc))
+
+
+def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from equivalence.prompts import PromptError
+    from equivalence.runner import exit_status, run_audit, summary_table
+
+    config = _config(args, parser)
+    _check_engines(config.engines, parser)
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        def progress(total: int):
+            return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    interrupted = False
+    try:
+        audit = run_audit(config, args.out, progress=progress)
+    except PromptError as exc:
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        interrupted = True
+        audit = json.loads((args.out / "audit.json").read_text())
+        print("\ninterrupted: the finished runs are kept in audit.json", file=sys.stderr)
+    written = _write_reports(audit, args.out)
+    print(summary_table(audit))
+    print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
+    status = exit_status(audit)
+    print("verdict: " + ("every audited engine is equivalent" if status == EXIT_EQUIVALENT
+                         else "NOT equivalent: see the divergences in the report"))
+    return 130 if interrupted else status
+
+
+def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:
+    try:
+        from equivalence.report import write_reports
+    except ImportError:
+        return []
+    return list(write_reports(audit, out).values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "audit":
+        return run_audit_command(args, parser)
+    if args.command == "pairs":
+        from engines.zoo import builtin_pair_names
+
+        print("\n".join(builtin_pair_names()))
+        return 0
+    if args.command == "engines":
+        from engines.registry import BUILTIN_ENGINES
+
+        print("\n".join(f"{name:<12} {path}" for name, path in BUILTIN_ENGINES.items()))
+        return 0
+    parser.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""pytest plugin: audit any engine's equivalence with greedy decoding inside a test run.
+
+    pytest --specaudit-engine mypkg.engine:make [--specaudit-pair tiny-gpt2] [--specaudit-batch-size 4]
+
+adds one test per (engine, pair, batch size) that runs the Hypothesis equivalence property
+(`property_tests.properties.check_equivalence` over `property_tests.strategies.decoding_cases`:
+ragged prompt lengths, EOS at any step, k from 1 to the maximum) against the engine, prints a
+shrunk counterexample on failure, and sums up equivalence per engine and batch size at the end.
+The run's exit status gates CI. Hooks here only hand off to the harness modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+DEFAULT_PAIRS = ["tiny-llama", "tiny-gpt2"]
+DEFAULT_BATCH_SIZES = [1, 4, 8]
+
+
+@dataclass
+class Outcome:
+    passed: int = 0
+    failed: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+_results_key = pytest.StashKey[dict[tuple[str, int], Outcome]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("specaudit", "specaudit: equivalence of batched speculative decoding")
+    group.addoption("--specaudit-engine", action="append", default=[], metavar="E",
+                    help="engine to audit: built-in name or package.module:factory (repeatable; none: no tests added)")
+    group.addoption("--specaudit-pair", action="append", default=[], metavar="P",
+                    help=f"built-in model pair (repeatable; default: {' '.join(DEFAULT_PAIRS)})")
+    group.addoption("--specaudit-batch-size", action="append", type=int, default=[], metavar="N",
+                    help=f"batch size (repeatable; default: {' '.join(map(str, DEFAULT_BATCH_SIZES))})")
+    group.addoption("--specaudit-max-examples", type=int, default=25, metavar="N",
+                    help="Hypothesis examples per (engine, pair, batch size) (default: 25)")
+    group.addoption("--specaudit-max-new-tokens", type=int, default=16, metavar="N",
+                    help="largest max_new_tokens drawn (default: 16)")
+    group.addoption("--specaudit-max-draft-tokens", type=int, default=8, metavar="K",
+                    help="largest k drawn (default: 8)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_results_key] = {}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    engines = config.getoption("specaudit_engine")
+    if not engines:
+        return
+    from engines.registry import EngineSpecError, resolve
+    from engines.zoo import builtin_pair_names
+
+    pairs = config.getoption("specaudit_pair") or DEFAULT_PAIRS
+    unknown = [p for p in pairs if p not in builtin_pair_names()]
+    if unknown:
+        raise pytest.UsageError(f"--specaudit-pair: unknown {unknown}; built-in: {builtin_pair_names()}")
+    for engine in engines:
+        try:
+            resolve(engine)
+        except EngineSpecError as exc:
+            raise pytest.UsageError(f"--specaudit-engine: {exc}") from exc
+    batch_sizes = config.getoption("specaudit_batch_size") or DEFAULT_BATCH_SIZES
+    for engine in engines:
+        for pair in pairs:
+            for batch_size in batch_sizes:
+                items.append(EquivalenceItem.from_parent(
+                    session, name=f"specaudit[{engine}|{pair}|B{batch_size}]",
+                    engine=engine, pair=pair, batch_size=batch_size,
+                ))
+
+
+class EquivalenceItem(pytest.Item):
+    """The equivalence property for one (engine, pair, batch size)."""
+
+    def __init__(self, *, engine: str, pair: str, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine, self.pair, self.batch_size = engine, pair, batch_size
+
+    def runtest(self) -> None:
+        from equivalence.plugin_property import run_property
+
+        outcome = self.config.stash[_results_key].setdefault((self.engine, self.batch_size), Outcome())
+        try:
+            run_property(
+                self.engine, self.pair, self.batch_size,
+                max_examples=self.config.getoption("specaudit_max_examples"),
+                max_new_tokens=self.config.getoption("specaudit_max_new_tokens"),
+                max_draft_tokens=self.config.getoption("specaudit_max_draft_tokens"),
+            )
+        except BaseException as exc:
+            outcome.failed += 1
+            outcome.failures.append(f"{self.pair}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            raise
+        outcome.passed += 1
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
+        if isinstance(excinfo.value, AssertionError):
+            return f"{self.engine} on {self.pair}, batch size {self.batch_size}: not equivalent\n{excinfo.value}"
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return "specaudit", None, self.name
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    results = config.stash.get(_results_key, {})
+    if not results:
+        return
+    terminalreporter.section("specaudit equivalence")
+    for (engine, batch_size), outcome in sorted(results.items()):
+        total = outcome.passed + outcome.failed
+        verdict = "equivalent" if not outcome.failed else "NOT equivalent"
+        terminalreporter.write_line(f"{engine:<32} B={batch_size:<3} {outcome.passed}/{total} pairs pass  {verdict}")
+        for failure in outcome.failures:
+            terminalreporter.write_line(f"    {failure}")

@@ -1,0 +1,183 @@
+"""The audit runner: engines x pairs x batch sizes x dtypes, one run record each.
+
+`audit.json` is rewritten (atomically) after every run, so a crash or Ctrl-C keeps every
+finished run; a run whose engine raises is recorded with its traceback and the audit goes on.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers
+
+from engines import zoo
+from engines.registry import make_engine
+from equivalence.audit import Reference, audit_engine
+from equivalence.prompts import load_prompts
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class UserPair:
+    target: str
+    draft: str
+    trust_remote_code: bool = False
+
+
+@dataclass
+class AuditConfig:
+    engines: list[str]
+    pairs: list[str | UserPair]
+    batch_sizes: list[int]
+    dtypes: list[str] = field(default_factory=lambda: ["float64"])
+    device: str = "cpu"
+    prompts: str = "builtin"
+    num_prompts: int | None = None
+    max_new_tokens: int = 32
+    draft_tokens: int = 4
+    eos_token_id: int | None | str = "pair"  # "pair": the pair's own EOS; None: never stop early
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "engines": self.engines,
+            "pairs": [p if isinstance(p, str) else {"target": p.target, "draft": p.draft} for p in self.pairs],
+            "batch_sizes": self.batch_sizes, "dtypes": self.dtypes, "device": self.device,
+            "prompts": self.prompts, "num_prompts": self.num_prompts, "max_new_tokens": self.max_new_tokens,
+            "draft_tokens": self.draft_tokens, "eos_token_id": self.eos_token_id,
+            "engine_options": self.engine_options,
+        }
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "cuda": torch.cuda.is_available(),
+        "device_name": None,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["device_name"] = torch.cuda.get_device_name(torch.device(device))
+    else:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    info["device_name"] = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            info["device_name"] = platform.processor() or None
+    return info
+
+
+def load(pair: str | UserPair, dtype: str, device: str) -> zoo.ModelPair:
+    if isinstance(pair, UserPair):
+        return zoo.load_pair(target_path=pair.target, draft_path=pair.draft, dtype=dtype, device=device,
+                             trust_remote_code=pair.trust_remote_code)
+    return zoo.load_pair(pair, dtype=dtype, device=device)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_audit(
+    config: AuditConfig,
+    out_dir: Path,
+    progress: Callable[[int], Any] | None = None,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every (engine, pair, batch size, dtype) and return the audit dict (also in `out_dir/audit.json`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    audit: dict[str, Any] = {
+        "specaudit_version": VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(config.device),
+        "config": config.to_dict(),
+        "complete": False,
+        "runs": [],
+    }
+    json_path = out_dir / "audit.json"
+    write_json(json_path, audit)
+    bar = progress(len(config.engines) * len(config.pairs) * len(config.batch_sizes) * len(config.dtypes)) if progress else None
+    for dtype in config.dtypes:
+        for pair_spec in config.pairs:
+            pair = load(pair_spec, dtype, config.device)
+            replay = pair.target if dtype == "float64" else load(pair_spec, "float64", config.device).target
+            prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
+            eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
+            reference = Reference(pair, prompts, config.max_new_tokens, eos)
+            audit["config"]["num_prompts"] = len(prompts)
+            for engine_name in config.engines:
+                for batch_size in config.batch_sizes:
+                    if bar is not None:
+                        bar.set_description(f"{engine_name} {pair.name} B={batch_size} {dtype}")
+                    run = _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay)
+                    audit["runs"].append(run)
+                    write_json(json_path, audit)
+                    if on_run is not None:
+                        on_run(run)
+                    if bar is not None:
+                        bar.update(1)
+            del pair, replay, reference
+    if bar is not None:
+        bar.close()
+    audit["complete"] = True
+    write_json(json_path, audit)
+    return audit
+
+
+def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay) -> dict[str, Any]:
+    base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
+            "device": config.device, "num_prompts": len(prompts)}
+    try:
+        options = {"pad_token_id": pair.pad_token_id, "record_logits": True, **config.engine_options}
+        engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
+                             draft_tokens=config.draft_tokens, **options)
+        run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                           dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
+                           batch_size=batch_size, device=config.device)
+        run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
+        return run
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # one engine failing must not lose the others' runs
+        return {**base, "exact_matches": 0, "equivalent": False, "structural_divergences": 0,
+                "numerical_divergences": 0, "max_logit_error": None, "logit_tolerance": None, "seconds": None,
+                "tokens_generated": 0, "trace": None, "prompts": [], "divergences": [],
+                "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+
+
+def summary_table(audit: dict[str, Any]) -> str:
+    """A terminal table: one line per run."""
+    lines = [f"{'engine':<14}{'pair':<16}{'B':>4}  {'dtype':<9}{'exact':>9}  {'max logit err':>13}  {'struct':>6}  {'numer':>5}  status"]
+    for run in audit["runs"]:
+        err = run.get("max_logit_error")
+        status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
+        lines.append(
+            f"{run['engine']:<14}{run['pair']:<16}{run['batch_size']:>4}  {run['dtype']:<9}"
+            f"{run['exact_matches']:>4}/{run['num_prompts']:<4}  {('%.2e' % err) if err is not None else '-':>13}  "
+            f"{run.get('structural_divergences', 0):>6}  {run.get('numerical_divergences', 0):>5}  {status}"
+        )
+    return "\n".join(lines)
+
+
+def exit_status(audit: dict[str, Any]) -> int:
+    """0 when every run is equivalent, 1 when any has a structural divergence or failed."""
+    return 0 if all(r.get("equivalent") and not r.get("error") for r in audit["runs"]) else 1
+
