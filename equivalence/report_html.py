@@ -1,0 +1,261 @@
+"""`report.html`: one self-contained page (inline CSS and SVG, no scripts, no external resources)."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from equivalence.plots import acceptance_svg, divergence_position_svg, equivalence_rate_svg
+from equivalence.report_summary import (
+    STATUS_LABELS,
+    DivergenceEntry,
+    acceptance_rate,
+    config_summary,
+    divergence_counts,
+    format_number,
+    format_share,
+    logit_error_text,
+    machine_summary,
+    margin_description,
+    ordered_divergences,
+    replay_description,
+    run_status,
+    run_title,
+    split_ids,
+    verdict,
+)
+
+HTML_DIVERGENCE_LIMIT = 200
+
+STYLE = """
+:root { --ink: #1f2328; --muted: #656d76; --line: #d8dee4; --panel: #f6f8fa; --structural: #c0392b;
+        --numerical: #b7791f; --pass: #1a7f37; --crash: #6e40c9; }
+* { box-sizing: border-box; }
+body { margin: 0; background: #fff; color: var(--ink); line-height: 1.45;
+       font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif; }
+main { max-width: 1180px; margin: 0 auto; padding: 28px 32px 64px; }
+h1 { font-size: 26px; margin: 0 0 2px; } h2 { font-size: 19px; margin: 36px 0 12px; border-bottom: 1px solid var(--line);
+     padding-bottom: 6px; } h3 { font-size: 15px; margin: 0; }
+.stamp, .note { color: var(--muted); font-size: 13px; margin: 0; }
+code, pre, .mono { font-family: ui-monospace, "SFMono-Regular", Menlo, Consolas, "Liberation Mono", monospace; font-size: 13px; }
+.verdict { margin: 18px 0; padding: 14px 18px; border-radius: 8px; font-weight: 600; font-size: 16px; border: 1px solid; }
+.verdict-fail { background: #ffebe9; border-color: #ffcecb; color: #82071e; }
+.verdict-incomplete { background: #fbefff; border-color: #ecd8ff; color: #512a97; }
+.verdict-numerical { background: #fff8c5; border-color: #eed888; color: #6c4400; }
+.verdict-pass { background: #dafbe1; border-color: #aceebb; color: #116329; }
+.verdict-empty { background: var(--panel); border-color: var(--line); color: var(--muted); }
+.cards { display: grid; grid-template-columns: repeat(auto-fit, minmax(150px, 1fr)); gap: 12px; }
+.card { border: 1px solid var(--line); border-radius: 8px; padding: 10px 14px; }
+.card .number { font-size: 24px; font-weight: 650; } .card .what { color: var(--muted); font-size: 13px; }
+.card.structural .number { color: var(--structural); } .card.numerical .number { color: var(--numerical); }
+.card.crashed .number { color: var(--crash); }
+.meta { display: grid; grid-template-columns: repeat(auto-fit, minmax(320px, 1fr)); gap: 0 32px; }
+dl.pairs { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; font-size: 14px; }
+dl.pairs dt { color: var(--muted); } dl.pairs dd { margin: 0; overflow-wrap: anywhere; }
+.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(500px, 1fr)); gap: 16px; }
+figure { margin: 0; border: 1px solid var(--line); border-radius: 8px; padding: 12px 12px 6px; }
+figcaption { font-weight: 600; font-size: 14px; margin-bottom: 4px; }
+svg.chart { width: 100%; height: auto; display: block; font-family: inherit; }
+svg.chart text { fill: #444c56; font-size: 11px; } svg.chart .legend { font-size: 12px; }
+svg.chart .value { font-size: 10px; fill: #24292f; } svg.chart .axis-title { font-size: 12px; fill: var(--muted); }
+svg.chart .grid { stroke: #eaeef2; } svg.chart .axis { stroke: #8c959f; }
+svg.chart .frame { fill: none; stroke: var(--line); } svg.chart .empty { font-size: 14px; fill: var(--muted); }
+svg.chart rect.bar:hover { opacity: .8; }
+.table-wrap { overflow-x: auto; }
+table.runs { border-collapse: collapse; width: 100%; font-size: 13.5px; }
+table.runs th, table.runs td { padding: 6px 10px; border-bottom: 1px solid var(--line); text-align: left; white-space: nowrap; }
+table.runs th { background: var(--panel); font-weight: 600; } table.runs td.number { text-align: right; font-variant-numeric: tabular-nums; }
+table.runs tr:hover td { background: #fafbfc; }
+.pill { display: inline-block; padding: 1px 9px; border-radius: 999px; font-size: 12px; font-weight: 600; border: 1px solid; }
+.pill.exact, .pill.equivalent { color: var(--pass); border-color: #aceebb; background: #dafbe1; }
+.pill.numerical { color: #6c4400; border-color: #eed888; background: #fff8c5; }
+.pill.structural, .pill.not-equivalent { color: #82071e; border-color: #ffcecb; background: #ffebe9; }
+.pill.crashed { color: #512a97; border-color: #ecd8ff; background: #fbefff; }
+.crash { border: 1px solid #ecd8ff; border-radius: 8px; margin: 10px 0; }
+.crash summary { cursor: pointer; padding: 8px 14px; font-weight: 600; background: #fbefff; border-radius: 8px; }
+.crash pre { margin: 0; padding: 12px 14px; overflow-x: auto; white-space: pre-wrap; }
+article.divergence { border: 1px solid var(--line); border-left: 5px solid var(--numerical); border-radius: 8px;
+                     padding: 14px 18px; margin: 14px 0; }
+article.divergence.structural { border-left-color: var(--structural); }
+article.divergence > header { display: flex; flex-wrap: wrap; align-items: baseline; gap: 6px 12px; margin-bottom: 12px; }
+.where { color: var(--muted); font-size: 13.5px; }
+.split { display: grid; grid-template-columns: max-content minmax(0, 1fr) minmax(0, 1fr); margin: 8px 0 12px;
+         border: 1px solid var(--line); border-radius: 6px; overflow: hidden; }
+.split > div { padding: 6px 10px; white-space: pre-wrap; overflow-wrap: anywhere; }
+.split .side { font-size: 12px; font-weight: 600; color: var(--muted); background: var(--panel); }
+.split .common { text-align: right; color: var(--muted); border-right: 2px dashed #8c959f; background: #fcfcfd; }
+.split .row-reference { border-bottom: 1px solid var(--line); }
+.split .next.reference { background: #eefbf1; } .split .next.engine { background: #fff1f0; }
+.split .head { font-size: 11px; text-transform: uppercase; letter-spacing: .04em; color: var(--muted);
+               background: var(--panel); border-bottom: 1px solid var(--line); padding: 4px 10px; }
+.split .head.common-head { text-align: right; }
+.token { display: inline-block; padding: 0 4px; margin: 1px 2px; border-radius: 4px; background: #eaeef2; }
+.token.first { background: #24292f; color: #fff; }
+.chips .chip { display: inline-block; min-width: 22px; text-align: center; padding: 0 6px; margin: 1px 2px;
+               border-radius: 4px; background: #eaeef2; font-size: 12.5px; }
+.chips .chip.here { background: #24292f; color: #fff; }
+"""
+
+
+def _cell(value: object, css_class: str = "") -> str:
+    attribute = f' class="{css_class}"' if css_class else ""
+    return f"<td{attribute}>{escape(str(value))}</td>"
+
+
+def _visible(text: str) -> str:
+    return escape(text).replace("\r", "").replace("\n", "⏎").replace("\t", "⇥")
+
+
+def _pairs(rows: list[tuple[str, str]]) -> str:
+    return '<dl class="pairs">' + "".join(f"<dt>{escape(k)}</dt><dd>{v}</dd>" for k, v in rows) + "</dl>"
+
+
+def _cards(audit: dict[str, Any]) -> str:
+    runs = audit.get("runs") or []
+    finished = [run for run in runs if not run.get("error")]
+    exact = sum(int(run.get("exact_matches") or 0) for run in finished)
+    prompts = sum(int(run.get("num_prompts") or 0) for run in finished)
+    structural = sum(divergence_counts(run)["structural"] for run in finished)
+    numerical = sum(divergence_counts(run)["numerical"] for run in finished)
+    cards = [("", str(len(runs)), "runs"), ("", f"{exact}/{prompts}", "prompts exact"),
+             ("structural", str(structural), "structural divergences"),
+             ("numerical", str(numerical), "numerical flips"), ("crashed", str(len(runs) - len(finished)), "crashed runs")]
+    return '<section class="cards">' + "".join(
+        f'<div class="card {css}"><div class="number">{escape(number)}</div><div class="what">{escape(what)}</div></div>'
+        for css, number, what in cards) + "</section>"
+
+
+def _runs_table(runs: list[dict[str, Any]]) -> str:
+    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "structural",
+              "numerical", "steps", "seconds", "status"]
+    rows = []
+    for index, run in enumerate(runs):
+        counts, status, trace = divergence_counts(run), run_status(run), run.get("trace") or {}
+        exact = "—" if run.get("error") else f"{run.get('exact_matches', '?')}/{run.get('num_prompts', '?')}"
+        kinds = ", ".join(f"{kind} {n}" for kind, n in (trace.get("step_kinds") or {}).items())
+        steps = f'<td class="number" title="{escape(kinds)}">{escape(format_number(trace.get("steps")))}</td>'
+        target = f"crash-{index}" if status == "crashed" else ""
+        label = escape(STATUS_LABELS[status])
+        pill = f'<a href="#{target}" class="pill {status}">{label}</a>' if target else f'<span class="pill {status}">{label}</span>'
+        rows.append("<tr>" + _cell(run.get("engine", "?")) + _cell(run.get("pair", "?"))
+                    + _cell(run.get("batch_size", "?"), "number") + _cell(run.get("dtype", "?"))
+                    + _cell(exact, "number") + _cell(logit_error_text(run), "number")
+                    + _cell(format_share(acceptance_rate(run)), "number") + _cell(counts["structural"], "number")
+                    + _cell(counts["numerical"], "number") + steps + _cell(format_number(run.get("seconds")), "number")
+                    + f"<td>{pill}</td></tr>")
+    head = "".join(f"<th>{escape(name)}</th>" for name in header)
+    return f'<div class="table-wrap"><table class="runs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
+
+
+def _crashes(runs: list[dict[str, Any]]) -> str:
+    parts = [f'<details class="crash" id="crash-{index}" open><summary>{escape(run_title(run))}</summary>'
+             f"<pre>{escape(str(run['error']).rstrip())}</pre></details>"
+             for index, run in enumerate(runs) if run.get("error")]
+    return ("<h2>Crashed runs</h2>" + "".join(parts)) if parts else ""
+
+
+def _token_spans(ids: list[int], mark_first: bool) -> str:
+    return "".join(f'<span class="token{" first" if mark_first and i == 0 else ""}">{escape(str(token))}</span>'
+                   for i, token in enumerate(ids))
+
+
+def _split_grid(common: str, reference: str, engine: str, css_class: str) -> str:
+    return (f'<div class="split {css_class}"><div class="head"></div><div class="head common-head">before the split</div>'
+            '<div class="head">after the split</div>'
+            f'<div class="side row-reference">reference</div><div class="common row-reference">{common}</div>'
+            f'<div class="next reference row-reference">{reference}</div>'
+            f'<div class="side">engine</div><div class="common">{common}</div><div class="next engine">{engine}</div></div>')
+
+
+def _chips(values: list[int], here: int | None = None) -> str:
+    return '<span class="chips">' + "".join(
+        f'<span class="chip{" here" if i == here else ""}">{escape(str(v))}</span>' for i, v in enumerate(values)) + "</span>"
+
+
+def _batch_html(batch: dict[str, Any] | None, prompt_index: int | None) -> str:
+    if not batch:
+        return "not traced"
+    rows, pads = batch.get("rows") or [], batch.get("pad_lengths") or []
+    labels = [f"prompt {row}" + (f" · pad {pads[i]}" if i < len(pads) else "") for i, row in enumerate(rows)]
+    here = rows.index(prompt_index) if prompt_index in rows else None
+    chips = '<span class="chips">' + "".join(
+        f'<span class="chip{" here" if i == here else ""}">{escape(label)}</span>' for i, label in enumerate(labels)) + "</span>"
+    return f"{escape(str(batch.get('kind', '?')))} step, {len(rows)} rows: {chips}"
+
+
+def _divergence_article(number: int, entry: DivergenceEntry) -> str:
+    divergence, evidence = entry.divergence, entry.divergence.get("evidence") or {}
+    common, reference, engine = split_ids(divergence)
+    grids = []
+    text = divergence.get("text")
+    if text:
+        grids.append(_split_grid("…" + _visible(str(text.get("common", ""))), _visible(str(text.get("reference", ""))),
+                                 _visible(str(text.get("engine", ""))), "text"))
+    grids.append(_split_grid("…" + _token_spans(common, False), _token_spans(reference, True),
+                             _token_spans(engine, True), "mono ids"))
+    history = divergence.get("accepted_history")
+    rows = [("tokens", f"reference <code>{escape(str(divergence.get('reference_token')))}</code>, engine "
+                       f"<code>{escape(str(divergence.get('engine_token')))}</code> "
+                       f"(detected by {escape(str(divergence.get('detected_by', 'tokens')))})"),
+            ("target top-2 margin", escape(margin_description(divergence))),
+            ("float64 replay", escape(replay_description(evidence)))]
+    if evidence.get("reason"):
+        rows.append((f"why {entry.kind}", escape(str(evidence["reason"]))))
+    if divergence.get("logit_error") is not None:
+        rows.append(("logit error", escape(format_number(divergence["logit_error"]))))
+    rows.append(("accepted per step", _chips(history, len(history) - 1) if history else "not traced"))
+    rows.append(("batch at that step", _batch_html(divergence.get("batch"), divergence.get("prompt_index"))))
+    where = (f"prompt {divergence.get('prompt_index', '?')} · position {divergence.get('position', '?')} · "
+             f"step {format_number(divergence.get('step'))}")
+    return (f'<article class="divergence {entry.kind}" id="divergence-{number}"><header>'
+            f'<span class="pill {entry.kind}">{entry.kind}</span><h3>{number}. {escape(run_title(entry.run))}</h3>'
+            f'<span class="where">{escape(where)}</span></header>{"".join(grids)}{_pairs(rows)}</article>')
+
+
+def _divergences(audit: dict[str, Any], limit: int) -> str:
+    entries = ordered_divergences(audit)
+    if not entries:
+        return ""
+    parts = ["<h2>Divergences</h2>",
+             '<p class="note">Numerical: the target\'s top-2 margin at the split is within the dtype\'s noise and a '
+             "float64 replay confirms the near-tie. Structural: anything else, a bug in the batching. "
+             "Each row shows the same common prefix, then where the reference and the engine go next.</p>"]
+    parts += [_divergence_article(number, entry) for number, entry in enumerate(entries[:limit], start=1)]
+    if len(entries) > limit:
+        parts.append(f'<p class="note">{len(entries) - limit} more divergences left out; audit.json lists all of them.</p>')
+    return "".join(parts)
+
+
+def _figure(caption: str, svg: str) -> str:
+    return f"<figure><figcaption>{escape(caption)}</figcaption>{svg}</figure>"
+
+
+def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT) -> str:
+    runs = audit.get("runs") or []
+    status, sentence = verdict(audit)
+    stamp = " · ".join(part for part in (
+        f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
+        f"created {audit['created']}" if audit.get("created") else "") if part)
+    machine = [(name, escape(value)) for name, value in machine_summary(audit)]
+    config = [(name, escape(value)) for name, value in config_summary(audit)]
+    charts = "".join([
+        _figure("Equivalence rate by engine and batch size", equivalence_rate_svg(audit)),
+        _figure("Where in the output divergences start", divergence_position_svg(audit)),
+        _figure("Acceptance histogram", acceptance_svg(audit)),
+    ])
+    body = [
+        f'<header><h1>specaudit report</h1><p class="stamp">{escape(stamp)}</p></header>',
+        f'<section class="verdict verdict-{status}">{escape(sentence)}</section>',
+        _cards(audit),
+        '<section class="meta">'
+        + (f"<div><h2>Machine</h2>{_pairs(machine)}</div>" if machine else "")
+        + (f"<div><h2>Configuration</h2>{_pairs(config)}</div>" if config else "") + "</section>",
+        f'<section><h2>Plots</h2><div class="charts">{charts}</div></section>',
+        f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
+        f"<section>{_crashes(runs)}</section>",
+        f"<section>{_divergences(audit, divergence_limit)}</section>",
+    ]
+    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>specaudit report: {escape(sentence.split(':')[0])}</title><style>{STYLE}</style></head>"
+            f"<body><main>{''.join(body)}</main></body></html>\n")

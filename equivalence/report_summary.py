@@ -1,0 +1,193 @@
+"""What the human reports say about an audit dict: run status, verdict, ordering and wording of evidence.
+
+Shared by the Markdown and HTML reports, so both tell the same story.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+STATUS_LABELS = {
+    "crashed": "CRASHED",
+    "structural": "STRUCTURAL",
+    "not-equivalent": "NOT EQUIVALENT",
+    "numerical": "numerical flips only",
+    "exact": "exact",
+    "equivalent": "equivalent",
+}
+FAILING_STATUSES = ("structural", "not-equivalent")
+
+
+@dataclass(frozen=True)
+class DivergenceEntry:
+    run: dict[str, Any]
+    divergence: dict[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return "structural" if self.divergence.get("kind") == "structural" else "numerical"
+
+
+def format_number(value: float | int | None) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) < 1e-3 or abs(value) >= 1e5:
+        return f"{value:.2e}"
+    return f"{value:.4g}"
+
+
+def format_share(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.1f}%"
+
+
+def divergence_counts(run: dict[str, Any]) -> dict[str, int]:
+    counts = {"structural": 0, "numerical": 0}
+    for divergence in run.get("divergences") or []:
+        counts["structural" if divergence.get("kind") == "structural" else "numerical"] += 1
+    return counts
+
+
+def run_status(run: dict[str, Any]) -> str:
+    """One of the keys of STATUS_LABELS."""
+    if run.get("error"):
+        return "crashed"
+    counts = divergence_counts(run)
+    if counts["structural"]:
+        return "structural"
+    if run.get("equivalent") is False:
+        return "not-equivalent"
+    if counts["numerical"]:
+        return "numerical"
+    if run.get("exact_matches") is not None and run.get("exact_matches") == run.get("num_prompts"):
+        return "exact"
+    return "equivalent"
+
+
+def run_title(run: dict[str, Any]) -> str:
+    return (f"{run.get('engine', '?')} · {run.get('pair', '?')} · batch {run.get('batch_size', '?')}"
+            f" · {run.get('dtype', '?')}")
+
+
+def logit_error_text(run: dict[str, Any]) -> str:
+    error, tolerance = run.get("max_logit_error"), run.get("logit_tolerance")
+    if error is None or run.get("error"):
+        return "—"
+    if tolerance is not None and error > tolerance:
+        return f"{format_number(error)} > {format_number(tolerance)}"
+    return format_number(error)
+
+
+def acceptance_rate(run: dict[str, Any]) -> float | None:
+    return (run.get("trace") or {}).get("acceptance_rate")
+
+
+def verdict(audit: dict[str, Any]) -> tuple[str, str]:
+    """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty"."""
+    runs = audit.get("runs") or []
+    if not runs:
+        return "empty", "NO RUNS: the audit recorded no runs."
+    statuses = [run_status(run) for run in runs]
+    failing = [run for run, status in zip(runs, statuses) if status in FAILING_STATUSES]
+    crashed = statuses.count("crashed")
+    crash_note = f" {crashed} run{'s' if crashed != 1 else ''} crashed." if crashed else ""
+    if failing:
+        engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in failing))
+        structural = sum(divergence_counts(run)["structural"] for run in failing)
+        return "fail", (f"NOT EQUIVALENT: {len(failing)} of {len(runs)} runs diverge from greedy decoding "
+                        f"({structural} structural divergence{'s' if structural != 1 else ''}; "
+                        f"engines: {engines}).{crash_note}")
+    if crashed:
+        return "incomplete", (f"INCOMPLETE:{crash_note} The other {len(runs) - crashed} "
+                              f"run{'s are' if len(runs) - crashed != 1 else ' is'} equivalent.")
+    flips = sum(divergence_counts(run)["numerical"] for run in runs)
+    if flips:
+        return "numerical", (f"EQUIVALENT up to numerical noise: {len(runs)} runs; {flips} token "
+                             f"flip{'s' if flips != 1 else ''} at near-ties of the target, each shown below "
+                             f"with its margin and float64 replay.")
+    return "pass", f"EQUIVALENT: every token of all {len(runs)} runs matches the reference decoder."
+
+
+def ordered_divergences(audit: dict[str, Any]) -> list[DivergenceEntry]:
+    """Structural divergences first, then numerical ones; each in run order, then prompt and position."""
+    entries = [DivergenceEntry(run, divergence)
+               for run in audit.get("runs") or [] if not run.get("error")
+               for divergence in run.get("divergences") or []]
+    run_order = {id(run): index for index, run in enumerate(audit.get("runs") or [])}
+    return sorted(entries, key=lambda entry: (entry.kind != "structural", run_order[id(entry.run)],
+                                              entry.divergence.get("prompt_index") or 0,
+                                              entry.divergence.get("position") or 0))
+
+
+def machine_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
+    machine = audit.get("machine") or {}
+    device = str(machine.get("device") or "?")
+    if machine.get("device_name"):
+        device += f" ({machine['device_name']})"
+    rows = [("Python", machine.get("python")), ("platform", machine.get("platform")),
+            ("processor", machine.get("processor")), ("torch", machine.get("torch")),
+            ("transformers", machine.get("transformers")), ("device", device),
+            ("CUDA", None if machine.get("cuda") is None else ("yes" if machine["cuda"] else "no"))]
+    return [(name, str(value)) for name, value in rows if value not in (None, "")]
+
+
+def config_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
+    config = audit.get("config") or {}
+
+    def listed(key: str) -> str | None:
+        values = config.get(key)
+        return ", ".join(str(value) for value in values) if values else None
+
+    prompts = config.get("prompts")
+    if prompts is not None and config.get("num_prompts") is not None:
+        prompts = f"{prompts} ({config['num_prompts']} prompts)"
+    rows = [("engines", listed("engines")), ("pairs", listed("pairs")), ("batch sizes", listed("batch_sizes")),
+            ("dtypes", listed("dtypes")), ("prompts", prompts), ("max new tokens", config.get("max_new_tokens")),
+            ("draft tokens (k)", config.get("draft_tokens"))]
+    return [(name, str(value)) for name, value in rows if value not in (None, "")]
+
+
+def batch_description(batch: dict[str, Any] | None, prompt_index: int | None) -> str:
+    if not batch:
+        return "not traced"
+    rows = batch.get("rows") or []
+    pads = batch.get("pad_lengths") or []
+    described = []
+    for position, row in enumerate(rows):
+        pad = f" pad {pads[position]}" if position < len(pads) else ""
+        marker = " ◀" if row == prompt_index else ""
+        described.append(f"prompt {row}{pad}{marker}")
+    return f"{batch.get('kind', '?')} step, {len(rows)} rows: " + ", ".join(described)
+
+
+def replay_description(evidence: dict[str, Any]) -> str:
+    margin = evidence.get("replay_float64_margin")
+    top2 = evidence.get("replay_float64_top2")
+    if margin is None and not top2:
+        return "not replayed"
+    text = f"margin {format_number(margin)}"
+    if top2:
+        text += "; top-2 " + ", ".join(f"{token} ({logit:.7g})" for token, logit in top2)
+    return text
+
+
+def margin_description(divergence: dict[str, Any]) -> str:
+    margin = divergence.get("margin")
+    noise = (divergence.get("evidence") or {}).get("dtype_noise")
+    text = format_number(margin)
+    if margin is not None and noise is not None:
+        relation = "within" if margin <= noise else "above"
+        text += f" ({relation} the dtype noise {format_number(noise)})"
+    return text
+
+
+def split_ids(divergence: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    context = divergence.get("context") or {}
+    return (list(context.get("common") or []), list(context.get("reference") or []),
+            list(context.get("engine") or []))
