@@ -23,6 +23,8 @@ PLOT_LEFT = 58
 PLOT_RIGHT = 16
 PLOT_TOP = 50
 PLOT_BOTTOM = 56
+TICK_CHARACTER_WIDTH = 6.2
+ROTATED_LABEL_CHARACTERS = 26
 MAX_POSITION_BINS = 32
 
 
@@ -80,9 +82,9 @@ def _text(x: float, y: float, content: str, css_class: str, anchor: str = "middl
             f"{escape(content)}</text>")
 
 
-def _svg_open(title: str) -> str:
-    return (f'<svg class="chart" viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" width="{CHART_WIDTH}" '
-            f'height="{CHART_HEIGHT}" role="img" aria-label="{escape(title)}">'
+def _svg_open(title: str, height: float = CHART_HEIGHT) -> str:
+    return (f'<svg class="chart" viewBox="0 0 {CHART_WIDTH} {height:.0f}" width="{CHART_WIDTH}" '
+            f'height="{height:.0f}" role="img" aria-label="{escape(title)}">'
             f"<title>{escape(title)}</title>")
 
 
@@ -114,11 +116,20 @@ def column_chart_svg(groups: list[ColumnGroup], *, title: str, x_title: str, y_t
     plot_width = CHART_WIDTH - PLOT_LEFT - PLOT_RIGHT
     plot_height = CHART_HEIGHT - PLOT_TOP - PLOT_BOTTOM
     base_y = PLOT_TOP + plot_height
+    group_width = plot_width / len(groups)
+    label_every = max(1, math.ceil(len(groups) / 16))
+    labels = [group.label for group in groups]
+    rotate_labels = max(len(label) for label in labels) * TICK_CHARACTER_WIDTH > group_width * label_every - 6
+    if rotate_labels:
+        labels = [label if len(label) <= ROTATED_LABEL_CHARACTERS else label[:ROTATED_LABEL_CHARACTERS - 1] + "…"
+                  for label in labels]
+    label_drop = max(len(label) for label in labels) * TICK_CHARACTER_WIDTH * 0.5 if rotate_labels else 0.0
+    height = CHART_HEIGHT + label_drop
 
     def y_of(value: float) -> float:
         return base_y - plot_height * min(value, top) / top
 
-    parts = [_svg_open(title), _legend_svg(legend)]
+    parts = [_svg_open(title, height), _legend_svg(legend)]
     ticks = int(round(top / step))
     for tick in range(ticks + 1):
         value = tick * step
@@ -126,8 +137,6 @@ def column_chart_svg(groups: list[ColumnGroup], *, title: str, x_title: str, y_t
         parts.append(f'<line x1="{PLOT_LEFT}" x2="{CHART_WIDTH - PLOT_RIGHT}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
         parts.append(_text(PLOT_LEFT - 6, y + 4, y_format(value), "tick", anchor="end"))
 
-    group_width = plot_width / len(groups)
-    label_every = max(1, math.ceil(len(groups) / 16))
     for group_index, group in enumerate(groups):
         group_x = PLOT_LEFT + group_index * group_width
         inner = group_width * (0.8 if len(group.columns) > 1 else 0.7)
@@ -147,10 +156,14 @@ def column_chart_svg(groups: list[ColumnGroup], *, title: str, x_title: str, y_t
                 stacked += segment.value
             if column.value_label and column_width >= 14:
                 parts.append(_text(x + bar_width / 2, y_of(stacked) - 4, column.value_label, "value"))
-        if group_index % label_every == 0:
-            parts.append(_text(group_x + group_width / 2, base_y + 16, group.label, "tick"))
+        if group_index % label_every == 0 and rotate_labels:
+            x, y = group_x + group_width / 2, base_y + 12
+            parts.append(_text(x, y, labels[group_index], "tick", anchor="end",
+                               extra=f' transform="rotate(-30 {x:.1f} {y:.1f})"'))
+        elif group_index % label_every == 0:
+            parts.append(_text(group_x + group_width / 2, base_y + 16, labels[group_index], "tick"))
     parts.append(f'<line x1="{PLOT_LEFT}" x2="{CHART_WIDTH - PLOT_RIGHT}" y1="{base_y}" y2="{base_y}" class="axis"/>')
-    parts.append(_text(PLOT_LEFT + plot_width / 2, CHART_HEIGHT - 10, x_title, "axis-title"))
+    parts.append(_text(PLOT_LEFT + plot_width / 2, height - 10, x_title, "axis-title"))
     parts.append(_text(14, PLOT_TOP + plot_height / 2, y_title, "axis-title",
                        extra=f' transform="rotate(-90 14 {PLOT_TOP + plot_height / 2:.1f})"'))
     parts.append("</svg>")

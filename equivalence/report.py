@@ -26,6 +26,7 @@ from equivalence.report_summary import (
     run_status,
     run_title,
     split_ids,
+    visible_text,
     verdict,
 )
 
@@ -34,7 +35,7 @@ ERROR_TAIL_LINES = 20
 
 
 def _code_cell(content: str) -> str:
-    content = content.replace("\r", "").replace("\n", "⏎").replace("|", "\\|")
+    content = visible_text(content).replace("|", "\\|")
     fence = "`"
     while fence in content:
         fence += "`"
@@ -120,7 +121,7 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["## Crashed runs", ""]
         for run in crashed:
             error_lines = str(run["error"]).rstrip().splitlines()
-            shown = error_lines[-ERROR_TAIL_LINES:]
+            shown = [visible_text(line) for line in error_lines[-ERROR_TAIL_LINES:]]
             fence = "````" if "```" in str(run["error"]) else "```"
             lines += [f"**{run_title(run)}**" + (f" (last {len(shown)} of {len(error_lines)} lines)"
                                                  if len(shown) < len(error_lines) else ""), "", fence]

@@ -21,7 +21,9 @@ from equivalence.report_summary import (
     replay_description,
     run_status,
     run_title,
+    rows_count,
     split_ids,
+    visible_text,
     verdict,
 )
 
@@ -103,7 +105,7 @@ def _cell(value: object, css_class: str = "") -> str:
 
 
 def _visible(text: str) -> str:
-    return escape(text).replace("\r", "").replace("\n", "⏎").replace("\t", "⇥")
+    return escape(visible_text(text))
 
 
 def _pairs(rows: list[tuple[str, str]]) -> str:
@@ -117,9 +119,11 @@ def _cards(audit: dict[str, Any]) -> str:
     prompts = sum(int(run.get("num_prompts") or 0) for run in finished)
     structural = sum(divergence_counts(run)["structural"] for run in finished)
     numerical = sum(divergence_counts(run)["numerical"] for run in finished)
+    crashed = len(runs) - len(finished)
     cards = [("", str(len(runs)), "runs"), ("", f"{exact}/{prompts}", "prompts exact"),
-             ("structural", str(structural), "structural divergences"),
-             ("numerical", str(numerical), "numerical flips"), ("crashed", str(len(runs) - len(finished)), "crashed runs")]
+             ("structural" if structural else "", str(structural), "structural divergences"),
+             ("numerical" if numerical else "", str(numerical), "numerical flips"),
+             ("crashed" if crashed else "", str(crashed), "crashed runs")]
     return '<section class="cards">' + "".join(
         f'<div class="card {css}"><div class="number">{escape(number)}</div><div class="what">{escape(what)}</div></div>'
         for css, number, what in cards) + "</section>"
@@ -180,7 +184,7 @@ def _batch_html(batch: dict[str, Any] | None, prompt_index: int | None) -> str:
     here = rows.index(prompt_index) if prompt_index in rows else None
     chips = '<span class="chips">' + "".join(
         f'<span class="chip{" here" if i == here else ""}">{escape(label)}</span>' for i, label in enumerate(labels)) + "</span>"
-    return f"{escape(str(batch.get('kind', '?')))} step, {len(rows)} rows: {chips}"
+    return f"{escape(str(batch.get('kind', '?')))} step, {rows_count(len(rows))}: {chips}"
 
 
 def _divergence_article(number: int, entry: DivergenceEntry) -> str:

@@ -100,9 +100,10 @@ def verdict(audit: dict[str, Any]) -> tuple[str, str]:
     if failing:
         engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in failing))
         structural = sum(divergence_counts(run)["structural"] for run in failing)
+        found = (f"{structural} structural divergence{'s' if structural != 1 else ''}" if structural
+                 else "no divergence attributed")
         return "fail", (f"NOT EQUIVALENT: {len(failing)} of {len(runs)} runs diverge from greedy decoding "
-                        f"({structural} structural divergence{'s' if structural != 1 else ''}; "
-                        f"engines: {engines}).{crash_note}")
+                        f"({found}; engines: {engines}).{crash_note}")
     if crashed:
         return "incomplete", (f"INCOMPLETE:{crash_note} The other {len(runs) - crashed} "
                               f"run{'s are' if len(runs) - crashed != 1 else ' is'} equivalent.")
@@ -153,6 +154,10 @@ def config_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
     return [(name, str(value)) for name, value in rows if value not in (None, "")]
 
 
+def rows_count(rows: int) -> str:
+    return f"{rows} row" if rows == 1 else f"{rows} rows"
+
+
 def batch_description(batch: dict[str, Any] | None, prompt_index: int | None) -> str:
     if not batch:
         return "not traced"
@@ -163,7 +168,7 @@ def batch_description(batch: dict[str, Any] | None, prompt_index: int | None) ->
         pad = f" pad {pads[position]}" if position < len(pads) else ""
         marker = " ◀" if row == prompt_index else ""
         described.append(f"prompt {row}{pad}{marker}")
-    return f"{batch.get('kind', '?')} step, {len(rows)} rows: " + ", ".join(described)
+    return f"{batch.get('kind', '?')} step, {rows_count(len(rows))}: " + ", ".join(described)
 
 
 def replay_description(evidence: dict[str, Any]) -> str:
@@ -185,6 +190,24 @@ def margin_description(divergence: dict[str, Any]) -> str:
         relation = "within" if margin <= noise else "above"
         text += f" ({relation} the dtype noise {format_number(noise)})"
     return text
+
+
+def visible_text(text: str) -> str:
+    """`text` on one line with newlines, tabs and other control characters shown as visible symbols."""
+    shown = []
+    for character in text.replace("\r\n", "\n"):
+        code = ord(character)
+        if character == "\n":
+            shown.append("⏎")
+        elif character == "\t":
+            shown.append("⇥")
+        elif code < 32:
+            shown.append(chr(0x2400 + code))
+        elif code == 127 or 0x80 <= code < 0xA0:
+            shown.append(f"\\x{code:02x}")
+        else:
+            shown.append(character)
+    return "".join(shown)
 
 
 def split_ids(divergence: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
