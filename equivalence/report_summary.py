@@ -201,9 +201,7 @@ def visible_text(text: str) -> str:
             shown.append("⏎")
         elif character == "\t":
             shown.append("⇥")
-        elif code < 32:
-            shown.append(chr(0x2400 + code))
-        elif code == 127 or 0x80 <= code < 0xA0:
+        elif code < 32 or code == 127 or 0x80 <= code < 0xA0:
             shown.append(f"\\x{code:02x}")
         else:
             shown.append(character)

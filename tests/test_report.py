@@ -120,7 +120,7 @@ def test_markdown_report_content(audit: dict[str, Any]) -> None:
     assert "float64 replay of the target: margin 2.312; top-2 1203 (12.5), 98 (10.1875)" in divergences
     assert "top-2 11 (3.25), 12 (3.2489)" in divergences
     assert "0.0039 (within the dtype noise 0.0156)" in divergences
-    assert "`…the cat sat⏎on` | ` the mat \\| done␛[0m` |" in divergences
+    assert "`…the cat sat⏎on` | ` the mat \\| done\\x1b[0m` |" in divergences
     assert "| ids | `… 412 88 19 7` | `[1203] 55 61` | `[98] 1203 4` |" in divergences
     assert "accepted draft tokens per step: not traced" in divergences
 
