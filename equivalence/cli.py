@@ -167,10 +167,8 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:
-    try:
-        from equivalence.report import write_reports
-    except ImportError:
-        return []
+    from equivalence.report import write_reports
+
     return list(write_reports(audit, out).values())
 
 
