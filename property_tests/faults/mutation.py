@@ -174,8 +174,8 @@ class FaultEngine:
 
     @classmethod
     def summary(cls) -> str:
-        """The first line of the docstring: the bug class."""
-        return (cls.__doc__ or cls.__name__).strip().splitlines()[0].rstrip(".")
+        """The bug class: the docstring up to its first colon."""
+        return " ".join((cls.__doc__ or cls.__name__).split(":", 1)[0].split())
 
     @classmethod
     def modules(cls) -> dict[str, types.ModuleType]:

@@ -1,0 +1,170 @@
+"""Hunting a planted fault: Hypothesis searches the decoding cases for one where the fault
+engine breaks its property, shrinks it to a minimal counterexample, and the audit classifies
+what that counterexample shows.
+
+The property is output equivalence (`property_tests.properties.check_equivalence`: tokens, then
+float64 logits) for every fault that can change an output, and the draft-proposal property
+(`draft_check`) for the faults that live in the model drafter's cache. The search is
+derandomized with no example database, so a hunt gives the same counterexample on every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, find, settings
+from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
+
+from engines.drafters import ScriptedDrafter
+from equivalence.audit import audit_engine
+from property_tests import models
+from property_tests.faults.draft_check import check_draft_proposals
+from property_tests.faults.mutation import FaultEngine
+from property_tests.properties import DEFAULT_ORACLE, build_engine, check_equivalence, resolve_eos
+from property_tests.strategies import DecodingCase, decoding_cases
+
+MAX_EXAMPLES = 300  # generation budget per hunt; the hunt stops at the first failure, then shrinks
+
+CASE_BOUNDS: dict[str, Any] = dict(
+    max_batch_size=4, max_prompts=4, max_draft_tokens=4, max_new_tokens=8, max_prompt_length=8,
+    prompt_styles=("synthetic",),
+)
+
+
+def fault_cases(fault: type[FaultEngine], pair: str) -> st.SearchStrategy[DecodingCase]:
+    """Small decoding cases on `pair`: up to 4 rows of up to 8 tokens, k <= 4, <= 8 new tokens;
+    EOS and a pad id that is also content drawn as usual; a pool window for EXSPEC faults."""
+    cases = decoding_cases(pairs=[pair], with_window=fault.engine == "exspec", **CASE_BOUNDS)
+    if fault.drafter_kind == "model":  # the model drafter decides acceptance; no schedule to show
+        cases = cases.map(lambda case: dataclasses.replace(case, schedule=None))
+    return cases
+
+
+def check_fault(fault: type[FaultEngine], case: DecodingCase) -> None:
+    """The property the fault must break; raises AssertionError when it does. (A draft-cache
+    fault passes output equivalence by construction; the audit of its minimal case shows that.)"""
+    if fault.drafter_kind == "model":
+        check_draft_proposals(fault, case)
+    else:
+        check_equivalence(fault, case, drafter="scripted")
+
+
+@dataclass
+class Finding:
+    """The outcome of one hunt: the minimal counterexample and what it shows."""
+
+    fault: str
+    bug_class: str
+    engine: str
+    pair: str
+    case: DecodingCase | None
+    detected_by: str | None  # "tokens", "logits" or "draft tokens"
+    message: str
+    divergences: list[dict[str, Any]] = field(default_factory=list)  # the audit's, on the minimal case
+    examples: int = 0
+    crashes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def kinds(self) -> set[str]:
+        return {d["kind"] for d in self.divergences}
+
+    @property
+    def size(self) -> dict[str, int] | None:
+        if self.case is None:
+            return None
+        return {
+            "rows": len(self.case.prompts),
+            "batch_size": self.case.batch_size,
+            "max_prompt_length": max(len(p.tokens) for p in self.case.prompts),
+            "new_tokens": self.case.max_new_tokens,
+            "draft_tokens": self.case.draft_tokens,
+        }
+
+    def size_text(self) -> str:
+        size = self.size
+        if size is None:
+            return "none found"
+        rows = "row" if size["rows"] == 1 else "rows"
+        return (f"{size['rows']} {rows} (batch {size['batch_size']}), prompts <= {size['max_prompt_length']}, "
+                f"{size['new_tokens']} new tokens, k = {size['draft_tokens']}")
+
+    def report(self) -> str:
+        head = f"{self.fault} on {self.pair} ({self.engine}): {self.bug_class}"
+        if self.case is None:
+            return f"{head}\n  NOT DETECTED in {self.examples} cases" + "".join(f"\n  crash: {c}" for c in self.crashes[:3])
+        lines = [
+            head,
+            f"  detected through {self.detected_by}; minimal example: {self.size_text()}; "
+            f"{self.examples} property runs, {self.seconds:.1f} s",
+            "  " + repr(self.case).replace("\n", "\n  "),
+            "  " + self.message.replace("\n", "\n  "),
+        ]
+        if self.divergences:
+            lines.append("  audit of the minimal example:")
+            lines += [
+                f"    {d['kind']} divergence through {d['detected_by']}: prompt {d['prompt_index']}, position "
+                f"{d['position']}, step {d.get('step')}, reference {d['reference_token']}, engine {d['engine_token']}"
+                for d in self.divergences
+            ]
+        else:
+            lines.append("  audit of the minimal example: no divergence in tokens or logits")
+        return "\n".join(lines)
+
+
+def audit_case(fault: type[FaultEngine], case: DecodingCase) -> list[dict[str, Any]]:
+    """The audit's divergences for the fault engine on `case` (float64, the case's drafter)."""
+    pair = models.pair(case.pair, case.dtype)
+    eos = resolve_eos(case, pair, DEFAULT_ORACLE)
+    drafter = None
+    if fault.drafter_kind != "model" and case.schedule is not None:
+        reference = [DEFAULT_ORACLE.decode(pair, p.tokens, case.max_new_tokens, eos)[0] for p in case.prompts]
+        drafter = ScriptedDrafter(reference, case.schedule, int(pair.target.config.vocab_size))
+    engine = build_engine(fault, case, pair, drafter)
+    record = audit_engine(engine, pair, case.prompt_tokens, max_new_tokens=case.max_new_tokens, eos_token_id=eos,
+                          dtype=case.dtype, engine_name=fault.slug(), batch_size=case.batch_size)
+    return record["divergences"]
+
+
+def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLES) -> Finding:
+    """Search, shrink and audit; never raises for a fault that escapes (the Finding says so)."""
+    started = time.perf_counter()
+    calls, crashes = 0, []
+
+    def breaks_property(case: DecodingCase) -> bool:
+        nonlocal calls
+        calls += 1
+        try:
+            check_fault(fault, case)
+        except AssertionError:
+            return True
+        except Exception as exc:  # a crash is not a detection: keep searching, but remember it
+            crashes.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+            return False
+        return False
+
+    search = settings(
+        max_examples=max_examples, derandomize=True, database=None, deadline=None,
+        phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck),
+    )
+    finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "")
+    try:
+        minimal = find(fault_cases(fault, pair), breaks_property, settings=search)
+    except NoSuchExample:
+        minimal = None
+    if minimal is not None:
+        finding.case = minimal
+        try:
+            check_fault(fault, minimal)
+            finding.message = "the minimal example no longer fails when replayed"
+        except AssertionError as failure:
+            finding.detected_by = getattr(failure, "through", "tokens")
+            finding.message = str(failure)
+        finding.divergences = audit_case(fault, minimal)
+    finding.examples, finding.crashes = calls, crashes
+    finding.seconds = time.perf_counter() - started
+    return finding

@@ -1,0 +1,119 @@
+"""The planted-fault table: which check caught each fault, and how small its counterexample is.
+
+    python -m property_tests.faults.table            # hunts every fault, writes reports/faults.md
+    python -m property_tests.faults.table --out -    # prints it instead
+
+It runs the hunts through `pytest property_tests/test_faults.py` itself, so the file holds what
+the test run finds (the hunts are derandomized: the same counterexamples every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from property_tests.faults.hunt import Finding
+
+REPORT = Path(__file__).resolve().parents[2] / "reports" / "faults.md"
+
+HEADER = """# Planted faults
+
+Each row is a fault engine from `property_tests/faults/`: one known bug class of batched
+speculative decoding, planted as a minimal line edit of EQSPEC or EXSPEC. Hypothesis searched the
+decoding cases (up to 4 prompts of up to 8 tokens, k <= 4, up to 8 new tokens, acceptance
+schedules, EOS, a pad id that is also content, pool windows) for a case where the fault breaks
+output equivalence with greedy decoding (tokens, then float64 logits), shrank it, and the audit
+classified the minimal case. The two draft-cache faults cannot change any output (the target alone
+decides every token); they are caught by the draft-proposal check, which compares every proposal
+with the draft model's own greedy continuation of the row, and the audit of their minimal case
+finds no divergence.
+
+Minimal example: prompts (batch size), longest prompt, new tokens, draft tokens k.
+"""
+
+
+def audit_verdict(finding: Finding) -> str:
+    if finding.case is None:
+        return "not caught"
+    if not finding.divergences:
+        return "no output divergence"
+    kinds = ", ".join(sorted(finding.kinds))
+    channels = ", ".join(sorted({d["detected_by"] for d in finding.divergences}))
+    return f"{len(finding.divergences)} {kinds} ({channels})"
+
+
+def render_table(findings: list[Finding]) -> str:
+    rows = [
+        "| Fault | Engine | Pair | Detected through | Prompts (batch) | Longest prompt | New tokens | k | Audit of the minimal example |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in findings:
+        size = f.size
+        if size is None:
+            cells = ["-"] * 5
+        else:
+            cells = [f"{size['rows']} ({size['batch_size']})", str(size["max_prompt_length"]), str(size["new_tokens"]),
+                     str(size["draft_tokens"])]
+        rows.append(f"| {f.bug_class} | {f.engine.upper()} | {f.pair} | {f.detected_by or 'NOT CAUGHT'} | "
+                    + " | ".join(cells) + f" | {audit_verdict(f)} |")
+    return "\n".join(rows)
+
+
+def render_report(findings: list[Finding], seconds: float | None = None) -> str:
+    parts = [HEADER, render_table(findings), ""]
+    if seconds is not None:
+        parts.append(f"{len(findings)} hunts, {seconds:.0f} s on one CPU thread.\n")
+    parts.append("## Minimal counterexamples\n")
+    for finding in findings:
+        parts += ["```", finding.report(), "```", ""]
+    return "\n".join(parts)
+
+
+class FindingCollector:
+    """A pytest plugin that keeps the planted-fault findings of the run it joins."""
+
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+        self.exit_status = 0
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        summary = session.config.pluginmanager.get_plugin("specaudit-planted-faults")
+        self.findings = list(summary.findings) if summary is not None else []
+        self.exit_status = int(exitstatus)
+
+
+def hunt_all() -> tuple[list[Finding], int]:
+    """Run the planted-fault tests; their findings and pytest's exit status."""
+    collector = FindingCollector()
+    test_file = Path(__file__).resolve().parents[1] / "test_faults.py"
+    pytest.main(["-q", "-p", "no:cacheprovider", str(test_file), "-k", "planted_fault"], plugins=[collector])
+    return collector.findings, collector.exit_status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(REPORT), help="file to write, or - for stdout")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    findings, status = hunt_all()
+    if not findings:
+        print("the planted-fault tests produced no findings", file=sys.stderr)
+        return 1
+    text = render_report(findings, time.perf_counter() - started)
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

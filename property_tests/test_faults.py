@@ -1,0 +1,101 @@
+"""The harness can fail: every planted fault is caught, classified structural, and shown as a
+shrunk minimal counterexample.
+
+For each fault engine (`property_tests/faults/`) and each pair it is hunted on, Hypothesis
+searches for a decoding case where the fault breaks its property, shrinks it, and the audit
+classifies the minimal case. The terminal summary of the run prints every minimal
+counterexample and the table of `reports/faults.md` (`python -m property_tests.faults.table`),
+whether or not output capture is on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import engines.eqspec
+from engines.eqspec import EQSpec
+from property_tests.faults import FAULTS, FaultEngine
+from property_tests.faults.draft_check import check_draft_proposals
+from property_tests.faults.hunt import Finding, fault_cases, hunt
+from property_tests.faults.table import render_table
+from property_tests.properties import check_equivalence
+
+SUMMARY_PLUGIN = "specaudit-planted-faults"
+
+HUNTS = [pytest.param(fault, pair, id=f"{fault.slug()}-{pair}") for fault in FAULTS for pair in fault.pairs]
+
+
+class FaultSummary:
+    """Collects the findings of the run; prints them at the end, capture or not."""
+
+    def __init__(self) -> None:
+        self.findings: list[Finding] = []
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.findings:
+            return
+        terminalreporter.section("planted faults: minimal counterexamples")
+        for finding in self.findings:
+            terminalreporter.write_line(finding.report())
+            terminalreporter.write_line("")
+        terminalreporter.write_line(render_table(self.findings))
+
+
+@pytest.fixture(scope="session")
+def fault_summary(pytestconfig) -> FaultSummary:
+    summary = pytestconfig.pluginmanager.get_plugin(SUMMARY_PLUGIN)
+    if summary is None:
+        summary = FaultSummary()
+        pytestconfig.pluginmanager.register(summary, SUMMARY_PLUGIN)
+    return summary
+
+
+@pytest.mark.parametrize("fault, pair", HUNTS)
+def test_planted_fault_is_caught(fault: type[FaultEngine], pair: str, fault_summary: FaultSummary, record_property) -> None:
+    finding = hunt(fault, pair)
+    fault_summary.findings.append(finding)
+    record_property("minimal_counterexample", finding.report())
+    print(finding.report())
+    assert finding.case is not None, finding.report()
+    if fault.drafter_kind == "model":
+        assert finding.detected_by == "draft tokens", finding.report()
+        assert finding.divergences == [], "a draft-cache fault cannot change an output:\n" + finding.report()
+    else:
+        assert finding.detected_by in ("tokens", "logits"), finding.report()
+        assert finding.divergences, "the audit reported nothing on the minimal counterexample:\n" + finding.report()
+        assert finding.kinds == {"structural"}, finding.report()
+
+
+def test_fault_engines_leave_the_shipped_engines_alone() -> None:
+    shipped = {name: Path(inspect.getfile(module)).read_text() for name, module in
+               [("eqspec", engines.eqspec), ("batch", engines.batch), ("ragged", engines.ragged)]}
+    step = engines.eqspec.speculative_step
+    for fault in FAULTS:
+        modules = fault.modules()
+        assert modules["engines.eqspec"] is not engines.eqspec
+        assert modules["engines.eqspec"].batch_ops is modules["engines.batch"]
+        assert "Planted by:" in (fault.__doc__ or ""), f"{fault.__name__} names no planted line"
+    assert engines.eqspec.speculative_step is step
+    assert engines.eqspec.batch_ops is engines.batch
+    for name, module in [("eqspec", engines.eqspec), ("batch", engines.batch), ("ragged", engines.ragged)]:
+        assert Path(inspect.getfile(module)).read_text() == shipped[name]
+
+
+CONTROL = settings(max_examples=8, derandomize=True, database=None, deadline=None,
+                   suppress_health_check=list(HealthCheck))
+
+
+@CONTROL
+@given(case=fault_cases(FAULTS[0], "tiny-llama"))
+def test_correct_eqspec_passes_the_hunted_property(case) -> None:
+    check_equivalence(EQSpec, case, drafter="scripted")
+
+
+@CONTROL
+@given(case=fault_cases(next(f for f in FAULTS if f.drafter_kind == "model"), "tiny-llama"))
+def test_correct_model_drafter_passes_the_draft_proposal_check(case) -> None:
+    check_draft_proposals(EQSpec, case)
