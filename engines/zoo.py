@@ -197,3 +197,19 @@ def builtin_prompts(tokenizer: ByteTokenizer | None = None) -> list[list[int]]:
     """The built-in prompt set as token ids (bytes)."""
     tok = tokenizer or ByteTokenizer()
     return [tok.encode(text) for text in builtin_prompt_texts()]
+
+
+@torch.no_grad()
+def measure_acceptance(pair: ModelPair, prompts: list[list[int]], max_new_tokens: int = 32) -> float:
+    """Per-token acceptance: how often the draft's greedy choice equals the target's, along the
+    target's own greedy continuation of each prompt (teacher forcing, batch size 1)."""
+    from engines.reference import greedy_decode
+
+    agree = total = 0
+    for prompt in prompts:
+        continuation, target_logits = greedy_decode(pair.target, prompt, max_new_tokens, None, record_logits=True)
+        ids = torch.tensor([prompt + continuation[:-1]], device=pair.draft.device)
+        draft_logits = pair.draft(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 :]
+        agree += int((draft_logits.argmax(-1) == target_logits.argmax(-1)).sum())
+        total += len(continuation)
+    return agree / total if total else float("nan")

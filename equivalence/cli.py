@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    commands.add_parser("pairs", help="list the built-in model pairs")
+    pairs = commands.add_parser("pairs", help="list the built-in model pairs", formatter_class=_Formatter)
+    pairs.add_argument("--acceptance", action="store_true",
+                       help="also measure each pair's per-token acceptance on the built-in prompts (float64)")
+    pairs.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N",
+                       help="continuation length for --acceptance")
     commands.add_parser("engines", help="list the built-in engines")
     return parser
 
@@ -178,9 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "audit":
         return run_audit_command(args, parser)
     if args.command == "pairs":
-        from engines.zoo import builtin_pair_names
+        from engines import zoo
 
-        print("\n".join(builtin_pair_names()))
+        for name in zoo.builtin_pair_names():
+            if not args.acceptance:
+                print(name)
+                continue
+            pair = zoo.load_pair(name)
+            rate = zoo.measure_acceptance(pair, zoo.builtin_prompts(), args.max_new_tokens)
+            print(f"{name:<16} {pair.info['family']:<10} acceptance {rate:.1%}", flush=True)
         return 0
     if args.command == "engines":
         from engines.registry import BUILTIN_ENGINES

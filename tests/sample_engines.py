@@ -1,0 +1,65 @@
+"""User engines for the CLI and plugin tests, named as `sample_engines:factory`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engines.eqspec import EQSpec
+
+
+def make_correct(target, draft, *, batch_size: int, draft_tokens: int, **options: Any) -> EQSpec:
+    """A correct user engine: EQSPEC behind a user factory."""
+    return EQSpec(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+
+
+class _ShiftedPositions(torch.nn.Module):
+    """The target, with `offset` added to batch row 0's position ids while `active`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.offset = 0
+        self.active = True
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def forward(self, **kwargs: Any):
+        positions = kwargs.get("position_ids")
+        if self.active and self.offset and positions is not None:
+            positions = positions.clone()
+            positions[0] += self.offset
+            kwargs["position_ids"] = positions
+        return self.model(**kwargs)
+
+
+class RowZeroPositionBug(EQSpec):
+    """After a rejection, row 0 keeps counting positions past the rejected draft tokens (its
+    position ids run ahead by the number of rejected tokens so far); every other row is correct."""
+
+    def __init__(self, target, draft, **options: Any) -> None:
+        super().__init__(_ShiftedPositions(target), draft, **options)
+
+    def _collect(self, trace, result, outputs, logits) -> None:
+        super()._collect(trace, result, outputs, logits)
+        record, shifted = result.record, self.target
+        if record.kind != "prefill" and 0 in record.rows:
+            accepted = record.accepted_counts[record.rows.index(0)]
+            shifted.offset += self.k - accepted
+        if 0 in result.finished:
+            shifted.active = False
+
+
+def make_row_zero_position_bug(target, draft, *, batch_size: int, draft_tokens: int, **options: Any) -> EQSpec:
+    return RowZeroPositionBug(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+
+
+def not_an_engine(target, draft, **_: Any) -> object:
+    return object()

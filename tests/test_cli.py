@@ -1,0 +1,97 @@
+"""`specaudit audit` end to end: exit status, audit.json fields, user engines, bad usage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+RUN_FIELDS = {"engine", "pair", "batch_size", "dtype", "device", "num_prompts", "exact_matches", "max_logit_error", "divergences"}
+DIVERGENCE_FIELDS = {"prompt_index", "position", "step", "reference_token", "engine_token", "margin", "kind"}
+
+
+def specaudit(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "equivalence.cli", "audit", "--no-progress", *args]
+    if out is not None:
+        command += ["--out", str(out)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+
+def load(out: Path) -> dict:
+    return json.loads((out / "audit.json").read_text())
+
+
+def test_eqspec_audit_exits_0_with_all_fields(tmp_path: Path) -> None:
+    result = specaudit("--engine", "eqspec", "--engine", "reference", "--pair", "tiny-qwen3", "--batch-size", "1", "4",
+                       "--num-prompts", "6", "--max-new-tokens", "10", out=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    audit = load(tmp_path)
+    assert {"torch", "transformers", "device_name"} <= set(audit["machine"])
+    assert len(audit["runs"]) == 4
+    for run in audit["runs"]:
+        assert RUN_FIELDS <= set(run)
+        assert run["exact_matches"] == run["num_prompts"] == 6
+        assert run["max_logit_error"] < 1e-9
+    assert "every audited engine is equivalent" in result.stdout
+
+
+def test_user_engine_correct_passes(tmp_path: Path) -> None:
+    result = specaudit("--engine", "sample_engines:make_correct", "--pair", "tiny-gpt2", "--batch-size", "4",
+                       "--num-prompts", "6", "--max-new-tokens", "10", out=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert load(tmp_path)["runs"][0]["exact_matches"] == 6
+
+
+@pytest.mark.parametrize("pair_name", ["tiny-gpt2", "tiny-llama"])
+def test_user_engine_with_row_position_bug_fails_structural(tmp_path: Path, pair_name: str) -> None:
+    result = specaudit("--engine", "sample_engines:make_row_zero_position_bug", "--pair", pair_name,
+                       "--batch-size", "4", "--num-prompts", "4", "--max-new-tokens", "16", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    run = load(tmp_path)["runs"][0]
+    assert run["divergences"], "the bug was not reported"
+    for divergence in run["divergences"]:
+        assert DIVERGENCE_FIELDS <= set(divergence)
+        assert divergence["kind"] == "structural"
+    # only row 0 is wrong, and the fault starts after its first rejection, in a speculative step
+    assert {d["prompt_index"] for d in run["divergences"]} == {0}
+    first = run["divergences"][0]
+    assert first["step"] is not None and first["step"] >= 1
+    assert first["batch"]["rows"][0] == 0
+    assert first["accepted_history"] and min(first["accepted_history"][:-1] or [0]) < 4
+
+
+def test_bad_usage_exits_2(tmp_path: Path) -> None:
+    assert specaudit("--engine", "no-such-engine", "--pair", "tiny-gpt2", out=tmp_path).returncode == 2
+    assert specaudit("--engine", "eqspec", "--pair", "tiny-nothing", out=tmp_path).returncode == 2
+    assert specaudit("--engine", "eqspec", "--pair", "tiny-gpt2", "--batch-size", "0", out=tmp_path).returncode == 2
+    assert specaudit("--engine", "eqspec", "--target", str(tmp_path), out=tmp_path).returncode == 2
+    missing = specaudit("--engine", "eqspec", "--pair", "tiny-gpt2", "--prompts", str(tmp_path / "none.jsonl"), out=tmp_path)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_engine_that_raises_is_recorded_and_fails(tmp_path: Path) -> None:
+    result = specaudit("--engine", "sample_engines:not_an_engine", "--engine", "eqspec", "--pair", "tiny-gpt2",
+                       "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "4", out=tmp_path)
+    assert result.returncode == 1
+    runs = load(tmp_path)["runs"]
+    assert "no generate()" in runs[0]["error"]
+    assert runs[1]["exact_matches"] == 2  # the failure did not stop the next run
+
+
+def test_jsonl_prompts_text_and_turns(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "Hello"}, {"text": "a"}, {"turns": ["What is two plus two?", "ignored"]}, {"input_ids": [72, 105]},
+    ]))
+    result = specaudit("--engine", "eqspec", "--pair", "tiny-gpt2", "--batch-size", "4", "--prompts", str(prompts),
+                       "--max-new-tokens", "6", out=tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    run = load(tmp_path / "out")["runs"][0]
+    assert run["num_prompts"] == 4 and [p["reference_length"] for p in run["prompts"]] == [6] * 4
