@@ -24,7 +24,7 @@ class Drafter(Protocol):
     def propose(self, state: BatchState, k: int) -> torch.Tensor:  # [B, k]
         ...
 
-    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None: ...
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None: ...
 
 
 class ModelDrafter:
@@ -52,16 +52,19 @@ class ModelDrafter:
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
         return self._proposed
 
-    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
         """Realign the draft cache to the rows' accepted tokens; `state` still describes the batch
         before the step. A row that accepted all k needs the k-th draft token's keys and values,
-        which the k drafting passes never computed: one fill pass adds them when any row needs it."""
+        which the k drafting passes never computed: one fill pass adds them when any row needs it.
+        With `realign=False` only the fill pass runs: every row keeps its columns up to
+        `old width + accepted + 1`, and the caller cuts each row out itself (EXSPEC)."""
         assert self._proposed is not None
         k = self._proposed.shape[1]
         cache = state.draft_cache
         if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):
             batch_ops.forward(self.draft, cache, self._proposed[:, -1:], state.cache_lengths + k)
-        batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
+        if realign:
+            batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
         self._proposed = None
 
 
@@ -100,5 +103,5 @@ class ScriptedDrafter:
             proposals.append(row)
         return torch.tensor(proposals, dtype=torch.long, device=state.tokens.device)
 
-    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
         return None

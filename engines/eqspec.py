@@ -102,8 +102,14 @@ def speculative_step(
     pad_id: int,
     record_logits: bool,
     kind: str = "batch",
+    realign: bool = True,
 ) -> StepResult:
-    """One speculative step on every row of `state` (all running); updates `state` in place."""
+    """One speculative step on every row of `state` (all running); updates `state` in place.
+
+    With `realign=False` the caches are left as the verify pass (and the drafter's fill pass)
+    made them: every row of the step, finished ones included, keeps its old columns followed by
+    the new ones; a row's real columns end at `old width + accepted + 1`. EXSPEC cuts each row
+    out of them instead of realigning; the tokens, lengths and rows of `state` are updated as usual."""
     clock = Clock(target.device)
     pad_lengths = state.pad_lengths().tolist()
     rows = list(state.rows)
@@ -143,8 +149,11 @@ def speculative_step(
     new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]
     row_logits = [logits[b, :n] for b, n in enumerate(emitted_list)] if record_logits else None
     if keep.numel():
-        drafter.commit(state, accepted_counts, keep)
-        batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)
+        if realign:
+            drafter.commit(state, accepted_counts, keep)
+            batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)
+        else:
+            drafter.commit(state, accepted_counts, keep, realign=False)
         state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, target_tokens, emitted, pad_id)
         state.select(keep)
     else:

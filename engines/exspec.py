@@ -1,0 +1,328 @@
+"""EXSPEC: a sliding window over a pool of requests, stepped in same-length groups.
+
+Contract: the same as EQSPEC (token ids in, exactly the tokens of greedy decoding out). Requests
+wait in a FIFO pool; at most `window_size` of them are active at once. Each active sequence owns
+its target and draft KV caches between steps, each one tensor `[layers, 2, heads, n - 1, head_dim]`
+per model (`n` = its token count; the last token is pending, as in `engines/batch.py`). Each call
+of `ExspecPool.step` does one unit of work:
+
+- refill:   when the window has room for a refill batch, the oldest waiting requests are
+            prefilled together (`start_batch`) and enter the window;
+- group:    otherwise, up to `batch_size` active sequences of the same length are stacked with
+            one `torch.stack` per model (no padding), one speculative step runs on them, and each
+            sequence's new cache is cut out of the verify pass's cache with a slice (no realignment);
+- fallback: when no same-length group is large enough, up to `batch_size` sequences of the
+            closest lengths form a left-padded batch, and one speculative step runs on it with
+            EQSPEC's padding, masks and realignment (`engines/ragged.py`).
+
+Finished sequences (EOS, `max_new_tokens`, or `ExspecPool.finish`) leave the window and are
+answered under their request id. `EXSpec.generate` admits every prompt (sorted by length first
+when asked) and steps the pool until it is empty.
+
+Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)`):
+
+- group when the largest same-length group has at least `min_group = ceil(B / 2)` sequences
+  (ties: the shortest length, so that lagging sequences catch up); otherwise fall back on the
+  `B` sequences of the closest lengths;
+- refill when the window has room for `refill_at = ceil(B / 2)` sequences (or for all that
+  still wait, or when the window is empty), at most `B` per prefill.
+
+Measurements (float64, CPU, one thread, all 32 built-in prompts, 48 new tokens, k = 4, model
+drafter, tiny-llama / tiny-qwen3; target passes = prefills + steps, the cost that grows with a
+real target; the tiny models make wall time a poor guide, so it is the tie-breaker only):
+
+    TABLE
+
+Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
+the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`
+sums them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from engines import ragged
+from engines.batch import BatchState
+from engines.drafters import Drafter, ModelDrafter
+from engines.eqspec import Clock, StepResult, speculative_step, start_batch
+from engines.trace import StepRecord, Trace
+
+
+@dataclass
+class Sequence:
+    """An active request: its tokens (prompt + new) and its own caches of all but the last token."""
+
+    request_id: int
+    tokens: list[int]
+    prompt_length: int
+    target_kv: torch.Tensor  # [L, 2, H, n-1, D]
+    draft_kv: torch.Tensor | None  # [L', 2, H', n-1, D'], None for a drafter without a cache
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step, [emitted, V]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def stack_cache(model: PreTrainedModel, kvs: list[torch.Tensor]) -> DynamicCache:
+    """One batch cache from per-sequence caches `[L, 2, H, S_b, D]`, right-aligned (zero padding
+    on the left when the lengths differ): one stack (or one copy per row), then per-layer views."""
+    lengths = [kv.shape[-2] for kv in kvs]
+    width = max(lengths)
+    if min(lengths) == width:
+        stacked = torch.stack(kvs, dim=2)  # [L, 2, G, H, S, D]
+    else:
+        layers, _, heads, _, dim = kvs[0].shape
+        stacked = kvs[0].new_zeros(layers, 2, len(kvs), heads, width, dim)  # [L, 2, G, H, W, D]
+        for b, kv in enumerate(kvs):
+            stacked[:, :, b, :, width - kv.shape[-2]:] = kv
+    cache = DynamicCache(config=model.config)
+    for layer, layer_kv in zip(cache.layers, stacked.unbind(0)):
+        layer.dtype, layer.device, layer.is_initialized = stacked.dtype, stacked.device, True
+        layer.keys, layer.values = layer_kv[0], layer_kv[1]  # [G, H, W, D] each
+    return cache
+
+
+def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends: list[int]) -> list[torch.Tensor]:
+    """Cut row `rows[i]`'s columns `starts[i]:ends[i]` out of a batch cache, as `[L, 2, H, S, D]` views."""
+    stacked = torch.stack([torch.stack((layer.keys, layer.values)) for layer in ragged.cache_layers(cache)])  # [L, 2, G, H, W, D]
+    return [stacked[:, :, b, :, start:end] for b, start, end in zip(rows, starts, ends)]
+
+
+class ExspecPool:
+    """The request pool and its window; `EXSpec.generate` and the property tests drive it."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: Drafter,
+        *,
+        batch_size: int,
+        draft_tokens: int,
+        window_size: int,
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        pad_id: int,
+        record_logits: bool = False,
+        min_group: int | None = None,
+        refill_at: int | None = None,
+    ) -> None:
+        if batch_size < 1 or draft_tokens < 1 or window_size < 1 or max_new_tokens < 1:
+            raise ValueError("batch_size, draft_tokens, window_size and max_new_tokens must be at least 1")
+        self.target, self.drafter = target, drafter
+        self.batch_size, self.k, self.window_size = batch_size, draft_tokens, window_size
+        self.max_new_tokens, self.eos_token_id, self.pad_id = max_new_tokens, eos_token_id, pad_id
+        self.record_logits = record_logits
+        self.min_group = min_group if min_group is not None else math.ceil(batch_size / 2)
+        self.refill_at = refill_at if refill_at is not None else math.ceil(batch_size / 2)
+        self.prompts: dict[int, list[int]] = {}
+        self.waiting: deque[int] = deque()  # request ids, oldest first
+        self.window: list[Sequence] = []  # active sequences, in order of entry
+        self.finished: dict[int, list[int]] = {}  # request id -> new tokens, in order of finishing
+        self.logits: dict[int, torch.Tensor | None] = {}  # request id -> [new tokens, V] (record_logits)
+        self.records: list[StepRecord] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.window)
+
+    def admit(self, prompt: list[int], request_id: int | None = None) -> int:
+        """Queue a request; returns its id (the next free integer unless given)."""
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        request_id = request_id if request_id is not None else max(self.prompts, default=-1) + 1
+        if request_id in self.prompts:
+            raise ValueError(f"request id {request_id} was already admitted")
+        self.prompts[request_id] = list(prompt)
+        self.waiting.append(request_id)
+        return request_id
+
+    def finish(self, request_id: int) -> None:
+        """End a request now: it leaves the queue or the window, answered with the tokens it has."""
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
+            self.finished[request_id] = []
+            self.logits[request_id] = None
+            return
+        sequence = next(s for s in self.window if s.request_id == request_id)
+        self.window.remove(sequence)
+        self._answer(sequence)
+
+    def step(self) -> StepRecord | None:
+        """One unit of work (refill, group step or fallback step); None when the pool is empty."""
+        room = self.window_size - len(self.window)
+        if self.waiting and room > 0 and (room >= min(self.refill_at, len(self.waiting)) or not self.window):
+            return self._refill(min(room, self.batch_size, len(self.waiting)))
+        if not self.window:
+            return None
+        return self._speculate(self._choose())
+
+    def _choose(self) -> list[Sequence]:
+        """The largest same-length group (shortest length on ties) if it is large enough; else
+        the `batch_size` sequences of the closest lengths (the shortest such run on ties)."""
+        groups: dict[int, list[Sequence]] = {}
+        for sequence in self.window:
+            groups.setdefault(sequence.length, []).append(sequence)
+        largest = max(groups.values(), key=lambda g: (min(len(g), self.batch_size), -g[0].length))
+        if min(len(largest), self.batch_size) >= self.min_group:
+            return largest[: self.batch_size]
+        by_length = sorted(self.window, key=lambda s: s.length)
+        size = min(self.batch_size, len(by_length))
+        start = min(range(len(by_length) - size + 1), key=lambda i: by_length[i + size - 1].length - by_length[i].length)
+        return by_length[start : start + size]
+
+    def _refill(self, count: int) -> StepRecord:
+        """Prefill the `count` oldest waiting requests together; they enter the window."""
+        ids = [self.waiting.popleft() for _ in range(count)]
+        state, result = start_batch(self.target, self.drafter, self.prompts, ids, self.pad_id, self.eos_token_id,
+                                    self.max_new_tokens, self.record_logits)
+        clock = Clock(self.target.device)
+        entered = [Sequence(rid, self.prompts[rid] + result.emitted[b], len(self.prompts[rid]), None, None)
+                   for b, rid in enumerate(ids)]
+        self._keep_logits(entered, result)
+        by_id = {s.request_id: s for s in entered}
+        if state.rows:
+            width = ragged.cache_width(state.target_cache)
+            cache_lengths = state.cache_lengths.tolist()
+            self._cut_caches(state, [by_id[r] for r in state.rows], list(range(len(state.rows))),
+                             [width - c for c in cache_lengths], [width] * len(cache_lengths))
+        for sequence in entered:
+            if sequence.request_id in result.finished:
+                self._answer(sequence)
+            else:
+                self.window.append(sequence)
+        result.record.seconds["unstack"] = clock.lap()
+        return self._record(result)
+
+    def _speculate(self, group: list[Sequence]) -> StepRecord:
+        """One speculative step on `group`: a same-length group, or a padded fallback batch."""
+        clock = Clock(self.target.device)
+        device = self.target.device
+        same_length = len({s.length for s in group}) == 1
+
+        # 1. stack: tokens [G, n] (left-padded when lengths differ) and both caches, one stack per model
+        tokens, lengths = ragged.left_pad([s.tokens for s in group], self.pad_id, device)
+        prompt_lengths = torch.tensor([s.prompt_length for s in group], dtype=torch.long, device=device)
+        state = BatchState([s.request_id for s in group], tokens, lengths, prompt_lengths,
+                           stack_cache(self.target, [s.target_kv for s in group]))
+        if group[0].draft_kv is not None:
+            state.draft_cache = stack_cache(self.drafter.draft, [s.draft_kv for s in group])
+        old_lengths = [s.length for s in group]
+        stack_seconds = clock.lap()
+
+        # 2. speculate: draft, verify, accept; a group keeps its caches as the verify pass left them
+        result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
+                                  self.max_new_tokens, self.pad_id, self.record_logits,
+                                  kind="group" if same_length else "fallback", realign=not same_length)
+        clock.lap()
+
+        # 3. unstack: append the new tokens; cut each running sequence's caches out of the batch
+        for sequence, new_tokens in zip(group, result.emitted):
+            sequence.tokens.extend(new_tokens)
+        self._keep_logits(group, result)
+        running = [b for b, s in enumerate(group) if s.request_id not in result.finished]
+        if same_length:  # row b: columns 0 .. n + accepted, where the verify pass left them
+            ends = [old_lengths[b] + result.record.accepted_counts[b] for b in running]
+            self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)
+        elif running:  # realigned: the running rows, right-aligned, in batch order
+            width = ragged.cache_width(state.target_cache)
+            starts = [width - group[b].length + 1 for b in running]
+            self._cut_caches(state, [group[b] for b in running], list(range(len(running))), starts, [width] * len(running))
+        for sequence in group:
+            if sequence.request_id in result.finished:
+                self.window.remove(sequence)
+                self._answer(sequence)
+        result.record.seconds["stack"] = stack_seconds
+        result.record.seconds["unstack"] = clock.lap()
+        return self._record(result)
+
+    def _cut_caches(self, state: BatchState, sequences: list[Sequence], rows: list[int], starts: list[int], ends: list[int]) -> None:
+        for sequence, kv in zip(sequences, unstack_cache(state.target_cache, rows, starts, ends)):
+            sequence.target_kv = kv
+        if state.draft_cache is not None:
+            for sequence, kv in zip(sequences, unstack_cache(state.draft_cache, rows, starts, ends)):
+                sequence.draft_kv = kv
+
+    def _keep_logits(self, sequences: list[Sequence], result: StepResult) -> None:
+        if result.logits is not None:
+            for sequence, logits in zip(sequences, result.logits):
+                sequence.logits.append(logits)
+
+    def _answer(self, sequence: Sequence) -> None:
+        self.finished[sequence.request_id] = sequence.tokens[sequence.prompt_length:]
+        self.logits[sequence.request_id] = torch.cat(sequence.logits) if sequence.logits else None
+
+    def _record(self, result: StepResult) -> StepRecord:
+        result.record.step = len(self.records)
+        self.records.append(result.record)
+        return result.record
+
+
+class EXSpec:
+    """EXSPEC engine: all prompts go through one `ExspecPool` with a window of `window_size`."""
+
+    name = "exspec"
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        *,
+        batch_size: int = 8,
+        draft_tokens: int = 4,
+        window_size: int | None = None,
+        sort_by_length: bool = False,
+        drafter: Drafter | None = None,
+        pad_token_id: int | None = None,
+        record_logits: bool = False,
+        min_group: int | None = None,
+        refill_at: int | None = None,
+        **_: object,
+    ) -> None:
+        if batch_size < 1 or draft_tokens < 1:
+            raise ValueError("batch_size and draft_tokens must be at least 1")
+        if drafter is None and draft is None:
+            raise ValueError("EXSPEC needs a draft model or a drafter")
+        self.target = target
+        self.drafter = drafter if drafter is not None else ModelDrafter(draft)
+        self.batch_size = batch_size
+        self.k = draft_tokens
+        self.window_size = window_size if window_size is not None else 2 * batch_size
+        if self.window_size < 1:
+            raise ValueError("window_size must be at least 1")
+        self.sort_by_length = sort_by_length
+        self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
+        self.record_logits = record_logits
+        self.min_group, self.refill_at = min_group, refill_at
+        self.last_trace: Trace | None = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
+        if max_new_tokens <= 0 or not prompts:
+            self.last_trace = trace
+            return [[] for _ in prompts]
+        pool = ExspecPool(
+            self.target, self.drafter, batch_size=self.batch_size, draft_tokens=self.k,
+            window_size=self.window_size, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+            pad_id=self.pad_id, record_logits=self.record_logits, min_group=self.min_group, refill_at=self.refill_at,
+        )
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else range(len(prompts))
+        for i in order:
+            pool.admit(prompts[i], request_id=i)
+        while pool.busy:
+            pool.step()
+        for record in pool.records:
+            trace.record(record)
+        if self.record_logits:
+            trace.logits = [pool.logits[i] for i in range(len(prompts))]
+        self.last_trace = trace
+        return [pool.finished[i] for i in range(len(prompts))]
