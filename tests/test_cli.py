@@ -2,26 +2,52 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from equivalence.cli import main
 
 TESTS = Path(__file__).resolve().parent
 RUN_FIELDS = {"engine", "pair", "batch_size", "dtype", "device", "num_prompts", "exact_matches", "max_logit_error", "divergences"}
 DIVERGENCE_FIELDS = {"prompt_index", "position", "step", "reference_token", "engine_token", "margin", "kind"}
 
 
-def specaudit(*args: str, out: Path | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "equivalence.cli", "audit", "--no-progress", *args]
-    if out is not None:
-        command += ["--out", str(out)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def specaudit(*args: str, out: Path | None = None) -> Result:
+    """`specaudit audit ...` in this process (the console script runs the same `main`)."""
+    argv = ["audit", "--no-progress", *args] + (["--out", str(out)] if out is not None else [])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+    return Result(code, stdout.getvalue(), stderr.getvalue())
+
+
+def test_console_script_runs() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "equivalence.cli", "audit", "--help"], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0
+    for option in ("--engine", "--pair", "--batch-size", "--dtype", "--device", "--prompts", "--num-prompts",
+                   "--max-new-tokens", "--draft-tokens", "--out", "--target", "--draft"):
+        assert option in result.stdout
+    assert "(default: 32)" in result.stdout  # defaults are shown
 
 
 def load(out: Path) -> dict:
