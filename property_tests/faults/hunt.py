@@ -68,6 +68,7 @@ class Finding:
     examples: int = 0
     crashes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    planted: list[str] = field(default_factory=list)  # the line edits that plant the fault
 
     @property
     def kinds(self) -> set[str]:
@@ -95,6 +96,7 @@ class Finding:
 
     def report(self) -> str:
         head = f"{self.fault} on {self.pair} ({self.engine}): {self.bug_class}"
+        head += "".join(f"\n  planted by {line}" for line in self.planted)
         if self.case is None:
             return f"{head}\n  NOT DETECTED in {self.examples} cases" + "".join(f"\n  crash: {c}" for c in self.crashes[:3])
         lines = [
@@ -151,7 +153,8 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
         max_examples=max_examples, derandomize=True, database=None, deadline=None,
         phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck),
     )
-    finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "")
+    finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "",
+                      planted=[change.describe() for change in fault.changes])
     try:
         minimal = find(fault_cases(fault, pair), breaks_property, settings=search)
     except NoSuchExample:

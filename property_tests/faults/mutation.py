@@ -68,7 +68,9 @@ class LineChange:
 
     def describe(self) -> str:
         path = "engines/" + self.module.rsplit(".", 1)[-1] + ".py"
-        return f"{path}: `{self.old.strip()}` -> `{self.new.strip() or 'pass'}`"
+        old = "; ".join(line.strip() for line in self.old.strip().splitlines())
+        new = "; ".join(line.strip() for line in self.new.strip().splitlines()) or "pass"
+        return f"{path}: `{old}` -> `{new}`"
 
 
 _BUILD_LOCK = threading.Lock()

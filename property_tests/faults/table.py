@@ -91,7 +91,9 @@ def hunt_all() -> tuple[list[Finding], int]:
     """Run the planted-fault tests; their findings and pytest's exit status."""
     collector = FindingCollector()
     test_file = Path(__file__).resolve().parents[1] / "test_faults.py"
-    pytest.main(["-q", "-p", "no:cacheprovider", str(test_file), "-k", "planted_fault"], plugins=[collector])
+    # this module's package is imported before pytest starts, so pytest cannot rewrite its asserts
+    args = ["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    pytest.main([*args, str(test_file), "-k", "planted_fault"], plugins=[collector])
     return collector.findings, collector.exit_status
 
 
