@@ -27,6 +27,7 @@ from property_tests.faults.mutation import FaultEngine
 from property_tests.properties import DEFAULT_ORACLE, build_engine, check_equivalence, resolve_eos
 from property_tests.strategies import DecodingCase, decoding_cases
 
+DETECTIONS = ("tokens", "logits", "draft tokens")  # the `through` of a property failure that counts
 MAX_EXAMPLES = 300  # generation budget per hunt; the hunt stops at the first failure, then shrinks
 
 CASE_BOUNDS: dict[str, Any] = dict(
@@ -62,7 +63,7 @@ class Finding:
     engine: str
     pair: str
     case: DecodingCase | None
-    detected_by: str | None  # "tokens", "logits" or "draft tokens"
+    detected_by: str | None  # "tokens", "logits", "draft tokens"; "step budget" or "other" are not detections
     message: str
     divergences: list[dict[str, Any]] = field(default_factory=list)  # the audit's, on the minimal case
     examples: int = 0
@@ -103,6 +104,7 @@ class Finding:
             head,
             f"  detected through {self.detected_by}; minimal example: {self.size_text()}; "
             f"{self.examples} property runs, {self.seconds:.1f} s",
+            *([f"  {len(self.crashes)} runs crashed or failed otherwise, first: {self.crashes[0]}"] if self.crashes else []),
             "  " + repr(self.case).replace("\n", "\n  "),
             "  " + self.message.replace("\n", "\n  "),
         ]
@@ -142,11 +144,12 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
         calls += 1
         try:
             check_fault(fault, case)
-        except AssertionError:
-            return True
+        except AssertionError as failure:
+            if getattr(failure, "through", None) in DETECTIONS:
+                return True
+            crashes.append(f"{type(failure).__name__}: {failure}".splitlines()[0])
         except Exception as exc:  # a crash is not a detection: keep searching, but remember it
             crashes.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
-            return False
         return False
 
     search = settings(
@@ -165,7 +168,7 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
             check_fault(fault, minimal)
             finding.message = "the minimal example no longer fails when replayed"
         except AssertionError as failure:
-            finding.detected_by = getattr(failure, "through", "tokens")
+            finding.detected_by = getattr(failure, "through", "other")
             finding.message = str(failure)
         finding.divergences = audit_case(fault, minimal)
     finding.examples, finding.crashes = calls, crashes

@@ -39,6 +39,8 @@ class StaleFault(RuntimeError):
 class RunawayDecoding(AssertionError):
     """A fault engine took more steps than any correct engine could need."""
 
+    through = "step budget"
+
 
 @dataclass(frozen=True)
 class LineChange:
