@@ -1,0 +1,223 @@
+"""The EXSPEC pool, driven rule by rule beside a plain model of it.
+
+Hypothesis admits requests, steps the pool, and ends requests early, in any order; after every
+rule the invariants say that each active sequence's tokens are a prefix of its reference output,
+that each sequence's target and draft caches hold exactly its token count minus one positions,
+and that no request is lost, duplicated, answered by a step it was not part of, or let into the
+window out of turn. After a step, the caches of the sequences it touched are also compared with a
+fresh prefill of their tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import Phase, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from engines import batch as batch_ops
+from engines import ragged
+from engines.drafters import ModelDrafter, ScriptedDrafter
+from engines.exspec import ExspecPool, Sequence
+from property_tests import models
+from property_tests.faults.mutation import LineChange, mutant_modules
+from property_tests.profiles import examples
+
+PAIRS = ("tiny-llama", "tiny-gpt2", "tiny-opt")
+SHORT_PROMPTS = [i for i, p in enumerate(models.prompts()) if len(p) <= 200]
+CACHE_TOLERANCE = 1e-9
+
+
+def fresh_cache(model, tokens: list[int]) -> torch.Tensor:
+    """`[L, 2, H, n, D]`: the keys and values a single-row prefill of `tokens` gives."""
+    inputs = torch.tensor([tokens], dtype=torch.long, device=model.device)
+    cache, _ = batch_ops.prefill(model, inputs, torch.tensor([len(tokens)], device=model.device))
+    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in ragged.cache_layers(cache)])
+
+
+class PoolMachine(RuleBasedStateMachine):
+    pool_class = ExspecPool  # a planted-fault copy in `test_the_machine_catches_planted_faults`
+
+    @initialize(
+        pair_name=st.sampled_from(PAIRS),
+        batch_size=st.integers(1, 4),
+        window_factor=st.integers(1, 3),
+        k=st.integers(1, 4),
+        max_new_tokens=st.integers(1, 10),
+        drafter_kind=st.sampled_from(["model", "scripted"]),
+        eos_position=st.none() | st.integers(0, 9),
+        schedule=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    )
+    def start(self, pair_name, batch_size, window_factor, k, max_new_tokens, drafter_kind, eos_position, schedule):
+        torch.set_num_threads(1)
+        self.pair = models.pair(pair_name)
+        self.references, _ = models.reference(pair_name)
+        # an EOS that one short prompt's reference emits at `eos_position` (others may emit it too)
+        self.eos = None if eos_position is None else self.references[SHORT_PROMPTS[-1]][eos_position]
+        self.max_new_tokens = max_new_tokens
+        self.scripted_outputs: list[list[int]] = []  # by request id, for the scripted drafter
+        if drafter_kind == "scripted":
+            drafter = ScriptedDrafter(self.scripted_outputs, lambda p, s: schedule[(p + s) % len(schedule)],
+                                      self.pair.target.config.vocab_size)
+        else:
+            drafter = ModelDrafter(self.pair.draft)
+        self.pool = self.pool_class(self.pair.target, drafter, batch_size=batch_size, draft_tokens=k,
+                               window_size=window_factor * batch_size, max_new_tokens=max_new_tokens,
+                               eos_token_id=self.eos, pad_id=self.pair.pad_token_id)
+        self.has_draft_cache = drafter_kind == "model"
+        # the model: admission order, prompt of each request, window entries, early ends, answers seen
+        self.admitted: list[int] = []
+        self.prompt_of: dict[int, int] = {}
+        self.entered: list[int] = []
+        self.ended_early: set[int] = set()
+        self.answered: list[int] = []
+        note(f"pair={pair_name} B={batch_size} W={window_factor * batch_size} k={k} "
+             f"max_new_tokens={max_new_tokens} eos={self.eos} drafter={drafter_kind} schedule={schedule}")
+
+    def expected(self, request_id: int) -> list[int]:
+        tokens = self.references[self.prompt_of[request_id]][: self.max_new_tokens]
+        if self.eos is not None and self.eos in tokens:
+            tokens = tokens[: tokens.index(self.eos) + 1]
+        return tokens
+
+    def active(self) -> dict[int, Sequence]:
+        return {s.request_id: s for s in self.pool.window}
+
+    @rule(prompt_indices=st.lists(st.sampled_from(SHORT_PROMPTS), min_size=1, max_size=3))
+    def admit(self, prompt_indices):
+        for index in prompt_indices:
+            request_id = self.pool.admit(list(models.prompts()[index]))
+            self.scripted_outputs.append(self.references[index])
+            assert request_id == len(self.admitted)
+            self.admitted.append(request_id)
+            self.prompt_of[request_id] = index
+        note(f"admit prompts {prompt_indices} as requests {self.admitted[-len(prompt_indices):]}")
+
+    @precondition(lambda self: self.pool.busy)
+    @rule()
+    def step(self):
+        self.run_step()
+
+    @precondition(lambda self: self.pool.busy)
+    @rule()
+    def step_until_a_row_finishes(self):
+        answered = len(self.pool.finished)
+        while self.pool.busy and len(self.pool.finished) == answered:
+            self.run_step()
+
+    @precondition(lambda self: self.pool.busy)
+    @rule(data=st.data())
+    def finish_row(self, data):
+        candidates = list(self.pool.waiting) + [s.request_id for s in self.pool.window]
+        request_id = data.draw(st.sampled_from(candidates), label="request to end")
+        was_waiting = request_id in self.pool.waiting
+        self.pool.finish(request_id)
+        note(f"finish request {request_id} early ({'waiting' if was_waiting else 'active'})")
+        self.ended_early.add(request_id)
+        self.answered.append(request_id)
+
+    def run_step(self):
+        waiting_before = list(self.pool.waiting)
+        lengths_before = {r: s.length for r, s in self.active().items()}
+        with torch.no_grad():
+            record = self.pool.step()
+        note(f"step {record.step}: {record.kind} rows={record.rows} accepted={record.accepted_counts} "
+             f"emitted={record.emitted_counts}")
+        assert 1 <= len(record.rows) <= self.pool.batch_size
+        assert len(set(record.rows)) == len(record.rows)
+        if record.kind == "prefill":  # the oldest waiting requests, in order
+            assert record.rows == waiting_before[: len(record.rows)]
+            self.entered.extend(record.rows)
+        else:
+            assert all(r in lengths_before for r in record.rows)
+            row_lengths = {lengths_before[r] for r in record.rows}
+            assert (len(row_lengths) == 1) == (record.kind == "group")
+        newly_answered = [r for r in self.pool.finished if r not in self.answered]
+        assert set(newly_answered) <= set(record.rows)  # answered only by a step it took part in
+        self.answered.extend(newly_answered)
+        with torch.no_grad():
+            for request_id, sequence in self.active().items():
+                if request_id in record.rows:
+                    self.check_cache_contents(sequence)
+
+    def check_cache_contents(self, sequence: Sequence):
+        caches = [(self.pair.target, sequence.target_kv)]
+        if self.has_draft_cache:
+            caches.append((self.pair.draft, sequence.draft_kv))
+        for model, kv in caches:
+            error = float((kv - fresh_cache(model, sequence.tokens[:-1])).abs().max())
+            assert error < CACHE_TOLERANCE, f"request {sequence.request_id}: cache differs by {error}"
+
+    @invariant()
+    def tokens_are_reference_prefixes(self):
+        for request_id, sequence in self.active().items():
+            prompt = list(models.prompts()[self.prompt_of[request_id]])
+            assert sequence.tokens[: sequence.prompt_length] == prompt
+            new = sequence.tokens[sequence.prompt_length:]
+            expected = self.expected(request_id)
+            assert 1 <= len(new) < len(expected) and new == expected[: len(new)], (request_id, new, expected)
+
+    @invariant()
+    def caches_hold_all_but_the_last_token(self):
+        for sequence in self.pool.window:
+            assert sequence.target_kv.shape[-2] == sequence.length - 1
+            if self.has_draft_cache:
+                assert sequence.draft_kv is not None and sequence.draft_kv.shape[-2] == sequence.length - 1
+            else:
+                assert sequence.draft_kv is None
+
+    @invariant()
+    def no_request_lost_duplicated_or_out_of_turn(self):
+        waiting = list(self.pool.waiting)
+        active = [s.request_id for s in self.pool.window]
+        finished = list(self.pool.finished)
+        everyone = waiting + active + finished
+        assert len(everyone) == len(set(everyone)) == len(self.admitted)
+        assert set(everyone) == set(self.admitted)
+        assert len(active) <= self.pool.window_size
+        # first in, first into the window: the queue is the admission order minus those that left it
+        assert waiting == [r for r in self.admitted if r not in self.entered and r not in self.ended_early]
+        assert active == [r for r in self.entered if r in active]
+        assert finished == self.answered
+        for request_id, tokens in self.pool.finished.items():
+            expected = self.expected(request_id)
+            if request_id in self.ended_early:
+                assert tokens == expected[: len(tokens)]
+            else:
+                assert tokens == expected, (request_id, tokens, expected)
+
+
+PoolMachine.TestCase.settings = settings(settings(), max_examples=examples(0.6), stateful_step_count=20)
+TestExspecPool = PoolMachine.TestCase
+
+
+# Pool bugs the machine must catch: each is one line of `engines/exspec.py`, changed in a copy.
+PLANTED_FAULTS = {
+    "refill-takes-newest-first": ("ids = [self.waiting.popleft() for _ in range(count)]",
+                                  "ids = [self.waiting.pop() for _ in range(count)]"),
+    "group-cache-one-column-short": (
+        "ends = [old_lengths[b] + result.record.accepted_counts[b] for b in running]",
+        "ends = [old_lengths[b] + result.record.accepted_counts[b] - 1 for b in running]"),
+    "group-caches-from-wrong-rows": (
+        "self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)",
+        "self._cut_caches(state, [group[b] for b in running], list(range(len(running))), [0] * len(running), ends)"),
+    "grouped-by-prompt-length": ("same_length = len({s.length for s in group}) == 1",
+                                 "same_length = len({s.prompt_length for s in group}) == 1"),
+    "ended-waiting-request-lost": ("self.waiting.remove(request_id)\nself.finished[request_id] = []",
+                                   "self.waiting.remove(request_id)"),
+}
+
+
+@pytest.mark.parametrize("fault", list(PLANTED_FAULTS))
+def test_the_machine_catches_planted_faults(fault: str) -> None:
+    old, new = PLANTED_FAULTS[fault]
+    mutant = mutant_modules(f"exspec_pool_{fault.replace('-', '_')}", (LineChange("engines.exspec", old, new),))
+
+    class FaultyPool(PoolMachine):
+        pool_class = mutant["engines.exspec"].ExspecPool
+
+    search = settings(max_examples=60, stateful_step_count=20, phases=[Phase.generate], derandomize=True,
+                      database=None, deadline=None, print_blob=False)
+    with pytest.raises((AssertionError, RuntimeError)):
+        run_state_machine_as_test(FaultyPool, settings=search)
