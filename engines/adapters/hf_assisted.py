@@ -9,7 +9,8 @@ run one at a time and `batch_size` is ignored. The draft proposes a constant `dr
 step: the draft's `generation_config` gets `num_assistant_tokens=draft_tokens`, the "constant"
 schedule and no confidence threshold for the duration of the call.
 
-`last_trace` has one step per target forward pass, recovered from the pass's logits; with
+`last_trace` has one step per target forward pass, recovered from the pass's logits (accepted
+count = emitted - 1, exact unless the pass was cut at EOS or `max_new_tokens`); with
 `record_logits`, `last_trace.logits[p]` holds the float32 logits `generate` chose each token from
 (it casts the model's logits to float32 before choosing) and `last_model_logits[p]` the logits the
 model computed, in its own dtype.
@@ -112,7 +113,7 @@ def _align_passes(calls: list[torch.Tensor], chosen: torch.Tensor) -> tuple[torc
     """Match the target's forward passes to the emitted tokens.
 
     Each verification pass returns logits for [last token, candidates] (`logits_to_keep`); the
-    tokens it emits are a prefix of those rows (accepted candidates, then the bonus token), and
+    tokens it emits are a run of those rows (accepted candidates, then the bonus token), and
     each emitted row, cast to float32, is exactly the row `generate` returned. Returns the emitted
     rows in the model's dtype [n, V] (None if the passes cannot be matched) and the number of
     tokens each pass emitted.
@@ -120,14 +121,15 @@ def _align_passes(calls: list[torch.Tensor], chosen: torch.Tensor) -> tuple[torc
     rows: list[torch.Tensor] = []
     per_pass: list[int] = []
     t = 0
-    for logits in calls:  # [1, q, V]
+    for logits in calls:  # [1, q, V]; q covers the prompt too where `logits_to_keep` is unsupported
         count = 0
         for row in logits[0]:
-            if t >= chosen.shape[0] or not torch.equal(row.to(torch.float32), chosen[t]):
-                break
-            rows.append(row)
-            t += 1
-            count += 1
+            if t < chosen.shape[0] and torch.equal(row.to(torch.float32), chosen[t]):
+                rows.append(row)
+                t += 1
+                count += 1
+            elif count:
+                break  # the rows after the bonus token follow a rejected candidate
         if count:
             per_pass.append(count)
     if t != chosen.shape[0]:
