@@ -125,7 +125,7 @@ def build_engine(engine_factory: Callable[..., Any], case: DecodingCase, pair: M
     if drafter is not None:
         wanted["drafter"] = drafter
     if case.window is not None:
-        wanted["window"] = case.window
+        wanted["window_size"] = case.window
     wanted.update(engine_options)
     return engine_factory(pair.target, pair.draft, **_accepted_keywords(engine_factory, wanted))
 
@@ -177,16 +177,17 @@ def compare_logits(case: DecodingCase, outputs: list[list[int]], engine_logits: 
             shape = None if got is None else tuple(got.shape)
             raise AssertionError(f"prompt {prompt_index}: engine logits {shape} do not cover its {n} output tokens")
         errors = (got.detach().to("cpu", torch.float64) - expected.detach().to("cpu", torch.float64)).abs().amax(dim=-1)
-        position = int(errors.argmax())
-        error = float(errors[position])
-        worst = max(worst, error)
-        if not error < tolerance:
+        worst = max(worst, float(errors.max()))
+        beyond = (~(errors < tolerance)).nonzero().flatten()
+        if beyond.numel():
+            position = int(beyond[0])
+            error = float(errors[position])
             step = _step_of(trace, prompt_index, position)
             token = outputs[prompt_index][position]
             message = (
                 f"prompt {prompt_index}, position {position}, step {step}: tokens agree ({token}) but the "
-                f"target logits differ from the reference's by {error:.3g} (tolerance {tolerance:g})\n"
-                f"  {case.describe_row(prompt_index)}"
+                f"target logits differ from the reference's by {error:.3g} (tolerance {tolerance:g}; "
+                f"largest on this row {float(errors.max()):.3g})\n  {case.describe_row(prompt_index)}"
             )
             raise EquivalenceFailure(message, prompt_index=prompt_index, position=position, step=step,
                                      reference_token=token, engine_token=token, through="logits", logit_error=error)

@@ -226,7 +226,7 @@ class DecodingCase:
 
     `schedule` drives a `ScriptedDrafter` for engines that take a drafter; engines that do not
     use their own draft model on the same prompts, and the case still holds. `window` is the
-    EXSPEC pool window (a multiple of the batch size) when drawn.
+    EXSPEC pool window (a multiple of the batch size) when drawn; engines get it as `window_size`.
     """
 
     pair: str
@@ -311,14 +311,14 @@ def decoding_cases(
 @st.composite
 def first_step_finisher_cases(
     draw: st.DrawFn, *, pairs: Sequence[str] | None = None, min_rows: int = 2, max_rows: int = 8,
-    max_new_tokens: int = 24, max_prompt_length: int = 64,
+    max_new_tokens: int = 24, max_prompt_length: int = 64, max_pool_length: int = 1024,
 ) -> DecodingCase:
     """One row finishes at its first step (EOS at its position 0, or inside its first accepted
     run with everything accepted) while the other rows run long in the same batch."""
     pair = draw(st.sampled_from(list(pairs) if pairs is not None else builtin_pair_names()))
     num_rows = draw(st.integers(min_rows, max_rows))
     k = draw(draft_token_counts())
-    prompts = draw(prompt_sets(num_prompts=num_rows, max_length=max_prompt_length))
+    prompts = draw(prompt_sets(num_prompts=num_rows, max_length=max_prompt_length, max_pool_length=max_pool_length))
     finisher = draw(st.integers(0, num_rows - 1))
     schedule = draw(acceptance_schedules(num_rows=num_rows, k=k, kinds=("random",)))
     rows = list(schedule.rows)

@@ -86,7 +86,7 @@ def test_eqspec_matches_reference_for_each_schedule_kind(kind: str, data: st.Dat
 
 
 @settings(max_examples=examples(1.0))
-@given(case=sst.first_step_finisher_cases(max_rows=8, max_prompt_length=32))
+@given(case=sst.first_step_finisher_cases(max_rows=8, max_prompt_length=32, max_pool_length=200))
 def test_a_row_finishing_at_its_first_step_leaves_the_others_exact(case: DecodingCase) -> None:
     report = check_equivalence(EQSpec, case, drafter="scripted")
     assert isinstance(case.eos, EosChoice)
