@@ -206,17 +206,19 @@ def test_realign_cache_matches_per_row_slicing(plan: tuple[int, list[int], list[
 
 @settings(max_examples=examples(2))
 @given(realign_plans(min_width=1, max_rows=4, max_width=12))
-def test_realign_cache_on_a_transformers_cache_matches_the_plain_layers(plan: tuple[int, list[int], list[int]]) -> None:
+def test_realign_cache_on_a_transformers_cache_matches_per_row_slicing(plan: tuple[int, list[int], list[int]]) -> None:
     width, keep_end, new_lengths = plan
-    plain = cache_from_rows([[float(b * 100 + j) for j in range(width)] for b in range(len(keep_end))], width)
-    real = DynamicCache()
+    rows = [[float(b * 100 + j) for j in range(width)] for b in range(len(keep_end))]
+    plain = cache_from_rows(rows, width, layers=3)
+    cache = DynamicCache()
     for index, layer in enumerate(plain.layers):
-        real.update(layer.keys.clone(), layer.values.clone(), index)
-    for cache in (plain, real):
-        ragged.realign_cache(cache, torch.tensor(keep_end), torch.tensor(new_lengths))
-    assert real.get_seq_length() == ragged.cache_width(real) == max(new_lengths)
-    for ours, theirs in zip(plain.layers, real.layers):
-        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+        cache.update(layer.keys.clone(), layer.values.clone(), index)
+    ragged.realign_cache(cache, torch.tensor(keep_end), torch.tensor(new_lengths))
+    assert cache.get_seq_length() == ragged.cache_width(cache) == max(new_lengths)
+    expected = [row[end - n: end] for row, end, n in zip(rows, keep_end, new_lengths)]
+    for layer in range(3):
+        assert naive_cache_rows(cache, layer, new_lengths) == expected, f"layer {layer}"
+        assert torch.equal(cache.layers[layer].values, -cache.layers[layer].keys)
 
 
 @many
