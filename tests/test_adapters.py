@@ -45,6 +45,18 @@ def reference(pair_name: str, eos: int | None = None, max_new: int = MAX_NEW):
     return outputs, decoder.last_trace.logits
 
 
+@functools.lru_cache(maxsize=None)
+def draft_greedy(pair_name: str) -> list[list[int]]:
+    """The draft model's own greedy outputs on `prompts()`."""
+    return ReferenceDecoder(models.pair(pair_name).draft).generate(prompts(), MAX_NEW, None)
+
+
+def draft_ever_rejected(pair_name: str) -> bool:
+    """Whether greedy speculation on `prompts()` meets a rejection: the draft's greedy output
+    differs from the target's. Defects that act only after a rejection need one to show."""
+    return draft_greedy(pair_name) != reference(pair_name)[0]
+
+
 def build(cls, pair_name: str, **options):
     pair = models.pair(pair_name)
     return cls(pair.target, pair.draft, pad_token_id=pair.pad_token_id, **options)
@@ -139,6 +151,8 @@ def test_bsp_diverges_on_position_counting_pairs(batch_size: int) -> None:
         out = engine.generate(prompts(), MAX_NEW, None)
         check_contract(out, len(PROMPT_INDICES), MAX_NEW, None)
         check_trace(engine, out)
+        if batch_size == 1 and not draft_ever_rejected(pair_name):
+            continue  # one row, no padding: positions drift only after a rejection
         assert out != ref, f"bsp matched the reference on {pair_name} at batch size {batch_size}"
         assert max(logit_error(engine.last_trace.logits, ref_logits)) > 1e-9
 
@@ -173,7 +187,7 @@ def test_dsd_at_batch_size_1_diverges_only_through_the_rejected_draft_token(pair
     out = engine.generate(prompts(), MAX_NEW, None)
     check_contract(out, len(PROMPT_INDICES), MAX_NEW, None)
     check_trace(engine, out)
-    assert out != ref
+    assert (out != ref) == draft_ever_rejected(pair_name)
     for o, r, got, want in zip(out, ref, engine.last_trace.logits, ref_logits):
         i = first_divergence(o, r)
         if i == len(r):
@@ -187,9 +201,8 @@ def test_dsd_at_batch_size_1_diverges_only_through_the_rejected_draft_token(pair
 def test_dsd_output_is_the_draft_models_own_greedy_output() -> None:
     # every emitted token is a draft token, and the draft decodes greedily from its own tokens
     for pair_name in ("tiny-gpt2", "tiny-llama"):
-        pair = models.pair(pair_name)
-        draft_greedy = ReferenceDecoder(pair.draft).generate(prompts(), MAX_NEW, None)
-        assert build(DSDEngine, pair_name, batch_size=4).generate(prompts(), MAX_NEW, None) == draft_greedy
+        out = build(DSDEngine, pair_name, batch_size=4).generate(prompts(), MAX_NEW, None)
+        assert out == draft_greedy(pair_name)
 
 
 def test_dsd_with_the_target_token_is_exact_at_batch_size_1() -> None:
