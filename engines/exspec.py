@@ -19,19 +19,39 @@ Finished sequences (EOS, `max_new_tokens`, or `ExspecPool.finish`) leave the win
 answered under their request id. `EXSpec.generate` admits every prompt (sorted by length first
 when asked) and steps the pool until it is empty.
 
-Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)`):
+Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overrides it):
 
-- group when the largest same-length group has at least `min_group = ceil(B / 2)` sequences
-  (ties: the shortest length, so that lagging sequences catch up); otherwise fall back on the
-  `B` sequences of the closest lengths;
-- refill when the window has room for `refill_at = ceil(B / 2)` sequences (or for all that
-  still wait, or when the window is empty), at most `B` per prefill.
+- group when some length is shared by at least `min_group = B` active sequences (the shortest
+  such length first, its oldest B sequences); otherwise fall back on the B sequences whose
+  lengths are closest (the shortest such run on ties). A group never trades rows for the lack of
+  padding: it runs only when it fills the batch, and then it saves the padding and the gather.
+- refill when the window has room for `refill_at` sequences (or for all that still wait, or when
+  it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
 
-Measurements (float64, CPU, one thread, all 32 built-in prompts, 48 new tokens, k = 4, model
-drafter, tiny-llama / tiny-qwen3; target passes = prefills + steps, the cost that grows with a
-real target; the tiny models make wall time a poor guide, so it is the tie-breaker only):
+Measurements (float64, CPU, one thread; all 32 built-in prompts, 48 new tokens, k = 4, model
+drafter). The cost counted is target passes (prefills + steps), which is what grows with a real
+target; on these tiny models wall time is dominated by per-call overhead and by other processes
+on the machine, so it only broke ties. EQSPEC needs 197 (B = 4) and 107 (B = 8) on tiny-llama,
+196 and 105 on tiny-qwen3.
 
-    TABLE
+    fallback threshold min_group (refill_at = ceil(B/2)), tiny-llama, unsorted / sorted prompts:
+      B=4 W=8    min_group 1: 477 / 424   2: 183 / 241   4: 177 / 176
+      B=4 W=16   min_group 1: 407 / 407   2: 231 / 236   4: 174 / 175
+      B=8 W=16   min_group 1: 401 / 403   2: 119 / 187   4: 94 / 94   8: 94 / 94
+    refill_at 1 / ceil(B/2) / B (min_group = B), unsorted; sorted within 9 passes:
+      tiny-llama B=4 W=8: 186 / 177 / 168   W=16: 180 / 174 / 172   W=4: 191 / 190 / 197
+      tiny-llama B=8 W=16: 101 / 94 / 91                            W=8: 106 / 105 / 107
+      tiny-qwen3 B=4 W=8: 195 / 179 / 176   W=16: 186 / 181 / 172
+      tiny-qwen3 B=8 W=16: 109 / 99 / 96
+
+Groups smaller than B lose: their steps carry fewer rows, and the rows they leave behind drift
+further apart. Same-length groups of B are rare with these draft models (2 to 8% of steps): rows
+accept different counts, so lengths scatter, and with a draft that is always right the rows move
+in lock step and keep their prompts' length differences (sorted prompts, scripted all-accepting
+drafter, B = 8, W = 32: no group step in 35). The pool's gain over EQSPEC (about 10 to 15% fewer
+passes at W >= 2B) comes from refilling the window while other rows still run. Stage times
+(tiny-llama, B = 8, W = 32): stack and unstack about 5% of the step time each, the fallback's
+realignment about 14% (EQSPEC's: 17%), drafting and verifying the rest.
 
 Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
 the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`
@@ -46,6 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from engines import ragged
 from engines.batch import BatchState
@@ -61,7 +82,7 @@ class Sequence:
     request_id: int
     tokens: list[int]
     prompt_length: int
-    target_kv: torch.Tensor  # [L, 2, H, n-1, D]
+    target_kv: torch.Tensor | None  # [L, 2, H, n-1, D]; set when it enters the window
     draft_kv: torch.Tensor | None  # [L', 2, H', n-1, D'], None for a drafter without a cache
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, [emitted, V]
 
@@ -83,6 +104,10 @@ def stack_cache(model: PreTrainedModel, kvs: list[torch.Tensor]) -> DynamicCache
         for b, kv in enumerate(kvs):
             stacked[:, :, b, :, width - kv.shape[-2]:] = kv
     cache = DynamicCache(config=model.config)
+    if not cache.layers:  # a config without layer types: layers are made on first use
+        cache.layers.extend(DynamicLayer() for _ in range(stacked.shape[0]))
+    if len(cache.layers) != stacked.shape[0] or any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+        raise NotImplementedError("EXSPEC keeps whole per-sequence caches: full-attention layers only")
     for layer, layer_kv in zip(cache.layers, stacked.unbind(0)):
         layer.dtype, layer.device, layer.is_initialized = stacked.dtype, stacked.device, True
         layer.keys, layer.values = layer_kv[0], layer_kv[1]  # [G, H, W, D] each
@@ -119,8 +144,9 @@ class ExspecPool:
         self.batch_size, self.k, self.window_size = batch_size, draft_tokens, window_size
         self.max_new_tokens, self.eos_token_id, self.pad_id = max_new_tokens, eos_token_id, pad_id
         self.record_logits = record_logits
-        self.min_group = min_group if min_group is not None else math.ceil(batch_size / 2)
-        self.refill_at = refill_at if refill_at is not None else math.ceil(batch_size / 2)
+        self.min_group = min_group if min_group is not None else batch_size
+        default_refill = batch_size if window_size >= 2 * batch_size else math.ceil(batch_size / 2)
+        self.refill_at = refill_at if refill_at is not None else default_refill
         self.prompts: dict[int, list[int]] = {}
         self.waiting: deque[int] = deque()  # request ids, oldest first
         self.window: list[Sequence] = []  # active sequences, in order of entry
@@ -150,7 +176,9 @@ class ExspecPool:
             self.finished[request_id] = []
             self.logits[request_id] = None
             return
-        sequence = next(s for s in self.window if s.request_id == request_id)
+        sequence = next((s for s in self.window if s.request_id == request_id), None)
+        if sequence is None:
+            raise KeyError(f"request {request_id} is neither waiting nor active")
         self.window.remove(sequence)
         self._answer(sequence)
 
@@ -164,8 +192,8 @@ class ExspecPool:
         return self._speculate(self._choose())
 
     def _choose(self) -> list[Sequence]:
-        """The largest same-length group (shortest length on ties) if it is large enough; else
-        the `batch_size` sequences of the closest lengths (the shortest such run on ties)."""
+        """The largest same-length group (shortest length on ties), its oldest `batch_size`
+        sequences, if it has `min_group`; else the `batch_size` sequences of the closest lengths."""
         groups: dict[int, list[Sequence]] = {}
         for sequence in self.window:
             groups.setdefault(sequence.length, []).append(sequence)
