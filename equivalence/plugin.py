@@ -27,7 +27,7 @@ class Outcome:
     failures: list[str] = field(default_factory=list)
 
 
-_results_key = pytest.StashKey[dict[tuple[str, int], Outcome]]()
+_results: dict[tuple[str, int], Outcome] = {}  # filled on the controller (the only process with no xdist)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,10 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="largest max_new_tokens drawn (default: 16)")
     group.addoption("--specaudit-max-draft-tokens", type=int, default=8, metavar="K",
                     help="largest k drawn (default: 8)")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_results_key] = {}
+    group.addoption("--specaudit-max-prompt-length", type=int, default=32, metavar="N",
+                    help="longest synthetic prompt drawn; small prompts shrink fast (default: 32)")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -86,32 +84,53 @@ class EquivalenceItem(pytest.Item):
     def runtest(self) -> None:
         from equivalence.plugin_property import run_property
 
-        outcome = self.config.stash[_results_key].setdefault((self.engine, self.batch_size), Outcome())
-        try:
-            run_property(
-                self.engine, self.pair, self.batch_size,
-                max_examples=self.config.getoption("specaudit_max_examples"),
-                max_new_tokens=self.config.getoption("specaudit_max_new_tokens"),
-                max_draft_tokens=self.config.getoption("specaudit_max_draft_tokens"),
-            )
-        except BaseException as exc:
-            outcome.failed += 1
-            outcome.failures.append(f"{self.pair}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-            raise
-        outcome.passed += 1
+        # carried on the report, so the summary works under pytest-xdist too
+        self.user_properties.append(("specaudit", (self.engine, self.pair, self.batch_size)))
+        run_property(
+            self.engine, self.pair, self.batch_size,
+            max_examples=self.config.getoption("specaudit_max_examples"),
+            max_new_tokens=self.config.getoption("specaudit_max_new_tokens"),
+            max_draft_tokens=self.config.getoption("specaudit_max_draft_tokens"),
+            max_prompt_length=self.config.getoption("specaudit_max_prompt_length"),
+        )
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
-        if isinstance(excinfo.value, AssertionError):
-            return f"{self.engine} on {self.pair}, batch size {self.batch_size}: not equivalent\n{excinfo.value}"
+        if _is_divergence(excinfo.value):
+            # float64 on the CPU: any token or logit mismatch is a bug, never a near-tie
+            notes = "\n".join(getattr(excinfo.value, "__notes__", []))  # Hypothesis' falsifying example
+            return (f"{self.engine} on {self.pair}, batch size {self.batch_size}: structural divergence "
+                    f"(float64)\n{excinfo.value}\n{notes}")
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[str, int | None, str]:
         return "specaudit", None, self.name
 
 
+def _is_divergence(exc: BaseException) -> bool:
+    """An equivalence failure, or a group of them (Hypothesis reports distinct failures together)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_divergence(e) for e in exc.exceptions)
+    return isinstance(exc, AssertionError)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    found = dict(report.user_properties).get("specaudit")
+    if found is None or report.when != "call":
+        return
+    engine, pair, batch_size = found
+    outcome = _results.setdefault((engine, int(batch_size)), Outcome())
+    if report.passed:
+        outcome.passed += 1
+    else:
+        outcome.failed += 1
+        message = str(report.longrepr).splitlines() if report.longrepr else []
+        outcome.failures.append(f"{pair}: {message[1] if len(message) > 1 else 'failed'}")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    results = config.stash.get(_results_key, {})
+    results = dict(_results)
+    _results.clear()
     if not results:
         return
     terminalreporter.section("specaudit equivalence")

@@ -1,0 +1,57 @@
+"""The pytest plugin, run by pytester the way a user's CI runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+TESTS = Path(__file__).resolve().parent
+ARGS = ["-p", "no:cacheprovider", "--specaudit-pair", "tiny-gpt2", "--specaudit-batch-size", "4",
+        "--specaudit-max-examples", "6", "--specaudit-max-new-tokens", "8",
+        "--specaudit-max-prompt-length", "6"]
+
+
+@pytest.fixture
+def user_repo(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.syspathinsert(TESTS)
+    pytester.makepyfile(test_own="def test_own():\n    assert True\n")
+    return pytester
+
+
+def test_correct_user_engine_passes(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_correct", *ARGS)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*specaudit equivalence*", "*sample_engines:make_correct*B=4*1/1 pairs pass*equivalent*"])
+
+
+def test_row_position_bug_fails_with_location(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_row_zero_position_bug", *ARGS)
+    result.assert_outcomes(passed=1, failed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "*structural divergence*",
+        "*prompt 0, position *, step *",
+        "*Falsifying example*",
+        "*NOT equivalent*",
+    ])
+
+
+def test_no_engine_adds_no_tests(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest(*ARGS)
+    result.assert_outcomes(passed=1)
+    assert "specaudit equivalence" not in result.stdout.str()
+
+
+def test_unknown_engine_is_a_usage_error(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--specaudit-engine", "nowhere.module:factory", *ARGS)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*cannot import*nowhere.module*"])
+
+
+def test_options_are_grouped_with_defaults(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--help")
+    result.stdout.fnmatch_lines(["specaudit: equivalence of batched speculative decoding:",
+                                 "*--specaudit-engine=E*", "*--specaudit-max-examples=N*", "*(default: 25)*"])
