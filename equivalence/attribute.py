@@ -7,8 +7,8 @@ only when all of these hold, and the evidence is kept beside it:
 
 - the audit runs below float64 (in float64 every token mismatch is a bug);
 - the reference's own top-2 margin at that position is within the dtype's noise;
-- a float64 replay of the target on the same prefix confirms the near-tie (its margin is
-  within that noise too) and has the engine's token among its top two.
+- a float64 replay of the target on the same prefix confirms the near-tie: both the reference's
+  and the engine's token lie within that noise of its top logit.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ CONTEXT_TOKENS = 16
 
 # unit roundoff of each dtype; noise = NOISE_FACTOR * eps * max(1, |top logit|)
 EPS: dict[str, float] = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11, "float64": 2.0**-53}
-NOISE_FACTOR = 64.0
+NOISE_FACTOR = 16.0
 
 
 def dtype_noise(dtype: str, top_logit: float) -> float:
@@ -51,37 +51,38 @@ def classify(
     dtype: str,
     reference_margin: float | None,
     reference_top_logit: float | None,
+    reference_token: int | None,
     engine_token: int | None,
-    replay_top2: list[list[float]] | None,
-    replay_margin: float | None,
+    replay: torch.Tensor | None,
 ) -> tuple[str, dict[str, Any]]:
-    """The kind of a token divergence and the evidence for it."""
-    evidence: dict[str, Any] = {
-        "replay_float64_margin": replay_margin,
-        "replay_float64_top2": replay_top2,
-        "dtype_noise": None,
-    }
+    """The kind of a token divergence and the evidence for it. `replay` is the float64 target's
+    logits [V] on the common prefix."""
+    evidence: dict[str, Any] = {"replay_float64_margin": None, "replay_float64_top2": None, "dtype_noise": None}
+    if replay is not None:
+        evidence["replay_float64_top2"], evidence["replay_float64_margin"] = top2(replay)
     if dtype == "float64":
         evidence["reason"] = "float64: every token mismatch is a bug"
         return "structural", evidence
-    if engine_token is None or reference_margin is None or replay_top2 is None or replay_margin is None:
+    if engine_token is None or reference_token is None or reference_margin is None or replay is None:
         evidence["reason"] = "length mismatch (early or late stop): not a near-tie"
         return "structural", evidence
     noise = dtype_noise(dtype, reference_top_logit or 0.0)
     evidence["dtype_noise"] = noise
-    replay_tokens = {int(t) for t, _ in replay_top2}
-    if engine_token not in replay_tokens:
-        evidence["reason"] = "engine token is not among the float64 replay's top two"
-        return "structural", evidence
+    best = float(replay.max())
+    # how far below the float64 maximum each of the two candidate tokens lies
+    gaps = {"reference": best - float(replay[reference_token]), "engine": best - float(replay[engine_token])}
+    evidence["replay_float64_gaps"] = gaps
     if reference_margin > noise:
         evidence["reason"] = f"reference margin {reference_margin:.3g} exceeds {dtype} noise {noise:.3g}"
         return "structural", evidence
-    if replay_margin > noise:
-        evidence["reason"] = f"float64 replay margin {replay_margin:.3g} exceeds {dtype} noise {noise:.3g}"
-        return "structural", evidence
+    for who, gap in gaps.items():
+        if gap > noise:
+            evidence["reason"] = (f"in the float64 replay the {who} token lies {gap:.3g} below the top, "
+                                  f"beyond {dtype} noise {noise:.3g}")
+            return "structural", evidence
     evidence["reason"] = (
-        f"near-tie: reference margin {reference_margin:.3g} and float64 margin {replay_margin:.3g} "
-        f"within {dtype} noise {noise:.3g}"
+        f"near-tie: reference margin {reference_margin:.3g}; in float64 both tokens lie within "
+        f"{max(gaps.values()):.3g} of the top, inside {dtype} noise {noise:.3g}"
     )
     return "numerical", evidence
 

@@ -16,7 +16,7 @@ from engines.reference import ReferenceDecoder
 from engines.trace import Trace
 from engines.zoo import ModelPair
 from equivalence import attribute
-from equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
+from equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 
 
 class Reference:
@@ -56,20 +56,15 @@ def _divergence(
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
     margin, top_logit = attribute.reference_margin_at(reference.logits[index], position)
-    replay_pairs = replay_margin = None
+    replay = None
     if replay_target is not None:
         # the float64 target on the common prefix: prompt + the tokens both agree on
-        common = list(reference_out[:position])
-        logits = replay_logits(replay_target, prompt, common + [0])[-1]
-        replay_pairs, replay_margin = top2(logits)
+        replay = replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
+    kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
     if detected_by == "logits":
-        kind, evidence = "structural", {
-            "replay_float64_margin": replay_margin, "replay_float64_top2": replay_pairs, "dtype_noise": None,
-            "reason": f"tokens agree but logits differ by {logit_error_value:.3g} "
-                      f"(> {LOGIT_TOLERANCE.get(dtype, float('nan')):.0e} in {dtype})",
-        }
-    else:
-        kind, evidence = attribute.classify(dtype, margin, top_logit, engine_token, replay_pairs, replay_margin)
+        kind, evidence["reason"] = "structural", (
+            f"tokens agree but logits differ by {logit_error_value:.3g} "
+            f"(> {LOGIT_TOLERANCE.get(dtype, float('nan')):.0e} in {dtype})")
     ids, text = attribute.context(engine_out[:position], reference_out, engine_out, position, tokenizer)
     record: dict[str, Any] = {
         "prompt_index": index, "position": position, "reference_token": reference_token,

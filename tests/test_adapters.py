@@ -111,11 +111,11 @@ def test_hf_adapters_are_token_exact_in_float64(pair_name: str, cls, batch_size:
     check_trace(engine, out)
     assert out == ref
     # generate chooses from float32 casts of the model's logits: only that rounding separates them
-    for got, want in zip(engine.last_trace.logits, ref_logits):
+    for got, want in zip(engine.last_generate_logits, ref_logits):
         assert got.dtype == torch.float32
         assert torch.all((got.double() - want).abs() <= FLOAT32_EPS * want.abs() + 1e-30)
     # what the model computed, batched (left padding, generate's own position ids and masks), is exact
-    assert max(logit_error(engine.last_model_logits, ref_logits)) < 1e-12
+    assert max(logit_error(engine.last_trace.logits, ref_logits)) < 1e-12
 
 
 @pytest.mark.parametrize("cls", [HFBatched, HFAssisted], ids=["hf-batched", "hf-assisted"])

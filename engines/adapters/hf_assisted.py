@@ -11,9 +11,9 @@ schedule and no confidence threshold for the duration of the call.
 
 `last_trace` has one step per target forward pass, recovered from the pass's logits (accepted
 count = emitted - 1, exact unless the pass was cut at EOS or `max_new_tokens`); with
-`record_logits`, `last_trace.logits[p]` holds the float32 logits `generate` chose each token from
-(it casts the model's logits to float32 before choosing) and `last_model_logits[p]` the logits the
-model computed, in its own dtype.
+`record_logits`, `last_trace.logits[p]` holds the logits the model computed, in its own dtype (what
+the audit compares), and `last_generate_logits[p]` the float32 casts of them that `generate` chose
+each token from (a token flipped by that cast still shows in the token comparison).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class HFAssisted:
         self.pad_id = resolve_pad_id(target, pad_token_id)
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
-        self.last_model_logits: list[torch.Tensor | None] = []
+        self.last_generate_logits: list[torch.Tensor | None] = []
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
@@ -60,7 +60,7 @@ class HFAssisted:
             raise ValueError("every prompt needs at least one token")
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
         outputs: list[list[int]] = [[] for _ in prompts]
-        self.last_model_logits = [None] * len(prompts)
+        self.last_generate_logits = [None] * len(prompts)
         if max_new_tokens <= 0:
             self.last_trace = trace
             return outputs
@@ -104,8 +104,8 @@ class HFAssisted:
                 accepted_counts=[max(count - 1, 0)], emitted_counts=[count],
             ))
         if self.record_logits:
-            trace.logits[index] = as_float(chosen)
-            self.last_model_logits[index] = computed
+            trace.logits[index] = computed
+            self.last_generate_logits[index] = as_float(chosen)
         return new[:kept]
 
 

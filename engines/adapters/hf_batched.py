@@ -44,8 +44,8 @@ class HFBatched:
         self.pad_id = resolve_pad_id(target, pad_token_id)
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
-        # per prompt, the logits the model computed (its own dtype) for each emitted token [n, V]
-        self.last_model_logits: list[torch.Tensor | None] = []
+        # per prompt, the float32 casts of the model's logits that generate chose each token from [n, V]
+        self.last_generate_logits: list[torch.Tensor | None] = []
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
@@ -53,7 +53,7 @@ class HFBatched:
             raise ValueError("every prompt needs at least one token")
         trace = Trace(num_prompts=len(prompts))
         outputs: list[list[int]] = [[] for _ in prompts]
-        self.last_model_logits = [None] * len(prompts)
+        self.last_generate_logits = [None] * len(prompts)
         if max_new_tokens <= 0:
             self.last_trace = trace
             return outputs
@@ -100,9 +100,9 @@ class HFBatched:
         for i, prompt in enumerate(rows):
             outputs[prompt] = new[i][: kept[i]]
             if logits is not None:
-                trace.logits[prompt] = as_float(logits[i, : kept[i]])
+                self.last_generate_logits[prompt] = as_float(logits[i, : kept[i]])
             if computed is not None:
-                self.last_model_logits[prompt] = as_float(computed[i, : kept[i]])
+                trace.logits[prompt] = as_float(computed[i, : kept[i]])
         # one record per decoding step: every row still running emits one token
         pad_lengths = (width - lengths).tolist()
         for t in range(max(kept, default=0)):
