@@ -121,3 +121,14 @@ def test_jsonl_prompts_text_and_turns(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     run = load(tmp_path / "out")["runs"][0]
     assert run["num_prompts"] == 4 and [p["reference_length"] for p in run["prompts"]] == [6] * 4
+
+
+def test_bsp_and_dsd_audits_exit_1_with_structural_divergences(tmp_path: Path) -> None:
+    result = specaudit("--engine", "bsp", "--engine", "dsd", "--pair", "tiny-gpt2", "--batch-size", "4",
+                       "--dtype", "float64", "--num-prompts", "8", "--max-new-tokens", "12", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    runs = {run["engine"]: run for run in load(tmp_path)["runs"]}
+    for engine in ("bsp", "dsd"):
+        assert runs[engine]["structural_divergences"] > 0
+        assert all(d["kind"] == "structural" for d in runs[engine]["divergences"])
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()

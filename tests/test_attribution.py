@@ -1,0 +1,77 @@
+"""Divergence kinds: float64 mismatches are bugs; low-precision flips carry their evidence."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from engines import zoo
+from engines.eqspec import EQSpec
+from equivalence.attribute import classify, dtype_noise
+from equivalence.audit import audit_engine
+
+NUM_PROMPTS, MAX_NEW = 16, 24
+
+
+@functools.lru_cache(maxsize=None)
+def low_precision_run(pair_name: str, dtype: str) -> dict:
+    pair = zoo.load_pair(pair_name, dtype=dtype)
+    replay = zoo.load_pair(pair_name).target
+    engine = EQSpec(pair.target, pair.draft, batch_size=8, draft_tokens=4, pad_token_id=pair.pad_token_id)
+    return audit_engine(engine, pair, zoo.builtin_prompts()[:NUM_PROMPTS], max_new_tokens=MAX_NEW,
+                        eos_token_id=None, dtype=dtype, replay_target=replay, engine_name="eqspec", batch_size=8)
+
+
+@pytest.mark.parametrize("pair_name", ["tiny-gpt2", "tiny-llama"])
+def test_bfloat16_flips_of_the_correct_engine_carry_margin_and_float64_replay(pair_name: str) -> None:
+    run = low_precision_run(pair_name, "bfloat16")
+    assert run["divergences"], "bfloat16 on these tiny pairs is expected to flip near-ties"
+    for divergence in run["divergences"]:
+        evidence = divergence["evidence"]
+        assert divergence["margin"] is not None and divergence["margin"] <= evidence["dtype_noise"]
+        assert evidence["replay_float64_margin"] is not None and len(evidence["replay_float64_top2"]) == 2
+        assert max(evidence["replay_float64_gaps"].values()) <= evidence["dtype_noise"]
+        assert divergence["kind"] == "numerical", evidence["reason"]
+        assert divergence["step"] is not None and divergence["accepted_history"] is not None
+    assert run["equivalent"]
+
+
+def test_float32_correct_engine_is_token_exact_with_small_logit_error() -> None:
+    run = low_precision_run("tiny-llama", "float32")
+    assert run["exact_matches"] == NUM_PROMPTS and not run["divergences"]
+    assert run["max_logit_error"] < 1e-4 and run["logit_tolerance"] is None
+
+
+def _logits(values: dict[int, float], vocab: int = 8) -> torch.Tensor:
+    out = torch.full((vocab,), -5.0, dtype=torch.float64)
+    for token, value in values.items():
+        out[token] = value
+    return out
+
+
+def test_float64_mismatch_is_always_structural() -> None:
+    kind, evidence = classify("float64", 0.0, 3.0, 1, 2, _logits({1: 3.0, 2: 3.0}))
+    assert kind == "structural" and "float64" in evidence["reason"]
+
+
+def test_near_tie_in_bfloat16_is_numerical() -> None:
+    kind, evidence = classify("bfloat16", 0.01, 3.0, 1, 2, _logits({1: 3.0, 2: 2.99}))
+    assert kind == "numerical" and evidence["replay_float64_margin"] == pytest.approx(0.01)
+
+
+def test_engine_token_far_below_the_top_in_float64_is_structural() -> None:
+    noise = dtype_noise("bfloat16", 3.0)
+    kind, evidence = classify("bfloat16", 0.01, 3.0, 1, 2, _logits({1: 3.0, 3: 2.995, 2: 3.0 - 4 * noise}))
+    assert kind == "structural" and "engine token" in evidence["reason"]
+
+
+def test_reference_margin_beyond_noise_is_structural() -> None:
+    kind, _ = classify("float16", 0.5, 3.0, 1, 2, _logits({1: 3.0, 2: 2.5}))
+    assert kind == "structural"
+
+
+def test_length_mismatch_is_structural() -> None:
+    kind, evidence = classify("bfloat16", 0.0, 3.0, 1, None, _logits({1: 3.0}))
+    assert kind == "structural" and "length" in evidence["reason"]
