@@ -30,7 +30,9 @@ def greedy_decode(
     new_tokens: list[int] = []
     logits_rows: list[torch.Tensor] = []
     while len(new_tokens) < max_new_tokens:
-        out = model(input_ids=inputs, position_ids=position, past_key_values=cache, use_cache=True)
+        seen = int(position[0, -1]) + 1  # tokens in the cache after this pass
+        mask = torch.ones(1, seen, dtype=torch.long, device=device)
+        out = model(input_ids=inputs, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
         logits = out.logits[0, -1]  # [V]
         token = int(logits.argmax())
         new_tokens.append(token)
