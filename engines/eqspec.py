@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from engines import batch as batch_ops
 from engines import ragged
 from engines.batch import BatchState
+from engines.contract import ConsecutiveBatches
 from engines.drafters import Drafter, ModelDrafter
 from engines.trace import StepRecord, Trace
 
@@ -169,7 +170,7 @@ def speculative_step(
     return StepResult(record, new_tokens, row_logits, finished)
 
 
-class EQSpec:
+class EQSpec(ConsecutiveBatches):
     """EQSPEC engine: consecutive fixed batches of `batch_size` prompts."""
 
     name = "eqspec"
@@ -198,29 +199,15 @@ class EQSpec:
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        if max_new_tokens <= 0:
-            self.last_trace = trace
-            return outputs
-        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-        for start in range(0, len(prompts), self.batch_size):
-            rows = list(range(start, min(start + self.batch_size, len(prompts))))
-            state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,
-                                        max_new_tokens, self.record_logits)
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+                   trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,
+                                    max_new_tokens, self.record_logits)
+        self._collect(trace, result, outputs, logits)
+        while state.rows:
+            result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
+                                      max_new_tokens, self.pad_id, self.record_logits)
             self._collect(trace, result, outputs, logits)
-            while state.rows:
-                result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
-                                          max_new_tokens, self.pad_id, self.record_logits)
-                self._collect(trace, result, outputs, logits)
-        if self.record_logits:
-            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
-        self.last_trace = trace
-        return outputs
 
     @staticmethod
     def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:

@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    "$PYTHON" -m pip install --quiet torch==2.13.0
+    "$PYTHON" -m pip install --quiet --root-user-action=ignore torch==2.13.0
 fi
-"$PYTHON" -m pip install --quiet --disable-pip-version-check -e .
+"$PYTHON" -m pip install --quiet --root-user-action=ignore --disable-pip-version-check -e .

@@ -39,6 +39,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
+from engines.contract import ConsecutiveBatches
 from engines.trace import StepRecord, Trace
 
 
@@ -58,7 +59,7 @@ def _extend(mask: torch.Tensor) -> torch.Tensor:
     return torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
 
 
-class BSPEngine:
+class BSPEngine(ConsecutiveBatches):
     """BSP-style batch speculation (Su et al., 2023): rejected tokens masked, never removed."""
 
     name = "bsp"
@@ -85,24 +86,6 @@ class BSPEngine:
         self.pad_id = resolve_pad_id(target, pad_token_id)
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        if max_new_tokens <= 0:
-            self.last_trace = trace
-            return outputs
-        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-        for start in range(0, len(prompts), self.batch_size):
-            rows = list(range(start, min(start + self.batch_size, len(prompts))))
-            self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
-        if self.record_logits:
-            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
-        self.last_trace = trace
-        return outputs
 
     def _emit(
         self,

@@ -61,6 +61,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from engines import ragged
 from engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
+from engines.contract import ConsecutiveBatches
 from engines.trace import StepRecord, Trace
 
 
@@ -75,7 +76,7 @@ def drop_last_columns(cache: DynamicCache, n: int) -> None:
         layer.values = layer.values[..., : layer.values.shape[-2] - n, :]
 
 
-class DSDEngine:
+class DSDEngine(ConsecutiveBatches):
     """DSD-style batch speculation (Yan et al.): re-pad, attend to padding, trim to the minimum."""
 
     name = "dsd"
@@ -106,24 +107,6 @@ class DSDEngine:
         self.reuse_cache = reuse_cache
         self.take_target_token = take_target_token
         self.last_trace: Trace | None = None
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        if max_new_tokens <= 0:
-            self.last_trace = trace
-            return outputs
-        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-        for start in range(0, len(prompts), self.batch_size):
-            rows = list(range(start, min(start + self.batch_size, len(prompts))))
-            self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
-        if self.record_logits:
-            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
-        self.last_trace = trace
-        return outputs
 
     def _draft(self, tokens: torch.Tensor, budget: int) -> torch.Tensor:
         """The published drafting call: `generate` on the padded batch, no mask given."""

@@ -1,0 +1,45 @@
+"""The engine contract, and the one `generate` shared by engines that take consecutive batches.
+
+Contract: `generate(prompts, max_new_tokens, eos_token_id) -> list[list[int]]`, per prompt only
+the new tokens: the first EOS kept and nothing after it, never more than `max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engines.trace import Trace
+
+
+class ConsecutiveBatches:
+    """`generate` for engines that decode prompts in consecutive batches of `batch_size`.
+
+    A subclass sets `batch_size`, `k`, `record_logits` and implements `_run_batch`, which appends
+    each row's new tokens to `outputs[row]`, its logits [n, V] to `logits[row]` when recorded, and
+    its steps to `trace`.
+    """
+
+    batch_size: int
+    k: int
+    record_logits: bool
+    last_trace: Trace | None
+
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+                   trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+        if max_new_tokens > 0:
+            for start in range(0, len(prompts), self.batch_size):
+                rows = list(range(start, min(start + self.batch_size, len(prompts))))
+                self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
+        if self.record_logits:
+            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
+        self.last_trace = trace
+        return outputs
