@@ -17,7 +17,12 @@ DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Shows a default only where there is one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _positive(value: str) -> int:
