@@ -141,7 +141,8 @@ def speculative_step(
         done = (emitted >= room) | is_eos.any(1)
     else:
         done = emitted >= room
-    # the one host sync of the step: accepted and emitted counts, and who finished
+    # the step's one read of per-row results (the other host syncs are a fixed few per step, for
+    # batch widths and row selection; none is per row)
     accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
 
     # 4. realign: both caches keep [old cache, pending token, accepted tokens] of each running
