@@ -6,7 +6,8 @@ fallback), and the target's top-2 margin there on the common prefix. The label i
 only when all of these hold, and the evidence is kept beside it:
 
 - the audit runs below float64 (in float64 every token mismatch is a bug);
-- the reference's own top-2 margin at that position is within the dtype's noise;
+- the engine's logits up to that position stay within the dtype's noise of a same-dtype replay;
+- the reference's own top-2 margin at that position is within that noise;
 - a float64 replay of the target on the same prefix confirms the near-tie: both the reference's
   and the engine's token lie within that noise of its top logit.
 """
@@ -54,9 +55,11 @@ def classify(
     reference_token: int | None,
     engine_token: int | None,
     replay: torch.Tensor | None,
+    logit_error_so_far: float | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The kind of a token divergence and the evidence for it. `replay` is the float64 target's
-    logits [V] on the common prefix."""
+    logits [V] on the common prefix; `logit_error_so_far` is the largest difference between the
+    engine's logits and a same-dtype replay along its output, up to and including this position."""
     evidence: dict[str, Any] = {"replay_float64_margin": None, "replay_float64_top2": None, "dtype_noise": None}
     if replay is not None:
         evidence["replay_float64_top2"], evidence["replay_float64_margin"] = top2(replay)
@@ -72,6 +75,11 @@ def classify(
     # how far below the float64 maximum each of the two candidate tokens lies
     gaps = {"reference": best - float(replay[reference_token]), "engine": best - float(replay[engine_token])}
     evidence["replay_float64_gaps"] = gaps
+    evidence["logit_error_so_far"] = logit_error_so_far
+    if logit_error_so_far is not None and logit_error_so_far > noise:
+        evidence["reason"] = (f"the engine's logits up to here differ from a {dtype} replay by "
+                              f"{logit_error_so_far:.3g}, beyond {dtype} noise {noise:.3g}")
+        return "structural", evidence
     if reference_margin > noise:
         evidence["reason"] = f"reference margin {reference_margin:.3g} exceeds {dtype} noise {noise:.3g}"
         return "structural", evidence

@@ -51,7 +51,7 @@ def trace_summary(trace: Trace | None) -> dict[str, Any] | None:
 def _divergence(
     index: int, position: int, reference_out: list[int], engine_out: list[int], reference: Reference,
     trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, prompt: list[int], tokenizer: Any,
-    detected_by: str, logit_error_value: float | None,
+    detected_by: str, logit_error_value: float | None, logit_error_so_far: float | None = None,
 ) -> dict[str, Any]:
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
@@ -60,7 +60,8 @@ def _divergence(
     if replay_target is not None:
         # the float64 target on the common prefix: prompt + the tokens both agree on
         replay = replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
-    kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
+    kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay,
+                                        logit_error_so_far)
     if detected_by == "logits":
         kind, evidence["reason"] = "structural", (
             f"tokens agree but logits differ by {logit_error_value:.3g} "
@@ -114,10 +115,14 @@ def audit_engine(
     for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, outputs)):
         eng_out = [int(t) for t in eng_out]
         comparison = compare_tokens(index, ref_out, eng_out)
+        error_so_far = None
         if engine_logits[index] is not None:
             # replay along the engine's own output, in the audit dtype: what its step should have seen
             replay = replay_logits(pair.target, prompt, eng_out)
             error, where = logit_error(engine_logits[index], replay)
+            if not comparison.exact:
+                upto = comparison.first_divergence + 1
+                error_so_far, _ = logit_error(engine_logits[index][:upto], replay[:upto])
             comparison.max_logit_error, comparison.worst_logit_position = error, where
             if error is not None:
                 worst_error = error if worst_error is None else max(worst_error, error)
@@ -125,7 +130,7 @@ def audit_engine(
         if not comparison.exact:
             divergences.append(_divergence(
                 index, comparison.first_divergence, ref_out, eng_out, reference, trace, dtype, replay_target,
-                prompt, pair.tokenizer, "tokens", comparison.max_logit_error))
+                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far))
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
             divergences.append(_divergence(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,

@@ -75,3 +75,16 @@ def test_reference_margin_beyond_noise_is_structural() -> None:
 def test_length_mismatch_is_structural() -> None:
     kind, evidence = classify("bfloat16", 0.0, 3.0, 1, None, _logits({1: 3.0}))
     assert kind == "structural" and "length" in evidence["reason"]
+
+
+def test_bfloat16_run_of_a_buggy_engine_is_structural() -> None:
+    """BSP's positions drift: in bfloat16 its logits leave the noise band before its tokens flip."""
+    from engines.adapters.bsp import BSPEngine
+
+    pair = zoo.load_pair("tiny-llama", dtype="bfloat16")
+    engine = BSPEngine(pair.target, pair.draft, batch_size=4, draft_tokens=4, pad_token_id=pair.pad_token_id)
+    run = audit_engine(engine, pair, zoo.builtin_prompts()[:8], max_new_tokens=16, eos_token_id=None,
+                       dtype="bfloat16", replay_target=zoo.load_pair("tiny-llama").target, engine_name="bsp",
+                       batch_size=4)
+    assert run["divergences"] and not run["equivalent"]
+    assert all(d["kind"] == "structural" for d in run["divergences"]), [d["evidence"]["reason"] for d in run["divergences"]]
