@@ -32,7 +32,8 @@ class ConsecutiveBatches:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
+        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
+                      proposals_from_draft_model=getattr(self, "proposals_from_draft_model", False))
         outputs: list[list[int]] = [[] for _ in prompts]
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
         if max_new_tokens > 0:

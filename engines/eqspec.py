@@ -166,6 +166,7 @@ def speculative_step(
         step=step, kind=kind, rows=rows, pad_lengths=pad_lengths, accepted_counts=accepted_list,
         emitted_counts=emitted_list,
         seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": realign_seconds},
+        proposed=draft_tokens.tolist() if record_logits else None,
     )
     finished = [r for r, d in zip(rows, done_list) if d]
     return StepResult(record, new_tokens, row_logits, finished)
@@ -209,6 +210,10 @@ class EQSpec(ConsecutiveBatches):
             result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
                                       max_new_tokens, self.pad_id, self.record_logits)
             self._collect(trace, result, outputs, logits)
+
+    @property
+    def proposals_from_draft_model(self) -> bool:
+        return isinstance(self.drafter, ModelDrafter)
 
     @staticmethod
     def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:

@@ -334,7 +334,8 @@ class EXSpec:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
+        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
+                      proposals_from_draft_model=isinstance(self.drafter, ModelDrafter))
         if max_new_tokens <= 0 or not prompts:
             self.last_trace = trace
             return [[] for _ in prompts]

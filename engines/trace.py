@@ -22,6 +22,7 @@ class StepRecord:
     accepted_counts: list[int]  # accepted draft tokens per row, 0..k
     emitted_counts: list[int]  # tokens appended per row: accepted + bonus, cut at EOS / max_new_tokens
     seconds: dict[str, float] = field(default_factory=dict)  # draft, verify, realign
+    proposed: list[list[int]] | None = None  # draft tokens per row [B, k], when recorded
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -31,6 +32,8 @@ class StepRecord:
 class Trace:
     num_prompts: int
     draft_tokens: int = 0
+    # True when every proposal is the draft model's own greedy choice: the audit then checks them
+    proposals_from_draft_model: bool = False
     steps: list[StepRecord] = field(default_factory=list)
     # per prompt, the target logits each emitted token was chosen from: [n_new, V], or None
     logits: list[torch.Tensor | None] = field(default_factory=list)

@@ -16,6 +16,7 @@ from engines.reference import ReferenceDecoder
 from engines.trace import Trace
 from engines.zoo import ModelPair
 from equivalence import attribute
+from equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 
 
@@ -135,6 +136,12 @@ def audit_engine(
             divergences.append(_divergence(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
                 prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+
+    if (dtype == "float64" and trace is not None and getattr(trace, "proposals_from_draft_model", False)
+            and getattr(pair, "draft", None) is not None):
+        diverged = {d["prompt_index"] for d in divergences}
+        for index, mismatch in sorted(first_draft_mismatches(trace, pair.draft, prompts, outputs, diverged).items()):
+            divergences.append(draft_divergence(index, mismatch, trace))
 
     structural = sum(d["kind"] == "structural" for d in divergences)
     return {

@@ -88,3 +88,20 @@ def test_bfloat16_run_of_a_buggy_engine_is_structural() -> None:
                        batch_size=4)
     assert run["divergences"] and not run["equivalent"]
     assert all(d["kind"] == "structural" for d in run["divergences"]), [d["evidence"]["reason"] for d in run["divergences"]]
+
+
+def test_draft_fidelity_finds_a_proposal_the_draft_would_not_make() -> None:
+    from equivalence.draft_fidelity import first_draft_mismatches
+
+    pair = zoo.load_pair("tiny-gpt2")
+    engine = EQSpec(pair.target, pair.draft, batch_size=4, draft_tokens=3, pad_token_id=pair.pad_token_id,
+                    record_logits=True)
+    prompts = zoo.builtin_prompts()[:4]
+    outputs = engine.generate(prompts, 12, None)
+    trace = engine.last_trace
+    assert trace.proposals_from_draft_model
+    assert first_draft_mismatches(trace, pair.draft, prompts, outputs, skip=set()) == {}
+    step = next(s for s in trace.steps if s.kind == "batch")
+    step.proposed[1][0] = (step.proposed[1][0] + 1) % 256  # the first proposal is always checkable
+    found = first_draft_mismatches(trace, pair.draft, prompts, outputs, skip=set())
+    assert list(found) == [step.rows[1]] and found[step.rows[1]]["step"] == trace.steps.index(step)
