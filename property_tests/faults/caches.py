@@ -1,8 +1,9 @@
 """KV-cache faults: a cache that keeps what a row rejected, or loses what it accepted.
 
 The draft-cache faults change no output token or logit (the target alone decides every token);
-they only change what the draft proposes, so only the draft-proposal check
-(`property_tests.faults.draft_check`) can see them.
+they only change what the draft proposes, so only a check of the proposals can see them: the
+draft-proposal property here (`property_tests.faults.draft_check`) and the audit's draft-fidelity
+check (`equivalence/draft_fidelity.py`).
 """
 
 from __future__ import annotations

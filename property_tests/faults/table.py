@@ -29,9 +29,9 @@ decoding cases (up to 4 prompts of up to 8 tokens, k <= 4, up to 8 new tokens, a
 schedules, EOS, a pad id that is also content, pool windows) for a case where the fault breaks
 output equivalence with greedy decoding (tokens, then float64 logits), shrank it, and the audit
 classified the minimal case. The two draft-cache faults cannot change any output (the target alone
-decides every token); they are caught by the draft-proposal check, which compares every proposal
-with the draft model's own greedy continuation of the row, and the audit of their minimal case
-finds no divergence.
+decides every token); the hunt finds them with the draft-proposal check, which compares every
+proposal with the draft model's own greedy continuation of the row, and the audit reports their
+minimal case through its draft-fidelity check (`detected_by: draft`).
 
 Minimal example: prompts (batch size), longest prompt, new tokens, draft tokens k.
 """
