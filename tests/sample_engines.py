@@ -63,3 +63,13 @@ def make_row_zero_position_bug(target, draft, *, batch_size: int, draft_tokens: 
 
 def not_an_engine(target, draft, **_: Any) -> object:
     return object()
+
+
+class _Interrupts:
+    def generate(self, prompts, max_new_tokens, eos_token_id):
+        raise KeyboardInterrupt
+
+
+def make_interrupting(target, draft, **_: Any) -> _Interrupts:
+    """Stands for a user pressing Ctrl-C during a run."""
+    return _Interrupts()

@@ -132,3 +132,14 @@ def test_bsp_and_dsd_audits_exit_1_with_structural_divergences(tmp_path: Path) -
         assert runs[engine]["structural_divergences"] > 0
         assert all(d["kind"] == "structural" for d in runs[engine]["divergences"])
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()
+
+
+def test_ctrl_c_keeps_finished_runs_and_writes_reports(tmp_path: Path) -> None:
+    result = specaudit("--engine", "eqspec", "--engine", "sample_engines:make_interrupting", "--engine", "exspec",
+                       "--pair", "tiny-gpt2", "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "4",
+                       out=tmp_path)
+    assert result.returncode == 130
+    audit = load(tmp_path)
+    assert [run["engine"] for run in audit["runs"]] == ["eqspec"] and not audit["complete"]
+    assert audit["runs"][0]["exact_matches"] == 2
+    assert (tmp_path / "report.md").exists() and "interrupted" in result.stderr
