@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engines import ragged
+from specaudit.engines import ragged
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.trace import Trace
+from specaudit.engines.trace import Trace
 
 
 class ConsecutiveBatches:

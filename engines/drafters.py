@@ -13,9 +13,9 @@ from typing import Callable, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from engines import batch as batch_ops
-from engines import ragged
-from engines.batch import BatchState
+from specaudit.engines import batch as batch_ops
+from specaudit.engines import ragged
+from specaudit.engines.batch import BatchState
 
 
 class Drafter(Protocol):

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from engines import batch as batch_ops
-from engines import ragged
-from engines.batch import BatchState
-from engines.contract import ConsecutiveBatches
-from engines.drafters import Drafter, ModelDrafter
-from engines.trace import StepRecord, Trace
+from specaudit.engines import batch as batch_ops
+from specaudit.engines import ragged
+from specaudit.engines.batch import BatchState
+from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.drafters import Drafter, ModelDrafter
+from specaudit.engines.trace import StepRecord, Trace
 
 
 class Clock:

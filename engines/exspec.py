@@ -68,11 +68,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from engines import ragged
-from engines.batch import BatchState
-from engines.drafters import Drafter, ModelDrafter
-from engines.eqspec import Clock, StepResult, speculative_step, start_batch
-from engines.trace import StepRecord, Trace
+from specaudit.engines import ragged
+from specaudit.engines.batch import BatchState
+from specaudit.engines.drafters import Drafter, ModelDrafter
+from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
+from specaudit.engines.trace import StepRecord, Trace
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engines.trace import Trace
+from specaudit.engines.trace import Trace
 
 
 @torch.no_grad()

@@ -12,13 +12,13 @@ import inspect
 from typing import Any, Callable
 
 BUILTIN_ENGINES: dict[str, str] = {
-    "reference": "engines.reference:ReferenceDecoder",
-    "eqspec": "engines.eqspec:EQSpec",
-    "exspec": "engines.exspec:EXSpec",
-    "hf-assisted": "engines.adapters.hf_assisted:HFAssisted",
-    "hf-batched": "engines.adapters.hf_batched:HFBatched",
-    "bsp": "engines.adapters.bsp:BSPEngine",
-    "dsd": "engines.adapters.dsd:DSDEngine",
+    "reference": "specaudit.engines.reference:ReferenceDecoder",
+    "eqspec": "specaudit.engines.eqspec:EQSpec",
+    "exspec": "specaudit.engines.exspec:EXSpec",
+    "hf-assisted": "specaudit.engines.adapters.hf_assisted:HFAssisted",
+    "hf-batched": "specaudit.engines.adapters.hf_batched:HFBatched",
+    "bsp": "specaudit.engines.adapters.bsp:BSPEngine",
+    "dsd": "specaudit.engines.adapters.dsd:DSDEngine",
 }
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+# the package data of `specaudit.fixtures` (the repository's `fixtures/`), wherever it is installed
+FIXTURES = resources.files("specaudit.fixtures")
 PAIR_DIR = FIXTURES / "pairs"
 
 DTYPES: dict[str, torch.dtype] = {
@@ -68,7 +70,8 @@ class ModelPair:
 
 
 def builtin_pair_names() -> list[str]:
-    return sorted(p.stem for p in PAIR_DIR.glob("tiny-*.json"))
+    return sorted(p.name[: -len(".json")] for p in PAIR_DIR.iterdir()
+                  if p.name.startswith("tiny-") and p.name.endswith(".json"))
 
 
 def _layer_key(model_type: str) -> str:
@@ -101,7 +104,7 @@ def _seeded_init(model: PreTrainedModel, std: float, seed: int) -> None:
 def build_builtin_pair(name: str) -> tuple[PreTrainedModel, PreTrainedModel, dict[str, Any]]:
     """Build the float64 CPU target and draft of a built-in pair from its fixture."""
     path = PAIR_DIR / f"{name}.json"
-    if not path.exists():
+    if not path.is_file():
         raise ValueError(f"unknown pair {name!r}; built-in pairs: {', '.join(builtin_pair_names())}")
     spec = json.loads(path.read_text())
     target = AutoModelForCausalLM.from_config(_config(spec, spec["target_layers"]), dtype=torch.float64)
@@ -203,7 +206,7 @@ def builtin_prompts(tokenizer: ByteTokenizer | None = None) -> list[list[int]]:
 def measure_acceptance(pair: ModelPair, prompts: list[list[int]], max_new_tokens: int = 32) -> float:
     """Per-token acceptance: how often the draft's greedy choice equals the target's, along the
     target's own greedy continuation of each prompt (teacher forcing, batch size 1)."""
-    from engines.reference import greedy_decode
+    from specaudit.engines.reference import greedy_decode
 
     agree = total = 0
     for prompt in prompts:

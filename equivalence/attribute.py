@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from engines.trace import Trace
-from equivalence.compare import top2
+from specaudit.engines.trace import Trace
+from specaudit.equivalence.compare import top2
 
 CONTEXT_TOKENS = 16
 

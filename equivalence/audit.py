@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from engines.reference import ReferenceDecoder
-from engines.trace import Trace
-from engines.zoo import ModelPair
-from equivalence import attribute
-from equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
-from equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
+from specaudit.engines.reference import ReferenceDecoder
+from specaudit.engines.trace import Trace
+from specaudit.engines.zoo import ModelPair
+from specaudit.equivalence import attribute
+from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
+from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 
 
 class Reference:

@@ -49,10 +49,13 @@ def _eos(value: str) -> int | None | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engines.registry import BUILTIN_ENGINES
-    from engines.zoo import builtin_pair_names
+    from specaudit.engines.registry import BUILTIN_ENGINES
+    from specaudit.engines.zoo import builtin_pair_names
+
+    from specaudit import __version__
 
     parser = argparse.ArgumentParser(prog="specaudit", description=__doc__, formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"specaudit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     audit = commands.add_parser(
@@ -107,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    from engines.zoo import builtin_pair_names
-    from equivalence.runner import AuditConfig, UserPair
+    from specaudit.engines.zoo import builtin_pair_names
+    from specaudit.equivalence.runner import AuditConfig, UserPair
 
     if bool(args.target) != bool(args.draft):
         parser.error("--target and --draft go together")
@@ -135,7 +138,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 
 def _check_engines(names: list[str], parser: argparse.ArgumentParser) -> None:
-    from engines.registry import EngineSpecError, resolve
+    from specaudit.engines.registry import EngineSpecError, resolve
 
     for name in names:
         try:
@@ -145,8 +148,8 @@ def _check_engines(names: list[str], parser: argparse.ArgumentParser) -> None:
 
 
 def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from equivalence.prompts import PromptError
-    from equivalence.runner import exit_status, run_audit, summary_table
+    from specaudit.equivalence.prompts import PromptError
+    from specaudit.equivalence.runner import exit_status, run_audit, summary_table
 
     config = _config(args, parser)
     _check_engines(config.engines, parser)
@@ -176,7 +179,7 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:
-    from equivalence.report import write_reports
+    from specaudit.equivalence.report import write_reports
 
     return list(write_reports(audit, out).values())
 
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "audit":
         return run_audit_command(args, parser)
     if args.command == "pairs":
-        from engines import zoo
+        from specaudit.engines import zoo
 
         for name in zoo.builtin_pair_names():
             if not args.acceptance:
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<16} {pair.info['family']:<10} acceptance {rate:.1%}", flush=True)
         return 0
     if args.command == "engines":
-        from engines.registry import BUILTIN_ENGINES
+        from specaudit.engines.registry import BUILTIN_ENGINES
 
         print("\n".join(f"{name:<12} {path}" for name, path in BUILTIN_ENGINES.items()))
         return 0

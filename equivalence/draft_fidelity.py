@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from engines.trace import Trace
+from specaudit.engines.trace import Trace
 
 
 @torch.no_grad()
@@ -54,7 +54,7 @@ def first_draft_mismatches(
 
 def draft_divergence(prompt_index: int, mismatch: dict[str, Any], trace: Trace) -> dict[str, Any]:
     """A divergence record (kind structural, detected by the draft check)."""
-    from equivalence.attribute import step_context
+    from specaudit.equivalence.attribute import step_context
 
     record: dict[str, Any] = {
         "prompt_index": prompt_index, "position": mismatch["position"],

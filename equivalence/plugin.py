@@ -3,7 +3,7 @@
     pytest --specaudit-engine mypkg.engine:make [--specaudit-pair tiny-gpt2] [--specaudit-batch-size 4]
 
 adds one test per (engine, pair, batch size) that runs the Hypothesis equivalence property
-(`property_tests.properties.check_equivalence` over `property_tests.strategies.decoding_cases`:
+(`specaudit.testing.properties.check_equivalence` over `specaudit.testing.strategies.decoding_cases`:
 ragged prompt lengths, EOS at any step, k from 1 to the maximum) against the engine, prints a
 shrunk counterexample on failure, and sums up equivalence per engine and batch size at the end.
 The run's exit status gates CI. Hooks here only hand off to the harness modules.
@@ -52,8 +52,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     engines = config.getoption("specaudit_engine")
     if not engines:
         return
-    from engines.registry import EngineSpecError, resolve
-    from engines.zoo import builtin_pair_names
+    from specaudit.engines.registry import EngineSpecError, resolve
+    from specaudit.engines.zoo import builtin_pair_names
 
     pairs = config.getoption("specaudit_pair") or DEFAULT_PAIRS
     unknown = [p for p in pairs if p not in builtin_pair_names()]
@@ -82,7 +82,7 @@ class EquivalenceItem(pytest.Item):
         self.engine, self.pair, self.batch_size = engine, pair, batch_size
 
     def runtest(self) -> None:
-        from equivalence.plugin_property import run_property
+        from specaudit.equivalence.plugin_property import run_property
 
         # carried on the report, so the summary works under pytest-xdist too
         self.user_properties.append(("specaudit", (self.engine, self.pair, self.batch_size)))
@@ -97,7 +97,8 @@ class EquivalenceItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
         if _is_divergence(excinfo.value):
             # float64 on the CPU: any token or logit mismatch is a bug, never a near-tie
-            notes = "\n".join(getattr(excinfo.value, "__notes__", []))  # Hypothesis' falsifying example
+            # the plugin's own "shrunk counterexample" note, then Hypothesis' own notes, whatever their wording
+            notes = "\n".join(getattr(excinfo.value, "__notes__", []))
             return (f"{self.engine} on {self.pair}, batch size {self.batch_size}: structural divergence "
                     f"(float64)\n{excinfo.value}\n{notes}")
         return super().repr_failure(excinfo)

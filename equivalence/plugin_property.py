@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 
-from engines.registry import BUILTIN_ENGINES, resolve
+from specaudit.engines.registry import BUILTIN_ENGINES, resolve
 
 
 def run_property(engine: str, pair: str, batch_size: int, *, max_examples: int, max_new_tokens: int,
                  max_draft_tokens: int, max_prompt_length: int = 32) -> None:
     """Raise (with Hypothesis' shrunk counterexample) when the engine differs from greedy decoding."""
-    from property_tests.properties import check_equivalence
-    from property_tests.strategies import decoding_cases
+    from specaudit.testing.properties import check_equivalence
+    from specaudit.testing.strategies import decoding_cases
 
     factory = resolve(engine)
     # a user engine drafts with its own draft model; a built-in one also takes scripted schedules
@@ -23,6 +23,18 @@ def run_property(engine: str, pair: str, batch_size: int, *, max_examples: int, 
                                max_new_tokens=max_new_tokens, max_draft_tokens=max_draft_tokens,
                                max_prompts=max(2 * batch_size, 2), max_prompt_length=max_prompt_length))
     def equivalent_to_greedy(case) -> None:
-        check_equivalence(factory, case, drafter=drafter)
+        try:
+            check_equivalence(factory, case, drafter=drafter)
+        except AssertionError:
+            failing.append(case)
+            raise
 
-    equivalent_to_greedy()
+    # Hypothesis replays the shrunk example last, so the last failing case is the minimal one; it is
+    # shown in the plugin's own words, whatever a Hypothesis release calls it.
+    failing: list = []
+    try:
+        equivalent_to_greedy()
+    except AssertionError as exc:
+        if failing:
+            exc.add_note(f"shrunk counterexample: {failing[-1]!r}")
+        raise

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engines import zoo
+from specaudit.engines import zoo
 
 
 class PromptError(ValueError):

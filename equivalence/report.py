@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from equivalence.report_html import render_html
-from equivalence.report_summary import (
+from specaudit.equivalence.report_html import render_html
+from specaudit.equivalence.report_summary import (
     STATUS_LABELS,
     DivergenceEntry,
     acceptance_rate,

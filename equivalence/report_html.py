@@ -5,8 +5,8 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from equivalence.plots import acceptance_svg, divergence_position_svg, equivalence_rate_svg
-from equivalence.report_summary import (
+from specaudit.equivalence.plots import acceptance_svg, divergence_position_svg, equivalence_rate_svg
+from specaudit.equivalence.report_summary import (
     STATUS_LABELS,
     DivergenceEntry,
     acceptance_rate,

@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 import transformers
 
-from engines import zoo
-from engines.registry import make_engine
-from equivalence.audit import Reference, audit_engine
-from equivalence.prompts import load_prompts
+from specaudit.engines import zoo
+from specaudit.engines.registry import make_engine
+from specaudit.equivalence.audit import Reference, audit_engine
+from specaudit.equivalence.prompts import load_prompts
 
-VERSION = "0.1.0"
+from specaudit import __version__ as VERSION
 
 
 @dataclass

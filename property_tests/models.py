@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from engines import zoo
-from engines.reference import ReferenceDecoder
+from specaudit.engines import zoo
+from specaudit.engines.reference import ReferenceDecoder
 
 MAX_NEW_TOKENS = 24
 

@@ -20,11 +20,11 @@ import torch
 from hypothesis import note
 from hypothesis.control import currently_in_test_context
 
-from engines.drafters import ScriptedDrafter
-from engines.reference import greedy_decode
-from engines.zoo import ModelPair
-from property_tests import models
-from property_tests.strategies import DecodingCase, EosChoice
+from specaudit.engines.drafters import ScriptedDrafter
+from specaudit.engines.reference import greedy_decode
+from specaudit.engines.zoo import ModelPair
+from specaudit.testing import models
+from specaudit.testing.strategies import DecodingCase, EosChoice
 
 LOGIT_TOLERANCE = 1e-9
 DrafterMode = Literal["auto", "scripted", "model"]

@@ -1,13 +1,13 @@
 """Hypothesis strategies for batched speculative decoding: the hard cases, drawn and shrunk.
 
-Public: import these to property-test any engine (see `property_tests.properties`). Every
+Public: import these to property-test any engine (see `specaudit.testing.properties`). Every
 strategy takes keyword-only bounds and shrinks toward the small case: one row, length-1 prompts,
 k = 1, nothing accepted, no EOS, few new tokens. Everything random comes from Hypothesis draws,
 so a failure replays from its seed or its printed blob; torch's global RNG is never touched.
 
     from hypothesis import given
-    from property_tests import strategies as sst
-    from property_tests.properties import check_equivalence
+    from specaudit.testing import strategies as sst
+    from specaudit.testing.properties import check_equivalence
 
     @given(case=sst.decoding_cases(pairs=["tiny-llama"]))
     def test_my_engine(case):
@@ -31,13 +31,13 @@ PROMPT_STYLES = ("synthetic", "builtin", "mixed")
 
 
 def builtin_pair_names() -> list[str]:
-    from engines import zoo
+    from specaudit.engines import zoo
 
     return zoo.builtin_pair_names()
 
 
 def builtin_prompt_pool() -> tuple[tuple[int, ...], ...]:
-    from property_tests import models
+    from specaudit.testing import models
 
     return models.prompts()
 

@@ -1,11 +1,25 @@
 #!/usr/bin/env bash
-# The main job: install, then audit the built-in engines on every built-in tiny pair in float64.
-# Writes reports/builtin/{audit.json,report.md,report.html}; exit 0 only when all are equivalent.
+# The main job: install, then audit EQSPEC and EXSPEC in float64 on a representative subset of the
+# built-in tiny pairs: one per way of deriving positions (RoPE: tiny-llama; learned absolute:
+# tiny-gpt2; derived from the attention mask: tiny-opt), batch sizes 1, 4 and 16.
+#
+#   bash scripts/audit.sh            # the subset, about 2 minutes on 2 cores
+#   bash scripts/audit.sh --full     # every built-in pair
+#   bash scripts/audit.sh ... --num-prompts 8    # anything after is passed to `specaudit audit`
+#
+# The report goes to out/audit/ (git ignores it; OUT=DIR chooses another folder): audit.json,
+# report.md, report.html. Exit 0 only when every run is equivalent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec specaudit audit \
-    --engine eqspec --engine exspec \
-    --pair tiny-llama --pair tiny-qwen3 --pair tiny-glm4 --pair tiny-gpt2 --pair tiny-opt --pair tiny-gpt-neox \
+pairs=(--pair tiny-llama --pair tiny-gpt2 --pair tiny-opt)
+if [ "${1:-}" = "--full" ]; then
+    shift
+    pairs=()
+    for name in $("${PYTHON:-python3}" -c "from specaudit.engines.zoo import builtin_pair_names as n; print(*n())"); do
+        pairs+=(--pair "$name")
+    done
+fi
+exec specaudit audit --engine eqspec --engine exspec "${pairs[@]}" \
     --batch-size 1 4 16 --dtype float64 --max-new-tokens 32 --draft-tokens 4 \
-    --out "${OUT:-reports/builtin}" "$@"
+    --out "${OUT:-out/audit}" "$@"

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engines.eqspec import EQSpec
+from specaudit.engines.eqspec import EQSpec
 
 
 def make_correct(target, draft, *, batch_size: int, draft_tokens: int, **options: Any) -> EQSpec:

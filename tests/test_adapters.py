@@ -19,14 +19,14 @@ import functools
 import pytest
 import torch
 
-from engines import zoo
-from engines.adapters.bsp import BSPEngine
-from engines.adapters.dsd import DSDEngine
-from engines.adapters.hf_assisted import HFAssisted
-from engines.adapters.hf_batched import HFBatched
-from engines.reference import ReferenceDecoder
-from engines.registry import make_engine
-from property_tests import models
+from specaudit.engines import zoo
+from specaudit.engines.adapters.bsp import BSPEngine
+from specaudit.engines.adapters.dsd import DSDEngine
+from specaudit.engines.adapters.hf_assisted import HFAssisted
+from specaudit.engines.adapters.hf_batched import HFBatched
+from specaudit.engines.reference import ReferenceDecoder
+from specaudit.engines.registry import make_engine
+from specaudit.testing import models
 
 PROMPT_INDICES = (0, 3, 6, 12)  # 1, 4, 14 and 94 bytes: padding from 0 to 93 columns
 MAX_NEW = 12

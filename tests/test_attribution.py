@@ -7,10 +7,10 @@ import functools
 import pytest
 import torch
 
-from engines import zoo
-from engines.eqspec import EQSpec
-from equivalence.attribute import classify, dtype_noise
-from equivalence.audit import audit_engine
+from specaudit.engines import zoo
+from specaudit.engines.eqspec import EQSpec
+from specaudit.equivalence.attribute import classify, dtype_noise
+from specaudit.equivalence.audit import audit_engine
 
 NUM_PROMPTS, MAX_NEW = 16, 24
 
@@ -79,7 +79,7 @@ def test_length_mismatch_is_structural() -> None:
 
 def test_bfloat16_run_of_a_buggy_engine_is_structural() -> None:
     """BSP's positions drift: in bfloat16 its logits leave the noise band before its tokens flip."""
-    from engines.adapters.bsp import BSPEngine
+    from specaudit.engines.adapters.bsp import BSPEngine
 
     pair = zoo.load_pair("tiny-llama", dtype="bfloat16")
     engine = BSPEngine(pair.target, pair.draft, batch_size=4, draft_tokens=4, pad_token_id=pair.pad_token_id)
@@ -91,7 +91,7 @@ def test_bfloat16_run_of_a_buggy_engine_is_structural() -> None:
 
 
 def test_draft_fidelity_finds_a_proposal_the_draft_would_not_make() -> None:
-    from equivalence.draft_fidelity import first_draft_mismatches
+    from specaudit.equivalence.draft_fidelity import first_draft_mismatches
 
     pair = zoo.load_pair("tiny-gpt2")
     engine = EQSpec(pair.target, pair.draft, batch_size=4, draft_tokens=3, pad_token_id=pair.pad_token_id,

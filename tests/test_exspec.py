@@ -14,11 +14,11 @@ import itertools
 import pytest
 import torch
 
-from engines import zoo
-from engines.drafters import ModelDrafter, ScriptedDrafter
-from engines.exspec import EXSpec, ExspecPool, stack_cache, unstack_cache
-from engines.registry import make_engine
-from property_tests import models
+from specaudit.engines import zoo
+from specaudit.engines.drafters import ModelDrafter, ScriptedDrafter
+from specaudit.engines.exspec import EXSpec, ExspecPool, stack_cache, unstack_cache
+from specaudit.engines.registry import make_engine
+from specaudit.testing import models
 
 MAX_NEW_TOKENS = 16
 LOGIT_TOLERANCE = 1e-9
@@ -199,7 +199,7 @@ def test_stack_and_unstack_are_inverse() -> None:
 
 def test_a_planted_cache_fault_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparison bites: cutting one column too few from a group's cache changes the output."""
-    import engines.exspec as exspec
+    import specaudit.engines.exspec as exspec
 
     original = exspec.unstack_cache
 

@@ -34,7 +34,7 @@ def test_row_position_bug_fails_with_location(user_repo: pytest.Pytester) -> Non
     result.stdout.fnmatch_lines([
         "*structural divergence*",
         "*prompt 0, position *, step *",
-        "*Falsifying example*",
+        "*shrunk counterexample: DecodingCase(*",
         "*NOT equivalent*",
     ])
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.reference import ReferenceDecoder, greedy_decode
-from property_tests.models import pair, prompts
+from specaudit.engines.reference import ReferenceDecoder, greedy_decode
+from specaudit.testing.models import pair, prompts
 
 PROMPT_SUBSET = [0, 3, 12, 20]  # lengths 1, 4, ~90, ~180 bytes
 

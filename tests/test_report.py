@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from equivalence.plots import NUMERICAL_COLOR, STRUCTURAL_COLOR, series_color
-from equivalence.report import render_markdown, write_reports
-from equivalence.report_summary import run_status, verdict
+from specaudit.equivalence.plots import NUMERICAL_COLOR, STRUCTURAL_COLOR, series_color
+from specaudit.equivalence.report import render_markdown, write_reports
+from specaudit.equivalence.report_summary import run_status, verdict
 
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")

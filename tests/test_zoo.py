@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import zoo
-from equivalence.cli import main
-from property_tests.models import pair, prompts
+from specaudit.engines import zoo
+from specaudit.equivalence.cli import main
+from specaudit.testing.models import pair, prompts
 
 
 def test_builtin_pairs_are_the_six_families() -> None:

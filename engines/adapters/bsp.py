@@ -38,9 +38,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
-from engines.contract import ConsecutiveBatches
-from engines.trace import StepRecord, Trace
+from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
+from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.trace import StepRecord, Trace
 
 
 def right_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,10 +59,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engines import ragged
-from engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
-from engines.contract import ConsecutiveBatches
-from engines.trace import StepRecord, Trace
+from specaudit.engines import ragged
+from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
+from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.trace import StepRecord, Trace
 
 
 def drop_last_columns(cache: DynamicCache, n: int) -> None:

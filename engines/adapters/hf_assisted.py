@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
-from engines.trace import StepRecord, Trace
+from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
+from specaudit.engines.trace import StepRecord, Trace
 
 
 class HFAssisted:

@@ -1,25 +1,25 @@
 """Planted faults: one engine per known bug class of batched speculative decoding, each a
 minimal line edit of EQSPEC or EXSPEC (see `mutation`), for proving that the equivalence
-property catches every one of them (`property_tests/test_faults.py`).
+property catches every one of them (`tests/property/test_faults.py`).
 
 `FAULTS` lists them in the order of the report; each is a factory with the engine contract.
 """
 
 from __future__ import annotations
 
-from property_tests.faults.acceptance import BonusTokenDoubled, BonusTokenDropped, FirstRejectedDraftAccepted
-from property_tests.faults.caches import (
+from specaudit.testing.faults.acceptance import BonusTokenDoubled, BonusTokenDropped, FirstRejectedDraftAccepted
+from specaudit.testing.faults.caches import (
     CacheTrimmedToSmallestAcceptance,
     DraftCacheNotTrimmed,
     DraftFillPassSkipped,
     FinishedRowsDroppedByPosition,
     TargetCacheNotTrimmed,
 )
-from property_tests.faults.mutation import FaultEngine, LineChange, RunawayDecoding, StaleFault
-from property_tests.faults.padding import AttentionMaskBlindToPadding, PadTokenTreatedAsPadding, RepadWithoutUnpad
-from property_tests.faults.pool import GroupResultsToWrongRows, GroupStacksDifferentLengths
-from property_tests.faults.positions import PositionIdsCountPadding, PositionIdsFromOne
-from property_tests.faults.stopping import OvershootMaxNewTokens, TokensAfterEos
+from specaudit.testing.faults.mutation import FaultEngine, LineChange, RunawayDecoding, StaleFault
+from specaudit.testing.faults.padding import AttentionMaskBlindToPadding, PadTokenTreatedAsPadding, RepadWithoutUnpad
+from specaudit.testing.faults.pool import GroupResultsToWrongRows, GroupStacksDifferentLengths
+from specaudit.testing.faults.positions import PositionIdsCountPadding, PositionIdsFromOne
+from specaudit.testing.faults.stopping import OvershootMaxNewTokens, TokensAfterEos
 
 FAULTS: tuple[type[FaultEngine], ...] = (
     PositionIdsCountPadding,

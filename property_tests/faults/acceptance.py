@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from property_tests.faults.mutation import FaultEngine, LineChange
+from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
 class FirstRejectedDraftAccepted(FaultEngine):
@@ -11,7 +11,7 @@ class FirstRejectedDraftAccepted(FaultEngine):
     and the target's choice after it is emitted."""
 
     changes = (
-        LineChange("engines.eqspec", "accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]",
+        LineChange("specaudit.engines.eqspec", "accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]",
                    "accepted_counts = (matches.cumprod(dim=1).sum(dim=1) + 1).clamp(max=k)  # [B]"),
     )
 
@@ -21,7 +21,7 @@ class BonusTokenDropped(FaultEngine):
     target's own next token; a row that accepts nothing makes no progress at all."""
 
     changes = (
-        LineChange("engines.eqspec", "offered = accepted_counts + 1  # accepted + bonus",
+        LineChange("specaudit.engines.eqspec", "offered = accepted_counts + 1  # accepted + bonus",
                    "offered = accepted_counts"),
     )
 
@@ -31,6 +31,6 @@ class BonusTokenDoubled(FaultEngine):
     step's bonus token, already emitted) again before the step's own tokens."""
 
     changes = (
-        LineChange("engines.eqspec", "new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]",
+        LineChange("specaudit.engines.eqspec", "new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]",
                    "new_tokens = [[p] + row[:n] for p, row, n in zip(inputs[:, 0].tolist(), target_tokens.tolist(), emitted_list)]"),
     )

@@ -2,13 +2,13 @@
 
 The draft-cache faults change no output token or logit (the target alone decides every token);
 they only change what the draft proposes, so only a check of the proposals can see them: the
-draft-proposal property here (`property_tests.faults.draft_check`) and the audit's draft-fidelity
+draft-proposal property here (`specaudit.testing.faults.draft_check`) and the audit's draft-fidelity
 check (`equivalence/draft_fidelity.py`).
 """
 
 from __future__ import annotations
 
-from property_tests.faults.mutation import FaultEngine, LineChange
+from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 TARGET_REALIGN = "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)"
 
@@ -18,7 +18,7 @@ class TargetCacheNotTrimmed(FaultEngine):
     as if every draft token had been accepted, so it keeps the rejected tokens' keys and values."""
 
     changes = (
-        LineChange("engines.eqspec", TARGET_REALIGN,
+        LineChange("specaudit.engines.eqspec", TARGET_REALIGN,
                    "batch_ops.realign(state.target_cache, old_width, torch.full_like(accepted_counts, k), state.cache_lengths, keep)"),
     )
 
@@ -29,7 +29,7 @@ class CacheTrimmedToSmallestAcceptance(FaultEngine):
     acceptance (the DSD baseline's shortcut)."""
 
     changes = (
-        LineChange("engines.eqspec", TARGET_REALIGN,
+        LineChange("specaudit.engines.eqspec", TARGET_REALIGN,
                    "batch_ops.realign(state.target_cache, old_width, accepted_counts.min().expand_as(accepted_counts), state.cache_lengths, keep)"),
     )
 
@@ -40,7 +40,7 @@ class FinishedRowsDroppedByPosition(FaultEngine):
     row that outlives an earlier-finishing one inherits that row's cache."""
 
     changes = (
-        LineChange("engines.eqspec", TARGET_REALIGN,
+        LineChange("specaudit.engines.eqspec", TARGET_REALIGN,
                    "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, torch.arange(keep.numel()))"),
     )
 
@@ -51,7 +51,7 @@ class DraftCacheNotTrimmed(FaultEngine):
 
     drafter_kind = "model"
     changes = (
-        LineChange("engines.drafters", "batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)",
+        LineChange("specaudit.engines.drafters", "batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)",
                    "batch_ops.realign(cache, self._old_width, torch.full_like(accepted_counts, k), state.cache_lengths, keep)"),
     )
 
@@ -62,6 +62,6 @@ class DraftFillPassSkipped(FaultEngine):
 
     drafter_kind = "model"
     changes = (
-        LineChange("engines.drafters", "if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):",
+        LineChange("specaudit.engines.drafters", "if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):",
                    "if False:"),
     )

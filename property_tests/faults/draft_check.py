@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 import torch
 
-from engines.reference import greedy_decode
-from engines.zoo import ModelPair
-from property_tests import models
-from property_tests.properties import DEFAULT_ORACLE, ReferenceOracle, build_engine, pair_key, resolve_eos
-from property_tests.strategies import DecodingCase
+from specaudit.engines.reference import greedy_decode
+from specaudit.engines.zoo import ModelPair
+from specaudit.testing import models
+from specaudit.testing.properties import DEFAULT_ORACLE, ReferenceOracle, build_engine, pair_key, resolve_eos
+from specaudit.testing.strategies import DecodingCase
 
 
 class DraftProposalFailure(AssertionError):

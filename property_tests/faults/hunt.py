@@ -2,7 +2,7 @@
 engine breaks its property, shrinks it to a minimal counterexample, and the audit classifies
 what that counterexample shows.
 
-The property is output equivalence (`property_tests.properties.check_equivalence`: tokens, then
+The property is output equivalence (`specaudit.testing.properties.check_equivalence`: tokens, then
 float64 logits) for every fault that can change an output, and the draft-proposal property
 (`draft_check`) for the faults that live in the model drafter's cache. The search is
 derandomized with no example database, so a hunt gives the same counterexample on every run.
@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
-from engines.drafters import ScriptedDrafter
-from equivalence.audit import audit_engine
-from property_tests import models
-from property_tests.faults.draft_check import check_draft_proposals
-from property_tests.faults.mutation import FaultEngine
-from property_tests.properties import DEFAULT_ORACLE, build_engine, check_equivalence, resolve_eos
-from property_tests.strategies import DecodingCase, decoding_cases
+from specaudit.engines.drafters import ScriptedDrafter
+from specaudit.equivalence.audit import audit_engine
+from specaudit.testing import models
+from specaudit.testing.faults.draft_check import check_draft_proposals
+from specaudit.testing.faults.mutation import FaultEngine
+from specaudit.testing.properties import DEFAULT_ORACLE, build_engine, check_equivalence, resolve_eos
+from specaudit.testing.strategies import DecodingCase, decoding_cases
 
 DETECTIONS = ("tokens", "logits", "draft tokens")  # the `through` of a property failure that counts
 MAX_EXAMPLES = 300  # generation budget per hunt; the hunt stops at the first failure, then shrinks

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENGINE_MODULES = ("engines.ragged", "engines.batch", "engines.drafters", "engines.eqspec", "engines.exspec")
-MUTANT_PACKAGE = "property_tests.faults.mutants"
+ENGINE_MODULES = ("specaudit.engines.ragged", "specaudit.engines.batch", "specaudit.engines.drafters", "specaudit.engines.eqspec", "specaudit.engines.exspec")
+MUTANT_PACKAGE = "specaudit.testing.faults.mutants"
 
 
 class StaleFault(RuntimeError):
@@ -188,9 +188,9 @@ class FaultEngine:
     def __init__(self, target, draft=None, *, batch_size: int, draft_tokens: int, drafter=None,
                  pad_token_id: int | None = None, record_logits: bool = False, **options: Any) -> None:
         modules = self.modules()
-        eqspec = modules["engines.eqspec"]
+        eqspec = modules["specaudit.engines.eqspec"]
         if self.engine == "exspec":
-            exspec = modules["engines.exspec"]
+            exspec = modules["specaudit.engines.exspec"]
             if "window" in options and "window_size" not in options:
                 options["window_size"] = options.pop("window")
             self.inner = exspec.EXSpec(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, drafter=drafter,

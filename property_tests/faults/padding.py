@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from property_tests.faults.mutation import FaultEngine, LineChange
+from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
 class AttentionMaskBlindToPadding(FaultEngine):
@@ -10,7 +10,7 @@ class AttentionMaskBlindToPadding(FaultEngine):
     the prefill attends to the pad tokens and every cached pass to the zeroed padding columns."""
 
     changes = (
-        LineChange("engines.ragged", "return columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)",
+        LineChange("specaudit.engines.ragged", "return columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)",
                    "return torch.ones(lengths.shape[0], width, dtype=torch.bool, device=lengths.device)"),
     )
 
@@ -22,7 +22,7 @@ class RepadWithoutUnpad(FaultEngine):
 
     changes = (
         LineChange(
-            "engines.ragged",
+            "specaudit.engines.ragged",
             "source, valid = realign_index(width + new_counts, new_lengths)\n"
             "out = torch.gather(combined, 1, source.clamp(max=combined.shape[1] - 1))\n"
             "return torch.where(valid, out, torch.full_like(out, pad_id)), new_lengths",
@@ -38,7 +38,7 @@ class PadTokenTreatedAsPadding(FaultEngine):
     token loses it from its length, its positions and its mask."""
 
     changes = (
-        LineChange("engines.eqspec", "tokens, lengths = ragged.left_pad([prompts[r] for r in rows], pad_id, target.device)",
+        LineChange("specaudit.engines.eqspec", "tokens, lengths = ragged.left_pad([prompts[r] for r in rows], pad_id, target.device)",
                    "tokens, _ = ragged.left_pad([prompts[r] for r in rows], pad_id, target.device)\n"
                    "lengths = (tokens != pad_id).sum(1)"),
     )

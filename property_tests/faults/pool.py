@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from property_tests.faults.mutation import FaultEngine, LineChange
+from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
 class GroupStacksDifferentLengths(FaultEngine):
@@ -12,7 +12,7 @@ class GroupStacksDifferentLengths(FaultEngine):
 
     engine = "exspec"
     changes = (
-        LineChange("engines.exspec", "same_length = len({s.length for s in group}) == 1",
+        LineChange("specaudit.engines.exspec", "same_length = len({s.length for s in group}) == 1",
                    "same_length = len({s.prompt_length for s in group}) == 1"),
     )
 
@@ -24,6 +24,6 @@ class GroupResultsToWrongRows(FaultEngine):
 
     engine = "exspec"
     changes = (
-        LineChange("engines.exspec", "self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)",
+        LineChange("specaudit.engines.exspec", "self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)",
                    "self._cut_caches(state, [group[b] for b in running], list(range(len(running))), [0] * len(running), ends)"),
     )

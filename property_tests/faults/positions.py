@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from property_tests.faults.mutation import FaultEngine, LineChange
+from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
 class PositionIdsCountPadding(FaultEngine):
@@ -12,7 +12,7 @@ class PositionIdsCountPadding(FaultEngine):
 
     pairs = ("tiny-llama", "tiny-gpt2")
     changes = (
-        LineChange("engines.batch", "position_ids=ragged.position_ids(cache_lengths, q),",
+        LineChange("specaudit.engines.batch", "position_ids=ragged.position_ids(cache_lengths, q),",
                    "position_ids=ragged.position_ids(torch.full_like(cache_lengths, width), q),"),
     )
 
@@ -24,9 +24,9 @@ class PositionIdsFromOne(FaultEngine):
 
     pairs = ("tiny-llama", "tiny-gpt2")
     changes = (
-        LineChange("engines.batch", "position_ids=ragged.position_ids(cache_lengths, q),",
+        LineChange("specaudit.engines.batch", "position_ids=ragged.position_ids(cache_lengths, q),",
                    "position_ids=ragged.position_ids(cache_lengths + 1, q),"),
-        LineChange("engines.batch",
+        LineChange("specaudit.engines.batch",
                    "positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)",
                    "positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0) + 1"),
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from property_tests.faults.mutation import FaultEngine, LineChange
+from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
 class OvershootMaxNewTokens(FaultEngine):
@@ -10,7 +10,7 @@ class OvershootMaxNewTokens(FaultEngine):
     and the bonus token even past the row's remaining budget."""
 
     changes = (
-        LineChange("engines.eqspec", "emitted = torch.minimum(offered, room)", "emitted = offered"),
+        LineChange("specaudit.engines.eqspec", "emitted = torch.minimum(offered, room)", "emitted = offered"),
     )
 
 
@@ -19,5 +19,5 @@ class TokensAfterEos(FaultEngine):
     row still finishes, but with the rest of that step's tokens after its EOS."""
 
     changes = (
-        LineChange("engines.eqspec", "emitted = torch.minimum(emitted, first_eos + 1)", ""),
+        LineChange("specaudit.engines.eqspec", "emitted = torch.minimum(emitted, first_eos + 1)", ""),
     )

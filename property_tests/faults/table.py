@@ -1,9 +1,9 @@
 """The planted-fault table: which check caught each fault, and how small its counterexample is.
 
-    python -m property_tests.faults.table            # hunts every fault, writes reports/faults.md
-    python -m property_tests.faults.table --out -    # prints it instead
+    python -m specaudit.testing.faults.table            # hunts every fault, writes reports/faults.md
+    python -m specaudit.testing.faults.table --out -    # prints it instead
 
-It runs the hunts through `pytest property_tests/test_faults.py` itself, so the file holds what
+It runs the hunts through `pytest tests/property/test_faults.py` itself, so the file holds what
 the test run finds (the hunts are derandomized: the same counterexamples every run).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from property_tests.faults.hunt import Finding
+from specaudit.testing.faults.hunt import Finding
 
 REPORT = Path(__file__).resolve().parents[2] / "reports" / "faults.md"
 
@@ -90,7 +90,7 @@ class FindingCollector:
 def hunt_all() -> tuple[list[Finding], int]:
     """Run the planted-fault tests; their findings and pytest's exit status."""
     collector = FindingCollector()
-    test_file = Path(__file__).resolve().parents[1] / "test_faults.py"
+    test_file = Path(__file__).resolve().parents[2] / "tests" / "property" / "test_faults.py"
     # this module's package is imported before pytest starts, so pytest cannot rewrite its asserts
     args = ["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     pytest.main([*args, str(test_file), "-k", "planted_fault"], plugins=[collector])

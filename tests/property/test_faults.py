@@ -4,7 +4,7 @@ shrunk minimal counterexample.
 For each fault engine (`property_tests/faults/`) and each pair it is hunted on, Hypothesis
 searches for a decoding case where the fault breaks its property, shrinks it, and the audit
 classifies the minimal case. The terminal summary of the run prints every minimal
-counterexample and the table of `reports/faults.md` (`python -m property_tests.faults.table`),
+counterexample and the table of `reports/faults.md` (`python -m specaudit.testing.faults.table`),
 whether or not output capture is on.
 """
 
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-import engines.eqspec
-from engines.eqspec import EQSpec
-from property_tests.faults import FAULTS, FaultEngine
-from property_tests.faults.draft_check import check_draft_proposals
-from property_tests.faults.hunt import Finding, fault_cases, hunt
-from property_tests.faults.table import render_table
-from property_tests.properties import check_equivalence
+import specaudit.engines.eqspec
+from specaudit.engines.eqspec import EQSpec
+from specaudit.testing.faults import FAULTS, FaultEngine
+from specaudit.testing.faults.draft_check import check_draft_proposals
+from specaudit.testing.faults.hunt import Finding, fault_cases, hunt
+from specaudit.testing.faults.table import render_table
+from specaudit.testing.properties import check_equivalence
 
 SUMMARY_PLUGIN = "specaudit-planted-faults"
 
@@ -75,16 +75,16 @@ def test_planted_fault_is_caught(fault: type[FaultEngine], pair: str, fault_summ
 
 def test_fault_engines_leave_the_shipped_engines_alone() -> None:
     shipped = {name: Path(inspect.getfile(module)).read_text() for name, module in
-               [("eqspec", engines.eqspec), ("batch", engines.batch), ("ragged", engines.ragged)]}
-    step = engines.eqspec.speculative_step
+               [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ragged)]}
+    step = specaudit.engines.eqspec.speculative_step
     for fault in FAULTS:
         modules = fault.modules()
-        assert modules["engines.eqspec"] is not engines.eqspec
-        assert modules["engines.eqspec"].batch_ops is modules["engines.batch"]
+        assert modules["specaudit.engines.eqspec"] is not specaudit.engines.eqspec
+        assert modules["specaudit.engines.eqspec"].batch_ops is modules["specaudit.engines.batch"]
         assert "Planted by:" in (fault.__doc__ or ""), f"{fault.__name__} names no planted line"
-    assert engines.eqspec.speculative_step is step
-    assert engines.eqspec.batch_ops is engines.batch
-    for name, module in [("eqspec", engines.eqspec), ("batch", engines.batch), ("ragged", engines.ragged)]:
+    assert specaudit.engines.eqspec.speculative_step is step
+    assert specaudit.engines.eqspec.batch_ops is specaudit.engines.batch
+    for name, module in [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ragged)]:
         assert Path(inspect.getfile(module)).read_text() == shipped[name]
 
 

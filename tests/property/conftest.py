@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from engines import zoo
-from property_tests.profiles import load_profile
+from specaudit.engines import zoo
+from specaudit.testing.profiles import load_profile
 
 # tiny models: one thread per process is fastest, and xdist runs one process per core
 torch.set_num_threads(1)

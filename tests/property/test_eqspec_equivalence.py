@@ -12,13 +12,13 @@ import pytest
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from engines import zoo
-from engines.eqspec import EQSpec
-from property_tests import models
-from property_tests import strategies as sst
-from property_tests.profiles import examples
-from property_tests.properties import check_equivalence, check_scripted_acceptance
-from property_tests.strategies import AcceptanceSchedule, DecodingCase, EosChoice, Prompt
+from specaudit.engines import zoo
+from specaudit.engines.eqspec import EQSpec
+from specaudit.testing import models
+from specaudit.testing import strategies as sst
+from specaudit.testing.profiles import examples
+from specaudit.testing.properties import check_equivalence, check_scripted_acceptance
+from specaudit.testing.strategies import AcceptanceSchedule, DecodingCase, EosChoice, Prompt
 
 PAIRS = zoo.builtin_pair_names()
 SWEEP_BATCH_SIZES = (1, 2, 4, 8, 16)

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from transformers import DynamicCache
 
-from engines import ragged
-from property_tests.profiles import examples
-from property_tests.strategies import MAX_BATCH_SIZE, MAX_DRAFT_TOKENS
+from specaudit.engines import ragged
+from specaudit.testing.profiles import examples
+from specaudit.testing.strategies import MAX_BATCH_SIZE, MAX_DRAFT_TOKENS
 
 VOCAB = 259
 tokens_st = st.integers(0, VOCAB - 1)

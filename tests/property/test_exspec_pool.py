@@ -16,13 +16,13 @@ from hypothesis import Phase, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
-from engines import batch as batch_ops
-from engines import ragged
-from engines.drafters import ModelDrafter, ScriptedDrafter
-from engines.exspec import ExspecPool, Sequence
-from property_tests import models
-from property_tests.faults.mutation import LineChange, mutant_modules
-from property_tests.profiles import examples
+from specaudit.engines import batch as batch_ops
+from specaudit.engines import ragged
+from specaudit.engines.drafters import ModelDrafter, ScriptedDrafter
+from specaudit.engines.exspec import ExspecPool, Sequence
+from specaudit.testing import models
+from specaudit.testing.faults.mutation import LineChange, mutant_modules
+from specaudit.testing.profiles import examples
 
 PAIRS = ("tiny-llama", "tiny-gpt2", "tiny-opt")
 SHORT_PROMPTS = [i for i, p in enumerate(models.prompts()) if len(p) <= 200]
@@ -217,10 +217,10 @@ SEARCHED_FAULTS = [fault for fault in PLANTED_FAULTS if fault != "group-caches-f
 @pytest.mark.parametrize("fault", SEARCHED_FAULTS)
 def test_the_machine_catches_planted_faults(fault: str) -> None:
     old, new = PLANTED_FAULTS[fault]
-    mutant = mutant_modules(f"exspec_pool_{fault.replace('-', '_')}", (LineChange("engines.exspec", old, new),))
+    mutant = mutant_modules(f"exspec_pool_{fault.replace('-', '_')}", (LineChange("specaudit.engines.exspec", old, new),))
 
     class FaultyPool(PoolMachine):
-        pool_class = mutant["engines.exspec"].ExspecPool
+        pool_class = mutant["specaudit.engines.exspec"].ExspecPool
 
     search = settings(max_examples=60, stateful_step_count=20, phases=[Phase.generate], derandomize=True,
                       database=None, deadline=None, print_blob=False)
@@ -235,9 +235,9 @@ def test_group_whose_first_row_finishes_keeps_the_other_rows_caches(planted: boo
     exactly, and the planted wrong-rows copy must not."""
     if planted:
         old, new = PLANTED_FAULTS["group-caches-from-wrong-rows"]
-        module = mutant_modules("exspec_group_rows", (LineChange("engines.exspec", old, new),))["engines.exspec"]
+        module = mutant_modules("exspec_group_rows", (LineChange("specaudit.engines.exspec", old, new),))["specaudit.engines.exspec"]
     else:
-        import engines.exspec as module
+        import specaudit.engines.exspec as module
     pair = models.pair("tiny-llama")
     references, _ = models.reference("tiny-llama")
     first, second = 2, 3  # two 4-byte prompts: equal lengths, so both rows stay in one group

@@ -1,0 +1,121 @@
+"""The public Python API, re-exported at `specaudit`: load a pair, run an audit, read a report.
+
+    import specaudit
+    pair = specaudit.load_pair("tiny-llama")                      # or target=..., draft=...
+    report = specaudit.audit(["eqspec", "exspec"], pairs=["tiny-llama"], batch_sizes=[1, 4],
+                             out="audit-out")
+    report.equivalent, report.exit_status, report.runs[0]["exact_matches"]
+    same = specaudit.read_report("audit-out")                     # a folder or its audit.json
+
+`audit` is `specaudit audit` without the command line: the same runs, the same `audit.json`,
+`report.md` and `report.html` when `out` is given, the same exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from specaudit.engines import zoo
+from specaudit.equivalence.runner import AuditConfig, UserPair, exit_status, run_audit, summary_table
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """An audit's result: `data` is exactly what `audit.json` holds."""
+
+    data: dict[str, Any]
+    path: Path | None = None  # the audit.json it came from or was written to
+
+    @property
+    def runs(self) -> list[dict[str, Any]]:
+        return self.data["runs"]
+
+    @property
+    def exit_status(self) -> int:
+        """0 when every run is equivalent, 1 otherwise (as `specaudit audit` exits)."""
+        return exit_status(self.data)
+
+    @property
+    def equivalent(self) -> bool:
+        return self.exit_status == 0
+
+    @property
+    def divergences(self) -> list[dict[str, Any]]:
+        """Every divergence of every run, each with its run's engine, pair, batch size and dtype."""
+        keys = ("engine", "pair", "batch_size", "dtype")
+        return [{**{k: run.get(k) for k in keys}, **d} for run in self.runs for d in run.get("divergences", [])]
+
+    def summary(self) -> str:
+        """The terminal table `specaudit audit` prints: one line per run."""
+        return summary_table(self.data)
+
+
+def load_pair(
+    name: str | None = None,
+    *,
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    dtype: str = "float64",
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+) -> zoo.ModelPair:
+    """A built-in pair by name (`tiny-llama`, ...), or a user's pair from two local HF folders."""
+    if name is not None:
+        return zoo.load_pair(name, dtype=dtype, device=device)
+    return zoo.load_pair(target_path=None if target is None else str(target),
+                         draft_path=None if draft is None else str(draft),
+                         dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
+def audit(
+    engines: str | Sequence[str],
+    *,
+    pairs: Sequence[str] = (),
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    batch_sizes: Sequence[int] = (8,),
+    dtypes: Sequence[str] = ("float64",),
+    device: str = "cpu",
+    prompts: str = "builtin",
+    num_prompts: int | None = None,
+    max_new_tokens: int = 32,
+    draft_tokens: int = 4,
+    engine_options: dict[str, Any] | None = None,
+    out: str | Path | None = None,
+    trust_remote_code: bool = False,
+) -> AuditReport:
+    """Audit `engines` (built-in names or `package.module:factory`) on built-in `pairs` and/or a
+    user pair (`target` and `draft` folders). With `out`, writes `audit.json` and the reports there."""
+    engine_names = [engines] if isinstance(engines, str) else list(engines)
+    pair_specs: list[str | UserPair] = list(pairs)
+    if (target is None) != (draft is None):
+        raise ValueError("target and draft go together")
+    if target is not None:
+        pair_specs.append(UserPair(str(target), str(draft), trust_remote_code))
+    if not engine_names or not pair_specs:
+        raise ValueError("give at least one engine and one pair (a built-in name, or target and draft)")
+    config = AuditConfig(engines=engine_names, pairs=pair_specs, batch_sizes=list(batch_sizes),
+                         dtypes=list(dtypes), device=device, prompts=prompts, num_prompts=num_prompts,
+                         max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
+                         engine_options=dict(engine_options or {}))
+    if out is None:
+        with tempfile.TemporaryDirectory() as scratch:
+            return AuditReport(run_audit(config, Path(scratch)))
+    from specaudit.equivalence.report import write_reports
+
+    out_dir = Path(out)
+    data = run_audit(config, out_dir)
+    write_reports(data, out_dir)
+    return AuditReport(data, out_dir / "audit.json")
+
+
+def read_report(path: str | Path) -> AuditReport:
+    """An `audit.json` written by `specaudit audit` or `audit(out=...)`: the file or its folder."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "audit.json"
+    return AuditReport(json.loads(path.read_text(encoding="utf-8")), path)

@@ -1,0 +1,32 @@
+"""The public Python API at `specaudit`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import specaudit
+
+
+def test_audit_writes_and_reads_back_a_report(tmp_path: Path) -> None:
+    report = specaudit.audit(["eqspec", "bsp"], pairs=["tiny-gpt2"], batch_sizes=[2], num_prompts=4,
+                             max_new_tokens=8, out=tmp_path / "out")
+    assert [run["engine"] for run in report.runs] == ["eqspec", "bsp"]
+    assert report.runs[0]["exact_matches"] == 4 and report.runs[0]["equivalent"]
+    assert not report.equivalent and report.exit_status == 1  # BSP counts positions past rejections
+    assert report.divergences and {d["engine"] for d in report.divergences} == {"bsp"}
+    assert (tmp_path / "out" / "report.html").is_file()
+    again = specaudit.read_report(tmp_path / "out")
+    assert again.data == report.data and again.path == tmp_path / "out" / "audit.json"
+    assert "tiny-gpt2" in again.summary()
+
+
+def test_load_pair_and_argument_errors() -> None:
+    pair = specaudit.load_pair("tiny-llama")
+    assert pair.eos_token_id == 258 and pair.target.dtype.is_floating_point
+    with pytest.raises(ValueError, match="together"):
+        specaudit.audit("eqspec", target="somewhere")
+    with pytest.raises(ValueError, match="at least one engine and one pair"):
+        specaudit.audit("eqspec")
+    assert specaudit.__version__.count(".") >= 2
