@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install specaudit (editable) and the newest versions of what it needs that pyproject.toml allows.
+# Install specaudit (editable, with its `test` extra) and the newest versions of what it needs that pyproject.toml allows.
 # An installed torch is kept (pinned by a constraint, so nothing replaces the build); with none,
 # torch 2.13.0 is installed first.
 set -euo pipefail
@@ -12,4 +12,4 @@ fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 "$PYTHON" -c "import torch; print('torch==' + torch.__version__)" >"$constraints"
-pip_install --upgrade --upgrade-strategy eager --constraint "$constraints" -e .
+pip_install --upgrade --upgrade-strategy eager --constraint "$constraints" -e ".[test]"
