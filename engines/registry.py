@@ -1,4 +1,5 @@
-"""Engine names: the built-in ones, or `package.module:factory` for anything else.
+"""Engine names: the built-in ones, a black-box `PREFIX:LOCATION` (`recorded:FILE`,
+`llamacpp:URL`, `vllm:URL`, `sglang:URL`, `trtllm:URL`), or `package.module:factory` for anything else.
 
 A factory is called as `factory(target, draft, batch_size=..., draft_tokens=..., **options)` with
 the two loaded models and returns an object with
@@ -22,13 +23,32 @@ BUILTIN_ENGINES: dict[str, str] = {
 }
 
 
+# Black-box engines, named `PREFIX:LOCATION`: they take no models, only where to find the outputs.
+# Their factory is called as `factory(location, batch_size=..., **options)`. Dispatched before
+# `module:factory`, since a URL holds colons of its own.
+BLACK_BOX_ENGINES: dict[str, str] = {
+    "recorded": "specaudit.engines.adapters.recorded:RecordedEngine",
+    "llamacpp": "specaudit.engines.adapters.servers:LlamaCppEngine",
+    "vllm": "specaudit.engines.adapters.servers:VLLMEngine",
+    "sglang": "specaudit.engines.adapters.servers:SGLangEngine",
+    "trtllm": "specaudit.engines.adapters.servers:TRTLLMEngine",
+}
+
+
+def black_box_prefix(spec: str) -> str | None:
+    """`recorded`, `llamacpp`, ... when `spec` names a black-box engine (`PREFIX:LOCATION`), else None."""
+    prefix, sep, location = spec.partition(":")
+    return prefix if sep and location and prefix in BLACK_BOX_ENGINES else None
+
+
 class EngineSpecError(ValueError):
     """An engine name that is neither built in nor an importable `module:factory`."""
 
 
 def resolve(spec: str) -> Callable[..., Any]:
     """The factory named by a built-in engine name or by `package.module:factory`."""
-    path = BUILTIN_ENGINES.get(spec, spec)
+    prefix = black_box_prefix(spec)
+    path = BLACK_BOX_ENGINES[prefix] if prefix else BUILTIN_ENGINES.get(spec, spec)
     if ":" not in path:
         raise EngineSpecError(
             f"unknown engine {spec!r}: use a built-in name ({', '.join(BUILTIN_ENGINES)}) or package.module:factory"
@@ -58,7 +78,10 @@ def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_to
         options = {k: v for k, v in options.items() if takes_any or k in params}
     except (TypeError, ValueError):  # builtins without a signature: pass everything
         pass
-    engine = factory(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+    if black_box_prefix(spec):
+        engine = factory(spec.partition(":")[2], batch_size=batch_size, **options)
+    else:
+        engine = factory(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
     if not callable(getattr(engine, "generate", None)):
         raise EngineSpecError(f"engine {spec!r}: the factory returned {type(engine).__name__}, which has no generate()")
     return engine

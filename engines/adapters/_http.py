@@ -1,0 +1,114 @@
+"""HTTP for the live-server engines: one JSON POST with a timeout and retries, and N at once.
+
+Standard library only (urllib). Contract of `post_json`:
+- a connection that cannot be made (refused, unknown host, reset) is retried `retries` times with a
+  growing pause, then raised as `ServerUnreachable`, one line naming the URL and the fix;
+- HTTP 429 and 5xx are retried the same way, then raised as `ServerError` with the server's answer;
+- any other HTTP error (a 4xx: the server refused this request) is raised at once as `ServerError`;
+- a request that has no answer within `timeout` seconds is raised as `ServerTimeout` and not retried
+  (a generation that timed out once would only time out again, doubling the wait).
+
+`map_concurrently` runs one call per prompt on `workers` threads and keeps the prompts' order:
+with `workers=N` the server sees N requests in flight and can batch them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_RETRIES = 2
+RETRY_PAUSE_S = 0.5  # doubled after every failed try
+ERROR_BODY_CHARS = 300
+
+
+class ServerError(RuntimeError):
+    """The server answered, but not with a usable completion."""
+
+
+class ServerUnreachable(ServerError):
+    """No connection could be made to the server."""
+
+
+class ServerTimeout(ServerError):
+    """The server did not answer within the per-request timeout."""
+
+
+def join_url(base: str, path: str) -> str:
+    """`base` (with or without a trailing slash) followed by `path`."""
+    return base.rstrip("/") + "/" + path.lstrip("/")
+
+
+def post_json(url: str, body: dict[str, Any], *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
+              what: str = "server", headers: dict[str, str] | None = None) -> Any:
+    """POST `body` as JSON to `url` and return the decoded JSON answer (see the module docstring)."""
+    data = json.dumps(body).encode()
+    request_headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
+    pause = RETRY_PAUSE_S
+    for attempt in range(retries + 1):
+        last = attempt == retries
+        request = urllib.request.Request(url, data=data, headers=request_headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as exc:
+            detail = _body_excerpt(exc)
+            if (exc.code == 429 or exc.code >= 500) and not last:
+                time.sleep(pause)
+                pause *= 2
+                continue
+            raise ServerError(f"{what} at {url} answered HTTP {exc.code}: {detail}") from None
+        except (TimeoutError, socket.timeout) as exc:
+            raise ServerTimeout(f"{what} at {url} gave no answer within {timeout:g} s: raise the per-request "
+                                f"timeout (engine option timeout=SECONDS) or lower --batch-size") from exc
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                raise ServerTimeout(f"{what} at {url} gave no answer within {timeout:g} s: raise the per-request "
+                                    f"timeout (engine option timeout=SECONDS) or lower --batch-size") from exc
+            if not last:
+                time.sleep(pause)
+                pause *= 2
+                continue
+            raise ServerUnreachable(f"cannot reach {what} at {url} ({reason}) after {retries + 1} tries: start "
+                                    f"the server or fix the URL in the engine name") from None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise ServerError(f"{what} at {url} answered with something that is not JSON: "
+                              f"{raw[:ERROR_BODY_CHARS]!r}") from None
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _body_excerpt(exc: urllib.error.HTTPError) -> str:
+    try:
+        text = exc.read().decode(errors="replace")
+    except Exception:  # a body that cannot be read: the status alone says enough
+        text = ""
+    text = " ".join(text.split())
+    return (text[:ERROR_BODY_CHARS] + "...") if len(text) > ERROR_BODY_CHARS else (text or exc.reason or "")
+
+
+def map_concurrently(call: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
+    """`[call(item) for item in items]` with up to `workers` calls in flight; results in input order.
+    The first exception raised by any call is raised here (the others are left to finish)."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if workers == 1 or len(items) <= 1:
+        return [call(item) for item in items]
+    pool = ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="specaudit-http")
+    futures = [pool.submit(call, item) for item in items]
+    try:
+        return [future.result() for future in futures]
+    finally:
+        # on a failure, requests not yet sent are dropped instead of each waiting out its own failure
+        pool.shutdown(wait=True, cancel_futures=True)

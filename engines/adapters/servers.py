@@ -1,0 +1,198 @@
+"""Live inference servers as engines: llama.cpp, vLLM, SGLang, TensorRT-LLM.
+
+Named on the command line as `llamacpp:URL`, `vllm:URL`, `sglang:URL`, `trtllm:URL` (URL: the
+server's base address, e.g. `http://127.0.0.1:8080`). Such an engine is a black box: it takes no
+models; the audit compares its tokens with the reference decoder of the pair named by `--pair` or
+`--target`, which must be the model the server serves (same weights, same vocabulary).
+
+Every request sends the prompt as token ids, greedy (temperature 0, no penalties), at most
+`max_new_tokens` new tokens, stopping at `eos_token_id` (sent as a stop token where the API takes
+one; with `eos_token_id=None` the server is told to ignore EOS). Each dialect builds its request in
+one function (`*_request`) and reads the answer in another (`*_parse`), so a test can check both
+field by field. `generate` sends one request per prompt, `batch_size` of them in flight at once
+(the server batches what it has in flight), and returns, per prompt, only the new tokens: cut at
+the first EOS (kept) and at `max_new_tokens`.
+
+Per-token log-probabilities, where the server gives real ones, are kept in `last_logprobs`: per
+prompt, `None` or one dict per output token `{token id: log-probability}` holding the server's top
+alternatives (the chosen token included). `last_details` keeps, per prompt, what the server said
+about stopping and anything the client had to cut.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specaudit.engines.adapters._http import (
+    DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerError, join_url, map_concurrently, post_json,
+)
+
+DEFAULT_TOP_LOGPROBS = 2  # the top-2 margin is what a ruling needs
+
+
+@dataclass
+class Completion:
+    """One server answer, read: the new token ids and, when real, per-token top log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish: str | None = None  # the server's own stop reason, as it spells it
+    stopped_at_eos: bool = False  # the server says it stopped on the EOS token
+    notes: list[str] = field(default_factory=list)
+
+
+class ServerEngine:
+    """Base of the four dialects: concurrency, stopping and bookkeeping. A subclass sets `dialect`,
+    `server_name`, `path` and implements `request` and `parse`."""
+
+    dialect = ""
+    server_name = "server"
+    path = ""
+    black_box = True  # takes no models; its prompts are the audit's
+
+    def __init__(self, url: str, *, batch_size: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
+                 retries: int = DEFAULT_RETRIES, top_logprobs: int = DEFAULT_TOP_LOGPROBS,
+                 model: str | None = None, **_: Any) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{self.dialect}: expected a URL such as http://127.0.0.1:8080 after "
+                             f"'{self.dialect}:', got {url!r}")
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.url = url.rstrip("/")
+        self.batch_size = int(batch_size)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.top_logprobs = int(top_logprobs)
+        self.model = model
+        self.last_logprobs: list[list[dict[int, float]] | None] = []
+        self.last_details: list[dict[str, Any]] = []
+
+    def describe(self) -> dict[str, Any]:
+        """What was audited, for reports and repro bundles."""
+        return {"kind": "server", "dialect": self.dialect, "url": self.url, "endpoint": self.path,
+                "model": self.model, "concurrent_requests": self.batch_size, "timeout_s": self.timeout,
+                "top_logprobs": self.top_logprobs}
+
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse(self, answer: Any) -> Completion:
+        raise NotImplementedError
+
+    def complete(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> Completion:
+        """One prompt: the request, sent, and the answer, read."""
+        body = self.request(prompt, max_new_tokens, eos_token_id)
+        answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
+                           what=f"{self.server_name} server")
+        try:
+            return self.parse(answer)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ServerError(f"{self.server_name} server at {self.url}: unexpected answer shape "
+                              f"({type(exc).__name__}: {exc}); is this a {self.server_name} server?") from None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens <= 0:
+            self.last_logprobs, self.last_details = [None] * len(prompts), [{} for _ in prompts]
+            return [[] for _ in prompts]
+        completions = map_concurrently(
+            lambda prompt: self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id),
+            prompts, self.batch_size)
+        outputs, self.last_logprobs, self.last_details = [], [], []
+        for completion in completions:
+            tokens, logprobs, details = finish_output(completion, max_new_tokens, eos_token_id)
+            outputs.append(tokens)
+            self.last_logprobs.append(logprobs)
+            self.last_details.append(details)
+        return outputs
+
+
+def finish_output(completion: Completion, max_new_tokens: int,
+                  eos_token_id: int | None) -> tuple[list[int], list[dict[int, float]] | None, dict[str, Any]]:
+    """The contract's output from a server's answer: EOS appended when the server says it stopped on
+    EOS without returning it, then cut at the first EOS (kept) and at `max_new_tokens`."""
+    tokens = list(completion.token_ids)
+    logprobs = completion.logprobs
+    notes = list(completion.notes)
+    if (eos_token_id is not None and completion.stopped_at_eos and len(tokens) < max_new_tokens
+            and eos_token_id not in tokens):
+        tokens.append(eos_token_id)
+        notes.append("the server stopped on EOS without returning it; EOS appended")
+        if logprobs is not None:
+            logprobs = None  # no log-probability for the appended token: drop them rather than misalign
+    returned = len(tokens)
+    if eos_token_id is not None and eos_token_id in tokens:
+        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    tokens = tokens[:max_new_tokens]
+    if len(tokens) < returned:
+        notes.append(f"{returned - len(tokens)} token(s) after EOS or past max_new_tokens cut by the client")
+    if logprobs is not None:
+        logprobs = logprobs[: len(tokens)]
+    details = {"finish": completion.finish, "returned_tokens": returned, "notes": notes}
+    return tokens, logprobs, details
+
+
+def _top_dict(entries: list[tuple[int, float]]) -> dict[int, float]:
+    return {int(token): float(logprob) for token, logprob in entries}
+
+
+# --- llama.cpp: POST /completion -------------------------------------------------------------------
+
+def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                     top_logprobs: int = DEFAULT_TOP_LOGPROBS) -> dict[str, Any]:
+    """llama.cpp `/completion`: ids as `prompt`, greedy, no penalties, no prompt cache reuse (reused
+    KV from another request would make the output depend on what ran before)."""
+    return {
+        "prompt": list(prompt),
+        "n_predict": max_new_tokens,
+        "temperature": 0.0,
+        "repeat_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "dry_multiplier": 0.0,
+        "return_tokens": True,
+        "n_probs": top_logprobs,
+        "cache_prompt": False,
+        "stream": False,
+        "ignore_eos": eos_token_id is None,
+    }
+
+
+def llamacpp_parse(answer: dict[str, Any]) -> Completion:
+    """Ids from `tokens`. `completion_probabilities` has one entry per emitted text piece, not per
+    token, and under speculation carries no real values (`logprob` 0.0, empty `top_logprobs`): they
+    are kept only when there is one entry per token, naming that token, with real alternatives."""
+    tokens = [int(t) for t in answer["tokens"]]
+    finish = answer.get("stop_type")
+    completion = Completion(tokens, finish=finish, stopped_at_eos=finish == "eos")
+    probs = answer.get("completion_probabilities") or []
+    if not probs:
+        return completion
+    usable = len(probs) == len(tokens) and all(
+        int(entry.get("id", -1)) == token and entry.get("top_logprobs") for entry, token in zip(probs, tokens))
+    if usable:
+        completion.logprobs = []
+        for entry in probs:
+            top = _top_dict([(alt["id"], alt["logprob"]) for alt in entry["top_logprobs"]])
+            top.setdefault(int(entry["id"]), float(entry["logprob"]))
+            completion.logprobs.append(top)
+    else:
+        completion.notes.append(f"log-probabilities not used: {len(probs)} entries for {len(tokens)} tokens, "
+                                "or without alternatives (llama.cpp gives none under speculation)")
+    return completion
+
+
+class LlamaCppEngine(ServerEngine):
+    """llama.cpp `llama-server` (`llamacpp:URL`), through its native `/completion` endpoint."""
+
+    dialect = "llamacpp"
+    server_name = "llama.cpp"
+    path = "/completion"
+
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+        return llamacpp_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
+
+    def parse(self, answer: Any) -> Completion:
+        return llamacpp_parse(answer)
