@@ -14,7 +14,7 @@ import pytest
 from fake_server import FakeServer, free_port_with_nothing_listening
 
 from specaudit.engines.adapters._http import ServerError, ServerTimeout, ServerUnreachable
-from specaudit.engines.adapters.servers import LlamaCppEngine
+from specaudit.engines.adapters.servers import LlamaCppEngine, SGLangEngine, TRTLLMEngine, VLLMEngine
 from specaudit.engines.registry import black_box_prefix, make_engine
 
 EOS = 258
@@ -150,3 +150,104 @@ def test_registry_dispatches_prefixes_before_module_factory():
     assert black_box_prefix("recorded:/tmp/a.jsonl") == "recorded"
     assert black_box_prefix("mypkg.engine:make") is None
     assert black_box_prefix("eqspec") is None
+
+
+# --- vLLM, TensorRT-LLM, SGLang (documented shapes; not run against the real servers) -----------
+
+def openai_answer(include_eos: bool, top_by: str = "id"):
+    def answer(path: str, body: dict) -> tuple[int, dict]:
+        assert path == "/v1/completions"
+        tokens = continuation(body["prompt"], body["max_tokens"])
+        finish, stop_reason = "length", None
+        if len(tokens) > 3 and "stop_token_ids" in body:
+            tokens, finish = tokens[:3] + ([body["stop_token_ids"][0]] if include_eos else []), "stop"
+            stop_reason = body["stop_token_ids"][0]
+        name = (lambda t: f"token_id:{t}") if top_by == "id" else (lambda t: chr(65 + t % 26))
+        logprobs = {"text_offset": [0] * len(tokens), "token_logprobs": [-0.2] * len(tokens),
+                    "tokens": [name(t) for t in tokens],
+                    "top_logprobs": [{name(t): -0.2, name(t + 1): -1.7} for t in tokens]}
+        choice = {"index": 0, "text": "", "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": stop_reason, "token_ids": tokens}
+        return 200, {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": len(tokens),
+                                                    "total_tokens": 1 + len(tokens)}}
+    return answer
+
+
+def test_vllm_request_field_by_field_and_logprobs_by_id():
+    with FakeServer(openai_answer(include_eos=True)) as server:
+        engine = make_engine(f"vllm:{server.url}", None, None, batch_size=2, draft_tokens=4, model="served")
+        assert isinstance(engine, VLLMEngine)
+        outputs = engine.generate([[4, 5], [6]], 8, EOS)
+    assert outputs == [continuation([4, 5], 3) + [EOS], continuation([6], 3) + [EOS]]
+    path, body = server.requests[0]
+    assert path == "/v1/completions"
+    assert body["prompt"] in ([4, 5], [6])
+    assert body["max_tokens"] == 8
+    assert body["temperature"] == 0
+    assert body["return_token_ids"] is True
+    assert body["return_tokens_as_token_ids"] is True
+    assert body["logprobs"] == 2
+    assert body["stop_token_ids"] == [EOS]
+    assert "ignore_eos" not in body
+    assert body["stream"] is False and body["n"] == 1
+    assert body["model"] == "served"
+    first = outputs[0][0]
+    assert engine.last_logprobs[0][0] == {first: -0.2, first + 1: -1.7}
+    assert len(engine.last_logprobs[0]) == len(outputs[0])
+
+
+def test_vllm_no_eos_asks_to_ignore_eos():
+    with FakeServer(openai_answer(include_eos=True)) as server:
+        outputs = VLLMEngine(server.url).generate([[4, 5]], 6, None)
+    assert outputs == [continuation([4, 5], 6)]
+    body = server.requests[0][1]
+    assert body["ignore_eos"] is True and "stop_token_ids" not in body and "model" not in body
+
+
+def test_trtllm_request_field_by_field():
+    with FakeServer(openai_answer(include_eos=False, top_by="text")) as server:
+        engine = make_engine(f"trtllm:{server.url}", None, None, batch_size=1, draft_tokens=4, model="served")
+        assert isinstance(engine, TRTLLMEngine)
+        outputs = engine.generate([[4, 5]], 8, EOS)
+    assert outputs == [continuation([4, 5], 3) + [EOS]]  # stopped on EOS without returning it
+    body = server.requests[0][1]
+    assert set(body) == {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
+                         "presence_penalty", "frequency_penalty", "n", "stream", "detokenize", "logprobs",
+                         "stop_token_ids"}  # its request model forbids unknown fields
+    assert body["model"] == "served" and body["prompt"] == [4, 5] and body["max_tokens"] == 8
+    assert body["temperature"] == 0 and body["detokenize"] is False and body["stop_token_ids"] == [EOS]
+    assert engine.last_logprobs == [None]  # alternatives keyed by text cannot give a margin
+
+
+def sglang_answer(path: str, body: dict) -> tuple[int, dict]:
+    assert path == "/generate"
+    params = body["sampling_params"]
+    tokens = continuation(body["input_ids"], params["max_new_tokens"])
+    finish = {"type": "length", "length": len(tokens)}
+    if len(tokens) > 2 and "stop_token_ids" in params:
+        tokens, finish = tokens[:2] + [params["stop_token_ids"][0]], {"type": "stop", "matched": params["stop_token_ids"][0]}
+    meta = {"id": "r", "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(tokens),
+            "output_token_logprobs": [[-0.3, t, None] for t in tokens],
+            "output_top_logprobs": [[[-0.3, t, None], [-0.9, t + 2, None]] for t in tokens]}
+    return 200, {"text": "", "output_ids": tokens, "meta_info": meta}
+
+
+def test_sglang_request_field_by_field():
+    with FakeServer(sglang_answer) as server:
+        engine = make_engine(f"sglang:{server.url}", None, None, batch_size=3, draft_tokens=4)
+        assert isinstance(engine, SGLangEngine)
+        outputs = engine.generate([[7, 8, 9], [1], [2]], 5, EOS)
+        assert outputs[0] == continuation([7, 8, 9], 2) + [EOS]
+        first = outputs[0][0]
+        assert engine.last_logprobs[0][0] == {first: -0.3, first + 2: -0.9}
+        assert engine.generate([[1]], 5, None) == [continuation([1], 5)]
+    path, body = server.requests[0]
+    assert path == "/generate"
+    assert body["input_ids"] in ([7, 8, 9], [1], [2])
+    assert body["sampling_params"]["temperature"] == 0
+    assert body["sampling_params"]["max_new_tokens"] == 5
+    assert body["sampling_params"]["stop_token_ids"] == [EOS]
+    assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
+    assert server.requests[-1][1]["sampling_params"]["ignore_eos"] is True

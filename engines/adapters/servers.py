@@ -196,3 +196,203 @@ class LlamaCppEngine(ServerEngine):
 
     def parse(self, answer: Any) -> Completion:
         return llamacpp_parse(answer)
+
+
+# --- vLLM and TensorRT-LLM: POST /v1/completions (OpenAI-compatible) ---------------------------------
+
+def _openai_stop_fields(eos_token_id: int | None) -> dict[str, Any]:
+    return {"stop_token_ids": [eos_token_id]} if eos_token_id is not None else {"ignore_eos": True}
+
+
+def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                 top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None) -> dict[str, Any]:
+    """vLLM `/v1/completions`: the ids as `prompt`, greedy, output ids returned (`return_token_ids`)
+    and log-probability entries named `token_id:ID` (`return_tokens_as_token_ids`)."""
+    body: dict[str, Any] = {
+        "prompt": list(prompt),
+        "max_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "n": 1,
+        "stream": False,
+        "logprobs": top_logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        **_openai_stop_fields(eos_token_id),
+    }
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def _id_of_token_string(token: str) -> int:
+    # `return_tokens_as_token_ids` spells a token as "token_id:123"
+    if not token.startswith("token_id:"):
+        raise ValueError(f"log-probability entry {token!r} is not spelled token_id:ID")
+    return int(token[len("token_id:"):])
+
+
+def vllm_parse(answer: dict[str, Any]) -> Completion:
+    """Ids from `choices[0].token_ids`; log-probabilities from `choices[0].logprobs` when every
+    entry is named by id. Stopped on EOS: `finish_reason` "stop" with `stop_reason` None (the EOS
+    token) or the stop token id."""
+    choice = answer["choices"][0]
+    tokens = [int(t) for t in choice["token_ids"]]
+    finish = choice.get("finish_reason")
+    stop_reason = choice.get("stop_reason")
+    completion = Completion(tokens, finish=finish,
+                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)))
+    logprobs = choice.get("logprobs") or {}
+    tops, chosen = logprobs.get("top_logprobs") or [], logprobs.get("token_logprobs") or []
+    if tops and len(tops) == len(tokens) and len(chosen) == len(tokens):
+        try:
+            completion.logprobs = []
+            for token, own, top in zip(tokens, chosen, tops):
+                entry = _top_dict([(_id_of_token_string(name), value) for name, value in (top or {}).items()])
+                if own is not None:
+                    entry.setdefault(token, float(own))
+                completion.logprobs.append(entry)
+        except ValueError as exc:
+            completion.logprobs = None
+            completion.notes.append(f"log-probabilities not used: {exc}")
+    return completion
+
+
+class VLLMEngine(ServerEngine):
+    """vLLM's OpenAI-compatible server (`vllm:URL`), through `/v1/completions`."""
+
+    dialect = "vllm"
+    server_name = "vLLM"
+    path = "/v1/completions"
+
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+        return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
+
+    def parse(self, answer: Any) -> Completion:
+        return vllm_parse(answer)
+
+
+def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                   top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None) -> dict[str, Any]:
+    """TensorRT-LLM `trtllm-serve` `/v1/completions`. Its request model forbids unknown fields and
+    requires `model`; it returns output ids only with `detokenize` false (then `text` is empty). Its
+    top log-probabilities are keyed by decoded text, so only the chosen tokens' are asked for."""
+    return {
+        "model": model or "model",
+        "prompt": list(prompt),
+        "max_tokens": max_new_tokens,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "n": 1,
+        "stream": False,
+        "detokenize": False,
+        **({"logprobs": 1} if top_logprobs else {}),
+        **_openai_stop_fields(eos_token_id),
+    }
+
+
+def trtllm_parse(answer: dict[str, Any]) -> Completion:
+    """Ids from `choices[0].token_ids`. Top alternatives come keyed by text, not id, so no
+    per-token alternatives are kept (a margin needs two named tokens)."""
+    choice = answer["choices"][0]
+    tokens = [int(t) for t in choice["token_ids"]]
+    finish = choice.get("finish_reason")
+    stop_reason = choice.get("stop_reason")
+    completion = Completion(tokens, finish=finish,
+                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)))
+    if choice.get("logprobs"):
+        completion.notes.append("log-probabilities not used: TensorRT-LLM names alternatives by text, not id")
+    return completion
+
+
+class TRTLLMEngine(ServerEngine):
+    """TensorRT-LLM's `trtllm-serve` (`trtllm:URL`), through `/v1/completions`. Engine option
+    `model=NAME` sets the served model's name (the request requires one)."""
+
+    dialect = "trtllm"
+    server_name = "TensorRT-LLM"
+    path = "/v1/completions"
+
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+        return trtllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
+
+    def parse(self, answer: Any) -> Completion:
+        return trtllm_parse(answer)
+
+
+# --- SGLang: POST /generate ----------------------------------------------------------------------
+
+def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                   top_logprobs: int = DEFAULT_TOP_LOGPROBS) -> dict[str, Any]:
+    """SGLang's native `/generate`: ids as `input_ids`, greedy sampling parameters, log-
+    probabilities of the output only (`logprob_start_len` -1) with `top_logprobs_num` alternatives."""
+    sampling: dict[str, Any] = {
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": max_new_tokens,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "skip_special_tokens": False,
+    }
+    if eos_token_id is not None:
+        sampling["stop_token_ids"] = [eos_token_id]
+    else:
+        sampling["ignore_eos"] = True
+    return {
+        "input_ids": list(prompt),
+        "sampling_params": sampling,
+        "stream": False,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": top_logprobs,
+    }
+
+
+def sglang_parse(answer: Any) -> Completion:
+    """Ids from `meta_info.output_token_logprobs` ([logprob, id, text] per token); alternatives from
+    `meta_info.output_top_logprobs` (per token, a list of [logprob, id, text]). Stopped on EOS:
+    `finish_reason.type` "stop" with `matched` an id."""
+    if isinstance(answer, list):  # a batch answer: one request, one element
+        answer = answer[0]
+    meta = answer["meta_info"]
+    per_token = meta["output_token_logprobs"]
+    tokens = [int(entry[1]) for entry in per_token]
+    finish_reason = meta.get("finish_reason") or {}
+    finish = finish_reason.get("type") if isinstance(finish_reason, dict) else str(finish_reason)
+    matched = finish_reason.get("matched") if isinstance(finish_reason, dict) else None
+    completion = Completion(tokens, finish=finish,
+                            stopped_at_eos=finish == "stop" and (matched is None or isinstance(matched, int)))
+    tops = meta.get("output_top_logprobs") or []
+    if tops and len(tops) == len(tokens):
+        completion.logprobs = []
+        for (own, token, *_), top in zip(per_token, tops):
+            entry = _top_dict([(alt[1], alt[0]) for alt in (top or []) if alt[0] is not None])
+            if own is not None:
+                entry.setdefault(int(token), float(own))
+            completion.logprobs.append(entry)
+    return completion
+
+
+class SGLangEngine(ServerEngine):
+    """SGLang's server (`sglang:URL`), through its native `/generate` endpoint."""
+
+    dialect = "sglang"
+    server_name = "SGLang"
+    path = "/generate"
+
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+        return sglang_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
+
+    def parse(self, answer: Any) -> Completion:
+        return sglang_parse(answer)
