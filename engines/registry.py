@@ -16,8 +16,11 @@ BUILTIN_ENGINES: dict[str, str] = {
     "reference": "specaudit.engines.reference:ReferenceDecoder",
     "eqspec": "specaudit.engines.eqspec:EQSpec",
     "exspec": "specaudit.engines.exspec:EXSpec",
+    "inplace": "specaudit.engines.inplace:InplaceEngine",
+    "batched": "specaudit.engines.batched:BatchedGreedy",
     "hf-assisted": "specaudit.engines.adapters.hf_assisted:HFAssisted",
     "hf-batched": "specaudit.engines.adapters.hf_batched:HFBatched",
+    "hf-continuous": "specaudit.engines.adapters.hf_continuous:HFContinuous",
     "bsp": "specaudit.engines.adapters.bsp:BSPEngine",
     "dsd": "specaudit.engines.adapters.dsd:DSDEngine",
 }
