@@ -1,0 +1,347 @@
+"""INPLACE: batched speculative decoding that never realigns its caches after a step.
+
+Contract: the same as EQSPEC (token ids in, exactly the tokens of greedy decoding of each prompt
+alone out; consecutive batches of `batch_size`). What differs is what happens to the columns of
+rejected draft tokens: EQSPEC gathers both caches after every step so each row holds exactly its
+accepted tokens; INPLACE leaves them where the verify pass (and the draft passes) wrote them, as
+holes, and keeps a validity mask per cache:
+
+- `target_valid` [B, W] (and `draft_valid` [B, W'] for the draft cache): True on a column that
+  holds one of the row's real tokens. Left padding of the prompts and rejected draft slots are
+  False. The attention mask of every pass is `[valid, ones(q)]`: a query sees exactly its row's
+  real earlier tokens (holes are finite keys and values, masked to an exact zero weight).
+- Position ids count only each row's real tokens: `cache_lengths[b] + 0..q-1`, where
+  `cache_lengths[b] = valid[b].sum()` (kept as `lengths - 1`, never read back from the mask).
+- Per step every running row appends `k + 1` target columns (pending token + k draft tokens), of
+  which the first `accepted + 1` are valid; the draft appends `k` columns (pending + k - 1 draft
+  tokens; valid up to the accepted ones) and, when some row accepted all k, one fill column (valid
+  only for those rows).
+- Finished rows leave the batch by row selection (`index_select` on the batch dimension, the
+  columns untouched). A cache is compacted (one gather per layer that right-aligns every row's
+  valid columns, `ragged.gather_columns`) only when compaction would free more than
+  `compact_fraction` of its width, i.e. when `width - max(real columns) > compact_fraction *
+  width`. Row selection and compaction are the `realign` stage; their cost is amortised over the
+  steps between them.
+
+Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
+target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (row selection and
+compaction). `pad_lengths` of a record holds each row's holes (width - real columns).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specaudit.engines import batch as batch_ops
+from specaudit.engines import ragged
+from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.eqspec import Clock, StepResult
+from specaudit.engines.trace import StepRecord, Trace
+
+DEFAULT_COMPACT_FRACTION = 0.25
+
+
+@dataclass
+class InplaceState:
+    rows: list[int]  # prompt index of each row
+    pending: torch.Tensor  # [B, 1] the last token of each row, not yet in any cache
+    lengths: torch.Tensor  # [B] real tokens per row (prompt + new, pending included)
+    prompt_lengths: torch.Tensor  # [B]
+    target_cache: DynamicCache
+    target_valid: torch.Tensor  # [B, W] bool
+    prompt_tokens: torch.Tensor | None = None  # [B, P] left-padded prompts, until the drafter's prefill
+    draft_cache: DynamicCache | None = None
+    draft_valid: torch.Tensor | None = None  # [B, W'] bool
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [B, 1]; drafters written for BatchState read the pending token here
+        return self.pending
+
+    @property
+    def cache_lengths(self) -> torch.Tensor:  # [B] real columns in each cache
+        return self.lengths - 1
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep the rows `keep` (ascending indices) of everything, caches included; columns untouched."""
+        self.rows = [self.rows[i] for i in keep.tolist()]
+        self.pending = self.pending.index_select(0, keep)
+        self.lengths = self.lengths.index_select(0, keep)
+        self.prompt_lengths = self.prompt_lengths.index_select(0, keep)
+        select_cache_rows(self.target_cache, keep)
+        self.target_valid = self.target_valid.index_select(0, keep)
+        if self.draft_cache is not None and self.draft_valid is not None:
+            select_cache_rows(self.draft_cache, keep)
+            self.draft_valid = self.draft_valid.index_select(0, keep)
+
+
+def masked_forward(model: PreTrainedModel, cache: DynamicCache, valid: torch.Tensor, inputs: torch.Tensor,
+                   cache_lengths: torch.Tensor) -> torch.Tensor:
+    """One pass of `q` real tokens per row after a cache with holes; returns logits [B, q, V]."""
+    queries = torch.ones(inputs.shape[0], inputs.shape[1], dtype=torch.bool, device=inputs.device)
+    out = model(
+        input_ids=inputs,
+        attention_mask=torch.cat([valid, queries], dim=1).long(),  # [B, W + q]
+        position_ids=ragged.position_ids(cache_lengths, inputs.shape[1]),  # [B, q]
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits
+
+
+def append_valid(valid: torch.Tensor, columns: int, real_counts: torch.Tensor) -> torch.Tensor:
+    """`valid` [B, W] extended by `columns` columns, of which each row's first `real_counts[b]` are real."""
+    new = torch.arange(columns, device=valid.device).unsqueeze(0) < real_counts.unsqueeze(1)  # [B, columns]
+    return torch.cat([valid, new], dim=1)
+
+
+def select_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
+    for layer in ragged.cache_layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, keep)
+            layer.values = layer.values.index_select(0, keep)
+
+
+def needs_compaction(valid: torch.Tensor, real_counts: torch.Tensor, fraction: float) -> bool:
+    width = valid.shape[1]
+    return width - int(real_counts.max().item()) > fraction * width
+
+
+def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    """Right-align every row's valid columns (order kept) in one gather per layer; returns the new
+    validity mask [B, max real]. Columns left of a row's real ones are zeroed padding."""
+    real_counts = valid.sum(dim=1)  # [B]
+    width, new_width = valid.shape[1], int(real_counts.max().item())
+    # stable sort on the mask puts each row's holes first and its real columns after, in order
+    order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices  # [B, W]
+    source = order[:, width - new_width:]  # [B, W']
+    new_valid = torch.arange(new_width, device=valid.device).unsqueeze(0) >= (new_width - real_counts).unsqueeze(1)
+    for layer in ragged.cache_layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            layer.keys = ragged.gather_columns(layer.keys, source, new_valid)
+            layer.values = ragged.gather_columns(layer.values, source, new_valid)
+    return new_valid
+
+
+class InplaceDrafter:
+    """Greedy drafting with a draft model whose cache keeps holes, like the target's.
+
+    With a `chooser` (see `engines.bench_pair.CalibratedChooser`) each proposal is the chooser's
+    token instead of the draft model's own greedy one; the draft model still runs on it."""
+
+    def __init__(self, draft: PreTrainedModel, chooser=None) -> None:
+        self.draft = draft
+        self.chooser = chooser
+        self._proposed: torch.Tensor | None = None  # [B, k]
+        self._filled = False
+
+    def prefill(self, state: InplaceState) -> None:
+        assert state.prompt_tokens is not None
+        state.draft_cache, _ = batch_ops.prefill(self.draft, state.prompt_tokens, state.prompt_lengths)
+        state.draft_valid = ragged.padding_mask(state.prompt_lengths, state.prompt_tokens.shape[1])
+
+    def propose(self, state: InplaceState, k: int) -> torch.Tensor:
+        assert state.draft_cache is not None and state.draft_valid is not None
+        token = state.pending  # [B, 1]
+        if self.chooser is not None:
+            self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
+        valid = state.draft_valid
+        proposed = []
+        for i in range(k):
+            logits = masked_forward(self.draft, state.draft_cache, valid, token, state.cache_lengths + i)  # [B, 1, V]
+            greedy = logits[:, -1].argmax(-1)  # [B]
+            token = (self.chooser.choose(i, greedy) if self.chooser is not None else greedy).unsqueeze(1)
+            proposed.append(token)
+            valid = append_valid(valid, 1, torch.ones_like(state.lengths))  # this pass's input column
+        self._proposed = torch.cat(proposed, dim=1)  # [B, k]
+        self._filled = False
+        return self._proposed
+
+    def fill(self, state: InplaceState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+        """A row that accepted all k needs the k-th draft token's keys and values: one more pass."""
+        assert self._proposed is not None and state.draft_valid is not None
+        k = self._proposed.shape[1]
+        if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):
+            valid = append_valid(state.draft_valid, k, torch.full_like(state.lengths, k))
+            masked_forward(self.draft, state.draft_cache, valid, self._proposed[:, -1:], state.cache_lengths + k)
+            self._filled = True
+
+    def commit(self, state: InplaceState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
+        """Mark the step's draft columns: pending and accepted tokens real, the rest holes.
+        `state` still describes the batch before the step; rows are selected by the engine."""
+        assert self._proposed is not None and state.draft_valid is not None
+        k = self._proposed.shape[1]
+        valid = append_valid(state.draft_valid, k, accepted_counts + 1)
+        if self._filled:
+            valid = torch.cat([valid, (accepted_counts == k).unsqueeze(1)], dim=1)
+        state.draft_valid = valid
+        self._proposed = None
+
+
+class InplaceEngine(ConsecutiveBatches):
+    """INPLACE engine: consecutive fixed batches, holes instead of realignment."""
+
+    name = "inplace"
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        *,
+        batch_size: int = 8,
+        draft_tokens: int = 4,
+        drafter=None,
+        pad_token_id: int | None = None,
+        record_logits: bool = False,
+        compact_fraction: float = DEFAULT_COMPACT_FRACTION,
+        **_: object,
+    ) -> None:
+        if batch_size < 1 or draft_tokens < 1:
+            raise ValueError("batch_size and draft_tokens must be at least 1")
+        if drafter is None and draft is None:
+            raise ValueError("INPLACE needs a draft model or a drafter")
+        if compact_fraction < 0:
+            raise ValueError("compact_fraction must be >= 0")
+        self.target = target
+        self.drafter = drafter if drafter is not None else InplaceDrafter(draft)
+        self.batch_size = batch_size
+        self.k = draft_tokens
+        self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
+        self.record_logits = record_logits
+        self.compact_fraction = compact_fraction
+        self.compactions = 0  # cache compactions (target and draft counted apart) in the last generate
+        self.last_trace: Trace | None = None
+
+    @property
+    def proposals_from_draft_model(self) -> bool:
+        return isinstance(self.drafter, InplaceDrafter) and self.drafter.chooser is None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        self.compactions = 0
+        return super().generate(prompts, max_new_tokens, eos_token_id)
+
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+                   trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        state, result = self._start(prompts, rows, max_new_tokens, eos_token_id)
+        self._collect(trace, result, outputs, logits)
+        while state.rows:
+            result = self._step(state, len(trace.steps), max_new_tokens, eos_token_id)
+            self._collect(trace, result, outputs, logits)
+
+    def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int,
+               eos_token_id: int | None) -> tuple[InplaceState, StepResult]:
+        """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
+        clock = Clock(self.target.device)
+        tokens, prompt_lengths = ragged.left_pad([prompts[r] for r in rows], self.pad_id, self.target.device)
+        target_cache, last_logits = batch_ops.prefill(self.target, tokens, prompt_lengths)  # [B, V]
+        first = last_logits.argmax(-1, keepdim=True)  # [B, 1]
+        state = InplaceState(list(rows), first, prompt_lengths + 1, prompt_lengths.clone(), target_cache,
+                             ragged.padding_mask(prompt_lengths, tokens.shape[1]), prompt_tokens=tokens)
+        verify_seconds = clock.lap()
+        self.drafter.prefill(state)
+        state.prompt_tokens = None
+        draft_seconds = clock.lap()
+        done = torch.zeros_like(prompt_lengths, dtype=torch.bool) | (max_new_tokens <= 1)
+        if eos_token_id is not None:
+            done |= first[:, 0] == eos_token_id
+        first_list, done_list = first[:, 0].tolist(), done.tolist()
+        keep = (~done).nonzero().flatten()
+        if keep.numel() < len(rows):
+            state.select(keep)
+        record = StepRecord(
+            step=0, kind="prefill", rows=list(rows), pad_lengths=(tokens.shape[1] - prompt_lengths).tolist(),
+            accepted_counts=[0] * len(rows), emitted_counts=[1] * len(rows),
+            seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": clock.lap()},
+        )
+        row_logits = [row.unsqueeze(0) for row in last_logits] if self.record_logits else None
+        finished = [r for r, d in zip(rows, done_list) if d]
+        return state, StepResult(record, [[t] for t in first_list], row_logits, finished)
+
+    def _step(self, state: InplaceState, step: int, max_new_tokens: int, eos_token_id: int | None) -> StepResult:
+        clock = Clock(self.target.device)
+        k = self.k
+        rows = list(state.rows)
+        holes = (state.target_valid.shape[1] - state.cache_lengths).tolist()
+
+        # 1. draft
+        draft_tokens = self.drafter.propose(state, k)  # [B, k]
+        draft_seconds = clock.lap()
+
+        # 2. verify: the pending token and the k draft tokens after the cache with its holes
+        inputs = torch.cat([state.pending, draft_tokens], dim=1)  # [B, k+1]
+        logits = masked_forward(self.target, state.target_cache, state.target_valid, inputs, state.cache_lengths)  # [B, k+1, V]
+        target_tokens = logits.argmax(-1)  # [B, k+1]
+        verify_seconds = clock.lap()
+
+        # 3. accept: the longest draft prefix equal to the target's choices, then the bonus token;
+        #    cut at the first EOS or at exactly max_new_tokens
+        matches = (draft_tokens == target_tokens[:, :k]).long()  # [B, k]
+        accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]
+        room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
+        emitted = torch.minimum(accepted_counts + 1, room)
+        if eos_token_id is not None:
+            position = torch.arange(k + 1, device=inputs.device).unsqueeze(0)  # [1, k+1]
+            is_eos = (target_tokens == eos_token_id) & (position < emitted.unsqueeze(1))
+            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(emitted, k + 1))
+            emitted = torch.minimum(emitted, first_eos + 1)
+            done = (emitted >= room) | is_eos.any(1)
+        else:
+            done = emitted >= room
+        accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
+        keep = (~done).nonzero().flatten()
+        new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]
+        row_logits = [logits[b, :n] for b, n in enumerate(emitted_list)] if self.record_logits else None
+        accept_seconds = clock.lap()
+
+        fill = getattr(self.drafter, "fill", None)
+        if fill is not None:
+            fill(state, accepted_counts, keep)
+        draft_seconds += clock.lap()
+
+        # the step's columns: pending + accepted real, the rejected ones holes; a kept row emitted
+        # exactly accepted + 1 tokens, the last of which is its new pending token
+        self.drafter.commit(state, accepted_counts, keep)
+        state.target_valid = append_valid(state.target_valid, k + 1, accepted_counts + 1)
+        state.pending = target_tokens.gather(1, (emitted - 1).unsqueeze(1))  # [B, 1]
+        state.lengths = state.lengths + emitted
+        accept_seconds += clock.lap()
+
+        # 4. no realignment: finished rows leave; a cache is compacted only past the threshold
+        if keep.numel() < len(rows):
+            if keep.numel():
+                state.select(keep)
+            else:
+                state.rows = []
+        if state.rows:
+            self._maybe_compact(state)
+        realign_seconds = clock.lap()
+
+        record = StepRecord(
+            step=step, kind="batch", rows=rows, pad_lengths=holes, accepted_counts=accepted_list,
+            emitted_counts=emitted_list,
+            seconds={"draft": draft_seconds, "verify": verify_seconds, "accept": accept_seconds,
+                     "realign": realign_seconds},
+            proposed=draft_tokens.tolist() if self.record_logits else None,
+        )
+        finished = [r for r, d in zip(rows, done_list) if d]
+        return StepResult(record, new_tokens, row_logits, finished)
+
+    def _maybe_compact(self, state: InplaceState) -> None:
+        real = state.cache_lengths
+        if needs_compaction(state.target_valid, real, self.compact_fraction):
+            state.target_valid = compact(state.target_cache, state.target_valid)
+            self.compactions += 1
+        if state.draft_cache is not None and state.draft_valid is not None:
+            if needs_compaction(state.draft_valid, real, self.compact_fraction):
+                state.draft_valid = compact(state.draft_cache, state.draft_valid)
+                self.compactions += 1
+
+    @staticmethod
+    def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        trace.record(result.record)
+        for i, row in enumerate(result.record.rows):
+            outputs[row].extend(result.emitted[i])
+            if result.logits is not None:
+                logits[row].append(result.logits[i])
