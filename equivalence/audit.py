@@ -7,7 +7,7 @@ error, per-prompt comparisons and a list of divergences, each with its kind and 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -15,7 +15,8 @@ from transformers import PreTrainedModel
 from specaudit.engines.reference import ReferenceDecoder
 from specaudit.engines.trace import Trace
 from specaudit.engines.zoo import ModelPair
-from specaudit.equivalence import attribute
+from specaudit.equivalence import attribute, blackbox
+from specaudit.equivalence.diagnose import Diagnoser
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 
@@ -53,6 +54,7 @@ def _divergence(
     index: int, position: int, reference_out: list[int], engine_out: list[int], reference: Reference,
     trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, prompt: list[int], tokenizer: Any,
     detected_by: str, logit_error_value: float | None, logit_error_so_far: float | None = None,
+    band: blackbox.NoiseBand | None = None, engine_entry: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
@@ -61,8 +63,14 @@ def _divergence(
     if replay_target is not None:
         # the float64 target on the common prefix: prompt + the tokens both agree on
         replay = replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
-    kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay,
-                                        logit_error_so_far)
+    if band is not None:  # a black-box engine: ruled against its noise band (equivalence/blackbox.py)
+        at_split = replay if replay is not None else (
+            reference.logits[index][position] if reference.logits[index] is not None
+            and position < reference.logits[index].shape[0] else None)
+        kind, evidence = blackbox.classify(band, at_split, reference_token, engine_token, engine_entry)
+    else:
+        kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay,
+                                            logit_error_so_far)
     if detected_by == "logits":
         kind, evidence["reason"] = "structural", (
             f"tokens agree but logits differ by {logit_error_value:.3g} "
@@ -75,6 +83,22 @@ def _divergence(
     }
     record.update(attribute.step_context(trace, index, position))
     return record
+
+
+def _same_engine_rerun(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None):
+    """Re-runs on the audited engine object itself; None when its drafter is scripted per prompt
+    index (its proposals would follow the wrong prompts)."""
+    from specaudit.engines.drafters import ScriptedDrafter
+
+    if isinstance(getattr(engine, "drafter", None), ScriptedDrafter):
+        return None
+
+    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+        if pad_token_id is not None:
+            raise ValueError("this engine object cannot change its pad id; audit it through a factory")
+        return engine.generate([list(prompts[i]) for i in indices], max_new_tokens, eos_token_id)
+
+    return rerun
 
 
 def audit_engine(
@@ -90,8 +114,18 @@ def audit_engine(
     engine_name: str = "engine",
     batch_size: int | None = None,
     device: str | None = None,
+    engine_dtype: str | None = None,
+    logit_tolerance: float | None = None,
+    bundle_dir: Any = None,
+    rerun: Callable[[list[int], int | None], list[list[int]]] | None = None,
+    pad_token_id: int | None = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
+
+    A black-box engine (`engine.black_box`: recordings, live servers) is ruled against a noise band
+    declared by `engine_dtype` / `logit_tolerance` or measured from its log-probabilities
+    (`equivalence/blackbox.py`). With `bundle_dir`, every divergence is also written there as a
+    self-contained repro bundle (`equivalence/bundles.py`).
 
     `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
     pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
@@ -110,6 +144,11 @@ def audit_engine(
     trace = getattr(engine, "last_trace", None)
     engine_logits = getattr(trace, "logits", None) or [None] * len(prompts)
     tolerance = LOGIT_TOLERANCE.get(dtype)
+    band, engine_logprobs = None, None
+    if getattr(engine, "black_box", False):
+        engine_logprobs = getattr(engine, "last_logprobs", None) or None
+        band = blackbox.noise_band(dtype, engine_dtype, logit_tolerance, engine_logprobs,
+                                   [[int(t) for t in o] for o in outputs], reference.outputs, reference.logits)
 
     comparisons, divergences = [], []
     worst_error: float | None = None
@@ -129,9 +168,12 @@ def audit_engine(
                 worst_error = error if worst_error is None else max(worst_error, error)
         comparisons.append(comparison)
         if not comparison.exact:
+            entry = None
+            if engine_logprobs and engine_logprobs[index] and comparison.first_divergence < len(engine_logprobs[index]):
+                entry = engine_logprobs[index][comparison.first_divergence]
             divergences.append(_divergence(
                 index, comparison.first_divergence, ref_out, eng_out, reference, trace, dtype, replay_target,
-                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far))
+                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band, entry))
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
             divergences.append(_divergence(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
@@ -143,8 +185,22 @@ def audit_engine(
         for index, mismatch in sorted(first_draft_mismatches(trace, pair.draft, prompts, outputs, diverged).items()):
             divergences.append(draft_divergence(index, mismatch, trace))
 
+    if any(d["kind"] == "structural" for d in divergences):
+        # name the bug of every structural divergence (equivalence/diagnose.py); `rerun(indices,
+        # pad_token_id)` runs a fresh engine for its experiments (default: this engine again)
+        diagnoser = Diagnoser(
+            prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs],
+            outputs=[[int(t) for t in o] for o in outputs], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
+            trace=trace, engine_logits=list(engine_logits), target=pair.target, draft=getattr(pair, "draft", None),
+            rerun=rerun if rerun is not None else _same_engine_rerun(engine, prompts, max_new_tokens, eos_token_id))
+        for divergence in divergences:
+            if divergence["kind"] == "structural":
+                divergence["diagnosis"] = diagnoser.diagnose(divergence)
+
     structural = sum(d["kind"] == "structural" for d in divergences)
-    return {
+    describe = getattr(engine, "describe", None)
+    run_record = {
         "engine": engine_name,
         "pair": pair.name,
         "batch_size": batch_size,
@@ -163,4 +219,12 @@ def audit_engine(
         "trace": trace_summary(trace),
         "prompts": [c.to_dict() for c in comparisons],
         "divergences": divergences,
+        "noise_band": band.to_dict() if band is not None else None,
+        "engine_description": describe() if callable(describe) else None,
     }
+    if bundle_dir is not None and divergences:
+        from specaudit.equivalence.bundles import write_bundles
+
+        write_bundles(bundle_dir, run_record, prompts, reference.outputs, outputs, engine_logprobs,
+                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    return run_record

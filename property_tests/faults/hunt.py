@@ -130,8 +130,29 @@ def audit_case(fault: type[FaultEngine], case: DecodingCase) -> list[dict[str, A
         drafter = ScriptedDrafter(reference, case.schedule, int(pair.target.config.vocab_size))
     engine = build_engine(fault, case, pair, drafter)
     record = audit_engine(engine, pair, case.prompt_tokens, max_new_tokens=case.max_new_tokens, eos_token_id=eos,
-                          dtype=case.dtype, engine_name=fault.slug(), batch_size=case.batch_size)
+                          dtype=case.dtype, engine_name=fault.slug(), batch_size=case.batch_size,
+                          rerun=case_rerun(fault, case, pair, eos, drafter is not None),
+                          pad_token_id=case.pad_token_id)
     return record["divergences"]
+
+
+def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int | None, scripted: bool):
+    """The diagnosis's re-runs of `case`: a fresh fault engine on the prompts at `indices`, each
+    row keeping the acceptance schedule of the prompt it copies; optionally another pad id."""
+
+    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+        prompts = [list(case.prompts[i].tokens) for i in indices]
+        rerun_case = dataclasses.replace(case, pad_token_id=pad_token_id if pad_token_id is not None else case.pad_token_id)
+        drafter = None
+        if scripted:
+            def schedule(row: int, step: int) -> int:
+                return case.schedule(indices[row], step)
+            reference = [DEFAULT_ORACLE.decode(pair, tuple(p), case.max_new_tokens, eos)[0] for p in prompts]
+            drafter = ScriptedDrafter(reference, schedule, int(pair.target.config.vocab_size))
+        engine = build_engine(fault, rerun_case, pair, drafter)
+        return engine.generate(prompts, case.max_new_tokens, eos)
+
+    return rerun
 
 
 def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLES) -> Finding:

@@ -1,0 +1,175 @@
+"""Logit replays under hypotheses: which wrong batching explains what the engine computed?
+
+The target is replayed on one row alone, uncached, along the engine's own output, with the
+position ids or the visible context that a suspected bug would give that row:
+
+- positions shifted by the row's padding (or masked columns) at the step that fed each token,
+  counted as the trace records it (`StepRecord.pad_lengths`): positions counted over padding or
+  over rejected draft slots;
+- every position shifted by a constant (an offset applied twice, a 1-based count);
+- the row's left padding visible to its queries, at position 0 or counted (a mask blind to
+  padding).
+
+A hypothesis explains the engine's logits at a position when it brings them at least 100 times
+closer than the plain replay does (in float64 an exact hypothesis reproduces them to ~1e-13).
+Without recorded logits, a hypothesis explains the engine's token when its argmax is that token
+and the plain replay's is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+EXPLAIN_RATIO = 0.01  # a hypothesis explains when its error is at most this share of the plain replay's
+CONSTANT_SHIFTS = (1, -1, 2)
+
+
+@dataclass
+class Hypothesis:
+    cls: str  # the diagnosis class it stands for
+    name: str  # what it assumes, in words
+    build: Callable[[], tuple[list[int], list[int]] | None]  # (ids, positions) or None when it does not apply
+
+
+def row_steps(trace: Any, index: int) -> list[int]:
+    """The steps (indices into `trace.steps`) in which prompt `index` took part, in order."""
+    return [s for s, step in enumerate(getattr(trace, "steps", []) or []) if index in step.rows]
+
+
+def fed_steps(trace: Any, index: int, count: int) -> list[int | None]:
+    """For each of the row's first `count` new tokens, the step whose forward pass fed it to the
+    target: an accepted draft token in the step that verified it, the bonus (last token of a
+    step) in the row's next step; None when the trace does not say."""
+    emitted_at = (getattr(trace, "emitted_at", None) or [])
+    emitted = emitted_at[index] if index < len(emitted_at) else []
+    steps = row_steps(trace, index)
+    fed: list[int | None] = []
+    for j in range(count):
+        if j >= len(emitted):
+            fed.append(None)
+            continue
+        step = emitted[j]
+        last_of_step = j + 1 >= len(emitted) or emitted[j + 1] != step
+        if not last_of_step:
+            fed.append(step)
+            continue
+        later = [s for s in steps if s > step]
+        fed.append(later[0] if later else None)
+    return fed
+
+
+def _pad_at(trace: Any, step: int | None, index: int) -> int | None:
+    if step is None:
+        return None
+    record = trace.steps[step]
+    if index not in record.rows or not record.pad_lengths:
+        return None
+    return int(record.pad_lengths[record.rows.index(index)])
+
+
+def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: int, pad_id: int | None) -> list[Hypothesis]:
+    """The hypotheses that can be built for the logits of new token `q` of prompt `index`."""
+    sequence = list(prompt) + list(output[:q])  # the last token is the query
+    true_positions = list(range(len(sequence)))
+    n = len(prompt)
+    found: list[Hypothesis] = []
+
+    if trace is not None and getattr(trace, "steps", None):
+        fed = fed_steps(trace, index, q)
+
+        def padding_counted() -> tuple[list[int], list[int]] | None:
+            shifts = [_pad_at(trace, step, index) for step in fed]
+            if any(s is None for s in shifts) or not any(shifts):
+                return None
+            return sequence, true_positions[:n] + [n + j + s for j, s in enumerate(shifts)]
+
+        found.append(Hypothesis("position_ids", "each new token numbered over the row's padding and masked "
+                                "columns at the step that fed it (as the trace records them)", padding_counted))
+
+        steps = row_steps(trace, index)
+        prefill_pad = _pad_at(trace, steps[0], index) if steps else None
+
+        def padding_visible(counted: bool) -> Callable[[], tuple[list[int], list[int]] | None]:
+            def build() -> tuple[list[int], list[int]] | None:
+                if not prefill_pad or pad_id is None:
+                    return None
+                ids = [pad_id] * prefill_pad + sequence
+                if counted:
+                    return ids, list(range(len(ids)))
+                return ids, [0] * prefill_pad + true_positions
+            return build
+
+        found.append(Hypothesis("attention_mask", "the row's left padding visible to its queries (pad "
+                                "positions at 0)", padding_visible(False)))
+        found.append(Hypothesis("attention_mask", "the row's left padding visible to its queries and "
+                                "counted in its positions", padding_visible(True)))
+
+    for shift in CONSTANT_SHIFTS:
+        def constant(shift: int = shift) -> tuple[list[int], list[int]] | None:
+            positions = [p + shift for p in true_positions]
+            return (sequence, positions) if min(positions) >= 0 else None
+
+        found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant))
+    return found
+
+
+@torch.no_grad()
+def replay_last(target: Any, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+    """The target's logits [V] after `ids` at `positions`, batch size 1, no cache; None when the
+    model refuses those positions (beyond its position table)."""
+    limit = None
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(target.config, key, None)
+        if isinstance(value, int):
+            limit = value
+            break
+    if limit is not None and max(positions) >= limit:
+        return None
+    device = target.device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+    try:
+        out = target(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids)
+    except (IndexError, RuntimeError, ValueError):
+        return None
+    return out.logits[0, -1]
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().to("cpu", torch.float64) - b.detach().to("cpu", torch.float64)).abs().max())
+
+
+def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
+            pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None
+            ) -> tuple[Hypothesis | None, list[str]]:
+    """The first hypothesis that explains the engine at new token `q`, and what each one showed."""
+    tried: list[str] = []
+    if target is None:
+        return None, tried
+    if plain is None:
+        plain = replay_last(target, list(prompt) + list(output[:q]), list(range(len(prompt) + q)))
+    if plain is None:
+        return None, tried
+    engine_token = output[q] if q < len(output) else None
+    base = _error(engine_logits, plain) if engine_logits is not None else None
+    for hypothesis in hypotheses(prompt, output, q, trace, index, pad_id):
+        built = hypothesis.build()
+        if built is None:
+            continue
+        logits = replay_last(target, *built)
+        if logits is None:
+            continue
+        if engine_logits is not None and base is not None and base > 0:
+            error = _error(engine_logits, logits)
+            tried.append(f"{hypothesis.name}: logit error {error:.3g} (plain replay {base:.3g})")
+            if error <= EXPLAIN_RATIO * base:
+                return hypothesis, tried
+        elif engine_token is not None:
+            token = int(logits.argmax())
+            tried.append(f"{hypothesis.name}: chooses {token} (engine {engine_token}, plain replay {int(plain.argmax())})")
+            if token == engine_token and int(plain.argmax()) != engine_token:
+                return hypothesis, tried
+    return None, tried
