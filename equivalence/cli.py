@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specaudit.equivalence import cli_blackbox
+
 EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_USAGE = 0, 1, 2
 DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
 
@@ -25,11 +27,39 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (problem and fix), exit status 2; no usage dump, no traceback."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        from specaudit.equivalence.errors import one_line
+
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 def _positive(value: str) -> int:
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number: give one of at least 1") from None
     if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+        raise argparse.ArgumentTypeError(f"{number} is too small: give a whole number of at least 1")
     return number
+
+
+def _seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive: give a number of seconds above 0")
+    return number
+
+
+def _dtype(value: str) -> str:
+    if value not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: use one of {', '.join(DTYPE_CHOICES)}")
+    return value
 
 
 def _option(value: str) -> tuple[str, Any]:
@@ -54,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from specaudit import __version__
 
-    parser = argparse.ArgumentParser(prog="specaudit", description=__doc__, formatter_class=_Formatter)
+    parser = _Parser(prog="specaudit", description=__doc__, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"specaudit {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -72,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what = audit.add_argument_group("what to audit")
     what.add_argument("--engine", action="append", required=True, metavar="E",
-                      help=f"engine to audit (repeatable): a built-in name ({', '.join(BUILTIN_ENGINES)}) or "
-                           "package.module:factory, called as factory(target, draft, batch_size=..., "
-                           "draft_tokens=..., **options)")
+                      help=f"engine to audit (repeatable): a built-in name ({', '.join(BUILTIN_ENGINES)}), "
+                           "a recording recorded:FILE, a live server llamacpp:URL, vllm:URL, sglang:URL or "
+                           "trtllm:URL (--batch-size N: N requests in flight), or package.module:factory, called "
+                           "as factory(target, draft, batch_size=..., draft_tokens=..., **options)")
     what.add_argument("--engine-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                       help="extra keyword for every engine factory (JSON value), e.g. window_size=16")
     what.add_argument("--pair", action="append", default=[], metavar="P",
@@ -82,10 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--target", metavar="PATH", help="a local Hugging Face target model folder (safetensors)")
     what.add_argument("--draft", metavar="PATH", help="its draft model folder (same vocabulary)")
     what.add_argument("--trust-remote-code", action="store_true", help="allow custom model code in --target/--draft")
+    what.add_argument("--allow-pickle-weights", action="store_true",
+                      help="allow --target/--draft weights that are not safetensors (*.bin, *.pt: pickle, which "
+                           "can run code when loaded)")
 
     how = audit.add_argument_group("how to run")
     how.add_argument("--batch-size", nargs="+", type=_positive, default=[8], metavar="N", help="batch sizes")
-    how.add_argument("--dtype", nargs="+", choices=DTYPE_CHOICES, default=["float64"], metavar="DTYPE",
+    how.add_argument("--dtype", nargs="+", type=_dtype, default=["float64"], metavar="DTYPE",
                      help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
     how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
@@ -93,8 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--num-prompts", type=_positive, default=None, metavar="N", help="use the first N prompts (default: all)")
     how.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="new tokens per prompt")
     how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
+    how.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+                     help="per-run time limit: a run past it is recorded as failed and the audit goes on "
+                          "(the engine is abandoned in a background thread, not killed)")
     how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID|pair|none",
                      help="stop token: the pair's own EOS, an id, or none")
+    cli_blackbox.add_audit_options(audit)
 
     out = audit.add_argument_group("output")
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
@@ -106,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     pairs.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N",
                        help="continuation length for --acceptance")
     commands.add_parser("engines", help="list the built-in engines")
+    cli_blackbox.add_parsers(commands, _Formatter)
     return parser
 
 
@@ -113,8 +152,13 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from specaudit.engines.zoo import builtin_pair_names
     from specaudit.equivalence.runner import AuditConfig, UserPair
 
-    if bool(args.target) != bool(args.draft):
-        parser.error("--target and --draft go together")
+    from specaudit.engines.registry import black_box_prefix
+
+    if args.draft and not args.target:
+        parser.error("--draft needs --target")
+    if args.target and not args.draft and not all(black_box_prefix(name) for name in args.engine):
+        parser.error("--target needs --draft, except when every --engine is a recording or a server "
+                     "(recorded:, llamacpp:, vllm:, sglang:, trtllm:)")
     pairs: list[Any] = []
     for name in args.pair:
         if name not in builtin_pair_names():
@@ -122,37 +166,25 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
                          "(or give --target PATH --draft PATH)")
         pairs.append(name)
     if args.target:
-        pairs.append(UserPair(args.target, args.draft, args.trust_remote_code))
+        pairs.append(UserPair(args.target, args.draft, args.trust_remote_code, args.allow_pickle_weights))
     if not pairs:
         parser.error("give at least one --pair, or --target and --draft")
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: no CUDA device is available")
+    # the device, dtypes, engines, pairs and prompts are checked by the runner's preflight
     return AuditConfig(
         engines=args.engine, pairs=pairs, batch_sizes=args.batch_size, dtypes=args.dtype, device=args.device,
         prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=dict(args.engine_option),
+        timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
+        bundles=not args.no_bundles,
     )
 
 
-def _check_engines(names: list[str], parser: argparse.ArgumentParser) -> None:
-    from specaudit.engines.registry import EngineSpecError, resolve
-
-    for name in names:
-        try:
-            resolve(name)
-        except EngineSpecError as exc:
-            parser.error(str(exc))
-
-
 def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from specaudit.equivalence.prompts import PromptError
+    from specaudit.engines.registry import EngineSpecError
+    from specaudit.equivalence.errors import UsageError, one_line
     from specaudit.equivalence.runner import exit_status, run_audit, summary_table
 
     config = _config(args, parser)
-    _check_engines(config.engines, parser)
     progress = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -163,11 +195,16 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     interrupted = False
     try:
         audit = run_audit(config, args.out, progress=progress)
-    except PromptError as exc:
-        parser.error(str(exc))
+    except (UsageError, EngineSpecError) as exc:  # found before any run: one line, exit 2
+        print(f"specaudit audit: error: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         interrupted = True
-        audit = json.loads((args.out / "audit.json").read_text())
+        json_path = args.out / "audit.json"
+        if not json_path.is_file():
+            print("\ninterrupted before the audit started: nothing was written", file=sys.stderr)
+            return 130
+        audit = json.loads(json_path.read_text())
         print("\ninterrupted: the finished runs are kept in audit.json", file=sys.stderr)
     written = _write_reports(audit, args.out)
     print(summary_table(audit))
@@ -189,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "audit":
         return run_audit_command(args, parser)
+    if args.command in cli_blackbox.COMMANDS:
+        return cli_blackbox.run(args)
     if args.command == "pairs":
         from specaudit.engines import zoo
 

@@ -2,6 +2,12 @@
 
 A JSONL line holds token ids (`input_ids` or `tokens`) or text: a `prompt` or `text` field, or
 Spec-Bench's `turns` (the first turn is used). Text is tokenised with the target's tokenizer.
+Blank lines are skipped.
+
+Every problem is a `PromptError` (exit 2) naming the file and line: a missing or empty file, a
+line that is not a JSON object, no usable field, an empty prompt, token ids that are not integers,
+negative or outside the vocabulary (given `vocab_size`), and a prompt that leaves no room for
+`max_new_tokens` within the model's positions (given `max_positions`).
 """
 
 from __future__ import annotations
@@ -11,10 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.engines import zoo
+from specaudit.equivalence.errors import DataError
+
+BUILTIN_NAME = "the built-in prompt set"
 
 
-class PromptError(ValueError):
-    pass
+class PromptError(DataError):
+    """A prompt set that cannot be used (exit 2); the message names the file and line."""
 
 
 def _text_of(record: dict[str, Any]) -> str | None:
@@ -27,45 +36,100 @@ def _text_of(record: dict[str, Any]) -> str | None:
     return None
 
 
-def load_prompts(source: str, tokenizer: Any | None, num_prompts: int | None = None) -> list[list[int]]:
-    """Token-id prompts from `builtin` or a JSONL path, the first `num_prompts` of them."""
+def _ids_of(record: dict[str, Any], where: str) -> list[int] | None:
+    ids = record.get("input_ids", record.get("tokens"))
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise PromptError(f"{where}: input_ids must be a list of integer token ids")
+    return list(ids)
+
+
+def _read_lines(source: str) -> list[tuple[str, str]]:
+    """(where, line) for every non-blank line of a JSONL file."""
+    path = Path(source)
+    if not path.exists():
+        raise PromptError(f"prompt file {source!r} does not exist: give a JSONL file, or --prompts builtin")
+    if not path.is_file():
+        raise PromptError(f"prompt file {source!r} is not a file: give a JSONL file, or --prompts builtin")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{source}: not UTF-8 text (byte {exc.start}): give a JSONL file") from exc
+    lines = [(f"{source}:{number}", line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise PromptError(f"prompt file {source!r} is empty: give one JSON object per line")
+    return lines
+
+
+def load_prompts(
+    source: str,
+    tokenizer: Any | None,
+    num_prompts: int | None = None,
+    *,
+    vocab_size: int | None = None,
+    max_positions: int | None = None,
+    max_new_tokens: int = 0,
+) -> list[list[int]]:
+    """Token-id prompts from `builtin` or a JSONL path, the first `num_prompts` of them, checked."""
+    if num_prompts is not None and num_prompts < 1:
+        raise PromptError(f"--num-prompts must be at least 1 (got {num_prompts})")
     if source == "builtin":
         # the built-in texts, in the pair's own tokens (bytes for the built-in pairs)
         encoder = tokenizer if tokenizer is not None else zoo.ByteTokenizer()
-        prompts = [_encode(encoder, text) for text in zoo.builtin_prompt_texts()]
+        located = [(f"{BUILTIN_NAME}, prompt {n}", _encode(encoder, text, BUILTIN_NAME))
+                   for n, text in enumerate(zoo.builtin_prompt_texts(), 1)]
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise PromptError(f"prompt file {source!r} does not exist")
-        prompts = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptError(f"{source}:{number}: not JSON ({exc.msg})") from exc
-            ids = record.get("input_ids", record.get("tokens")) if isinstance(record, dict) else None
-            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
-                prompts.append(list(ids))
-                continue
-            text = _text_of(record) if isinstance(record, dict) else None
-            if text is None:
-                raise PromptError(f"{source}:{number}: needs `input_ids`, `prompt`, `text` or `turns`")
-            if tokenizer is None:
-                raise PromptError(f"{source}:{number}: text prompt, but the target has no tokenizer")
-            prompts.append(_encode(tokenizer, text))
-    prompts = [p for p in prompts if p]
+        located = []
+        for where, line in _read_lines(source):
+            if num_prompts is not None and len(located) >= num_prompts:
+                break
+            located.append((where, _parse_line(where, line, tokenizer)))
     if num_prompts is not None:
-        if num_prompts < 1:
-            raise PromptError("--num-prompts must be at least 1")
-        prompts = prompts[:num_prompts]
-    if not prompts:
-        raise PromptError(f"no prompts in {source!r}")
-    return prompts
+        located = located[:num_prompts]
+    for where, ids in located:
+        _check_ids(where, ids, vocab_size, max_positions, max_new_tokens)
+    return [ids for _, ids in located]
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
+def _parse_line(where: str, line: str, tokenizer: Any | None) -> list[int]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise PromptError(f"{where}: not JSON ({exc.msg} at column {exc.colno}): the file must be JSONL, "
+                          "one JSON object per line") from exc
+    if not isinstance(record, dict):
+        raise PromptError(f"{where}: expected a JSON object, got {type(record).__name__}: give "
+                          '{"input_ids": [...]} or {"prompt": "..."}')
+    ids = _ids_of(record, where)
+    if ids is not None:
+        return ids
+    text = _text_of(record)
+    if text is None:
+        keys = ", ".join(sorted(record)) or "none"
+        raise PromptError(f"{where}: no usable field (found: {keys}): give input_ids, prompt, text or turns")
+    if tokenizer is None:
+        raise PromptError(f"{where}: a text prompt, but the target has no tokenizer: give input_ids instead")
+    return _encode(tokenizer, text, where)
+
+
+def _check_ids(where: str, ids: list[int], vocab_size: int | None, max_positions: int | None,
+               max_new_tokens: int) -> None:
+    if not ids:
+        raise PromptError(f"{where}: empty prompt: every prompt needs at least one token")
+    low, high = min(ids), max(ids)
+    if low < 0:
+        raise PromptError(f"{where}: token id {low} is negative: token ids run from 0 to the vocabulary size - 1")
+    if vocab_size is not None and high >= vocab_size:
+        raise PromptError(f"{where}: token id {high} is outside the model's vocabulary (0..{vocab_size - 1}): "
+                          "give ids from the target's tokenizer")
+    if max_positions is not None and len(ids) + max_new_tokens > max_positions:
+        raise PromptError(
+            f"{where}: {len(ids)} prompt tokens + {max_new_tokens} new tokens exceed the model's "
+            f"{max_positions} positions: shorten the prompt or lower --max-new-tokens")
+
+
+def _encode(tokenizer: Any, text: str, where: str) -> list[int]:
     if hasattr(tokenizer, "encode"):
         return list(tokenizer.encode(text))
-    raise PromptError("the tokenizer cannot encode text")
+    raise PromptError(f"{where}: the tokenizer cannot encode text: give input_ids instead")

@@ -1,7 +1,12 @@
 """The audit runner: engines x pairs x batch sizes x dtypes, one run record each.
 
 `audit.json` is rewritten (atomically) after every run, so a crash or Ctrl-C keeps every
-finished run; a run whose engine raises is recorded with its traceback and the audit goes on.
+finished run. Before any run, `validate.preflight` (and, once the first pair is loaded,
+`validate.check_factories`) raise `UsageError` for bad input. After that nothing ends the audit
+but Ctrl-C: an engine that raises, breaks the output contract, runs out of memory or runs past
+`timeout` seconds (`guard.GuardedEngine`) is recorded as a failed run, with a one-line `error` and
+its `traceback`; a pair that fails to load or whose reference fails records a failed run for each
+of its (engine, batch size) and the audit goes on.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ import torch
 import transformers
 
 from specaudit.engines import zoo
-from specaudit.engines.registry import make_engine
+from specaudit.engines.registry import black_box_prefix, make_engine
+from specaudit.equivalence import validate
 from specaudit.equivalence.audit import Reference, audit_engine
+from specaudit.equivalence.errors import EngineFailure, one_line
+from specaudit.equivalence.guard import GuardedEngine
 from specaudit.equivalence.prompts import load_prompts
 
 from specaudit import __version__ as VERSION
@@ -29,8 +37,9 @@ from specaudit import __version__ as VERSION
 @dataclass
 class UserPair:
     target: str
-    draft: str
+    draft: str | None  # None: a target alone, enough for black-box engines (recordings, live servers)
     trust_remote_code: bool = False
+    allow_pickle_weights: bool = False
 
 
 @dataclass
@@ -46,6 +55,11 @@ class AuditConfig:
     draft_tokens: int = 4
     eos_token_id: int | None | str = "pair"  # "pair": the pair's own EOS; None: never stop early
     engine_options: dict[str, Any] = field(default_factory=dict)
+    timeout: float | None = 3600.0  # seconds per run; a run past it is recorded as failed
+    # black-box engines (recordings, servers): a declared noise band (equivalence/blackbox.py)
+    engine_dtype: str | None = None
+    logit_tolerance: float | None = None
+    bundles: bool = True  # write OUT/bundles/*.json, one repro bundle per divergence
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -54,7 +68,8 @@ class AuditConfig:
             "batch_sizes": self.batch_sizes, "dtypes": self.dtypes, "device": self.device,
             "prompts": self.prompts, "num_prompts": self.num_prompts, "max_new_tokens": self.max_new_tokens,
             "draft_tokens": self.draft_tokens, "eos_token_id": self.eos_token_id,
-            "engine_options": self.engine_options,
+            "engine_options": self.engine_options, "timeout": self.timeout,
+            "engine_dtype": self.engine_dtype, "logit_tolerance": self.logit_tolerance,
         }
 
 
@@ -86,7 +101,8 @@ def machine_info(device: str) -> dict[str, Any]:
 def load(pair: str | UserPair, dtype: str, device: str) -> zoo.ModelPair:
     if isinstance(pair, UserPair):
         return zoo.load_pair(target_path=pair.target, draft_path=pair.draft, dtype=dtype, device=device,
-                             trust_remote_code=pair.trust_remote_code)
+                             trust_remote_code=pair.trust_remote_code,
+                             allow_pickle_weights=pair.allow_pickle_weights)
     return zoo.load_pair(pair, dtype=dtype, device=device)
 
 
@@ -102,7 +118,9 @@ def run_audit(
     progress: Callable[[int], Any] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every (engine, pair, batch size, dtype) and return the audit dict (also in `out_dir/audit.json`)."""
+    """Run every (engine, pair, batch size, dtype) and return the audit dict (also in `out_dir/audit.json`).
+    Raises `UsageError` (before any run) for bad input; see the module docstring for failures."""
+    validate.preflight(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     audit: dict[str, Any] = {
         "specaudit_version": VERSION,
@@ -115,19 +133,42 @@ def run_audit(
     json_path = out_dir / "audit.json"
     write_json(json_path, audit)
     bar = progress(len(config.engines) * len(config.pairs) * len(config.batch_sizes) * len(config.dtypes)) if progress else None
+    factories_checked = False
     for dtype in config.dtypes:
         for pair_spec in config.pairs:
-            pair = load(pair_spec, dtype, config.device)
-            replay = pair.target if dtype == "float64" else load(pair_spec, "float64", config.device).target
-            prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
-            eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
-            reference = Reference(pair, prompts, config.max_new_tokens, eos)
+            stage = "loading the pair"
+            try:
+                pair = load(pair_spec, dtype, config.device)
+                if not factories_checked:
+                    validate.check_factories(config, pair)  # a UsageError here ends the audit before any run
+                    factories_checked = True
+                replay = pair.target if dtype == "float64" else load(pair_spec, "float64", config.device).target
+                prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
+                eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
+                stage = "the reference (greedy decoding, one prompt at a time)"
+                # recordings bring their own prompts (decoded in _one_run): skip the unused reference
+                only_recordings = all(black_box_prefix(name) == "recorded" for name in config.engines)
+                reference = None if only_recordings else Reference(pair, prompts, config.max_new_tokens, eos)
+            except (KeyboardInterrupt, validate.UsageError):
+                raise
+            except Exception as exc:  # record every run of this pair as failed, go on with the next pair
+                failed = _pair_failure(pair_spec, dtype, config, stage, exc)
+                for run in failed:
+                    audit["runs"].append(run)
+                    write_json(json_path, audit)
+                    if on_run is not None:
+                        on_run(run)
+                    if bar is not None:
+                        bar.update(1)
+                pair = replay = reference = None
+                continue
             audit["config"]["num_prompts"] = len(prompts)
             for engine_name in config.engines:
                 for batch_size in config.batch_sizes:
                     if bar is not None:
                         bar.set_description(f"{engine_name} {pair.name} B={batch_size} {dtype}")
-                    run = _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay)
+                    run = _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
+                                   out_dir / "bundles" if config.bundles else None)
                     audit["runs"].append(run)
                     write_json(json_path, audit)
                     if on_run is not None:
@@ -142,25 +183,70 @@ def run_audit(
     return audit
 
 
-def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay) -> dict[str, Any]:
+def _failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[str, Any]:
+    """A run record for a run that did not finish: `error` is one line, `traceback` the whole story."""
+    return {**base, "exact_matches": 0, "equivalent": False, "structural_divergences": 0,
+            "numerical_divergences": 0, "max_logit_error": None, "logit_tolerance": None, "seconds": None,
+            "tokens_generated": 0, "trace": None, "prompts": [], "divergences": [], "failed": True,
+            "error": one_line(message),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+
+
+def _free_device_memory(device: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: Exception) -> list[dict[str, Any]]:
+    name = pair_spec if isinstance(pair_spec, str) else "+".join(
+        Path(p).name for p in (pair_spec.target, pair_spec.draft) if p is not None)
+    if _out_of_memory(exc):
+        _free_device_memory(config.device)
+        why = f"out of memory on {config.device} during {stage} (batch size 1)"
+    else:
+        why = f"{stage} failed: {type(exc).__name__}: {exc}"
+    message = f"pair {name} in {dtype}: {why}; no engine was run on it"
+    return [_failed_run({"engine": engine_name, "pair": name, "batch_size": batch_size, "dtype": dtype,
+                         "device": config.device, "num_prompts": config.num_prompts}, message, exc)
+            for engine_name in config.engines for batch_size in config.batch_sizes]
+
+
+def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
+             bundle_dir: Path | None = None) -> dict[str, Any]:
     base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
             "device": config.device, "num_prompts": len(prompts)}
     try:
         options = {"pad_token_id": pair.pad_token_id, "record_logits": True, **config.engine_options}
         engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
                              draft_tokens=config.draft_tokens, **options)
+        recorded_prompts = getattr(engine, "recorded_prompts", None)
+        if recorded_prompts is not None:  # a recording brings its own prompts: the reference decodes those
+            prompts = recorded_prompts[: config.num_prompts] if config.num_prompts else recorded_prompts
+            base["num_prompts"] = len(prompts)
+            reference = Reference(pair, prompts, config.max_new_tokens, eos)
+        engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
-                           batch_size=batch_size, device=config.device)
+                           batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
+                           logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         return run
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # one engine failing must not lose the others' runs
-        return {**base, "exact_matches": 0, "equivalent": False, "structural_divergences": 0,
-                "numerical_divergences": 0, "max_logit_error": None, "logit_tolerance": None, "seconds": None,
-                "tokens_generated": 0, "trace": None, "prompts": [], "divergences": [],
-                "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        if _out_of_memory(exc):
+            _free_device_memory(config.device)
+            message = (f"out of memory at batch size {batch_size} on {config.device}: "
+                       "try a smaller --batch-size")
+        elif isinstance(exc, EngineFailure):
+            message = f"engine {engine_name} failed: {exc}"
+        else:
+            message = f"engine {engine_name} raised {type(exc).__name__}: {exc}"
+        return _failed_run(base, message, exc)
 
 
 def summary_table(audit: dict[str, Any]) -> str:

@@ -103,11 +103,11 @@ def test_bad_usage_exits_2(tmp_path: Path) -> None:
 
 
 def test_engine_that_raises_is_recorded_and_fails(tmp_path: Path) -> None:
-    result = specaudit("--engine", "sample_engines:not_an_engine", "--engine", "eqspec", "--pair", "tiny-gpt2",
+    result = specaudit("--engine", "failing_engines:make_raising", "--engine", "eqspec", "--pair", "tiny-gpt2",
                        "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "4", out=tmp_path)
     assert result.returncode == 1
     runs = load(tmp_path)["runs"]
-    assert "no generate()" in runs[0]["error"]
+    assert "planted failure inside generate" in runs[0]["error"]
     assert runs[1]["exact_matches"] == 2  # the failure did not stop the next run
 
 

@@ -1,0 +1,173 @@
+"""Checks made before any run of an audit; each failure is a one-line `UsageError` (exit 2).
+
+`preflight(config)` runs before a model is loaded:
+- numbers: batch sizes, draft tokens (k), max_new_tokens and num_prompts at least 1, a positive timeout;
+- dtypes known, the device present (`cuda` needs a GPU) and able to run every dtype (a tiny matmul,
+  softmax and attention in that dtype on that device);
+- engine names: built in, `PREFIX:LOCATION`, or an importable callable `module:factory`;
+- pairs: a built-in name, or two local folders (`engines.model_files`: config, safetensors weights
+  or the pickle opt-in, custom code opt-in, one vocabulary and tokenizer);
+- prompts: for every pair, the prompt set loads and fits its vocabulary and positions.
+
+`check_factories(config, pair)` runs after the first pair is loaded and before its first run: each
+engine that is not built in is built once; a factory that raises (a recording that is missing or
+malformed, a server that cannot be reached, a bad option) or returns something without
+`generate()` is a usage error. Later builds that fail are failed runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specaudit.engines import model_files, zoo
+from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, make_engine, resolve
+from specaudit.equivalence.errors import ModelError, UsageError, one_line
+from specaudit.equivalence.prompts import load_prompts
+
+
+@dataclass
+class PairLimits:
+    """What the prompts must fit: known before the models are loaded."""
+
+    name: str
+    vocab_size: int | None
+    max_positions: int | None
+    tokenizer: Any | None
+
+
+def preflight(config: Any) -> None:
+    """Raise `UsageError` for anything in `config` (a runner `AuditConfig`) that cannot run."""
+    check_numbers(config)
+    check_dtypes(config.dtypes)
+    check_device(config.device, config.dtypes)
+    for name in config.engines:
+        check_engine_name(name)
+    for spec in config.pairs:
+        limits = pair_limits(spec)
+        load_prompts(config.prompts, limits.tokenizer, config.num_prompts, vocab_size=limits.vocab_size,
+                     max_positions=limits.max_positions, max_new_tokens=config.max_new_tokens)
+
+
+def check_numbers(config: Any) -> None:
+    for option, values in (("--batch-size", config.batch_sizes), ("--draft-tokens", [config.draft_tokens]),
+                           ("--max-new-tokens", [config.max_new_tokens]),
+                           ("--num-prompts", [] if config.num_prompts is None else [config.num_prompts])):
+        for value in values:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{option} {value!r}: must be a whole number of at least 1")
+    if not config.batch_sizes:
+        raise UsageError("--batch-size: give at least one batch size, e.g. --batch-size 1 8")
+    timeout = getattr(config, "timeout", None)
+    if timeout is not None and not timeout > 0:
+        raise UsageError(f"--timeout {timeout!r}: must be a positive number of seconds")
+
+
+def check_dtypes(dtypes: list[str]) -> None:
+    if not dtypes:
+        raise UsageError(f"--dtype: give at least one of {', '.join(zoo.DTYPES)}")
+    for dtype in dtypes:
+        if dtype not in zoo.DTYPES:
+            raise UsageError(f"unknown dtype {dtype!r}: use one of {', '.join(zoo.DTYPES)}")
+
+
+def check_device(device: str, dtypes: list[str]) -> None:
+    """The device exists here and runs each dtype's basic operations."""
+    try:
+        where = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if where.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA GPU is available on this machine: use --device cpu")
+        if where.index is not None and where.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s): "
+                             f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif where.type != "cpu":
+        backend = getattr(torch, where.type, None) or getattr(torch.backends, where.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            raise UsageError(f"--device {device}: no {where.type} device is available here: use --device cpu")
+    for dtype in dtypes:
+        try:
+            probe_dtype(zoo.DTYPES[dtype], where)
+        except Exception as exc:  # whatever the backend raises, the dtype cannot run here
+            raise UsageError(f"dtype {dtype} cannot run on {device} ({type(exc).__name__}): choose another --dtype, "
+                             "e.g. float32") from None
+
+
+def probe_dtype(dtype: torch.dtype, device: torch.device) -> None:
+    """A matmul, softmax, norm and attention in `dtype` on `device`: what every decoder step needs."""
+    x = torch.linspace(-1, 1, 32, dtype=torch.float32).reshape(1, 1, 4, 8).to(device=device, dtype=dtype)
+    scores = (x @ x.transpose(-1, -2)).softmax(-1)
+    normed = torch.nn.functional.layer_norm(x, (8,))
+    attended = torch.nn.functional.scaled_dot_product_attention(normed, normed, normed, is_causal=True)
+    float(scores.sum().item()) + float(attended.sum().item())
+
+
+def check_engine_name(name: str) -> None:
+    try:
+        resolve(name)
+    except EngineSpecError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def pair_limits(spec: Any) -> PairLimits:
+    """Check a pair (built-in name, or an object with `target`, `draft`, `trust_remote_code` and
+    `allow_pickle_weights`) without loading weights; return what its prompts must fit."""
+    if isinstance(spec, str):
+        if spec not in zoo.builtin_pair_names():
+            raise UsageError(f"unknown pair {spec!r}: use a built-in pair ({', '.join(zoo.builtin_pair_names())}) "
+                             "or --target PATH --draft PATH")
+        fixture = json.loads((zoo.PAIR_DIR / f"{spec}.json").read_text())["target"]
+        positions = fixture.get("max_position_embeddings", fixture.get("n_positions"))
+        return PairLimits(spec, zoo.ByteTokenizer.vocab_size, positions, zoo.ByteTokenizer())
+    trust = bool(getattr(spec, "trust_remote_code", False))
+    allow_pickle = bool(getattr(spec, "allow_pickle_weights", False))
+    try:
+        for role, path in (("target", spec.target), ("draft", spec.draft)):
+            if path is not None:  # no draft: a target alone, for black-box engines
+                model_files.check_model_folder(path, role, allow_pickle_weights=allow_pickle, trust_remote_code=trust)
+        if spec.draft is not None:
+            model_files.check_same_vocabulary(spec.target, spec.draft, trust_remote_code=trust)
+    except model_files.ModelFolderError as exc:
+        raise ModelError(str(exc)) from None
+    config = model_files.read_config(spec.target)
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = config.get("vocab_size", text_config.get("vocab_size"))
+    positions = None
+    for key in ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length"):
+        positions = config.get(key, text_config.get(key))
+        if positions is not None:
+            break
+    tokenizer = None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(spec.target, local_files_only=True, trust_remote_code=trust)
+    except Exception:  # no tokenizer: token-id prompts still work; text prompts get a clear error
+        tokenizer = None
+    return PairLimits(str(spec.target), vocab, positions, tokenizer)
+
+
+def check_factories(config: Any, pair: zoo.ModelPair) -> None:
+    """Build every non-built-in engine once on `pair` at the first batch size (see the module doc)."""
+    for name in config.engines:
+        if name in BUILTIN_ENGINES:
+            continue
+        options = {"pad_token_id": pair.pad_token_id, **config.engine_options}
+        try:
+            engine = make_engine(name, pair.target, pair.draft, batch_size=config.batch_sizes[0],
+                                 draft_tokens=config.draft_tokens, **options)
+        except EngineSpecError as exc:
+            raise UsageError(f"{exc}: the factory must return an object with generate(prompts, max_new_tokens, "
+                             "eos_token_id)") from None
+        except Exception as exc:  # any failure to build is the factory's (or its input's) problem
+            raise UsageError(f"engine {name!r} could not be built: {type(exc).__name__}: {one_line(str(exc))}: "
+                             "fix the factory, its file or server, or its --engine-option values") from None
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
