@@ -1,0 +1,131 @@
+"""Repro bundles: one self-contained JSON file per divergence, and its re-check on any machine.
+
+`write_bundles` (called by the audit for every run with divergences) writes
+`OUT/bundles/<engine>-<pair>-b<batch>-<dtype>-p<prompt>-<detected by>.json` holding the prompt ids,
+the reference's and the engine's outputs, the engine's description and per-token log-probabilities
+(when it gave them), the settings (dtype, max_new_tokens, eos_token_id), the ruling with its
+evidence, and the noise band of a black-box run. Each divergence record in `audit.json` names its
+bundle under `bundle`.
+
+`replay_bundle` decodes the prompt again with the reference (the target alone) and rules on the
+engine's recorded output as the audit did. Exit status of `specaudit replay`:
+- 0: the reference now agrees with the engine's output, or the divergence is ruled `numerical`;
+- 1: the divergence still reproduces as `structural`, or it was found through logits or draft
+  proposals (which a bundle cannot re-run without the engine): the recorded ruling stands;
+- 2: bad usage (an unreadable bundle, an unknown pair).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from specaudit import __version__ as VERSION
+
+BUNDLE_FORMAT = "specaudit-repro-bundle/1"
+
+
+def _slug(text: Any) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")[:60] or "x"
+
+
+def bundle_name(run: dict[str, Any], divergence: dict[str, Any]) -> str:
+    return (f"{_slug(run['engine'])}-{_slug(run['pair'])}-b{run.get('batch_size')}-{run['dtype']}"
+            f"-p{divergence['prompt_index']}-{divergence.get('detected_by', 'tokens')}.json")
+
+
+def write_bundles(bundle_dir: Path | str, run: dict[str, Any], prompts: list[list[int]],
+                  reference_outputs: list[list[int]], outputs: list[list[int]],
+                  engine_logprobs: list[list[dict[int, float]] | None] | None, *,
+                  max_new_tokens: int, eos_token_id: int | None) -> list[Path]:
+    """One bundle per divergence of `run`; each divergence record gets its bundle's name."""
+    folder = Path(bundle_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for divergence in run["divergences"]:
+        index = divergence["prompt_index"]
+        per_token = engine_logprobs[index] if engine_logprobs and index < len(engine_logprobs) else None
+        bundle = {
+            "format": BUNDLE_FORMAT,
+            "specaudit_version": VERSION,
+            "engine": run["engine"],
+            "engine_description": run.get("engine_description"),
+            "pair": run["pair"],
+            "settings": {"dtype": run["dtype"], "device": run.get("device"), "batch_size": run.get("batch_size"),
+                         "max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id},
+            "prompt_index": index,
+            "prompt_ids": [int(t) for t in prompts[index]],
+            "reference_output": [int(t) for t in reference_outputs[index]],
+            "engine_output": [int(t) for t in outputs[index]],
+            "engine_logprobs": ([{str(k): v for k, v in entry.items()} for entry in per_token]
+                                if per_token is not None else None),
+            "noise_band": run.get("noise_band"),
+            "divergence": divergence,
+        }
+        path = folder / bundle_name(run, divergence)
+        path.write_text(json.dumps(bundle, indent=1, default=str))
+        divergence["bundle"] = f"{folder.name}/{path.name}"
+        written.append(path)
+    return written
+
+
+class BundleError(ValueError):
+    """A file that is not a readable repro bundle."""
+
+
+def read_bundle(path: Path | str) -> dict[str, Any]:
+    source = Path(path)
+    try:
+        bundle = json.loads(source.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BundleError(f"cannot read bundle {str(path)!r}: {exc}") from None
+    if not isinstance(bundle, dict) or bundle.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{str(path)!r} is not a specaudit repro bundle (format {BUNDLE_FORMAT})")
+    return bundle
+
+
+def replay_bundle(bundle: dict[str, Any], target: Any, replay_target: Any | None = None,
+                  dtype: str | None = None) -> dict[str, Any]:
+    """Re-check one bundle against `target` (a loaded model; `replay_target` its float64 copy when
+    `target` is not float64). Returns `{"kind", "exit_status", "message", ...}`."""
+    from specaudit.engines.reference import ReferenceDecoder
+    from specaudit.equivalence import attribute, blackbox
+    from specaudit.equivalence.compare import compare_tokens, replay_logits
+
+    settings = bundle["settings"]
+    dtype = dtype or settings["dtype"]
+    prompt, engine_out = bundle["prompt_ids"], bundle["engine_output"]
+    decoder = ReferenceDecoder(target, record_logits=True)
+    reference_out = decoder.generate([prompt], settings["max_new_tokens"], settings["eos_token_id"])[0]
+    reference_logits = decoder.last_trace.logits[0]
+    result: dict[str, Any] = {"reference_output": reference_out,
+                              "reference_matches_bundle": reference_out == bundle["reference_output"]}
+    comparison = compare_tokens(0, reference_out, engine_out)
+    detected_by = bundle["divergence"].get("detected_by", "tokens")
+    if comparison.exact:
+        if detected_by != "tokens":
+            return {**result, "kind": "structural", "exit_status": 1,
+                    "message": f"the tokens agree with the reference; this divergence was found through "
+                               f"{detected_by}, which a bundle cannot re-run without the engine: the recorded "
+                               f"ruling ({bundle['divergence'].get('kind')}) stands"}
+        return {**result, "kind": None, "exit_status": 0,
+                "message": "the reference now agrees with the engine's output: the divergence does not reproduce"}
+    position = comparison.first_divergence
+    reference_token = reference_out[position] if position < len(reference_out) else None
+    engine_token = engine_out[position] if position < len(engine_out) else None
+    replay_model = replay_target if replay_target is not None else (target if dtype == "float64" else None)
+    replay = replay_logits(replay_model, prompt, list(reference_out[:position]) + [0])[-1] if replay_model is not None else None
+    band_record = bundle.get("noise_band")
+    if band_record:  # a black-box run: the band it was ruled with
+        band = blackbox.NoiseBand(**band_record)
+        at_split = replay if replay is not None else (
+            reference_logits[position] if reference_logits is not None and position < reference_logits.shape[0] else None)
+        kind, evidence = blackbox.classify(band, at_split, reference_token, engine_token)
+    else:
+        margin, top_logit = attribute.reference_margin_at(reference_logits, position)
+        kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
+    return {**result, "kind": kind, "position": position, "reference_token": reference_token,
+            "engine_token": engine_token, "evidence": evidence, "exit_status": 1 if kind == "structural" else 0,
+            "message": f"the divergence reproduces at position {position} and is ruled {kind}: {evidence['reason']}"}
