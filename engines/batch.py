@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import ragged
+from specaudit.engines import layout, ragged
 
 
 @dataclass
@@ -81,11 +81,24 @@ def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor)
 
     Returns the cache (each row's prompt, right-aligned, padding zeroed) and the logits at each
     row's last prompt token [B, V].
+
+    A padding query may attend to no key at all. With eager attention in float64 (a float mask at
+    the dtype's minimum, softmax upcast to float32: -inf everywhere) its output is NaN, and a NaN
+    value times a zero attention weight poisons the real rows in every later layer. When the padded
+    pass yields anything non-finite, the prompts are prefilled again in groups of equal length (no
+    padding at all) and the group caches are placed into one right-aligned cache.
     """
+    cache, last_logits = _prefill_padded(model, tokens, lengths)
+    if _all_finite(cache, last_logits):
+        return cache, last_logits
+    return _prefill_by_length(model, tokens, lengths)
+
+
+def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     width = tokens.shape[1]
     pad = width - lengths  # [B]
     positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
-    cache = DynamicCache(config=model.config)
+    cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
     out = model(
         input_ids=tokens,
         attention_mask=ragged.padding_mask(lengths, width).long(),
@@ -96,6 +109,41 @@ def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor)
     # zero the padding columns, so that nothing a padded query produced is ever read
     ragged.realign_cache(cache, torch.full_like(lengths, width), lengths)
     return cache, out.logits[:, -1]
+
+
+def _all_finite(cache: DynamicCache, logits: torch.Tensor) -> bool:
+    checks = [torch.isfinite(logits).all()]
+    for layer in ragged.cache_layers(cache):
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            checks += [torch.isfinite(layer.keys).all(), torch.isfinite(layer.values).all()]
+    return bool(torch.stack(checks).all())  # one host sync
+
+
+def _prefill_by_length(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """`prefill` without padding: one pass per distinct prompt length (a loop over lengths, not rows)."""
+    width = tokens.shape[1]
+    groups: dict[int, list[int]] = {}
+    for row, n in enumerate(lengths.tolist()):
+        groups.setdefault(n, []).append(row)
+    cache = layout.full_history_cache(model)
+    last_logits: torch.Tensor | None = None
+    for n, rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.long, device=tokens.device)
+        group_tokens = tokens.index_select(0, index)[:, width - n:]  # [g, n], no padding
+        group_cache, group_last = _prefill_padded(model, group_tokens, lengths.index_select(0, index))
+        if last_logits is None:
+            last_logits = group_last.new_zeros(tokens.shape[0], group_last.shape[-1])  # [B, V]
+            for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
+                b, h, _, d = source.keys.shape
+                layer.dtype, layer.device, layer.is_initialized = source.keys.dtype, source.keys.device, True
+                layer.keys = source.keys.new_zeros(tokens.shape[0], h, width, d)  # [B, H, W, D]
+                layer.values = source.values.new_zeros(tokens.shape[0], h, width, source.values.shape[-1])
+        last_logits[index] = group_last
+        for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
+            layer.keys[index, :, width - n:] = source.keys
+            layer.values[index, :, width - n:] = source.values
+    assert last_logits is not None
+    return cache, last_logits
 
 
 def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, cache_lengths: torch.Tensor, keep: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines import layout, ragged
 from specaudit.engines.batch import BatchState
 
 
@@ -31,6 +31,7 @@ class ModelDrafter:
     """Greedy drafting with a draft model whose cache lives in `state.draft_cache`."""
 
     def __init__(self, draft: PreTrainedModel) -> None:
+        layout.check_supported(draft, "draft")
         self.draft = draft
         self._proposed: torch.Tensor | None = None  # [B, k] last proposal, for the fill pass
         self._old_width = 0

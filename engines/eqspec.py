@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines import layout, ragged
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.drafters import Drafter, ModelDrafter
@@ -193,6 +193,7 @@ class EQSpec(ConsecutiveBatches):
             raise ValueError("batch_size and draft_tokens must be at least 1")
         if drafter is None and draft is None:
             raise ValueError("EQSPEC needs a draft model or a drafter")
+        layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
         self.drafter = drafter if drafter is not None else ModelDrafter(draft)
         self.batch_size = batch_size

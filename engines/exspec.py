@@ -66,9 +66,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
-from specaudit.engines import ragged
+from specaudit.engines import layout, ragged
 from specaudit.engines.batch import BatchState
 from specaudit.engines.drafters import Drafter, ModelDrafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
@@ -103,11 +102,9 @@ def stack_cache(model: PreTrainedModel, kvs: list[torch.Tensor]) -> DynamicCache
         stacked = kvs[0].new_zeros(layers, 2, len(kvs), heads, width, dim)  # [L, 2, G, H, W, D]
         for b, kv in enumerate(kvs):
             stacked[:, :, b, :, width - kv.shape[-2]:] = kv
-    cache = DynamicCache(config=model.config)
-    if not cache.layers:  # a config without layer types: layers are made on first use
-        cache.layers.extend(DynamicLayer() for _ in range(stacked.shape[0]))
-    if len(cache.layers) != stacked.shape[0] or any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-        raise NotImplementedError("EXSPEC keeps whole per-sequence caches: full-attention layers only")
+    cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
+    if len(cache.layers) != stacked.shape[0]:
+        raise ValueError(f"{len(kvs[0])} cached layers for a model with {len(cache.layers)} attention layers")
     for layer, layer_kv in zip(cache.layers, stacked.unbind(0)):
         layer.dtype, layer.device, layer.is_initialized = stacked.dtype, stacked.device, True
         layer.keys, layer.values = layer_kv[0], layer_kv[1]  # [G, H, W, D] each
@@ -317,6 +314,7 @@ class EXSpec:
             raise ValueError("batch_size and draft_tokens must be at least 1")
         if drafter is None and draft is None:
             raise ValueError("EXSPEC needs a draft model or a drafter")
+        layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
         self.drafter = drafter if drafter is not None else ModelDrafter(draft)
         self.batch_size = batch_size

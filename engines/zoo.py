@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from specaudit.engines.float64 import prepare_float64
+from specaudit.engines.layout import check_supported, layout_info
 from specaudit.engines.model_files import check_model_folder
 
 # the package data of `specaudit.fixtures` (the repository's `fixtures/`), wherever it is installed
@@ -64,7 +66,7 @@ class ModelPair:
 
     name: str
     target: PreTrainedModel
-    draft: PreTrainedModel
+    draft: PreTrainedModel | None  # None: a target alone, for black-box engines
     tokenizer: Any | None
     eos_token_id: int | None
     pad_token_id: int
@@ -80,8 +82,8 @@ def _layer_key(model_type: str) -> str:
     return "n_layer" if model_type == "gpt2" else "num_hidden_layers"
 
 
-def _config(spec: dict[str, Any], layers: int):
-    kwargs = dict(spec["target"])
+def _config(spec: dict[str, Any], layers: int, role: str = "target"):
+    kwargs = dict(spec[role])
     model_type = kwargs.pop("model_type")
     tok = ByteTokenizer
     kwargs[_layer_key(model_type)] = layers
@@ -95,11 +97,12 @@ def _config(spec: dict[str, Any], layers: int):
 
 
 def _seeded_init(model: PreTrainedModel, std: float, seed: int) -> None:
-    """Every matrix ~ N(0, std^2), every vector left at its default (norm weights 1, biases 0)."""
+    """Every matrix (and stack of expert matrices) ~ N(0, std^2), every vector left at its default
+    (norm weights 1, biases 0)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if param.dim() == 2:
+            if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * std)
 
 
@@ -111,16 +114,52 @@ def build_builtin_pair(name: str) -> tuple[PreTrainedModel, PreTrainedModel, dic
     spec = json.loads(path.read_text())
     target = AutoModelForCausalLM.from_config(_config(spec, spec["target_layers"]), dtype=torch.float64)
     _seeded_init(target, spec["init_std"], spec["seed"])
-    draft = AutoModelForCausalLM.from_config(_config(spec, spec["draft_layers"]), dtype=torch.float64)
+    draft_role = "draft" if "draft" in spec else "target"  # "draft": another family (same vocabulary)
+    draft = AutoModelForCausalLM.from_config(_config(spec, spec["draft_layers"], draft_role), dtype=torch.float64)
     target_state = target.state_dict()
     gen = torch.Generator().manual_seed(spec["seed"] + 1)
     with torch.no_grad():
         for key, param in sorted(draft.state_dict().items()):
-            source = target_state[key]
+            source = _as_draft_weight(key, target_state.get(key), param.shape, target.config)
             noise = torch.randn(source.shape, generator=gen, dtype=torch.float64)
             scale = source.std() if source.numel() > 1 else source.abs()
             param.copy_(source + spec["draft_noise"] * scale * noise)
     return target, draft, spec
+
+
+def _as_draft_weight(key: str, source: torch.Tensor | None, shape: torch.Size, target_config) -> torch.Tensor:
+    """The target weight a draft weight copies: the same tensor, or for a draft with more key/value
+    heads (grouped-query attention expanded), the target's key/value heads repeated, which computes
+    the same attention."""
+    if source is None:
+        raise ValueError(f"the draft's weight {key} has no counterpart in the target")
+    if source.shape == shape:
+        return source
+    kv_heads = getattr(target_config, "num_key_value_heads", None)
+    if (key.endswith(("k_proj.weight", "v_proj.weight")) and kv_heads and source.dim() == 2
+            and shape[1] == source.shape[1] and shape[0] % source.shape[0] == 0):
+        repeats = shape[0] // source.shape[0]
+        heads = source.view(kv_heads, source.shape[0] // kv_heads, source.shape[1])  # [Hkv, D, hidden]
+        return heads.repeat_interleave(repeats, dim=0).reshape(shape)
+    raise ValueError(f"the draft's weight {key} {tuple(shape)} cannot copy the target's {tuple(source.shape)}")
+
+
+def _architecture_info(target: PreTrainedModel, draft: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
+    """Refuse what the batched engines cannot run (`UnsupportedModel`, one line); in float64 make
+    both models compute in float64 throughout (`engines/float64.py`); say what the engines see."""
+    if draft is not None:  # a target alone serves only the reference decoder, which runs any model
+        check_supported(target, "target")
+        check_supported(draft, "draft")
+    notes = {}
+    if dtype == torch.float64:
+        for role, model in (("target", target), ("draft", draft)):
+            switched = prepare_float64(model) if model is not None else None
+            if switched:
+                notes[role] = switched
+    info: dict[str, Any] = {"target_layout": layout_info(target), "draft_layout": layout_info(draft) if draft is not None else None}
+    if notes:
+        info["float64_switches"] = notes
+    return info
 
 
 def _prepare(model: PreTrainedModel, dtype: torch.dtype, device: str) -> PreTrainedModel:
@@ -144,22 +183,30 @@ def load_pair(
     (`model_files.check_model_folder` first: safetensors only unless `allow_pickle_weights`, no
     custom code unless `trust_remote_code`; `ModelFolderError`, a ValueError, otherwise)."""
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    if name == "bench":  # the shape-realistic pair of `specaudit bench` (engines/bench_pair.py)
+        from specaudit.engines.bench_pair import load_bench_pair
+
+        return load_bench_pair(torch_dtype, device)
     if name is not None:
         target, draft, spec = build_builtin_pair(name)
         tok = ByteTokenizer()
+        pair_target, pair_draft = _prepare(target, torch_dtype, device), _prepare(draft, torch_dtype, device)
         return ModelPair(
             name=name,
-            target=_prepare(target, torch_dtype, device),
-            draft=_prepare(draft, torch_dtype, device),
+            target=pair_target,
+            draft=pair_draft,
             tokenizer=tok,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            info={"family": spec["target"]["model_type"], "seed": spec["seed"]},
+            info={"family": spec["target"]["model_type"], "seed": spec["seed"],
+                  **({"draft_family": spec["draft"]["model_type"]} if "draft" in spec else {}),
+                  **_architecture_info(pair_target, pair_draft, torch_dtype)},
         )
-    if not (target_path and draft_path):
-        raise ValueError("give a built-in pair name, or both a target and a draft path")
+    if not target_path:
+        raise ValueError("give a built-in pair name, or a target path (and a draft path for engines that draft)")
     models = []
-    for role, path in (("target", target_path), ("draft", draft_path)):
+    # a target alone (no draft_path) is enough for black-box engines: recordings and live servers
+    for role, path in (("target", target_path), ("draft", draft_path)) if draft_path else (("target", target_path),):
         safetensors = check_model_folder(path, role, allow_pickle_weights=allow_pickle_weights,
                                          trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -167,8 +214,8 @@ def load_pair(
             local_files_only=True,
         )
         models.append(_prepare(model, torch_dtype, device))
-    target, draft = models
-    if target.config.vocab_size != draft.config.vocab_size:
+    target, draft = models if len(models) == 2 else (models[0], None)
+    if draft is not None and target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(
             f"target and draft vocabularies differ ({target.config.vocab_size} vs {draft.config.vocab_size})"
         )
@@ -186,13 +233,14 @@ def load_pair(
     if pad is None:
         pad = eos if eos is not None else 0
     return ModelPair(
-        name=f"{Path(target_path).name}+{Path(draft_path).name}",
+        name=f"{Path(target_path).name}+{Path(draft_path).name}" if draft_path else Path(target_path).name,
         target=target,
         draft=draft,
         tokenizer=tokenizer,
         eos_token_id=eos,
         pad_token_id=int(pad),
-        info={"target_path": str(target_path), "draft_path": str(draft_path)},
+        info={"target_path": str(target_path), "draft_path": str(draft_path),
+              **_architecture_info(target, draft, torch_dtype)},
     )
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specaudit.engines import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.trace import StepRecord, Trace
@@ -139,13 +140,13 @@ class BSPEngine(ConsecutiveBatches):
 
         # prefill: no position ids (the model derives them); the first token is read at each
         # row's last real prompt column
-        target_cache = DynamicCache(config=self.target.config)
+        target_cache = layout.full_history_cache(self.target)
         out = self.target(input_ids=tokens, attention_mask=mask, past_key_values=target_cache, use_cache=True)
         first_logits = out.logits[batch, lengths - 1]  # [B, V]
         pending = first_logits.argmax(-1, keepdim=True)  # [B, 1]
         mask = _extend(mask)  # [B, W+1]
         draft_inputs = torch.cat([tokens, pending], dim=1)  # the draft has cached nothing yet
-        draft_cache = DynamicCache(config=self.draft.config)
+        draft_cache = layout.full_history_cache(self.draft)
         running = [True] * len(rows)
         self._emit(trace, "prefill", pending.tolist(), first_logits.unsqueeze(1), [0] * len(rows),
                    (tokens.shape[1] - lengths).tolist(), rows, running, max_new_tokens, eos_token_id, outputs, logits)

@@ -59,7 +59,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import ragged
+from specaudit.engines import layout, ragged
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.trace import StepRecord, Trace
@@ -125,7 +125,7 @@ class DSDEngine(ConsecutiveBatches):
         follows it, where u is the number of uncached tokens fed before the drafts; the cache; and u.
         """
         if cache is None or carry is None:
-            cache = DynamicCache(config=self.target.config)
+            cache = layout.full_history_cache(self.target)
             inputs = torch.cat([tokens, drafts], dim=1)  # [B, S+d] the whole batch, padding included
             out = self.target(input_ids=inputs, past_key_values=cache, use_cache=True)
             u = tokens.shape[1] - 1

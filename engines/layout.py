@@ -1,0 +1,97 @@
+"""What the batched engines need from a model's architecture, and the caches they give it.
+
+The engines (EQSPEC, EXSPEC, their drafters) keep every row's whole history in every layer: one
+plain growing cache layer (`DynamicLayer`) per attention layer, right-aligned rows, padding on the
+left. A sliding-window layer gets the same full-history layer; its window is applied by the model's
+own attention mask, which transformers computes from column indices (`kv_idx > q_idx - window`).
+A row's real tokens are contiguous columns, so a column difference is a position difference and the
+window is the row's own, whatever its left padding (proved token- and logit-exact against the
+model's own sliding cache at batch size 1 in float64 by `tests/test_architectures.py`). Per-layer
+RoPE settings and attention sinks live inside the attention modules and need nothing here.
+
+Supported: every layer a full-attention or sliding-window attention layer (the cache layer types
+transformers builds for them). Anything else (linear attention or state-space layers, chunked
+attention, layers that share another layer's cache) is refused before any run by
+`check_supported`, with one line naming the architecture and what is missing.
+
+Float64 switches (eager experts, a float64 softmax) are in `engines/float64.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+
+class UnsupportedModel(ValueError):
+    """A model the batched engines cannot run exactly; the message is one line."""
+
+
+def architecture_name(model: PreTrainedModel) -> str:
+    names = getattr(model.config, "architectures", None) or [type(model).__name__]
+    return str(names[0])
+
+
+def _model_cache(model: PreTrainedModel) -> DynamicCache:
+    """The cache transformers itself would build for `model` (one layer per attention layer)."""
+    return DynamicCache(config=model.config)
+
+
+def attention_layer_kinds(model: PreTrainedModel) -> list[str]:
+    """Per layer: "full", "sliding" or the name of an unsupported cache layer class."""
+    kinds = []
+    for layer in _model_cache(model).layers:
+        if type(layer) is DynamicLayer:
+            kinds.append("full")
+        elif type(layer) is DynamicSlidingWindowLayer:
+            kinds.append("sliding")
+        else:
+            kinds.append(type(layer).__name__)
+    return kinds
+
+
+def check_supported(model: PreTrainedModel, role: str = "model") -> None:
+    """Raise `UnsupportedModel` (one line) when the engines cannot keep `model`'s caches exactly."""
+    kinds = attention_layer_kinds(model)
+    unsupported = sorted({k for k in kinds if k not in ("full", "sliding")})
+    if unsupported:
+        raise UnsupportedModel(
+            f"{role} {architecture_name(model)}: cache layers {', '.join(unsupported)} are not supported "
+            f"(the batched engines keep full-attention and sliding-window attention layers only)"
+        )
+
+
+def full_history_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache with one full-history `DynamicLayer` per attention layer of `model`
+    (sliding-window layers included: the attention mask applies their window)."""
+    count = len(_model_cache(model).layers)
+    cache = DynamicCache()
+    if count:
+        cache.layers.extend(DynamicLayer() for _ in range(count))
+    return cache
+
+
+def layout_info(model: PreTrainedModel) -> dict[str, Any]:
+    """Facts a report shows about how the engines run `model`."""
+    kinds = attention_layer_kinds(model)
+    info: dict[str, Any] = {"architecture": architecture_name(model), "layers": len(kinds)}
+    sliding = kinds.count("sliding")
+    if sliding:
+        window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)
+        info["sliding_layers"] = sliding
+        info["sliding_window"] = window
+    experts = experts_implementation(model)
+    if experts is not None:
+        info["experts_implementation"] = experts
+    return info
+
+
+def experts_implementation(model: PreTrainedModel) -> str | None:
+    """The model's expert implementation ("eager", "grouped_mm", ...), None without experts."""
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if can_set is None or not can_set():
+        return None
+    return getattr(model.config, "_experts_implementation", None)
