@@ -1,0 +1,155 @@
+"""Recordings as engines: `specaudit audit --engine recorded:FILE`, `specaudit diff`, repro
+bundles and `specaudit replay`, end to end on tiny-llama in float64.
+
+A correct recording is made here with the reference decoder; a buggy one changes one token; a
+misattached one swaps two prompts' outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from specaudit.engines import zoo
+from specaudit.engines.adapters.recorded import RecordedEngine, RecordingError, read_recording, write_recording
+from specaudit.engines.reference import ReferenceDecoder
+from specaudit.equivalence.cli import main
+
+MAX_NEW = 48
+NUM_PROMPTS = 4
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+    return code, stdout.getvalue(), stderr.getvalue()
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("recordings")
+    pair = zoo.load_pair("tiny-llama")
+    prompts = zoo.builtin_prompts()[:NUM_PROMPTS]
+    outputs = ReferenceDecoder(pair.target).generate(prompts, MAX_NEW, pair.eos_token_id)
+    assert all(len(o) > 12 for o in outputs)
+    buggy = [list(o) for o in outputs]
+    buggy[1][12] = (buggy[1][12] + 1) % 256  # a token the reference did not choose
+    swapped = [outputs[1], outputs[0]] + outputs[2:]
+    return {
+        "good": write_recording(folder / "good.jsonl", prompts, outputs, metadata={"server": "reference"}),
+        "bug": write_recording(folder / "bug.jsonl", prompts, buggy),
+        "swapped": write_recording(folder / "swapped.jsonl", prompts, swapped),
+    }
+
+
+def audit(recording: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    code, stdout, stderr = cli("audit", "--engine", f"recorded:{recording}", "--pair", "tiny-llama",
+                               "--dtype", "float64", "--max-new-tokens", str(MAX_NEW), "--out", str(out),
+                               "--no-progress", *extra)
+    assert (out / "audit.json").is_file(), stderr
+    return code, json.loads((out / "audit.json").read_text())
+
+
+def test_correct_recording_is_equivalent(recordings, tmp_path):
+    code, report = audit(recordings["good"], tmp_path)
+    assert code == 0
+    (run,) = report["runs"]
+    assert run["num_prompts"] == NUM_PROMPTS  # the file's prompts, not the built-in set
+    assert run["exact_matches"] == NUM_PROMPTS and run["divergences"] == []
+    assert run["engine_description"]["kind"] == "recorded"
+    assert run["noise_band"]["source"] == "audit-dtype"
+
+
+def test_recording_with_a_bug_is_structural_with_a_bundle_that_replays(recordings, tmp_path):
+    code, report = audit(recordings["bug"], tmp_path)
+    assert code == 1
+    (run,) = report["runs"]
+    (divergence,) = run["divergences"]
+    assert (divergence["prompt_index"], divergence["position"], divergence["kind"]) == (1, 12, "structural")
+    bundle_path = tmp_path / divergence["bundle"]
+    bundle = json.loads(bundle_path.read_text())
+    good = read_recording(recordings["good"])[1]
+    assert bundle["prompt_ids"] == good.prompt_ids and bundle["reference_output"] == good.output_ids
+    assert bundle["engine_output"][12] != good.output_ids[12]
+    assert bundle["divergence"]["kind"] == "structural" and bundle["settings"]["max_new_tokens"] == MAX_NEW
+
+    code, stdout, _ = cli("replay", str(bundle_path), "--pair", "tiny-llama")
+    assert code == 1, stdout  # still reproduces, still structural
+    bundle["engine_output"] = good.output_ids  # as if the engine were fixed
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps(bundle))
+    code, stdout, _ = cli("replay", str(fixed), "--pair", "tiny-llama")
+    assert code == 0, stdout
+
+
+def test_outputs_attached_to_the_wrong_prompts_are_structural(recordings, tmp_path):
+    code, report = audit(recordings["swapped"], tmp_path)
+    assert code == 1
+    (run,) = report["runs"]
+    assert {d["prompt_index"] for d in run["divergences"]} == {0, 1}
+    assert all(d["kind"] == "structural" for d in run["divergences"])
+
+
+def test_recording_made_with_other_settings_is_refused(recordings, tmp_path):
+    lines = read_recording(recordings["good"])
+    path = write_recording(tmp_path / "other.jsonl", [l.prompt_ids for l in lines], [l.output_ids for l in lines],
+                           metadata={"max_new_tokens": 16})
+    engine = RecordedEngine(str(path))
+    with pytest.raises(RecordingError, match="--max-new-tokens 16"):
+        engine.generate(engine.recorded_prompts, MAX_NEW, 258)
+    with pytest.raises(RecordingError, match="not in the recording"):
+        RecordedEngine(str(recordings["good"])).generate([[1, 2, 3]], MAX_NEW, 258)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"prompt_ids": [1, 2]}', ":1:"),
+    ('{"prompt_ids": [], "output_ids": [3]}', "empty"),
+    ('{"prompt_ids": [1], "output_ids": [3, 4], "logprobs": [-0.1]}', "one entry per output token"),
+    ("not json", ":1:"),
+])
+def test_malformed_recordings_name_the_line(tmp_path, content, fragment):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content + "\n")
+    with pytest.raises(RecordingError, match=fragment):
+        read_recording(path)
+
+
+def test_logprob_forms_are_read_per_token(tmp_path):
+    path = tmp_path / "lp.jsonl"
+    path.write_text(json.dumps({"prompt_ids": [1], "output_ids": [5, 6, 7], "logprobs": [-0.1, -0.2, -0.3],
+                                "top_logprobs": [{"5": -0.1, "9": -2.0}, [[6, -0.2], [8, -1.0]],
+                                                 [{"id": 7, "logprob": -0.3}, {"id": 4, "logprob": -3.0}]],
+                                "note": "free metadata"}) + "\n")
+    (line,) = read_recording(path)
+    assert line.logprobs == [{5: -0.1, 9: -2.0}, {6: -0.2, 8: -1.0}, {7: -0.3, 4: -3.0}]
+    assert line.metadata == {"note": "free metadata"}
+
+
+def test_diff_exit_codes_and_rulings(recordings, tmp_path):
+    code, stdout, _ = cli("diff", str(recordings["good"]), str(recordings["good"]))
+    assert code == 0 and f"{NUM_PROMPTS} identical" in stdout
+    code, stdout, _ = cli("diff", str(recordings["good"]), str(recordings["bug"]))
+    assert code == 1 and "position 12" in stdout
+    out = tmp_path / "diff.json"
+    code, stdout, _ = cli("diff", str(recordings["good"]), str(recordings["bug"]), "--pair", "tiny-llama",
+                          "--out", str(out))
+    assert code == 1
+    (difference,) = json.loads(out.read_text())["differences"]
+    assert difference["rulings"]["A"]["kind"] is None  # the correct recording agrees with the reference
+    assert difference["rulings"]["B"]["kind"] == "structural" and difference["rulings"]["B"]["position"] == 12
+    code, _, stderr = cli("diff", str(recordings["good"]), str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "missing.jsonl" in stderr
+
+
+def test_target_alone_is_refused_for_engines_that_draft(tmp_path):
+    code, _, stderr = cli("audit", "--engine", "eqspec", "--target", str(tmp_path), "--out", str(tmp_path / "o"),
+                          "--no-progress")
+    assert code == 2 and "--draft" in stderr
