@@ -149,7 +149,12 @@ def run_audit(
                 # recordings bring their own prompts (decoded in _one_run): skip the unused reference
                 only_recordings = all(black_box_prefix(name) == "recorded" for name in config.engines)
                 reference = None if only_recordings else Reference(pair, prompts, config.max_new_tokens, eos)
-            except (KeyboardInterrupt, validate.UsageError):
+            except validate.UsageError:
+                if bar is not None:  # no run was made: clear the bar, leave the error line alone
+                    bar.leave = False
+                    bar.close()
+                raise
+            except KeyboardInterrupt:
                 raise
             except Exception as exc:  # record every run of this pair as failed, go on with the next pair
                 failed = _pair_failure(pair_spec, dtype, config, stage, exc)

@@ -18,13 +18,15 @@ malformed, a server that cannot be reached, a bad option) or returns something w
 from __future__ import annotations
 
 import json
+import socket
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specaudit.engines import model_files, zoo
-from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, make_engine, resolve
+from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, black_box_prefix, make_engine, resolve
 from specaudit.equivalence.errors import ModelError, UsageError, one_line
 from specaudit.equivalence.prompts import load_prompts
 
@@ -166,8 +168,29 @@ def check_factories(config: Any, pair: zoo.ModelPair) -> None:
             raise UsageError(f"{exc}: the factory must return an object with generate(prompts, max_new_tokens, "
                              "eos_token_id)") from None
         except Exception as exc:  # any failure to build is the factory's (or its input's) problem
+            if black_box_prefix(name):  # a recording or server: its own message names the file or URL and the fix
+                raise UsageError(f"engine {name!r}: {one_line(str(exc))}") from None
             raise UsageError(f"engine {name!r} could not be built: {type(exc).__name__}: {one_line(str(exc))}: "
-                             "fix the factory, its file or server, or its --engine-option values") from None
+                             "fix the factory or its --engine-option values") from None
+        url = getattr(engine, "url", None)
+        if isinstance(url, str) and getattr(engine, "black_box", False):
+            check_reachable(name, url)
         close = getattr(engine, "close", None)
         if callable(close):
             close()
+
+
+def check_reachable(name: str, url: str, timeout: float = 10.0) -> None:
+    """A TCP connection to a server engine's host and port can be made (nothing is sent)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise UsageError(f"engine {name!r}: {url!r} has no valid port: fix the URL in the engine name") from None
+    try:
+        with socket.create_connection((parts.hostname or "localhost", port), timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"engine {name!r}: cannot reach the server at {url} ({reason}): start the server, or "
+                         "fix the URL in the engine name") from None
