@@ -100,7 +100,7 @@ def _body_excerpt(exc: urllib.error.HTTPError) -> str:
 
 def map_concurrently(call: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
     """`[call(item) for item in items]` with up to `workers` calls in flight; results in input order.
-    The first exception raised by any call is raised here (the others are left to finish)."""
+    The first exception raised by any call is raised here; calls not yet started are dropped."""
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if workers == 1 or len(items) <= 1:
