@@ -36,3 +36,14 @@ def audit(*args: str, out: Path) -> Result:
 
 def runs(out: Path) -> list[dict]:
     return json.loads((out / "audit.json").read_text())["runs"]
+
+
+def usage_error(result: Result, *fragments: str) -> str:
+    """Assert exit 2 with exactly one line on stderr that holds every fragment; return the line."""
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]

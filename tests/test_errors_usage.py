@@ -12,23 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_run import Result, audit, runs
+from cli_run import audit, runs, usage_error
 from specaudit.equivalence import validate
 from specaudit.equivalence.errors import UsageError
 
 PAIR = ("--engine", "eqspec", "--pair", "tiny-gpt2")
 SMALL = ("--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "4")
-
-
-def usage_error(result: Result, *fragments: str) -> str:
-    """Assert exit 2 with exactly one line on stderr that holds every fragment; return the line."""
-    assert result.returncode == 2, result
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    for fragment in fragments:
-        assert fragment in lines[0], lines[0]
-    return lines[0]
 
 
 # ---- usage -----------------------------------------------------------------------------------------
