@@ -153,3 +153,15 @@ def test_target_alone_is_refused_for_engines_that_draft(tmp_path):
     code, _, stderr = cli("audit", "--engine", "eqspec", "--target", str(tmp_path), "--out", str(tmp_path / "o"),
                           "--no-progress")
     assert code == 2 and "--draft" in stderr
+
+
+def test_target_alone_is_enough_for_a_recording(recordings, tmp_path):
+    target_dir = tmp_path / "target"
+    zoo.load_pair("tiny-llama").target.save_pretrained(target_dir, safe_serialization=True)
+    code, stdout, stderr = cli("audit", "--engine", f"recorded:{recordings['bug']}", "--target", str(target_dir),
+                               "--dtype", "float64", "--max-new-tokens", str(MAX_NEW), "--eos-token-id", "258",
+                               "--out", str(tmp_path / "out"), "--no-progress")
+    report = json.loads((tmp_path / "out" / "audit.json").read_text())
+    (run,) = report["runs"]
+    assert code == 1, (run.get("error"), stderr)
+    assert run["pair"] == "target" and [d["prompt_index"] for d in run["divergences"]] == [1]

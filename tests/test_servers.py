@@ -9,6 +9,7 @@ and TensorRT-LLM only here.)
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from fake_server import FakeServer, free_port_with_nothing_listening
@@ -251,3 +252,43 @@ def test_sglang_request_field_by_field():
     assert body["sampling_params"]["stop_token_ids"] == [EOS]
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
     assert server.requests[-1][1]["sampling_params"]["ignore_eos"] is True
+
+
+# --- the whole audit against a fake server that decodes with the reference ------------------------
+
+def test_audit_of_a_server_end_to_end(tmp_path):
+    import contextlib
+    import io
+    import json
+
+    from specaudit.engines import zoo
+    from specaudit.engines.reference import greedy_decode
+    from specaudit.equivalence.cli import main
+
+    pair = zoo.load_pair("tiny-llama")
+
+    def answer(corrupt: bool):
+        def respond(path, body):
+            eos = None if body["ignore_eos"] else pair.eos_token_id
+            tokens, _ = greedy_decode(pair.target, body["prompt"], body["n_predict"], eos)
+            if corrupt and len(body["prompt"]) % 2 and len(tokens) > 2:
+                tokens[2] = (tokens[2] + 1) % 256  # a server bug on prompts of odd length
+            return 200, {"tokens": tokens, "stop_type": "limit", "completion_probabilities": []}
+        return respond
+
+    for corrupt, expected in ((False, 0), (True, 1)):
+        with FakeServer(answer(corrupt)) as server:
+            out = tmp_path / f"out-{corrupt}"
+            argv = ["audit", "--engine", f"llamacpp:{server.url}", "--pair", "tiny-llama", "--batch-size", "4",
+                    "--num-prompts", "4", "--max-new-tokens", "8", "--no-progress", "--out", str(out)]
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                code = main(argv)
+        report = json.loads((out / "audit.json").read_text())
+        (run,) = report["runs"]
+        assert code == expected, run.get("error")
+        assert server.max_in_flight > 1  # the runner's batch size reached the server as concurrency
+        assert run["engine_description"]["dialect"] == "llamacpp"
+        if corrupt:
+            assert run["structural_divergences"] > 0
+            assert all(d["kind"] == "structural" and d["position"] == 2 for d in run["divergences"])
+            assert all(Path(out, d["bundle"]).is_file() for d in run["divergences"])
