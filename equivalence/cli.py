@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.equivalence import cli_blackbox
+from specaudit.equivalence import cli_bench
 
 EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_USAGE = 0, 1, 2
 DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continuation length for --acceptance")
     commands.add_parser("engines", help="list the built-in engines")
     cli_blackbox.add_parsers(commands, _Formatter)
+    cli_bench.add_parser(commands, _Formatter)
     return parser
 
 
@@ -228,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_audit_command(args, parser)
     if args.command in cli_blackbox.COMMANDS:
         return cli_blackbox.run(args)
+    if args.command == "bench":
+        return cli_bench.run(args, parser)
     if args.command == "pairs":
         from specaudit.engines import zoo
 

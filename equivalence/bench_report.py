@@ -1,0 +1,202 @@
+"""What a bench run says: ratios, ceilings, EXSPEC against EQSPEC, and the markdown table.
+
+`summarise(bench)` adds to each run of a bench dict (in place): `ratio_to_batch_size_1` (the same
+engine and k at batch size 1), `ratio_to_plain` (plain decoding at the same batch size: `reference`
+at 1, `batched` above), `ratio_to_reference`, `ceiling` (best speedup over plain decoding from the
+measured pass costs and the configured acceptance), `ceiling_at_measured_acceptance` (the same with
+the run's own tokens per step) and `fraction_of_ceiling`. It also sets `exspec_vs_eqspec` (per
+batch size and k: EXSPEC's group rate and what its pool gains and loses against EQSPEC, from the
+traces) and `findings` (the figures the README reports). `markdown(bench)` renders it all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specaudit.engines.bench_pair import expected_tokens_per_step
+
+SPECULATIVE_STAGE = "realign"
+
+
+def _finished(bench: dict[str, Any]) -> list[dict[str, Any]]:
+    return [run for run in bench.get("runs") or [] if "tokens_per_second" in run]
+
+
+def _find(runs: list[dict[str, Any]], engine: str, batch_size: int, k: Any = "any") -> dict[str, Any] | None:
+    for run in runs:
+        if run["engine"] == engine and run["batch_size"] == batch_size and (k == "any" or run["draft_tokens"] == k):
+            return run
+    return None
+
+
+def _ceiling(costs: dict[str, Any], k: int, tokens_per_step: float) -> float:
+    return tokens_per_step * costs["target_1"] / (costs["target_k1"][str(k)] + k * costs["draft_1"])
+
+
+def plain_run(runs: list[dict[str, Any]], batch_size: int) -> dict[str, Any] | None:
+    """Plain decoding at this batch size: `reference` at 1 (else `batched`), `batched` above."""
+    if batch_size == 1:
+        return _find(runs, "reference", 1) or _find(runs, "batched", 1)
+    return _find(runs, "batched", batch_size)
+
+
+def summarise(bench: dict[str, Any]) -> None:
+    runs = _finished(bench)
+    costs = {c["batch_size"]: c for c in bench.get("pass_costs") or []}
+    acceptance = bench.get("acceptance")
+    reference = _find(runs, "reference", 1)
+    for run in runs:
+        b, k = run["batch_size"], run["draft_tokens"]
+        one = _find(runs, run["engine"], 1, k)
+        plain = plain_run(runs, b)
+        run["ratio_to_batch_size_1"] = run["tokens_per_second"] / one["tokens_per_second"] if one else None
+        run["plain_engine"] = f"{plain['engine']} (batch {b})" if plain else None
+        run["ratio_to_plain"] = run["tokens_per_second"] / plain["tokens_per_second"] if plain else None
+        run["ratio_to_reference"] = run["tokens_per_second"] / reference["tokens_per_second"] if reference else None
+        cost = costs.get(b)
+        if k is None or cost is None or str(k) not in cost["target_k1"]:
+            continue
+        if run.get("mean_tokens_per_step"):
+            run["ceiling_at_measured_acceptance"] = _ceiling(cost, k, run["mean_tokens_per_step"])
+        if acceptance is not None and run.get("calibrated_drafter"):
+            run["ceiling"] = _ceiling(cost, k, expected_tokens_per_step(acceptance, k))
+        else:  # the engine drafts with the draft model: its own acceptance is the only one it has
+            run["ceiling"] = run.get("ceiling_at_measured_acceptance")
+        if run.get("ceiling") and run.get("ratio_to_plain"):
+            run["fraction_of_ceiling"] = run["ratio_to_plain"] / run["ceiling"]
+    bench["exspec_vs_eqspec"] = exspec_vs_eqspec(runs)
+    bench["findings"] = findings(bench, runs)
+
+
+def _movement(run: dict[str, Any]) -> float | None:
+    stages = run.get("stage_seconds")
+    return stages["realign"] if stages else None
+
+
+def exspec_vs_eqspec(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (batch size, k) with both engines: EXSPEC's group rate, and steps, rows per step, cache
+    movement (realign + stack + unstack) and tokens/s against EQSPEC's."""
+    rows = []
+    for ex in runs:
+        if ex["engine"] != "exspec":
+            continue
+        eq = _find(runs, "eqspec", ex["batch_size"], ex["draft_tokens"])
+        kinds = ex.get("step_kinds") or {}
+        spec_steps = kinds.get("group", 0) + kinds.get("fallback", 0)
+        entry: dict[str, Any] = {
+            "batch_size": ex["batch_size"], "draft_tokens": ex["draft_tokens"],
+            "group_steps": kinds.get("group", 0), "fallback_steps": kinds.get("fallback", 0),
+            "group_rate": kinds.get("group", 0) / spec_steps if spec_steps else None,
+            "exspec_steps": ex.get("steps"), "exspec_prefills": ex.get("prefills"),
+            "exspec_rows_per_step": ex.get("mean_rows_per_step"),
+            "exspec_cache_movement_seconds": _movement(ex),
+            "exspec_tokens_per_second": ex["tokens_per_second"],
+        }
+        if eq is not None:
+            entry.update({
+                "eqspec_steps": eq.get("steps"), "eqspec_prefills": eq.get("prefills"),
+                "eqspec_rows_per_step": eq.get("mean_rows_per_step"),
+                "eqspec_cache_movement_seconds": _movement(eq),
+                "eqspec_tokens_per_second": eq["tokens_per_second"],
+                "tokens_per_second_ratio": ex["tokens_per_second"] / eq["tokens_per_second"],
+            })
+        rows.append(entry)
+    return rows
+
+
+def findings(bench: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ks = sorted({r["draft_tokens"] for r in runs if r["draft_tokens"] is not None})
+    k = 4 if 4 in ks else (ks[0] if ks else None)
+    eq1, ref = _find(runs, "eqspec", 1, k), _find(runs, "reference", 1)
+    if eq1 and ref:
+        out["eqspec_b1_over_reference"] = eq1["tokens_per_second"] / ref["tokens_per_second"]
+        out["eqspec_b1_fraction_of_ceiling"] = eq1.get("fraction_of_ceiling")
+        out["ceiling_b1"] = eq1.get("ceiling")
+    sizes = sorted({r["batch_size"] for r in runs})
+    largest = 8 if 8 in sizes else (sizes[-1] if sizes else None)
+    if largest is None or k is None:
+        return out
+    out["draft_tokens"], out["largest_batch_size"] = k, largest
+    for name in ("eqspec", "exspec", "inplace"):
+        run = _find(runs, name, largest, k)
+        if run and run.get("stage_shares"):
+            out[f"{name}_realign_share_b{largest}"] = run["stage_shares"]["realign"]
+    speculative = [r for r in runs if r["batch_size"] == largest and r["draft_tokens"] == k
+                   and r["engine"] in ("eqspec", "exspec", "inplace")]
+    batched = _find(runs, "batched", largest)
+    if speculative and batched:
+        best = max(speculative, key=lambda r: r["tokens_per_second"])
+        cost = next((c for c in bench.get("pass_costs") or [] if c["batch_size"] == largest), None)
+        out["best_speculative"] = best["engine"]
+        out["best_over_batched"] = best["tokens_per_second"] / batched["tokens_per_second"]
+        if cost is not None:
+            verify_ratio = cost["target_k1"][str(k)] / cost["target_1"]
+            out["verify_over_plain_pass"] = verify_ratio
+            out["ceiling_largest"] = best.get("ceiling")
+            out["reason"] = (
+                f"at batch size {largest} a target pass over k+1 = {k + 1} tokens per row costs {verify_ratio:.2f}x a "
+                f"1-token pass and the k draft passes add {k * cost['draft_1'] / cost['target_1']:.2f}x, so the ceiling "
+                f"is {best.get('ceiling') or float('nan'):.2f}x; {best['engine']} reaches "
+                f"{best.get('fraction_of_ceiling') or float('nan'):.0%} of it")
+    return out
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(bench: dict[str, Any]) -> str:
+    machine = bench.get("machine") or {}
+    lines = [
+        f"# bench: pair `{bench['pair']['name']}`, acceptance {bench.get('acceptance')}",
+        "",
+        f"{bench['num_prompts']} prompts (mean length {bench['mean_prompt_length']:.0f}), "
+        f"{bench['config']['max_new_tokens']} new tokens each, {bench['config']['dtype']} on "
+        f"{machine.get('device')} ({machine.get('device_name')}, {machine.get('cpu_count')} CPUs, "
+        f"{machine.get('torch_threads')} torch threads); torch {machine.get('torch')}, transformers "
+        f"{machine.get('transformers')}; warm-up {bench['config']['warmup']}, repeats {bench['config']['repeats']} "
+        f"(median shown, spread = (max - min) / median). Peak memory: {bench.get('memory_method')}.",
+        "",
+        "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | accepted/step "
+        "| draft | verify | realign | other | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in bench.get("runs") or []:
+        if "tokens_per_second" not in run:
+            lines.append(f"| {run['engine']} | {run['batch_size']} | {_fmt(run['draft_tokens'], 'd')} | failed: "
+                         f"{run.get('error', '').splitlines()[0] if run.get('error') else ''} |")
+            continue
+        shares = run.get("stage_shares") or {}
+        lines.append(
+            f"| {run['engine']} | {run['batch_size']} | {_fmt(run['draft_tokens'], 'd')} | {run['tokens_per_second']:.2f} "
+            f"| {_fmt((run.get('spread') or {}).get('relative_range'), '.0%')} | {_fmt(run.get('ratio_to_batch_size_1'))} "
+            f"| {_fmt(run.get('ratio_to_plain'))} | {_fmt(run.get('ceiling'))} | {_fmt(run.get('fraction_of_ceiling'), '.0%')} "
+            f"| {_fmt(run.get('mean_accepted_per_step'))} | "
+            + " | ".join(_fmt(shares.get(s), ".1%") for s in ("draft", "verify", "realign", "other"))
+            + f" | {run['peak_memory_bytes'] / 2**20:.0f} |")
+    pairs = bench.get("exspec_vs_eqspec") or []
+    if pairs:
+        lines += ["", "EXSPEC against EQSPEC (steps = speculative steps; cache movement = realign + stack + unstack):", "",
+                  "| B | k | group steps | fallback steps | group rate | steps EX / EQ | rows per step EX / EQ "
+                  "| cache movement s EX / EQ | tokens/s EX / EQ |", "|---|---|---|---|---|---|---|---|---|"]
+        for e in pairs:
+            lines.append(
+                f"| {e['batch_size']} | {e['draft_tokens']} | {e['group_steps']} | {e['fallback_steps']} "
+                f"| {_fmt(e['group_rate'], '.0%')} | {e['exspec_steps']} / {_fmt(e.get('eqspec_steps'), 'd')} "
+                f"| {_fmt(e['exspec_rows_per_step'])} / {_fmt(e.get('eqspec_rows_per_step'))} "
+                f"| {_fmt(e['exspec_cache_movement_seconds'])} / {_fmt(e.get('eqspec_cache_movement_seconds'))} "
+                f"| {_fmt(e['exspec_tokens_per_second'])} / {_fmt(e.get('eqspec_tokens_per_second'))} |")
+    costs = bench.get("pass_costs") or []
+    if costs:
+        lines += ["", "Pass costs (median ms; context = mean prompt length + half the new tokens):", "",
+                  "| B | context | target, 1 token | target, k+1 tokens | draft, 1 token |", "|---|---|---|---|---|"]
+        for c in costs:
+            verify = ", ".join(f"k={k}: {v * 1000:.1f}" for k, v in c["target_k1"].items())
+            lines.append(f"| {c['batch_size']} | {c['context_length']} | {c['target_1'] * 1000:.1f} | {verify} "
+                         f"| {c['draft_1'] * 1000:.1f} |")
+    found = bench.get("findings") or {}
+    if found.get("reason"):
+        lines += ["", f"Best speculative engine at batch size {found['largest_batch_size']}: {found['best_speculative']}, "
+                      f"{found['best_over_batched']:.2f}x `batched`; {found['reason']}."]
+    return "\n".join(lines) + "\n"
