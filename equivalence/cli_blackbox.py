@@ -1,6 +1,8 @@
 """Command line for black-box engines: the audit's noise-band options, `specaudit diff` and
 `specaudit replay`.
 
+`specaudit record` (equivalence/cli_record.py) writes a live server's outputs as a recording.
+
 Exit status: `diff` 0 when the two recordings are identical on every prompt (and hold the same
 prompts), 1 when not, 2 on bad usage. `replay` 0 when the bundle's divergence no longer reproduces
 or is ruled numerical, 1 when it still reproduces as structural (or was found through logits or
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COMMANDS = ("diff", "replay")
+COMMANDS = ("diff", "replay", "record")
 ENGINE_DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -58,6 +60,8 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(commands: Any, formatter: type) -> None:
+    from specaudit.equivalence import cli_record
+
     diff = commands.add_parser(
         "diff", formatter_class=formatter, help="compare two recordings of the same prompts token by token",
         description="Compare two recordings (JSONL lines with prompt_ids and output_ids; e.g. a speculative "
@@ -86,6 +90,7 @@ def add_parsers(commands: Any, formatter: type) -> None:
     _add_target_options(replay)
     replay.add_argument("--dtype", default=None, choices=["float64", "float32", "bfloat16", "float16"],
                         help="the reference's dtype (default: the bundle's)")
+    cli_record.add_parser(commands, formatter)
 
 
 def _load_target(args: argparse.Namespace, dtype: str) -> Any:
@@ -109,6 +114,10 @@ def _eos(value: str, pair: Any) -> int | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.command == "record":
+            from specaudit.equivalence import cli_record
+
+            return cli_record.run(args)
         return run_diff(args) if args.command == "diff" else run_replay(args)
     except ValueError as exc:  # unreadable recordings or bundles, a bad reference: usage
         print(f"specaudit {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -256,33 +256,40 @@ def test_sglang_request_field_by_field():
 
 # --- the whole audit against a fake server that decodes with the reference ------------------------
 
-def test_audit_of_a_server_end_to_end(tmp_path):
+def reference_llamacpp(pair, corrupt: bool):
+    """A /completion answer from tiny-llama's greedy decoding; with `corrupt`, a bug on prompts of odd length."""
+    from specaudit.engines.reference import greedy_decode
+
+    def respond(path, body):
+        eos = None if body["ignore_eos"] else pair.eos_token_id
+        tokens, _ = greedy_decode(pair.target, body["prompt"], body["n_predict"], eos)
+        if corrupt and len(body["prompt"]) % 2 and len(tokens) > 2:
+            tokens[2] = (tokens[2] + 1) % 256
+        return 200, {"tokens": tokens, "stop_type": "limit", "completion_probabilities": []}
+    return respond
+
+
+def run_cli(*argv: str) -> int:
     import contextlib
     import io
+
+    from specaudit.equivalence.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(list(argv))
+
+
+def test_audit_of_a_server_end_to_end(tmp_path):
     import json
 
     from specaudit.engines import zoo
-    from specaudit.engines.reference import greedy_decode
-    from specaudit.equivalence.cli import main
 
     pair = zoo.load_pair("tiny-llama")
-
-    def answer(corrupt: bool):
-        def respond(path, body):
-            eos = None if body["ignore_eos"] else pair.eos_token_id
-            tokens, _ = greedy_decode(pair.target, body["prompt"], body["n_predict"], eos)
-            if corrupt and len(body["prompt"]) % 2 and len(tokens) > 2:
-                tokens[2] = (tokens[2] + 1) % 256  # a server bug on prompts of odd length
-            return 200, {"tokens": tokens, "stop_type": "limit", "completion_probabilities": []}
-        return respond
-
     for corrupt, expected in ((False, 0), (True, 1)):
-        with FakeServer(answer(corrupt)) as server:
+        with FakeServer(reference_llamacpp(pair, corrupt)) as server:
             out = tmp_path / f"out-{corrupt}"
-            argv = ["audit", "--engine", f"llamacpp:{server.url}", "--pair", "tiny-llama", "--batch-size", "4",
-                    "--num-prompts", "4", "--max-new-tokens", "8", "--no-progress", "--out", str(out)]
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                code = main(argv)
+            code = run_cli("audit", "--engine", f"llamacpp:{server.url}", "--pair", "tiny-llama", "--batch-size", "4",
+                           "--num-prompts", "4", "--max-new-tokens", "8", "--no-progress", "--out", str(out))
         report = json.loads((out / "audit.json").read_text())
         (run,) = report["runs"]
         assert code == expected, run.get("error")
@@ -292,3 +299,26 @@ def test_audit_of_a_server_end_to_end(tmp_path):
             assert run["structural_divergences"] > 0
             assert all(d["kind"] == "structural" and d["position"] == 2 for d in run["divergences"])
             assert all(Path(out, d["bundle"]).is_file() for d in run["divergences"])
+
+
+def test_record_two_runs_and_diff_them(tmp_path):
+    from specaudit.engines import zoo
+    from specaudit.engines.adapters.recorded import read_recording
+
+    pair = zoo.load_pair("tiny-llama")
+    paths = {}
+    for corrupt in (False, True):
+        with FakeServer(reference_llamacpp(pair, corrupt)) as server:
+            paths[corrupt] = tmp_path / f"run-{corrupt}.jsonl"
+            assert run_cli("record", "--engine", f"llamacpp:{server.url}", "--pair", "tiny-llama", "--num-prompts", "4",
+                           "--max-new-tokens", "8", "--batch-size", "2", "--out", str(paths[corrupt])) == 0
+    lines = read_recording(paths[False])
+    assert len(lines) == 4 and lines[0].metadata["max_new_tokens"] == 8 and lines[0].metadata["eos_token_id"] == 258
+    assert run_cli("diff", str(paths[False]), str(paths[False])) == 0
+    assert run_cli("diff", str(paths[False]), str(paths[True])) == 1
+    # the plain run's recording audits clean; the settings it was made with are checked
+    assert run_cli("audit", "--engine", f"recorded:{paths[False]}", "--pair", "tiny-llama", "--max-new-tokens", "8",
+                   "--no-progress", "--out", str(tmp_path / "audit")) == 0
+    url = f"http://127.0.0.1:{free_port_with_nothing_listening()}"
+    assert run_cli("record", "--engine", f"llamacpp:{url}", "--pair", "tiny-llama", "--num-prompts", "1",
+                   "--engine-option", "retries=0", "--out", str(tmp_path / "x.jsonl")) == 1
