@@ -153,3 +153,16 @@ def test_ctrl_c_before_the_first_run_leaves_a_clear_message(tmp_path: Path, monk
     monkeypatch.setattr(runner.validate, "preflight", interrupted)
     result = audit("--engine", "eqspec", "--pair", "tiny-gpt2", out=tmp_path)
     assert result.returncode == 130 and "nothing was written" in result.stderr
+
+
+def test_ctrl_c_during_a_bench_keeps_the_finished_runs(tmp_path: Path) -> None:
+    from cli_run import cli
+
+    result = cli("bench", "--engine", "eqspec", "--engine", "sample_engines:make_interrupting", "--engine", "exspec",
+                 "--pair", "tiny-gpt2", "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "4",
+                 "--repeats", "1", "--warmup", "0", "--out", str(tmp_path))
+    assert result.returncode == 130 and "interrupted" in result.stderr
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    assert [run["engine"] for run in bench["runs"]] == ["eqspec"] and not bench["complete"]
+    assert bench["runs"][0]["tokens_per_second"] > 0
+    assert "eqspec" in (tmp_path / "bench.md").read_text()
