@@ -101,6 +101,18 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
     return lines + [""]
 
 
+def _float64_switches(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per pair and model that `engines/float64.py` switched to compute in float64."""
+    lines, seen = [], set()
+    for run in runs:
+        for role, notes in ((run.get("pair_info") or {}).get("float64_switches") or {}).items():
+            key = (run.get("pair"), role)
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- {run.get('pair')} {role}: " + "; ".join(notes))
+    return lines
+
+
 def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVERGENCE_LIMIT) -> str:
     runs = audit.get("runs") or []
     _, sentence = verdict(audit)
@@ -116,6 +128,9 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["**Config:** " + " · ".join(f"{name}: {value}" for name, value in config), ""]
     if runs:
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
+    switches = _float64_switches(runs)
+    if switches:
+        lines += ["## How the models ran in float64", ""] + switches + [""]
     crashed = [run for run in runs if run.get("error")]
     if crashed:
         lines += ["## Crashed runs", ""]

@@ -223,7 +223,8 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
 def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
              bundle_dir: Path | None = None) -> dict[str, Any]:
     base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
-            "device": config.device, "num_prompts": len(prompts)}
+            "device": config.device, "num_prompts": len(prompts),
+            "pair_info": dict(pair.info)}  # layouts and float64 switches (eager experts, float64 softmax)
     try:
         options = {"pad_token_id": pair.pad_token_id, "record_logits": True, **config.engine_options}
         engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
