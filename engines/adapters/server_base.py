@@ -1,0 +1,130 @@
+"""The shared part of the live-server engines (engines/adapters/servers.py): one request per
+prompt, `batch_size` of them in flight, and the output contract applied to each answer.
+
+A dialect subclass of `ServerEngine` sets `dialect`, `server_name`, `path` and implements
+`request(prompt, max_new_tokens, eos_token_id) -> dict` and `parse(answer) -> Completion`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specaudit.engines.adapters._http import (
+    DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerError, join_url, map_concurrently, post_json,
+)
+
+DEFAULT_TOP_LOGPROBS = 2  # the top-2 margin is what a ruling needs
+
+
+@dataclass
+class Completion:
+    """One server answer, read: the new token ids and, when real, per-token top log-probabilities."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish: str | None = None  # the server's own stop reason, as it spells it
+    stopped_at_eos: bool = False  # the server says it stopped on the EOS token
+    notes: list[str] = field(default_factory=list)
+
+
+class ServerEngine:
+    """Base of the four dialects: concurrency, stopping and bookkeeping. A subclass sets `dialect`,
+    `server_name`, `path` and implements `request` and `parse`."""
+
+    dialect = ""
+    server_name = "server"
+    path = ""
+    black_box = True  # takes no models; its prompts are the audit's
+
+    def __init__(self, url: str, *, batch_size: int = 1, timeout: float = DEFAULT_TIMEOUT_S,
+                 retries: int = DEFAULT_RETRIES, top_logprobs: int = DEFAULT_TOP_LOGPROBS,
+                 model: str | None = None, **_: Any) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{self.dialect}: expected a URL such as http://127.0.0.1:8080 after "
+                             f"'{self.dialect}:', got {url!r}")
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.url = url.rstrip("/")
+        self.batch_size = int(batch_size)
+        self.timeout = float(timeout)
+        self.retries = int(retries)
+        self.top_logprobs = int(top_logprobs)
+        self.model = model
+        self.last_logprobs: list[list[dict[int, float]] | None] = []
+        self.last_details: list[dict[str, Any]] = []
+
+    def describe(self) -> dict[str, Any]:
+        """What was audited, for reports and repro bundles; after `generate`, how often the client
+        had to append an EOS or cut tokens, and which prompts gave usable log-probabilities."""
+        notes: dict[str, int] = {}
+        for details in self.last_details:
+            for note in details.get("notes", []):
+                notes[note] = notes.get(note, 0) + 1
+        return {"kind": "server", "dialect": self.dialect, "url": self.url, "endpoint": self.path,
+                "model": self.model, "concurrent_requests": self.batch_size, "timeout_s": self.timeout,
+                "top_logprobs": self.top_logprobs, "client_notes": notes,
+                "prompts_with_logprobs": sum(lp is not None for lp in self.last_logprobs)}
+
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse(self, answer: Any) -> Completion:
+        raise NotImplementedError
+
+    def complete(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> Completion:
+        """One prompt: the request, sent, and the answer, read."""
+        body = self.request(prompt, max_new_tokens, eos_token_id)
+        answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
+                           what=f"{self.server_name} server")
+        try:
+            return self.parse(answer)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ServerError(f"{self.server_name} server at {self.url}: unexpected answer shape "
+                              f"({type(exc).__name__}: {exc}); is this a {self.server_name} server?") from None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if max_new_tokens <= 0:
+            self.last_logprobs, self.last_details = [None] * len(prompts), [{} for _ in prompts]
+            return [[] for _ in prompts]
+        completions = map_concurrently(
+            lambda prompt: self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id),
+            prompts, self.batch_size)
+        outputs, self.last_logprobs, self.last_details = [], [], []
+        for completion in completions:
+            tokens, logprobs, details = finish_output(completion, max_new_tokens, eos_token_id)
+            outputs.append(tokens)
+            self.last_logprobs.append(logprobs)
+            self.last_details.append(details)
+        return outputs
+
+
+def finish_output(completion: Completion, max_new_tokens: int,
+                  eos_token_id: int | None) -> tuple[list[int], list[dict[int, float]] | None, dict[str, Any]]:
+    """The contract's output from a server's answer: EOS appended when the server says it stopped on
+    EOS without returning it, then cut at the first EOS (kept) and at `max_new_tokens`."""
+    tokens = list(completion.token_ids)
+    logprobs = completion.logprobs
+    notes = list(completion.notes)
+    if (eos_token_id is not None and completion.stopped_at_eos and len(tokens) < max_new_tokens
+            and eos_token_id not in tokens):
+        tokens.append(eos_token_id)
+        notes.append("the server stopped on EOS without returning it; EOS appended")
+        if logprobs is not None:
+            logprobs = None  # no log-probability for the appended token: drop them rather than misalign
+    returned = len(tokens)
+    if eos_token_id is not None and eos_token_id in tokens:
+        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    tokens = tokens[:max_new_tokens]
+    if len(tokens) < returned:
+        notes.append(f"{returned - len(tokens)} token(s) after EOS or past max_new_tokens cut by the client")
+    if logprobs is not None:
+        logprobs = logprobs[: len(tokens)]
+    details = {"finish": completion.finish, "returned_tokens": returned, "notes": notes}
+    return tokens, logprobs, details
+
+
+def _top_dict(entries: list[tuple[int, float]]) -> dict[int, float]:
+    return {int(token): float(logprob) for token, logprob in entries}
