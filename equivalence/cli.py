@@ -212,8 +212,14 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     print(summary_table(audit))
     print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
     status = exit_status(audit)
+    failed = [run for run in audit["runs"] if run.get("error")]
     print("verdict: " + ("every audited engine is equivalent" if status == EXIT_EQUIVALENT
-                         else "NOT equivalent: see the divergences in the report"))
+                         else "NOT equivalent: see the divergences in the report" if not failed
+                         else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
+                              "and the report)"))
+    for run in failed:
+        print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
+              file=sys.stderr)
     return 130 if interrupted else status
 
 

@@ -42,7 +42,8 @@ def test_broken_engines_are_failed_runs_and_the_others_complete(tmp_path: Path) 
     _failed(by_engine["make_float_tokens"], "output 0, position 0", "not an integer token id")
     _failed(by_engine["make_negative_token"], "token id -1", "outside the vocabulary (0..258)")
     _completed(by_engine["eqspec"])
-    assert result.stdout.count("ERROR") == 4
+    assert result.stdout.count("ERROR") == 4 and "4 run(s) failed" in result.stdout
+    assert "failed: failing_engines:make_raising" in result.stderr  # each failure's one line, on stderr too
     report = (tmp_path / "report.md").read_text()
     assert "planted failure inside generate" in report and (tmp_path / "report.html").exists()
 
