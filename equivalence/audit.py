@@ -18,7 +18,7 @@ from specaudit.engines.zoo import ModelPair
 from specaudit.equivalence import attribute, blackbox
 from specaudit.equivalence.diagnose import Diagnoser
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
-from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
+from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
 
 
 class Reference:
@@ -68,6 +68,8 @@ def _divergence(
             reference.logits[index][position] if reference.logits[index] is not None
             and position < reference.logits[index].shape[0] else None)
         kind, evidence = blackbox.classify(band, at_split, reference_token, engine_token, engine_entry)
+        if replay is not None:
+            evidence["replay_float64_top2"], evidence["replay_float64_margin"] = top2(replay)
     else:
         kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay,
                                             logit_error_so_far)

@@ -83,6 +83,8 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
     ]
     if evidence.get("reason"):
         bullets.append(f"why {entry.kind}: {evidence['reason']}")
+    if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
+        bullets.append(f"noise band: {entry.run['noise_band']['how']}")
     if divergence.get("logit_error") is not None:
         bullets.append(f"logit error at this position: {format_number(divergence['logit_error'])}")
     bullets.append("accepted draft tokens per step: "

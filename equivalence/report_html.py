@@ -205,6 +205,8 @@ def _divergence_article(number: int, entry: DivergenceEntry) -> str:
             ("float64 replay", escape(replay_description(evidence)))]
     if evidence.get("reason"):
         rows.append((f"why {entry.kind}", escape(str(evidence["reason"]))))
+    if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
+        rows.append(("noise band", escape(str(entry.run["noise_band"]["how"]))))
     if divergence.get("logit_error") is not None:
         rows.append(("logit error", escape(format_number(divergence["logit_error"]))))
     rows.append(("accepted per step", _chips(history, len(history) - 1) if history else "not traced"))
