@@ -54,20 +54,28 @@ def resolve(spec: str) -> Callable[..., Any]:
     path = BLACK_BOX_ENGINES[prefix] if prefix else BUILTIN_ENGINES.get(spec, spec)
     if ":" not in path:
         raise EngineSpecError(
-            f"unknown engine {spec!r}: use a built-in name ({', '.join(BUILTIN_ENGINES)}) or package.module:factory"
+            f"unknown engine {spec!r}: use a built-in name ({', '.join(BUILTIN_ENGINES)}), "
+            f"recorded:FILE, {'|'.join(p for p in BLACK_BOX_ENGINES if p != 'recorded')}:URL, or package.module:factory"
         )
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EngineSpecError(f"cannot import {module_name!r} for engine {spec!r}: {exc}") from exc
+        raise EngineSpecError(f"cannot import {module_name!r} for engine {spec!r} ({exc}): check the module name, "
+                              "and that its package is installed or on PYTHONPATH (PYTHONPATH=. for a module in "
+                              "the current folder)") from exc
+    except Exception as exc:  # the module itself fails while being imported
+        raise EngineSpecError(f"module {module_name!r} of engine {spec!r} fails while being imported "
+                              f"({type(exc).__name__}: {exc}): fix the module") from exc
     factory = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
-            raise EngineSpecError(f"{module_name!r} has no attribute {attr!r} (engine {spec!r})")
+            raise EngineSpecError(f"{module_name!r} has no attribute {attr!r} (engine {spec!r}): name a function "
+                                  "or class defined in that module")
     if not callable(factory):
-        raise EngineSpecError(f"engine {spec!r} names {type(factory).__name__}, not a callable factory")
+        raise EngineSpecError(f"engine {spec!r} names {type(factory).__name__}, not a callable factory: name a "
+                              "function or class that returns the engine")
     return factory
 
 

@@ -34,7 +34,19 @@ def test_unknown_pair(tmp_path: Path) -> None:
 
 def test_factory_module_that_does_not_import(tmp_path: Path) -> None:
     usage_error(audit("--engine", "no_such_module_here:make", "--pair", "tiny-gpt2", out=tmp_path),
-                "cannot import", "no_such_module_here")
+                "cannot import", "no_such_module_here", "PYTHONPATH")
+
+
+def test_factory_module_that_fails_while_importing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "broken_on_import.py").write_text('raise RuntimeError("planted: broken module")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    usage_error(audit("--engine", "broken_on_import:make", "--pair", "tiny-gpt2", out=tmp_path / "out"),
+                "broken_on_import", "fails while being imported", "planted: broken module", "fix the module")
+
+
+def test_factory_name_missing_from_its_module(tmp_path: Path) -> None:
+    usage_error(audit("--engine", "failing_engines:no_such_factory", "--pair", "tiny-gpt2", out=tmp_path),
+                "has no attribute 'no_such_factory'")
 
 
 def test_factory_that_is_not_callable(tmp_path: Path) -> None:
