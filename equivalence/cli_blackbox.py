@@ -47,8 +47,9 @@ def add_audit_options(audit: argparse.ArgumentParser) -> None:
     group = audit.add_argument_group("black-box engines (recorded:FILE, llamacpp:URL, vllm:URL, sglang:URL, "
                                      "trtllm:URL; --target alone is enough)")
     _add_band_options(group)
-    group.add_argument("--no-bundles", action="store_true",
-                       help="do not write OUT/bundles/*.json (one self-contained repro bundle per divergence)")
+    audit.add_argument("--no-bundles", action="store_true",
+                       help="do not write OUT/bundles/*.json (one self-contained repro bundle per divergence, "
+                            "for any engine; re-check one with specaudit replay)")
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:
