@@ -73,6 +73,16 @@ def _option(value: str) -> tuple[str, Any]:
         return key.replace("-", "_"), raw
 
 
+def _token_id(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token id, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"a token id is at least 0, got {number}")
+    return number
+
+
 def _eos(value: str) -> int | None | str:
     if value in ("pair", "none"):
         return None if value == "none" else "pair"
@@ -133,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(the engine is abandoned in a background thread, not killed)")
     how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID|pair|none",
                      help="stop token: the pair's own EOS, an id, or none")
+    how.add_argument("--pad-token-id", type=_token_id, default=None, metavar="ID",
+                     help="the pad id the pair declares (its configs' pad_token_id) to the engines under audit "
+                          "(default: the pair's own); the EOS id here audits the pad-equals-EOS set-up")
+    how.add_argument("--no-adversarial", action="store_true",
+                     help="leave out the adversarial prompts that every audit adds to each pair's prompts by "
+                          "default (pad, EOS and BOS ids inside prompts, identical prompts, one-token prompts, "
+                          "prompts past 1024 and 2048 tokens where the model allows them)")
     cli_blackbox.add_audit_options(audit)
 
     out = audit.add_argument_group("output")
@@ -177,7 +194,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=dict(args.engine_option),
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
-        bundles=not args.no_bundles,
+        bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
     )
 
 

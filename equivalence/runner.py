@@ -26,6 +26,7 @@ import transformers
 from specaudit.engines import zoo
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import validate
+from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.errors import EngineFailure, one_line
 from specaudit.equivalence.guard import GuardedEngine
@@ -60,6 +61,8 @@ class AuditConfig:
     engine_dtype: str | None = None
     logit_tolerance: float | None = None
     bundles: bool = True  # write OUT/bundles/*.json, one repro bundle per divergence
+    adversarial: bool = True  # add the adversarial prompts (equivalence/adversarial.py) to every pair's prompts
+    pad_token_id: int | None = None  # the pad id the pair declares to the engines (None: the pair's own)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +73,7 @@ class AuditConfig:
             "draft_tokens": self.draft_tokens, "eos_token_id": self.eos_token_id,
             "engine_options": self.engine_options, "timeout": self.timeout,
             "engine_dtype": self.engine_dtype, "logit_tolerance": self.logit_tolerance,
+            "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
         }
 
 
@@ -145,6 +149,17 @@ def run_audit(
                 replay = pair.target if dtype == "float64" else load(pair_spec, "float64", config.device).target
                 prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
                 eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
+                if config.pad_token_id is not None:
+                    vocab = getattr(pair.target.config, "vocab_size", None)
+                    if vocab is not None and config.pad_token_id >= vocab:
+                        raise validate.UsageError(f"--pad-token-id {config.pad_token_id}: pair {pair.name} has "
+                                                  f"{vocab} token ids (0 to {vocab - 1})")
+                    declare_pad_token_id(pair, config.pad_token_id)
+                adversarial = None
+                if config.adversarial:
+                    prompts, adversarial = with_adversarial_prompts(
+                        pair, prompts, eos_token_id=eos, max_new_tokens=config.max_new_tokens,
+                        draft_tokens=config.draft_tokens)
                 stage = "the reference (greedy decoding, one prompt at a time)"
                 # recordings bring their own prompts (decoded in _one_run): skip the unused reference
                 only_recordings = all(black_box_prefix(name) == "recorded" for name in config.engines)
@@ -168,12 +183,14 @@ def run_audit(
                 pair = replay = reference = None
                 continue
             audit["config"]["num_prompts"] = len(prompts)
+            if reference is None:  # only recordings: each run says how many prompts its file holds
+                audit["config"]["prompts"], audit["config"]["num_prompts"] = "the recordings' own", None
             for engine_name in config.engines:
                 for batch_size in config.batch_sizes:
                     if bar is not None:
                         bar.set_description(f"{engine_name} {pair.name} B={batch_size} {dtype}")
                     run = _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
-                                   out_dir / "bundles" if config.bundles else None)
+                                   out_dir / "bundles" if config.bundles else None, adversarial)
                     audit["runs"].append(run)
                     write_json(json_path, audit)
                     if on_run is not None:
@@ -221,7 +238,7 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
 
 
 def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
-             bundle_dir: Path | None = None) -> dict[str, Any]:
+             bundle_dir: Path | None = None, adversarial: dict[str, Any] | None = None) -> dict[str, Any]:
     base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
             "device": config.device, "num_prompts": len(prompts),
             "pair_info": dict(pair.info)}  # layouts and float64 switches (eager experts, float64 softmax)
@@ -234,12 +251,23 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             prompts = recorded_prompts[: config.num_prompts] if config.num_prompts else recorded_prompts
             base["num_prompts"] = len(prompts)
             reference = Reference(pair, prompts, config.max_new_tokens, eos)
+            adversarial = None  # a recording's prompts are its own
+
+        def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+            """A fresh engine on the prompts at `indices`, for the diagnosis's experiments."""
+            fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
+                                draft_tokens=config.draft_tokens,
+                                **{**options, **({} if pad_token_id is None else {"pad_token_id": pad_token_id})})
+            return fresh.generate([list(prompts[i]) for i in indices], config.max_new_tokens, eos)
+
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
-                           logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir)
+                           logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
+                           pad_token_id=pair.pad_token_id)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
+        run["adversarial"] = adversarial
         return run
     except KeyboardInterrupt:
         raise
