@@ -25,8 +25,10 @@ def test_audit_writes_and_reads_back_a_report(tmp_path: Path) -> None:
 def test_load_pair_and_argument_errors() -> None:
     pair = specaudit.load_pair("tiny-llama")
     assert pair.eos_token_id == 258 and pair.target.dtype.is_floating_point
-    with pytest.raises(ValueError, match="together"):
-        specaudit.audit("eqspec", target="somewhere")
+    with pytest.raises(ValueError, match="needs a draft"):
+        specaudit.audit("eqspec", target="somewhere")  # a target alone serves only recordings and servers
+    with pytest.raises(ValueError, match="needs its target"):
+        specaudit.audit("eqspec", pairs=["tiny-llama"], draft="somewhere")
     with pytest.raises(ValueError, match="at least one engine and one pair"):
         specaudit.audit("eqspec")
     assert specaudit.__version__.count(".") >= 2
