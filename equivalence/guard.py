@@ -66,8 +66,15 @@ def call_with_timeout(function: Any, args: tuple, timeout: float | None) -> Any:
     if not done.wait(timeout):
         raise RunTimeout(f"generate() did not return within {timeout:g} s (--timeout); the run was abandoned")
     if "error" in result:
-        raise result["error"]
+        error = result["error"]
+        error.raised_inside_engine = True  # for the run's message: the engine raised it, not the audit
+        raise error
     return result["value"]
+
+
+def raised_inside_engine(exc: BaseException) -> bool:
+    """Whether `exc` came out of an engine's own `generate` (through `call_with_timeout`)."""
+    return bool(getattr(exc, "raised_inside_engine", False))
 
 
 def _token(value: Any) -> int | None:

@@ -29,7 +29,7 @@ from specaudit.equivalence import validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.errors import EngineFailure, one_line
-from specaudit.equivalence.guard import GuardedEngine
+from specaudit.equivalence.guard import GuardedEngine, raised_inside_engine
 from specaudit.equivalence.prompts import load_prompts
 
 from specaudit import __version__ as VERSION
@@ -278,8 +278,10 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
                        "try a smaller --batch-size")
         elif isinstance(exc, EngineFailure):
             message = f"engine {engine_name} failed: {exc}"
-        else:
+        elif raised_inside_engine(exc):
             message = f"engine {engine_name} raised {type(exc).__name__}: {exc}"
+        else:  # building the engine, or auditing its output (see the traceback)
+            message = f"engine {engine_name}: {type(exc).__name__} outside generate(): {exc}"
         return _failed_run(base, message, exc)
 
 

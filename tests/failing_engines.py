@@ -89,3 +89,10 @@ def factory_without_generate(target, draft, **_: Any) -> object:
 
 
 not_callable = 42
+
+
+def factory_raises_for_large_batches(target, draft, *, batch_size: int, draft_tokens: int, **_: Any):
+    """Builds at the first batch size (the pre-run check passes), refuses larger ones."""
+    if batch_size > 2:
+        raise ValueError("planted: batch sizes above 2 are not supported")
+    return _Engine(target, batch_size)

@@ -48,6 +48,15 @@ def test_broken_engines_are_failed_runs_and_the_others_complete(tmp_path: Path) 
     assert "planted failure inside generate" in report and (tmp_path / "report.html").exists()
 
 
+def test_factory_that_fails_at_a_later_batch_size_is_a_failed_run(tmp_path: Path) -> None:
+    result = audit("--engine", "failing_engines:factory_raises_for_large_batches", "--pair", "tiny-gpt2",
+                   "--batch-size", "2", "4", *SMALL, out=tmp_path)
+    assert result.returncode == 1
+    fits, refused = runs(tmp_path)
+    _completed(fits)
+    _failed(refused, "outside generate()", "planted: batch sizes above 2 are not supported")
+
+
 def test_hanging_engine_times_out_and_the_audit_goes_on(tmp_path: Path) -> None:
     failing_engines.RELEASE.clear()
     started = time.perf_counter()
