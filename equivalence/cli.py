@@ -86,7 +86,10 @@ def _token_id(value: str) -> int:
 def _eos(value: str) -> int | None | str:
     if value in ("pair", "none"):
         return None if value == "none" else "pair"
-    return int(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a token id, pair (the pair's own EOS) or none") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,12 @@ def preflight(config: Any) -> None:
         check_engine_name(name)
     for spec in config.pairs:
         limits = pair_limits(spec)
+        eos = getattr(config, "eos_token_id", None)
+        if isinstance(eos, int) and not isinstance(eos, bool) and (
+                eos < 0 or (limits.vocab_size is not None and eos >= limits.vocab_size)):
+            bound = f"0..{limits.vocab_size - 1}" if limits.vocab_size is not None else "0 or more"
+            raise UsageError(f"--eos-token-id {eos} is outside the vocabulary of {limits.name} ({bound}): give an id "
+                             "from its tokenizer, pair, or none")
         load_prompts(config.prompts, limits.tokenizer, config.num_prompts, vocab_size=limits.vocab_size,
                      max_positions=limits.max_positions, max_new_tokens=config.max_new_tokens)
 

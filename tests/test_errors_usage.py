@@ -87,6 +87,12 @@ def test_timeout_must_be_positive(tmp_path: Path) -> None:
     usage_error(audit(*PAIR, "--timeout", "0", out=tmp_path), "--timeout", "above 0")
 
 
+@pytest.mark.parametrize("value, fragment", [("999", "outside the vocabulary of tiny-gpt2 (0..258)"),
+                                             ("-2", "outside the vocabulary"), ("eos", "give a token id")])
+def test_eos_token_id_not_a_token(tmp_path: Path, value: str, fragment: str) -> None:
+    usage_error(audit(*PAIR, "--eos-token-id", value, out=tmp_path), value, fragment)
+
+
 def test_unknown_dtype(tmp_path: Path) -> None:
     usage_error(audit(*PAIR, "--dtype", "float8", out=tmp_path), "unknown dtype 'float8'", "float64, float32")
 
