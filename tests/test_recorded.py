@@ -147,6 +147,10 @@ def test_diff_exit_codes_and_rulings(recordings, tmp_path):
     assert difference["rulings"]["B"]["kind"] == "structural" and difference["rulings"]["B"]["position"] == 12
     code, _, stderr = cli("diff", str(recordings["good"]), str(tmp_path / "missing.jsonl"))
     assert code == 2 and "missing.jsonl" in stderr
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join(recordings["good"].read_text().splitlines(keepends=True)[:2]))
+    code, stdout, _ = cli("diff", str(recordings["good"]), str(fewer))
+    assert code == 1 and "missing from B" in stdout  # equal where both have the prompt, but not the same prompts
 
 
 def test_target_alone_is_refused_for_engines_that_draft(tmp_path):
