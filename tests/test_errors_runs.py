@@ -176,3 +176,34 @@ def test_ctrl_c_during_a_bench_keeps_the_finished_runs(tmp_path: Path) -> None:
     assert [run["engine"] for run in bench["runs"]] == ["eqspec"] and not bench["complete"]
     assert bench["runs"][0]["tokens_per_second"] > 0
     assert "eqspec" in (tmp_path / "bench.md").read_text()
+
+
+def test_real_ctrl_c_while_an_engine_runs_keeps_the_finished_runs(tmp_path: Path) -> None:
+    """SIGINT, as a terminal sends it, while the audit waits on an engine's worker thread."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specaudit.equivalence.cli", "audit", "--no-progress", "--engine", "eqspec",
+         "--engine", "failing_engines:make_hanging", "--pair", "tiny-gpt2", "--batch-size", "2", *SMALL,
+         "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            audit_json = tmp_path / "audit.json"
+            if audit_json.exists() and json.loads(audit_json.read_text())["runs"]:
+                break  # eqspec is done: the hanging engine is running now
+            time.sleep(0.2)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert [run["engine"] for run in runs(tmp_path)] == ["eqspec"]
+    assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()
