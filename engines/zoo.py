@@ -4,7 +4,10 @@ A built-in pair `tiny-<family>` is made from `fixtures/pairs/tiny-<family>.json`
 downloaded: the target is built from its config and initialised from a seeded `torch.Generator`
 (never torch's global RNG); the draft is the target truncated to its first `draft_layers` layers,
 its weights copied from the target and perturbed by `draft_noise` (a fraction of each tensor's own
-standard deviation) so that acceptance is naturally ragged. Both speak bytes: token ids 0..255 are
+standard deviation) so that acceptance is naturally ragged. A fixture with a `draft` config builds
+the draft in another family (same vocabulary, e.g. a Mistral draft with a sliding window and more
+key/value heads for a Llama target) and copies the target's weights where they fit, key/value heads
+repeated where the draft has more (`_as_draft_weight`). Both speak bytes: token ids 0..255 are
 UTF-8 bytes, then `<pad>`, `<bos>`, `<eos>`.
 """
 
