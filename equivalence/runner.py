@@ -214,8 +214,14 @@ def _failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
 
 
+# torch.OutOfMemoryError since torch 2.5; torch.cuda's (the same class there) in older releases
+_TORCH_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
 def _out_of_memory(exc: BaseException) -> bool:
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+    """A host MemoryError or a device allocation failure. On the CPU, Linux may kill the process
+    before Python sees a MemoryError; audit.json then still holds every finished run."""
+    return isinstance(exc, (MemoryError, _TORCH_OOM))
 
 
 def _free_device_memory(device: str) -> None:
