@@ -141,6 +141,7 @@ def test_http_error_and_wrong_shape_are_server_errors():
         with pytest.raises(ServerError) as info:
             LlamaCppEngine(server.url).generate([[1]], 2, EOS)
         assert "400" in str(info.value) and "bad prompt" in str(info.value)
+        assert "prompt 0 (1 tokens)" in str(info.value)  # which prompt the server refused
     with FakeServer(lambda path, body: (200, {"choices": []})) as server:
         with pytest.raises(ServerError):
             LlamaCppEngine(server.url).generate([[1]], 2, EOS)

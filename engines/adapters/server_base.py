@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specaudit.engines.adapters._http import (
-    DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerError, join_url, map_concurrently, post_json,
+    DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerError, ServerUnreachable, join_url, map_concurrently, post_json,
 )
 
 DEFAULT_TOP_LOGPROBS = 2  # the top-2 margin is what a ruling needs
@@ -89,9 +89,17 @@ class ServerEngine:
         if max_new_tokens <= 0:
             self.last_logprobs, self.last_details = [None] * len(prompts), [{} for _ in prompts]
             return [[] for _ in prompts]
-        completions = map_concurrently(
-            lambda prompt: self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id),
-            prompts, self.batch_size)
+        def one(numbered: tuple[int, list[int]]) -> Completion:
+            index, prompt = numbered
+            try:
+                return self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id)
+            except ServerError as exc:
+                if isinstance(exc, ServerUnreachable):
+                    raise
+                # say which prompt: a server limit (context size) is often about one long prompt
+                raise type(exc)(f"prompt {index} ({len(prompt)} tokens): {exc}") from None
+
+        completions = map_concurrently(one, list(enumerate(prompts)), self.batch_size)
         outputs, self.last_logprobs, self.last_details = [], [], []
         for completion in completions:
             tokens, logprobs, details = finish_output(completion, max_new_tokens, eos_token_id)
