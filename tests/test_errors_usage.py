@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_run import audit, runs, usage_error
+from cli_run import audit, cli, runs, usage_error
 from specaudit.equivalence import validate
 from specaudit.equivalence.errors import UsageError
 
@@ -224,3 +224,10 @@ def test_blank_lines_are_skipped_and_line_numbers_stay_true(tmp_path: Path) -> N
     assert load_prompts(path, None, 2, vocab_size=259) == [[1], [2, 3]]  # the bad line is past --num-prompts
     with pytest.raises(PromptError, match=r"prompts\.jsonl:5:"):
         load_prompts(path, None, vocab_size=259)
+
+
+def test_help_tells_the_failure_options_and_their_defaults() -> None:
+    result = cli("audit", "--help")
+    assert result.returncode == 0
+    for text in ("--timeout SECONDS", "(default: 3600.0)", "--allow-pickle-weights", "--trust-remote-code"):
+        assert text in result.stdout
