@@ -24,6 +24,16 @@ if [ -x "$DEST/bin/llama-server" ] && [ -f "$DEST/convert_hf_to_gguf.py" ] && [ 
     exit 0
 fi
 
+if ! command -v cmake >/dev/null 2>&1 || ! command -v g++ >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "llama.cpp: installing cmake and g++ (Debian packages)" >&2
+        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq cmake g++ make >&2
+    else
+        echo "llama.cpp: the build needs cmake and a C++ compiler (g++)" >&2
+        exit 1
+    fi
+fi
+
 mkdir -p "$CACHE_ROOT/llama.cpp"
 work=$(mktemp -d "$CACHE_ROOT/llama.cpp/build-$VERSION.XXXXXX")
 trap 'rm -rf "$work"' EXIT

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install, then run every test (two processes). Headless Chromium (Debian package `chromium`)
+# Install, build llama.cpp's server (cached), then run every test (two processes). Headless Chromium (Debian package `chromium`)
 # renders the HTML report in one test; it is installed here when missing and apt is usable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,4 +8,8 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "could not install chromium: the browser test will fail" >&2
 fi
+# llama.cpp's llama-server for the end-to-end test (tests/test_llamacpp_e2e.py): built once from the
+# llama-cpp-python 0.3.36 sdist (about 11-15 minutes on two busy cores), then cached in ~/.cache/specaudit
+PYTHON="${PYTHON:-python3}" bash scripts/llamacpp.sh >/dev/null \
+    || echo "could not build llama.cpp: the llama.cpp end-to-end test will fail" >&2
 exec "${PYTHON:-python3}" -m pytest -n 2 -q "$@"
