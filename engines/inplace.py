@@ -22,6 +22,9 @@ holes, and keeps a validity mask per cache:
   `compact_fraction` of its width, i.e. when `width - max(real columns) > compact_fraction *
   width`. Row selection and compaction are the `realign` stage; their cost is amortised over the
   steps between them.
+- Sliding-window layers (Gemma-3, Mistral): transformers applies the window by column distance
+  (`engines/layout.py`), and a hole would count against it. For a model with such layers the cache
+  is compacted after every step that leaves a hole, so INPLACE realigns like EQSPEC there.
 
 Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
 target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (row selection and
@@ -36,7 +39,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines import layout, ragged
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import StepRecord, Trace
@@ -107,6 +110,15 @@ def select_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
 def needs_compaction(valid: torch.Tensor, real_counts: torch.Tensor, fraction: float) -> bool:
     width = valid.shape[1]
     return width - int(real_counts.max().item()) > fraction * width
+
+
+def has_holes(valid: torch.Tensor, real_counts: torch.Tensor) -> bool:
+    """True unless every row's real columns are its rightmost ones."""
+    return not torch.equal(valid, ragged.padding_mask(real_counts, valid.shape[1]))
+
+
+def windowed_by_column(model: PreTrainedModel) -> bool:
+    return "sliding" in layout.attention_layer_kinds(model)
 
 
 def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
@@ -212,6 +224,9 @@ class InplaceEngine(ConsecutiveBatches):
         self.record_logits = record_logits
         self.compact_fraction = compact_fraction
         self.compactions = 0  # cache compactions (target and draft counted apart) in the last generate
+        self._target_windowed = windowed_by_column(target)
+        draft_model = getattr(self.drafter, "draft", None)
+        self._draft_windowed = draft_model is not None and windowed_by_column(draft_model)
         self.last_trace: Trace | None = None
 
     @property
@@ -330,11 +345,13 @@ class InplaceEngine(ConsecutiveBatches):
 
     def _maybe_compact(self, state: InplaceState) -> None:
         real = state.cache_lengths
-        if needs_compaction(state.target_valid, real, self.compact_fraction):
+        if (has_holes(state.target_valid, real) if self._target_windowed
+                else needs_compaction(state.target_valid, real, self.compact_fraction)):
             state.target_valid = compact(state.target_cache, state.target_valid)
             self.compactions += 1
         if state.draft_cache is not None and state.draft_valid is not None:
-            if needs_compaction(state.draft_valid, real, self.compact_fraction):
+            if (has_holes(state.draft_valid, real) if self._draft_windowed
+                    else needs_compaction(state.draft_valid, real, self.compact_fraction)):
                 state.draft_valid = compact(state.draft_cache, state.draft_valid)
                 self.compactions += 1
 

@@ -1,0 +1,118 @@
+"""INPLACE and BATCHED against the reference decoder, in float64: tokens equal, logits within 1e-9.
+
+INPLACE keeps rejected draft slots as masked holes and compacts only past a threshold, so the
+sweep runs each pair with the default threshold, with compaction after every step
+(`compact_fraction=0`) and with none at all (`compact_fraction=1e9`). Its draft cache must hold
+exactly the accepted tokens too: with the model drafter its proposals equal EQSPEC's, step by
+step. The Hypothesis cases are in `tests/property/test_inplace_property.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specaudit.engines import ragged
+from specaudit.engines.batched import BatchedGreedy
+from specaudit.engines.eqspec import EQSpec
+from specaudit.engines.inplace import InplaceEngine, compact, needs_compaction, windowed_by_column
+from specaudit.engines.registry import make_engine
+from specaudit.testing import models
+
+MAX_NEW_TOKENS = 16
+LOGIT_TOLERANCE = 1e-9
+PROMPTS = (0, 3, 5, 8, 11, 14, 17, 20, 23)  # short and long prompts of the built-in set (1 to ~900 tokens)
+
+
+def _run(engine, name: str) -> tuple[list[list[int]], list[list[int]], float]:
+    reference_outputs, reference_logits = models.reference(name)
+    prompts = [list(models.prompts()[i]) for i in PROMPTS]
+    outputs = engine.generate(prompts, MAX_NEW_TOKENS, None)
+    expected = [reference_outputs[i][:MAX_NEW_TOKENS] for i in PROMPTS]
+    worst = 0.0
+    for got, i in zip(engine.last_trace.logits, PROMPTS):
+        worst = max(worst, float((got - reference_logits[i][: got.shape[0]]).abs().max()))
+    return outputs, expected, worst
+
+
+def test_inplace_equals_reference_on_every_pair(pair_name: str) -> None:
+    pair = models.pair(pair_name)
+    engine = make_engine("inplace", pair.target, pair.draft, batch_size=4, draft_tokens=3,
+                         pad_token_id=pair.pad_token_id, record_logits=True)
+    outputs, expected, worst = _run(engine, pair_name)
+    assert outputs == expected
+    assert worst < LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("pair_name", ["tiny-llama", "tiny-opt", "tiny-gemma3"])
+@pytest.mark.parametrize("compact_fraction", [0.0, 1e9], ids=["every-step", "never"])
+def test_inplace_compaction_threshold(pair_name: str, compact_fraction: float) -> None:
+    pair = models.pair(pair_name)
+    engine = InplaceEngine(pair.target, pair.draft, batch_size=5, draft_tokens=4, pad_token_id=pair.pad_token_id,
+                           record_logits=True, compact_fraction=compact_fraction)
+    outputs, expected, worst = _run(engine, pair_name)
+    assert outputs == expected
+    assert worst < LOGIT_TOLERANCE
+    windowed = windowed_by_column(pair.target) or windowed_by_column(pair.draft)
+    if compact_fraction == 0.0:
+        assert engine.compactions > 0
+    else:  # a sliding window is applied by column: such a model compacts every hole
+        assert (engine.compactions > 0) == windowed
+
+
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_inplace_proposals_equal_eqspec(batch_size: int) -> None:
+    """Greedy drafting from a draft cache with holes proposes what EQSPEC's realigned cache does."""
+    pair = models.pair("tiny-qwen3")
+    prompts = [list(models.prompts()[i]) for i in PROMPTS]
+    runs = []
+    for engine in (InplaceEngine(pair.target, pair.draft, batch_size=batch_size, draft_tokens=4, record_logits=True),
+                   EQSpec(pair.target, pair.draft, batch_size=batch_size, draft_tokens=4, record_logits=True)):
+        outputs = engine.generate(prompts, MAX_NEW_TOKENS, None)
+        runs.append((outputs, [(s.rows, s.proposed, s.accepted_counts) for s in engine.last_trace.steps if s.kind != "prefill"]))
+    assert runs[0] == runs[1]
+    assert any(count > 0 for _, _, counts in runs[0][1] for count in counts)
+
+
+def test_batched_equals_reference_on_every_pair(pair_name: str) -> None:
+    pair = models.pair(pair_name)
+    engine = BatchedGreedy(pair.target, batch_size=4, pad_token_id=pair.pad_token_id, record_logits=True)
+    outputs, expected, worst = _run(engine, pair_name)
+    assert outputs == expected
+    assert worst < LOGIT_TOLERANCE
+
+
+def test_batched_stops_each_row_at_eos_and_budget() -> None:
+    pair = models.pair("tiny-llama")
+    prompts = [list(models.prompts()[i]) for i in PROMPTS]
+    reference_outputs, _ = models.reference("tiny-llama")
+    eos = reference_outputs[PROMPTS[2]][3]  # a token some row emits early
+    outputs = BatchedGreedy(pair.target, batch_size=3).generate(prompts, 7, eos)
+    for got, i in zip(outputs, PROMPTS):
+        expected = reference_outputs[i][:7]
+        if eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+        assert got == expected
+
+
+def test_compact_right_aligns_the_real_columns_in_order() -> None:
+    gen = torch.Generator().manual_seed(3)
+    valid = torch.rand(3, 9, generator=gen) < 0.5  # [B, W]
+    valid[:, -1] = True
+    keys = torch.randn(3, 2, 9, 4, generator=gen, dtype=torch.float64)  # [B, H, W, D]
+    dynamic = DynamicCache(config=models.pair("tiny-llama").target.config)
+    dynamic.update(keys.clone(), keys.clone() * 2, 0)
+    new_valid = compact(dynamic, valid)
+    layer = ragged.cache_layers(dynamic)[0]
+    counts = valid.sum(1)
+    assert new_valid.shape[1] == int(counts.max())
+    for b in range(3):
+        real = keys[b][:, valid[b]]  # [H, n, D]
+        n = int(counts[b])
+        assert torch.equal(layer.keys[b][:, new_valid.shape[1] - n:], real)
+        assert torch.equal(layer.values[b][:, new_valid.shape[1] - n:], real * 2)
+        assert bool((layer.keys[b][:, : new_valid.shape[1] - n] == 0).all())
+        assert new_valid[b].sum() == n and bool(new_valid[b, new_valid.shape[1] - n:].all())
+    assert needs_compaction(valid, counts, 0.0) == (valid.shape[1] > int(counts.max()))
+    assert not needs_compaction(valid, counts, 1.0)
