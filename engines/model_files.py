@@ -124,7 +124,7 @@ def check_same_vocabulary(target_path: str | Path, draft_path: str | Path, *, tr
     target_tokens = _tokenizer_vocab(target_path, trust_remote_code)
     draft_tokens = _tokenizer_vocab(draft_path, trust_remote_code)
     if target_tokens is not None and draft_tokens is not None and target_tokens != draft_tokens:
-        differing = sorted(set(target_tokens.items()) ^ set(draft_tokens.items()), key=lambda item: item[1])
+        differing = sorted(set(target_tokens.items()) ^ set(draft_tokens.items()), key=lambda item: (item[1], item[0]))
         example = f"; e.g. token {differing[0][0]!r}" if differing else ""
         raise ModelFolderError(
             f"target {str(target_path)!r} and draft {str(draft_path)!r} have different tokenizers "
