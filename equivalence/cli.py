@@ -249,6 +249,19 @@ def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:
     return list(write_reports(audit, out).values())
 
 
+def _usage_errors_as_one_line(command: str, run: Any) -> int:
+    """`run()`, with bad input it finds (a model folder, an engine name, a usage error) as one line, exit 2."""
+    from specaudit.engines.model_files import ModelFolderError
+    from specaudit.engines.registry import EngineSpecError
+    from specaudit.equivalence.errors import UsageError, one_line
+
+    try:
+        return run()
+    except (UsageError, ModelFolderError, EngineSpecError) as exc:
+        print(f"specaudit {command}: error: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -257,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in cli_blackbox.COMMANDS:
         return cli_blackbox.run(args)
     if args.command == "bench":
-        return cli_bench.run(args, parser)
+        return _usage_errors_as_one_line("bench", lambda: cli_bench.run(args, parser))
     if args.command == "pairs":
         from specaudit.engines import zoo
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_run import audit, usage_error
+from cli_run import audit, cli, usage_error
 from specaudit.engines import model_files, zoo
 
 
@@ -38,6 +38,12 @@ def test_missing_folders_exit_2_without_a_traceback(tmp_path: Path, monkeypatch:
                    out=tmp_path / "out")
     usage_error(result, "target folder 'MISSING' does not exist", "nothing is downloaded", "save_pretrained")
     assert not (tmp_path / "out" / "audit.json").exists()
+
+
+def test_missing_folders_in_a_bench(tmp_path: Path) -> None:
+    result = cli("bench", "--engine", "eqspec", "--target", str(tmp_path / "MISSING"), "--draft",
+                 str(tmp_path / "MISSING"), "--out", str(tmp_path / "out"))
+    usage_error(result, "specaudit bench: error:", "target folder", "does not exist")
 
 
 def test_draft_folder_missing(tmp_path: Path) -> None:
