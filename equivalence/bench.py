@@ -1,9 +1,10 @@
 """`specaudit bench`: tokens per second of engines over batch sizes and draft lengths, in one run.
 
-Contract: `run_bench(config, out_dir)` writes `out_dir/bench.json` (rewritten after every run, so
-an interrupted bench keeps what it measured) and returns the same dict. Per run (engine, batch
-size, k): `tokens_per_second` (median over `repeats` timed `generate` calls on all prompts, after
-`warmup` untimed calls on the first batch), its spread, `mean_accepted_per_step` (per row and
+Contract: `run_bench(config, out_dir)` writes `out_dir/bench.json` (rewritten after every round of
+repeats, so an interrupted bench keeps what it measured) and returns the same dict. Per run
+(engine, batch size, k): `tokens_per_second` (median over `repeats` timed `generate` calls on all
+prompts, after `warmup` untimed calls on the first batch; the repeats go round robin over the runs
+of a batch size, so a change in the machine's load hits every engine alike), its spread, `mean_accepted_per_step` (per row and
 speculative step), `stage_seconds` (draft, verify, realign, other; see below), `peak_memory_bytes`,
 and the ratios to the same engine at batch size 1 and to plain decoding at the same batch size.
 
@@ -20,6 +21,12 @@ realignment plus stacking and unstacking, INPLACE's row selection and compaction
 of the draft, which the ragged engines time inside their realign stage, is moved to `draft`), and
 `other` = wall time minus the three. The acceptance rule is in EQSPEC's realign stage (a few small
 tensor operations per step) and in `other` for INPLACE and BATCHED.
+
+Clock: `wall` (elapsed time, the figure a user sees) or `cpu` (this process's CPU time, for a CPU
+shared with other work: it counts only what this process computed; use one torch thread, since
+idle OpenMP threads spin). Both are recorded per run (`wall_seconds`, `cpu_seconds`);
+`tokens_per_second`, the ratios and the pass costs use the chosen clock. Stage seconds are the
+engines' own wall-clock laps; stage shares are fractions of the run's wall time.
 
 Ceiling: before the runs at each batch size, the target's pass over 1 and k + 1 tokens and the
 draft's pass over 1 token are timed on a context of the prompts' mean length plus half the new
@@ -38,7 +45,6 @@ from __future__ import annotations
 import datetime as _dt
 import inspect
 import os
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,10 +54,9 @@ from typing import Any, Callable
 import torch
 
 from specaudit.engines import bench_pair, zoo
-from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
+from specaudit.equivalence.bench_costs import PeakMemory, pass_costs, sync as _sync
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.runner import machine_info, write_json
 
@@ -81,6 +86,8 @@ class BenchConfig:
     device: str = "cpu"
     seed: int = 0
     pass_repeats: int = 5
+    clock: str = "wall"  # "wall": elapsed time; "cpu": this process's CPU time (a shared CPU; one torch thread)
+    threads: int | None = None  # torch threads (None: torch's default)
     engine_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,102 +108,6 @@ def run_plan(config: BenchConfig) -> list[tuple[str, int, int | None]]:
         plan = [(e, 1, None if e in PLAIN_ENGINES else k) for e in config.engines if e in BATCH_ONE_ENGINES
                 for k in ([None] if e in PLAIN_ENGINES else config.draft_tokens)] + plan
     return plan
-
-
-# ---- memory ------------------------------------------------------------------------------------
-
-def _proc_status_kib(field_name: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-class PeakMemory:
-    """Peak memory of one call above the memory in use when it started (see the module docstring)."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-        if self.cuda:
-            self.method = "torch.cuda.max_memory_allocated above the allocation before the call"
-        elif _proc_status_kib("VmHWM") is not None and self._reset_hwm():
-            self.method = "CPU resident set: VmHWM (reset via /proc/self/clear_refs) above VmRSS before the call"
-        else:
-            self.method = "CPU resident set: getrusage ru_maxrss (process lifetime) above VmRSS before the call"
-        self._base = 0
-
-    @staticmethod
-    def _reset_hwm() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-            return True
-        except OSError:
-            return False
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
-            return
-        if self.method.startswith("CPU resident set: VmHWM"):
-            self._reset_hwm()
-        self._base = (_proc_status_kib("VmRSS") or 0) * 1024
-
-    def peak_bytes(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return int(torch.cuda.max_memory_allocated() - self._base)
-        if self.method.startswith("CPU resident set: VmHWM"):
-            high = (_proc_status_kib("VmHWM") or 0) * 1024
-        else:
-            high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return max(0, int(high - self._base))
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-# ---- pass costs and the ceiling ----------------------------------------------------------------
-
-@torch.no_grad()
-def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_length: int, repeats: int,
-               device: str) -> dict[str, Any]:
-    """Median seconds of one cached pass: target over 1 and k + 1 tokens, draft over 1, at `batch_size`."""
-    tokens = (torch.arange(context_length) % 256).unsqueeze(0).repeat(batch_size, 1).to(device)  # [B, L]
-    lengths = torch.full((batch_size,), context_length, dtype=torch.long, device=device)
-
-    def timed(model, q: int) -> float:
-        cache, _ = batch_ops.prefill(model, tokens, lengths)
-        saved = [(layer.keys, layer.values) for layer in ragged.cache_layers(cache)]
-        inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)
-        seconds = []
-        for _ in range(repeats + 1):  # the first call warms up
-            _sync(device)
-            start = time.perf_counter()
-            batch_ops.forward(model, cache, inputs, lengths)
-            _sync(device)
-            seconds.append(time.perf_counter() - start)
-            for layer, (keys, values) in zip(ragged.cache_layers(cache), saved):
-                layer.keys, layer.values = keys, values
-        return statistics.median(seconds[1:])
-
-    costs: dict[str, Any] = {"batch_size": batch_size, "context_length": context_length,
-                             "target_1": timed(pair.target, 1), "draft_1": timed(pair.draft, 1), "target_k1": {}}
-    for k in ks:
-        costs["target_k1"][str(k)] = timed(pair.target, k + 1)
-    return costs
-
-
-def ceiling(costs: dict[str, Any], k: int, tokens_per_step: float) -> float:
-    """Best speedup over plain decoding: tokens per step x plain pass / (verify pass + k draft passes)."""
-    return tokens_per_step * costs["target_1"] / (costs["target_k1"][str(k)] + k * costs["draft_1"])
 
 
 # ---- one run -------------------------------------------------------------------------------------
@@ -248,62 +159,72 @@ def step_statistics(trace: Any) -> dict[str, Any]:
     }
 
 
-def measure_run(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
-                config: BenchConfig, continuations: list[list[int]] | None, memory: PeakMemory) -> dict[str, Any]:
-    """Warm up, then time `repeats` calls of `generate` on all prompts; one run record."""
-    eos = pair.eos_token_id
-    repeats = []
-    calibrated = False
-    run: dict[str, Any] = {"engine": engine_name, "batch_size": batch_size, "draft_tokens": k}
-    for attempt in range(config.warmup + config.repeats):
-        chooser = None
-        if continuations is not None and config.acceptance is not None and k is not None:
-            chooser = bench_pair.CalibratedChooser(continuations, config.acceptance, pair.target.config.vocab_size,
-                                                   seed=config.seed)
-        drafter = _drafter_for(engine_name, pair, chooser)
-        calibrated = drafter is not None
-        options = {"pad_token_id": pair.pad_token_id, **config.engine_options}
-        if drafter is not None:
-            options["drafter"] = drafter
-        engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=k or 1, **options)
-        if attempt < config.warmup:  # untimed: the first batch, a few tokens
-            engine.generate(prompts[:batch_size], min(8, config.max_new_tokens), eos)
-            continue
-        memory.start()
-        _sync(config.device)
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, config.max_new_tokens, eos)
-        _sync(config.device)
-        wall = time.perf_counter() - start
-        trace = getattr(engine, "last_trace", None)
-        fill = getattr(drafter, "fill_seconds", 0.0) if drafter is not None else 0.0
-        stages, raw = stage_seconds(trace, wall, fill)
-        tokens = sum(len(o) for o in outputs)
-        repeats.append({"seconds": wall, "tokens": tokens, "tokens_per_second": tokens / wall,
-                        "stage_seconds": stages, "stage_seconds_raw": raw,
-                        "peak_memory_bytes": memory.peak_bytes(), "statistics": step_statistics(trace),
-                        "compactions": getattr(engine, "compactions", None),
-                        "diverged_rows": chooser.diverged_rows if chooser is not None and drafter is not None else None})
+def _engine(engine_name: str, pair: zoo.ModelPair, batch_size: int, k: int | None, config: BenchConfig,
+            continuations: list[list[int]] | None) -> tuple[Any, Any, Any]:
+    """A fresh engine (and its calibrated drafter and chooser, seeded alike every time)."""
+    chooser = None
+    if continuations is not None and config.acceptance is not None and k is not None:
+        chooser = bench_pair.CalibratedChooser(continuations, config.acceptance, pair.target.config.vocab_size,
+                                               seed=config.seed)
+    drafter = _drafter_for(engine_name, pair, chooser)
+    options = {"pad_token_id": pair.pad_token_id, **config.engine_options}
+    if drafter is not None:
+        options["drafter"] = drafter
+    engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=k or 1, **options)
+    return engine, drafter, chooser if drafter is not None else None
+
+
+def warm_up(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
+            config: BenchConfig, continuations: list[list[int]] | None) -> None:
+    """Untimed calls on the first batch, at most 8 new tokens each."""
+    for _ in range(config.warmup):
+        engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations)
+        engine.generate(prompts[:batch_size], min(8, config.max_new_tokens), pair.eos_token_id)
+
+
+def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
+               config: BenchConfig, continuations: list[list[int]] | None, memory: PeakMemory) -> dict[str, Any]:
+    """One timed `generate` on all prompts: one repeat's record."""
+    engine, drafter, chooser = _engine(engine_name, pair, batch_size, k, config, continuations)
+    memory.start()
+    _sync(config.device)
+    wall_start, cpu_start = time.perf_counter(), time.process_time()
+    outputs = engine.generate(prompts, config.max_new_tokens, pair.eos_token_id)
+    _sync(config.device)
+    wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    trace = getattr(engine, "last_trace", None)
+    stages, raw = stage_seconds(trace, wall, getattr(drafter, "fill_seconds", 0.0) if drafter is not None else 0.0)
+    tokens = sum(len(o) for o in outputs)
+    return {"wall_seconds": wall, "cpu_seconds": cpu, "tokens": tokens,
+            "tokens_per_second": tokens / (cpu if config.clock == "cpu" else wall),
+            "stage_seconds": stages, "stage_seconds_raw": raw, "peak_memory_bytes": memory.peak_bytes(),
+            "statistics": step_statistics(trace), "compactions": getattr(engine, "compactions", None),
+            "calibrated_drafter": drafter is not None,
+            "diverged_rows": chooser.diverged_rows if chooser is not None else None}
+
+
+def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run record from its repeats: the median rate, the spread, and the median repeat's details."""
     rates = [r["tokens_per_second"] for r in repeats]
-    middle = sorted(range(len(repeats)), key=lambda i: rates[i])[len(repeats) // 2]  # the median repeat
-    chosen = repeats[middle]
+    chosen = repeats[sorted(range(len(repeats)), key=lambda i: rates[i])[len(repeats) // 2]]
     stages = chosen["stage_seconds"]
-    run.update({
+    run: dict[str, Any] = {
+        "engine": engine_name, "batch_size": batch_size, "draft_tokens": k,
         "tokens_per_second": statistics.median(rates),
         "tokens_per_second_repeats": rates,
-        "spread": {"min": min(rates), "max": max(rates),
-                   "relative_range": (max(rates) - min(rates)) / statistics.median(rates) if rates else None},
-        "seconds": chosen["seconds"],
+        "spread": {"min": min(rates), "max": max(rates), "relative_range": (max(rates) - min(rates)) / statistics.median(rates)},
+        "wall_seconds": chosen["wall_seconds"],
+        "cpu_seconds": chosen["cpu_seconds"],
         "tokens": chosen["tokens"],
         "stage_seconds": stages,
-        "stage_shares": {s: v / chosen["seconds"] for s, v in stages.items()} if stages else None,
+        "stage_shares": {s: v / chosen["wall_seconds"] for s, v in stages.items()} if stages else None,
         "stage_seconds_raw": chosen["stage_seconds_raw"],
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in repeats),
-        "calibrated_drafter": calibrated,
+        "calibrated_drafter": chosen["calibrated_drafter"],
         "diverged_rows": chosen["diverged_rows"],
         "compactions": chosen["compactions"],
         **chosen["statistics"],
-    })
+    }
     if k is None:  # plain decoding: nothing is drafted or accepted
         run["mean_accepted_per_step"] = None
     return run
@@ -322,6 +243,12 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
     from specaudit.equivalence.bench_report import summarise
 
     say = log or (lambda message: None)
+    if config.clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be wall or cpu, got {config.clock!r}")
+    if config.clock == "cpu" and config.device.startswith("cuda"):
+        raise ValueError("the cpu clock does not see GPU work: use the wall clock with --device cuda")
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     pair = _load_pair(config)
     prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
@@ -335,6 +262,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
         "pair": {"name": pair.name, **pair.info},
         "num_prompts": len(prompts),
         "mean_prompt_length": sum(map(len, prompts)) / len(prompts),
+        "clock": config.clock,
         "acceptance": config.acceptance,
         "expected_tokens_per_step": {str(k): bench_pair.expected_tokens_per_step(config.acceptance, k)
                                      for k in config.draft_tokens} if config.acceptance is not None else None,
@@ -358,25 +286,39 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
     for batch_size in sorted({b for _, b, _ in plan}):
         say(f"pass costs at batch size {batch_size} (context {context})")
         bench["pass_costs"].append(pass_costs(pair, batch_size, config.draft_tokens, context, config.pass_repeats,
-                                              config.device))
+                                              config.device, use_cpu_clock=config.clock == "cpu"))
         write_json(json_path, bench)
-        for engine_name, b, k in plan:
-            if b != batch_size:
-                continue
-            say(f"{engine_name} batch {b}" + (f" k={k}" if k is not None else ""))
+        here = [(e, b, k) for e, b, k in plan if b == batch_size]
+        errors: dict[tuple[str, int, int | None], str] = {}
+        for spec in here:
             try:
-                run = measure_run(engine_name, pair, prompts, b, k, config, continuations, memory)
-            except KeyboardInterrupt:
-                raise
+                warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
             except Exception as exc:  # one engine failing keeps the others' runs
-                run = {"engine": engine_name, "batch_size": b, "draft_tokens": k, "error": f"{type(exc).__name__}: {exc}"}
-            bench["runs"].append(run)
+                errors[spec] = f"{type(exc).__name__}: {exc}"
+        repeats: dict[tuple[str, int, int | None], list[dict[str, Any]]] = {spec: [] for spec in here}
+        first = len(bench["runs"])
+        for repeat in range(config.repeats):  # round robin: a change in the machine's load hits every engine alike
+            for spec in here:
+                if spec in errors:
+                    continue
+                name, b, k = spec
+                say(f"repeat {repeat + 1}/{config.repeats}: {name} batch {b}" + (f" k={k}" if k is not None else ""))
+                try:
+                    repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory))
+                    say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {config.clock} second")
+                except KeyboardInterrupt:
+                    raise
+                except Exception as exc:
+                    errors[spec] = f"{type(exc).__name__}: {exc}"
+                    say(f"  failed: {errors[spec]}")
+            del bench["runs"][first:]
+            for name, b, k in here:
+                if (name, b, k) in errors:
+                    bench["runs"].append({"engine": name, "batch_size": b, "draft_tokens": k, "error": errors[(name, b, k)]})
+                elif repeats[(name, b, k)]:
+                    bench["runs"].append(combine(name, b, k, repeats[(name, b, k)]))
             summarise(bench)
             write_json(json_path, bench)
-            if "tokens_per_second" in run:
-                say(f"  {run['tokens_per_second']:.2f} tokens/s")
-            else:
-                say(f"  failed: {run['error']}")
     bench["complete"] = True
     summarise(bench)
     write_json(json_path, bench)

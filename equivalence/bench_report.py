@@ -156,7 +156,9 @@ def markdown(bench: dict[str, Any]) -> str:
         f"{machine.get('device')} ({machine.get('device_name')}, {machine.get('cpu_count')} CPUs, "
         f"{machine.get('torch_threads')} torch threads); torch {machine.get('torch')}, transformers "
         f"{machine.get('transformers')}; warm-up {bench['config']['warmup']}, repeats {bench['config']['repeats']} "
-        f"(median shown, spread = (max - min) / median). Peak memory: {bench.get('memory_method')}.",
+        f"(median shown, spread = (max - min) / median). Clock: {bench.get('clock', 'wall')} "
+        f"(tokens/s, ratios and pass costs per {bench.get('clock', 'wall')} second; stage shares of wall time). "
+        f"Peak memory: {bench.get('memory_method')}.",
         "",
         "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | accepted/step "
         "| draft | verify | realign | other | peak MiB |",

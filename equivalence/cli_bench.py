@@ -93,6 +93,10 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
     how.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="model dtype")
     how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     how.add_argument("--seed", type=int, default=0, help="seed of the calibrated drafter's generator")
+    how.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                     help="what tokens/s divides by: elapsed time, or this process's CPU time (for a CPU shared "
+                          "with other work; use it with --threads 1); both are recorded")
+    how.add_argument("--threads", type=_positive, default=None, metavar="N", help="torch threads (default: torch's)")
     how.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for bench.json and plots")
     return bench
 
@@ -124,7 +128,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         draft_tokens=args.draft_tokens, acceptance=args.acceptance, prompts=args.prompts,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
         dtype=args.dtype, device=args.device, seed=args.seed, engine_options=dict(args.engine_option),
+        clock=args.clock, threads=args.threads,
     )
+    if args.clock == "cpu" and args.device.startswith("cuda"):
+        parser.error("--clock cpu does not see GPU work: use --clock wall with --device cuda")
     interrupted = False
     try:
         bench = run_bench(config, args.out, log=lambda message: print(message, file=sys.stderr, flush=True))

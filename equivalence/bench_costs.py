@@ -1,0 +1,112 @@
+"""Measurements under the bench: cached pass costs (for the ceiling) and peak memory of a call."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specaudit.engines import batch as batch_ops
+from specaudit.engines import ragged, zoo
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def _proc_status_kib(field_name: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory of one call above the memory in use when it started (see the module docstring)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            self.method = "torch.cuda.max_memory_allocated above the allocation before the call"
+        elif _proc_status_kib("VmHWM") is not None and self._reset_hwm():
+            self.method = "CPU resident set: VmHWM (reset via /proc/self/clear_refs) above VmRSS before the call"
+        else:
+            self.method = "CPU resident set: getrusage ru_maxrss (process lifetime) above VmRSS before the call"
+        self._base = 0
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+            return
+        if self.method.startswith("CPU resident set: VmHWM"):
+            self._reset_hwm()
+        self._base = (_proc_status_kib("VmRSS") or 0) * 1024
+
+    def peak_bytes(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return int(torch.cuda.max_memory_allocated() - self._base)
+        if self.method.startswith("CPU resident set: VmHWM"):
+            high = (_proc_status_kib("VmHWM") or 0) * 1024
+        else:
+            high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(0, int(high - self._base))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- pass costs and the ceiling ----------------------------------------------------------------
+
+@torch.no_grad()
+def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_length: int, repeats: int,
+               device: str, use_cpu_clock: bool = False) -> dict[str, Any]:
+    """Median seconds of one cached pass: target over 1 and k + 1 tokens, draft over 1, at `batch_size`."""
+    tokens = (torch.arange(context_length) % 256).unsqueeze(0).repeat(batch_size, 1).to(device)  # [B, L]
+    lengths = torch.full((batch_size,), context_length, dtype=torch.long, device=device)
+
+    clock = time.process_time if use_cpu_clock else time.perf_counter
+
+    def timed(model, q: int) -> float:
+        cache, _ = batch_ops.prefill(model, tokens, lengths)
+        saved = [(layer.keys, layer.values) for layer in ragged.cache_layers(cache)]
+        inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)
+        seconds = []
+        for _ in range(repeats + 1):  # the first call warms up
+            sync(device)
+            start = clock()
+            batch_ops.forward(model, cache, inputs, lengths)
+            sync(device)
+            seconds.append(clock() - start)
+            for layer, (keys, values) in zip(ragged.cache_layers(cache), saved):
+                layer.keys, layer.values = keys, values
+        return statistics.median(seconds[1:])
+
+    costs: dict[str, Any] = {"batch_size": batch_size, "context_length": context_length,
+                             "target_1": timed(pair.target, 1), "draft_1": timed(pair.draft, 1), "target_k1": {}}
+    for k in ks:
+        costs["target_k1"][str(k)] = timed(pair.target, k + 1)
+    return costs
+
+
+def ceiling(costs: dict[str, Any], k: int, tokens_per_step: float) -> float:
+    """Best speedup over plain decoding: tokens per step x plain pass / (verify pass + k draft passes)."""
+    return tokens_per_step * costs["target_1"] / (costs["target_k1"][str(k)] + k * costs["draft_1"])
