@@ -239,7 +239,7 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
         why = f"{stage} failed: {type(exc).__name__}: {exc}"
     message = f"pair {name} in {dtype}: {why}; no engine was run on it"
     return [_failed_run({"engine": engine_name, "pair": name, "batch_size": batch_size, "dtype": dtype,
-                         "device": config.device, "num_prompts": config.num_prompts}, message, exc)
+                         "device": config.device, "num_prompts": config.num_prompts or 0}, message, exc)
             for engine_name in config.engines for batch_size in config.batch_sizes]
 
 

@@ -130,3 +130,20 @@ def test_pickle_weights_refused_unless_allowed(tmp_path: Path) -> None:
         assert torch.equal(loaded[key], value), key
     with pytest.raises(ValueError, match="--allow-pickle-weights"):  # the Python loader refuses it too
         zoo.load_pair(target_path=str(tmp_path / "target"), draft_path=str(tmp_path / "draft"))
+
+
+def test_weights_that_fail_to_load_are_a_failed_run_and_other_pairs_go_on(tmp_path: Path) -> None:
+    target, draft, _ = zoo.build_builtin_pair("tiny-gpt2")
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    (tmp_path / "draft" / "model.safetensors").write_bytes(b"not a safetensors file" * 4)  # corrupt
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input_ids": [72, 105]}\n{"input_ids": [7]}\n')
+    result = audit("--engine", "eqspec", "--pair", "tiny-gpt2", "--target", str(tmp_path / "target"), "--draft",
+                   str(tmp_path / "draft"), "--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "4",
+                   out=tmp_path / "out")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    builtin, broken = json.loads((tmp_path / "out" / "audit.json").read_text())["runs"]
+    assert builtin["pair"] == "tiny-gpt2" and builtin["exact_matches"] == builtin["num_prompts"] and not builtin["error"]
+    assert broken["pair"] == "target+draft" and "loading the pair failed" in broken["error"]
+    assert "target+draft" in result.stdout  # the summary table lists the failed run
