@@ -1,0 +1,177 @@
+"""`specaudit bench`, the bench pair's shapes and the calibrated drafter, on tiny pairs only.
+
+The 316M bench pair is never built here: its configs are instantiated on the meta device to
+count parameters. Everything timed runs on `tiny-llama` with a few prompts and tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specaudit.engines import bench_pair
+from specaudit.engines.bench_pair import CalibratedChooser, CalibratedDrafter, expected_tokens_per_step
+from specaudit.engines.eqspec import EQSpec
+from specaudit.engines.exspec import EXSpec
+from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
+from specaudit.equivalence.bench import BenchConfig, run_bench, run_plan
+from specaudit.equivalence.bench_report import _ceiling
+from specaudit.equivalence.cli import main
+from specaudit.testing import models
+
+PAIR = "tiny-llama"
+PROMPTS = (1, 4, 9, 13)
+NEW_TOKENS = 12
+
+
+def test_bench_pair_shapes() -> None:
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(bench_pair.bench_config(bench_pair.TARGET_SHAPE))
+        draft = AutoModelForCausalLM.from_config(bench_pair.bench_config(bench_pair.DRAFT_SHAPE))
+    target_params = sum(p.numel() for p in target.parameters())
+    draft_params = sum(p.numel() for p in draft.parameters())
+    assert 280e6 < target_params < 340e6
+    assert 9e6 < draft_params < 13e6
+    assert target.config.vocab_size == draft.config.vocab_size == 32_000
+    assert (target.config.hidden_size, target.config.num_hidden_layers) == (1024, 24)
+    assert (draft.config.hidden_size, draft.config.num_hidden_layers) == (256, 4)
+
+
+def test_expected_tokens_and_ceiling_reproduce_the_measured_figures() -> None:
+    # pass costs measured on this machine (float32, 2 cores, 200-token context), in seconds
+    assert expected_tokens_per_step(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens_per_step(1.0, 4) == 5
+    assert expected_tokens_per_step(0.0, 4) == 1
+    b1 = {"target_1": 0.0715, "target_k1": {"4": 0.1296}, "draft_1": 0.0050}
+    b8 = {"target_1": 0.1527, "target_k1": {"4": 0.2663}, "draft_1": 0.0067}
+    assert _ceiling(b1, 4, expected_tokens_per_step(0.8, 4)) == pytest.approx(1.61, abs=0.01)
+    assert _ceiling(b8, 4, expected_tokens_per_step(0.8, 4)) == pytest.approx(1.75, abs=0.01)
+
+
+def test_chooser_proposes_the_continuation_at_the_asked_rate() -> None:
+    continuations = [list(range(10, 60)), list(range(100, 150))]
+    for acceptance, low, high in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0), (0.6, 0.55, 0.65)):
+        chooser = CalibratedChooser(continuations, acceptance, vocab_size=259, seed=5)
+        right = total = 0
+        for generated in range(1, 40):
+            rows = torch.tensor([generated, generated])
+            pending = torch.tensor([continuations[0][generated - 1], continuations[1][generated - 1]])
+            chooser.begin([0, 1], rows, pending, 4)
+            for i in range(4):
+                chosen = chooser.choose(i, torch.zeros(2, dtype=torch.long))
+                truth = torch.tensor([continuations[0][generated + i], continuations[1][generated + i]])
+                right += int((chosen == truth).sum())
+                total += 2
+        assert low <= right / total <= high
+        assert chooser.diverged_rows == 0
+    chooser = CalibratedChooser(continuations, 1.0, vocab_size=259)
+    chooser.begin([0, 1], torch.tensor([3, 3]), torch.tensor([continuations[0][2], 7]), 2)  # row 1 left its continuation
+    assert chooser.diverged_rows == 1
+    assert chooser.choose(0, torch.tensor([1, 2])).tolist() == [continuations[0][3], 2]
+
+
+@pytest.mark.parametrize("engine", ["eqspec", "exspec", "inplace"])
+@pytest.mark.parametrize("acceptance", [1.0, 0.0, 0.7])
+def test_calibrated_engines_stay_exact_and_accept_as_told(engine: str, acceptance: float) -> None:
+    pair = models.pair(PAIR)
+    prompts = [list(models.prompts()[i]) for i in PROMPTS]
+    reference = [models.reference(PAIR)[0][i][:NEW_TOKENS] for i in PROMPTS]
+    continuations = bench_pair.continuations(pair.target, prompts, NEW_TOKENS + 4, None)
+    chooser = CalibratedChooser(continuations, acceptance, pair.target.config.vocab_size, seed=1)
+    if engine == "inplace":
+        decoder = InplaceEngine(pair.target, batch_size=2, draft_tokens=4, drafter=InplaceDrafter(pair.draft, chooser))
+    else:
+        factory = EQSpec if engine == "eqspec" else EXSpec
+        decoder = factory(pair.target, batch_size=2, draft_tokens=4, drafter=CalibratedDrafter(pair.draft, chooser))
+    assert decoder.generate(prompts, NEW_TOKENS, None) == reference
+    steps = [s for s in decoder.last_trace.steps if s.kind != "prefill"]
+    counts = [c for s in steps for c, emitted in zip(s.accepted_counts, s.emitted_counts) if emitted == c + 1]
+    if acceptance == 1.0:
+        assert all(c == 4 for s in steps for c, e in zip(s.accepted_counts, s.emitted_counts) if e == 5)
+        assert len(steps) <= 2 * math.ceil(NEW_TOKENS / 5) + 2
+    elif acceptance == 0.0:
+        assert all(c == 0 for c in counts)
+    else:
+        assert 0 < sum(counts) / len(counts) < 4
+    assert chooser.diverged_rows == 0
+
+
+def _config(**changes) -> BenchConfig:
+    base = dict(engines=["reference", "batched", "eqspec", "exspec", "inplace"], pair=PAIR, batch_sizes=[1, 2],
+                draft_tokens=[3], acceptance=0.8, num_prompts=3, max_new_tokens=6, repeats=1, warmup=0,
+                dtype="float32", pass_repeats=1)
+    base.update(changes)
+    return BenchConfig(**base)
+
+
+def test_run_plan_runs_batch_size_one_engines_once_and_plain_engines_without_k() -> None:
+    plan = run_plan(_config(engines=["reference", "batched", "hf-assisted", "eqspec"], batch_sizes=[2, 4],
+                            draft_tokens=[2, 4]))
+    assert ("reference", 1, None) in plan and ("hf-assisted", 1, 2) in plan
+    assert not any(e in ("reference", "hf-assisted") and b != 1 for e, b, _ in plan)
+    assert ("batched", 2, None) in plan and ("eqspec", 4, 4) in plan and ("eqspec", 2, 2) in plan
+
+
+def test_bench_json_fields_and_ratios(tmp_path) -> None:
+    bench = run_bench(_config(), tmp_path)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["complete"] and len(saved["runs"]) == len(bench["runs"])
+    assert bench["complete"] and bench["acceptance"] == 0.8 and bench["machine"]["torch"]
+    runs = {(r["engine"], r["batch_size"]): r for r in bench["runs"]}
+    assert set(runs) == {("reference", 1), ("batched", 1), ("batched", 2), ("eqspec", 1), ("eqspec", 2),
+                         ("exspec", 1), ("exspec", 2), ("inplace", 1), ("inplace", 2)}
+    for run in runs.values():
+        for field in ("engine", "batch_size", "draft_tokens", "tokens_per_second", "mean_accepted_per_step",
+                      "stage_seconds", "peak_memory_bytes", "ratio_to_batch_size_1", "ratio_to_plain", "spread"):
+            assert field in run, (run["engine"], field)
+        assert run["tokens"] == 3 * 6
+        assert run["peak_memory_bytes"] >= 0
+    assert runs[("reference", 1)]["ratio_to_plain"] == 1.0
+    batched = runs[("batched", 2)]
+    assert batched["ratio_to_plain"] == 1.0 and batched["draft_tokens"] is None
+    costs = {c["batch_size"]: c for c in bench["pass_costs"]}
+    for b in (1, 2):
+        eq = runs[("eqspec", b)]
+        assert eq["calibrated_drafter"] and eq["draft_tokens"] == 3
+        assert eq["ceiling"] == pytest.approx(_ceiling(costs[b], 3, expected_tokens_per_step(0.8, 3)))
+        assert eq["fraction_of_ceiling"] == pytest.approx(eq["ratio_to_plain"] / eq["ceiling"])
+        assert set(eq["stage_seconds"]) == {"draft", "verify", "realign", "other"}
+        assert sum(eq["stage_shares"].values()) == pytest.approx(1.0, abs=0.05)
+        assert eq["ratio_to_plain"] == pytest.approx(eq["tokens_per_second"] / runs[("reference", 1) if b == 1 else ("batched", 2)]["tokens_per_second"])
+    assert runs[("eqspec", 2)]["ratio_to_batch_size_1"] == pytest.approx(
+        runs[("eqspec", 2)]["tokens_per_second"] / runs[("eqspec", 1)]["tokens_per_second"])
+    versus = {e["batch_size"]: e for e in bench["exspec_vs_eqspec"]}
+    assert versus[1]["group_rate"] == 1.0  # one row is always a same-length group
+    assert versus[2]["group_steps"] + versus[2]["fallback_steps"] == runs[("exspec", 2)]["steps"]
+
+
+def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    status = main(["bench", "--engine", "eqspec", "--engine", "batched", "--pair", PAIR, "--batch-size", "2",
+                   "--num-prompts", "2", "--max-new-tokens", "4", "--repeats", "2", "--warmup", "1",
+                   "--acceptance", "0.5", "--clock", "cpu", "--out", str(out)])
+    assert status == 0
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["clock"] == "cpu" and len(bench["runs"]) == 2
+    assert all(len(r["tokens_per_second_repeats"]) == 2 for r in bench["runs"])
+    assert "| eqspec | 2 | 2 |" not in (out / "bench.md").read_text()  # k defaults to 4
+    assert "| eqspec | 2 | 4 |" in (out / "bench.md").read_text()
+    for name in ("throughput.svg", "stages.svg", "memory.svg"):
+        root = ET.fromstring((out / name).read_text())
+        assert root.tag.endswith("svg") and root.findall(".//{http://www.w3.org/2000/svg}rect")
+    for bad in (["--acceptance", "1.5"], ["--pair", "no-such-pair"], ["--engine", "no-such-engine"]):
+        args = ["bench", "--engine", "eqspec", "--pair", PAIR, "--out", str(tmp_path / "bad")]
+        for i in range(0, len(bad), 2):
+            flag, value = bad[i], bad[i + 1]
+            if flag in args and flag != "--engine":
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 2
