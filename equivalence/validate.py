@@ -146,11 +146,9 @@ def pair_limits(spec: Any) -> PairLimits:
     config = model_files.read_config(spec.target)
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size", text_config.get("vocab_size"))
-    positions = None
-    for key in ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length"):
-        positions = config.get(key, text_config.get(key))
-        if positions is not None:
-            break
+    # the draft decodes the same sequences: the smaller of the two position limits holds
+    known = [p for p in (_positions(spec.target), _positions(getattr(spec, "draft", None))) if p is not None]
+    positions = min(known) if known else None
     tokenizer = None
     try:
         from transformers import AutoTokenizer
@@ -159,6 +157,19 @@ def pair_limits(spec: Any) -> PairLimits:
     except Exception:  # no tokenizer: token-id prompts still work; text prompts get a clear error
         tokenizer = None
     return PairLimits(str(spec.target), vocab, positions, tokenizer)
+
+
+def _positions(path: Any) -> int | None:
+    """The most positions a local model folder's config allows, when it says."""
+    if path is None:
+        return None
+    config = model_files.read_config(path)
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for key in ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length"):
+        value = config.get(key, text_config.get(key))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def check_factories(config: Any, pair: zoo.ModelPair) -> None:

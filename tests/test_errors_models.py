@@ -147,3 +147,13 @@ def test_weights_that_fail_to_load_are_a_failed_run_and_other_pairs_go_on(tmp_pa
     assert builtin["pair"] == "tiny-gpt2" and builtin["exact_matches"] == builtin["num_prompts"] and not builtin["error"]
     assert broken["pair"] == "target+draft" and "loading the pair failed" in broken["error"]
     assert "target+draft" in result.stdout  # the summary table lists the failed run
+
+
+def test_prompt_beyond_the_drafts_positions(tmp_path: Path) -> None:
+    # the target allows 512 positions, its draft only 64: a 60-token prompt + 8 new tokens fits only the target
+    target, draft = _folder(tmp_path / "t", LLAMA), _folder(tmp_path / "d", {**LLAMA, "max_position_embeddings": 64})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [5] * 60}) + "\n")
+    usage_error(_user_pair("--prompts", str(prompts), "--max-new-tokens", "8", target=target, draft=draft,
+                           out=tmp_path / "out"),
+                f"{prompts}:1:", "60 prompt tokens + 8 new tokens exceed the model's 64 positions")
