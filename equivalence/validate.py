@@ -130,8 +130,10 @@ def pair_limits(spec: Any) -> PairLimits:
         if spec not in zoo.builtin_pair_names():
             raise UsageError(f"unknown pair {spec!r}: use a built-in pair ({', '.join(zoo.builtin_pair_names())}) "
                              "or --target PATH --draft PATH")
-        fixture = json.loads((zoo.PAIR_DIR / f"{spec}.json").read_text())["target"]
-        positions = fixture.get("max_position_embeddings", fixture.get("n_positions"))
+        fixture = json.loads((zoo.PAIR_DIR / f"{spec}.json").read_text())
+        known = [model.get("max_position_embeddings", model.get("n_positions"))
+                 for model in (fixture["target"], fixture.get("draft", {}))]
+        positions = min((p for p in known if p is not None), default=None)
         return PairLimits(spec, zoo.ByteTokenizer.vocab_size, positions, zoo.ByteTokenizer())
     trust = bool(getattr(spec, "trust_remote_code", False))
     allow_pickle = bool(getattr(spec, "allow_pickle_weights", False))
