@@ -88,7 +88,7 @@ def load_prompts(
     if num_prompts is not None:
         located = located[:num_prompts]
     for where, ids in located:
-        _check_ids(where, ids, vocab_size, max_positions, max_new_tokens)
+        check_ids(where, ids, vocab_size, max_positions, max_new_tokens)
     return [ids for _, ids in located]
 
 
@@ -113,8 +113,10 @@ def _parse_line(where: str, line: str, tokenizer: Any | None) -> list[int]:
     return _encode(tokenizer, text, where)
 
 
-def _check_ids(where: str, ids: list[int], vocab_size: int | None, max_positions: int | None,
-               max_new_tokens: int) -> None:
+def check_ids(where: str, ids: list[int], vocab_size: int | None, max_positions: int | None,
+              max_new_tokens: int) -> None:
+    """`PromptError` naming `where` unless `ids` is a non-empty prompt of valid ids that leaves room
+    for `max_new_tokens` within `max_positions`."""
     if not ids:
         raise PromptError(f"{where}: empty prompt: every prompt needs at least one token")
     low, high = min(ids), max(ids)

@@ -12,7 +12,9 @@
 `check_factories(config, pair)` runs after the first pair is loaded and before its first run: each
 engine that is not built in is built once; a factory that raises (a recording that is missing or
 malformed, a server that cannot be reached, a bad option) or returns something without
-`generate()` is a usage error. Later builds that fail are failed runs.
+`generate()` is a usage error, and so is a server engine whose host and port take no TCP connection,
+or a recording whose prompts do not fit the pair (vocabulary, positions). Later builds that fail
+are failed runs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from specaudit.engines import model_files, zoo
 from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, black_box_prefix, make_engine, resolve
 from specaudit.equivalence.errors import ModelError, UsageError, one_line
-from specaudit.equivalence.prompts import load_prompts
+from specaudit.equivalence.prompts import check_ids, load_prompts
 
 
 @dataclass
@@ -194,6 +196,15 @@ def check_factories(config: Any, pair: zoo.ModelPair) -> None:
         url = getattr(engine, "url", None)
         if isinstance(url, str) and getattr(engine, "black_box", False):
             check_reachable(name, url)
+        recorded = getattr(engine, "recorded_prompts", None)
+        if recorded is not None:  # a recording brings its own prompts: they must fit this pair's model
+            source = getattr(engine, "path", name)
+            positions = [getattr(model.config, "max_position_embeddings", None)
+                         for model in (pair.target, pair.draft) if model is not None]
+            positions = [p for p in positions if isinstance(p, int)]
+            for number, ids in enumerate(recorded[: config.num_prompts] if config.num_prompts else recorded, 1):
+                check_ids(f"{source}, prompt {number}", list(ids), getattr(pair.target.config, "vocab_size", None),
+                          min(positions) if positions else None, config.max_new_tokens)
         close = getattr(engine, "close", None)
         if callable(close):
             close()

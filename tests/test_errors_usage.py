@@ -139,6 +139,14 @@ def test_recording_malformed(tmp_path: Path) -> None:
                 f"{recording}:2")
 
 
+def test_recording_with_a_prompt_outside_the_vocabulary(tmp_path: Path) -> None:
+    recording = tmp_path / "rec.jsonl"
+    recording.write_text('{"prompt_ids": [72, 105], "output_ids": [1, 2]}\n{"prompt_ids": [72, 999], "output_ids": [1]}\n')
+    usage_error(audit("--engine", f"recorded:{recording}", "--pair", "tiny-gpt2", "--max-new-tokens", "2",
+                      out=tmp_path / "out"),
+                f"{recording}, prompt 2", "token id 999", "outside the model's vocabulary")
+
+
 def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
