@@ -9,7 +9,9 @@
   models, which it only reads if it follows the contract) until its `generate` returns or the
   process exits. A subprocess could be killed, but the factory receives the loaded models, which a
   subprocess would have to load again (minutes for a real model, and twice the memory). A
-  KeyboardInterrupt or SystemExit raised inside the engine is re-raised in the caller;
+  KeyboardInterrupt or SystemExit raised inside the engine is re-raised in the caller. Thread-local
+  state is the worker's own: grad mode is copied from the caller, and an engine that installs
+  signal handlers inside `generate` cannot (Python allows that in the main thread only);
 - checks the outputs: one list per prompt, each made of integer token ids in [0, vocab_size)
   (Python, NumPy or 0-d torch integers; not floats or booleans), and raises `EngineFailure` naming
   the prompt and position otherwise. Ids past `max_new_tokens` or past EOS are left to the comparison,
