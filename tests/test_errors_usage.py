@@ -174,6 +174,13 @@ def test_prompts_file_missing(tmp_path: Path) -> None:
                 "--prompts builtin")
 
 
+def test_prompts_path_is_a_folder_or_not_text(tmp_path: Path) -> None:
+    usage_error(audit(*PAIR, "--prompts", str(tmp_path), out=tmp_path / "out"), str(tmp_path), "is not a file")
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(b'{"prompt": "\xff\xfe"}\n')
+    usage_error(audit(*PAIR, "--prompts", str(binary), out=tmp_path / "out"), str(binary), "not UTF-8")
+
+
 @pytest.mark.parametrize("lines", [(), ("", "   ")])
 def test_prompts_file_empty(tmp_path: Path, lines) -> None:
     path = _prompts(tmp_path, *lines)
