@@ -297,6 +297,18 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                 errors[spec] = f"{type(exc).__name__}: {exc}"
         repeats: dict[tuple[str, int, int | None], list[dict[str, Any]]] = {spec: [] for spec in here}
         first = len(bench["runs"])
+
+        def keep_finished() -> None:
+            """bench.json with every timed call so far (after each round, and on Ctrl-C mid-round)."""
+            del bench["runs"][first:]
+            for name, b, k in here:
+                if (name, b, k) in errors:
+                    bench["runs"].append({"engine": name, "batch_size": b, "draft_tokens": k, "error": errors[(name, b, k)]})
+                elif repeats[(name, b, k)]:
+                    bench["runs"].append(combine(name, b, k, repeats[(name, b, k)]))
+            summarise(bench)
+            write_json(json_path, bench)
+
         for repeat in range(config.repeats):  # round robin: a change in the machine's load hits every engine alike
             for spec in here:
                 if spec in errors:
@@ -307,18 +319,12 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                     repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory))
                     say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {config.clock} second")
                 except KeyboardInterrupt:
+                    keep_finished()
                     raise
                 except Exception as exc:
                     errors[spec] = f"{type(exc).__name__}: {exc}"
                     say(f"  failed: {errors[spec]}")
-            del bench["runs"][first:]
-            for name, b, k in here:
-                if (name, b, k) in errors:
-                    bench["runs"].append({"engine": name, "batch_size": b, "draft_tokens": k, "error": errors[(name, b, k)]})
-                elif repeats[(name, b, k)]:
-                    bench["runs"].append(combine(name, b, k, repeats[(name, b, k)]))
-            summarise(bench)
-            write_json(json_path, bench)
+            keep_finished()
     bench["complete"] = True
     summarise(bench)
     write_json(json_path, bench)
