@@ -7,13 +7,14 @@ the next):
 
 - four identical prompts: rows that accept alike must stay alike; state shared or crossed between
   rows shows as identical rows that differ;
-- a prompt longer than 2048 tokens and one longer than 1024, beside prompts of one token: engines
-  that cut prompts at a fixed length, or overflow a position table, diverge here, and the padding
+- a prompt longer than 2048 tokens (so past 1024 too), beside a prompt of one token: engines that
+  cut prompts at 1024 or 2048 tokens, or overflow a position table, diverge here, and the padding
   of a short row beside a long one is at its widest. Only where the model allows it: the prompt
-  plus the new tokens plus one verify pass of k draft tokens must fit its position limit; where
-  it does not, one prompt at the model's limit stands in (and the skip is reported);
-- a prompt of the pad id alone, and one with the pad id first and inside: a row is told apart
-  from padding by its length, never by token values;
+  plus the new tokens plus one verify pass of k draft tokens must fit its position limit; where it
+  does not, a prompt past 1024 stands in, or else one of half that room (the skip is reported);
+  one long prompt, not two, because it dominates the audit's time;
+- the one-token prompt is the pad id alone; another has the pad id first and inside: a row is
+  told apart from padding by its length, never by token value;
 - the EOS id inside a prompt: only a generated EOS ends a row;
 - the BOS id at the start and inside a prompt: a BOS is content like any other token.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-LONG_LENGTHS = (2100, 1100)  # past 2048 and past 1024
+LONG_LENGTHS = (2100, 1100)  # past 2048 (and so past 1024); past 1024 where 2048 does not fit
 IDENTICAL_COPIES = 4
 MIN_TEXT = 4  # tokens of ordinary content around a special id
 
@@ -87,40 +88,43 @@ def adversarial_prompts(
     room = max_new_tokens + draft_tokens + 1
     allowed = None if max_positions is None else max_positions - room
     long_prompts: list[AdversarialPrompt] = []
+    # one long prompt: the longest case the model allows (a prompt past 2048 is past 1024 too)
     for length in LONG_LENGTHS:
         limit = 2048 if length > 2048 else 1024
-        if allowed is not None and length <= allowed:
+        if allowed is not None and length <= allowed and not long_prompts:
+            past = "2048 and 1024" if limit == 2048 else "1024"
             long_prompts.append(AdversarialPrompt(
                 f"longer-than-{limit}", _content(filler, length, specials),
-                f"{length} tokens, past {limit}: engines that cut prompts or size position tables at {limit} "
-                "diverge; beside one-token rows it makes the widest padding"))
-        else:
+                f"{length} tokens, past {past}: engines that cut prompts or size position tables at "
+                f"{limit} diverge; beside a one-token row it makes the widest padding"))
+        elif not long_prompts:
             reason = ("the model declares no position limit" if max_positions is None else
                       f"the model allows {max_positions} positions and this needs {length + room}")
             skipped.append(f"longer-than-{limit} ({length} tokens) left out: {reason}")
-    if not long_prompts and allowed is not None and allowed >= 2 * MIN_TEXT:
+    if not long_prompts and allowed is not None and allowed // 2 >= 2 * MIN_TEXT:
+        # half the room the model allows: long beside one-token rows, with slack for engines whose
+        # positions run ahead (they show as divergences rather than as a crash at the table's end)
+        length = allowed // 2
         long_prompts.append(AdversarialPrompt(
-            "at-position-limit", _content(filler, allowed, specials),
-            f"{allowed} tokens, the longest this model allows with {max_new_tokens} new tokens and k = "
-            f"{draft_tokens}: the last verify pass reaches its last position; beside one-token rows it "
-            "makes the widest padding"))
-    one_token = AdversarialPrompt("length-1", text[:1],
-                                  "one token: the shortest row, padded the most beside long rows")
-    # ordered so that a batch of 4 holds the long rows between one-token rows
-    middle = [long_prompts[0] if long_prompts else None, one_token, long_prompts[1] if len(long_prompts) > 1 else None]
-    prompts += [p for p in middle if p is not None]
+            "long", _content(filler, length, specials),
+            f"{length} tokens, half of what this model's {max_positions} positions allow here: beside a "
+            "one-token row it makes wide padding"))
+    short = AdversarialPrompt("length-1", text[:1], "one token: the shortest row, padded the most beside long rows")
+    if pad_token_id is not None:  # the one-token row is the pad id itself
+        short = AdversarialPrompt(
+            "pad-only", [pad_token_id],
+            f"the pad id {pad_token_id} as the whole one-token prompt: a row is told from padding by its "
+            "length, never by token value; beside long rows it is padded the most")
+    else:
+        skipped.append("pad-id prompts left out: the pair declares no pad id")
+    # ordered so that a batch of 4 holds the long row and the one-token row
+    prompts += long_prompts + [short]
 
     if pad_token_id is not None:
-        prompts.append(AdversarialPrompt(
-            "pad-only", [pad_token_id],
-            f"the pad id {pad_token_id} as the whole prompt: a row is told from padding by its length, "
-            "never by token value"))
         prompts.append(AdversarialPrompt(
             "pad-inside", [pad_token_id] + text[:MIN_TEXT] + [pad_token_id] + text[MIN_TEXT:2 * MIN_TEXT],
             f"the pad id {pad_token_id} first and inside the prompt: it is content there; an engine that "
             "finds padding by value drops it"))
-    else:
-        skipped.append("pad-id prompts left out: the pair declares no pad id")
     if eos_token_id is not None:
         prompts.append(AdversarialPrompt(
             "eos-inside", text[:MIN_TEXT] + [eos_token_id] + text[MIN_TEXT:2 * MIN_TEXT],

@@ -146,6 +146,10 @@ class Diagnoser:
         found = checks.stop_eos(index, prompt, reference, output, position, eos, self.trace, self.outputs)
         if found:
             return found
+        tried.append("the engine's token against the draft model's own choice")
+        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)
+        if found:
+            return found
         tried.append("the trace's proposals and counts against the target's choices")
         found = (checks.acceptance_from_trace(index, reference, output, position, self.max_new_tokens, eos, self.trace)
                  or checks.doubled_token(reference, output, position)
@@ -154,10 +158,6 @@ class Diagnoser:
             return found
         found = checks.length_stop(reference, output, position, self.max_new_tokens, eos,
                                    self._continuation(index, len(output)) if len(output) > self.max_new_tokens else None)
-        if found:
-            return found
-        tried.append("the engine's token against the draft model's own choice")
-        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)
         if found:
             return found
 

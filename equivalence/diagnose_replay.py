@@ -5,7 +5,9 @@ position ids or the visible context that a suspected bug would give that row:
 
 - positions shifted by the row's padding (or masked columns) at the step that fed each token,
   counted as the trace records it (`StepRecord.pad_lengths`): positions counted over padding or
-  over rejected draft slots;
+  over masked rejected draft slots;
+- positions shifted by the row's rejected draft slots so far (k - accepted, summed over its
+  earlier steps): positions that keep counting past rejected tokens;
 - every position shifted by a constant (an offset applied twice, a 1-based count);
 - the row's left padding visible to its queries, at position 0 or counted (a mask blind to
   padding).
@@ -91,6 +93,24 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
 
         steps = row_steps(trace, index)
         prefill_pad = _pad_at(trace, steps[0], index) if steps else None
+        k = getattr(trace, "draft_tokens", 0) or 0
+
+        def rejected_counted() -> tuple[list[int], list[int]] | None:
+            # the row's rejected draft slots before each step, counted into its positions
+            before: dict[int, int] = {}
+            total = 0
+            for step in steps:
+                before[step] = total
+                record = trace.steps[step]
+                if record.kind not in ("prefill", "stopped") and k:
+                    total += k - record.accepted_counts[record.rows.index(index)]
+            shifts = [before.get(step) if step is not None else None for step in fed]
+            if any(s is None for s in shifts) or not any(shifts):
+                return None
+            return sequence, true_positions[:n] + [n + j + s for j, s in enumerate(shifts)]
+
+        found.append(Hypothesis("position_ids", "each new token numbered past the row's rejected draft slots "
+                                "(k - accepted, summed over its earlier steps)", rejected_counted))
 
         def padding_visible(counted: bool) -> Callable[[], tuple[list[int], list[int]] | None]:
             def build() -> tuple[list[int], list[int]] | None:

@@ -4,8 +4,10 @@
 
 adds one test per (engine, pair, batch size) that runs the Hypothesis equivalence property
 (`specaudit.testing.properties.check_equivalence` over `specaudit.testing.strategies.decoding_cases`:
-ragged prompt lengths, EOS at any step, k from 1 to the maximum) against the engine, prints a
-shrunk counterexample on failure, and sums up equivalence per engine and batch size at the end.
+ragged prompt lengths, EOS at any step, k from 1 to the maximum) against the engine, then audits it
+on the adversarial prompts (`equivalence/adversarial.py`; `--specaudit-no-adversarial` skips them).
+A failure message starts with the diagnosis of the divergence (class, evidence, fix), then shows
+the shrunk counterexample; the run ends with equivalence per engine and batch size.
 The run's exit status gates CI. Hooks here only hand off to the harness modules.
 """
 
@@ -46,6 +48,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="largest k drawn (default: 8)")
     group.addoption("--specaudit-max-prompt-length", type=int, default=32, metavar="N",
                     help="longest synthetic prompt drawn; small prompts shrink fast (default: 32)")
+    group.addoption("--specaudit-no-adversarial", action="store_true", default=False,
+                    help="skip the adversarial prompts (pad, EOS and BOS ids inside prompts, identical prompts, "
+                         "one-token and very long prompts) run after the search (default: run them)")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -82,7 +87,7 @@ class EquivalenceItem(pytest.Item):
         self.engine, self.pair, self.batch_size = engine, pair, batch_size
 
     def runtest(self) -> None:
-        from specaudit.equivalence.plugin_property import run_property
+        from specaudit.equivalence.plugin_property import run_adversarial, run_property
 
         # carried on the report, so the summary works under pytest-xdist too
         self.user_properties.append(("specaudit", (self.engine, self.pair, self.batch_size)))
@@ -93,18 +98,39 @@ class EquivalenceItem(pytest.Item):
             max_draft_tokens=self.config.getoption("specaudit_max_draft_tokens"),
             max_prompt_length=self.config.getoption("specaudit_max_prompt_length"),
         )
+        if not self.config.getoption("specaudit_no_adversarial"):
+            run_adversarial(self.engine, self.pair, self.batch_size,
+                            max_new_tokens=self.config.getoption("specaudit_max_new_tokens"),
+                            draft_tokens=min(4, self.config.getoption("specaudit_max_draft_tokens")))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
         if _is_divergence(excinfo.value):
             # float64 on the CPU: any token or logit mismatch is a bug, never a near-tie
             # the plugin's own "shrunk counterexample" note, then Hypothesis' own notes, whatever their wording
             notes = "\n".join(getattr(excinfo.value, "__notes__", []))
-            return (f"{self.engine} on {self.pair}, batch size {self.batch_size}: structural divergence "
-                    f"(float64)\n{excinfo.value}\n{notes}")
+            return (f"{_diagnosis_lines(excinfo.value)}\n{self.engine} on {self.pair}, batch size {self.batch_size}: "
+                    f"structural divergence (float64)\n{excinfo.value}\n{notes}")
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[str, int | None, str]:
         return "specaudit", None, self.name
+
+
+def _diagnosis_lines(exc: BaseException) -> str:
+    """`diagnosis: <class>: <evidence>` and `fix: <sentence>`: the first lines of a failure."""
+    from specaudit.equivalence.diagnose import FIXES
+
+    found = getattr(exc, "specaudit_diagnosis", None)
+    if isinstance(exc, BaseExceptionGroup) and found is None:
+        found = next((getattr(e, "specaudit_diagnosis", None) for e in exc.exceptions
+                      if getattr(e, "specaudit_diagnosis", None)), None)
+    if not found:
+        return "diagnosis: unknown: the failing case could not be audited again"
+    cls = found.get("class", "unknown")
+    where = ""
+    if found.get("prompt_index") is not None:
+        where = f" (prompt {found['prompt_index']}, new token {found.get('position')})"
+    return f"diagnosis: {cls}{where}: {found.get('evidence')}\nfix: {FIXES.get(cls, FIXES['unknown'])}"
 
 
 def _is_divergence(exc: BaseException) -> bool:
@@ -125,7 +151,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     else:
         outcome.failed += 1
         message = str(report.longrepr).splitlines() if report.longrepr else []
-        outcome.failures.append(f"{pair}: {message[1] if len(message) > 1 else 'failed'}")
+        outcome.failures.append(f"{pair}: {message[0] if message else 'failed'}")
 
 
 @pytest.hookimpl(trylast=True)

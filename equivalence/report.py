@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specaudit.equivalence.report_diagnosis import adversarial_case, adversarial_note, class_lines
 from specaudit.equivalence.report_html import render_html
 from specaudit.equivalence.report_summary import (
     STATUS_LABELS,
@@ -81,6 +82,14 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
         f"target top-2 margin on the common prefix: {margin_description(divergence)}",
         f"float64 replay of the target: {replay_description(evidence)}",
     ]
+    found = divergence.get("diagnosis") or {}
+    if found:
+        bullets.insert(0, f"**diagnosis: {found.get('class')}**: {found.get('evidence')}")
+        if found.get("tried"):
+            bullets.insert(1, "tried: " + "; ".join(str(t) for t in found["tried"]))
+    case = adversarial_case(entry.run, divergence.get("prompt_index"))
+    if case is not None:
+        bullets.insert(0, f"adversarial prompt `{case.get('case')}` ({case.get('length')} tokens): {case.get('why')}")
     if evidence.get("reason"):
         bullets.append(f"why {entry.kind}: {evidence['reason']}")
     if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
@@ -119,6 +128,14 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     runs = audit.get("runs") or []
     _, sentence = verdict(audit)
     lines = ["# specaudit report", "", f"**{sentence}**", ""]
+    diagnosed = class_lines(audit)
+    if diagnosed:
+        lines += ["## Diagnosis", "", "One line per class of structural divergence: how many, the first example "
+                  "and what showed it, and the fix.", ""]
+        lines += _markdown_table(["class", "count", "first example", "evidence", "fix"],
+                                 [[f"**{line.cls}**", str(line.count), line.example, line.evidence, line.fix]
+                                  for line in diagnosed])
+        lines.append("")
     stamp = [f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
              f"created {audit['created']}" if audit.get("created") else ""]
     if any(stamp):
@@ -128,6 +145,9 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["**Machine:** " + " · ".join(f"{name} {value}" for name, value in machine), ""]
     if config:
         lines += ["**Config:** " + " · ".join(f"{name}: {value}" for name, value in config), ""]
+    note = adversarial_note(audit)
+    if note:
+        lines += ["**Adversarial prompts:** " + note, ""]
     if runs:
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
     switches = _float64_switches(runs)

@@ -6,6 +6,7 @@ from html import escape
 from typing import Any
 
 from specaudit.equivalence.plots import acceptance_svg, divergence_position_svg, equivalence_rate_svg
+from specaudit.equivalence.report_diagnosis import adversarial_case, adversarial_note, class_lines
 from specaudit.equivalence.report_summary import (
     STATUS_LABELS,
     DivergenceEntry,
@@ -203,6 +204,16 @@ def _divergence_article(number: int, entry: DivergenceEntry) -> str:
                        f"(detected by {escape(str(divergence.get('detected_by', 'tokens')))})"),
             ("target top-2 margin", escape(margin_description(divergence))),
             ("float64 replay", escape(replay_description(evidence)))]
+    found = divergence.get("diagnosis") or {}
+    if found:
+        rows.insert(0, ("diagnosis", f"<strong>{escape(str(found.get('class')))}</strong>: "
+                                     f"{escape(str(found.get('evidence')))}"))
+        if found.get("tried"):
+            rows.insert(1, ("tried", escape("; ".join(str(t) for t in found["tried"]))))
+    case = adversarial_case(entry.run, divergence.get("prompt_index"))
+    if case is not None:
+        rows.insert(0, ("adversarial prompt", f"<code>{escape(str(case.get('case')))}</code> "
+                                              f"({escape(str(case.get('length')))} tokens): {escape(str(case.get('why')))}"))
     if evidence.get("reason"):
         rows.append((f"why {entry.kind}", escape(str(evidence["reason"]))))
     if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
@@ -232,6 +243,24 @@ def _divergences(audit: dict[str, Any], limit: int) -> str:
     return "".join(parts)
 
 
+def _diagnosis_section(audit: dict[str, Any]) -> str:
+    lines = class_lines(audit)
+    note = adversarial_note(audit)
+    parts = []
+    if lines:
+        head = "".join(f"<th>{name}</th>" for name in ("class", "count", "first example", "evidence", "fix"))
+        rows = "".join(f'<tr><td><strong>{escape(line.cls)}</strong></td><td class="number">{line.count}</td>'
+                       f"<td>{escape(line.example)}</td><td>{escape(line.evidence)}</td><td>{escape(line.fix)}</td></tr>"
+                       for line in lines)
+        parts.append('<h2>Diagnosis</h2><p class="note">One line per class of structural divergence: how many, the '
+                     "first example and what showed it, and the fix.</p>"
+                     f'<div class="table-wrap"><table class="diagnosis"><thead><tr>{head}</tr></thead>'
+                     f"<tbody>{rows}</tbody></table></div>")
+    if note:
+        parts.append(f'<p class="note">Adversarial prompts: {escape(note)}</p>')
+    return f'<section class="diagnosis">{"".join(parts)}</section>' if parts else ""
+
+
 def _figure(caption: str, svg: str) -> str:
     return f"<figure><figcaption>{escape(caption)}</figcaption>{svg}</figure>"
 
@@ -252,6 +281,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
     body = [
         f'<header><h1>specaudit report</h1><p class="stamp">{escape(stamp)}</p></header>',
         f'<section class="verdict verdict-{status}">{escape(sentence)}</section>',
+        _diagnosis_section(audit),
         _cards(audit),
         '<section class="meta">'
         + (f"<div><h2>Machine</h2>{_pairs(machine)}</div>" if machine else "")

@@ -73,3 +73,23 @@ class _Interrupts:
 def make_interrupting(target, draft, **_: Any) -> _Interrupts:
     """Stands for a user pressing Ctrl-C during a run."""
     return _Interrupts()
+
+
+class OvershootsLongPrompts(EQSpec):
+    """Correct on prompts of up to 1000 tokens; on a longer one it emits one token past
+    max_new_tokens (the Hypothesis search never draws such prompts; the adversarial ones do)."""
+
+    def generate(self, prompts, max_new_tokens, eos_token_id):
+        outputs = super().generate(prompts, max_new_tokens, eos_token_id)
+        trace = self.last_trace
+        long = [i for i, p in enumerate(prompts) if len(p) > 1000 and len(outputs[i]) == max_new_tokens]
+        if long:
+            more = super().generate([prompts[i] for i in long], max_new_tokens + 1, eos_token_id)
+            for i, out in zip(long, more):
+                outputs[i] = out
+        self.last_trace = trace
+        return outputs
+
+
+def make_overshoots_long_prompts(target, draft, *, batch_size: int, draft_tokens: int, **options: Any) -> EQSpec:
+    return OvershootsLongPrompts(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)

@@ -39,6 +39,30 @@ def test_row_position_bug_fails_with_location(user_repo: pytest.Pytester) -> Non
     ])
 
 
+def _failure_first_line(result: pytest.RunResult) -> str:
+    """The first line of the (only) failure's message, under its section header."""
+    lines = result.stdout.lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("_") and "specaudit[" in line)
+    return next(line for line in lines[header + 1:] if line.strip())
+
+
+def test_failure_message_starts_with_the_diagnosis(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_row_zero_position_bug", *ARGS)
+    result.assert_outcomes(passed=1, failed=1)
+    assert _failure_first_line(result).startswith("diagnosis: position_ids"), result.stdout.str()
+    result.stdout.fnmatch_lines(["fix: Derive each row's position ids*"])
+
+
+def test_adversarial_prompts_catch_what_the_search_cannot_draw(user_repo: pytest.Pytester) -> None:
+    # the engine errs only on prompts over 1000 tokens: longer than any prompt the search draws
+    args = [arg if arg != "tiny-gpt2" else "tiny-llama" for arg in ARGS]
+    result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_overshoots_long_prompts", *args)
+    result.assert_outcomes(passed=1, failed=1)
+    first = _failure_first_line(result)
+    assert first.startswith("diagnosis: stop_length"), result.stdout.str()
+    result.stdout.fnmatch_lines(["*on the adversarial prompts; first: prompt * (longer-than-2048, 2100 tokens*"])
+
+
 def test_no_engine_adds_no_tests(user_repo: pytest.Pytester) -> None:
     result = user_repo.runpytest(*ARGS)
     result.assert_outcomes(passed=1)

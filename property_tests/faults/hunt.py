@@ -113,6 +113,8 @@ class Finding:
             lines += [
                 f"    {d['kind']} divergence through {d['detected_by']}: prompt {d['prompt_index']}, position "
                 f"{d['position']}, step {d.get('step')}, reference {d['reference_token']}, engine {d['engine_token']}"
+                + (f"\n      diagnosed as {d['diagnosis']['class']}: {d['diagnosis']['evidence']}"
+                   if d.get("diagnosis") else "")
                 for d in self.divergences
             ]
         else:

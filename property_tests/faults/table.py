@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specaudit.testing.faults.classes import EXPECTED_CLASS
 from specaudit.testing.faults.hunt import Finding
 
 REPORT = Path(__file__).resolve().parents[2] / "reports" / "faults.md"
@@ -31,7 +32,9 @@ output equivalence with greedy decoding (tokens, then float64 logits), shrank it
 classified the minimal case. The two draft-cache faults cannot change any output (the target alone
 decides every token); the hunt finds them with the draft-proposal check, which compares every
 proposal with the draft model's own greedy continuation of the row, and the audit reports their
-minimal case through its draft-fidelity check (`detected_by: draft`).
+minimal case through its draft-fidelity check (`detected_by: draft`). "Diagnosed as" is the class
+the audit's diagnosis gives the minimal example (`equivalence/diagnose.py`); the class each fault
+must get is in `property_tests/faults/classes.py`.
 
 Minimal example: prompts (batch size), longest prompt, new tokens, draft tokens k.
 """
@@ -47,10 +50,24 @@ def audit_verdict(finding: Finding) -> str:
     return f"{len(finding.divergences)} {kinds} ({channels})"
 
 
+def diagnosed_as(finding: Finding) -> str:
+    """The diagnosis classes of the audit of the minimal example, marked when not the expected one."""
+    classes = sorted({(d.get("diagnosis") or {}).get("class") or "none" for d in finding.divergences
+                      if d.get("kind") == "structural"})
+    if not classes:
+        return "-"
+    expected = EXPECTED_CLASS.get(finding.fault)
+    text = ", ".join(f"`{c}`" for c in classes)
+    if expected is not None and classes != [expected]:
+        text += f" (expected `{expected}`)"
+    return text
+
+
 def render_table(findings: list[Finding]) -> str:
     rows = [
-        "| Fault | Engine | Pair | Detected through | Prompts (batch) | Longest prompt | New tokens | k | Audit of the minimal example |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| Fault | Engine | Pair | Detected through | Prompts (batch) | Longest prompt | New tokens | k "
+        "| Audit of the minimal example | Diagnosed as |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in findings:
         size = f.size
@@ -60,7 +77,7 @@ def render_table(findings: list[Finding]) -> str:
             cells = [f"{size['rows']} ({size['batch_size']})", str(size["max_prompt_length"]), str(size["new_tokens"]),
                      str(size["draft_tokens"])]
         rows.append(f"| {f.bug_class} | {f.engine.upper()} | {f.pair} | {f.detected_by or 'NOT CAUGHT'} | "
-                    + " | ".join(cells) + f" | {audit_verdict(f)} |")
+                    + " | ".join(cells) + f" | {audit_verdict(f)} | {diagnosed_as(f)} |")
     return "\n".join(rows)
 
 

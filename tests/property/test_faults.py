@@ -1,5 +1,5 @@
-"""The harness can fail: every planted fault is caught, classified structural, and shown as a
-shrunk minimal counterexample.
+"""The harness can fail: every planted fault is caught, classified structural, diagnosed as its
+own class (`property_tests/faults/classes.py`), and shown as a shrunk minimal counterexample.
 
 For each fault engine (`property_tests/faults/`) and each pair it is hunted on, Hypothesis
 searches for a decoding case where the fault breaks its property, shrinks it, and the audit
@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 import specaudit.engines.eqspec
 from specaudit.engines.eqspec import EQSpec
 from specaudit.testing.faults import FAULTS, FaultEngine
+from specaudit.testing.faults.classes import EXPECTED_CLASS
 from specaudit.testing.faults.draft_check import check_draft_proposals
 from specaudit.testing.faults.hunt import Finding, fault_cases, hunt
 from specaudit.testing.faults.table import render_table
@@ -71,6 +72,9 @@ def test_planted_fault_is_caught(fault: type[FaultEngine], pair: str, fault_summ
         assert finding.detected_by in ("tokens", "logits"), finding.report()
         assert finding.divergences, "the audit reported nothing on the minimal counterexample:\n" + finding.report()
         assert finding.kinds == {"structural"}, finding.report()
+    # the diagnosis names the fault's own class on every divergence of its minimal example
+    diagnosed = {(d.get("diagnosis") or {}).get("class") for d in finding.divergences}
+    assert diagnosed == {EXPECTED_CLASS[fault.slug()]}, finding.report()
 
 
 def test_fault_engines_leave_the_shipped_engines_alone() -> None:

@@ -1,0 +1,90 @@
+"""What the reports lead with: the diagnosis of the structural divergences, one line per class.
+
+Each line has the class, how many structural divergences it names, the first example (run,
+prompt, position, and why that prompt is in the audit when it is an adversarial one), the
+evidence of that example and the fix in one sentence. Shared by `report.md`, `report.html` and
+the pytest plugin's failure message, so all three say the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specaudit.equivalence.diagnose import CLASSES, FIXES
+
+
+@dataclass(frozen=True)
+class ClassLine:
+    cls: str
+    count: int
+    example: str  # where the first one is
+    evidence: str  # what showed its class
+    fix: str
+
+
+def adversarial_case(run: dict[str, Any], prompt_index: Any) -> dict[str, Any] | None:
+    """The adversarial case of `prompt_index` in `run`, or None for an ordinary prompt."""
+    for case in (run.get("adversarial") or {}).get("cases") or []:
+        if case.get("prompt_index") == prompt_index:
+            return case
+    return None
+
+
+def example_text(run: dict[str, Any], divergence: dict[str, Any]) -> str:
+    where = (f"{run.get('engine', '?')} · {run.get('pair', '?')} · batch {run.get('batch_size', '?')} · "
+             f"{run.get('dtype', '?')}: prompt {divergence.get('prompt_index', '?')}, new token "
+             f"{divergence.get('position', '?')}")
+    case = adversarial_case(run, divergence.get("prompt_index"))
+    if case is not None:
+        where += f" (adversarial prompt `{case.get('case')}`: {case.get('why')})"
+    return where
+
+
+def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
+    """One line per diagnosed class, most frequent first (`unknown` last)."""
+    counts: dict[str, int] = {}
+    first: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for run in audit.get("runs") or []:
+        for divergence in run.get("divergences") or []:
+            if divergence.get("kind") != "structural":
+                continue
+            cls = (divergence.get("diagnosis") or {}).get("class") or "unknown"
+            counts[cls] = counts.get(cls, 0) + 1
+            first.setdefault(cls, (run, divergence))
+    order = sorted(counts, key=lambda c: (c == "unknown", -counts[c], CLASSES.index(c) if c in CLASSES else 99))
+    lines = []
+    for cls in order:
+        run, divergence = first[cls]
+        evidence = str((divergence.get("diagnosis") or {}).get("evidence") or "not diagnosed")
+        lines.append(ClassLine(cls, counts[cls], example_text(run, divergence), evidence,
+                               FIXES.get(cls, FIXES["unknown"])))
+    return lines
+
+
+def diagnosis_sentence(divergence: dict[str, Any]) -> str:
+    """`class: evidence` of one divergence, or an empty string when it has none."""
+    found = divergence.get("diagnosis") or {}
+    if not found:
+        return ""
+    return f"{found.get('class')}: {found.get('evidence')}"
+
+
+def adversarial_note(audit: dict[str, Any]) -> str | None:
+    """One sentence on the adversarial prompts of the audit (how many, what was left out)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for run in audit.get("runs") or []:
+        info = run.get("adversarial")
+        if info and run.get("pair") not in seen:
+            seen[str(run.get("pair"))] = info
+    if not seen:
+        return None
+    parts = []
+    for pair, info in seen.items():
+        cases = info.get("cases") or []
+        names = list(dict.fromkeys(str(c.get("case")) for c in cases))
+        text = f"{pair}: {len(cases)} adversarial prompts from index {info.get('first_index')} ({', '.join(names)})"
+        if info.get("skipped"):
+            text += "; " + "; ".join(info["skipped"])
+        parts.append(text)
+    return ". ".join(parts) + "."

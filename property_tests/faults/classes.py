@@ -1,0 +1,28 @@
+"""The diagnosis each planted fault must get: the class that names what its fix changes.
+
+A fault that makes a row's output depend on the other rows of its batch (a cache trimmed to
+another row's acceptance, a cache taken from the wrong row) is `cross_row`; a row's own cache
+holding wrong, extra or missing entries of its own tokens is `kv_cache`.
+"""
+
+from __future__ import annotations
+
+EXPECTED_CLASS: dict[str, str] = {
+    "position_ids_count_padding": "position_ids",
+    "position_ids_from_one": "position_ids",
+    "attention_mask_blind_to_padding": "attention_mask",
+    "target_cache_not_trimmed": "kv_cache",  # the row's cache keeps its rejected slots
+    "draft_cache_not_trimmed": "draft_cache",
+    "draft_fill_pass_skipped": "draft_cache",
+    "first_rejected_draft_accepted": "acceptance_rule",
+    "bonus_token_dropped": "acceptance_rule",
+    "bonus_token_doubled": "acceptance_rule",
+    "cache_trimmed_to_smallest_acceptance": "cross_row",  # each row cut to another row's acceptance
+    "finished_rows_dropped_by_position": "cross_row",  # a row inherits a finished row's cache
+    "repad_without_unpad": "kv_cache",  # pad slots left inside the row's cache
+    "pad_token_treated_as_padding": "pad_as_content",
+    "overshoot_max_new_tokens": "stop_length",
+    "tokens_after_eos": "stop_eos",
+    "group_stacks_different_lengths": "kv_cache",  # each row cut out of the group cache at wrong columns
+    "group_results_to_wrong_rows": "cross_row",  # a sequence takes its neighbour's cache
+}
