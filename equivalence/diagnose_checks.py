@@ -91,7 +91,8 @@ def acceptance_from_trace(index: int, reference: list[int], output: list[int], p
             # the target's choices after the row's pending token, while its prefix equals the reference
             for j in range(min(accepted, len(proposal))):
                 slot = done + j
-                if slot > position or slot >= len(reference):
+                # strictly before the split: there the engine's own target agreed with the reference
+                if slot >= position or slot >= len(reference):
                     break
                 if proposal[j] != reference[slot]:
                     return Finding("acceptance_rule", f"step {s} accepted {accepted} draft token(s) of {proposal}, "

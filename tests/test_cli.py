@@ -63,7 +63,8 @@ def test_eqspec_audit_exits_0_with_all_fields(tmp_path: Path) -> None:
     assert len(audit["runs"]) == 4
     for run in audit["runs"]:
         assert RUN_FIELDS <= set(run)
-        assert run["exact_matches"] == run["num_prompts"] == 6
+        # 6 built-in prompts, then the adversarial ones
+        assert run["exact_matches"] == run["num_prompts"] == 6 + len(run["adversarial"]["cases"])
         assert run["max_logit_error"] < 1e-9
     assert "every audited engine is equivalent" in result.stdout
 
@@ -72,7 +73,8 @@ def test_user_engine_correct_passes(tmp_path: Path) -> None:
     result = specaudit("--engine", "sample_engines:make_correct", "--pair", "tiny-gpt2", "--batch-size", "4",
                        "--num-prompts", "6", "--max-new-tokens", "10", out=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert load(tmp_path)["runs"][0]["exact_matches"] == 6
+    run = load(tmp_path)["runs"][0]
+    assert run["exact_matches"] == run["num_prompts"] == 6 + len(run["adversarial"]["cases"])
 
 
 @pytest.mark.parametrize("pair_name", ["tiny-gpt2", "tiny-llama"])
@@ -108,7 +110,7 @@ def test_engine_that_raises_is_recorded_and_fails(tmp_path: Path) -> None:
     assert result.returncode == 1
     runs = load(tmp_path)["runs"]
     assert "planted failure inside generate" in runs[0]["error"]
-    assert runs[1]["exact_matches"] == 2  # the failure did not stop the next run
+    assert runs[1]["exact_matches"] == runs[1]["num_prompts"] > 2  # the failure did not stop the next run
 
 
 def test_jsonl_prompts_text_and_turns(tmp_path: Path) -> None:
@@ -120,7 +122,8 @@ def test_jsonl_prompts_text_and_turns(tmp_path: Path) -> None:
                        "--max-new-tokens", "6", out=tmp_path / "out")
     assert result.returncode == 0, result.stderr
     run = load(tmp_path / "out")["runs"][0]
-    assert run["num_prompts"] == 4 and [p["reference_length"] for p in run["prompts"]] == [6] * 4
+    assert run["num_prompts"] == 4 + len(run["adversarial"]["cases"])
+    assert [p["reference_length"] for p in run["prompts"][:4]] == [6] * 4
 
 
 def test_bsp_and_dsd_audits_exit_1_with_structural_divergences(tmp_path: Path) -> None:
@@ -131,6 +134,9 @@ def test_bsp_and_dsd_audits_exit_1_with_structural_divergences(tmp_path: Path) -
     for engine in ("bsp", "dsd"):
         assert runs[engine]["structural_divergences"] > 0
         assert all(d["kind"] == "structural" for d in runs[engine]["divergences"])
+    # BSP keeps counting positions past masked columns; DSD keeps the first rejected draft token
+    assert {d["diagnosis"]["class"] for d in runs["bsp"]["divergences"]} == {"position_ids"}
+    assert {d["diagnosis"]["class"] for d in runs["dsd"]["divergences"]} == {"acceptance_rule"}
     assert (tmp_path / "report.md").exists() and (tmp_path / "report.html").exists()
 
 
@@ -141,5 +147,5 @@ def test_ctrl_c_keeps_finished_runs_and_writes_reports(tmp_path: Path) -> None:
     assert result.returncode == 130
     audit = load(tmp_path)
     assert [run["engine"] for run in audit["runs"]] == ["eqspec"] and not audit["complete"]
-    assert audit["runs"][0]["exact_matches"] == 2
+    assert audit["runs"][0]["exact_matches"] == audit["runs"][0]["num_prompts"] > 2
     assert (tmp_path / "report.md").exists() and "interrupted" in result.stderr

@@ -267,3 +267,30 @@ def test_html_report_renders_in_headless_chromium(audit: dict[str, Any], tmp_pat
     for color in (STRUCTURAL_COLOR, NUMERICAL_COLOR, series_color(0), series_color(1)):
         painted = int((pixels == np.array(_rgb(color), np.uint8)).all(axis=1).sum())
         assert painted > 200, f"bars in {color} were not painted ({painted} pixels)"
+
+
+def test_reports_lead_with_the_diagnosis(audit: dict[str, Any], tmp_path: Path) -> None:
+    diagnosed = copy.deepcopy(audit)
+    run = diagnosed["runs"][2]
+    first = _structural_divergence()
+    first["diagnosis"] = {"class": "pad_as_content", "evidence": "re-run with pad id 7, the prompt is exact",
+                          "tried": ["re-run alone with pad id 7 instead of 0: exact"]}
+    second = {**_structural_divergence(), "prompt_index": 5,
+              "diagnosis": {"class": "pad_as_content", "evidence": "second", "tried": []}}
+    third = {**_structural_divergence(), "prompt_index": 6,
+             "diagnosis": {"class": "stop_eos", "evidence": "tokens after EOS", "tried": []}}
+    run["divergences"] = [first, second, third]
+    run["adversarial"] = {"first_index": 3, "skipped": [],
+                          "cases": [{"prompt_index": 3, "case": "pad-inside", "length": 10, "why": "pad id inside"}]}
+    markdown = render_markdown(diagnosed)
+    lines = markdown.splitlines()
+    # right after the verdict: one line per class, most frequent first, with count, example and fix
+    assert lines[4] == "## Diagnosis"
+    rows = [line for line in lines if line.startswith("| **")]
+    assert rows[0].startswith("| **pad_as_content** | 2 | eqspec · tiny-llama · batch 4 · float64: prompt 3, new token 17")
+    assert "adversarial prompt `pad-inside`: pad id inside" in rows[0] and "never by token value" in rows[0]
+    assert rows[1].startswith("| **stop_eos** | 1 |")
+    assert "**diagnosis: pad_as_content**: re-run with pad id 7" in markdown
+    html = write_reports(diagnosed, tmp_path)["html"].read_text()
+    assert html.index('<table class="diagnosis">') < html.index('<table class="runs">')
+    assert "<strong>pad_as_content</strong>" in html and "tokens after EOS" in html
