@@ -1,0 +1,111 @@
+"""End to end against a real llama.cpp `llama-server` built on this machine.
+
+The server serves a tiny GGUF target and draft converted from the built-in tiny-llama pair with
+llama.cpp's own converter (tests/llamacpp_models.py), with draft-model speculation on
+(`--spec-type draft-simple`, up to 4 draft tokens, 4 parallel slots), and `specaudit audit
+--engine llamacpp:URL --target <the HF target folder>` audits it against HF float32 greedy decoding
+of the same weights:
+
+- with an f32 KV cache and flash attention off, every prompt must be token-exact (exit 0);
+- with llama.cpp's defaults (f16 KV cache, flash attention auto), the audit rules every divergence
+  against the declared f16 noise band: each must be `numerical`, with its evidence (the reference's
+  top-2 margin, the engine token's gap, the band, and the float64 replay at the split).
+
+Both check in the server's own counters that speculation ran (draft tokens accepted > 0) and that
+the 4 concurrent requests were batched (more than one busy slot per decode on average).
+
+The first run builds llama.cpp (scripts/llamacpp.sh: about 11-15 minutes on two busy cores; test.sh
+builds it before pytest starts); later runs take the cached build and models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+import llamacpp_models as lm
+from specaudit.equivalence import cli
+
+NUM_PROMPTS = 8  # built-in prompts; the audit adds its adversarial ones (up to 2100 tokens)
+MAX_NEW_TOKENS = 32
+BATCH_SIZE = 4  # concurrent requests, one per server slot (-np 4)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    llama_dir = lm.llama_cpp_dir()
+    return llama_dir, lm.gguf_pair(llama_dir)
+
+
+def _audit(url: str, target: Path, out: Path, *extra: str) -> tuple[int, dict, str]:
+    """`specaudit audit --engine llamacpp:URL --target ...`, in this process (torch is loaded once)."""
+    argv = ["audit", "--engine", f"llamacpp:{url}", "--target", str(target), "--batch-size", str(BATCH_SIZE),
+            "--dtype", "float32", "--num-prompts", str(NUM_PROMPTS), "--max-new-tokens", str(MAX_NEW_TOKENS),
+            "--no-progress", "--out", str(out), *extra]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(argv)
+    audit_path = out / "audit.json"
+    assert audit_path.is_file(), f"no audit.json (exit {status}):\n{printed.getvalue()}"
+    return status, json.loads(audit_path.read_text()), printed.getvalue()
+
+
+def _check_speculation_and_batching(server: lm.LlamaServer) -> dict[str, float]:
+    metrics = server.metrics()
+    assert metrics["spec_decode_num_draft_tokens_total"] > 0, metrics
+    assert metrics["spec_decode_num_accepted_tokens_total"] > 0, metrics
+    assert metrics["n_busy_slots_per_decode"] > 1, metrics
+    return metrics
+
+
+def _drafts(metrics: dict[str, float]) -> str:
+    return (f"draft tokens accepted {metrics['spec_decode_num_accepted_tokens_total']:.0f} of "
+            f"{metrics['spec_decode_num_draft_tokens_total']:.0f}, "
+            f"{metrics['n_busy_slots_per_decode']:.2f} busy slots per decode")
+
+
+def _one_run(audit: dict, output: str) -> dict:
+    (run,) = audit["runs"]
+    assert run.get("error") is None, f"{run['error']}\n{output}"
+    assert run["num_prompts"] >= NUM_PROMPTS  # the built-in prompts and the audit's adversarial ones
+    return run
+
+
+def test_llamacpp_f32_cache_is_token_exact(llama, tmp_path):
+    llama_dir, models = llama
+    with lm.LlamaServer(llama_dir, models, lm.EXACT_ARGS, tmp_path / "server.log") as server:
+        status, audit, output = _audit(server.url, models.hf_target, tmp_path / "audit")
+        metrics = _check_speculation_and_batching(server)
+    run = _one_run(audit, output)
+    assert status == 0, output
+    assert run["exact_matches"] == run["num_prompts"], output
+    assert run["divergences"] == [], output
+    print(f"f32 cache, flash attention off: {run['exact_matches']}/{run['num_prompts']} exact; {_drafts(metrics)}")
+
+
+def test_llamacpp_defaults_diverge_only_numerically(llama, tmp_path):
+    llama_dir, models = llama
+    with lm.LlamaServer(llama_dir, models, [], tmp_path / "server.log") as server:
+        status, audit, output = _audit(server.url, models.hf_target, tmp_path / "audit", "--engine-dtype", "float16")
+        metrics = _check_speculation_and_batching(server)
+    run = _one_run(audit, output)
+    assert status == 0, output
+    assert run["exact_matches"] + len({d["prompt_index"] for d in run["divergences"]}) == run["num_prompts"], output
+    assert run["noise_band"]["source"] == "declared-dtype" and run["noise_band"]["dtype"] == "float16"
+    for divergence in run["divergences"]:
+        assert divergence["kind"] == "numerical", divergence
+        evidence = divergence["evidence"]
+        assert evidence["noise_band_source"] == "declared-dtype", evidence
+        assert 0 <= evidence["reference_margin"] <= evidence["noise_band"], divergence
+        assert 0 <= evidence["engine_token_gap"] <= evidence["noise_band"], divergence
+        # the float64 replay of the target on the common prefix sees the same near-tie
+        assert 0 <= evidence["replay_float64_margin"] <= evidence["noise_band"], divergence
+        assert {token for token, _ in evidence["replay_float64_top2"]} == {
+            divergence["reference_token"], divergence["engine_token"]}, divergence
+    print(f"defaults (f16 cache, flash attention auto): {run['exact_matches']}/{run['num_prompts']} exact, "
+          f"{len(run['divergences'])} divergence(s), all numerical; margins "
+          f"{sorted(round(d['evidence']['reference_margin'], 4) for d in run['divergences'])}; {_drafts(metrics)}")
