@@ -105,6 +105,7 @@ def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
+        **layout.last_logits_only(model),
     )
     # zero the padding columns, so that nothing a padded query produced is ever read
     ragged.realign_cache(cache, torch.full_like(lengths, width), lengths)

@@ -30,6 +30,18 @@ class UnsupportedModel(ValueError):
     """A model the batched engines cannot run exactly; the message is one line."""
 
 
+def last_logits_only(model: PreTrainedModel) -> dict[str, int]:
+    """`{"logits_to_keep": 1}` when the model's forward takes it, else `{}`: a prompt pass needs only
+    the last position's logits, and with a large vocabulary the others cost more than the layers."""
+    import inspect
+
+    try:
+        accepts = "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    return {"logits_to_keep": 1} if accepts else {}
+
+
 def architecture_name(model: PreTrainedModel) -> str:
     names = getattr(model.config, "architectures", None) or [type(model).__name__]
     return str(names[0])

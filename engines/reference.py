@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specaudit.engines.layout import last_logits_only
 from specaudit.engines.trace import Trace
 
 
@@ -24,7 +25,8 @@ def greedy_decode(
     if not prompt:
         raise ValueError("a prompt needs at least one token")
     device = model.device
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)  # the model's own cache (sliding layers keep their window)
+    keep = last_logits_only(model)  # the prompt pass needs only its last position's logits
     inputs = torch.tensor([prompt], dtype=torch.long, device=device)
     position = torch.arange(len(prompt), device=device).unsqueeze(0)
     new_tokens: list[int] = []
@@ -32,7 +34,8 @@ def greedy_decode(
     while len(new_tokens) < max_new_tokens:
         seen = int(position[0, -1]) + 1  # tokens in the cache after this pass
         mask = torch.ones(1, seen, dtype=torch.long, device=device)
-        out = model(input_ids=inputs, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
+        out = model(input_ids=inputs, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True,
+                    **keep)
         logits = out.logits[0, -1]  # [V]
         token = int(logits.argmax())
         new_tokens.append(token)
