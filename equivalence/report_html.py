@@ -69,6 +69,10 @@ table.runs { border-collapse: collapse; width: 100%; font-size: 13.5px; }
 table.runs th, table.runs td { padding: 6px 10px; border-bottom: 1px solid var(--line); text-align: left; white-space: nowrap; }
 table.runs th { background: var(--panel); font-weight: 600; } table.runs td.number { text-align: right; font-variant-numeric: tabular-nums; }
 table.runs tr:hover td { background: #fafbfc; }
+table.diagnosis { border-collapse: collapse; width: 100%; font-size: 13.5px; }
+table.diagnosis th, table.diagnosis td { padding: 6px 10px; border-bottom: 1px solid var(--line); text-align: left;
+                                         vertical-align: top; }
+table.diagnosis th { background: var(--panel); font-weight: 600; } table.diagnosis td.number { text-align: right; }
 .pill { display: inline-block; padding: 1px 9px; border-radius: 999px; font-size: 12px; font-weight: 600; border: 1px solid; }
 .pill.exact, .pill.equivalent { color: var(--pass); border-color: #aceebb; background: #dafbe1; }
 .pill.numerical { color: #6c4400; border-color: #eed888; background: #fff8c5; }
