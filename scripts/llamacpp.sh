@@ -7,7 +7,7 @@
 #   ~/.cache/specaudit/llama.cpp/<version>/convert_hf_to_gguf.py
 #   ~/.cache/specaudit/llama.cpp/<version>/gguf-py/
 #
-# Only the first run builds (about 11-15 minutes on two busy cores); later runs find the cache and
+# Only the first run builds (11 to 26 minutes on two shared cores); later runs find the cache and
 # print its path. Prints the cache directory on stdout as its last line.
 #
 # Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36, which vendors llama.cpp 0c1e570),
@@ -46,7 +46,7 @@ tar -xzf "$work"/sdist/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -f "$src/CMakeLists.txt" ] || { echo "llama.cpp: no vendor/llama.cpp in the sdist" >&2; exit 1; }
 
-echo "llama.cpp: building llama-server with $JOBS jobs (this takes minutes)" >&2
+echo "llama.cpp: building llama-server with $JOBS jobs (11 to 26 minutes on two shared cores)" >&2
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \

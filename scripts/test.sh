@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install, build llama.cpp's server (cached), then run every test (two processes). Headless Chromium (Debian package `chromium`)
-# renders the HTML report in one test; it is installed here when missing and apt is usable.
+# Install, build llama.cpp's server (cached), then run every test (two processes). Headless
+# Chromium (Debian package `chromium`) renders the HTML report in one test; it is installed here
+# when missing and apt is usable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -9,7 +10,7 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
         || echo "could not install chromium: the browser test will fail" >&2
 fi
 # llama.cpp's llama-server for the end-to-end test (tests/test_llamacpp_e2e.py): built once from the
-# llama-cpp-python 0.3.36 sdist (about 11-15 minutes on two busy cores), then cached in ~/.cache/specaudit
+# llama-cpp-python 0.3.36 sdist (11 to 26 minutes on two shared cores), then cached in ~/.cache/specaudit
 PYTHON="${PYTHON:-python3}" bash scripts/llamacpp.sh >/dev/null \
     || echo "could not build llama.cpp: the llama.cpp end-to-end test will fail" >&2
 exec "${PYTHON:-python3}" -m pytest -n 2 -q "$@"

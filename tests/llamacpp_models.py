@@ -1,7 +1,7 @@
 """llama.cpp for the end-to-end test: the cached `llama-server` build, a tiny GGUF target and draft
 converted from a Hugging Face pair with llama.cpp's own converter, and a server's lifetime.
 
-- `llama_cpp_dir()`: `scripts/llamacpp.sh` (builds once, about 11-15 minutes on two busy cores,
+- `llama_cpp_dir()`: `scripts/llamacpp.sh` (builds once, 11 to 26 minutes on two shared cores,
   then cached under ~/.cache/specaudit/llama.cpp/<version>/).
 - `gguf_pair()`: the built-in `tiny-llama` pair (seeded, nothing downloaded) saved as float32
   safetensors with a byte-level BPE tokenizer (`tokenizer.json`: 256 byte-fallback tokens

@@ -14,7 +14,7 @@ of the same weights:
 Both check in the server's own counters that speculation ran (draft tokens accepted > 0) and that
 the 4 concurrent requests were batched (more than one busy slot per decode on average).
 
-The first run builds llama.cpp (scripts/llamacpp.sh: about 11-15 minutes on two busy cores; test.sh
+The first run builds llama.cpp (scripts/llamacpp.sh: 11 to 26 minutes on two shared cores; test.sh
 builds it before pytest starts); later runs take the cached build and models.
 """
 
