@@ -93,17 +93,26 @@ def gguf_pair(llama_dir: Path) -> GGUFPair:
     """The tiny-llama pair as HF folders (float32 safetensors) and as GGUF f32 files, cached."""
     folder = CACHE_ROOT / "llamacpp-models" / _models_key(llama_dir)
     pair = GGUFPair(folder, folder / "target", folder / "draft", folder / "target-f32.gguf", folder / "draft-f32.gguf")
-    if pair.gguf_target.is_file() and pair.gguf_draft.is_file():
+    if complete(pair):
         return pair
     folder.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(dir=folder.parent, prefix=folder.name + "."))
     try:
         _write_models(stage, llama_dir)
-        shutil.rmtree(folder, ignore_errors=True)
-        stage.rename(folder)
+        if folder.exists() and not complete(pair):  # left half-written by a killed run
+            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            stage.rename(folder)
+        except OSError:  # another test process (pytest -n 2) finished the same models first
+            if not complete(pair):
+                raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return pair
+
+
+def complete(pair: GGUFPair) -> bool:
+    return pair.gguf_target.is_file() and pair.gguf_draft.is_file()
 
 
 def _write_models(stage: Path, llama_dir: Path) -> None:
