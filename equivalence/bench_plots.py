@@ -66,8 +66,9 @@ def throughput_svg(bench: dict[str, Any]) -> str:
                                   value_label=f"{value:.1f}"))
         groups.append(ColumnGroup(f"batch {size}", tuple(columns)))
     legend = [LegendEntry(name, colors[name]) for name in series] + [LegendEntry("ceiling", CEILING_COLOR)]
-    return column_chart_svg(groups, title="Tokens per second by batch size", x_title="batch size",
-                            y_title="tokens/s", legend=legend)
+    per = "CPU second" if bench.get("clock") == "cpu" else "second"
+    return column_chart_svg(groups, title=f"Tokens per {per} by batch size", x_title="batch size",
+                            y_title=f"tokens per {per}", legend=legend)
 
 
 def stages_svg(bench: dict[str, Any]) -> str:
