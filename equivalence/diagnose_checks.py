@@ -122,6 +122,8 @@ def _doubled_at(reference: list[int], output: list[int], position: int) -> int |
     the output agree with the reference further (a doubled token)."""
     if position < 1 or position >= len(output) or output[position] != output[position - 1]:
         return None
+    if position < len(reference) and reference[position] == output[position]:
+        return None  # the tokens agree here (a logit divergence): nothing was doubled
     without = output[:position] + output[position + 1:]
     agree = 0
     for a, b in zip(reference, without):
