@@ -138,6 +138,15 @@ def run_audit(
     write_json(json_path, audit)
     bar = progress(len(config.engines) * len(config.pairs) * len(config.batch_sizes) * len(config.dtypes)) if progress else None
     factories_checked = False
+
+    def record(run: dict[str, Any]) -> None:  # kept at once: a crash or Ctrl-C loses no finished run
+        audit["runs"].append(run)
+        write_json(json_path, audit)
+        if on_run is not None:
+            on_run(run)
+        if bar is not None:
+            bar.update(1)
+
     for dtype in config.dtypes:
         for pair_spec in config.pairs:
             stage = "loading the pair"
@@ -172,14 +181,8 @@ def run_audit(
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # record every run of this pair as failed, go on with the next pair
-                failed = _pair_failure(pair_spec, dtype, config, stage, exc)
-                for run in failed:
-                    audit["runs"].append(run)
-                    write_json(json_path, audit)
-                    if on_run is not None:
-                        on_run(run)
-                    if bar is not None:
-                        bar.update(1)
+                for run in _pair_failure(pair_spec, dtype, config, stage, exc):
+                    record(run)
                 pair = replay = reference = None
                 continue
             audit["config"]["num_prompts"] = len(prompts)
@@ -189,14 +192,8 @@ def run_audit(
                 for batch_size in config.batch_sizes:
                     if bar is not None:
                         bar.set_description(f"{engine_name} {pair.name} B={batch_size} {dtype}")
-                    run = _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
-                                   out_dir / "bundles" if config.bundles else None, adversarial)
-                    audit["runs"].append(run)
-                    write_json(json_path, audit)
-                    if on_run is not None:
-                        on_run(run)
-                    if bar is not None:
-                        bar.update(1)
+                    record(_one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
+                                    out_dir / "bundles" if config.bundles else None, adversarial))
             del pair, replay, reference
     if bar is not None:
         bar.close()
