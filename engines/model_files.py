@@ -100,15 +100,22 @@ def _vocab_size(config: dict[str, Any]) -> int | None:
     return size
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    """Whether a model folder holds a tokenizer. (transformers 5.23's AutoTokenizer builds an empty
+    tokenizer of the config's family from a folder without one; it encodes every text as [].)"""
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def _tokenizer_vocab(path: str | Path, trust_remote_code: bool) -> dict[str, int] | None:
-    folder = Path(path)
-    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
-                                                       "tokenizer.model", "vocab.json")):
+    if not has_tokenizer_files(path):
         return None
     try:
         from transformers import AutoTokenizer
 
-        return dict(AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+        return dict(AutoTokenizer.from_pretrained(str(path), local_files_only=True,
                                                   trust_remote_code=trust_remote_code).get_vocab())
     except Exception:  # an unloadable tokenizer: the pair is still auditable on token ids
         return None

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specaudit.engines.float64 import prepare_float64
 from specaudit.engines.layout import check_supported, layout_info
-from specaudit.engines.model_files import check_model_folder
+from specaudit.engines.model_files import check_model_folder, has_tokenizer_files
 
 # the package data of `specaudit.fixtures` (the repository's `fixtures/`), wherever it is installed
 FIXTURES = resources.files("specaudit.fixtures")
@@ -226,7 +226,8 @@ def load_pair(
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
+        if has_tokenizer_files(target_path):
+            tokenizer = AutoTokenizer.from_pretrained(target_path, local_files_only=True)
     except Exception:  # a pair without a tokenizer is still auditable on token ids
         tokenizer = None
     eos = target.generation_config.eos_token_id if target.generation_config else None

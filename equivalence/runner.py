@@ -24,6 +24,7 @@ import torch
 import transformers
 
 from specaudit.engines import zoo
+from specaudit.engines.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
@@ -151,7 +152,10 @@ def run_audit(
         for pair_spec in config.pairs:
             stage = "loading the pair"
             try:
-                pair = load(pair_spec, dtype, config.device)
+                try:
+                    pair = load(pair_spec, dtype, config.device)
+                except UnsupportedModel as exc:  # an architecture the engines cannot batch: bad usage
+                    raise validate.UsageError(f"{exc}; audit it with the reference or a black-box engine") from exc
                 if not factories_checked:
                     validate.check_factories(config, pair)  # a UsageError here ends the audit before any run
                     factories_checked = True

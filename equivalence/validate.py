@@ -157,7 +157,8 @@ def pair_limits(spec: Any) -> PairLimits:
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(spec.target, local_files_only=True, trust_remote_code=trust)
+        if model_files.has_tokenizer_files(spec.target):
+            tokenizer = AutoTokenizer.from_pretrained(spec.target, local_files_only=True, trust_remote_code=trust)
     except Exception:  # no tokenizer: token-id prompts still work; text prompts get a clear error
         tokenizer = None
     return PairLimits(str(spec.target), vocab, positions, tokenizer)

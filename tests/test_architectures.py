@@ -141,3 +141,23 @@ def test_unsupported_cache_layers_are_refused_in_one_line() -> None:
         EQSpec(model, model, batch_size=2)
     message = str(caught.value)
     assert "\n" not in message and "Qwen3NextForCausalLM" in message
+
+
+def test_unsupported_user_pair_is_a_usage_error_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = AutoConfig.for_model("qwen3_next", **{**COMMON, "num_hidden_layers": 4, "num_experts": 4,
+                                                   "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                                   "linear_num_value_heads": 2, "linear_num_key_heads": 2,
+                                                   "linear_key_head_dim": 8, "linear_value_head_dim": 8})
+    for name in ("target", "draft"):
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+    try:
+        code = cli.main(["audit", "--no-progress", "--engine", "eqspec", "--target", str(tmp_path / "target"),
+                         "--draft", str(tmp_path / "draft"), "--batch-size", "2", "--num-prompts", "2",
+                         "--max-new-tokens", "4", "--no-adversarial", "--out", str(tmp_path / "out")])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if "Qwen3NextForCausalLM" in line]
+    assert len(error_lines) == 1 and "not supported" in error_lines[0]
+    audit_path = tmp_path / "out" / "audit.json"
+    assert not audit_path.exists() or json.loads(audit_path.read_text())["runs"] == []
