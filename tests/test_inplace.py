@@ -116,3 +116,39 @@ def test_compact_right_aligns_the_real_columns_in_order() -> None:
         assert new_valid[b].sum() == n and bool(new_valid[b, new_valid.shape[1] - n:].all())
     assert needs_compaction(valid, counts, 0.0) == (valid.shape[1] > int(counts.max()))
     assert not needs_compaction(valid, counts, 1.0)
+
+
+# INPLACE's own bug classes, planted as line edits of engines/inplace.py (the fault zoo's mechanism).
+# Both must be caught. The diagnosis names the position fault; holes made visible (rejected draft
+# columns attended to) are not yet modelled by its replays, so that one is only required to be caught.
+INPLACE_FAULTS = {
+    "holes-visible": ("attention_mask=torch.cat([valid, queries], dim=1).long(),  # [B, W + q]",
+                      "attention_mask=torch.cat([torch.ones_like(valid), queries], dim=1).long(),", None),
+    "positions-count-holes": ("position_ids=ragged.position_ids(cache_lengths, inputs.shape[1]),  # [B, q]",
+                              "position_ids=ragged.position_ids(torch.full_like(cache_lengths, valid.shape[1]), "
+                              "inputs.shape[1]),",
+                              "position_ids"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(INPLACE_FAULTS))
+def test_planted_inplace_faults_are_caught(fault: str) -> None:
+    from collections import Counter
+
+    from specaudit.equivalence.audit import audit_engine
+    from specaudit.testing.faults.mutation import LineChange, mutant_modules
+
+    old, new, expected_class = INPLACE_FAULTS[fault]
+    module = mutant_modules(f"inplace_{fault.replace('-', '_')}",
+                            (LineChange("specaudit.engines.inplace", old, new),))["specaudit.engines.inplace"]
+    pair = models.pair("tiny-llama")
+    prompts = [list(p) for p in models.prompts()[:6]]
+    engine = module.InplaceEngine(pair.target, pair.draft, batch_size=3, draft_tokens=3,
+                                  pad_token_id=pair.pad_token_id, record_logits=True)
+    run = audit_engine(engine, pair, prompts, max_new_tokens=10, eos_token_id=pair.eos_token_id, dtype="float64",
+                       engine_name=f"inplace-{fault}", batch_size=3)
+    structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+    assert len(structural) >= 3, f"{fault}: the audit found {len(structural)} structural divergences"
+    if expected_class is not None:
+        classes = Counter(d["diagnosis"]["class"] for d in structural)
+        assert classes.most_common(1)[0][0] == expected_class, f"{fault}: diagnosed as {dict(classes)}"
