@@ -14,9 +14,12 @@ from typing import Any
 
 from specaudit.equivalence import cli_blackbox
 from specaudit.equivalence import cli_bench
+from specaudit.equivalence.cli_args import DTYPE_CHOICES
+from specaudit.equivalence.cli_args import dtype as _dtype
+from specaudit.equivalence.cli_args import engine_option as _option
+from specaudit.equivalence.cli_args import positive as _positive
 
 EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_USAGE = 0, 1, 2
-DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -37,16 +40,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number: give one of at least 1") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{number} is too small: give a whole number of at least 1")
-    return number
-
-
 def _seconds(value: str) -> float:
     try:
         number = float(value)
@@ -55,22 +48,6 @@ def _seconds(value: str) -> float:
     if not number > 0:
         raise argparse.ArgumentTypeError(f"{value} is not positive: give a number of seconds above 0")
     return number
-
-
-def _dtype(value: str) -> str:
-    if value not in DTYPE_CHOICES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: use one of {', '.join(DTYPE_CHOICES)}")
-    return value
-
-
-def _option(value: str) -> tuple[str, Any]:
-    key, sep, raw = value.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
-    try:
-        return key.replace("-", "_"), json.loads(raw)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), raw
 
 
 def _token_id(value: str) -> int:

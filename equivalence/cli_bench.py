@@ -9,16 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.engines.bench_pair import DEFAULT_ACCEPTANCE
-
-DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
-
-
-def _positive(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
+from specaudit.equivalence.cli_args import DTYPE_CHOICES
+from specaudit.equivalence.cli_args import dtype as _dtype
+from specaudit.equivalence.cli_args import engine_option as _option
+from specaudit.equivalence.cli_args import positive as _positive
 
 def _count(value: str) -> int:
     number = int(value)
@@ -34,16 +28,6 @@ def _acceptance(value: str) -> float | None:
     if not 0.0 <= rate <= 1.0:
         raise argparse.ArgumentTypeError(f"must be within [0, 1] or 'draft', got {value}")
     return rate
-
-
-def _option(value: str) -> tuple[str, Any]:
-    key, sep, raw = value.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
-    try:
-        return key.replace("-", "_"), json.loads(raw)
-    except json.JSONDecodeError:
-        return key.replace("-", "_"), raw
 
 
 def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
@@ -90,7 +74,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
     how.add_argument("--repeats", type=_positive, default=3, metavar="R", help="timed runs per engine and batch size")
     how.add_argument("--warmup", type=_count, default=1, metavar="W",
                      help="untimed runs first (on the first batch, at most 8 tokens)")
-    how.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="model dtype")
+    how.add_argument("--dtype", type=_dtype, default="float32", metavar="DTYPE", help=f"model dtype ({', '.join(DTYPE_CHOICES)})")
     how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     how.add_argument("--seed", type=int, default=0, help="seed of the calibrated drafter's generator")
     how.add_argument("--clock", choices=["wall", "cpu"], default="wall",

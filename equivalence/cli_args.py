@@ -1,0 +1,36 @@
+"""Argument types shared by the `specaudit` subcommands: each failure is one line naming the fix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
+
+
+def positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number: give one of at least 1") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{number} is too small: give a whole number of at least 1")
+    return number
+
+
+def dtype(value: str) -> str:
+    if value not in DTYPE_CHOICES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: use one of {', '.join(DTYPE_CHOICES)}")
+    return value
+
+
+def engine_option(value: str) -> tuple[str, Any]:
+    """`KEY=VALUE` for an engine factory: the value as JSON when it parses, else the plain string."""
+    key, sep, raw = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    try:
+        return key.replace("-", "_"), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), raw
