@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import layout, ragged
+from specaudit.engines import ragged
+from specaudit.engines.models import layout
 
 
 @dataclass

@@ -67,7 +67,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import layout, ragged
+from specaudit.engines import ragged
+from specaudit.engines.models import layout
 from specaudit.engines.batch import BatchState
 from specaudit.engines.drafters import Drafter, ModelDrafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.equivalence.runner import AuditConfig, UserPair, exit_status, run_audit, summary_table
 
 
@@ -97,7 +97,7 @@ def audit(
     `adversarial=False` leaves out the adversarial prompts added to every pair's prompts by default;
     `pad_token_id` is the pad id the pair declares to the engines (default: the pair's own).
     Recordings and servers (`recorded:FILE`, `llamacpp:URL`, ...) need only `target` (or a pair);
-    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox.py)."""
+    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py)."""
     engine_names = [engines] if isinstance(engines, str) else list(engines)
     pair_specs: list[str | UserPair] = list(pairs)
     from specaudit.engines.registry import black_box_prefix
@@ -118,7 +118,7 @@ def audit(
     if out is None:
         with tempfile.TemporaryDirectory() as scratch:
             return AuditReport(run_audit(config, Path(scratch)))
-    from specaudit.equivalence.report import write_reports
+    from specaudit.equivalence.reports.markdown import write_reports
 
     out_dir = Path(out)
     data = run_audit(config, out_dir)

@@ -14,9 +14,10 @@ from transformers import PreTrainedModel
 
 from specaudit.engines.reference import ReferenceDecoder
 from specaudit.engines.trace import Trace
-from specaudit.engines.zoo import ModelPair
-from specaudit.equivalence import attribute, blackbox
-from specaudit.equivalence.diagnose import Diagnoser
+from specaudit.engines.models.zoo import ModelPair
+from specaudit.equivalence import attribute
+from specaudit.equivalence.blackbox import rulings as blackbox
+from specaudit.equivalence.diagnosis.core import Diagnoser
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
 
@@ -63,7 +64,7 @@ def _divergence(
     if replay_target is not None:
         # the float64 target on the common prefix: prompt + the tokens both agree on
         replay = replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
-    if band is not None:  # a black-box engine: ruled against its noise band (equivalence/blackbox.py)
+    if band is not None:  # a black-box engine: ruled against its noise band (equivalence/blackbox/rulings.py)
         at_split = replay if replay is not None else (
             reference.logits[index][position] if reference.logits[index] is not None
             and position < reference.logits[index].shape[0] else None)
@@ -126,8 +127,8 @@ def audit_engine(
 
     A black-box engine (`engine.black_box`: recordings, live servers) is ruled against a noise band
     declared by `engine_dtype` / `logit_tolerance` or measured from its log-probabilities
-    (`equivalence/blackbox.py`). With `bundle_dir`, every divergence is also written there as a
-    self-contained repro bundle (`equivalence/bundles.py`).
+    (`equivalence/blackbox/rulings.py`). With `bundle_dir`, every divergence is also written there as a
+    self-contained repro bundle (`equivalence/blackbox/bundles.py`).
 
     `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
     pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
@@ -188,7 +189,7 @@ def audit_engine(
             divergences.append(draft_divergence(index, mismatch, trace))
 
     if any(d["kind"] == "structural" for d in divergences):
-        # name the bug of every structural divergence (equivalence/diagnose.py); `rerun(indices,
+        # name the bug of every structural divergence (equivalence/diagnosis/core.py); `rerun(indices,
         # pad_token_id)` runs a fresh engine for its experiments (default: this engine again)
         diagnoser = Diagnoser(
             prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs],
@@ -225,7 +226,7 @@ def audit_engine(
         "engine_description": describe() if callable(describe) else None,
     }
     if bundle_dir is not None and divergences:
-        from specaudit.equivalence.bundles import write_bundles
+        from specaudit.equivalence.blackbox.bundles import write_bundles
 
         write_bundles(bundle_dir, run_record, prompts, reference.outputs, outputs, engine_logprobs,
                       max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.equivalence.errors import DataError
 
 BUILTIN_NAME = "the built-in prompt set"

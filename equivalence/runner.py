@@ -23,8 +23,8 @@ from typing import Any, Callable
 import torch
 import transformers
 
-from specaudit.engines import zoo
-from specaudit.engines.layout import UnsupportedModel
+from specaudit.engines.models import zoo
+from specaudit.engines.models.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
@@ -58,7 +58,7 @@ class AuditConfig:
     eos_token_id: int | None | str = "pair"  # "pair": the pair's own EOS; None: never stop early
     engine_options: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = 3600.0  # seconds per run; a run past it is recorded as failed
-    # black-box engines (recordings, servers): a declared noise band (equivalence/blackbox.py)
+    # black-box engines (recordings, servers): a declared noise band (equivalence/blackbox/rulings.py)
     engine_dtype: str | None = None
     logit_tolerance: float | None = None
     bundles: bool = True  # write OUT/bundles/*.json, one repro bundle per divergence

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from specaudit.engines import model_files, zoo
+from specaudit.engines.models import model_files
+from specaudit.engines.models import zoo
 from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, black_box_prefix, make_engine, resolve
 from specaudit.equivalence.errors import ModelError, UsageError, one_line
 from specaudit.equivalence.prompts import check_ids, load_prompts

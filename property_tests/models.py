@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.reference import ReferenceDecoder
 
 MAX_NEW_TOKENS = 24

@@ -22,7 +22,7 @@ from hypothesis.control import currently_in_test_context
 
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
-from specaudit.engines.zoo import ModelPair
+from specaudit.engines.models.zoo import ModelPair
 from specaudit.testing import models
 from specaudit.testing.strategies import DecodingCase, EosChoice
 

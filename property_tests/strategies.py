@@ -31,7 +31,7 @@ PROMPT_STYLES = ("synthetic", "builtin", "mixed")
 
 
 def builtin_pair_names() -> list[str]:
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     return zoo.builtin_pair_names()
 

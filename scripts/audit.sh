@@ -19,7 +19,7 @@ if [ "${1:-}" = "--full" ]; then
     shift
     batch_sizes=(1 4 16)
     pairs=()
-    for name in $("${PYTHON:-python3}" -c "from specaudit.engines.zoo import builtin_pair_names as n; print(*n())"); do
+    for name in $("${PYTHON:-python3}" -c "from specaudit.engines.models.zoo import builtin_pair_names as n; print(*n())"); do
         pairs+=(--pair "$name")
     done
 fi

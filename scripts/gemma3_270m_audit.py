@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specaudit.equivalence.report import write_reports
+from specaudit.equivalence.reports.markdown import write_reports
 from specaudit.equivalence.runner import AuditConfig, UserPair, exit_status, run_audit, summary_table
 
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from specaudit.equivalence.cli import main
+from specaudit.cli import main
 
 sys.exit(main())

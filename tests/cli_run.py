@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specaudit.equivalence.cli import main
+from specaudit.cli import main
 
 
 @dataclass

@@ -70,7 +70,7 @@ def _models_key(llama_dir: Path) -> str:
     import torch
     import transformers
 
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     digest = hashlib.sha256()
     for part in (MODELS_FORMAT, (zoo.PAIR_DIR / f"{PAIR_NAME}.json").read_text(), json.dumps(byte_tokenizer_files()),
@@ -118,7 +118,7 @@ def complete(pair: GGUFPair) -> bool:
 def _write_models(stage: Path, llama_dir: Path) -> None:
     import torch
 
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     target, draft, _spec = zoo.build_builtin_pair(PAIR_NAME)  # float64, seeded
     for role, model in (("target", target), ("draft", draft)):

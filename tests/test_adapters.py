@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.adapters.bsp import BSPEngine
 from specaudit.engines.adapters.dsd import DSDEngine
 from specaudit.engines.adapters.hf_assisted import HFAssisted

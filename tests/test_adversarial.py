@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import specaudit
-from specaudit.engines.zoo import builtin_pair_names
+from specaudit.engines.models.zoo import builtin_pair_names
 from specaudit.equivalence.adversarial import adversarial_prompts
 
 CORRECT_ENGINES = ["reference", "eqspec", "exspec", "hf-batched"]

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specaudit.engines.eqspec import EQSpec
-from specaudit.engines.layout import UnsupportedModel
-from specaudit.equivalence import cli
+from specaudit.engines.models.layout import UnsupportedModel
+from specaudit import cli
 
 WINDOW = 6
 PROMPT_LENGTHS = [3, 9, 1, 14, 6]

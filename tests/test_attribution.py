@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.eqspec import EQSpec
 from specaudit.equivalence.attribute import classify, dtype_noise
 from specaudit.equivalence.audit import audit_engine

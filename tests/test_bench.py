@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specaudit.engines import bench_pair
-from specaudit.engines.bench_pair import CalibratedChooser, CalibratedDrafter, expected_tokens_per_step
+from specaudit.engines.models import bench_pair
+from specaudit.engines.models.bench_pair import CalibratedChooser, CalibratedDrafter, expected_tokens_per_step
 from specaudit.engines.eqspec import EQSpec
 from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
-from specaudit.equivalence.bench import BenchConfig, run_bench, run_plan
-from specaudit.equivalence.bench_report import _ceiling
-from specaudit.equivalence.cli import main
+from specaudit.bench.run import BenchConfig, run_bench, run_plan
+from specaudit.bench.report import _ceiling
+from specaudit.cli import main
 from specaudit.testing import models
 
 PAIR = "tiny-llama"

@@ -1,4 +1,4 @@
-"""Rulings for black-box engines of another precision (equivalence/blackbox.py).
+"""Rulings for black-box engines of another precision (equivalence/blackbox/rulings.py).
 
 A fake llama.cpp server serves tiny-llama's float64 greedy outputs, except that on one prompt it
 takes the reference's runner-up at the position where the reference's top-2 margin is smallest (a
@@ -14,10 +14,10 @@ import pytest
 import torch
 from fake_server import FakeServer
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.registry import make_engine
-from specaudit.equivalence import blackbox
+from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.compare import replay_logits
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specaudit.equivalence.cli import main
+from specaudit.cli import main
 
 TESTS = Path(__file__).resolve().parent
 RUN_FIELDS = {"engine", "pair", "batch_size", "dtype", "device", "num_prompts", "exact_matches", "max_logit_error", "divergences"}
@@ -41,7 +41,7 @@ def specaudit(*args: str, out: Path | None = None) -> Result:
 
 def test_console_script_runs() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "specaudit.equivalence.cli", "audit", "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "specaudit.cli", "audit", "--help"], capture_output=True,
                             text=True, env=env, timeout=300)
     assert result.returncode == 0
     for option in ("--engine", "--pair", "--batch-size", "--dtype", "--device", "--prompts", "--num-prompts",

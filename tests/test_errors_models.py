@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cli_run import audit, cli, usage_error
-from specaudit.engines import model_files, zoo
+from specaudit.engines.models import model_files
+from specaudit.engines.models import zoo
 
 
 def _folder(path: Path, config: dict | None = None, weights: str | None = "model.safetensors") -> Path:

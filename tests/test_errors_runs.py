@@ -188,7 +188,7 @@ def test_real_ctrl_c_while_an_engine_runs_keeps_the_finished_runs(tmp_path: Path
     tests = str(Path(__file__).resolve().parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
-        [sys.executable, "-m", "specaudit.equivalence.cli", "audit", "--no-progress", "--engine", "eqspec",
+        [sys.executable, "-m", "specaudit.cli", "audit", "--no-progress", "--engine", "eqspec",
          "--engine", "failing_engines:make_hanging", "--pair", "tiny-gpt2", "--batch-size", "2", *SMALL,
          "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -222,7 +222,7 @@ def test_token_ids_out_of_range_or_not_integers(tmp_path: Path, ids, fragments) 
 
 def test_prompt_plus_new_tokens_beyond_positions(tmp_path: Path) -> None:
     # tiny-gpt2 learns absolute positions: a longer sequence has no position embedding at all
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     positions = zoo.build_builtin_pair("tiny-gpt2")[0].config.max_position_embeddings
     path = _prompts(tmp_path, '{"input_ids": [1]}', json.dumps({"input_ids": [65] * (positions - 10)}))

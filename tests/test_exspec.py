@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.drafters import ModelDrafter, ScriptedDrafter
 from specaudit.engines.exspec import EXSpec, ExspecPool, stack_cache, unstack_cache
 from specaudit.engines.registry import make_engine

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specaudit
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.adapters.hf_continuous import HFContinuous
 from specaudit.engines.reference import greedy_decode
 

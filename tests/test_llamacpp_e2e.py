@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 import llamacpp_models as lm
-from specaudit.equivalence import cli
+from specaudit import cli
 
 NUM_PROMPTS = 8  # built-in prompts; the audit adds its adversarial ones (up to 2100 tokens)
 MAX_NEW_TOKENS = 32

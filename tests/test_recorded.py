@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.adapters.recorded import RecordedEngine, RecordingError, read_recording, write_recording
 from specaudit.engines.reference import ReferenceDecoder
-from specaudit.equivalence.cli import main
+from specaudit.cli import main
 
 MAX_NEW = 48
 NUM_PROMPTS = 4
@@ -174,7 +174,7 @@ def test_target_alone_is_enough_for_a_recording(recordings, tmp_path):
 def test_bundles_of_a_built_in_engine_replay(tmp_path):
     from specaudit.engines.registry import make_engine
     from specaudit.equivalence.audit import audit_engine
-    from specaudit.equivalence.bundles import read_bundle, replay_bundle
+    from specaudit.equivalence.blackbox.bundles import read_bundle, replay_bundle
 
     pair = zoo.load_pair("tiny-llama")
     prompts = zoo.builtin_prompts()[:2]

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from specaudit.equivalence.plots import NUMERICAL_COLOR, STRUCTURAL_COLOR, series_color
-from specaudit.equivalence.report import render_markdown, write_reports
-from specaudit.equivalence.report_summary import run_status, verdict
+from specaudit.equivalence.reports.charts import NUMERICAL_COLOR, STRUCTURAL_COLOR, series_color
+from specaudit.equivalence.reports.markdown import render_markdown, write_reports
+from specaudit.equivalence.reports.summary import run_status, verdict
 
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")

@@ -274,7 +274,7 @@ def run_cli(*argv: str) -> int:
     import contextlib
     import io
 
-    from specaudit.equivalence.cli import main
+    from specaudit.cli import main
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return main(list(argv))
@@ -283,7 +283,7 @@ def run_cli(*argv: str) -> int:
 def test_audit_of_a_server_end_to_end(tmp_path):
     import json
 
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     pair = zoo.load_pair("tiny-llama")
     for corrupt, expected in ((False, 0), (True, 1)):
@@ -303,7 +303,7 @@ def test_audit_of_a_server_end_to_end(tmp_path):
 
 
 def test_record_two_runs_and_diff_them(tmp_path):
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
     from specaudit.engines.adapters.recorded import read_recording
 
     pair = zoo.load_pair("tiny-llama")

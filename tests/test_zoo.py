@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specaudit.engines import zoo
-from specaudit.equivalence.cli import main
+from specaudit.engines.models import zoo
+from specaudit.cli import main
 from specaudit.testing.models import pair, prompts
 
 

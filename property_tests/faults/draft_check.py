@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from specaudit.engines.reference import greedy_decode
-from specaudit.engines.zoo import ModelPair
+from specaudit.engines.models.zoo import ModelPair
 from specaudit.testing import models
 from specaudit.testing.properties import DEFAULT_ORACLE, ReferenceOracle, build_engine, pair_key, resolve_eos
 from specaudit.testing.strategies import DecodingCase

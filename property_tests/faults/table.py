@@ -33,7 +33,7 @@ classified the minimal case. The two draft-cache faults cannot change any output
 decides every token); the hunt finds them with the draft-proposal check, which compares every
 proposal with the draft model's own greedy continuation of the row, and the audit reports their
 minimal case through its draft-fidelity check (`detected_by: draft`). "Diagnosed as" is the class
-the audit's diagnosis gives the minimal example (`equivalence/diagnose.py`); the class each fault
+the audit's diagnosis gives the minimal example (`equivalence/diagnosis/core.py`); the class each fault
 must get is in `property_tests/faults/classes.py`.
 
 Minimal example: prompts (batch size), longest prompt, new tokens, draft tokens k.

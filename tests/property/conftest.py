@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.testing.profiles import load_profile
 
 # tiny models: one thread per process is fastest, and xdist runs one process per core

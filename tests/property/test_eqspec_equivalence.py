@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
-from specaudit.engines import zoo
+from specaudit.engines.models import zoo
 from specaudit.engines.eqspec import EQSpec
 from specaudit.testing import models
 from specaudit.testing import strategies as sst

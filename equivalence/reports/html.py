@@ -5,9 +5,9 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from specaudit.equivalence.plots import acceptance_svg, divergence_position_svg, equivalence_rate_svg
-from specaudit.equivalence.report_diagnosis import adversarial_case, adversarial_note, class_lines
-from specaudit.equivalence.report_summary import (
+from specaudit.equivalence.reports.charts import acceptance_svg, divergence_position_svg, equivalence_rate_svg
+from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines
+from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
     acceptance_rate,

@@ -1,7 +1,7 @@
 """Command line for black-box engines: the audit's noise-band options, `specaudit diff` and
 `specaudit replay`.
 
-`specaudit record` (equivalence/cli_record.py) writes a live server's outputs as a recording.
+`specaudit record` (equivalence/cli/record.py) writes a live server's outputs as a recording.
 
 Exit status: `diff` 0 when the two recordings are identical on every prompt (and hold the same
 prompts), 1 when not, 2 on bad usage. `replay` 0 when the bundle's divergence no longer reproduces
@@ -61,7 +61,7 @@ def _add_target_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(commands: Any, formatter: type) -> None:
-    from specaudit.equivalence import cli_record
+    from specaudit.equivalence.cli import record as cli_record
 
     diff = commands.add_parser(
         "diff", formatter_class=formatter, help="compare two recordings of the same prompts token by token",
@@ -95,7 +95,7 @@ def add_parsers(commands: Any, formatter: type) -> None:
 
 
 def _load_target(args: argparse.Namespace, dtype: str) -> Any:
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     if bool(args.pair) == bool(args.target):
         raise ValueError("give the reference as --pair P or --target PATH (one of them)")
@@ -116,7 +116,7 @@ def _eos(value: str, pair: Any) -> int | None:
 def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "record":
-            from specaudit.equivalence import cli_record
+            from specaudit.equivalence.cli import record as cli_record
 
             return cli_record.run(args)
         return run_diff(args) if args.command == "diff" else run_replay(args)
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_diff(args: argparse.Namespace) -> int:
     from specaudit.engines.adapters.recorded import read_recording
-    from specaudit.equivalence.diff import diff_recordings, rule_against_reference
+    from specaudit.equivalence.blackbox.diff import diff_recordings, rule_against_reference
 
     a, b = read_recording(args.a), read_recording(args.b)
     diffs, compared = diff_recordings(a, b)
@@ -163,7 +163,7 @@ def run_diff(args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from specaudit.equivalence.bundles import read_bundle, replay_bundle
+    from specaudit.equivalence.blackbox.bundles import read_bundle, replay_bundle
 
     bundle = read_bundle(args.bundle)
     dtype = args.dtype or bundle["settings"]["dtype"]

@@ -1,4 +1,4 @@
-"""`specaudit`: audit batched speculative decoding engines against greedy decoding.
+"""`specaudit audit`, `specaudit pairs` and `specaudit engines`: their parsers and what they run.
 
 Exit status of `specaudit audit`: 0 when every audited engine is equivalent, 1 when any run has a
 structural divergence (or its engine failed), 2 on bad usage.
@@ -12,33 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specaudit.equivalence import cli_blackbox
-from specaudit.equivalence import cli_bench
-from specaudit.equivalence.cli_args import DTYPE_CHOICES
-from specaudit.equivalence.cli_args import dtype as _dtype
-from specaudit.equivalence.cli_args import engine_option as _option
-from specaudit.equivalence.cli_args import positive as _positive
-
-EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_USAGE = 0, 1, 2
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows a default only where there is one worth showing."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default in (None, False, [], argparse.SUPPRESS):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line (problem and fix), exit status 2; no usage dump, no traceback."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        from specaudit.equivalence.errors import one_line
-
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
-
+from specaudit.equivalence.cli import blackbox as cli_blackbox
+from specaudit.equivalence.cli.args import DTYPE_CHOICES, EXIT_EQUIVALENT, EXIT_USAGE
+from specaudit.equivalence.cli.args import dtype as _dtype
+from specaudit.equivalence.cli.args import engine_option as _option
+from specaudit.equivalence.cli.args import positive as _positive
 
 def _seconds(value: str) -> float:
     try:
@@ -69,18 +47,13 @@ def _eos(value: str) -> int | None | str:
         raise argparse.ArgumentTypeError(f"{value!r}: give a token id, pair (the pair's own EOS) or none") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
+    """`audit`, `pairs` and `engines` on the `specaudit` parser's subcommands."""
     from specaudit.engines.registry import BUILTIN_ENGINES
-    from specaudit.engines.zoo import builtin_pair_names
-
-    from specaudit import __version__
-
-    parser = _Parser(prog="specaudit", description=__doc__, formatter_class=_Formatter)
-    parser.add_argument("--version", action="version", version=f"specaudit {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from specaudit.engines.models.zoo import builtin_pair_names
 
     audit = commands.add_parser(
-        "audit", formatter_class=_Formatter,
+        "audit", formatter_class=formatter,
         help="audit engines for output equivalence with greedy decoding",
         description="Run each engine on each model pair, batch size and dtype; compare every token (and, in "
                     "float64, every logit) with plain greedy decoding of one prompt at a time; attribute each "
@@ -136,19 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    pairs = commands.add_parser("pairs", help="list the built-in model pairs", formatter_class=_Formatter)
+    pairs = commands.add_parser("pairs", help="list the built-in model pairs", formatter_class=formatter)
     pairs.add_argument("--acceptance", action="store_true",
                        help="also measure each pair's per-token acceptance on the built-in prompts (float64)")
     pairs.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N",
                        help="continuation length for --acceptance")
     commands.add_parser("engines", help="list the built-in engines")
-    cli_blackbox.add_parsers(commands, _Formatter)
-    cli_bench.add_parser(commands, _Formatter)
-    return parser
 
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    from specaudit.engines.zoo import builtin_pair_names
+    from specaudit.engines.models.zoo import builtin_pair_names
     from specaudit.equivalence.runner import AuditConfig, UserPair
 
     from specaudit.engines.registry import black_box_prefix
@@ -221,14 +191,14 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
 
 def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:
-    from specaudit.equivalence.report import write_reports
+    from specaudit.equivalence.reports.markdown import write_reports
 
     return list(write_reports(audit, out).values())
 
 
-def _usage_errors_as_one_line(command: str, run: Any) -> int:
+def usage_errors_as_one_line(command: str, run: Any) -> int:
     """`run()`, with bad input it finds (a model folder, an engine name, a usage error) as one line, exit 2."""
-    from specaudit.engines.model_files import ModelFolderError
+    from specaudit.engines.models.model_files import ModelFolderError
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
 
@@ -239,17 +209,11 @@ def _usage_errors_as_one_line(command: str, run: Any) -> int:
         return EXIT_USAGE
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "audit":
         return run_audit_command(args, parser)
-    if args.command in cli_blackbox.COMMANDS:
-        return cli_blackbox.run(args)
-    if args.command == "bench":
-        return _usage_errors_as_one_line("bench", lambda: cli_bench.run(args, parser))
     if args.command == "pairs":
-        from specaudit.engines import zoo
+        from specaudit.engines.models import zoo
 
         for name in zoo.builtin_pair_names():
             if not args.acceptance:
@@ -259,14 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = zoo.measure_acceptance(pair, zoo.builtin_prompts(), args.max_new_tokens)
             print(f"{name:<16} {pair.info['family']:<10} acceptance {rate:.1%}", flush=True)
         return 0
-    if args.command == "engines":
-        from specaudit.engines.registry import BUILTIN_ENGINES
+    from specaudit.engines.registry import BUILTIN_ENGINES  # "engines"
 
-        print("\n".join(f"{name:<12} {path}" for name, path in BUILTIN_ENGINES.items()))
-        return 0
-    parser.print_help()
-    return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print("\n".join(f"{name:<12} {path}" for name, path in BUILTIN_ENGINES.items()))
+    return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specaudit.engines.bench_pair import expected_tokens_per_step
+from specaudit.engines.models.bench_pair import expected_tokens_per_step
 
 SPECULATIVE_STAGE = "realign"
 

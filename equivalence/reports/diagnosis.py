@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specaudit.equivalence.diagnose import CLASSES, FIXES
+from specaudit.equivalence.diagnosis.core import CLASSES, FIXES
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ prompt that appears more than once); a prompt found in only one of them is repor
 
 With a target (`--pair P` or `--target PATH`), each prompt where A and B differ is also decoded by
 the reference, and each recording's first divergence from it is ruled as the audit rules a
-black-box engine (`equivalence/blackbox.py`): the band declared with `--engine-dtype` /
+black-box engine (`equivalence/blackbox/rulings.py`): the band declared with `--engine-dtype` /
 `--logit-tolerance`, else measured from that recording's own log-probabilities, else the reference
 dtype's own noise.
 """
@@ -72,7 +72,7 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
     """Decode each differing prompt with the reference and rule each recording's first divergence
     from it. Returns the bands used, per recording."""
     from specaudit.engines.reference import ReferenceDecoder
-    from specaudit.equivalence import blackbox
+    from specaudit.equivalence.blackbox import rulings as blackbox
 
     differing = [d for d in diffs if d.position is not None and d.missing_from is None]
     matched = {index: (line_a, line_b) for index, line_a, line_b in pair_lines(a, b)[0]}

@@ -45,7 +45,7 @@ def add_parser(commands: Any, formatter: type) -> None:
 
 
 def _tokenizer(args: argparse.Namespace) -> tuple[Any | None, int | None]:
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     if args.pair and args.tokenizer:
         raise ValueError("give --pair or --tokenizer, not both")

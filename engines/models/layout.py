@@ -14,7 +14,7 @@ transformers builds for them). Anything else (linear attention or state-space la
 attention, layers that share another layer's cache) is refused before any run by
 `check_supported`, with one line naming the architecture and what is missing.
 
-Float64 switches (eager experts, a float64 softmax) are in `engines/float64.py`.
+Float64 switches (eager experts, a float64 softmax) are in `engines/models/float64.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`specaudit bench`: the parser and the runner (`equivalence/bench.py` does the measuring)."""
+"""`specaudit bench`: the parser and the runner (`bench/run.py` does the measuring)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specaudit.engines.bench_pair import DEFAULT_ACCEPTANCE
-from specaudit.equivalence.cli_args import DTYPE_CHOICES
-from specaudit.equivalence.cli_args import dtype as _dtype
-from specaudit.equivalence.cli_args import engine_option as _option
-from specaudit.equivalence.cli_args import positive as _positive
+from specaudit.engines.models.bench_pair import DEFAULT_ACCEPTANCE
+from specaudit.equivalence.cli.args import DTYPE_CHOICES
+from specaudit.equivalence.cli.args import dtype as _dtype
+from specaudit.equivalence.cli.args import engine_option as _option
+from specaudit.equivalence.cli.args import positive as _positive
 
 def _count(value: str) -> int:
     number = int(value)
@@ -87,10 +87,10 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specaudit.engines.registry import EngineSpecError, resolve
-    from specaudit.engines.zoo import builtin_pair_names
-    from specaudit.equivalence.bench import BenchConfig, run_bench
-    from specaudit.equivalence.bench_plots import write_plots
-    from specaudit.equivalence.bench_report import markdown
+    from specaudit.engines.models.zoo import builtin_pair_names
+    from specaudit.bench.run import BenchConfig, run_bench
+    from specaudit.bench.charts import write_plots
+    from specaudit.bench.report import markdown
     from specaudit.equivalence.prompts import PromptError
 
     for name in args.engine:

@@ -91,7 +91,8 @@ def replay_bundle(bundle: dict[str, Any], target: Any, replay_target: Any | None
     """Re-check one bundle against `target` (a loaded model; `replay_target` its float64 copy when
     `target` is not float64). Returns `{"kind", "exit_status", "message", ...}`."""
     from specaudit.engines.reference import ReferenceDecoder
-    from specaudit.equivalence import attribute, blackbox
+    from specaudit.equivalence import attribute
+    from specaudit.equivalence.blackbox import rulings as blackbox
     from specaudit.equivalence.compare import compare_tokens, replay_logits
 
     settings = bundle["settings"]

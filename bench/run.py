@@ -53,10 +53,11 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.engines import bench_pair, zoo
+from specaudit.engines.models import bench_pair
+from specaudit.engines.models import zoo
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
-from specaudit.equivalence.bench_costs import PeakMemory, pass_costs, sync as _sync
+from specaudit.bench.costs import PeakMemory, pass_costs, sync as _sync
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.runner import machine_info, write_json
 
@@ -235,12 +236,14 @@ def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict
 def _load_pair(config: BenchConfig) -> zoo.ModelPair:
     if config.target:
         return zoo.load_pair(target_path=config.target, draft_path=config.draft, dtype=config.dtype, device=config.device)
+    if config.pair == "bench":  # the shape-realistic pair of `specaudit bench`
+        return bench_pair.load_bench_pair(config.dtype, config.device)
     return zoo.load_pair(config.pair, dtype=config.dtype, device=config.device)
 
 
 def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every run of `run_plan(config)`, with the pass costs of each batch size; writes bench.json."""
-    from specaudit.equivalence.bench_report import summarise
+    from specaudit.bench.report import summarise
 
     say = log or (lambda message: None)
     if config.clock not in ("wall", "cpu"):

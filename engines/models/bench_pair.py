@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.batch import BatchState
 from specaudit.engines.eqspec import Clock
+from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 from specaudit.engines.reference import greedy_decode
 
 BENCH_VOCAB_SIZE = 32_000
@@ -52,8 +53,6 @@ DEFAULT_ACCEPTANCE = 0.8  # per-token; near the draft/target agreement the paper
 
 
 def bench_config(shape: dict[str, Any]) -> Qwen3Config:
-    from specaudit.engines.zoo import ByteTokenizer
-
     return Qwen3Config(
         vocab_size=BENCH_VOCAB_SIZE, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
         pad_token_id=ByteTokenizer.pad_token_id, bos_token_id=ByteTokenizer.bos_token_id,
@@ -73,20 +72,13 @@ def _seeded_model(shape: dict[str, Any], seed: int, dtype: torch.dtype) -> PreTr
 
 
 def load_bench_pair(dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """The `bench` pair as a `zoo.ModelPair` on `device` in `dtype` (built in float32, then cast)."""
-    from specaudit.engines import zoo
-
-    torch_dtype = zoo.DTYPES[dtype] if isinstance(dtype, str) else dtype
+    """The `bench` pair as a `ModelPair` on `device` in `dtype` (built in float32, then cast)."""
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     target = _seeded_model(TARGET_SHAPE, BENCH_SEED, torch.float32)
     draft = _seeded_model(DRAFT_SHAPE, BENCH_SEED + 1, torch.float32)
-    tok = zoo.ByteTokenizer()
-    models = []
-    for model in (target, draft):
-        model = model.to(device=device, dtype=torch_dtype)
-        model.eval()
-        model.requires_grad_(False)
-        models.append(model)
-    return zoo.ModelPair(
+    tok = ByteTokenizer()
+    models = [prepare_model(model, torch_dtype, device) for model in (target, draft)]
+    return ModelPair(
         name="bench", target=models[0], draft=models[1], tokenizer=tok, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         info={"family": "qwen3", "seed": BENCH_SEED,

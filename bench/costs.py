@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged, zoo
+from specaudit.engines import ragged
+from specaudit.engines.models import zoo
 
 
 # ---- memory ------------------------------------------------------------------------------------

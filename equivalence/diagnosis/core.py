@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.equivalence import diagnose_checks as checks
-from specaudit.equivalence.diagnose_checks import Finding
-from specaudit.equivalence.diagnose_replay import explain
+from specaudit.equivalence.diagnosis import checks
+from specaudit.equivalence.diagnosis.checks import Finding
+from specaudit.equivalence.diagnosis.replay import explain
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "unknown")

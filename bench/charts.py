@@ -1,4 +1,4 @@
-"""The plots of `specaudit bench`, as standalone SVG files in the style of `equivalence/plots.py`.
+"""The plots of `specaudit bench`, as standalone SVG files in the style of `equivalence/reports/charts.py`.
 
 `write_plots(bench, out_dir)` writes `throughput.svg` (tokens/s per engine, grouped by batch size,
 with the ceiling: plain decoding's tokens/s times the best speedup, per k), `stages.svg` (each
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from specaudit.equivalence.plots import Column, ColumnGroup, LegendEntry, Segment, column_chart_svg, percent, series_color
+from specaudit.equivalence.reports.charts import Column, ColumnGroup, LegendEntry, Segment, column_chart_svg, percent, series_color
 
 STYLE = ("<style>svg.chart{font-family:system-ui,sans-serif;background:#fff}svg.chart text{fill:#444c56;font-size:11px}"
          "svg.chart .legend{font-size:12px}svg.chart .value{font-size:10px;fill:#24292f}"

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specaudit.equivalence.report_diagnosis import adversarial_case, adversarial_note, class_lines
-from specaudit.equivalence.report_html import render_html
-from specaudit.equivalence.report_summary import (
+from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines
+from specaudit.equivalence.reports.html import render_html
+from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
     acceptance_rate,
@@ -113,7 +113,7 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
 
 
 def _float64_switches(runs: list[dict[str, Any]]) -> list[str]:
-    """One line per pair and model that `engines/float64.py` switched to compute in float64."""
+    """One line per pair and model that `engines/models/float64.py` switched to compute in float64."""
     lines, seen = [], set()
     for run in runs:
         for role, notes in ((run.get("pair_info") or {}).get("float64_switches") or {}).items():

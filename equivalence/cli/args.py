@@ -6,6 +6,27 @@ import argparse
 import json
 from typing import Any
 
+from specaudit.equivalence.errors import one_line
+
+EXIT_EQUIVALENT, EXIT_DIVERGENT, EXIT_USAGE = 0, 1, 2
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows a default only where there is one worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors as one line (problem and fix), exit status 2; no usage dump, no traceback."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
 DTYPE_CHOICES = ["float64", "float32", "bfloat16", "float16"]
 
 

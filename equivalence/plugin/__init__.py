@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not engines:
         return
     from specaudit.engines.registry import EngineSpecError, resolve
-    from specaudit.engines.zoo import builtin_pair_names
+    from specaudit.engines.models.zoo import builtin_pair_names
 
     pairs = config.getoption("specaudit_pair") or DEFAULT_PAIRS
     unknown = [p for p in pairs if p not in builtin_pair_names()]
@@ -87,7 +87,7 @@ class EquivalenceItem(pytest.Item):
         self.engine, self.pair, self.batch_size = engine, pair, batch_size
 
     def runtest(self) -> None:
-        from specaudit.equivalence.plugin_property import run_adversarial, run_property
+        from specaudit.equivalence.plugin.property import run_adversarial, run_property
 
         # carried on the report, so the summary works under pytest-xdist too
         self.user_properties.append(("specaudit", (self.engine, self.pair, self.batch_size)))
@@ -118,7 +118,7 @@ class EquivalenceItem(pytest.Item):
 
 def _diagnosis_lines(exc: BaseException) -> str:
     """`diagnosis: <class>: <evidence>` and `fix: <sentence>`: the first lines of a failure."""
-    from specaudit.equivalence.diagnose import FIXES
+    from specaudit.equivalence.diagnosis.core import FIXES
 
     found = getattr(exc, "specaudit_diagnosis", None)
     if isinstance(exc, BaseExceptionGroup) and found is None:

@@ -14,7 +14,6 @@ UTF-8 bytes, then `<pad>`, `<bos>`, `<eos>`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,59 +21,14 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from specaudit.engines.float64 import prepare_float64
-from specaudit.engines.layout import check_supported, layout_info
-from specaudit.engines.model_files import check_model_folder, has_tokenizer_files
+from specaudit.engines.models.float64 import prepare_float64
+from specaudit.engines.models.layout import check_supported, layout_info
+from specaudit.engines.models.model_files import check_model_folder, has_tokenizer_files
+from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 
 # the package data of `specaudit.fixtures` (the repository's `fixtures/`), wherever it is installed
 FIXTURES = resources.files("specaudit.fixtures")
 PAIR_DIR = FIXTURES / "pairs"
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids, plus three specials; the tokenizer of the built-in pairs."""
-
-    pad_token_id = 256
-    bos_token_id = 257
-    eos_token_id = 258
-    vocab_size = 259
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        specials = {256: "<pad>", 257: "<bos>", 258: "<eos>"}
-        out, run = [], bytearray()
-        for i in ids:
-            if i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            out.append(specials.get(i, f"<{i}>"))
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
-
-
-@dataclass
-class ModelPair:
-    """A target and its draft, on one device and dtype, sharing one vocabulary."""
-
-    name: str
-    target: PreTrainedModel
-    draft: PreTrainedModel | None  # None: a target alone, for black-box engines
-    tokenizer: Any | None
-    eos_token_id: int | None
-    pad_token_id: int
-    info: dict[str, Any] = field(default_factory=dict)
-
 
 def builtin_pair_names() -> list[str]:
     return sorted(p.name[: -len(".json")] for p in PAIR_DIR.iterdir()
@@ -149,7 +103,7 @@ def _as_draft_weight(key: str, source: torch.Tensor | None, shape: torch.Size, t
 
 def _architecture_info(target: PreTrainedModel, draft: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
     """Refuse what the batched engines cannot run (`UnsupportedModel`, one line); in float64 make
-    both models compute in float64 throughout (`engines/float64.py`); say what the engines see."""
+    both models compute in float64 throughout (`engines/models/float64.py`); say what the engines see."""
     if draft is not None:  # a target alone serves only the reference decoder, which runs any model
         check_supported(target, "target")
         check_supported(draft, "draft")
@@ -163,13 +117,6 @@ def _architecture_info(target: PreTrainedModel, draft: PreTrainedModel, dtype: t
     if notes:
         info["float64_switches"] = notes
     return info
-
-
-def _prepare(model: PreTrainedModel, dtype: torch.dtype, device: str) -> PreTrainedModel:
-    model = model.to(device=device, dtype=dtype)
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def load_pair(
@@ -186,14 +133,10 @@ def load_pair(
     (`model_files.check_model_folder` first: safetensors only unless `allow_pickle_weights`, no
     custom code unless `trust_remote_code`; `ModelFolderError`, a ValueError, otherwise)."""
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if name == "bench":  # the shape-realistic pair of `specaudit bench` (engines/bench_pair.py)
-        from specaudit.engines.bench_pair import load_bench_pair
-
-        return load_bench_pair(torch_dtype, device)
     if name is not None:
         target, draft, spec = build_builtin_pair(name)
         tok = ByteTokenizer()
-        pair_target, pair_draft = _prepare(target, torch_dtype, device), _prepare(draft, torch_dtype, device)
+        pair_target, pair_draft = prepare_model(target, torch_dtype, device), prepare_model(draft, torch_dtype, device)
         return ModelPair(
             name=name,
             target=pair_target,
@@ -216,7 +159,7 @@ def load_pair(
             path, dtype=torch_dtype, use_safetensors=safetensors, trust_remote_code=trust_remote_code,
             local_files_only=True,
         )
-        models.append(_prepare(model, torch_dtype, device))
+        models.append(prepare_model(model, torch_dtype, device))
     target, draft = models if len(models) == 2 else (models[0], None)
     if draft is not None and target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(

@@ -1,7 +1,7 @@
 """What the pytest plugin runs per (engine, pair, batch size): a Hypothesis search for a case that
 breaks equivalence with greedy decoding, then the adversarial prompts (`equivalence/adversarial.py`).
 
-A failure carries the diagnosis of its divergence (`equivalence/diagnose.py`) as
+A failure carries the diagnosis of its divergence (`equivalence/diagnosis/core.py`) as
 `exc.specaudit_diagnosis`, so that the plugin's message starts with it: for a Hypothesis failure,
 the audit of the shrunk counterexample; for the adversarial prompts, the audit of those prompts.
 """
@@ -65,7 +65,7 @@ def first_diagnosis(divergences: list[dict[str, Any]]) -> dict[str, Any] | None:
 def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tokens: int, draft_tokens: int) -> int:
     """Audit the engine on the pair's adversarial prompts (float64); raise `AdversarialDivergence`
     with the diagnosis on a structural divergence. Returns the number of prompts audited."""
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
     from specaudit.equivalence.adversarial import pair_adversarial_prompts
     from specaudit.equivalence.audit import audit_engine
     from specaudit.testing import models

@@ -1,0 +1,63 @@
+"""What every loaded pair is: a target and its draft on one device and dtype (`ModelPair`), the
+byte tokenizer of the built-in pairs, and the dtype names. Shared by the tiny pairs (`zoo`) and the
+bench pair (`bench_pair`), which do not import each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, plus three specials; the tokenizer of the built-in pairs."""
+
+    pad_token_id = 256
+    bos_token_id = 257
+    eos_token_id = 258
+    vocab_size = 259
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        specials = {256: "<pad>", 257: "<bos>", 258: "<eos>"}
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(specials.get(i, f"<{i}>"))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+@dataclass
+class ModelPair:
+    """A target and its draft, on one device and dtype, sharing one vocabulary."""
+
+    name: str
+    target: PreTrainedModel
+    draft: PreTrainedModel | None  # None: a target alone, for black-box engines
+    tokenizer: Any | None
+    eos_token_id: int | None
+    pad_token_id: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def prepare_model(model: PreTrainedModel, dtype: torch.dtype, device: str) -> PreTrainedModel:
+    model = model.to(device=device, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,49 @@
+"""`specaudit`: audit batched speculative decoding engines against greedy decoding.
+
+The command's entry point. Each subcommand's parser and runner live with what it drives:
+`audit`, `pairs`, `engines`, `record`, `diff` and `replay` in `specaudit.equivalence.cli`,
+`bench` in `specaudit.bench.cli`. This module only joins them, so the audit never imports the bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specaudit.equivalence.cli.args import EXIT_USAGE, Formatter, Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specaudit import __version__
+    from specaudit.bench import cli as bench_cli
+    from specaudit.equivalence.cli import audit as audit_cli
+    from specaudit.equivalence.cli import blackbox as blackbox_cli
+
+    parser = Parser(prog="specaudit", description=__doc__.split("\n\n")[0], formatter_class=Formatter)
+    parser.add_argument("--version", action="version", version=f"specaudit {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    audit_cli.add_parsers(commands, Formatter)
+    blackbox_cli.add_parsers(commands, Formatter)
+    bench_cli.add_parser(commands, Formatter)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specaudit.bench import cli as bench_cli
+    from specaudit.equivalence.cli import audit as audit_cli
+    from specaudit.equivalence.cli import blackbox as blackbox_cli
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("audit", "pairs", "engines"):
+        return audit_cli.run(args, parser)
+    if args.command in blackbox_cli.COMMANDS:
+        return blackbox_cli.run(args)
+    if args.command == "bench":
+        return audit_cli.usage_errors_as_one_line("bench", lambda: bench_cli.run(args, parser))
+    parser.print_help()
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
