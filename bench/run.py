@@ -9,7 +9,7 @@ speculative step), `stage_seconds` (draft, verify, realign, other; see below), `
 and the ratios to the same engine at batch size 1 and to plain decoding at the same batch size.
 
 Acceptance: with `acceptance` set, every engine that takes a `drafter` gets a calibrated one
-(`engines.bench_pair`): the draft model runs for its real cost and each proposal is the target's
+(`engines.models.bench_pair`): the draft model runs for its real cost and each proposal is the target's
 greedy token with that probability. The target's greedy continuations are computed once, before
 any timing, with the reference decoder; the drafter reads them by row position, so no target
 pass is spent on proposals inside a timed region. Engines without a `drafter` parameter

@@ -141,7 +141,7 @@ def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
 class InplaceDrafter:
     """Greedy drafting with a draft model whose cache keeps holes, like the target's.
 
-    With a `chooser` (see `engines.bench_pair.CalibratedChooser`) each proposal is the chooser's
+    With a `chooser` (see `engines.models.bench_pair.CalibratedChooser`) each proposal is the chooser's
     token instead of the draft model's own greedy one; the draft model still runs on it."""
 
     def __init__(self, draft: PreTrainedModel, chooser=None) -> None:

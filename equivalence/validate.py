@@ -5,7 +5,7 @@
 - dtypes known, the device present (`cuda` needs a GPU) and able to run every dtype (a tiny matmul,
   softmax and attention in that dtype on that device);
 - engine names: built in, `PREFIX:LOCATION`, or an importable callable `module:factory`;
-- pairs: a built-in name, or two local folders (`engines.model_files`: config, safetensors weights
+- pairs: a built-in name, or two local folders (`engines.models.model_files`: config, safetensors weights
   or the pickle opt-in, custom code opt-in, one vocabulary and tokenizer);
 - prompts: for every pair, the prompt set loads and fits its vocabulary and positions.
 
