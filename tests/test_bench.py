@@ -163,7 +163,11 @@ def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
     assert "| eqspec | 2 | 4 |" in (out / "bench.md").read_text()
     for name in ("throughput.svg", "stages.svg", "memory.svg"):
         root = ET.fromstring((out / name).read_text())
-        assert root.tag.endswith("svg") and root.findall(".//{http://www.w3.org/2000/svg}rect")
+        bars = [g.get("id") for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("id", "").startswith("bar-")]
+        assert root.tag.endswith("svg") and bars, f"{name} has no bars"
+    throughput = ET.fromstring((out / "throughput.svg").read_text())
+    labels = "".join(throughput.itertext())
+    assert "eqspec" in labels and "batched" in labels and "tokens per CPU second" in labels
     for bad in (["--acceptance", "1.5"], ["--pair", "no-such-pair"], ["--engine", "no-such-engine"]):
         args = ["bench", "--engine", "eqspec", "--pair", PAIR, "--out", str(tmp_path / "bad")]
         for i in range(0, len(bad), 2):

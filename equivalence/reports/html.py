@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from specaudit.equivalence.reports.charts import acceptance_svg, divergence_position_svg, equivalence_rate_svg
+from specaudit.equivalence.reports.charts import audit_charts, render_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
@@ -57,13 +57,7 @@ dl.pairs { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px;
 dl.pairs dt { color: var(--muted); } dl.pairs dd { margin: 0; overflow-wrap: anywhere; }
 .charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(500px, 1fr)); gap: 16px; }
 figure { margin: 0; border: 1px solid var(--line); border-radius: 8px; padding: 12px 12px 6px; }
-figcaption { font-weight: 600; font-size: 14px; margin-bottom: 4px; }
 svg.chart { width: 100%; height: auto; display: block; font-family: inherit; }
-svg.chart text { fill: #444c56; font-size: 11px; } svg.chart .legend { font-size: 12px; }
-svg.chart .value { font-size: 10px; fill: #24292f; } svg.chart .axis-title { font-size: 12px; fill: var(--muted); }
-svg.chart .grid { stroke: #eaeef2; } svg.chart .axis { stroke: #8c959f; }
-svg.chart .frame { fill: none; stroke: var(--line); } svg.chart .empty { font-size: 14px; fill: var(--muted); }
-svg.chart rect.bar:hover { opacity: .8; }
 .table-wrap { overflow-x: auto; }
 table.runs { border-collapse: collapse; width: 100%; font-size: 13.5px; }
 table.runs th, table.runs td { padding: 6px 10px; border-bottom: 1px solid var(--line); text-align: left; white-space: nowrap; }
@@ -265,11 +259,13 @@ def _diagnosis_section(audit: dict[str, Any]) -> str:
     return f'<section class="diagnosis">{"".join(parts)}</section>' if parts else ""
 
 
-def _figure(caption: str, svg: str) -> str:
-    return f"<figure><figcaption>{escape(caption)}</figcaption>{svg}</figure>"
+def _figure(svg: str) -> str:
+    return f"<figure>{svg}</figure>"  # the chart's own title is its caption
 
 
-def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT) -> str:
+def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT,
+                charts: dict[str, str] | None = None) -> str:
+    """The page; `charts` are the SVGs of `audit_charts` by stem when the caller has drawn them already."""
     runs = audit.get("runs") or []
     status, sentence = verdict(audit)
     stamp = " · ".join(part for part in (
@@ -277,11 +273,9 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         f"created {audit['created']}" if audit.get("created") else "") if part)
     machine = [(name, escape(value)) for name, value in machine_summary(audit)]
     config = [(name, escape(value)) for name, value in config_summary(audit)]
-    charts = "".join([
-        _figure("Equivalence rate by engine and batch size", equivalence_rate_svg(audit)),
-        _figure("Where in the output divergences start", divergence_position_svg(audit)),
-        _figure("Acceptance histogram", acceptance_svg(audit)),
-    ])
+    if charts is None:
+        charts = {stem: render_svg(chart) for stem, chart in audit_charts(audit).items()}
+    figures = "".join(_figure(svg) for svg in charts.values())
     body = [
         f'<header><h1>specaudit report</h1><p class="stamp">{escape(stamp)}</p></header>',
         f'<section class="verdict verdict-{status}">{escape(sentence)}</section>',
@@ -290,7 +284,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         '<section class="meta">'
         + (f"<div><h2>Machine</h2>{_pairs(machine)}</div>" if machine else "")
         + (f"<div><h2>Configuration</h2>{_pairs(config)}</div>" if config else "") + "</section>",
-        f'<section><h2>Plots</h2><div class="charts">{charts}</div></section>',
+        f'<section><h2>Plots</h2><div class="charts">{figures}</div></section>',
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         f"<section>{_crashes(runs)}</section>",
         f"<section>{_divergences(audit, divergence_limit)}</section>",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from specaudit.equivalence.reports.charts import audit_charts, render_svg, standalone_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines
 from specaudit.equivalence.reports.html import render_html
 from specaudit.equivalence.reports.summary import (
@@ -124,7 +125,9 @@ def _float64_switches(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVERGENCE_LIMIT) -> str:
+def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVERGENCE_LIMIT,
+                    chart_files: dict[str, str] | None = None) -> str:
+    """The report; `chart_files` (title -> path relative to the report) are linked as images."""
     runs = audit.get("runs") or []
     _, sentence = verdict(audit)
     lines = ["# specaudit report", "", f"**{sentence}**", ""]
@@ -150,6 +153,8 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["**Adversarial prompts:** " + note, ""]
     if runs:
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
+    if chart_files:
+        lines += ["## Charts", ""] + [f"![{title}]({path})" for title, path in chart_files.items()] + [""]
     switches = _float64_switches(runs)
     if switches:
         lines += ["## How the models ran in float64", ""] + switches + [""]
@@ -178,10 +183,16 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
 
 
 def write_reports(audit: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """Write `report.md` and `report.html` into `out_dir`; returns their paths keyed "markdown" and "html"."""
+    """Write `report.md`, `report.html` and the charts (`charts/*.svg`, linked from report.md, embedded in
+    report.html) into `out_dir`; returns the two reports' paths keyed "markdown" and "html"."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "charts").mkdir(parents=True, exist_ok=True)
+    charts = audit_charts(audit)
+    svgs = {stem: render_svg(chart) for stem, chart in charts.items()}
+    for stem, svg in svgs.items():
+        (out_dir / "charts" / f"{stem}.svg").write_text(standalone_svg(svg), encoding="utf-8")
+    chart_files = {chart.title: f"charts/{stem}.svg" for stem, chart in charts.items()}
     paths = {"markdown": out_dir / "report.md", "html": out_dir / "report.html"}
-    paths["markdown"].write_text(render_markdown(audit), encoding="utf-8")
-    paths["html"].write_text(render_html(audit), encoding="utf-8")
+    paths["markdown"].write_text(render_markdown(audit, chart_files=chart_files), encoding="utf-8")
+    paths["html"].write_text(render_html(audit, charts=svgs), encoding="utf-8")
     return paths
