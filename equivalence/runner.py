@@ -32,6 +32,7 @@ from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.errors import EngineFailure, one_line
 from specaudit.equivalence.guard import GuardedEngine, raised_inside_engine
 from specaudit.equivalence.prompts import load_prompts
+from specaudit.equivalence.reports.summary import summary_table  # noqa: F401 (the runner's table, re-exported)
 
 from specaudit import __version__ as VERSION
 
@@ -290,20 +291,6 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
         else:  # building the engine, or auditing its output (see the traceback)
             message = f"engine {engine_name}: {type(exc).__name__} outside generate(): {exc}"
         return _failed_run(base, message, exc)
-
-
-def summary_table(audit: dict[str, Any]) -> str:
-    """A terminal table: one line per run."""
-    lines = [f"{'engine':<14}{'pair':<16}{'B':>4}  {'dtype':<9}{'exact':>9}  {'max logit err':>13}  {'struct':>6}  {'numer':>5}  status"]
-    for run in audit["runs"]:
-        err = run.get("max_logit_error")
-        status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
-        lines.append(
-            f"{run['engine']:<14}{run['pair']:<16}{run['batch_size']:>4}  {run['dtype']:<9}"
-            f"{run['exact_matches']:>4}/{run['num_prompts']:<4}  {('%.2e' % err) if err is not None else '-':>13}  "
-            f"{run.get('structural_divergences', 0):>6}  {run.get('numerical_divergences', 0):>5}  {status}"
-        )
-    return "\n".join(lines)
 
 
 def exit_status(audit: dict[str, Any]) -> int:

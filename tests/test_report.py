@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from specaudit.equivalence.reports.summary import summary_table
 from specaudit.equivalence.reports.charts import NUMERICAL_COLOR, STRUCTURAL_COLOR, audit_charts, render_svg, series_color
 from specaudit.equivalence.reports.markdown import render_markdown, write_reports
 from specaudit.equivalence.reports.summary import run_status, verdict
@@ -322,3 +323,19 @@ def test_reports_lead_with_the_diagnosis(audit: dict[str, Any], tmp_path: Path) 
     html = write_reports(diagnosed, tmp_path)["html"].read_text()
     assert html.index('<table class="diagnosis">') < html.index('<table class="runs">')
     assert "<strong>pad_as_content</strong>" in html and "tokens after EOS" in html
+
+
+def test_summary_table_keeps_columns_apart_for_long_names() -> None:
+    long_engine = "a_rather_long_module_name_for_the_summary_table_check:factory"
+    runs = [{"engine": engine, "pair": pair, "batch_size": size, "dtype": "float64", "exact_matches": 4,
+             "num_prompts": 4, "max_logit_error": 0.0, "equivalent": True}
+            for engine, pair, size in ((long_engine, "tiny-llama", 4), ("eqspec", "tiny-gpt2", 16),
+                                       ("vllm:http://127.0.0.1:18500", "a-pair-named-at-length-by-a-user/target", 1))]
+    lines = summary_table({"runs": runs}).splitlines()
+    starts = {line.index(pair) for line, pair in zip(lines[1:], ("tiny-llama", "tiny-gpt2", "a-pair-named"))}
+    assert len(starts) == 1 and lines[0].index("pair") == starts.pop()  # one column, under its heading
+    for line in lines[1:]:
+        engine_cell, _, rest = line.partition("  ")
+        assert rest.startswith(" ") or rest[:1].isalnum(), line  # two spaces at least between engine and pair
+        assert len(engine_cell) <= 40
+    assert lines[1].startswith("a_rather_long_module") and "…" in lines[1] and ":factory" in lines[1]

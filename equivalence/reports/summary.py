@@ -212,3 +212,40 @@ def split_ids(divergence: dict[str, Any]) -> tuple[list[int], list[int], list[in
     context = divergence.get("context") or {}
     return (list(context.get("common") or []), list(context.get("reference") or []),
             list(context.get("engine") or []))
+
+
+TERMINAL_NAME_WIDTH = 40  # engine and pair names longer than this are elided in the middle
+
+
+def elide_middle(text: str, width: int) -> str:
+    """`text` cut to `width` characters by replacing its middle with one ellipsis (both ends stay readable)."""
+    if len(text) <= width:
+        return text
+    kept = width - 1  # one character for the ellipsis
+    head, tail = (kept + 1) // 2, kept // 2
+    return text[:head] + "…" + (text[len(text) - tail:] if tail else "")
+
+
+def text_table(header: list[str], rows: list[list[str]], right_aligned: set[int] = frozenset()) -> str:
+    """Columns sized to their widest cell, two spaces apart; `right_aligned` holds column indexes."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.rjust(w) if i in right_aligned else cell.ljust(w)
+                         for i, (cell, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join(line(cells) for cells in [header, *rows])
+
+
+def summary_table(audit: dict[str, Any]) -> str:
+    """The terminal table: one line per run, every column apart however long its names."""
+    rows = []
+    for run in audit["runs"]:
+        err = run.get("max_logit_error")
+        status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
+        rows.append([elide_middle(str(run["engine"]), TERMINAL_NAME_WIDTH),
+                     elide_middle(str(run["pair"]), TERMINAL_NAME_WIDTH), str(run["batch_size"]), str(run["dtype"]),
+                     f"{run['exact_matches']}/{run['num_prompts']}", "%.2e" % err if err is not None else "-",
+                     str(run.get("structural_divergences", 0)), str(run.get("numerical_divergences", 0)), status])
+    header = ["engine", "pair", "B", "dtype", "exact", "max logit err", "struct", "numer", "status"]
+    return text_table(header, rows, right_aligned={2, 4, 5, 6, 7})
