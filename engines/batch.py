@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import ragged
-from specaudit.engines.models import layout
+from specaudit.engines import layout
 
 
 @dataclass

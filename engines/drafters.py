@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
-from specaudit.engines.models import layout
+from specaudit.engines import layout
 from specaudit.engines.batch import BatchState
 
 

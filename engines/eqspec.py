@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
-from specaudit.engines.models import layout
+from specaudit.engines import layout
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.drafters import Drafter, ModelDrafter

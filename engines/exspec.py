@@ -68,7 +68,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import ragged
-from specaudit.engines.models import layout
+from specaudit.engines import layout
 from specaudit.engines.batch import BatchState
 from specaudit.engines.drafters import Drafter, ModelDrafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch

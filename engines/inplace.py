@@ -23,7 +23,7 @@ holes, and keeps a validity mask per cache:
   width`. Row selection and compaction are the `realign` stage; their cost is amortised over the
   steps between them.
 - Sliding-window layers (Gemma-3, Mistral): transformers applies the window by column distance
-  (`engines/models/layout.py`), and a hole would count against it. For a model with such layers the cache
+  (`engines/layout.py`), and a hole would count against it. For a model with such layers the cache
   is compacted after every step that leaves a hole, so INPLACE realigns like EQSPEC there.
 
 Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
@@ -40,7 +40,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
-from specaudit.engines.models import layout
+from specaudit.engines import layout
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import StepRecord, Trace

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines.models.layout import last_logits_only
+from specaudit.engines.layout import last_logits_only
 from specaudit.engines.trace import Trace
 
 

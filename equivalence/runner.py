@@ -24,7 +24,7 @@ import torch
 import transformers
 
 from specaudit.engines.models import zoo
-from specaudit.engines.models.layout import UnsupportedModel
+from specaudit.engines.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts

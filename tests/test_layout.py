@@ -61,6 +61,9 @@ def test_imports_run_one_way_without_circles() -> None:
         if name.startswith("specaudit.engines"):
             wrong = {t for t in targets if t.startswith(("specaudit.equivalence", "specaudit.bench"))}
             assert not wrong, f"{name} (engines) imports {sorted(wrong)}: engines never import the harness"
+        if name.startswith("specaudit.engines") and not name.startswith("specaudit.engines.models"):
+            wrong = {t for t in targets if t.startswith("specaudit.engines.models")}
+            assert not wrong, f"{name} imports {sorted(wrong)}: the algorithms never load models"
         if name.startswith("specaudit.equivalence"):
             wrong = {t for t in targets if t.startswith("specaudit.bench")}
             assert not wrong, f"{name} imports {sorted(wrong)}: the audit never imports the bench"

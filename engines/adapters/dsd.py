@@ -60,7 +60,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import ragged
-from specaudit.engines.models import layout
+from specaudit.engines import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.trace import StepRecord, Trace

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.models.layout import experts_implementation
+from specaudit.engines.layout import experts_implementation
 
 FLOAT64_EAGER = "specaudit_float64_eager"
 # the keyword arguments of a model's eager attention that `float64_eager_attention` honours
