@@ -15,6 +15,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +30,8 @@ from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
-from specaudit.equivalence.errors import EngineFailure, one_line
-from specaudit.equivalence.guard import GuardedEngine, raised_inside_engine
+from specaudit.equivalence.errors import EngineFailure, RunTimeout, one_line
+from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, raised_inside_engine
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.reports.summary import summary_table  # noqa: F401 (the runner's table, re-exported)
 
@@ -261,12 +262,24 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             reference = Reference(pair, prompts, config.max_new_tokens, eos)
             adversarial = None  # a recording's prompts are its own
 
+        rerun_deadline: list[float] = []  # set at the first re-run: all of them share one --timeout
+
         def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-            """A fresh engine on the prompts at `indices`, for the diagnosis's experiments."""
+            """A fresh engine on the prompts at `indices`, for the diagnosis's experiments. The re-runs
+            of one run together get at most `config.timeout` seconds (a re-run past it is abandoned as
+            the run itself would be, and the diagnosis reports the experiment as not finished)."""
+            left = None
+            if config.timeout is not None:
+                if not rerun_deadline:
+                    rerun_deadline.append(time.monotonic() + config.timeout)
+                left = rerun_deadline[0] - time.monotonic()
+                if left <= 0:
+                    raise RunTimeout(f"the diagnosis re-runs used up --timeout {config.timeout:g} s")
             fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
                                 draft_tokens=config.draft_tokens,
                                 **{**options, **({} if pad_token_id is None else {"pad_token_id": pad_token_id})})
-            return fresh.generate([list(prompts[i]) for i in indices], config.max_new_tokens, eos)
+            return call_with_timeout(fresh.generate, ([list(prompts[i]) for i in indices], config.max_new_tokens,
+                                                      eos), left)
 
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,

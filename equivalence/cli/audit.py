@@ -93,7 +93,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
     how.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
                      help="per-run time limit: a run past it is recorded as failed and the audit goes on "
-                          "(the engine is abandoned in a background thread, not killed)")
+                          "(the engine is abandoned in a background thread, not killed); the diagnosis's re-runs "
+                          "of a run share a second limit of the same length")
     how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID|pair|none",
                      help="stop token: the pair's own EOS, an id, or none")
     how.add_argument("--pad-token-id", type=_token_id, default=None, metavar="ID",
