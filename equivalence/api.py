@@ -91,13 +91,16 @@ def audit(
     pad_token_id: int | None = None,
     engine_dtype: str | None = None,
     logit_tolerance: float | None = None,
+    require_speculation: bool = False,
 ) -> AuditReport:
     """Audit `engines` (built-in names or `package.module:factory`) on built-in `pairs` and/or a
     user pair (`target` and `draft` folders). With `out`, writes `audit.json` and the reports there.
     `adversarial=False` leaves out the adversarial prompts added to every pair's prompts by default;
     `pad_token_id` is the pad id the pair declares to the engines (default: the pair's own).
     Recordings and servers (`recorded:FILE`, `llamacpp:URL`, ...) need only `target` (or a pair);
-    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py)."""
+    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py);
+    `require_speculation=True` makes a run whose engine shows no drafted token a failure
+    (equivalence/speculation.py)."""
     engine_names = [engines] if isinstance(engines, str) else list(engines)
     pair_specs: list[str | UserPair] = list(pairs)
     from specaudit.engines.registry import black_box_prefix
@@ -114,7 +117,8 @@ def audit(
                          dtypes=list(dtypes), device=device, prompts=prompts, num_prompts=num_prompts,
                          max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
                          engine_options=dict(engine_options or {}), adversarial=adversarial,
-                         pad_token_id=pad_token_id, engine_dtype=engine_dtype, logit_tolerance=logit_tolerance)
+                         pad_token_id=pad_token_id, engine_dtype=engine_dtype, logit_tolerance=logit_tolerance,
+                         require_speculation=require_speculation)
     if out is None:
         with tempfile.TemporaryDirectory() as scratch:
             return AuditReport(run_audit(config, Path(scratch)))

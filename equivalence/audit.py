@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from specaudit.engines.reference import ReferenceDecoder
 from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair
-from specaudit.equivalence import attribute
+from specaudit.equivalence import attribute, speculation
 from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.diagnosis.core import Diagnoser
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
@@ -203,6 +203,7 @@ def audit_engine(
 
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = getattr(engine, "describe", None)
+    evidence = speculation.of_run(engine, trace)
     run_record = {
         "engine": engine_name,
         "pair": pair.name,
@@ -223,6 +224,8 @@ def audit_engine(
         "prompts": [c.to_dict() for c in comparisons],
         "divergences": divergences,
         "noise_band": band.to_dict() if band is not None else None,
+        "speculation": evidence,
+        "speculation_observed": speculation.observed(evidence),
         "engine_description": describe() if callable(describe) else None,
     }
     if bundle_dir is not None and divergences:

@@ -25,9 +25,10 @@ import torch
 import transformers
 
 from specaudit.engines.models import zoo
+from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.models.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
-from specaudit.equivalence import validate
+from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.errors import EngineFailure, RunTimeout, one_line
@@ -66,6 +67,7 @@ class AuditConfig:
     bundles: bool = True  # write OUT/bundles/*.json, one repro bundle per divergence
     adversarial: bool = True  # add the adversarial prompts (equivalence/adversarial.py) to every pair's prompts
     pad_token_id: int | None = None  # the pad id the pair declares to the engines (None: the pair's own)
+    require_speculation: bool = False  # a run whose engine drafted nothing (or exposes no counters) fails
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +79,7 @@ class AuditConfig:
             "engine_options": self.engine_options, "timeout": self.timeout,
             "engine_dtype": self.engine_dtype, "logit_tolerance": self.logit_tolerance,
             "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
+            "require_speculation": self.require_speculation,
         }
 
 
@@ -297,6 +300,10 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             _free_device_memory(config.device)
             message = (f"out of memory at batch size {batch_size} on {config.device}: "
                        "try a smaller --batch-size")
+        elif isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
+            failed = _failed_run(base, f"engine {engine_name}: {exc}", exc)
+            failed["server_died"] = exc.details
+            return failed
         elif isinstance(exc, EngineFailure):
             message = f"engine {engine_name} failed: {exc}"
         elif raised_inside_engine(exc):
@@ -307,6 +314,11 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
 
 
 def exit_status(audit: dict[str, Any]) -> int:
-    """0 when every run is equivalent, 1 when any has a structural divergence or failed."""
-    return 0 if all(r.get("equivalent") and not r.get("error") for r in audit["runs"]) else 1
+    """0 when every run is equivalent, 1 when any has a structural divergence or failed, or, with
+    `require_speculation`, when any run's engine did not show that it drafted."""
+    if not all(r.get("equivalent") and not r.get("error") for r in audit["runs"]):
+        return 1
+    if (audit.get("config") or {}).get("require_speculation") and any(speculation.unmet(r) for r in audit["runs"]):
+        return 1
+    return 0
 

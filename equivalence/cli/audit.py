@@ -146,12 +146,14 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=dict(args.engine_option),
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
+        require_speculation=args.require_speculation,
     )
 
 
 def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
+    from specaudit.equivalence import speculation
     from specaudit.equivalence.runner import exit_status, run_audit, summary_table
 
     config = _config(args, parser)
@@ -181,10 +183,15 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
     status = exit_status(audit)
     failed = [run for run in audit["runs"] if run.get("error")]
-    print("verdict: " + ("every audited engine is equivalent" if status == EXIT_EQUIVALENT
+    unseen = [run for run in audit["runs"] if not run.get("error") and "speculation" in run
+              and speculation.observed(run.get("speculation")) is not True]
+    equivalent = all(run.get("equivalent") and not run.get("error") for run in audit["runs"])
+    print("verdict: " + ("every audited engine is equivalent" if equivalent
                          else "NOT equivalent: see the divergences in the report" if not failed
                          else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
-                              "and the report)"))
+                              "and the report)")
+          + (f"; speculation not observed in {len(unseen)} run(s)"
+             + (" (--require-speculation: exit 1)" if config.require_speculation else "") if unseen else ""))
     for run in failed:
         print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
               file=sys.stderr)

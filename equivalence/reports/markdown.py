@@ -27,10 +27,12 @@ from specaudit.equivalence.reports.summary import (
     replay_description,
     run_status,
     run_title,
+    speculation_lines,
     split_ids,
     visible_text,
     verdict,
 )
+from specaudit.equivalence import speculation
 
 MARKDOWN_DIVERGENCE_LIMIT = 20
 ERROR_TAIL_LINES = 20
@@ -65,9 +67,10 @@ def _markdown_runs(runs: list[dict[str, Any]]) -> list[str]:
         exact = (f"{run.get('exact_matches', '?')}/{run.get('num_prompts', '?')}" if not run.get("error") else "—")
         rows.append([str(run.get("engine", "?")), str(run.get("pair", "?")), str(run.get("batch_size", "?")),
                      str(run.get("dtype", "?")), exact, logit_error_text(run), format_share(acceptance_rate(run)),
+                     speculation.cell(run.get("speculation")),
                      str(counts["structural"]), str(counts["numerical"]), STATUS_LABELS[run_status(run)]])
     header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance",
-              "structural", "numerical", "status"]
+              "drafted/accepted", "structural", "numerical", "status"]
     return _markdown_table(header, rows)
 
 
@@ -155,6 +158,12 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
     if chart_files:
         lines += ["## Charts", ""] + [f"![{title}]({path})" for title, path in chart_files.items()] + [""]
+    evidence = speculation_lines(audit)
+    if evidence:
+        lines += ["## Speculation", "", "What each engine's own counters show it drafted during the run (a server's "
+                  "metrics read before and after the run; a built-in engine's trace).", ""]
+        lines += _markdown_table(["run", "verdict", "source"], [[title, text, source] for title, text, source in evidence])
+        lines.append("")
     switches = _float64_switches(runs)
     if switches:
         lines += ["## How the models ran in float64", ""] + switches + [""]
