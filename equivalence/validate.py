@@ -51,6 +51,8 @@ def preflight(config: Any) -> None:
     check_device(config.device, config.dtypes)
     for name in config.engines:
         check_engine_name(name)
+    if getattr(config, "plain_engine", None):
+        check_engine_name(config.plain_engine)
     for spec in config.pairs:
         limits = pair_limits(spec)
         eos = getattr(config, "eos_token_id", None)

@@ -126,7 +126,8 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
     if args.draft and not args.target:
         parser.error("--draft needs --target")
-    if args.target and not args.draft and not all(black_box_prefix(name) for name in args.engine):
+    if args.target and not args.draft and not all(black_box_prefix(name) for name in
+                                                   args.engine + ([args.plain_engine] if args.plain_engine else [])):
         parser.error("--target needs --draft, except when every --engine is a recording or a server "
                      "(recorded:, llamacpp:, vllm:, sglang:, trtllm:)")
     pairs: list[Any] = []
@@ -146,7 +147,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=dict(args.engine_option),
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
-        require_speculation=args.require_speculation,
+        require_speculation=args.require_speculation, plain_engine=args.plain_engine,
     )
 
 

@@ -25,6 +25,8 @@ from specaudit.equivalence.reports.summary import (
     rows_count,
     speculation_lines,
     split_ids,
+    three_way_runs,
+    THREE_WAY_HEADER,
     visible_text,
     verdict,
 )
@@ -273,6 +275,22 @@ def _speculation_section(audit: dict[str, Any]) -> str:
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
 
 
+def _three_way_section(audit: dict[str, Any]) -> str:
+    parts = []
+    for run, sentence, rows in three_way_runs(audit):
+        parts.append(f"<h3>{escape(run_title(run))}</h3><p>{escape(sentence)}</p>")
+        if rows:
+            head = "".join(f"<th>{escape(name)}</th>" for name in THREE_WAY_HEADER)
+            body = "".join("<tr>" + "".join(_cell(value) for value in row) + "</tr>" for row in rows)
+            parts.append(f'<div class="table-wrap"><table class="runs"><thead><tr>{head}</tr></thead>'
+                         f"<tbody>{body}</tbody></table></div>")
+    if not parts:
+        return ""
+    return ("<h2>Three-way rulings</h2><p>Each divergence of the speculative run beside the plain run of the same "
+            "engine (no speculation): one the plain run makes identically (same position, same token) is the "
+            "engine's precision, ruled numerical.</p>" + "".join(parts))
+
+
 def _figure(svg: str) -> str:
     return f"<figure>{svg}</figure>"  # the chart's own title is its caption
 
@@ -301,6 +319,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         f'<section><h2>Plots</h2><div class="charts">{figures}</div></section>',
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         f"<section>{_speculation_section(audit)}</section>",
+        f"<section>{_three_way_section(audit)}</section>",
         f"<section>{_crashes(runs)}</section>",
         f"<section>{_divergences(audit, divergence_limit)}</section>",
     ]

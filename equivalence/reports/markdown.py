@@ -29,6 +29,8 @@ from specaudit.equivalence.reports.summary import (
     run_title,
     speculation_lines,
     split_ids,
+    three_way_runs,
+    THREE_WAY_HEADER,
     visible_text,
     verdict,
 )
@@ -96,6 +98,8 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
         bullets.insert(0, f"adversarial prompt `{case.get('case')}` ({case.get('length')} tokens): {case.get('why')}")
     if evidence.get("reason"):
         bullets.append(f"why {entry.kind}: {evidence['reason']}")
+    if evidence.get("plain_engine"):
+        bullets.append(f"plain engine: {evidence['plain_engine']}")
     if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
         bullets.append(f"noise band: {entry.run['noise_band']['how']}")
     if divergence.get("logit_error") is not None:
@@ -164,6 +168,15 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
                   "metrics read before and after the run; a built-in engine's trace).", ""]
         lines += _markdown_table(["run", "verdict", "source"], [[title, text, source] for title, text, source in evidence])
         lines.append("")
+    three_way = three_way_runs(audit)
+    if three_way:
+        lines += ["## Three-way rulings", "", "Each divergence of the speculative run beside the plain run of the same "
+                  "engine (no speculation): one the plain run makes identically (same position, same token) is the "
+                  "engine's precision, ruled numerical.", ""]
+        for run, sentence, rows in three_way:
+            lines += [f"**{run_title(run)}**: {sentence}", ""]
+            if rows:
+                lines += _markdown_table(THREE_WAY_HEADER, rows) + [""]
     switches = _float64_switches(runs)
     if switches:
         lines += ["## How the models ran in float64", ""] + switches + [""]

@@ -273,6 +273,8 @@ def summary_table(audit: dict[str, Any]) -> str:
     for run in audit["runs"]:
         if not run.get("error") and "speculation" in run:
             lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {speculation.verdict(run)}")
+    for run, sentence, _ in three_way_runs(audit):
+        lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {sentence}")
     return "\n".join(lines)
 
 
@@ -280,3 +282,39 @@ def speculation_lines(audit: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(run title, verdict, source) for every finished run that carries speculation evidence."""
     return [(run_title(run), speculation.verdict(run), (run.get("speculation") or {}).get("source") or "—")
             for run in audit.get("runs") or [] if not run.get("error") and "speculation" in run]
+
+
+THREE_WAY_HEADER = ["prompt", "position", "reference", "speculative", "plain", "plain diverges first at", "kind",
+                    "ruled by"]
+
+
+def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, list[list[str]]]]:
+    """For every finished run audited beside a plain engine: (run, a sentence, the table rows of its
+    divergences: the reference's, the speculative run's and the plain run's token at the split)."""
+    result = []
+    for run in audit.get("runs") or []:
+        plain = run.get("plain_engine")
+        if run.get("error") or not plain:
+            continue
+        if plain.get("error"):
+            sentence = plain["error"]
+        else:
+            sentence = (f"plain engine {plain['engine']}: {plain.get('exact_matches')}/{plain.get('num_prompts')} "
+                        f"prompts exact against the reference; the speculative run diverges on "
+                        f"{plain.get('speculative_divergences')} prompt(s), {plain.get('same_as_plain')} of them "
+                        f"exactly as the plain run does; {plain.get('ruled_numerical_by_plain')} divergence(s) "
+                        "ruled numerical by the plain run")
+            if plain.get("speculation") is not None:
+                sentence += f"; plain run's counters: {speculation.verdict({'speculation': plain['speculation']})}"
+        rows = [[str(d.get("prompt_index")), str(d.get("position")), format_token(d.get("reference_token")),
+                 format_token(d.get("engine_token")), format_token(d.get("plain_token")) if "plain_token" in d else "—",
+                 format_number(d.get("plain_first_divergence")) if d.get("plain_first_divergence") is not None
+                 else ("equal to the reference" if "plain_token" in d else "—"),
+                 str(d.get("kind")), str(d.get("ruled_by") or "—")]
+                for d in run.get("divergences") or [] if d.get("detected_by", "tokens") == "tokens"]
+        result.append((run, sentence, rows))
+    return result
+
+
+def format_token(token: Any) -> str:
+    return "end" if token is None else str(token)
