@@ -75,7 +75,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     what.add_argument("--pair", action="append", default=[], metavar="P",
                       help=f"built-in model pair (repeatable): {', '.join(builtin_pair_names())}")
     what.add_argument("--target", metavar="PATH", help="a local Hugging Face target model folder (safetensors)")
-    what.add_argument("--draft", metavar="PATH", help="its draft model folder (same vocabulary)")
+    what.add_argument("--draft", metavar="PATH", help="its draft model folder (same tokenizer; a padded vocabulary of another size is "
+                                                            "compared over the ids both have)")
     what.add_argument("--trust-remote-code", action="store_true", help="allow custom model code in --target/--draft")
     what.add_argument("--allow-pickle-weights", action="store_true",
                       help="allow --target/--draft weights that are not safetensors (*.bin, *.pt: pickle, which "
