@@ -19,6 +19,40 @@ from specaudit.engines import layout
 from specaudit.engines.batch import BatchState
 
 
+class DraftVocabularyError(ValueError):
+    """A token outside the ids that target and draft share (a padded vocabulary: see
+    engines/models/model_files.py): a draft proposal there is a draft error; a target token there cannot be
+    fed to the draft."""
+
+
+def shared_vocab_size(target: PreTrainedModel | None, draft: PreTrainedModel | None) -> int | None:
+    """The ids both models have: the smaller vocabulary (None when either is unknown)."""
+    sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (target, draft)]
+    return min(sizes) if all(isinstance(size, int) for size in sizes) else None
+
+
+def check_proposals(proposed: torch.Tensor, shared: int | None) -> None:
+    """Raise `DraftVocabularyError` when a proposal [B, k] lies outside the shared ids."""
+    if shared is None:
+        return
+    outside = proposed >= shared  # [B, k]
+    if bool(outside.any()):
+        row, column = (int(i) for i in outside.nonzero()[0])
+        raise DraftVocabularyError(
+            f"draft error: the draft proposed token {int(proposed[row, column])} (batch row {row}, draft position "
+            f"{column}), outside the {shared} ids it shares with the target (0..{shared - 1}); a draft with a "
+            "padded vocabulary must never choose a padding id")
+
+
+def check_draft_inputs(tokens: torch.Tensor, draft: PreTrainedModel) -> None:
+    """Raise `DraftVocabularyError` when a token the draft must read lies outside its vocabulary."""
+    size = getattr(getattr(draft, "config", None), "vocab_size", None)
+    if isinstance(size, int) and tokens.numel() and int(tokens.max()) >= size:
+        raise DraftVocabularyError(
+            f"the target chose token {int(tokens.max())}, which the draft's vocabulary ({size} ids) does not have: "
+            "the target's padding ids must never win (they do in this pair)")
+
+
 class Drafter(Protocol):
     def prefill(self, state: BatchState) -> None: ...
 
@@ -31,9 +65,10 @@ class Drafter(Protocol):
 class ModelDrafter:
     """Greedy drafting with a draft model whose cache lives in `state.draft_cache`."""
 
-    def __init__(self, draft: PreTrainedModel) -> None:
+    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None) -> None:
         layout.check_supported(draft, "draft")
         self.draft = draft
+        self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
         self._proposed: torch.Tensor | None = None  # [B, k] last proposal, for the fill pass
         self._old_width = 0
 
@@ -45,6 +80,7 @@ class ModelDrafter:
         cache = state.draft_cache
         self._old_width = ragged.cache_width(cache)
         token = state.tokens[:, -1:]  # [B, 1] pending token
+        check_draft_inputs(token, self.draft)
         cache_lengths = state.cache_lengths
         proposed = []
         for i in range(k):
@@ -52,6 +88,7 @@ class ModelDrafter:
             token = logits[:, -1:].argmax(-1)  # [B, 1]
             proposed.append(token)
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
+        check_proposals(self._proposed, self.shared_vocab_size)
         return self._proposed
 
     def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:

@@ -30,7 +30,7 @@ from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches
-from specaudit.engines.drafters import Drafter, ModelDrafter
+from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -196,7 +196,7 @@ class EQSpec(ConsecutiveBatches):
             raise ValueError("EQSPEC needs a draft model or a drafter")
         layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
-        self.drafter = drafter if drafter is not None else ModelDrafter(draft)
+        self.drafter = drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft))
         self.batch_size = batch_size
         self.k = draft_tokens
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)

@@ -70,7 +70,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines.batch import BatchState
-from specaudit.engines.drafters import Drafter, ModelDrafter
+from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -317,7 +317,7 @@ class EXSpec:
             raise ValueError("EXSPEC needs a draft model or a drafter")
         layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
-        self.drafter = drafter if drafter is not None else ModelDrafter(draft)
+        self.drafter = drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft))
         self.batch_size = batch_size
         self.k = draft_tokens
         self.window_size = window_size if window_size is not None else 2 * batch_size

@@ -42,6 +42,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.drafters import check_draft_inputs, check_proposals, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -144,9 +145,10 @@ class InplaceDrafter:
     With a `chooser` (see `engines.models.bench_pair.CalibratedChooser`) each proposal is the chooser's
     token instead of the draft model's own greedy one; the draft model still runs on it."""
 
-    def __init__(self, draft: PreTrainedModel, chooser=None) -> None:
+    def __init__(self, draft: PreTrainedModel, chooser=None, shared_vocab_size: int | None = None) -> None:
         self.draft = draft
         self.chooser = chooser
+        self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
         self._proposed: torch.Tensor | None = None  # [B, k]
         self._filled = False
 
@@ -158,6 +160,7 @@ class InplaceDrafter:
     def propose(self, state: InplaceState, k: int) -> torch.Tensor:
         assert state.draft_cache is not None and state.draft_valid is not None
         token = state.pending  # [B, 1]
+        check_draft_inputs(token, self.draft)
         if self.chooser is not None:
             self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
         valid = state.draft_valid
@@ -169,6 +172,7 @@ class InplaceDrafter:
             proposed.append(token)
             valid = append_valid(valid, 1, torch.ones_like(state.lengths))  # this pass's input column
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
+        check_proposals(self._proposed, self.shared_vocab_size)
         self._filled = False
         return self._proposed
 
@@ -218,7 +222,8 @@ class InplaceEngine(ConsecutiveBatches):
         if compact_fraction < 0:
             raise ValueError("compact_fraction must be >= 0")
         self.target = target
-        self.drafter = drafter if drafter is not None else InplaceDrafter(draft)
+        self.drafter = drafter if drafter is not None else InplaceDrafter(
+            draft, shared_vocab_size=shared_vocab_size(target, draft))
         self.batch_size = batch_size
         self.k = draft_tokens
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)

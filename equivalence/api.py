@@ -91,20 +91,26 @@ def audit(
     pad_token_id: int | None = None,
     engine_dtype: str | None = None,
     logit_tolerance: float | None = None,
+    require_speculation: bool = False,
+    plain_engine: str | None = None,
 ) -> AuditReport:
     """Audit `engines` (built-in names or `package.module:factory`) on built-in `pairs` and/or a
     user pair (`target` and `draft` folders). With `out`, writes `audit.json` and the reports there.
     `adversarial=False` leaves out the adversarial prompts added to every pair's prompts by default;
     `pad_token_id` is the pad id the pair declares to the engines (default: the pair's own).
     Recordings and servers (`recorded:FILE`, `llamacpp:URL`, ...) need only `target` (or a pair);
-    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py)."""
+    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py);
+    `require_speculation=True` makes a run whose engine shows no drafted token a failure
+    (equivalence/speculation.py); `plain_engine` names the same engine without speculation, whose
+    identical divergences are ruled numerical (equivalence/blackbox/plain_engine.py)."""
     engine_names = [engines] if isinstance(engines, str) else list(engines)
     pair_specs: list[str | UserPair] = list(pairs)
     from specaudit.engines.registry import black_box_prefix
 
     if draft is not None and target is None:
         raise ValueError("a draft needs its target")
-    if target is not None and draft is None and not all(black_box_prefix(name) for name in engine_names):
+    if target is not None and draft is None and not all(black_box_prefix(name) for name in
+                                                        engine_names + ([plain_engine] if plain_engine else [])):
         raise ValueError("target needs a draft, except when every engine is a recording or a server")
     if target is not None:
         pair_specs.append(UserPair(str(target), None if draft is None else str(draft), trust_remote_code))
@@ -114,7 +120,8 @@ def audit(
                          dtypes=list(dtypes), device=device, prompts=prompts, num_prompts=num_prompts,
                          max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
                          engine_options=dict(engine_options or {}), adversarial=adversarial,
-                         pad_token_id=pad_token_id, engine_dtype=engine_dtype, logit_tolerance=logit_tolerance)
+                         pad_token_id=pad_token_id, engine_dtype=engine_dtype, logit_tolerance=logit_tolerance,
+                         require_speculation=require_speculation, plain_engine=plain_engine)
     if out is None:
         with tempfile.TemporaryDirectory() as scratch:
             return AuditReport(run_audit(config, Path(scratch)))

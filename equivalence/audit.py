@@ -15,7 +15,8 @@ from transformers import PreTrainedModel
 from specaudit.engines.reference import ReferenceDecoder
 from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair
-from specaudit.equivalence import attribute
+from specaudit.equivalence import attribute, speculation
+from specaudit.equivalence.blackbox import plain_engine
 from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.diagnosis.core import Diagnoser
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
@@ -122,6 +123,7 @@ def audit_engine(
     bundle_dir: Any = None,
     rerun: Callable[[list[int], int | None], list[list[int]]] | None = None,
     pad_token_id: int | None = None,
+    plain: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
 
@@ -129,6 +131,10 @@ def audit_engine(
     declared by `engine_dtype` / `logit_tolerance` or measured from its log-probabilities
     (`equivalence/blackbox/rulings.py`). With `bundle_dir`, every divergence is also written there as a
     self-contained repro bundle (`equivalence/blackbox/bundles.py`).
+
+    `plain` is a plain run of the same engine on the same prompts (`{"engine": name, "outputs":
+    [...] or None, "description", "speculation", "error"}`): a divergence it makes identically is
+    ruled numerical (`equivalence/blackbox/plain_engine.py`).
 
     `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
     pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
@@ -182,6 +188,12 @@ def audit_engine(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
                 prompt, pair.tokenizer, "logits", comparison.max_logit_error))
 
+    plain_outputs = plain.get("outputs") if plain is not None else None
+    if plain_outputs is not None:  # three-way rulings: reference, plain run, speculative run
+        for divergence in divergences:
+            index = divergence["prompt_index"]
+            plain_engine.rule(divergence, reference.outputs[index], plain_outputs[index], band is not None)
+
     if (dtype == "float64" and trace is not None and getattr(trace, "proposals_from_draft_model", False)
             and getattr(pair, "draft", None) is not None):
         diverged = {d["prompt_index"] for d in divergences}
@@ -203,6 +215,7 @@ def audit_engine(
 
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = getattr(engine, "describe", None)
+    evidence = speculation.of_run(engine, trace)
     run_record = {
         "engine": engine_name,
         "pair": pair.name,
@@ -223,6 +236,11 @@ def audit_engine(
         "prompts": [c.to_dict() for c in comparisons],
         "divergences": divergences,
         "noise_band": band.to_dict() if band is not None else None,
+        "speculation": evidence,
+        "speculation_observed": speculation.observed(evidence),
+        "plain_engine": None if plain is None else plain_engine.summary(
+            plain["engine"], reference.outputs, plain_outputs, [[int(t) for t in o] for o in outputs], divergences,
+            plain.get("description"), plain.get("speculation"), plain.get("error")),
         "engine_description": describe() if callable(describe) else None,
     }
     if bundle_dir is not None and divergences:

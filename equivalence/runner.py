@@ -15,6 +15,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +25,14 @@ import torch
 import transformers
 
 from specaudit.engines.models import zoo
+from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
-from specaudit.equivalence import validate
+from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
-from specaudit.equivalence.errors import EngineFailure, one_line
-from specaudit.equivalence.guard import GuardedEngine, raised_inside_engine
+from specaudit.equivalence.errors import EngineFailure, RunTimeout, one_line
+from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, raised_inside_engine
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.reports.summary import summary_table  # noqa: F401 (the runner's table, re-exported)
 
@@ -65,6 +67,8 @@ class AuditConfig:
     bundles: bool = True  # write OUT/bundles/*.json, one repro bundle per divergence
     adversarial: bool = True  # add the adversarial prompts (equivalence/adversarial.py) to every pair's prompts
     pad_token_id: int | None = None  # the pad id the pair declares to the engines (None: the pair's own)
+    require_speculation: bool = False  # a run whose engine drafted nothing (or exposes no counters) fails
+    plain_engine: str | None = None  # the same engine without speculation: three-way rulings (blackbox/plain_engine.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +80,7 @@ class AuditConfig:
             "engine_options": self.engine_options, "timeout": self.timeout,
             "engine_dtype": self.engine_dtype, "logit_tolerance": self.logit_tolerance,
             "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
+            "require_speculation": self.require_speculation, "plain_engine": self.plain_engine,
         }
 
 
@@ -193,12 +198,13 @@ def run_audit(
             audit["config"]["num_prompts"] = len(prompts)
             if reference is None:  # only recordings: each run says how many prompts its file holds
                 audit["config"]["prompts"], audit["config"]["num_prompts"] = "the recordings' own", None
+            plain_runs: dict[Any, dict[str, Any]] = {}  # one plain run per batch size and prompt set
             for engine_name in config.engines:
                 for batch_size in config.batch_sizes:
                     if bar is not None:
                         bar.set_description(f"{engine_name} {pair.name} B={batch_size} {dtype}")
                     record(_one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
-                                    out_dir / "bundles" if config.bundles else None, adversarial))
+                                    out_dir / "bundles" if config.bundles else None, adversarial, plain_runs))
             del pair, replay, reference
     if bar is not None:
         bar.close()
@@ -245,8 +251,36 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
             for engine_name in config.engines for batch_size in config.batch_sizes]
 
 
+def _plain_run(config: AuditConfig, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int,
+               eos: int | None, options: dict[str, Any], cache: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    """`config.plain_engine` on `prompts` (once per batch size and prompt set): its outputs, or the
+    error that stopped it (the rulings then stay those of the noise band)."""
+    key = (batch_size, tuple(tuple(p) for p in prompts))
+    if key in cache:
+        return cache[key]
+    name = str(config.plain_engine)
+    try:
+        engine = make_engine(name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=config.draft_tokens,
+                             **options)
+        guarded = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
+        outputs = guarded.generate([list(p) for p in prompts], config.max_new_tokens, eos)
+        describe = getattr(engine, "describe", None)
+        result = {"engine": name, "outputs": outputs, "error": None,
+                  "description": describe() if callable(describe) else None,
+                  "speculation": speculation.of_run(engine, getattr(engine, "last_trace", None))}
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # the audited run goes on, ruled without the plain run
+        result = {"engine": name, "outputs": None, "description": None, "speculation": None,
+                  "error": one_line(f"the plain engine {name} failed ({type(exc).__name__}: {exc}); the divergences "
+                                    "are ruled without it")}
+    cache[key] = result
+    return result
+
+
 def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
-             bundle_dir: Path | None = None, adversarial: dict[str, Any] | None = None) -> dict[str, Any]:
+             bundle_dir: Path | None = None, adversarial: dict[str, Any] | None = None,
+             plain_runs: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
     base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
             "device": config.device, "num_prompts": len(prompts),
             "pair_info": dict(pair.info)}  # layouts and float64 switches (eager experts, float64 softmax)
@@ -261,19 +295,34 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             reference = Reference(pair, prompts, config.max_new_tokens, eos)
             adversarial = None  # a recording's prompts are its own
 
+        rerun_deadline: list[float] = []  # set at the first re-run: all of them share one --timeout
+
         def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-            """A fresh engine on the prompts at `indices`, for the diagnosis's experiments."""
+            """A fresh engine on the prompts at `indices`, for the diagnosis's experiments. The re-runs
+            of one run together get at most `config.timeout` seconds (a re-run past it is abandoned as
+            the run itself would be, and the diagnosis reports the experiment as not finished)."""
+            left = None
+            if config.timeout is not None:
+                if not rerun_deadline:
+                    rerun_deadline.append(time.monotonic() + config.timeout)
+                left = rerun_deadline[0] - time.monotonic()
+                if left <= 0:
+                    raise RunTimeout(f"the diagnosis re-runs used up --timeout {config.timeout:g} s")
             fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
                                 draft_tokens=config.draft_tokens,
                                 **{**options, **({} if pad_token_id is None else {"pad_token_id": pad_token_id})})
-            return fresh.generate([list(prompts[i]) for i in indices], config.max_new_tokens, eos)
+            return call_with_timeout(fresh.generate, ([list(prompts[i]) for i in indices], config.max_new_tokens,
+                                                      eos), left)
 
+        plain = None
+        if config.plain_engine:
+            plain = _plain_run(config, pair, prompts, batch_size, eos, options, {} if plain_runs is None else plain_runs)
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
                            logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
-                           pad_token_id=pair.pad_token_id)
+                           pad_token_id=pair.pad_token_id, plain=plain)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         run["adversarial"] = adversarial
         return run
@@ -284,6 +333,10 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             _free_device_memory(config.device)
             message = (f"out of memory at batch size {batch_size} on {config.device}: "
                        "try a smaller --batch-size")
+        elif isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
+            failed = _failed_run(base, f"engine {engine_name}: {exc}", exc)
+            failed["server_died"] = exc.details
+            return failed
         elif isinstance(exc, EngineFailure):
             message = f"engine {engine_name} failed: {exc}"
         elif raised_inside_engine(exc):
@@ -294,6 +347,11 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
 
 
 def exit_status(audit: dict[str, Any]) -> int:
-    """0 when every run is equivalent, 1 when any has a structural divergence or failed."""
-    return 0 if all(r.get("equivalent") and not r.get("error") for r in audit["runs"]) else 1
+    """0 when every run is equivalent, 1 when any has a structural divergence or failed, or, with
+    `require_speculation`, when any run's engine did not show that it drafted."""
+    if not all(r.get("equivalent") and not r.get("error") for r in audit["runs"]):
+        return 1
+    if (audit.get("config") or {}).get("require_speculation") and any(speculation.unmet(r) for r in audit["runs"]):
+        return 1
+    return 0
 

@@ -51,6 +51,8 @@ def preflight(config: Any) -> None:
     check_device(config.device, config.dtypes)
     for name in config.engines:
         check_engine_name(name)
+    if getattr(config, "plain_engine", None):
+        check_engine_name(config.plain_engine)
     for spec in config.pairs:
         limits = pair_limits(spec)
         eos = getattr(config, "eos_token_id", None)
@@ -144,13 +146,16 @@ def pair_limits(spec: Any) -> PairLimits:
         for role, path in (("target", spec.target), ("draft", spec.draft)):
             if path is not None:  # no draft: a target alone, for black-box engines
                 model_files.check_model_folder(path, role, allow_pickle_weights=allow_pickle, trust_remote_code=trust)
-        if spec.draft is not None:
-            model_files.check_same_vocabulary(spec.target, spec.draft, trust_remote_code=trust)
+        shared = None
+        if spec.draft is not None:  # prompts must fit the ids both models have
+            shared = model_files.check_same_vocabulary(spec.target, spec.draft, trust_remote_code=trust)
     except model_files.ModelFolderError as exc:
         raise ModelError(str(exc)) from None
     config = model_files.read_config(spec.target)
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     vocab = config.get("vocab_size", text_config.get("vocab_size"))
+    if shared is not None and vocab is not None:
+        vocab = min(vocab, shared)
     # the draft decodes the same sequences: the smaller of the two position limits holds
     known = [p for p in (_positions(spec.target), _positions(getattr(spec, "draft", None))) if p is not None]
     positions = min(known) if known else None

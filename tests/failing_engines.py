@@ -65,6 +65,22 @@ class _HostMemoryError(_Engine):
         raise MemoryError()
 
 
+class _WrongThenHangs(_Engine):
+    """The first call of generate (the run) gives a wrong token at position 1 of prompt 0 (a
+    structural divergence); every later call (the diagnosis's re-runs) hangs until RELEASE."""
+
+    calls = 0
+
+    def generate(self, prompts, max_new_tokens, eos_token_id):
+        type(self).calls += 1
+        if type(self).calls > 1:
+            RELEASE.wait(120)
+            return [[] for _ in prompts]
+        outputs = super().generate(prompts, max_new_tokens, eos_token_id)
+        outputs[0][1] = (outputs[0][1] + 1) % 250
+        return outputs
+
+
 def _factory(cls):
     def factory(target, draft, *, batch_size: int, draft_tokens: int, **_: Any):
         return cls(target, batch_size)
@@ -78,6 +94,7 @@ make_negative_token = _factory(_NegativeToken)
 make_hanging = _factory(_Hangs)
 make_out_of_memory = _factory(_OutOfMemory)
 make_host_memory_error = _factory(_HostMemoryError)
+make_wrong_then_hangs = _factory(_WrongThenHangs)
 
 
 def factory_raises(target, draft, **_: Any):

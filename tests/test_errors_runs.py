@@ -72,6 +72,25 @@ def test_hanging_engine_times_out_and_the_audit_goes_on(tmp_path: Path) -> None:
     _completed(finished)
 
 
+def test_diagnosis_reruns_honour_the_timeout(tmp_path: Path) -> None:
+    failing_engines.RELEASE.clear()
+    failing_engines._WrongThenHangs.calls = 0
+    started = time.perf_counter()
+    try:
+        result = audit("--engine", "failing_engines:make_wrong_then_hangs", "--pair", "tiny-gpt2", "--batch-size",
+                       "2", "--timeout", "3", "--no-adversarial", *SMALL, out=tmp_path)
+    finally:
+        failing_engines.RELEASE.set()
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 1
+    (run,) = runs(tmp_path)
+    assert not run.get("error") and run["structural_divergences"] == 1
+    tried = " ".join(run["divergences"][0]["diagnosis"]["tried"])
+    assert "RunTimeout" in tried  # the hanging re-runs were cut, and the diagnosis says so
+    assert failing_engines._WrongThenHangs.calls >= 2  # a re-run was really tried
+    assert elapsed < 30  # one shared limit of 3 s for all re-runs, not 120 s for each
+
+
 def test_out_of_memory_names_the_batch_size(tmp_path: Path) -> None:
     result = audit("--engine", "failing_engines:make_out_of_memory", "--pair", "tiny-gpt2", "--batch-size", "4", "2",
                    *SMALL, out=tmp_path)

@@ -107,9 +107,9 @@ def test_markdown_report_content(audit: dict[str, Any]) -> None:
     table = [line for line in lines if line.startswith("| eqspec ") or line.startswith("| exspec ")
              or line.startswith("| bsp ") or line.startswith("| reference ")]
     assert len(table) == 5
-    assert all(line.count("|") == 11 for line in table)
-    assert "| eqspec | tiny-llama | 4 | float64 | 7/8 | 0.61 > 1.00e-09 | 62.0% | 1 | 0 | STRUCTURAL |" in markdown
-    assert "| exspec | tiny-llama | 4 | bfloat16 | 6/8 | — | 40.0% | 0 | 2 | numerical flips only |" in markdown
+    assert all(line.count("|") == 12 for line in table)
+    assert "| eqspec | tiny-llama | 4 | float64 | 7/8 | 0.61 > 1.00e-09 | 62.0% | - | 1 | 0 | STRUCTURAL |" in markdown
+    assert "| exspec | tiny-llama | 4 | bfloat16 | 6/8 | — | 40.0% | - | 0 | 2 | numerical flips only |" in markdown
     assert "| bsp | tiny-llama | 4 | float64 | — |" in markdown and "CRASHED |" in markdown
     assert "## Crashed runs" in markdown and "RuntimeError: shape <4, 7> mismatch" in markdown
     divergences = markdown[markdown.index("## Divergences"):]

@@ -8,6 +8,11 @@ Standard library only (urllib). Contract of `post_json`:
 - a request that has no answer within `timeout` seconds is raised as `ServerTimeout` and not retried
   (a generation that timed out once would only time out again, doubling the wait).
 
+`post_json(..., observe=f)` calls `f(answered, what)` after every try: `answered` True when the
+server gave an HTTP answer (`what`: its status and, for an error, the start of its body), False for a
+connection that failed (`what`: the error). A client uses it to tell a server that died during a
+run (it answered before) from one that was never there. `get_text` reads a GET endpoint once.
+
 `map_concurrently` runs one call per prompt on `workers` threads and keeps the prompts' order:
 with `workers=N` the server sees N requests in flight and can batch them.
 """
@@ -43,13 +48,22 @@ class ServerTimeout(ServerError):
     """The server did not answer within the per-request timeout."""
 
 
+class ServerDied(ServerUnreachable):
+    """The server answered earlier in the run, then stopped accepting connections."""
+
+    def __init__(self, message: str, details: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.details = details
+
+
 def join_url(base: str, path: str) -> str:
     """`base` (with or without a trailing slash) followed by `path`."""
     return base.rstrip("/") + "/" + path.lstrip("/")
 
 
 def post_json(url: str, body: dict[str, Any], *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
-              what: str = "server", headers: dict[str, str] | None = None) -> Any:
+              what: str = "server", headers: dict[str, str] | None = None,
+              observe: Callable[[bool, str], None] | None = None) -> Any:
     """POST `body` as JSON to `url` and return the decoded JSON answer (see the module docstring)."""
     data = json.dumps(body).encode()
     request_headers = {"Content-Type": "application/json", "Accept": "application/json", **(headers or {})}
@@ -60,8 +74,12 @@ def post_json(url: str, body: dict[str, Any], *, timeout: float = DEFAULT_TIMEOU
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 raw = response.read()
+                if observe is not None:
+                    observe(True, f"HTTP {response.status}")
         except urllib.error.HTTPError as exc:
             detail = _body_excerpt(exc)
+            if observe is not None:
+                observe(True, f"HTTP {exc.code}: {detail}")
             if (exc.code == 429 or exc.code >= 500) and not last:
                 time.sleep(pause)
                 pause *= 2
@@ -72,6 +90,8 @@ def post_json(url: str, body: dict[str, Any], *, timeout: float = DEFAULT_TIMEOU
                                 f"timeout (engine option timeout=SECONDS) or lower --batch-size") from exc
         except (urllib.error.URLError, ConnectionError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
+            if observe is not None and not isinstance(reason, (TimeoutError, socket.timeout)):
+                observe(False, f"{type(reason).__name__}: {reason}")
             if isinstance(reason, (TimeoutError, socket.timeout)):
                 raise ServerTimeout(f"{what} at {url} gave no answer within {timeout:g} s: raise the per-request "
                                     f"timeout (engine option timeout=SECONDS) or lower --batch-size") from exc
@@ -87,6 +107,24 @@ def post_json(url: str, body: dict[str, Any], *, timeout: float = DEFAULT_TIMEOU
             raise ServerError(f"{what} at {url} answered with something that is not JSON: "
                               f"{raw[:ERROR_BODY_CHARS]!r}") from None
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def get_text(url: str, *, timeout: float = DEFAULT_TIMEOUT_S, what: str = "server") -> tuple[int, str]:
+    """GET `url` once: (HTTP status, body text). An HTTP error is an answer (its status and body);
+    a connection that cannot be made raises `ServerUnreachable`, no answer in time `ServerTimeout`."""
+    request = urllib.request.Request(url, method="GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, _body_excerpt(exc)
+    except (TimeoutError, socket.timeout):
+        raise ServerTimeout(f"{what} at {url} gave no answer within {timeout:g} s") from None
+    except (urllib.error.URLError, ConnectionError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise ServerTimeout(f"{what} at {url} gave no answer within {timeout:g} s") from None
+        raise ServerUnreachable(f"cannot reach {what} at {url} ({reason})") from None
 
 
 def _body_excerpt(exc: urllib.error.HTTPError) -> str:

@@ -3,16 +3,24 @@ prompt, `batch_size` of them in flight, and the output contract applied to each 
 
 A dialect subclass of `ServerEngine` sets `dialect`, `server_name`, `path` and implements
 `request(prompt, max_new_tokens, eos_token_id) -> dict` and `parse(answer) -> Completion`.
+
+Around each `generate` the engine reads the server's metrics (engines/adapters/server_metrics.py)
+and keeps the run's speculation counters in `last_speculation`. A server that answered during the
+run (the metrics read included) and then refuses connections raises `ServerDied`, which names its
+last answer (HTTP status and body, or the connection error), not "cannot reach".
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from specaudit.engines.adapters._http import (
-    DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerError, ServerUnreachable, join_url, map_concurrently, post_json,
+    DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerDied, ServerError, ServerUnreachable, join_url, map_concurrently,
+    post_json,
 )
+from specaudit.engines.adapters.server_metrics import COUNTERS, safe_snapshot, speculation_between
 
 DEFAULT_TOP_LOGPROBS = 2  # the top-2 margin is what a ruling needs
 
@@ -53,6 +61,29 @@ class ServerEngine:
         self.model = model
         self.last_logprobs: list[list[dict[int, float]] | None] = []
         self.last_details: list[dict[str, Any]] = []
+        self.last_speculation: dict[str, Any] | None = None
+        self.metrics_note: str | None = None  # why no speculation counters were read, when none were
+        self._lock = threading.Lock()
+        self._answers = 0  # HTTP answers this engine has had (any status), the metrics reads included
+        self._last_answer: str | None = None  # the latest one: status and the start of its body
+        self._failures: list[str] = []  # the connection errors since the latest answer (distinct, in order)
+
+    def _observe(self, answered: bool, what: str) -> None:
+        with self._lock:
+            if answered:
+                self._answers += 1
+                self._last_answer = what
+                self._failures = []
+            elif what not in self._failures:
+                self._failures.append(what)
+
+    def _died(self, exc: ServerUnreachable, index: int, prompt_length: int) -> ServerDied:
+        details = {"answers_before": self._answers, "last_answer": self._last_answer,
+                   "connection_error": "; then ".join(self._failures) or str(exc)}
+        return ServerDied(f"the {self.server_name} server at {self.url} died during the run: it had answered "
+                          f"{self._answers} time(s), its last answer {self._last_answer}; then, at prompt {index} "
+                          f"({prompt_length} tokens), no connection could be made ({details['connection_error']}): "
+                          "see the server's log", details)
 
     def describe(self) -> dict[str, Any]:
         """What was audited, for reports and repro bundles; after `generate`, how often the client
@@ -64,7 +95,16 @@ class ServerEngine:
         return {"kind": "server", "dialect": self.dialect, "url": self.url, "endpoint": self.path,
                 "model": self.model, "concurrent_requests": self.batch_size, "timeout_s": self.timeout,
                 "top_logprobs": self.top_logprobs, "client_notes": notes,
-                "prompts_with_logprobs": sum(lp is not None for lp in self.last_logprobs)}
+                "prompts_with_logprobs": sum(lp is not None for lp in self.last_logprobs),
+                "speculation": self.last_speculation, "metrics_note": self.metrics_note}
+
+    def _metrics(self):
+        """One read of the metrics endpoint (a failure is a note, never an error); an answer counts
+        as the server being alive."""
+        snapshot, failure = safe_snapshot(self.url, self.dialect, self.timeout)
+        if snapshot is not None:
+            self._observe(True, "an answer to GET /metrics")
+        return snapshot, failure
 
     def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
         raise NotImplementedError
@@ -76,7 +116,7 @@ class ServerEngine:
         """One prompt: the request, sent, and the answer, read."""
         body = self.request(prompt, max_new_tokens, eos_token_id)
         answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
-                           what=f"{self.server_name} server")
+                           what=f"{self.server_name} server", observe=self._observe)
         try:
             return self.parse(answer)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -86,20 +126,32 @@ class ServerEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        self.last_speculation = None
         if max_new_tokens <= 0:
             self.last_logprobs, self.last_details = [None] * len(prompts), [{} for _ in prompts]
             return [[] for _ in prompts]
+        before, _ = self._metrics()
+
         def one(numbered: tuple[int, list[int]]) -> Completion:
             index, prompt = numbered
             try:
                 return self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id)
+            except ServerDied:
+                raise
+            except ServerUnreachable as exc:
+                if self._answers:
+                    raise self._died(exc, index, len(prompt)) from None
+                raise
             except ServerError as exc:
-                if isinstance(exc, ServerUnreachable):
-                    raise
                 # say which prompt: a server limit (context size) is often about one long prompt
                 raise type(exc)(f"prompt {index} ({len(prompt)} tokens): {exc}") from None
 
         completions = map_concurrently(one, list(enumerate(prompts)), self.batch_size)
+        after, failure = self._metrics()
+        names = COUNTERS.get(self.dialect)
+        self.last_speculation = speculation_between(before, after, self.url,
+                                                    iterations=bool(names and names.json_iterations))
+        self.metrics_note = failure or (after.note if after is not None else None)
         outputs, self.last_logprobs, self.last_details = [], [], []
         for completion in completions:
             tokens, logprobs, details = finish_output(completion, max_new_tokens, eos_token_id)

@@ -10,8 +10,11 @@ the problem and the fix:
 - its `config.json` asks for custom code (`auto_map`, or a `model_type` this transformers does not
   know): refused unless `trust_remote_code`.
 
-`check_same_vocabulary` compares two folders' `config.json` vocabularies and, when both have one,
-their tokenizers' vocabularies.
+`check_same_vocabulary` compares two folders' vocabularies. Their `config.json` sizes may differ (a
+padded vocabulary: Qwen2.5-0.5B has 151936 ids, Qwen2.5-7B 152064, one tokenizer) when both folders
+hold tokenizers that agree entry for entry and name no id outside the range both models have; the
+models are then compared over that shared range (`shared_vocab_size`). Equal sizes need agreeing
+tokenizers only where both folders have one.
 """
 
 from __future__ import annotations
@@ -121,13 +124,12 @@ def _tokenizer_vocab(path: str | Path, trust_remote_code: bool) -> dict[str, int
         return None
 
 
-def check_same_vocabulary(target_path: str | Path, draft_path: str | Path, *, trust_remote_code: bool = False) -> None:
-    """Raise `ModelFolderError` when target and draft disagree on vocabulary size or tokenizer."""
+def check_same_vocabulary(target_path: str | Path, draft_path: str | Path, *,
+                          trust_remote_code: bool = False) -> int | None:
+    """Raise `ModelFolderError` when target and draft disagree on their tokenizer, or differ in
+    vocabulary size without tokenizers that show they agree on the shared ids (module docstring).
+    Returns the shared vocabulary size (the smaller of the two), when the configs say."""
     target_vocab, draft_vocab = _vocab_size(read_config(target_path)), _vocab_size(read_config(draft_path))
-    if target_vocab is not None and draft_vocab is not None and target_vocab != draft_vocab:
-        raise ModelFolderError(
-            f"target {str(target_path)!r} and draft {str(draft_path)!r} have different vocabularies "
-            f"({target_vocab} vs {draft_vocab} tokens): give a draft trained with the target's tokenizer")
     target_tokens = _tokenizer_vocab(target_path, trust_remote_code)
     draft_tokens = _tokenizer_vocab(draft_path, trust_remote_code)
     if target_tokens is not None and draft_tokens is not None and target_tokens != draft_tokens:
@@ -137,3 +139,20 @@ def check_same_vocabulary(target_path: str | Path, draft_path: str | Path, *, tr
             f"target {str(target_path)!r} and draft {str(draft_path)!r} have different tokenizers "
             f"({len(target_tokens)} vs {len(draft_tokens)} entries{example}): give a draft that shares the "
             "target's tokenizer")
+    if target_vocab is None or draft_vocab is None:
+        return None
+    shared = min(target_vocab, draft_vocab)
+    if target_vocab != draft_vocab:
+        if target_tokens is None or draft_tokens is None:
+            raise ModelFolderError(
+                f"target {str(target_path)!r} and draft {str(draft_path)!r} have different vocabularies "
+                f"({target_vocab} vs {draft_vocab} tokens) and no tokenizer files to show that they agree on the "
+                f"{shared} ids both have: give both folders the target's tokenizer (a padded vocabulary is fine "
+                "when the tokenizers agree)")
+        beyond = sorted((token_id, token) for token, token_id in target_tokens.items() if token_id >= shared)
+        if beyond:
+            raise ModelFolderError(
+                f"target {str(target_path)!r} and draft {str(draft_path)!r} have {target_vocab} and {draft_vocab} "
+                f"ids, but their tokenizer names id {beyond[0][0]} ({beyond[0][1]!r}), which only the larger one "
+                "has: give a draft whose vocabulary covers every token of the target's tokenizer")
+    return shared

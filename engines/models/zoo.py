@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specaudit.engines.models.float64 import prepare_float64
 from specaudit.engines.layout import check_supported, layout_info
-from specaudit.engines.models.model_files import check_model_folder, has_tokenizer_files
+from specaudit.engines.models.model_files import check_model_folder, check_same_vocabulary, has_tokenizer_files
 from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 
 # the package data of `specaudit.fixtures` (the repository's `fixtures/`), wherever it is installed
@@ -162,9 +162,8 @@ def load_pair(
         models.append(prepare_model(model, torch_dtype, device))
     target, draft = models if len(models) == 2 else (models[0], None)
     if draft is not None and target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(
-            f"target and draft vocabularies differ ({target.config.vocab_size} vs {draft.config.vocab_size})"
-        )
+        # a padded vocabulary: allowed when the tokenizers agree on the shared ids (compared over that range)
+        check_same_vocabulary(target_path, draft_path, trust_remote_code=trust_remote_code)
     tokenizer = None
     try:
         from transformers import AutoTokenizer
@@ -187,6 +186,9 @@ def load_pair(
         eos_token_id=eos,
         pad_token_id=int(pad),
         info={"target_path": str(target_path), "draft_path": str(draft_path),
+              **({"vocab_sizes": {"target": target.config.vocab_size, "draft": draft.config.vocab_size,
+                                  "shared": min(target.config.vocab_size, draft.config.vocab_size)}}
+                 if draft is not None and target.config.vocab_size != draft.config.vocab_size else {}),
               **_architecture_info(target, draft, torch_dtype)},
     )
 

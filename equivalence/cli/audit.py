@@ -75,7 +75,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     what.add_argument("--pair", action="append", default=[], metavar="P",
                       help=f"built-in model pair (repeatable): {', '.join(builtin_pair_names())}")
     what.add_argument("--target", metavar="PATH", help="a local Hugging Face target model folder (safetensors)")
-    what.add_argument("--draft", metavar="PATH", help="its draft model folder (same vocabulary)")
+    what.add_argument("--draft", metavar="PATH", help="its draft model folder (same tokenizer; a padded vocabulary of another size is "
+                                                            "compared over the ids both have)")
     what.add_argument("--trust-remote-code", action="store_true", help="allow custom model code in --target/--draft")
     what.add_argument("--allow-pickle-weights", action="store_true",
                       help="allow --target/--draft weights that are not safetensors (*.bin, *.pt: pickle, which "
@@ -93,7 +94,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
     how.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
                      help="per-run time limit: a run past it is recorded as failed and the audit goes on "
-                          "(the engine is abandoned in a background thread, not killed)")
+                          "(the engine is abandoned in a background thread, not killed); the diagnosis's re-runs "
+                          "of a run share a second limit of the same length")
     how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID|pair|none",
                      help="stop token: the pair's own EOS, an id, or none")
     how.add_argument("--pad-token-id", type=_token_id, default=None, metavar="ID",
@@ -125,7 +127,8 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
     if args.draft and not args.target:
         parser.error("--draft needs --target")
-    if args.target and not args.draft and not all(black_box_prefix(name) for name in args.engine):
+    if args.target and not args.draft and not all(black_box_prefix(name) for name in
+                                                   args.engine + ([args.plain_engine] if args.plain_engine else [])):
         parser.error("--target needs --draft, except when every --engine is a recording or a server "
                      "(recorded:, llamacpp:, vllm:, sglang:, trtllm:)")
     pairs: list[Any] = []
@@ -145,12 +148,14 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=dict(args.engine_option),
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
+        require_speculation=args.require_speculation, plain_engine=args.plain_engine,
     )
 
 
 def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
+    from specaudit.equivalence import speculation
     from specaudit.equivalence.runner import exit_status, run_audit, summary_table
 
     config = _config(args, parser)
@@ -180,10 +185,15 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
     status = exit_status(audit)
     failed = [run for run in audit["runs"] if run.get("error")]
-    print("verdict: " + ("every audited engine is equivalent" if status == EXIT_EQUIVALENT
+    unseen = [run for run in audit["runs"] if not run.get("error") and "speculation" in run
+              and speculation.observed(run.get("speculation")) is not True]
+    equivalent = all(run.get("equivalent") and not run.get("error") for run in audit["runs"])
+    print("verdict: " + ("every audited engine is equivalent" if equivalent
                          else "NOT equivalent: see the divergences in the report" if not failed
                          else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
-                              "and the report)"))
+                              "and the report)")
+          + (f"; speculation not observed in {len(unseen)} run(s)"
+             + (" (--require-speculation: exit 1)" if config.require_speculation else "") if unseen else ""))
     for run in failed:
         print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
               file=sys.stderr)

@@ -47,6 +47,16 @@ def add_audit_options(audit: argparse.ArgumentParser) -> None:
     group = audit.add_argument_group("black-box engines (recorded:FILE, llamacpp:URL, vllm:URL, sglang:URL, "
                                      "trtllm:URL; --target alone is enough)")
     _add_band_options(group)
+    group.add_argument("--require-speculation", action="store_true",
+                       help="fail (exit 1) unless every run shows that its engine drafted tokens: a server's "
+                            "metrics counters (vLLM, llama.cpp, TensorRT-LLM) or a built-in engine's trace. "
+                            "Without it, a run whose engine drafted nothing passes with the verdict "
+                            "'speculation not observed'")
+    group.add_argument("--plain-engine", default=None, metavar="ENGINE",
+                       help="the same engine without speculation (a second server of the same model, e.g. "
+                            "vllm:URL, or recorded:FILE recorded from one), run on the same prompts at each batch "
+                            "size: a divergence it makes identically (same position, same token) is ruled "
+                            "numerical whatever the noise band says; the reports show the three-way table")
     audit.add_argument("--no-bundles", action="store_true",
                        help="do not write OUT/bundles/*.json (one self-contained repro bundle per divergence, "
                             "for any engine; re-check one with specaudit replay)")

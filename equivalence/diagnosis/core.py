@@ -109,7 +109,9 @@ class Diagnoser:
     def other_pad_id(self, indices: list[int]) -> int | None:
         used = {t for i in indices for t in self.prompts[i] + self.references[i] + self.outputs[i]}
         used |= {t for t in (self.pad_token_id, self.eos_token_id) if t is not None}
-        vocab = int(getattr(getattr(self.target, "config", None), "vocab_size", 0) or 0)
+        # an id both models have (a padded vocabulary's extra ids cannot be fed to the smaller one)
+        sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (self.target, self.draft)]
+        vocab = int(min((size for size in sizes if isinstance(size, int)), default=0))
         for candidate in range(vocab - 1, -1, -1):
             if candidate not in used:
                 return candidate

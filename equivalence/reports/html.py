@@ -23,10 +23,14 @@ from specaudit.equivalence.reports.summary import (
     run_status,
     run_title,
     rows_count,
+    speculation_lines,
     split_ids,
+    three_way_runs,
+    THREE_WAY_HEADER,
     visible_text,
     verdict,
 )
+from specaudit.equivalence import speculation
 
 HTML_DIVERGENCE_LIMIT = 200
 
@@ -129,8 +133,8 @@ def _cards(audit: dict[str, Any]) -> str:
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> str:
-    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "structural",
-              "numerical", "steps", "seconds", "status"]
+    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "drafted/accepted",
+              "structural", "numerical", "steps", "seconds", "status"]
     rows = []
     for index, run in enumerate(runs):
         counts, status, trace = divergence_counts(run), run_status(run), run.get("trace") or {}
@@ -143,7 +147,8 @@ def _runs_table(runs: list[dict[str, Any]]) -> str:
         rows.append("<tr>" + _cell(run.get("engine", "?")) + _cell(run.get("pair", "?"))
                     + _cell(run.get("batch_size", "?"), "number") + _cell(run.get("dtype", "?"))
                     + _cell(exact, "number") + _cell(logit_error_text(run), "number")
-                    + _cell(format_share(acceptance_rate(run)), "number") + _cell(counts["structural"], "number")
+                    + _cell(format_share(acceptance_rate(run)), "number")
+                    + _cell(speculation.cell(run.get("speculation")), "number") + _cell(counts["structural"], "number")
                     + _cell(counts["numerical"], "number") + steps + _cell(format_number(run.get("seconds")), "number")
                     + f"<td>{pill}</td></tr>")
     head = "".join(f"<th>{escape(name)}</th>" for name in header)
@@ -259,6 +264,33 @@ def _diagnosis_section(audit: dict[str, Any]) -> str:
     return f'<section class="diagnosis">{"".join(parts)}</section>' if parts else ""
 
 
+def _speculation_section(audit: dict[str, Any]) -> str:
+    lines = speculation_lines(audit)
+    if not lines:
+        return ""
+    rows = "".join(f"<tr>{_cell(title)}{_cell(text)}{_cell(source)}</tr>" for title, text, source in lines)
+    return ("<h2>Speculation</h2><p>What each engine's own counters show it drafted during the run (a server's "
+            "metrics read before and after the run; a built-in engine's trace).</p>"
+            '<div class="table-wrap"><table class="runs"><thead><tr><th>run</th><th>verdict</th><th>source</th>'
+            f"</tr></thead><tbody>{rows}</tbody></table></div>")
+
+
+def _three_way_section(audit: dict[str, Any]) -> str:
+    parts = []
+    for run, sentence, rows in three_way_runs(audit):
+        parts.append(f"<h3>{escape(run_title(run))}</h3><p>{escape(sentence)}</p>")
+        if rows:
+            head = "".join(f"<th>{escape(name)}</th>" for name in THREE_WAY_HEADER)
+            body = "".join("<tr>" + "".join(_cell(value) for value in row) + "</tr>" for row in rows)
+            parts.append(f'<div class="table-wrap"><table class="runs"><thead><tr>{head}</tr></thead>'
+                         f"<tbody>{body}</tbody></table></div>")
+    if not parts:
+        return ""
+    return ("<h2>Three-way rulings</h2><p>Each divergence of the speculative run beside the plain run of the same "
+            "engine (no speculation): one the plain run makes identically (same position, same token) is the "
+            "engine's precision, ruled numerical.</p>" + "".join(parts))
+
+
 def _figure(svg: str) -> str:
     return f"<figure>{svg}</figure>"  # the chart's own title is its caption
 
@@ -286,6 +318,8 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         + (f"<div><h2>Configuration</h2>{_pairs(config)}</div>" if config else "") + "</section>",
         f'<section><h2>Plots</h2><div class="charts">{figures}</div></section>',
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
+        f"<section>{_speculation_section(audit)}</section>",
+        f"<section>{_three_way_section(audit)}</section>",
         f"<section>{_crashes(runs)}</section>",
         f"<section>{_divergences(audit, divergence_limit)}</section>",
     ]

@@ -27,10 +27,14 @@ from specaudit.equivalence.reports.summary import (
     replay_description,
     run_status,
     run_title,
+    speculation_lines,
     split_ids,
+    three_way_runs,
+    THREE_WAY_HEADER,
     visible_text,
     verdict,
 )
+from specaudit.equivalence import speculation
 
 MARKDOWN_DIVERGENCE_LIMIT = 20
 ERROR_TAIL_LINES = 20
@@ -65,9 +69,10 @@ def _markdown_runs(runs: list[dict[str, Any]]) -> list[str]:
         exact = (f"{run.get('exact_matches', '?')}/{run.get('num_prompts', '?')}" if not run.get("error") else "—")
         rows.append([str(run.get("engine", "?")), str(run.get("pair", "?")), str(run.get("batch_size", "?")),
                      str(run.get("dtype", "?")), exact, logit_error_text(run), format_share(acceptance_rate(run)),
+                     speculation.cell(run.get("speculation")),
                      str(counts["structural"]), str(counts["numerical"]), STATUS_LABELS[run_status(run)]])
     header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance",
-              "structural", "numerical", "status"]
+              "drafted/accepted", "structural", "numerical", "status"]
     return _markdown_table(header, rows)
 
 
@@ -93,6 +98,8 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
         bullets.insert(0, f"adversarial prompt `{case.get('case')}` ({case.get('length')} tokens): {case.get('why')}")
     if evidence.get("reason"):
         bullets.append(f"why {entry.kind}: {evidence['reason']}")
+    if evidence.get("plain_engine"):
+        bullets.append(f"plain engine: {evidence['plain_engine']}")
     if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
         bullets.append(f"noise band: {entry.run['noise_band']['how']}")
     if divergence.get("logit_error") is not None:
@@ -155,6 +162,21 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
     if chart_files:
         lines += ["## Charts", ""] + [f"![{title}]({path})" for title, path in chart_files.items()] + [""]
+    evidence = speculation_lines(audit)
+    if evidence:
+        lines += ["## Speculation", "", "What each engine's own counters show it drafted during the run (a server's "
+                  "metrics read before and after the run; a built-in engine's trace).", ""]
+        lines += _markdown_table(["run", "verdict", "source"], [[title, text, source] for title, text, source in evidence])
+        lines.append("")
+    three_way = three_way_runs(audit)
+    if three_way:
+        lines += ["## Three-way rulings", "", "Each divergence of the speculative run beside the plain run of the same "
+                  "engine (no speculation): one the plain run makes identically (same position, same token) is the "
+                  "engine's precision, ruled numerical.", ""]
+        for run, sentence, rows in three_way:
+            lines += [f"**{run_title(run)}**: {sentence}", ""]
+            if rows:
+                lines += _markdown_table(THREE_WAY_HEADER, rows) + [""]
     switches = _float64_switches(runs)
     if switches:
         lines += ["## How the models ran in float64", ""] + switches + [""]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specaudit.equivalence import speculation
+
 STATUS_LABELS = {
     "crashed": "CRASHED",
     "structural": "STRUCTURAL",
@@ -89,7 +91,22 @@ def acceptance_rate(run: dict[str, Any]) -> float | None:
 
 
 def verdict(audit: dict[str, Any]) -> tuple[str, str]:
-    """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty"."""
+    """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty". A run whose
+    engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`)."""
+    status, sentence = _equivalence_verdict(audit)
+    runs = audit.get("runs") or []
+    unseen = [run for run in runs if not run.get("error") and "speculation" in run
+              and speculation.observed(run.get("speculation")) is not True]
+    if not unseen:
+        return status, sentence
+    engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in unseen))
+    note = f" Speculation not observed in {len(unseen)} run{'s' if len(unseen) != 1 else ''} ({engines})"
+    if (audit.get("config") or {}).get("require_speculation") and status != "empty":
+        return "fail", sentence + note + ": --require-speculation fails the audit."
+    return status, sentence + note + ": those runs prove nothing about speculation."
+
+
+def _equivalence_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     runs = audit.get("runs") or []
     if not runs:
         return "empty", "NO RUNS: the audit recorded no runs."
@@ -238,14 +255,66 @@ def text_table(header: list[str], rows: list[list[str]], right_aligned: set[int]
 
 
 def summary_table(audit: dict[str, Any]) -> str:
-    """The terminal table: one line per run, every column apart however long its names."""
+    """The terminal table: one line per run, every column apart however long its names; then one line
+    per run on what its speculation counters showed."""
     rows = []
     for run in audit["runs"]:
         err = run.get("max_logit_error")
         status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
+        if not run.get("error") and speculation.observed(run.get("speculation")) is False:
+            status += " (speculation not observed)"
         rows.append([elide_middle(str(run["engine"]), TERMINAL_NAME_WIDTH),
                      elide_middle(str(run["pair"]), TERMINAL_NAME_WIDTH), str(run["batch_size"]), str(run["dtype"]),
                      f"{run['exact_matches']}/{run['num_prompts']}", "%.2e" % err if err is not None else "-",
-                     str(run.get("structural_divergences", 0)), str(run.get("numerical_divergences", 0)), status])
-    header = ["engine", "pair", "B", "dtype", "exact", "max logit err", "struct", "numer", "status"]
-    return text_table(header, rows, right_aligned={2, 4, 5, 6, 7})
+                     str(run.get("structural_divergences", 0)), str(run.get("numerical_divergences", 0)),
+                     speculation.cell(run.get("speculation")), status])
+    header = ["engine", "pair", "B", "dtype", "exact", "max logit err", "struct", "numer", "drafted/accepted", "status"]
+    lines = [text_table(header, rows, right_aligned={2, 4, 5, 6, 7, 8})]
+    for run in audit["runs"]:
+        if not run.get("error") and "speculation" in run:
+            lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {speculation.verdict(run)}")
+    for run, sentence, _ in three_way_runs(audit):
+        lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {sentence}")
+    return "\n".join(lines)
+
+
+def speculation_lines(audit: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(run title, verdict, source) for every finished run that carries speculation evidence."""
+    return [(run_title(run), speculation.verdict(run), (run.get("speculation") or {}).get("source") or "—")
+            for run in audit.get("runs") or [] if not run.get("error") and "speculation" in run]
+
+
+THREE_WAY_HEADER = ["prompt", "position", "reference", "speculative", "plain", "plain diverges first at", "kind",
+                    "ruled by"]
+
+
+def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, list[list[str]]]]:
+    """For every finished run audited beside a plain engine: (run, a sentence, the table rows of its
+    divergences: the reference's, the speculative run's and the plain run's token at the split)."""
+    result = []
+    for run in audit.get("runs") or []:
+        plain = run.get("plain_engine")
+        if run.get("error") or not plain:
+            continue
+        if plain.get("error"):
+            sentence = plain["error"]
+        else:
+            sentence = (f"plain engine {plain['engine']}: {plain.get('exact_matches')}/{plain.get('num_prompts')} "
+                        f"prompts exact against the reference; the speculative run diverges on "
+                        f"{plain.get('speculative_divergences')} prompt(s), {plain.get('same_as_plain')} of them "
+                        f"exactly as the plain run does; {plain.get('ruled_numerical_by_plain')} divergence(s) "
+                        "ruled numerical by the plain run")
+            if plain.get("speculation") is not None:
+                sentence += f"; plain run's counters: {speculation.verdict({'speculation': plain['speculation']})}"
+        rows = [[str(d.get("prompt_index")), str(d.get("position")), format_token(d.get("reference_token")),
+                 format_token(d.get("engine_token")), format_token(d.get("plain_token")) if "plain_token" in d else "—",
+                 format_number(d.get("plain_first_divergence")) if d.get("plain_first_divergence") is not None
+                 else ("equal to the reference" if "plain_token" in d else "—"),
+                 str(d.get("kind")), str(d.get("ruled_by") or "—")]
+                for d in run.get("divergences") or [] if d.get("detected_by", "tokens") == "tokens"]
+        result.append((run, sentence, rows))
+    return result
+
+
+def format_token(token: Any) -> str:
+    return "end" if token is None else str(token)

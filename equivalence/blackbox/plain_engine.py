@@ -1,0 +1,88 @@
+"""Three-way rulings: the reference, a plain run of the same engine, and the speculative run.
+
+A server in bfloat16 flips near-ties against the float32 reference whether it speculates or not: its
+kernels round differently. A noise band measured or declared from the outside cannot always tell
+such a flip from a speculation bug. A plain run of the same engine (the same model served without
+speculation, `--plain-engine ENGINE` or `recorded:FILE` recorded from one) can: it is the paper's own
+test (speculative against plain decoding on one engine), joined to the reference.
+
+For each token divergence of the speculative run from the reference, at position p with token t:
+
+- the plain run also diverges first at p, with the same t (or ends at p exactly as the speculative run
+  does): the difference is the engine's precision, not speculation or batching. It is ruled
+  `numerical`, `ruled_by: "plain-engine"`, whatever the noise band said (kept as `band_kind`);
+- otherwise it is ruled as before (`ruled_by: "noise-band"` for a black-box engine, `"reference"` for
+  one that gives its logits), with the plain run's token at p beside it (`plain_token`).
+
+Every divergence of such a run carries `plain_token` (None where the plain output ended before p)
+and `plain_first_divergence` (None where the plain output equals the reference's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specaudit.equivalence.compare import matched_prefix
+
+
+def first_divergence(reference: list[int], output: list[int]) -> int | None:
+    """The first position where `output` differs from `reference` (a shorter or longer output
+    differs where it ends), or None when they are equal."""
+    agree = matched_prefix(reference, output)
+    return None if agree == len(reference) == len(output) else agree
+
+
+def rule(divergence: dict[str, Any], reference: list[int], plain: list[int], black_box: bool) -> None:
+    """Add the plain run's evidence to one divergence (in place) and overrule its kind when the
+    plain run makes the same divergence (see the module docstring)."""
+    position = int(divergence["position"])
+    plain_token = plain[position] if position < len(plain) else None
+    plain_first = first_divergence(reference, plain)
+    divergence["plain_token"] = plain_token
+    divergence["plain_first_divergence"] = plain_first
+    evidence = divergence.setdefault("evidence", {})
+    same = (divergence.get("detected_by", "tokens") == "tokens" and plain_first == position
+            and plain_token == divergence.get("engine_token"))
+    if same:
+        evidence["band_kind"] = divergence["kind"]
+        evidence["band_reason"] = evidence.get("reason")
+        shown = "ends" if plain_token is None else f"makes token {plain_token}"
+        evidence["reason"] = (f"the plain engine (no speculation) also diverges first here and {shown} at position "
+                              f"{position}, as the speculative run does: the engine's precision, not speculation "
+                              "or batching")
+        divergence["kind"], divergence["ruled_by"] = "numerical", "plain-engine"
+        return
+    divergence["ruled_by"] = "noise-band" if black_box else "reference"
+    where = ("equals the reference" if plain_first is None
+             else f"diverges first at position {plain_first}")
+    evidence["plain_engine"] = (f"the plain engine makes {'no token' if plain_token is None else f'token {plain_token}'} "
+                                f"at position {position} and {where}: this divergence is the speculative run's own")
+
+
+def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[list[int]] | None,
+            outputs: list[list[int]], divergences: list[dict[str, Any]], description: Any = None,
+            speculation: dict[str, Any] | None = None, error: str | None = None) -> dict[str, Any]:
+    """The run's `plain_engine` record: how the plain run compares with the reference and with the
+    speculative run."""
+    record: dict[str, Any] = {"engine": name, "error": error, "description": description,
+                              "speculation": speculation}
+    if plain_outputs is None:
+        return record
+    plain_first = [first_divergence(r, p) for r, p in zip(reference_outputs, plain_outputs)]
+    spec_first = [first_divergence(r, o) for r, o in zip(reference_outputs, outputs)]
+    diverging = [i for i, first in enumerate(spec_first) if first is not None]
+    same = [i for i in diverging if plain_first[i] == spec_first[i]
+            and _at(plain_outputs[i], spec_first[i]) == _at(outputs[i], spec_first[i])]
+    record.update({
+        "exact_matches": sum(first is None for first in plain_first),
+        "num_prompts": len(plain_outputs),
+        "speculative_divergences": len(diverging),
+        "same_as_plain": len(same),
+        "ruled_numerical_by_plain": sum(d.get("ruled_by") == "plain-engine" for d in divergences),
+        "outputs": plain_outputs,
+    })
+    return record
+
+
+def _at(tokens: list[int], position: int | None) -> int | None:
+    return tokens[position] if position is not None and position < len(tokens) else None

@@ -1,0 +1,83 @@
+"""Did the engine really speculate? The run's speculation evidence and the verdict line it gives.
+
+Each run record carries `speculation = {"drafted_tokens", "accepted_tokens", "acceptance_rate",
+"preemptions", "source"}`, or None where nothing says:
+
+- a live server: its own counters, read from its metrics endpoint before and after the run
+  (engines/adapters/server_metrics.py);
+- a built-in engine with a trace: k draft tokens per row per decode step, and the accepted counts;
+- anything else (a recording, the reference, a user factory without a trace): None.
+
+`speculation_observed` is True when the run drafted at least one token, False when the counters
+were read and show none ("speculation not observed": the audit then proves nothing about
+speculation), None when nothing was exposed. With `--require-speculation` a run whose
+`speculation_observed` is not True fails the audit (exit 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def from_trace(trace: Any) -> dict[str, Any] | None:
+    """A built-in engine's speculation from its trace: None when it keeps none or never drafts."""
+    draft_tokens = getattr(trace, "draft_tokens", 0) or 0
+    steps = getattr(trace, "steps", None)
+    if not draft_tokens or steps is None:
+        return None
+    decode = [step for step in steps if step.kind != "prefill"]
+    drafted = sum(draft_tokens * len(step.rows) for step in decode)
+    accepted = sum(sum(step.accepted_counts) for step in decode)
+    return {"drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": (accepted / drafted) if drafted else None, "preemptions": None,
+            "source": f"the engine's trace: k={draft_tokens} draft tokens per row per step, over {len(decode)} steps"}
+
+
+def of_run(engine: Any, trace: Any) -> dict[str, Any] | None:
+    """The speculation record of one run of `engine`."""
+    if getattr(engine, "black_box", False):
+        return getattr(engine, "last_speculation", None)
+    return from_trace(trace)
+
+
+def observed(speculation: dict[str, Any] | None) -> bool | None:
+    """True when at least one token was drafted, False when counted as none, None when not counted."""
+    if not speculation or speculation.get("drafted_tokens") is None:
+        return None
+    return speculation["drafted_tokens"] > 0
+
+
+def verdict(run: dict[str, Any]) -> str:
+    """One phrase for reports and the terminal: what the counters showed."""
+    speculation = run.get("speculation")
+    seen = observed(speculation)
+    if seen is None:
+        if speculation and speculation.get("acceptance_rate") is not None:
+            return (f"speculation not counted (the engine exposes only an acceptance rate, "
+                    f"{speculation['acceptance_rate']:.2f})")
+        return "speculation not measured (the engine exposes no draft counters)"
+    if not seen:
+        return "speculation not observed: the engine drafted no token, so this audit proves nothing about speculation"
+    rate = speculation.get("acceptance_rate")
+    text = f"speculation observed: {speculation['drafted_tokens']} drafted, {speculation['accepted_tokens']} accepted"
+    if rate is not None:
+        text += f" ({rate:.1%})"
+    if speculation.get("preemptions") is not None:
+        text += f", {speculation['preemptions']} preemption(s)"
+    return text
+
+
+def cell(speculation: dict[str, Any] | None) -> str:
+    """A short table cell: `drafted/accepted (rate)`, `0 drafted`, or `-`."""
+    seen = observed(speculation)
+    if seen is None:
+        return "-"
+    if not seen:
+        return "0 drafted"
+    rate = speculation.get("acceptance_rate")
+    return f"{speculation['drafted_tokens']}/{speculation['accepted_tokens']}" + (f" ({rate:.0%})" if rate is not None else "")
+
+
+def unmet(run: dict[str, Any]) -> bool:
+    """Whether this run fails `--require-speculation` (a failed run fails on its own)."""
+    return not run.get("error") and observed(run.get("speculation")) is not True
