@@ -81,3 +81,18 @@ def cell(speculation: dict[str, Any] | None) -> str:
 def unmet(run: dict[str, Any]) -> bool:
     """Whether this run fails `--require-speculation` (a failed run fails on its own)."""
     return not run.get("error") and observed(run.get("speculation")) is not True
+
+
+def audit_note(runs: list[dict[str, Any]], required: bool) -> str:
+    """What the verdict adds about speculation: the runs whose engine drafted nothing, and the runs
+    of a black-box engine (or any run, with `required`) that exposed no counters; "" when none."""
+    finished = [run for run in runs if not run.get("error") and "speculation" in run]
+    zero = [run for run in finished if observed(run.get("speculation")) is False]
+    unknown = [run for run in finished if observed(run.get("speculation")) is None
+               and (required or run.get("noise_band") is not None)]
+    parts = []
+    for found, what in ((zero, "speculation not observed"), (unknown, "speculation not measured")):
+        if found:
+            engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in found))
+            parts.append(f"{what} in {len(found)} run{'s' if len(found) != 1 else ''} ({engines})")
+    return "; ".join(parts)

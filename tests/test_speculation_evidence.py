@@ -113,6 +113,8 @@ def test_a_server_without_counters_cannot_meet_required_speculation(tmp_path, pa
     assert run["speculation"] is None and run["speculation_observed"] is None and run["exact_matches"] == 3
     assert "HTTP 404" in run["engine_description"]["metrics_note"]
     assert "not measured" in (tmp_path / "report.md").read_text()
+    verdict_line = [line for line in result.stdout.splitlines() if line.startswith("verdict:")][0]
+    assert "speculation not measured" in verdict_line and "--require-speculation" in verdict_line
 
 
 def test_a_server_that_dies_mid_run_is_reported_as_died_with_its_last_answer(tmp_path, pair):

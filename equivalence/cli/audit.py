@@ -185,15 +185,14 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
     status = exit_status(audit)
     failed = [run for run in audit["runs"] if run.get("error")]
-    unseen = [run for run in audit["runs"] if not run.get("error") and "speculation" in run
-              and speculation.observed(run.get("speculation")) is not True]
+    unseen = speculation.audit_note(audit["runs"], config.require_speculation)
     equivalent = all(run.get("equivalent") and not run.get("error") for run in audit["runs"])
     print("verdict: " + ("every audited engine is equivalent" if equivalent
                          else "NOT equivalent: see the divergences in the report" if not failed
                          else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
                               "and the report)")
-          + (f"; speculation not observed in {len(unseen)} run(s)"
-             + (" (--require-speculation: exit 1)" if config.require_speculation else "") if unseen else ""))
+          + (f"; {unseen}" + (" (--require-speculation: exit 1)" if config.require_speculation else "")
+             if unseen else ""))
     for run in failed:
         print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
               file=sys.stderr)

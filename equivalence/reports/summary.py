@@ -95,13 +95,12 @@ def verdict(audit: dict[str, Any]) -> tuple[str, str]:
     engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`)."""
     status, sentence = _equivalence_verdict(audit)
     runs = audit.get("runs") or []
-    unseen = [run for run in runs if not run.get("error") and "speculation" in run
-              and speculation.observed(run.get("speculation")) is not True]
-    if not unseen:
+    required = bool((audit.get("config") or {}).get("require_speculation"))
+    note = speculation.audit_note(runs, required)
+    if not note:
         return status, sentence
-    engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in unseen))
-    note = f" Speculation not observed in {len(unseen)} run{'s' if len(unseen) != 1 else ''} ({engines})"
-    if (audit.get("config") or {}).get("require_speculation") and status != "empty":
+    note = " " + note[0].upper() + note[1:]
+    if required and status != "empty":
         return "fail", sentence + note + ": --require-speculation fails the audit."
     return status, sentence + note + ": those runs prove nothing about speculation."
 
