@@ -18,7 +18,7 @@ take many minutes):
   bound to a dispatcher that runs the float64 copy when any tensor argument is float64 and the
   original otherwise, so a model of the same family in another dtype computes as before.
 
-Returns notes naming what was switched; `engines/float64.py` adds them to `float64_switches`.
+Returns notes naming what was switched; `engines/models/float64.py` adds them to `float64_switches`.
 """
 
 from __future__ import annotations
