@@ -24,6 +24,8 @@ model (`engines/layout.py`); `ragged.cache_layers` lists only those.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
@@ -50,7 +52,9 @@ def new_cache(kinds: list[str]) -> HybridCache:
 
 
 def tracks_states(cache: object) -> bool:
-    return isinstance(cache, HybridCache)
+    """Whether `cache` keeps recurrent states (a `HybridCache`; told by its history, not its class,
+    so that copies of this module, such as the planted-fault engines', agree with it)."""
+    return isinstance(getattr(cache, "history", None), list)
 
 
 def _recurrent(cache: HybridCache) -> list[LinearAttentionCacheLayerMixin]:
@@ -108,12 +112,11 @@ def forward_by_token(
     return torch.cat(logits, dim=1)  # [B, q, V]
 
 
-def commit(cache: object, accepted_counts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+def commit(cache: Any, accepted_counts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
     """Roll every row back to its state after `accepted_counts[b] + 1` tokens of this step (its
     pending token and accepted draft tokens), then keep the rows `keep` if given."""
     if not tracks_states(cache):
         return
-    assert isinstance(cache, HybridCache)
     if cache.history:
         rows = torch.arange(accepted_counts.shape[0], device=accepted_counts.device)  # [B]
         # a row that finished this step may have accepted more than was fed (no fill pass for it): it leaves the batch
@@ -132,30 +135,27 @@ def commit(cache: object, accepted_counts: torch.Tensor, keep: torch.Tensor | No
         select_rows(cache, keep)
 
 
-def select_rows(cache: object, keep: torch.Tensor) -> None:
+def select_rows(cache: Any, keep: torch.Tensor) -> None:
     """Keep the rows `keep` of every recurrent state (and of the per-position history)."""
     if not tracks_states(cache):
         return
-    assert isinstance(cache, HybridCache)
     _assign(cache, [None if t is None else t.index_select(0, keep.to(t.device)) for t in snapshot(cache)])
     cache.history = [[None if t is None else t.index_select(0, keep.to(t.device)) for t in entry]
                      for entry in cache.history]
 
 
-def row_states(cache: object, rows: list[int]) -> list[State | None]:
+def row_states(cache: Any, rows: list[int]) -> list[State | None]:
     """Each of `rows`' own recurrent states (EXSPEC keeps them with the sequence); None without any."""
     if not tracks_states(cache):
         return [None] * len(rows)
-    assert isinstance(cache, HybridCache)
     tensors = snapshot(cache)
     return [[None if t is None else t[b].clone() for t in tensors] for b in rows]
 
 
-def load_rows(cache: object, states: list[State | None]) -> None:
+def load_rows(cache: Any, states: list[State | None]) -> None:
     """Stack per-sequence states (from `row_states`) into the recurrent layers of a fresh batch cache."""
     if not tracks_states(cache) or not states or states[0] is None:
         return
-    assert isinstance(cache, HybridCache)
     stacked: State = []
     for slot in range(len(states[0])):
         parts = [s[slot] for s in states]
@@ -163,11 +163,10 @@ def load_rows(cache: object, states: list[State | None]) -> None:
     _assign(cache, stacked)
 
 
-def place_rows(cache: object, group_cache: object, index: torch.Tensor, batch_size: int) -> None:
+def place_rows(cache: Any, group_cache: Any, index: torch.Tensor, batch_size: int) -> None:
     """Copy a prefill group's states into rows `index` of the batch cache (allocated on first use)."""
     if not tracks_states(cache):
         return
-    assert isinstance(cache, HybridCache) and isinstance(group_cache, HybridCache)
     group = snapshot(group_cache)
     current = snapshot(cache)
     merged: State = []
