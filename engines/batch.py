@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import ragged
 from specaudit.engines import layout
+from specaudit.engines import recurrent
 
 
 @dataclass
@@ -45,6 +46,7 @@ class BatchState:
             if cache is not None:
                 keep_end = torch.full_like(cache_lengths, ragged.cache_width(cache))
                 ragged.realign_cache(cache, keep_end, cache_lengths, rows=keep)
+                recurrent.select_rows(cache, keep)
         self.select(keep)
 
     def select(self, keep: torch.Tensor) -> None:
@@ -67,13 +69,11 @@ def forward(
     """One cached forward pass of `q` real tokens per row; returns logits [B, q, V]."""
     width = ragged.cache_width(cache)
     q = inputs.shape[1]
-    out = model(
-        input_ids=inputs,
-        attention_mask=ragged.attention_mask(cache_lengths, width, q),
-        position_ids=ragged.position_ids(cache_lengths, q),
-        past_key_values=cache,
-        use_cache=True,
-    )
+    mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
+    positions = ragged.position_ids(cache_lengths, q)  # [B, q]
+    if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
+        return recurrent.forward_by_token(model, cache, inputs, mask, positions)
+    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits
 
 
@@ -87,8 +87,11 @@ def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor)
     the dtype's minimum, softmax upcast to float32: -inf everywhere) its output is NaN, and a NaN
     value times a zero attention weight poisons the real rows in every later layer. When the padded
     pass yields anything non-finite, the prompts are prefilled again in groups of equal length (no
-    padding at all) and the group caches are placed into one right-aligned cache.
+    padding at all) and the group caches are placed into one right-aligned cache. A model with
+    recurrent layers is always prefilled that way: a pad token must never enter a recurrent state.
     """
+    if "recurrent" in layout.attention_layer_kinds(model):
+        return _prefill_by_length(model, tokens, lengths)
     cache, last_logits = _prefill_padded(model, tokens, lengths)
     if _all_finite(cache, last_logits):
         return cache, last_logits
@@ -141,6 +144,7 @@ def _prefill_by_length(model: PreTrainedModel, tokens: torch.Tensor, lengths: to
                 layer.keys = source.keys.new_zeros(tokens.shape[0], h, width, d)  # [B, H, W, D]
                 layer.values = source.values.new_zeros(tokens.shape[0], h, width, source.values.shape[-1])
         last_logits[index] = group_last
+        recurrent.place_rows(cache, group_cache, index, tokens.shape[0])
         for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
             layer.keys[index, :, width - n:] = source.keys
             layer.values[index, :, width - n:] = source.values
@@ -151,6 +155,7 @@ def _prefill_by_length(model: PreTrainedModel, tokens: torch.Tensor, lengths: to
 def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, cache_lengths: torch.Tensor, keep: torch.Tensor) -> None:
     """After a step that appended columns from `old_width` on: keep, for each kept row, its old
     cache plus its pending token and accepted draft tokens (`accepted_counts + 1` columns)."""
+    recurrent.commit(cache, accepted_counts, keep)  # each kept row's state after its accepted tokens
     keep_end = (old_width + accepted_counts + 1).index_select(0, keep)
     new_lengths = (cache_lengths + accepted_counts + 1).index_select(0, keep)
     ragged.realign_cache(cache, keep_end, new_lengths, rows=keep)

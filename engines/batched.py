@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines import ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.eqspec import Clock, start_batch
@@ -61,6 +61,7 @@ class BatchedGreedy(ConsecutiveBatches):
         pad_lengths = state.pad_lengths().tolist()
         step_logits = batch_ops.forward(self.target, state.target_cache, state.tokens[:, -1:], state.cache_lengths)[:, -1]  # [B, V]
         tokens = step_logits.argmax(-1)  # [B]
+        recurrent.commit(state.target_cache, torch.zeros_like(state.lengths))  # one token fed: keep its state, drop the history
         verify_seconds = clock.lap()
 
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines import layout
+from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
 
 
@@ -104,6 +105,8 @@ class ModelDrafter:
             batch_ops.forward(self.draft, cache, self._proposed[:, -1:], state.cache_lengths + k)
         if realign:
             batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
+        else:
+            recurrent.commit(cache, accepted_counts)  # recurrent states: every row, in batch order
         self._proposed = None
 
 

@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines import layout
+from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
@@ -157,6 +158,7 @@ def speculative_step(
             batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)
         else:
             drafter.commit(state, accepted_counts, keep, realign=False)
+            recurrent.commit(state.target_cache, accepted_counts)  # every row of the step, in batch order
         state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, target_tokens, emitted, pad_id)
         state.select(keep)
     else:

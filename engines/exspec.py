@@ -69,6 +69,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import ragged
 from specaudit.engines import layout
+from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
@@ -85,6 +86,8 @@ class Sequence:
     target_kv: torch.Tensor | None  # [L, 2, H, n-1, D]; set when it enters the window
     draft_kv: torch.Tensor | None  # [L', 2, H', n-1, D'], None for a drafter without a cache
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, [emitted, V]
+    target_states: list | None = None  # its own recurrent states (engines/recurrent.py), hybrid models only
+    draft_states: list | None = None
 
     @property
     def length(self) -> int:
@@ -104,9 +107,10 @@ def stack_cache(model: PreTrainedModel, kvs: list[torch.Tensor]) -> DynamicCache
         for b, kv in enumerate(kvs):
             stacked[:, :, b, :, width - kv.shape[-2]:] = kv
     cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
-    if len(cache.layers) != stacked.shape[0]:
-        raise ValueError(f"{len(kvs[0])} cached layers for a model with {len(cache.layers)} attention layers")
-    for layer, layer_kv in zip(cache.layers, stacked.unbind(0)):
+    layers = ragged.cache_layers(cache)  # attention layers (recurrent states are stacked apart)
+    if len(layers) != stacked.shape[0]:
+        raise ValueError(f"{len(kvs[0])} cached layers for a model with {len(layers)} attention layers")
+    for layer, layer_kv in zip(layers, stacked.unbind(0)):
         layer.dtype, layer.device, layer.is_initialized = stacked.dtype, stacked.device, True
         layer.keys, layer.values = layer_kv[0], layer_kv[1]  # [G, H, W, D] each
     return cache
@@ -237,8 +241,10 @@ class ExspecPool:
         prompt_lengths = torch.tensor([s.prompt_length for s in group], dtype=torch.long, device=device)
         state = BatchState([s.request_id for s in group], tokens, lengths, prompt_lengths,
                            stack_cache(self.target, [s.target_kv for s in group]))
+        recurrent.load_rows(state.target_cache, [s.target_states for s in group])
         if group[0].draft_kv is not None:
             state.draft_cache = stack_cache(self.drafter.draft, [s.draft_kv for s in group])
+            recurrent.load_rows(state.draft_cache, [s.draft_states for s in group])
         old_lengths = [s.length for s in group]
         stack_seconds = clock.lap()
 
@@ -269,11 +275,13 @@ class ExspecPool:
         return self._record(result)
 
     def _cut_caches(self, state: BatchState, sequences: list[Sequence], rows: list[int], starts: list[int], ends: list[int]) -> None:
-        for sequence, kv in zip(sequences, unstack_cache(state.target_cache, rows, starts, ends)):
-            sequence.target_kv = kv
+        for sequence, kv, states in zip(sequences, unstack_cache(state.target_cache, rows, starts, ends),
+                                        recurrent.row_states(state.target_cache, rows)):
+            sequence.target_kv, sequence.target_states = kv, states
         if state.draft_cache is not None:
-            for sequence, kv in zip(sequences, unstack_cache(state.draft_cache, rows, starts, ends)):
-                sequence.draft_kv = kv
+            for sequence, kv, states in zip(sequences, unstack_cache(state.draft_cache, rows, starts, ends),
+                                            recurrent.row_states(state.draft_cache, rows)):
+                sequence.draft_kv, sequence.draft_states = kv, states
 
     def _keep_logits(self, sequences: list[Sequence], result: StepResult) -> None:
         if result.logits is not None:

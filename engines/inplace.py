@@ -41,6 +41,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines import layout
+from specaudit.engines import recurrent
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.drafters import check_draft_inputs, check_proposals, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult
@@ -86,13 +87,11 @@ def masked_forward(model: PreTrainedModel, cache: DynamicCache, valid: torch.Ten
                    cache_lengths: torch.Tensor) -> torch.Tensor:
     """One pass of `q` real tokens per row after a cache with holes; returns logits [B, q, V]."""
     queries = torch.ones(inputs.shape[0], inputs.shape[1], dtype=torch.bool, device=inputs.device)
-    out = model(
-        input_ids=inputs,
-        attention_mask=torch.cat([valid, queries], dim=1).long(),  # [B, W + q]
-        position_ids=ragged.position_ids(cache_lengths, inputs.shape[1]),  # [B, q]
-        past_key_values=cache,
-        use_cache=True,
-    )
+    mask = torch.cat([valid, queries], dim=1).long()  # [B, W + q]
+    positions = ragged.position_ids(cache_lengths, inputs.shape[1])  # [B, q]
+    if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
+        return recurrent.forward_by_token(model, cache, inputs, mask, positions)
+    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits
 
 
@@ -103,6 +102,7 @@ def append_valid(valid: torch.Tensor, columns: int, real_counts: torch.Tensor) -
 
 
 def select_cache_rows(cache: DynamicCache, keep: torch.Tensor) -> None:
+    recurrent.select_rows(cache, keep)
     for layer in ragged.cache_layers(cache):
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             layer.keys = layer.keys.index_select(0, keep)
@@ -194,6 +194,7 @@ class InplaceDrafter:
         if self._filled:
             valid = torch.cat([valid, (accepted_counts == k).unsqueeze(1)], dim=1)
         state.draft_valid = valid
+        recurrent.commit(state.draft_cache, accepted_counts)  # recurrent states: after the accepted tokens
         self._proposed = None
 
 
@@ -325,6 +326,7 @@ class InplaceEngine(ConsecutiveBatches):
         # exactly accepted + 1 tokens, the last of which is its new pending token
         self.drafter.commit(state, accepted_counts, keep)
         state.target_valid = append_valid(state.target_valid, k + 1, accepted_counts + 1)
+        recurrent.commit(state.target_cache, accepted_counts)  # recurrent states: after the accepted tokens
         state.pending = target_tokens.gather(1, (emitted - 1).unsqueeze(1))  # [B, 1]
         state.lengths = state.lengths + emitted
         accept_seconds += clock.lap()

@@ -10,8 +10,10 @@ model's own sliding cache at batch size 1 in float64 by `tests/test_architecture
 RoPE settings and attention sinks live inside the attention modules and need nothing here.
 
 Supported: every layer a full-attention or sliding-window attention layer (the cache layer types
-transformers builds for them). Anything else (linear attention or state-space layers, chunked
-attention, layers that share another layer's cache) is refused before any run by
+transformers builds for them) or a recurrent layer (gated delta-net, short convolution, Mamba-2:
+transformers' `LinearAttentionLayer`), whose per-row state the engines roll back after each
+verification (`engines/recurrent.py`). Anything else (layers that are attention and recurrent at
+once, chunked attention, layers that share another layer's cache) is refused before any run by
 `check_supported`, with one line naming the architecture and what is missing.
 
 Float64 switches (eager experts, a float64 softmax) are in `engines/models/float64.py`.
@@ -23,7 +25,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+
+from specaudit.engines import recurrent
 
 
 class UnsupportedModel(ValueError):
@@ -53,13 +57,15 @@ def _model_cache(model: PreTrainedModel) -> DynamicCache:
 
 
 def attention_layer_kinds(model: PreTrainedModel) -> list[str]:
-    """Per layer: "full", "sliding" or the name of an unsupported cache layer class."""
+    """Per layer: "full", "sliding", "recurrent" or the name of an unsupported cache layer class."""
     kinds = []
     for layer in _model_cache(model).layers:
         if type(layer) is DynamicLayer:
             kinds.append("full")
         elif type(layer) is DynamicSlidingWindowLayer:
             kinds.append("sliding")
+        elif type(layer) is LinearAttentionLayer:
+            kinds.append("recurrent")
         else:
             kinds.append(type(layer).__name__)
     return kinds
@@ -68,18 +74,27 @@ def attention_layer_kinds(model: PreTrainedModel) -> list[str]:
 def check_supported(model: PreTrainedModel, role: str = "model") -> None:
     """Raise `UnsupportedModel` (one line) when the engines cannot keep `model`'s caches exactly."""
     kinds = attention_layer_kinds(model)
-    unsupported = sorted({k for k in kinds if k not in ("full", "sliding")})
+    unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "recurrent")})
     if unsupported:
         raise UnsupportedModel(
             f"{role} {architecture_name(model)}: cache layers {', '.join(unsupported)} are not supported "
-            f"(the batched engines keep full-attention and sliding-window attention layers only)"
+            f"(the batched engines keep full-attention, sliding-window attention and recurrent layers only)"
+        )
+    if "recurrent" in kinds and not any(k in ("full", "sliding") for k in kinds):
+        raise UnsupportedModel(
+            f"{role} {architecture_name(model)}: recurrent layers only, no attention layer "
+            f"(the batched engines run hybrid recurrent models, not pure state-space ones)"
         )
 
 
 def full_history_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty cache with one full-history `DynamicLayer` per attention layer of `model`
-    (sliding-window layers included: the attention mask applies their window)."""
-    count = len(_model_cache(model).layers)
+    (sliding-window layers included: the attention mask applies their window); for a model with
+    recurrent layers a `recurrent.HybridCache`, their states beside the attention layers."""
+    kinds = attention_layer_kinds(model)
+    if "recurrent" in kinds:
+        return recurrent.new_cache(kinds)
+    count = len(kinds)
     cache = DynamicCache()
     if count:
         cache.layers.extend(DynamicLayer() for _ in range(count))
@@ -90,6 +105,9 @@ def layout_info(model: PreTrainedModel) -> dict[str, Any]:
     """Facts a report shows about how the engines run `model`."""
     kinds = attention_layer_kinds(model)
     info: dict[str, Any] = {"architecture": architecture_name(model), "layers": len(kinds)}
+    recurrent_layers = kinds.count("recurrent")
+    if recurrent_layers:
+        info["recurrent_layers"] = recurrent_layers
     sliding = kinds.count("sliding")
     if sliding:
         window = getattr(model.config.get_text_config(decoder=True), "sliding_window", None)

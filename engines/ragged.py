@@ -12,6 +12,7 @@ Every function here is vectorised over rows: one gather per tensor, no Python lo
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +93,9 @@ def gather_columns(x: torch.Tensor, source: torch.Tensor, valid: torch.Tensor) -
 
 
 def cache_layers(cache) -> list:
-    """The per-layer key/value holders of a transformers 5.x cache."""
-    return list(cache.layers)
+    """The per-layer key/value holders of a transformers 5.x cache (recurrent layers, which hold
+    states and no columns, are left out: `engines/recurrent.py` keeps them)."""
+    return [layer for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
 def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:

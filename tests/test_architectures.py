@@ -1,4 +1,5 @@
-"""Sliding windows, mixtures of experts, attention sinks and cross-family drafts, as user pairs.
+"""Sliding windows, mixtures of experts, attention sinks, cross-family drafts and hybrid recurrent models
+(gated delta-net, short convolutions, Mamba-2; INPLACE audited on those too), as user pairs.
 
 Each case builds a tiny target and draft from seeded configs, saves them as Hugging Face folders
 (safetensors) and runs `specaudit audit --engine eqspec --engine exspec --target T --draft D
@@ -39,6 +40,16 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
                        moe_intermediate_size=16, decoder_sparse_step=1), None),
     "gpt-oss": (dict(model_type="gpt_oss", num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
                      sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), None),
+    # hybrid recurrent models: gated delta-net with experts, short convolutions, Mamba-2
+    "qwen3-next": (dict(model_type="qwen3_next", num_hidden_layers=3, num_experts=3, num_experts_per_tok=2,
+                        moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=1,
+                        mlp_only_layers=[], layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=3), None),
+    "lfm2": (dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "conv", "full_attention"],
+                  conv_L_cache=4, block_auto_adjust_ff_dim=False), None),
+    "bamba": (dict(model_type="bamba", num_hidden_layers=3, attn_layer_indices=[0], mamba_n_heads=2, mamba_d_head=16,
+                   mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3, mamba_expand=1, mamba_chunk_size=4), None),
     # a Mistral draft for a Llama target: other layer count, head count and head size, a window
     "llama-mistral": (dict(model_type="llama", num_hidden_layers=2),
                       dict(model_type="mistral", num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -97,16 +108,20 @@ def save_pair(root: Path, name: str) -> tuple[Path, Path]:
     return paths
 
 
+HYBRID = ("qwen3-next", "lfm2", "bamba")  # recurrent layers: INPLACE audited too
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_user_pair_is_exact_in_float64(name: str, tmp_path: Path, prompts_file: Path) -> None:
     target, draft = save_pair(tmp_path, name)
     out = tmp_path / "audit"
-    status = cli.main(["audit", "--engine", "eqspec", "--engine", "exspec", "--target", str(target),
+    engines = ["--engine", "eqspec", "--engine", "exspec"] + (["--engine", "inplace"] if name in HYBRID else [])
+    status = cli.main(["audit", *engines, "--target", str(target),
                        "--draft", str(draft), "--batch-size", "4", "--dtype", "float64", "--prompts", str(prompts_file),
                        "--max-new-tokens", str(NEW_TOKENS), "--draft-tokens", "3", "--out", str(out)])
     audit = json.loads((out / "audit.json").read_text())
     assert status == 0, [run.get("error") for run in audit["runs"]]
-    assert len(audit["runs"]) == 2
+    assert len(audit["runs"]) == len(engines) // 2
     for run in audit["runs"]:
         assert run["exact_matches"] == run["num_prompts"] >= len(PROMPT_LENGTHS)
         assert run["max_logit_error"] is not None and run["max_logit_error"] < 1e-9
@@ -118,6 +133,10 @@ def test_user_pair_is_exact_in_float64(name: str, tmp_path: Path, prompts_file: 
         info = audit["runs"][0]["pair_info"]
         assert any("experts: eager" in note for note in info["float64_switches"]["target"])
         assert "eager" in (out / "report.md").read_text()
+    if name in HYBRID:  # recurrent layers seen as such, their float64 switches recorded
+        info = audit["runs"][0]["pair_info"]
+        assert info["target_layout"]["recurrent_layers"] >= 1
+        assert any("recurrent layers: float64" in note for note in info["float64_switches"]["target"])
 
 
 def test_the_window_changes_the_logits() -> None:
@@ -131,23 +150,24 @@ def test_the_window_changes_the_logits() -> None:
     assert float((windowed - full).abs().max()) > 1e-3
 
 
+def unsupported_config():
+    """Falcon-H1: attention and a Mamba-2 mixer in the same layer (one cache layer holding both)."""
+    return AutoConfig.for_model("falcon_h1", **{**COMMON, "num_hidden_layers": 2, "mamba_d_ssm": 32,
+                                                "mamba_n_heads": 2, "mamba_d_head": 16, "mamba_d_state": 8,
+                                                "mamba_chunk_size": 4})
+
+
 def test_unsupported_cache_layers_are_refused_in_one_line() -> None:
-    config = AutoConfig.for_model("qwen3_next", **{**COMMON, "num_hidden_layers": 4, "num_experts": 4,
-                                                   "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                                   "linear_num_value_heads": 2, "linear_num_key_heads": 2,
-                                                   "linear_key_head_dim": 8, "linear_value_head_dim": 8})
+    config = unsupported_config()
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedModel) as caught:
         EQSpec(model, model, batch_size=2)
     message = str(caught.value)
-    assert "\n" not in message and "Qwen3NextForCausalLM" in message
+    assert "\n" not in message and "FalconH1ForCausalLM" in message
 
 
 def test_unsupported_user_pair_is_a_usage_error_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    config = AutoConfig.for_model("qwen3_next", **{**COMMON, "num_hidden_layers": 4, "num_experts": 4,
-                                                   "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                                   "linear_num_value_heads": 2, "linear_num_key_heads": 2,
-                                                   "linear_key_head_dim": 8, "linear_value_head_dim": 8})
+    config = unsupported_config()
     for name in ("target", "draft"):
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
     try:
@@ -157,7 +177,7 @@ def test_unsupported_user_pair_is_a_usage_error_before_any_run(tmp_path: Path, c
     except SystemExit as exc:
         code = exc.code
     assert code == 2
-    error_lines = [line for line in capsys.readouterr().err.splitlines() if "Qwen3NextForCausalLM" in line]
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if "FalconH1ForCausalLM" in line]
     assert len(error_lines) == 1 and "not supported" in error_lines[0]
     audit_path = tmp_path / "out" / "audit.json"
     assert not audit_path.exists() or json.loads(audit_path.read_text())["runs"] == []

@@ -45,7 +45,7 @@ def test_inplace_equals_reference_on_every_pair(pair_name: str) -> None:
     assert worst < LOGIT_TOLERANCE
 
 
-@pytest.mark.parametrize("pair_name", ["tiny-llama", "tiny-opt", "tiny-gemma3"])
+@pytest.mark.parametrize("pair_name", ["tiny-llama", "tiny-opt", "tiny-gemma3", "tiny-qwen3-next", "tiny-lfm2", "tiny-bamba"])
 @pytest.mark.parametrize("compact_fraction", [0.0, 1e9], ids=["every-step", "never"])
 def test_inplace_compaction_threshold(pair_name: str, compact_fraction: float) -> None:
     pair = models.pair(pair_name)

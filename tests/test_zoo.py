@@ -12,10 +12,10 @@ from specaudit.cli import main
 from specaudit.testing.models import pair, prompts
 
 
-def test_builtin_pairs_are_the_nine_families() -> None:
+def test_builtin_pairs_are_the_twelve_families() -> None:
     assert zoo.builtin_pair_names() == sorted(
         ["tiny-llama", "tiny-qwen3", "tiny-glm4", "tiny-gpt2", "tiny-opt", "tiny-gpt-neox",
-         "tiny-gemma3", "tiny-qwen3-moe", "tiny-llama-mistral"])
+         "tiny-gemma3", "tiny-qwen3-moe", "tiny-llama-mistral", "tiny-qwen3-next", "tiny-lfm2", "tiny-bamba"])
 
 
 def test_pairs_are_deterministic() -> None:

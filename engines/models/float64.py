@@ -10,7 +10,9 @@ Some transformers kernels quietly leave float64:
   has: a float64 audit could not tell it from a bug. `float64_eager_attention` is the same eager
   attention (scaling, soft-capping, attention sinks, GQA) with the softmax in float64.
 
-`prepare_float64` applies both where they apply and returns notes saying what it switched; the
+- recurrent layers (gated delta-net, Mamba-2) run their recurrences in float32: `engines/models/float64_recurrent.py`.
+
+`prepare_float64` applies all three where they apply and returns notes saying what it switched; the
 oracle and the engines share the model object, so they share the switch. Nothing changes below
 float64.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines.models.float64_recurrent import prepare_recurrent_float64
 from specaudit.engines.layout import experts_implementation
 
 FLOAT64_EAGER = "specaudit_float64_eager"
@@ -98,4 +101,5 @@ def prepare_float64(model: PreTrainedModel) -> list[str]:
         _register()
         model.set_attn_implementation(FLOAT64_EAGER)
         notes.append("attention: eager with a float64 softmax (the model's eager attention upcasts it to float32)")
+    notes += prepare_recurrent_float64(model)  # gated delta-net, Mamba-2: recurrences in float64
     return notes

@@ -55,12 +55,15 @@ def _config(spec: dict[str, Any], layers: int, role: str = "target"):
 
 def _seeded_init(model: PreTrainedModel, std: float, seed: int) -> None:
     """Every matrix (and stack of expert matrices) ~ N(0, std^2), every vector left at its default
-    (norm weights 1, biases 0)."""
+    (norm weights 1, biases 0), except the state-space decays `A_log`, which transformers draws from
+    torch's global RNG for gated delta-net: log A ~ log U(1, 16) from the same generator."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * std)
+            elif name.endswith("A_log"):
+                param.copy_((1 + 15 * torch.rand(param.shape, generator=gen, dtype=torch.float64)).log())
 
 
 def build_builtin_pair(name: str) -> tuple[PreTrainedModel, PreTrainedModel, dict[str, Any]]:

@@ -13,6 +13,8 @@ the user must fix, from one vocabulary (`CLASSES`, each with its fix in one sent
     pad_as_content   a real token equal to the pad id treated as padding (prompt or output)
     output_order     outputs answered for the wrong prompts
     cross_row        a row's output depends on the other rows of its batch
+    recurrent_state  a recurrent layer's state (gated delta-net, convolution, Mamba) not the row's own after
+                     its accepted tokens: not rolled back, advanced by rejected tokens, reset, or another row's
     unknown          none of the above is shown by the evidence
 
 The diagnosis works as an engineer would, cheapest first, and stops at the first decisive result:
@@ -39,7 +41,7 @@ from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.replay import explain
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
-                            "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "unknown")
+                            "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state", "unknown")
 
 FIXES: dict[str, str] = {
     "position_ids": "Derive each row's position ids from its own real length (no padding, no rejected slots, no offset).",
@@ -59,6 +61,8 @@ FIXES: dict[str, str] = {
                     "or pool).",
     "cross_row": "Never let a row read another row's state: select, trim and write back caches per row by its "
                  "own index and its own accepted count.",
+    "recurrent_state": "Roll each row's recurrent state (convolution window, SSM state) back to the state after its "
+                       "last accepted token after every verification, per row, and never feed it padding.",
     "unknown": "Read the evidence and the divergence context; the diagnosis could not name the mechanism.",
 }
 
@@ -131,7 +135,7 @@ class Diagnoser:
             found = None
         if found is None:
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
-        return diagnosis(found.cls, found.evidence, tried)
+        return diagnosis(*_in_recurrent_state(self.target, found), tried)
 
     def _logits(self, index: int) -> torch.Tensor | None:
         return self.engine_logits[index] if index < len(self.engine_logits) else None
@@ -260,3 +264,19 @@ class Diagnoser:
         return Finding("kv_cache", f"{where}; its logits are right until the step after step {rejected}, which "
                        "rejected draft tokens, and no position or mask hypothesis explains them: the target cache "
                        "kept or lost entries at the rejection")
+
+
+def _in_recurrent_state(target: Any, found: Finding) -> tuple[str, str]:
+    """A row's own cache wrong, or its output depending on its batch, in a model with recurrent
+    layers: the state those layers keep per row (`engines/recurrent.py`) is the cache that went
+    wrong, since a state cannot be trimmed like KV columns (the class names that fix)."""
+    if found.cls not in ("kv_cache", "cross_row") or target is None:
+        return found.cls, found.evidence
+    from specaudit.engines.layout import attention_layer_kinds
+
+    recurrent = attention_layer_kinds(target).count("recurrent")
+    if not recurrent:
+        return found.cls, found.evidence
+    return "recurrent_state", (f"{found.evidence}; the target keeps recurrent state in {recurrent} layers, which a "
+                               "rejection or another row changes exactly this way: the state was not the row's own "
+                               "after its accepted tokens")

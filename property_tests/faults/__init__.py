@@ -17,6 +17,12 @@ from specaudit.testing.faults.caches import (
 )
 from specaudit.testing.faults.mutation import FaultEngine, LineChange, RunawayDecoding, StaleFault
 from specaudit.testing.faults.padding import AttentionMaskBlindToPadding, PadTokenTreatedAsPadding, RepadWithoutUnpad
+from specaudit.testing.faults.recurrent import (
+    ConvStateResetMidSequence,
+    RecurrentStateAdvancedByRejected,
+    RecurrentStateFromAnotherRow,
+    RecurrentStateNotRolledBack,
+)
 from specaudit.testing.faults.pool import GroupResultsToWrongRows, GroupStacksDifferentLengths
 from specaudit.testing.faults.positions import PositionIdsCountPadding, PositionIdsFromOne
 from specaudit.testing.faults.stopping import OvershootMaxNewTokens, TokensAfterEos
@@ -39,6 +45,10 @@ FAULTS: tuple[type[FaultEngine], ...] = (
     TokensAfterEos,
     GroupStacksDifferentLengths,
     GroupResultsToWrongRows,
+    RecurrentStateNotRolledBack,
+    RecurrentStateAdvancedByRejected,
+    ConvStateResetMidSequence,
+    RecurrentStateFromAnotherRow,
 )
 
 __all__ = ["FAULTS", "FaultEngine", "LineChange", "RunawayDecoding", "StaleFault"]

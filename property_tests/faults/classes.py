@@ -25,4 +25,9 @@ EXPECTED_CLASS: dict[str, str] = {
     "tokens_after_eos": "stop_eos",
     "group_stacks_different_lengths": "kv_cache",  # each row cut out of the group cache at wrong columns
     "group_results_to_wrong_rows": "cross_row",  # a sequence takes its neighbour's cache
+    # hybrid models: a state kept, advanced, zeroed or crossed at the rollback
+    "recurrent_state_not_rolled_back": "recurrent_state",
+    "recurrent_state_advanced_by_rejected": "recurrent_state",
+    "conv_state_reset_mid_sequence": "recurrent_state",
+    "recurrent_state_from_another_row": "recurrent_state",
 }

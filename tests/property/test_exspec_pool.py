@@ -24,7 +24,7 @@ from specaudit.testing import models
 from specaudit.testing.faults.mutation import LineChange, mutant_modules
 from specaudit.testing.profiles import examples
 
-PAIRS = ("tiny-llama", "tiny-gpt2", "tiny-opt")
+PAIRS = ("tiny-llama", "tiny-gpt2", "tiny-opt", "tiny-lfm2", "tiny-bamba")
 SHORT_PROMPTS = [i for i, p in enumerate(models.prompts()) if len(p) <= 200]
 CACHE_TOLERANCE = 1e-9
 

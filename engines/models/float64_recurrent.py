@@ -1,0 +1,151 @@
+"""Float64 switches for recurrent layers (gated delta-net, Mamba-2 mixers and their gated norms).
+
+transformers' reference PyTorch paths (used when `flash-linear-attention` and `causal_conv1d` are
+absent) compute the recurrences in float32 whatever the model's dtype: the gated delta rule casts
+query, key, value, beta and the decay to float32; the Mamba-2 scans and their single-token state
+update cast dt, A, B and C; the gated RMS norms after them cast to float32; the decay of gated
+delta-net comes from `A_log.float()`. A float64 oracle would carry float32 noise there.
+
+`prepare_recurrent_float64(model)` swaps in the same code with every float32 cast turned into a
+float64 cast (the source of each function or `forward`, with `torch.float32` read as
+`torch.float64` and `.float()` as `.double()`), and every depthwise `conv1d` (the short
+convolutions) computed as an explicit sum over the kernel (`depthwise_conv1d`: torch's CPU conv1d
+costs tens of milliseconds per call on these shapes, which made a float64 audit of a hybrid pair
+take many minutes):
+
+- a mixer's or gated norm's `forward` on that model's own module instances (nothing else changes);
+- a module-level function of the model's family (the scans, the delta rules): the module's name is
+  bound to a dispatcher that runs the float64 copy when any tensor argument is float64 and the
+  original otherwise, so a model of the same family in another dtype computes as before.
+
+Returns notes naming what was switched; `engines/models/float64.py` adds them to `float64_switches`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import sys
+import textwrap
+import types
+from typing import Any, Callable
+
+import torch
+from transformers import PreTrainedModel
+
+# module-level functions of the recurrent paths, by name
+_FUNCTION_NAME = re.compile(r"gated_delta_rule|selective_state_update|chunk_scan|ssd|segment_sum|selective_scan|causal_conv1d")
+# classes whose forward runs a recurrence or the gated norm after it
+_CLASS_NAME = re.compile(r"GatedDeltaNet|Mixer|RMSNormGated|GatedRMSNorm|ShortConv|Mamba")
+_MARK = "_specaudit_float64"
+
+
+def _as_float64(source: str) -> str:
+    source = textwrap.dedent(source)
+    lines = source.splitlines()
+    while lines and lines[0].lstrip().startswith("@"):  # decorators (kernel hub, accelerate hooks)
+        lines.pop(0)
+    source = "\n".join(lines)
+    source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    return source.replace("F.conv1d(", f"{_CONV}(").replace("nn.functional.conv1d(", f"{_CONV}(")
+
+
+_CONV = "_specaudit_depthwise_conv1d"
+
+
+def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: int = 1,
+                     padding: int | tuple = 0, dilation: int = 1, groups: int = 1) -> torch.Tensor:
+    """`F.conv1d` for a depthwise convolution (`groups` = channels) as one explicit sum over the kernel;
+    anything else goes to `F.conv1d`. torch's CPU conv1d takes tens of milliseconds per call on these
+    shapes (measured 45 ms for [4, 80, 4] in float64, the explicit sum 0.04 ms)."""
+    pad = padding[0] if isinstance(padding, tuple) else padding
+    channels = x.shape[1]
+    if not (groups == channels == weight.shape[0] and weight.shape[1] == 1 and stride in (1, (1,))
+            and dilation in (1, (1,)) and isinstance(pad, int)):
+        return torch.nn.functional.conv1d(x, weight, bias, stride, padding, dilation, groups)
+    if pad:
+        x = torch.nn.functional.pad(x, (pad, pad))
+    windows = x.unfold(-1, weight.shape[-1], 1)  # [B, C, L', K]
+    out = (windows * weight[:, 0][None, :, None, :]).sum(-1)  # [B, C, L']
+    return out if bias is None else out + bias[None, :, None]
+
+
+def _compile(function: Callable[..., Any], module: types.ModuleType) -> Callable[..., Any]:
+    """The float64 copy of `function`, its globals the live module (so it calls the switched functions)."""
+    source = _as_float64(inspect.getsource(function))
+    scope = dict(vars(module))
+    exec(compile(source, f"<float64 {function.__qualname__}>", "exec"), scope)
+    compiled = scope[function.__name__]
+    setattr(module, _CONV, depthwise_conv1d)
+    return types.FunctionType(compiled.__code__, vars(module), compiled.__name__, compiled.__defaults__,
+                              compiled.__closure__)
+
+
+def _uses_float32(function: Callable[..., Any]) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return "torch.float32" in source or ".float()" in source or "conv1d(" in source
+
+
+def _any_float64(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in (*args, *kwargs.values()))
+
+
+def _dispatcher(original: Callable[..., Any], float64_copy: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        return float64_copy(*args, **kwargs) if _any_float64(args, kwargs) else original(*args, **kwargs)
+
+    setattr(dispatch, _MARK, original)
+    return dispatch
+
+
+def _switch_functions(module: types.ModuleType) -> list[str]:
+    switched = []
+    for name, value in sorted(vars(module).items()):
+        if not (inspect.isfunction(value) and _FUNCTION_NAME.search(name)):
+            continue
+        if hasattr(value, _MARK):
+            switched.append(name)  # already switched (another model of this family)
+            continue
+        if value.__module__ != module.__name__ or not _uses_float32(value):
+            continue
+        setattr(module, name, _dispatcher(value, _compile(value, module)))
+        switched.append(name)
+    return switched
+
+
+def prepare_recurrent_float64(model: PreTrainedModel) -> list[str]:
+    """Switch `model`'s recurrent paths (already float64) to float64 arithmetic; notes on what changed."""
+    module = sys.modules.get(type(model).__module__)
+    if module is None:
+        return []
+    methods: set[str] = set()
+    functions = _switch_functions(module)
+    for submodule in model.modules():
+        cls = type(submodule)
+        if isinstance(submodule, torch.nn.Conv1d) and submodule.groups == submodule.in_channels > 1:
+            submodule.forward = functools.partial(_conv_module_forward, submodule)
+            methods.add("Conv1d (depthwise)")
+            continue
+        if cls.__module__ != module.__name__ or not _CLASS_NAME.search(cls.__name__):
+            continue
+        if not _uses_float32(cls.forward):
+            continue
+        try:
+            forward = _compile(cls.forward, module)
+        except (OSError, SyntaxError, TypeError):
+            continue
+        submodule.forward = types.MethodType(forward, submodule)
+        methods.add(cls.__name__)
+    if not methods and not functions:
+        return []
+    what = sorted(methods) + [f"{name}()" for name in functions]
+    return [f"recurrent layers: float64, depthwise convolutions as explicit sums ({', '.join(what)})"]
+
+
+def _conv_module_forward(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    return depthwise_conv1d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
