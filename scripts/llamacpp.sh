@@ -53,8 +53,10 @@ stage="$work/stage"
 mkdir -p "$stage/bin"
 
 # 1. the llama-cpp-python sdist: its vendored llama.cpp has the converter (and the source for MODE=source)
+# (--no-binary for this one package only: with ':all:' pip also builds the sdist's build requirements
+# from source to read its metadata, which ran over 20 minutes with no pip cache and never finished)
 echo "llama.cpp: fetching the llama-cpp-python==$VERSION sdist (76 MB) for the converter" >&2
-"$PYTHON" -m pip download --quiet --disable-pip-version-check --no-binary :all: --no-deps \
+"$PYTHON" -m pip download --quiet --disable-pip-version-check --no-binary llama-cpp-python --no-deps \
     "llama-cpp-python==$VERSION" -d "$work/sdist" >&2
 tar -xzf "$work"/sdist/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
