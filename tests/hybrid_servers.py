@@ -12,7 +12,9 @@ draft, `--spec-type draft-simple`, up to 4 draft tokens, `-np 4`), then
    the common prefix and records the top-2 margin there;
 3. reads `/metrics` (draft tokens, accepted tokens, busy slots per decode).
 
-    python tests/hybrid_servers.py [FAMILY ...] [--out FILE.json]
+    python tests/hybrid_servers.py [FAMILY ...] [--configs NAME ...] [--num-prompts N] [--out FILE.json]
+
+The audit runs the first N built-in prompts plus its adversarial ones; the own comparison the first N.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import llamacpp_models as lm
 MAX_NEW_TOKENS = 32
 BATCH_SIZE = 4
 EOS = hm.VOCAB["eos_token_id"]
+METRICS = ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total", "n_busy_slots_per_decode",
+           "n_decode_total")
 CONFIGS = {"f32-cache-fa-off": lm.EXACT_ARGS, "defaults": []}
 
 
@@ -76,42 +80,56 @@ def compare(hf_target: Path, prompts, served, reference) -> dict:
     return {"exact": exact, "num_prompts": len(prompts), "divergences": divergences}
 
 
-def audit_cli(url: str, hf_target: Path, out: Path) -> dict:
+def audit_cli(url: str, hf_target: Path, out: Path, num_prompts: int) -> dict:
     command = [sys.executable, "-m", "specaudit", "audit", "--engine", f"llamacpp:{url}", "--target", str(hf_target),
                "--dtype", "float32", "--batch-size", str(BATCH_SIZE), "--max-new-tokens", str(MAX_NEW_TOKENS),
-               "--no-progress", "--out", str(out)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
-    return {"command": " ".join(command[1:]), "exit": done.returncode,
-            "last_lines": done.stdout.strip().splitlines()[-4:]}
+               "--num-prompts", str(num_prompts), "--no-progress", "--out", str(out)]
+    start = time.monotonic()
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    result = {"command": " ".join(command[1:]), "exit": done.returncode, "seconds": round(time.monotonic() - start),
+              "last_lines": [line for line in done.stdout.strip().splitlines() if "falling back" not in line][-6:]}
+    audit_json = out / "audit.json"
+    if audit_json.is_file():
+        runs = json.loads(audit_json.read_text())["runs"]
+        result["runs"] = [{key: run.get(key) for key in ("num_prompts", "exact_matches", "error")}
+                          | {"divergences": [{key: d.get(key) for key in ("prompt_index", "position", "kind")}
+                                             | {"class": (d.get("diagnosis") or {}).get("class")}
+                                             for d in run.get("divergences", [])]} for run in runs]
+    return result
 
 
-def run_family(family: str, work: Path) -> dict:
+def run_family(result: dict, work: Path, configs: list[str], num_prompts: int, save) -> None:
+    """Fill `result` ({"family": ...}) in place, calling `save()` after each step."""
     from specaudit.engines.adapters.servers import LlamaCppEngine
     from specaudit.equivalence.prompts import load_prompts
 
     llama_dir = lm.llama_cpp_dir()
-    result: dict = {"family": family, "server": lm.build_info(llama_dir), "configs": {}}
+    family = result["family"]
+    result["server"] = lm.build_info(llama_dir)
     try:
         pair = hm.hybrid_pair(llama_dir, family)
     except Exception as error:
         result["conversion_error"] = str(error)[-2000:]
-        return result
-    prompts = load_prompts("builtin", None)
+        return
+    prompts = load_prompts("builtin", None, num_prompts)
     reference = reference_outputs(pair.hf_target, prompts)
-    for name, args in CONFIGS.items():
+    for name in configs:
+        args = CONFIGS[name]
         entry: dict = {}
+        result["configs"][name] = entry
         log = work / f"{family}-{name}.log"
         try:
             with lm.LlamaServer(llama_dir, pair, args, log) as server:
                 entry["server_command"] = " ".join(server.command)
-                entry["audit"] = audit_cli(server.url, pair.hf_target, work / f"{family}-{name}-audit")
+                entry["audit"] = audit_cli(server.url, pair.hf_target, work / f"{family}-{name}-audit", num_prompts)
+                metrics = server.metrics()
+                entry["metrics_after_audit"] = {key: metrics.get(key) for key in METRICS}
+                save()
                 start = time.monotonic()
                 served = LlamaCppEngine(server.url, batch_size=BATCH_SIZE).generate(prompts, MAX_NEW_TOKENS, EOS)
                 entry["generate_s"] = round(time.monotonic() - start, 2)
                 metrics = server.metrics()
-                entry["metrics"] = {key: metrics.get(key) for key in (
-                    "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                    "n_busy_slots_per_decode", "n_decode_total")}
+                entry["metrics_after_both"] = {key: metrics.get(key) for key in METRICS}
                 entry["comparison"] = compare(pair.hf_target, prompts, served, reference)
                 if server.process.poll() is not None:
                     entry["server_exit"] = server.process.returncode
@@ -119,22 +137,28 @@ def run_family(family: str, work: Path) -> dict:
             entry["error"] = f"{type(error).__name__}: {str(error)[-2000:]}"
             if log.is_file():
                 entry["server_log_tail"] = log.read_text(errors="replace").splitlines()[-15:]
-        result["configs"][name] = entry
-    return result
+        save()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="*", default=list(hm.FAMILIES))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("hybrid-servers.json"))
     parser.add_argument("--work", type=Path, default=Path("hybrid-servers-work"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    results = []
-    for family in args.families:
-        results.append(run_family(family, args.work))
-        print(json.dumps(results[-1], indent=1), flush=True)
+    results: list[dict] = []
+
+    def save() -> None:
         args.out.write_text(json.dumps(results, indent=1))
+
+    for family in args.families:
+        results.append({"family": family, "configs": {}})
+        run_family(results[-1], args.work, args.configs, args.num_prompts, save)
+        save()
+        print(json.dumps(results[-1], indent=1), flush=True)
     return 0
 
 
