@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install, build llama.cpp's server (cached), then run every test (two processes). Headless
+# Install, fetch llama.cpp's server (prebuilt, cached; nothing is compiled), then run every test (two processes). Headless
 # Chromium (Debian package `chromium`) renders the HTML report in one test; it is installed here
 # when missing and apt is usable.
 set -euo pipefail
@@ -9,8 +9,9 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || echo "could not install chromium: the browser test will fail" >&2
 fi
-# llama.cpp's llama-server for the end-to-end test (tests/test_llamacpp_e2e.py): built once from the
-# llama-cpp-python 0.3.36 sdist (11 to 26 minutes on two shared cores), then cached in ~/.cache/specaudit
+# llama.cpp's server for the end-to-end test (tests/test_llamacpp_e2e.py): by default PyPI's prebuilt
+# xllamacpp in its own venv plus the converter from the llama-cpp-python sdist (about 4 minutes once,
+# then cached in ~/.cache/specaudit); SPECAUDIT_LLAMACPP=source compiles llama-server instead (7 to 26 minutes)
 PYTHON="${PYTHON:-python3}" bash scripts/llamacpp.sh >/dev/null \
-    || echo "could not build llama.cpp: the llama.cpp end-to-end test will fail" >&2
+    || echo "could not set up llama.cpp: the llama.cpp end-to-end test will fail" >&2
 exec "${PYTHON:-python3}" -m pytest -n 2 -q "$@"

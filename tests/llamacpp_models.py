@@ -1,8 +1,12 @@
-"""llama.cpp for the end-to-end test: the cached `llama-server` build, a tiny GGUF target and draft
+"""llama.cpp for the end-to-end test: a cached `llama-server`, a tiny GGUF target and draft
 converted from a Hugging Face pair with llama.cpp's own converter, and a server's lifetime.
 
-- `llama_cpp_dir()`: `scripts/llamacpp.sh` (builds once, 11 to 26 minutes on two shared cores,
-  then cached under ~/.cache/specaudit/llama.cpp/<version>/).
+- `llama_cpp_dir()`: `scripts/llamacpp.sh`. By default the server is llama.cpp's C++ server prebuilt
+  in PyPI's `xllamacpp` wheel (llama.cpp b11549), installed into its own venv under
+  ~/.cache/specaudit/llama.cpp/xllamacpp-<version>/ and run by `bin/llama-server` with llama-server's
+  flags: nothing is compiled. `SPECAUDIT_LLAMACPP=source` builds `llama-server` from the llama.cpp
+  source that the llama-cpp-python 0.3.36 sdist vendors instead (7 to 26 minutes on two shared
+  cores, then cached under ~/.cache/specaudit/llama.cpp/0.3.36/). Both use that sdist's converter.
 - `gguf_pair()`: the built-in `tiny-llama` pair (seeded, nothing downloaded) saved as float32
   safetensors with a byte-level BPE tokenizer (`tokenizer.json`: 256 byte-fallback tokens
   `<0x00>`..`<0xFF>` at ids 0..255, then `<pad>`, `<s>`, `</s>`; no merges, no normalizer, so its ids
@@ -40,7 +44,7 @@ EXACT_ARGS = ["-ctk", "f32", "-ctv", "f32", "-fa", "off"]  # f32 KV cache, no fl
 
 
 def llama_cpp_dir() -> Path:
-    """The cached llama.cpp build (built by scripts/llamacpp.sh on first use)."""
+    """The cached llama.cpp server and converter (fetched, or built, by scripts/llamacpp.sh on first use)."""
     done = subprocess.run(["bash", str(REPO / "scripts" / "llamacpp.sh")], check=True,
                           stdout=subprocess.PIPE, text=True)
     return Path(done.stdout.strip().splitlines()[-1])
@@ -109,6 +113,11 @@ def gguf_pair(llama_dir: Path) -> GGUFPair:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return pair
+
+
+def build_info(llama_dir: Path) -> str:
+    """Which server the directory holds, as scripts/llamacpp.sh recorded it."""
+    return (llama_dir / "BUILD_INFO").read_text().strip()
 
 
 def complete(pair: GGUFPair) -> bool:
@@ -207,5 +216,5 @@ class LlamaServer:
 if __name__ == "__main__":
     directory = llama_cpp_dir()
     models = gguf_pair(directory)
-    print(f"llama.cpp: {directory}\nHF target: {models.hf_target}\nHF draft: {models.hf_draft}")
+    print(f"llama.cpp: {directory} ({build_info(directory)})\nHF target: {models.hf_target}\nHF draft: {models.hf_draft}")
     print(" ".join(server_command(directory, models, EXACT_ARGS, 8080)))

