@@ -17,9 +17,12 @@ both run every feature below at the same time, with 8 requests in flight:
   tokens first and gives the rest of the 128 to a prefill chunk, so chunks share steps with
   verification);
 - prefix caching on (vLLM's default): the prompts are the 32 built-in ones and then 4 long ones
-  (about 900 tokens) each given twice in a row, so the copy finds its twin's blocks cached;
+  (1000 tokens) each given twice in a row, so the copy finds its twin's blocks cached;
 - `--num-gpu-blocks-override 18` (blocks of 128 tokens; vLLM needs 17 for one 2176-token row):
-  a KV pool too small for 4 running rows of 900 tokens (8 blocks each), so requests are preempted.
+  two 1000-token rows fill 16 blocks, and their 32 new tokens cross into a ninth block each while
+  other rows hold the rest, so running requests are preempted. (A pool that is full only while
+  prompts wait is not enough: vLLM then keeps them waiting and preempts nothing, measured with
+  900-token prompts, whose new tokens stay inside their eighth block.)
 
 Each audit must exit 0 with every prompt exact.
 """
@@ -43,6 +46,7 @@ IN_FLIGHT = 8  # --batch-size: concurrent requests
 MAX_NUM_SEQS = 4
 STEP_TOKENS = 128  # --max-num-batched-tokens
 KV_BLOCKS = 18  # --num-gpu-blocks-override: 128-token blocks (vLLM's CPU block), one max-length row's worth
+LONG_PROMPT = 1000  # 8 blocks; with its new tokens it needs a ninth
 MAX_MODEL_LEN = 2176  # 17 blocks: the 2100-token adversarial prompt, its new tokens and one verify pass
 
 SHARED_ARGS = ["--dtype", "float32", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens",
@@ -130,12 +134,12 @@ def audit(engines: list[str], target: Path, out: Path, *extra: str,
 
 
 def prompts_file(path: Path) -> Path:
-    """The built-in prompts, then 4 long prompts (about 900 tokens: built-in texts joined) each
+    """The built-in prompts, then 4 long prompts (1000 tokens: built-in texts joined) each
     twice in a row, as JSONL `input_ids` (the pairs' tokenizer is bytes)."""
     from specaudit.engines import zoo
 
     texts = zoo.builtin_prompt_texts()
-    long_texts = [" ".join(texts[12 + start::4])[:900] for start in range(4)]
+    long_texts = [" ".join(texts[12 + start::4])[:LONG_PROMPT] for start in range(4)]
     with path.open("w") as out:
         for text in texts + [text for text in long_texts for _copy in range(2)]:
             out.write(json.dumps({"input_ids": list(text.encode("utf-8"))}) + "\n")
@@ -156,7 +160,8 @@ def test_vllm_float32_speculation_is_exact_under_load(vllm_python, tmp_path):
             samplers = {name: stack.enter_context(GaugeSampler(server)) for name, server in servers.items()}
             status, report, output, seconds = audit([f"vllm:{server.url}" for server in servers.values()],
                                                     models.target, tmp_path / "audit",
-                                                    "--prompts", str(prompts_file(tmp_path / "prompts.jsonl")))
+                                                    "--prompts", str(prompts_file(tmp_path / "prompts.jsonl")),
+                                                    "--require-speculation")
         after = {name: counters(server) for name, server in servers.items()}
         for name, server in servers.items():
             assert server.alive(), f"{name} died during the audit"
@@ -175,9 +180,11 @@ def test_vllm_float32_speculation_is_exact_under_load(vllm_python, tmp_path):
         delta = {counter: after[name][counter] - before[name][counter] for counter in COUNTERS}
         print(f"{name}: {run['exact_matches']}/{run['num_prompts']} exact in {run['seconds']:.0f} s; {delta}; "
               f"highest gauges {samplers[name].highest}")
-        # speculation happened, and some drafts were accepted
+        # speculation happened, and some drafts were accepted: in /metrics and in audit.json
         assert delta["spec_decode_num_draft_tokens_total"] > 0, (name, delta)
         assert delta["spec_decode_num_accepted_tokens_total"] > 0, (name, delta)
+        assert run["speculation"]["drafted_tokens"] > 0 and run["speculation"]["accepted_tokens"] > 0, run
+
         # more requests in flight than sequences: some waited while 4 ran
         assert samplers[name].highest["num_requests_waiting"] > 0, (name, samplers[name].highest)
         assert samplers[name].highest["num_requests_running"] <= MAX_NUM_SEQS, (name, samplers[name].highest)
