@@ -7,10 +7,11 @@ same weights, and each test reads the server's `/metrics` before and after (and 
 during the audit) to show that what it claims to test really happened. A server that never
 speculated fails the test.
 
-float32 (`vllm-llama-128`), two servers up at once so that one audit computes the reference once;
-both run every feature below at the same time, with 8 requests in flight:
+float32 (`vllm-llama-128`), three servers up at once so that one audit computes the reference once;
+each runs every feature below at the same time, with 8 requests in flight:
 
-- server A: draft-model speculation, k=4; server B: n-gram speculation (lookup 2 to 5, k=4);
+- draft-model speculation, k=4; n-gram speculation (lookup 2 to 5, k=4); EAGLE, k=4, with a tiny
+  seeded EAGLE-1 head (`vllm_models.eagle_head`, random: it drafts badly but vLLM runs its path);
 - `--max-num-seqs 4`: 8 requests in flight against 4 sequences (requests seen waiting);
 - `--max-num-batched-tokens 128`: chunked prefill (the audit's 2100-token prompt is served in
   chunks of at most 128 tokens; vLLM's scheduler fills a step with the running requests' verify
@@ -57,6 +58,10 @@ SHARED_ARGS = ["--dtype", "float32", "--max-num-seqs", str(MAX_NUM_SEQS), "--max
 def draft_model_args(draft: Path) -> list[str]:
     return ["--speculative-config", json.dumps({"method": "draft_model", "model": str(draft),
                                                  "num_speculative_tokens": 4})]
+
+
+def eagle_args(head: Path) -> list[str]:
+    return ["--speculative-config", json.dumps({"method": "eagle", "model": str(head), "num_speculative_tokens": 4})]
 
 
 NGRAM_ARGS = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4,
@@ -153,7 +158,8 @@ def counters(server: vm.VLLMServer) -> dict[str, float]:
 
 def test_vllm_float32_speculation_is_exact_under_load(vllm_python, tmp_path):
     models = vm.hf_pair("vllm-llama-128")
-    configs = {"draft-model": SHARED_ARGS + draft_model_args(models.draft), "ngram": SHARED_ARGS + NGRAM_ARGS}
+    configs = {"draft-model": SHARED_ARGS + draft_model_args(models.draft), "ngram": SHARED_ARGS + NGRAM_ARGS,
+               "eagle": SHARED_ARGS + eagle_args(vm.eagle_head("vllm-llama-128"))}
     with serving(vllm_python, models.target, configs, tmp_path) as servers:
         before = {name: counters(server) for name, server in servers.items()}
         with contextlib.ExitStack() as stack:

