@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 import vllm_models as vm
-from specaudit.equivalence import cli
+from specaudit import cli
 
 MAX_NEW_TOKENS = 32
 IN_FLIGHT = 8  # --batch-size: concurrent requests
@@ -141,7 +141,7 @@ def audit(engines: list[str], target: Path, out: Path, *extra: str,
 def prompts_file(path: Path) -> Path:
     """The built-in prompts, then 4 long prompts (1000 tokens: built-in texts joined) each
     twice in a row, as JSONL `input_ids` (the pairs' tokenizer is bytes)."""
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     texts = zoo.builtin_prompt_texts()
     long_texts = [" ".join(texts[12 + start::4])[:LONG_PROMPT] for start in range(4)]

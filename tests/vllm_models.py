@@ -122,7 +122,7 @@ def _complete(pair: HFPair) -> bool:
 def _write_pair(stage: Path, spec: dict) -> None:
     import torch
 
-    from specaudit.engines import zoo
+    from specaudit.engines.models import zoo
 
     target, draft, _spec = zoo.build_pair(spec)  # float64, seeded
     # the layers above the draft's write small corrections into the residual stream, so that the
