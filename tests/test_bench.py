@@ -161,10 +161,14 @@ def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
     assert all(len(r["tokens_per_second_repeats"]) == 2 for r in bench["runs"])
     assert "| eqspec | 2 | 2 |" not in (out / "bench.md").read_text()  # k defaults to 4
     assert "| eqspec | 2 | 4 |" in (out / "bench.md").read_text()
-    for name in ("throughput.svg", "stages.svg", "memory.svg"):
+    from specaudit.bench.charts import memory_chart, stages_chart, throughput_chart
+
+    for name, chart in (("throughput.svg", throughput_chart), ("stages.svg", stages_chart), ("memory.svg", memory_chart)):
         root = ET.fromstring((out / name).read_text())
         bars = [g.get("id") for g in root.iter("{http://www.w3.org/2000/svg}g") if g.get("id", "").startswith("bar-")]
-        assert root.tag.endswith("svg") and bars, f"{name} has no bars"
+        positive = sum(1 for series in chart(bench).series for v in series.values if v == v and v > 0)
+        assert root.tag.endswith("svg") and len(bars) == positive, f"{name}: {len(bars)} bars for {positive} values"
+    assert stages_chart(bench).categories and throughput_chart(bench).series  # runs were charted
     throughput = ET.fromstring((out / "throughput.svg").read_text())
     labels = "".join(throughput.itertext())
     assert "eqspec" in labels and "batched" in labels and "tokens per CPU second" in labels
