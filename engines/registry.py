@@ -79,6 +79,16 @@ def resolve(spec: str) -> Callable[..., Any]:
     return factory
 
 
+def takes_option(spec: str, name: str) -> bool:
+    """Whether the factory of `spec` accepts the option `name` (a parameter of that name or **kwargs);
+    True when its signature cannot be read."""
+    try:
+        params = inspect.signature(resolve(spec)).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_tokens: int, **options: Any) -> Any:
     """Build an engine. Options the factory does not accept (it has no **kwargs and no such
     parameter) are left out, so a minimal user factory need only take the four contract arguments."""

@@ -18,8 +18,9 @@ from specaudit.engines.models.zoo import ModelPair
 from specaudit.equivalence import attribute, speculation
 from specaudit.equivalence.blackbox import plain_engine
 from specaudit.equivalence.blackbox import rulings as blackbox
-from specaudit.equivalence.diagnosis.core import Diagnoser
+from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
+from specaudit.equivalence.isolate import isolatable, isolate_failures
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
 
 
@@ -124,6 +125,7 @@ def audit_engine(
     rerun: Callable[[list[int], int | None], list[list[int]]] | None = None,
     pad_token_id: int | None = None,
     plain: dict[str, Any] | None = None,
+    run_subset: Callable[[list[int]], list[list[int]]] | None = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
 
@@ -138,6 +140,10 @@ def audit_engine(
 
     `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
     pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
+
+    When `generate` raises, the prompts that make it fail are found by bisection
+    (`equivalence/isolate.py`) with `run_subset(indices)` (default: this engine on those prompts):
+    each is a failure finding in `failures`, and every other prompt is judged as usual.
     """
     if reference is None:
         reference = Reference(pair, prompts, max_new_tokens, eos_token_id)
@@ -146,11 +152,24 @@ def audit_engine(
     if hasattr(engine, "record_logits"):
         engine.record_logits = True
     started = time.perf_counter()
-    outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+    isolation = None
+    try:
+        outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+        trace = getattr(engine, "last_trace", None)
+    except Exception as exc:
+        if not isolatable(exc) or len(prompts) < 1:
+            raise
+        if run_subset is None:
+            def run_subset(indices: list[int]) -> list[list[int]]:
+                return engine.generate([list(prompts[i]) for i in indices], max_new_tokens, eos_token_id)
+        isolation = isolate_failures(run_subset, len(prompts), exc)
+        if not any(out is not None for out in isolation.outputs):
+            raise  # every prompt fails: the run failed
+        outputs, trace = [out if out is not None else [] for out in isolation.outputs], None
     seconds = time.perf_counter() - started
     if len(outputs) != len(prompts):
         raise ValueError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
-    trace = getattr(engine, "last_trace", None)
+    failed = {f["prompt_index"] for f in isolation.failures} if isolation is not None else set()
     engine_logits = getattr(trace, "logits", None) or [None] * len(prompts)
     tolerance = LOGIT_TOLERANCE.get(dtype)
     band, engine_logprobs = None, None
@@ -164,6 +183,10 @@ def audit_engine(
     for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, outputs)):
         eng_out = [int(t) for t in eng_out]
         comparison = compare_tokens(index, ref_out, eng_out)
+        if index in failed:  # a failure finding, not a comparison
+            comparison.exact, comparison.first_divergence, comparison.failed = False, None, True
+            comparisons.append(comparison)
+            continue
         error_so_far = None
         if engine_logits[index] is not None:
             # replay along the engine's own output, in the audit dtype: what its step should have seen
@@ -212,6 +235,7 @@ def audit_engine(
         for divergence in divergences:
             if divergence["kind"] == "structural":
                 divergence["diagnosis"] = diagnoser.diagnose(divergence)
+        note_shared_mechanisms(divergences)
 
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = getattr(engine, "describe", None)
@@ -224,7 +248,7 @@ def audit_engine(
         "device": device or str(pair.target.device),
         "num_prompts": len(prompts),
         "exact_matches": sum(c.exact for c in comparisons),
-        "equivalent": structural == 0,
+        "equivalent": structural == 0 and not failed,
         "structural_divergences": structural,
         "numerical_divergences": len(divergences) - structural,
         "max_logit_error": worst_error,
@@ -242,6 +266,8 @@ def audit_engine(
             plain["engine"], reference.outputs, plain_outputs, [[int(t) for t in o] for o in outputs], divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),
         "engine_description": describe() if callable(describe) else None,
+        "failures": isolation.failures if isolation is not None else [],
+        "isolation": None if isolation is None else {"reruns": isolation.reruns, "notes": isolation.notes},
     }
     if bundle_dir is not None and divergences:
         from specaudit.equivalence.blackbox.bundles import write_bundles

@@ -29,6 +29,7 @@ class PromptComparison:
     engine_length: int
     max_logit_error: float | None = None
     worst_logit_position: int | None = None
+    failed: bool = False  # the engine failed on this prompt (a failure finding of the run)
 
     def to_dict(self) -> dict:
         return asdict(self)

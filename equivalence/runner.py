@@ -27,7 +27,7 @@ import transformers
 from specaudit.engines.models import zoo
 from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.layout import UnsupportedModel
-from specaudit.engines.registry import black_box_prefix, make_engine
+from specaudit.engines.registry import black_box_prefix, make_engine, takes_option
 from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
@@ -168,12 +168,15 @@ def run_audit(
                 replay = pair.target if dtype == "float64" else load(pair_spec, "float64", config.device).target
                 prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
                 eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
-                if config.pad_token_id is not None:
+                declared_pad = config.pad_token_id
+                if declared_pad is None and isinstance(config.engine_options.get("pad_token_id"), int):
+                    declared_pad = config.engine_options["pad_token_id"]  # the engines' pad id: the pair's too
+                if declared_pad is not None:
                     vocab = getattr(pair.target.config, "vocab_size", None)
-                    if vocab is not None and config.pad_token_id >= vocab:
-                        raise validate.UsageError(f"--pad-token-id {config.pad_token_id}: pair {pair.name} has "
+                    if vocab is not None and declared_pad >= vocab:
+                        raise validate.UsageError(f"--pad-token-id {declared_pad}: pair {pair.name} has "
                                                   f"{vocab} token ids (0 to {vocab - 1})")
-                    declare_pad_token_id(pair, config.pad_token_id)
+                    declare_pad_token_id(pair, declared_pad)
                 adversarial = None
                 if config.adversarial:
                     prompts, adversarial = with_adversarial_prompts(
@@ -314,6 +317,16 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             return call_with_timeout(fresh.generate, ([list(prompts[i]) for i in indices], config.max_new_tokens,
                                                       eos), left)
 
+        rerun.takes_pad_option = takes_option(engine_name, "pad_token_id")  # type: ignore[attr-defined]
+
+        def run_subset(indices: list[int]) -> list[list[int]]:
+            """A fresh engine, guarded like the audited one, on the prompts at `indices` (crash isolation)."""
+            fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
+                                draft_tokens=config.draft_tokens, **options)
+            guarded = GuardedEngine(fresh, timeout=config.timeout,
+                                    vocab_size=getattr(pair.target.config, "vocab_size", None))
+            return guarded.generate([list(prompts[i]) for i in indices], config.max_new_tokens, eos)
+
         plain = None
         if config.plain_engine:
             plain = _plain_run(config, pair, prompts, batch_size, eos, options, {} if plain_runs is None else plain_runs)
@@ -322,7 +335,8 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
                            dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
                            logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
-                           pad_token_id=pair.pad_token_id, plain=plain)
+                           pad_token_id=options.get("pad_token_id", pair.pad_token_id), plain=plain,
+                           run_subset=run_subset)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         run["adversarial"] = adversarial
         return run

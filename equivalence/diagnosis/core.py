@@ -15,14 +15,19 @@ the user must fix, from one vocabulary (`CLASSES`, each with its fix in one sent
     cross_row        a row's output depends on the other rows of its batch
     recurrent_state  a recurrent layer's state (gated delta-net, convolution, Mamba) not the row's own after
                      its accepted tokens: not rolled back, advanced by rejected tokens, reset, or another row's
+    prompt_truncated the prompt cut to a limit (its first or last N tokens) before decoding
     unknown          none of the above is shown by the evidence
 
-The diagnosis works as an engineer would, cheapest first, and stops at the first decisive result:
-the output against other prompts' references; the lengths against EOS and `max_new_tokens`; the
-trace's proposals and counts against the target's choices (and the draft model's); then, on the
-divergent prompt only, experiments: a re-run with another pad id (when a pad-id token sits in the
-row), logit replays with shifted positions or a widened mask (`diagnose_replay`), and re-runs of
-the prompt alone and beside a copy of itself. `evidence` says what was tried and what it showed.
+The diagnosis ranks causes before symptoms and experiments before coincidences, and stops at the
+first decisive result: the output against other prompts' references; a reference replay on the
+prompt cut to a common limit (`prompt_truncated`); the pad id in the row (or equal to EOS beside a
+row that stopped early), decided by a re-run with another pad id or, when the engine takes no pad
+option, by a replay with the pad-id tokens masked and where the divergence starts
+(`diagnosis/causes.py`); the EOS and the trace's own record; logit replays with shifted positions or a
+widened mask (`diagnosis/replay.py`); only then the heuristics (the engine's token is the draft's own
+choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
+what was tried and what it showed, and `decided_by` which evidence decided. Divergences of one run
+that one mechanism explains say so (`note_shared_mechanisms`).
 
 Re-runs go through `Diagnoser.rerun(indices, pad_token_id)`, which builds a fresh engine and runs it
 on the prompts at `indices` (repeats allowed); without one, the experiments that need it are
@@ -36,12 +41,15 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.equivalence.diagnosis import checks
+from specaudit.equivalence.diagnosis import causes, checks
+from specaudit.equivalence.diagnosis.causes import Cause, in_recurrent_state as _in_recurrent_state
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.replay import explain
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
-                            "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state", "unknown")
+                            "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
+                            "prompt_truncated",
+                            "unknown")
 
 FIXES: dict[str, str] = {
     "position_ids": "Derive each row's position ids from its own real length (no padding, no rejected slots, no offset).",
@@ -63,15 +71,46 @@ FIXES: dict[str, str] = {
                  "own index and its own accepted count.",
     "recurrent_state": "Roll each row's recurrent state (convolution window, SSM state) back to the state after its "
                        "last accepted token after every verification, per row, and never feed it padding.",
+    "prompt_truncated": "Decode the whole prompt: never cut it to a length limit; refuse a prompt longer than the "
+                        "model allows with a clear error instead.",
     "unknown": "Read the evidence and the divergence context; the diagnosis could not name the mechanism.",
 }
 
 RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences get evidence only
+PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
 
 
-def diagnosis(cls: str, evidence: str, tried: list[str] | None = None) -> dict[str, Any]:
+def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, decided_by: str | None = None,
+              mechanism: str | None = None) -> dict[str, Any]:
     assert cls in CLASSES, cls
-    return {"class": cls, "evidence": evidence, "tried": list(tried or [])}
+    found: dict[str, Any] = {"class": cls, "evidence": evidence, "tried": list(tried or [])}
+    if decided_by:
+        found["decided_by"] = decided_by
+    if mechanism:
+        found["mechanism"] = mechanism
+    return found
+
+
+def _cause(found: Finding | Cause, decided_by: str) -> Cause:
+    """A check's finding as a cause, with what decided it."""
+    if isinstance(found, Cause):
+        return found
+    return Cause(found.cls, found.evidence, decided_by, "")
+
+
+def note_shared_mechanisms(divergences: list[dict[str, Any]]) -> None:
+    """Say so on every diagnosis whose mechanism explains more than one divergence of the run."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for divergence in divergences:
+        found = divergence.get("diagnosis") or {}
+        if found.get("mechanism"):
+            groups.setdefault((found["class"], found["mechanism"]), []).append(found)
+    for (cls, mechanism), members in groups.items():
+        if len(members) > 1:
+            for found in members:
+                found["shared"] = len(members)
+                found["evidence"] += (f" One mechanism: {mechanism} explains {len(members)} divergences of this run "
+                                      f"(all `{cls}`).")
 
 
 @dataclass
@@ -90,15 +129,24 @@ class Diagnoser:
     draft: Any = None
     rerun: Callable[[list[int], int | None], list[list[int]]] | None = None
     reruns_left: int = RERUN_BUDGET
+    pad_reruns_left: int = PAD_RERUN_BUDGET
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
+    _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
 
     # ---- experiments -------------------------------------------------------------------------
     def _run(self, indices: list[int], pad_token_id: int | None = None) -> list[list[int]] | str:
         if self.rerun is None:
             return "no re-run available for this engine"
-        if self.reruns_left <= 0:
+        if pad_token_id is not None and getattr(self.rerun, "takes_pad_option", True) is False:
+            return "the engine takes no pad option"
+        if pad_token_id is not None:
+            if self.pad_reruns_left <= 0:
+                return "the pad-id re-run budget of this run is spent"
+            self.pad_reruns_left -= 1
+        elif self.reruns_left <= 0:
             return "the re-run budget of this run is spent"
-        self.reruns_left -= 1
+        else:
+            self.reruns_left -= 1
         try:
             return [[int(t) for t in out] for out in self.rerun(indices, pad_token_id)]
         except Exception as exc:  # an experiment that fails tells that, not more
@@ -126,7 +174,7 @@ class Diagnoser:
         if divergence.get("detected_by") == "draft":
             return diagnosis("draft_cache", "the engine proposed a token that the draft model, run alone on the "
                              "same prefix, does not choose: the draft cache is out of step (outputs stay exact; "
-                             "acceptance drops)", ["draft fidelity check"])
+                             "acceptance drops)", ["draft fidelity check"], "the draft fidelity check")
         tried: list[str] = []
         try:
             found = self._decide(int(divergence["prompt_index"]), int(divergence["position"]), tried)
@@ -135,50 +183,71 @@ class Diagnoser:
             found = None
         if found is None:
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
-        return diagnosis(*_in_recurrent_state(self.target, found), tried)
+        cls, evidence = _in_recurrent_state(self.target, found)
+        return diagnosis(cls, evidence + f" (decided by {found.decided_by})", tried, found.decided_by,
+                         found.mechanism or None)
 
     def _logits(self, index: int) -> torch.Tensor | None:
         return self.engine_logits[index] if index < len(self.engine_logits) else None
 
-    def _decide(self, index: int, position: int, tried: list[str]) -> Finding | None:
+    def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
+        """Causes before symptoms, experiments before coincidences: the order below is the ranking."""
         prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
         eos, logits = self.eos_token_id, self._logits(index)
 
         tried.append("output against the other prompts' references")
         found = checks.output_order(index, self.references, self.outputs)
         if found:
-            return found
-        tried.append("lengths against EOS and max_new_tokens")
+            return Cause(found.cls, found.evidence, "the outputs against every prompt's reference",
+                         "outputs answered for other prompts")
+        cause = self._answered_elsewhere(index, tried)
+        if cause:
+            return cause
+        if len(prompt) > min(causes.TRUNCATION_LIMITS):
+            cause = causes.truncation(self.target, prompt, output, position, self.max_new_tokens, eos, tried)
+            if cause:
+                return cause
+        cause = self._pad_cause(index, position, tried)
+        if cause:
+            return cause
+        tried.append("lengths against EOS")
         found = checks.stop_eos(index, prompt, reference, output, position, eos, self.trace, self.outputs)
         if found:
-            return found
-        tried.append("the engine's token against the draft model's own choice")
-        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)
-        if found:
-            return found
+            return _cause(found, "the output's length against its EOS")
         tried.append("the trace's proposals and counts against the target's choices")
         found = (checks.acceptance_from_trace(index, reference, output, position, self.max_new_tokens, eos, self.trace)
                  or checks.doubled_token(reference, output, position)
                  or checks.own_logits_not_chosen(output, position, logits))
         if found:
-            return found
-        found = checks.length_stop(reference, output, position, self.max_new_tokens, eos,
-                                   self._continuation(index, len(output)) if len(output) > self.max_new_tokens else None)
-        if found:
-            return found
-
-        found = self._pad_experiment(index, position, tried)
-        if found:
-            return found
+            return _cause(found, "the engine's own trace and logits")
+        if len(output) > self.max_new_tokens:
+            found = checks.length_stop(reference, output, position, self.max_new_tokens, eos,
+                                       self._continuation(index, len(output)))
+            if found:
+                return _cause(found, "the output's length against max_new_tokens")
 
         q = self._first_corrupted(index, position)
         hypothesis, replays = explain(self.target, prompt, output, q, self.trace, index, self.pad_token_id,
-                                      logits[q] if logits is not None and q < logits.shape[0] else None, None)
+                                      logits[q] if logits is not None and q < logits.shape[0] else None, None,
+                                      prefer=tuple(self._explained_by))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
-            return Finding(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
-                           f"new token {q} ({replays[-1].split(': ', 1)[1]})")
-        return self._batch_experiments(index, position, q, tried)
+            if hypothesis.name in self._explained_by:
+                self._explained_by.remove(hypothesis.name)
+            self._explained_by.insert(0, hypothesis.name)
+            return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
+                         f"new token {q} ({replays[-1].split(': ', 1)[1]})", "a reproducing replay",
+                         f"a replay with {hypothesis.name}")
+
+        tried.append("the engine's token against the draft model's own choice")
+        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)
+        if found:
+            return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)")
+        found = checks.length_stop(reference, output, position, self.max_new_tokens, eos, None)
+        if found:
+            return _cause(found, "the output's length (no cause explains it)")
+        found = self._batch_experiments(index, position, q, tried)
+        return _cause(found, "re-runs alone and in its batch") if found else None
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
         if self.target is None:
@@ -203,29 +272,81 @@ class Diagnoser:
         beyond = (errors > 1e-9).nonzero().flatten()
         return int(beyond[0]) if beyond.numel() else position
 
-    def _pad_experiment(self, index: int, position: int, tried: list[str]) -> Finding | None:
-        pad = self.pad_token_id
-        if pad is None:
+    def _answered_elsewhere(self, index: int, tried: list[str]) -> Cause | None:
+        """When other outputs of the run are exactly other prompts' references, re-run this prompt
+        alone: its own output there, returned in the run for another prompt, is an order bug."""
+        crossed = [j for j, out in enumerate(self.outputs)
+                   if out and out != self.references[j] and out in self.references]
+        if not crossed:
             return None
-        content = self.prompts[index] + self.outputs[index][:position]
-        where = [i for i, t in enumerate(content) if t == pad]
-        if not where:
+        alone = self.alone(index)
+        if not isinstance(alone, list) or not alone or alone == self.outputs[index]:
             return None
+        places = [j for j, out in enumerate(self.outputs)
+                  if j != index and out == alone and self.prompts[j] != self.prompts[index]]
+        tried.append(f"re-run alone beside the run's outputs: {'returned for prompt ' + str(places[0]) if places else 'not in the run'}")
+        if not places:
+            return None
+        return Cause("output_order", f"alone, prompt {index} gives the output that the run returned for prompt "
+                     f"{places[0]}, and {len(crossed)} output(s) of the run are exactly other prompts' references: "
+                     "the engine returns its outputs in another order than the prompts",
+                     "a re-run alone beside the run's outputs", "outputs answered for other prompts")
+
+    def _pad_cause(self, index: int, position: int, tried: list[str]) -> Cause | None:
+        """A pad id in the row (or a pad id equal to EOS beside a row that stopped early): the
+        re-run with another pad id decides; without it, the other evidence does."""
+        pad, eos = self.pad_token_id, self.eos_token_id
+        evidence = causes.pad_evidence(index, self.prompts, self.references, self.outputs, position, pad, eos)
+        if evidence is None or not evidence.any:
+            return None
+        prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
+        stopped_early = len(output) < len(reference) and (not output or output[-1] != eos)
+        if not (evidence.in_prompt or evidence.in_output) and not stopped_early:
+            return None  # pad = EOS matters to rows that stop early
+        mechanism = "pad-id tokens treated as padding"
+        tried.append(f"the pad id {pad} in the row: {evidence.where() or 'none'}; pad id = EOS: {evidence.pad_is_eos}")
         other = self.other_pad_id([index])
-        if other is None:
-            return None
-        result = self._run([index], other)
-        if isinstance(result, str):
-            tried.append(f"re-run with pad id {other}: not run ({result})")
-            return None
-        exact = result[0] == self.references[index]
-        tried.append(f"re-run alone with pad id {other} instead of {pad}: {'exact' if exact else 'still diverges'}")
-        if not exact:
-            return None
-        n = len(self.prompts[index])
-        places = ", ".join(f"prompt position {i}" if i < n else f"new token {i - n}" for i in where[:3])
-        return Finding("pad_as_content", f"the pad id {pad} sits in the row as content ({places}); re-run with pad id "
-                       f"{other}, the same prompt is exact: the engine treats a real token equal to the pad id as padding")
+        result = self._run([index], other) if other is not None else "no unused token id for another pad id"
+        if isinstance(result, list):
+            exact = result[0] == reference
+            tried.append(f"re-run alone with pad id {other} instead of {pad}: {'exact' if exact else 'still diverges'}")
+            if not exact:
+                return None  # the experiment says the pad id is not the cause
+            what = (f"the pad id {pad} sits in the row as content ({evidence.where()})" if evidence.where() else
+                    f"the pad id {pad} is the EOS id and the row stopped after {len(output)} token(s) with no EOS of "
+                    "its own")
+            return Cause("pad_as_content", f"{what}; re-run alone with pad id {other}, the same prompt is exact: the "
+                         "engine treats a token equal to the pad id as padding (or padding as content)",
+                         "a re-run with another pad id", mechanism)
+        tried.append(f"re-run with another pad id: not run ({result})")
+        cause = causes.slice_shift(prompt, reference, output, pad, evidence) or causes.masked_replay(
+            self.target, prompt, reference, output, pad, self.max_new_tokens, eos, evidence, tried)
+        if cause:
+            return cause
+        if prompt and all(t == pad for t in prompt) and position == 0:
+            return Cause("pad_as_content", f"the whole prompt is the pad id {pad} and the engine differs from the "
+                         f"first new token on{evidence.others_text()}: it read the row's only content as padding",
+                         "the divergence starts where the pad ids sit (no re-run with another pad id could be made)",
+                         mechanism)
+        if evidence.pad_is_eos and stopped_early and eos not in prompt:
+            alone = self.alone(index)
+            if isinstance(alone, list) and alone == reference:
+                return Cause("pad_as_content", f"the pad id {pad} is the EOS id; the row stopped after {len(output)} "
+                             "token(s) with no EOS of its own, and alone (a batch of 1, no padding) it is exact: its "
+                             "left padding was read as an EOS", "a re-run alone, without padding",
+                             "padding equal to EOS read as a finished row")
+            tried.append(f"re-run alone: {'not run (' + alone + ')' if isinstance(alone, str) else 'still diverges'}")
+            if isinstance(alone, str):
+                return Cause("pad_as_content", f"the pad id {pad} is the EOS id; the row stopped after {len(output)} "
+                             "token(s) with no EOS of its own and its prompt holds no EOS: the only EOS ids in its "
+                             "rows are padding", "the pad id equals EOS beside a row that stopped early (no re-run "
+                             "could be made)", "padding equal to EOS read as a finished row")
+        if evidence.in_prompt and position == 0 and evidence.others and evidence.others[0] == evidence.others[1]:
+            return Cause("pad_as_content", f"the pad id {pad} sits in the prompt ({evidence.where()}), the divergence "
+                         f"starts at the first new token{evidence.others_text()}: the pad ids are what sets this row "
+                         "apart", "the divergence starts where the pad ids sit and every row without them is exact",
+                         mechanism)
+        return None
 
     def _batch_experiments(self, index: int, position: int, q: int, tried: list[str]) -> Finding | None:
         alone = self.alone(index)
@@ -264,19 +385,3 @@ class Diagnoser:
         return Finding("kv_cache", f"{where}; its logits are right until the step after step {rejected}, which "
                        "rejected draft tokens, and no position or mask hypothesis explains them: the target cache "
                        "kept or lost entries at the rejection")
-
-
-def _in_recurrent_state(target: Any, found: Finding) -> tuple[str, str]:
-    """A row's own cache wrong, or its output depending on its batch, in a model with recurrent
-    layers: the state those layers keep per row (`engines/recurrent.py`) is the cache that went
-    wrong, since a state cannot be trimmed like KV columns (the class names that fix)."""
-    if found.cls not in ("kv_cache", "cross_row") or target is None:
-        return found.cls, found.evidence
-    from specaudit.engines.layout import attention_layer_kinds
-
-    recurrent = attention_layer_kinds(target).count("recurrent")
-    if not recurrent:
-        return found.cls, found.evidence
-    return "recurrent_state", (f"{found.evidence}; the target keeps recurrent state in {recurrent} layers, which a "
-                               "rejection or another row changes exactly this way: the state was not the row's own "
-                               "after its accepted tokens")

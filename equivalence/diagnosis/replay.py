@@ -81,6 +81,8 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
 
     if trace is not None and getattr(trace, "steps", None):
         fed = fed_steps(trace, index, q)
+        steps = row_steps(trace, index)
+        prefill_pad = _pad_at(trace, steps[0], index) if steps else None
 
         def padding_counted() -> tuple[list[int], list[int]] | None:
             shifts = [_pad_at(trace, step, index) for step in fed]
@@ -91,8 +93,6 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
         found.append(Hypothesis("position_ids", "each new token numbered over the row's padding and masked "
                                 "columns at the step that fed it (as the trace records them)", padding_counted))
 
-        steps = row_steps(trace, index)
-        prefill_pad = _pad_at(trace, steps[0], index) if steps else None
         k = getattr(trace, "draft_tokens", 0) or 0
 
         def rejected_counted() -> tuple[list[int], list[int]] | None:
@@ -111,6 +111,18 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
 
         found.append(Hypothesis("position_ids", "each new token numbered past the row's rejected draft slots "
                                 "(k - accepted, summed over its earlier steps)", rejected_counted))
+
+        def columns_counted() -> tuple[list[int], list[int]] | None:
+            # every token numbered by its column in the padded batch: the prompt over its left
+            # padding at the prefill, each new token over the padding of the step that fed it
+            shifts = [_pad_at(trace, step, index) for step in fed]
+            if not prefill_pad or any(s is None for s in shifts):
+                return None
+            return sequence, [prefill_pad + i for i in range(n)] + [n + j + s for j, s in enumerate(shifts)]
+
+        found.append(Hypothesis("position_ids", "every token numbered by its column in the padded batch (the "
+                                "prompt over its left padding, each new token over the padding of its step)",
+                                columns_counted))
 
         def padding_visible(counted: bool) -> Callable[[], tuple[list[int], list[int]] | None]:
             def build() -> tuple[list[int], list[int]] | None:
@@ -163,9 +175,10 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
-            pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None
-            ) -> tuple[Hypothesis | None, list[str]]:
-    """The first hypothesis that explains the engine at new token `q`, and what each one showed."""
+            pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None,
+            prefer: tuple[str, ...] = ()) -> tuple[Hypothesis | None, list[str]]:
+    """The first hypothesis that explains the engine at new token `q`, and what each one showed.
+    Hypotheses named in `prefer` (those that explained other divergences of the run) go first."""
     tried: list[str] = []
     if target is None:
         return None, tried
@@ -175,7 +188,9 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
         return None, tried
     engine_token = output[q] if q < len(output) else None
     base = _error(engine_logits, plain) if engine_logits is not None else None
-    for hypothesis in hypotheses(prompt, output, q, trace, index, pad_id):
+    ordered = sorted(hypotheses(prompt, output, q, trace, index, pad_id),
+                     key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
+    for hypothesis in ordered:
         built = hypothesis.build()
         if built is None:
             continue

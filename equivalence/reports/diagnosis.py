@@ -88,3 +88,26 @@ def adversarial_note(audit: dict[str, Any]) -> str | None:
             text += "; " + "; ".join(info["skipped"])
         parts.append(text)
     return ". ".join(parts) + "."
+
+
+@dataclass(frozen=True)
+class FailureLine:
+    run: str  # the run's title
+    prompt_index: Any
+    reason: str
+    traceback_tail: str  # the last lines of the traceback
+    case: str  # why the prompt is in the audit, for an adversarial one
+
+
+def failure_lines(audit: dict[str, Any], tail_lines: int = 6) -> list[FailureLine]:
+    """One line per prompt that made an engine fail (crash isolation), run by run."""
+    lines = []
+    for run in audit.get("runs") or []:
+        title = (f"{run.get('engine', '?')} · {run.get('pair', '?')} · batch {run.get('batch_size', '?')} · "
+                 f"{run.get('dtype', '?')}")
+        for failure in run.get("failures") or []:
+            case = adversarial_case(run, failure.get("prompt_index"))
+            tail = "\n".join(str(failure.get("traceback") or "").rstrip().splitlines()[-tail_lines:])
+            lines.append(FailureLine(title, failure.get("prompt_index"), str(failure.get("reason")), tail,
+                                     f"adversarial prompt `{case.get('case')}`: {case.get('why')}" if case else ""))
+    return lines

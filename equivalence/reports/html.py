@@ -6,7 +6,7 @@ from html import escape
 from typing import Any
 
 from specaudit.equivalence.reports.charts import audit_charts, render_svg
-from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines
+from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
@@ -160,6 +160,13 @@ def _crashes(runs: list[dict[str, Any]]) -> str:
              f"<pre>{escape(str(run['error']).rstrip())}</pre></details>"
              for index, run in enumerate(runs) if run.get("error")]
     return ("<h2>Crashed runs</h2>" + "".join(parts)) if parts else ""
+
+
+def _failures(audit: dict[str, Any]) -> str:
+    parts = [f'<details class="crash" open><summary>{escape(f.run)}: prompt {escape(str(f.prompt_index))}: '
+             f"{escape(f.reason)}{escape(' (' + f.case + ')') if f.case else ''}</summary>"
+             f"<pre>{escape(f.traceback_tail)}</pre></details>" for f in failure_lines(audit)]
+    return ("<h2>Prompts that made the engine fail</h2>" + "".join(parts)) if parts else ""
 
 
 def _token_spans(ids: list[int], mark_first: bool) -> str:
@@ -320,7 +327,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         f"<section>{_speculation_section(audit)}</section>",
         f"<section>{_three_way_section(audit)}</section>",
-        f"<section>{_crashes(runs)}</section>",
+        f"<section>{_crashes(runs)}{_failures(audit)}</section>",
         f"<section>{_divergences(audit, divergence_limit)}</section>",
     ]
     return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.equivalence.reports.charts import audit_charts, render_svg, standalone_svg
-from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines
+from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
 from specaudit.equivalence.reports.html import render_html
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
@@ -190,6 +190,15 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
             lines += [f"**{run_title(run)}**" + (f" (last {len(shown)} of {len(error_lines)} lines)"
                                                  if len(shown) < len(error_lines) else ""), "", fence]
             lines += shown + [fence, ""]
+    failures = failure_lines(audit)
+    if failures:
+        lines += ["## Prompts that made the engine fail", "",
+                  "Each run that failed was bisected over its prompts; these prompts make the engine fail on their "
+                  "own, and every other prompt was judged as usual.", ""]
+        for failure in failures:
+            lines += [f"**{failure.run}: prompt {failure.prompt_index}**: {visible_text(failure.reason)}"
+                      + (f" ({failure.case})" if failure.case else ""), "", "```"]
+            lines += [visible_text(line) for line in failure.traceback_tail.splitlines()] + ["```", ""]
     entries = ordered_divergences(audit)
     if entries:
         lines += ["## Divergences", "",

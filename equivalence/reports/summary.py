@@ -262,6 +262,8 @@ def summary_table(audit: dict[str, Any]) -> str:
         status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
         if not run.get("error") and speculation.observed(run.get("speculation")) is False:
             status += " (speculation not observed)"
+        if run.get("failures"):
+            status += f", {len(run['failures'])} prompt(s) FAILED"
         rows.append([elide_middle(str(run["engine"]), TERMINAL_NAME_WIDTH),
                      elide_middle(str(run["pair"]), TERMINAL_NAME_WIDTH), str(run["batch_size"]), str(run["dtype"]),
                      f"{run['exact_matches']}/{run['num_prompts']}", "%.2e" % err if err is not None else "-",

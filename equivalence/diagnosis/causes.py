@@ -1,0 +1,193 @@
+"""Causes a diagnosis examines before any symptom: a prompt cut to a common limit, and token values
+read as padding.
+
+Both are shown by replays of the reference that reproduce the engine's own tokens:
+
+- `truncation`: greedy decoding of the prompt cut to 512, 1024, 2048 or 4096 tokens (its first or
+  its last ones) gives exactly the engine's output;
+- `masked_replay`: greedy decoding with every pad-id token of the row left out of the context (as a
+  mask built by pad-id equality leaves it out) gives the engine's output, possibly shifted by the
+  count of pad-id tokens in the prompt (an output slice found by counting non-pad tokens).
+
+`pad_evidence` gathers what needs no re-run: where the pad ids sit, whether the divergence starts
+there, and how the rows without pad ids fared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most common first
+
+
+@dataclass
+class Cause:
+    cls: str
+    evidence: str
+    decided_by: str  # the evidence that decided, in a few words
+    mechanism: str  # the same words for every divergence with this mechanism
+
+
+@torch.no_grad()
+def _first_token(target: Any, prompt: list[int]) -> int:
+    ids = torch.tensor([prompt], dtype=torch.long, device=target.device)
+    return int(target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].argmax())
+
+
+def _agrees(engine: list[int], replay: list[int]) -> bool:
+    """The engine's tokens are the replay's (the shorter a prefix of the longer, at least one token)."""
+    common = min(len(engine), len(replay))
+    return common >= 1 and engine[:common] == replay[:common]
+
+
+def truncation(target: Any, prompt: list[int], output: list[int], position: int, max_new_tokens: int,
+               eos: int | None, tried: list[str]) -> Cause | None:
+    """The engine's output is greedy decoding of the prompt cut to a common limit."""
+    if target is None or not output:
+        return None
+    from specaudit.engines.reference import greedy_decode
+
+    n = len(prompt)
+    for limit in TRUNCATION_LIMITS:
+        if n <= limit:
+            continue
+        for side, cut in (("first", prompt[:limit]), ("last", prompt[-limit:])):
+            if _first_token(target, cut) != output[0]:  # one pass rules most cuts out
+                tried.append(f"reference on the prompt cut to its {side} {limit} tokens: first token differs")
+                continue
+            replay = greedy_decode(target, list(cut), max_new_tokens, eos)[0]
+            same = replay[:len(output)] == output and len(output) > min(position, len(replay) - 1)
+            tried.append(f"reference on the prompt cut to its {side} {limit} tokens: "
+                         f"{'reproduces the engine' if same else 'differs'}")
+            if same:
+                return Cause("prompt_truncated",
+                             f"the prompt has {n} tokens; greedy decoding of its {side} {limit} tokens alone gives "
+                             f"exactly the engine's {len(output)} tokens (the full prompt gives another output from "
+                             f"new token {position}): the engine cut the prompt to {limit} tokens",
+                             f"a reference replay on the prompt cut to {limit} tokens", f"prompts cut to {limit} tokens")
+    return None
+
+
+@torch.no_grad()
+def masked_decode(target: Any, prompt: list[int], steps: int, pad: int, eos: int | None) -> list[int] | None:
+    """Greedy decoding with every pad-id token (prompt and new) left out of the context, positions
+    counting only the tokens kept; None when nothing of the prompt is left."""
+    context = [t for t in prompt if t != pad]
+    if not context:
+        return None
+    out: list[int] = []
+    for _ in range(steps):
+        ids = torch.tensor([context], dtype=torch.long, device=target.device)
+        token = int(target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].argmax())
+        out.append(token)
+        if token != pad:
+            context.append(token)
+        if eos is not None and token == eos:
+            break
+    return out
+
+
+@dataclass
+class PadEvidence:
+    in_prompt: list[int]  # prompt positions holding the pad id
+    in_output: list[int]  # new tokens (of the engine's output, up to the divergence) equal to the pad id
+    pad_is_eos: bool
+    others: tuple[int, int] | None  # (exact, total) over the run's rows without any pad id
+
+    @property
+    def any(self) -> bool:
+        return bool(self.in_prompt or self.in_output or self.pad_is_eos)
+
+    def where(self) -> str:
+        parts = []
+        if self.in_prompt:
+            parts.append(f"prompt position(s) {self.in_prompt[:4]}")
+        if self.in_output:
+            parts.append(f"new token(s) {self.in_output[:4]}")
+        return ", ".join(parts)
+
+    def others_text(self) -> str:
+        if not self.others or not self.others[1]:
+            return ""
+        exact, total = self.others
+        return f"; the rows without a pad id: {exact} of {total} exact"
+
+
+def pad_evidence(index: int, prompts: list[list[int]], references: list[list[int]], outputs: list[list[int]],
+                 position: int, pad: int | None, eos: int | None) -> PadEvidence | None:
+    if pad is None:
+        return None
+    prompt, output = prompts[index], outputs[index]
+    clean = [i for i in range(len(prompts)) if pad not in prompts[i] and pad not in references[i]]
+    others = (sum(outputs[i] == references[i] for i in clean), len(clean)) if clean else None
+    return PadEvidence([i for i, t in enumerate(prompt) if t == pad],
+                       [j for j, t in enumerate(output[:position + 1]) if t == pad],
+                       eos is not None and pad == eos, others)
+
+
+def slice_shift(prompt: list[int], reference: list[int], output: list[int], pad: int,
+                evidence: PadEvidence) -> Cause | None:
+    """The engine's output is the prompt's last s tokens and then the reference, s the count of pad
+    ids in the prompt: the output slice starts at the count of non-pad prompt tokens."""
+    s = len(evidence.in_prompt)
+    if not s or len(output) <= s or output[:s] != prompt[len(prompt) - s:] or not _agrees(output[s:], reference):
+        return None
+    return Cause("pad_as_content", f"the prompt holds the pad id {pad} {s} time(s) ({evidence.where()}); the "
+                 f"engine's output starts with the prompt's last {s} token(s) {output[:s]} and then is the reference: "
+                 "its output slice starts at the count of non-pad prompt tokens, found by pad-id equality",
+                 "the output slice against the prompt and the reference", "pad-id tokens treated as padding")
+
+
+def masked_replay(target: Any, prompt: list[int], reference: list[int], output: list[int], pad: int,
+                  max_new_tokens: int, eos: int | None, evidence: PadEvidence, tried: list[str]) -> Cause | None:
+    """The engine's output is greedy decoding with the pad-id tokens masked, perhaps shifted by the
+    count of pad ids in the prompt (an output slice found by counting non-pad tokens)."""
+    if target is None or not (evidence.in_prompt or pad in reference):
+        return None
+    replay = masked_decode(target, prompt, max_new_tokens + len(evidence.in_prompt), pad, eos)
+    if replay is None:
+        tried.append("replay with the pad-id tokens masked: nothing of the prompt is left")
+        return None
+    if replay[:max_new_tokens] == reference:
+        tried.append("replay with the pad-id tokens masked: the same as the reference (the pad ids change nothing)")
+        return None
+    m = len(evidence.in_prompt)
+    shifts = [0] + [s for s in range(1, m + 1)]
+    for s in shifts:
+        # the slice starts s tokens early (the engine's first s tokens are the prompt's last s) or late
+        early = output[:s] == prompt[len(prompt) - s:] and _agrees(output[s:], replay)
+        late = s > 0 and _agrees(output, replay[s:])
+        if s == 0 and _agrees(output, replay) or s and (early or late):
+            tried.append(f"replay with the pad-id tokens masked: reproduces the engine"
+                         + (f" with its output slice {s} token(s) {'early' if early else 'late'}" if s else ""))
+            slice_text = ""
+            if s:
+                slice_text = (f"; the engine's output starts {s} token(s) {'before' if early else 'after'} the new "
+                              f"tokens, the count of pad ids in the prompt: its output slice is found by pad-id "
+                              "equality too")
+            return Cause("pad_as_content",
+                         f"the pad id {pad} sits in the row as content ({evidence.where() or 'the reference'}); greedy "
+                         f"decoding with those tokens masked reproduces the engine's tokens{slice_text}"
+                         f"{evidence.others_text()}: the engine tells padding by token value",
+                         "a replay with the pad-id tokens masked", "pad-id tokens treated as padding")
+    tried.append("replay with the pad-id tokens masked: does not reproduce the engine")
+    return None
+
+
+def in_recurrent_state(target: Any, found: Any) -> tuple[str, str]:
+    """A row's own cache wrong, or its output depending on its batch, in a model with recurrent
+    layers: the state those layers keep per row (`engines/recurrent.py`) is the cache that went
+    wrong, since a state cannot be trimmed like KV columns (the class names that fix)."""
+    if found.cls not in ("kv_cache", "cross_row") or target is None:
+        return found.cls, found.evidence
+    from specaudit.engines.layout import attention_layer_kinds
+
+    recurrent = attention_layer_kinds(target).count("recurrent")
+    if not recurrent:
+        return found.cls, found.evidence
+    return "recurrent_state", (f"{found.evidence}; the target keeps recurrent state in {recurrent} layers, which a "
+                               "rejection or another row changes exactly this way: the state was not the row's own "
+                               "after its accepted tokens")
