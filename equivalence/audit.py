@@ -20,7 +20,7 @@ from specaudit.equivalence.blackbox import plain_engine
 from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
-from specaudit.equivalence.isolate import isolatable, isolate_failures
+from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
 
 
@@ -169,6 +169,9 @@ def audit_engine(
     seconds = time.perf_counter() - started
     if len(outputs) != len(prompts):
         raise ValueError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
+    refused = getattr(engine, "last_failures", None) or []  # a server's requests that errored, per prompt
+    if refused and isolation is None:
+        isolation = Isolation(list(outputs), [failure_finding(int(i), exc) for i, exc in refused], 0)
     failed = {f["prompt_index"] for f in isolation.failures} if isolation is not None else set()
     engine_logits = getattr(trace, "logits", None) or [None] * len(prompts)
     tolerance = LOGIT_TOLERANCE.get(dtype)

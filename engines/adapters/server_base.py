@@ -84,6 +84,7 @@ class ServerEngine:
                           f"{self._answers} time(s), its last answer {self._last_answer}; then, at prompt {index} "
                           f"({prompt_length} tokens), no connection could be made ({details['connection_error']}): "
                           "see the server's log", details)
+        self.last_failures: list[tuple[int, ServerError]] = []  # (prompt index, error) of the last generate
 
     def describe(self) -> dict[str, Any]:
         """What was audited, for reports and repro bundles; after `generate`, how often the client
@@ -132,7 +133,7 @@ class ServerEngine:
             return [[] for _ in prompts]
         before, _ = self._metrics()
 
-        def one(numbered: tuple[int, list[int]]) -> Completion:
+        def one(numbered: tuple[int, list[int]]) -> Completion | ServerError:
             index, prompt = numbered
             try:
                 return self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id)
@@ -144,7 +145,7 @@ class ServerEngine:
                 raise
             except ServerError as exc:
                 # say which prompt: a server limit (context size) is often about one long prompt
-                raise type(exc)(f"prompt {index} ({len(prompt)} tokens): {exc}") from None
+                return type(exc)(f"prompt {index} ({len(prompt)} tokens): {exc}")
 
         completions = map_concurrently(one, list(enumerate(prompts)), self.batch_size)
         after, failure = self._metrics()
@@ -152,8 +153,18 @@ class ServerEngine:
         self.last_speculation = speculation_between(before, after, self.url,
                                                     iterations=bool(names and names.json_iterations))
         self.metrics_note = failure or (after.note if after is not None else None)
+        refused = [(index, c) for index, c in enumerate(completions) if isinstance(c, ServerError)]
+        if refused and len(refused) == len(prompts):
+            raise refused[0][1]
+        # a request that errors is a finding for its prompt (an empty output here); the rest are judged
+        self.last_failures = refused
         outputs, self.last_logprobs, self.last_details = [], [], []
         for completion in completions:
+            if isinstance(completion, ServerError):
+                outputs.append([])
+                self.last_logprobs.append(None)
+                self.last_details.append({})
+                continue
             tokens, logprobs, details = finish_output(completion, max_new_tokens, eos_token_id)
             outputs.append(tokens)
             self.last_logprobs.append(logprobs)

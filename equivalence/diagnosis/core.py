@@ -324,10 +324,16 @@ class Diagnoser:
         if cause:
             return cause
         if prompt and all(t == pad for t in prompt) and position == 0:
-            return Cause("pad_as_content", f"the whole prompt is the pad id {pad} and the engine differs from the "
-                         f"first new token on{evidence.others_text()}: it read the row's only content as padding",
-                         "the divergence starts where the pad ids sit (no re-run with another pad id could be made)",
-                         mechanism)
+            alone = self.alone(index)  # alone, no padding: a wrong first token there is the pad id's doing
+            if isinstance(alone, str) or (alone[:1] != reference[:1]):
+                seen = ("not run (" + alone + ")") if isinstance(alone, str) else "its first new token still differs"
+                tried.append(f"re-run alone (batch of 1, no padding): {seen}")
+                return Cause("pad_as_content", f"the whole prompt is the pad id {pad} and the engine differs from the "
+                             f"first new token on, alone too{'' if not isinstance(alone, str) else ' (not run)'}"
+                             f"{evidence.others_text()}: it read the row's only content as padding",
+                             "the divergence starts where the pad ids sit (no re-run with another pad id could be "
+                             "made)", mechanism)
+            tried.append("re-run alone (batch of 1, no padding): its first new token is right")
         if evidence.pad_is_eos and stopped_early and eos not in prompt:
             alone = self.alone(index)
             if isinstance(alone, list) and alone == reference:
