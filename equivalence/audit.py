@@ -126,6 +126,7 @@ def audit_engine(
     pad_token_id: int | None = None,
     plain: dict[str, Any] | None = None,
     run_subset: Callable[[list[int]], list[list[int]]] | None = None,
+    draft_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
 
@@ -234,7 +235,8 @@ def audit_engine(
             outputs=[[int(t) for t in o] for o in outputs], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
             trace=trace, engine_logits=list(engine_logits), target=pair.target, draft=getattr(pair, "draft", None),
-            rerun=rerun if rerun is not None else _same_engine_rerun(engine, prompts, max_new_tokens, eos_token_id))
+            rerun=rerun if rerun is not None else _same_engine_rerun(engine, prompts, max_new_tokens, eos_token_id),
+            batch_size=batch_size, draft_tokens=draft_tokens or getattr(trace, "draft_tokens", 0) or 0)
         for divergence in divergences:
             if divergence["kind"] == "structural":
                 divergence["diagnosis"] = diagnoser.diagnose(divergence)

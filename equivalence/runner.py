@@ -336,7 +336,7 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
                            logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
                            pad_token_id=options.get("pad_token_id", pair.pad_token_id), plain=plain,
-                           run_subset=run_subset)
+                           run_subset=run_subset, draft_tokens=config.draft_tokens)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         run["adversarial"] = adversarial
         return run

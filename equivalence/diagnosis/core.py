@@ -44,7 +44,7 @@ import torch
 from specaudit.equivalence.diagnosis import causes, checks
 from specaudit.equivalence.diagnosis.causes import Cause, in_recurrent_state as _in_recurrent_state
 from specaudit.equivalence.diagnosis.checks import Finding
-from specaudit.equivalence.diagnosis.replay import explain
+from specaudit.equivalence.diagnosis.replay import RowContext, explain
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -128,6 +128,8 @@ class Diagnoser:
     target: Any = None  # the target in the audit dtype, for replays
     draft: Any = None
     rerun: Callable[[list[int], int | None], list[list[int]]] | None = None
+    batch_size: int | None = None  # the run's; with draft_tokens, for replays of an engine without a trace
+    draft_tokens: int = 0
     reruns_left: int = RERUN_BUDGET
     pad_reruns_left: int = PAD_RERUN_BUDGET
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
@@ -229,7 +231,7 @@ class Diagnoser:
         q = self._first_corrupted(index, position)
         hypothesis, replays = explain(self.target, prompt, output, q, self.trace, index, self.pad_token_id,
                                       logits[q] if logits is not None and q < logits.shape[0] else None, None,
-                                      prefer=tuple(self._explained_by))
+                                      prefer=tuple(self._explained_by), row=self._row_context(index))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
             if hypothesis.name in self._explained_by:
@@ -248,6 +250,13 @@ class Diagnoser:
             return _cause(found, "the output's length (no cause explains it)")
         found = self._batch_experiments(index, position, q, tried)
         return _cause(found, "re-runs alone and in its batch") if found else None
+
+    def _row_context(self, index: int) -> RowContext:
+        padding = None
+        if self.batch_size:
+            start = index - index % self.batch_size
+            padding = max(len(p) for p in self.prompts[start:start + self.batch_size]) - len(self.prompts[index])
+        return RowContext(padding, self.draft, self.draft_tokens)
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
         if self.target is None:
@@ -305,17 +314,23 @@ class Diagnoser:
             return None  # pad = EOS matters to rows that stop early
         mechanism = "pad-id tokens treated as padding"
         tried.append(f"the pad id {pad} in the row: {evidence.where() or 'none'}; pad id = EOS: {evidence.pad_is_eos}")
-        other = self.other_pad_id([index])
-        result = self._run([index], other) if other is not None else "no unused token id for another pad id"
+        # the row's own batch again (consecutive batches), only the pad id changed: a controlled experiment
+        batch = [index]
+        if self.batch_size:
+            start = index - index % self.batch_size
+            batch = list(range(start, min(start + self.batch_size, len(self.prompts))))
+        other = self.other_pad_id(batch)
+        result = self._run(batch, other) if other is not None else "no unused token id for another pad id"
         if isinstance(result, list):
-            exact = result[0] == reference
-            tried.append(f"re-run alone with pad id {other} instead of {pad}: {'exact' if exact else 'still diverges'}")
+            exact = result[batch.index(index)] == reference
+            where = "alone" if len(batch) == 1 else f"in its batch (prompts {batch[0]} to {batch[-1]})"
+            tried.append(f"re-run {where} with pad id {other} instead of {pad}: {'exact' if exact else 'still diverges'}")
             if not exact:
                 return None  # the experiment says the pad id is not the cause
             what = (f"the pad id {pad} sits in the row as content ({evidence.where()})" if evidence.where() else
                     f"the pad id {pad} is the EOS id and the row stopped after {len(output)} token(s) with no EOS of "
                     "its own")
-            return Cause("pad_as_content", f"{what}; re-run alone with pad id {other}, the same prompt is exact: the "
+            return Cause("pad_as_content", f"{what}; re-run {where} with pad id {other}, the same prompt is exact: the "
                          "engine treats a token equal to the pad id as padding (or padding as content)",
                          "a re-run with another pad id", mechanism)
         tried.append(f"re-run with another pad id: not run ({result})")

@@ -72,12 +72,77 @@ def _pad_at(trace: Any, step: int | None, index: int) -> int | None:
     return int(record.pad_lengths[record.rows.index(index)])
 
 
-def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: int, pad_id: int | None) -> list[Hypothesis]:
+@dataclass
+class RowContext:
+    """What a replay may use when the engine keeps no trace: the row's left padding in its batch
+    (consecutive batches of the run's batch size) and the draft model with k, to rebuild its steps."""
+
+    batch_padding: int | None = None
+    draft: Any = None
+    draft_tokens: int = 0
+
+
+@torch.no_grad()
+def _draft_greedy(draft: Any, ids: list[int], k: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(k):
+        x = torch.tensor([ids + out], dtype=torch.long, device=draft.device)
+        out.append(int(draft(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1].argmax()))
+    return out
+
+
+def rebuilt_rejections(draft: Any, k: int, prompt: list[int], output: list[int], q: int) -> list[int] | None:
+    """Without a trace: for each of the row's first `q` new tokens, the rejected draft slots before
+    the step that fed it, with the steps rebuilt from the draft model's greedy proposals along the
+    engine's own output (token 0 from the prefill; each step keeps the proposals equal to the output,
+    then one token more)."""
+    if draft is None or not k or q == 0:
+        return None
+    emitted_at, rejected_before = [0], {}
+    rejected, done, step = 0, 1, 0
+    while done <= q and done < len(output):
+        step += 1
+        rejected_before[step] = rejected
+        proposals = _draft_greedy(draft, list(prompt) + list(output[:done]), k)
+        accepted = 0
+        while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
+            accepted += 1
+        emitted = min(accepted + 1, len(output) - done)
+        emitted_at += [step] * emitted
+        done += emitted
+        rejected += k - accepted
+    rejected_before[step + 1] = rejected
+    shifts = []
+    for j in range(q):  # a bonus token (last of its step) is fed by the next step
+        last = j + 1 >= len(emitted_at) or emitted_at[j + 1] != emitted_at[j]
+        shifts.append(rejected_before.get(emitted_at[j] + (1 if last else 0), rejected))
+    return shifts
+
+
+def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: int, pad_id: int | None,
+               row: RowContext | None = None) -> list[Hypothesis]:
     """The hypotheses that can be built for the logits of new token `q` of prompt `index`."""
     sequence = list(prompt) + list(output[:q])  # the last token is the query
     true_positions = list(range(len(sequence)))
     n = len(prompt)
     found: list[Hypothesis] = []
+
+    if (trace is None or not getattr(trace, "steps", None)) and row is not None:
+        if row.batch_padding:
+            def batch_padding(pad: int = row.batch_padding) -> tuple[list[int], list[int]] | None:
+                return sequence, [p + pad for p in true_positions]
+
+            found.append(Hypothesis("position_ids", f"every position shifted by the row's left padding in its batch "
+                                    f"({row.batch_padding}, consecutive batches)", batch_padding))
+
+        def rejected_rebuilt() -> tuple[list[int], list[int]] | None:
+            shifts = rebuilt_rejections(row.draft, row.draft_tokens, prompt, output, q)
+            if not shifts or not any(shifts):
+                return None
+            return sequence, true_positions[:n] + [n + j + s for j, s in enumerate(shifts)]
+
+        found.append(Hypothesis("position_ids", "each new token numbered past the row's rejected draft slots "
+                                "(steps rebuilt from the draft model's proposals)", rejected_rebuilt))
 
     if trace is not None and getattr(trace, "steps", None):
         fed = fed_steps(trace, index, q)
@@ -176,7 +241,7 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
             pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None,
-            prefer: tuple[str, ...] = ()) -> tuple[Hypothesis | None, list[str]]:
+            prefer: tuple[str, ...] = (), row: RowContext | None = None) -> tuple[Hypothesis | None, list[str]]:
     """The first hypothesis that explains the engine at new token `q`, and what each one showed.
     Hypotheses named in `prefer` (those that explained other divergences of the run) go first."""
     tried: list[str] = []
@@ -188,7 +253,7 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
         return None, tried
     engine_token = output[q] if q < len(output) else None
     base = _error(engine_logits, plain) if engine_logits is not None else None
-    ordered = sorted(hypotheses(prompt, output, q, trace, index, pad_id),
+    ordered = sorted(hypotheses(prompt, output, q, trace, index, pad_id, row),
                      key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
     for hypothesis in ordered:
         built = hypothesis.build()
