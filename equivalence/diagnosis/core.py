@@ -239,7 +239,7 @@ class Diagnoser:
             self._explained_by.insert(0, hypothesis.name)
             return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
                          f"new token {q} ({replays[-1].split(': ', 1)[1]})", "a reproducing replay",
-                         f"a replay with {hypothesis.name}")
+                         hypothesis.mechanism)
 
         tried.append("the engine's token against the draft model's own choice")
         found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)

@@ -34,6 +34,15 @@ class Hypothesis:
     cls: str  # the diagnosis class it stands for
     name: str  # what it assumes, in words
     build: Callable[[], tuple[list[int], list[int]] | None]  # (ids, positions) or None when it does not apply
+    mechanism: str = ""  # the bug it stands for, shared by hypotheses that differ only in how they count
+
+    def __post_init__(self) -> None:
+        if not self.mechanism:
+            text = self.name
+            self.mechanism = ("position ids counted past rejected draft slots" if "rejected" in text else
+                              "position ids counted over the row's padding" if "padding" in text and self.cls == "position_ids"
+                              else "the row's padding visible to its queries" if self.cls == "attention_mask"
+                              else "position ids shifted by a constant")
 
 
 def row_steps(trace: Any, index: int) -> list[int]:
