@@ -17,45 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from specaudit.equivalence.audit import audit_engine
-from specaudit.testing import models
-from specaudit.testing.faults.outside import EXPECTED_OUTSIDE_CLASS, OUTSIDE_FAULTS, PROMPT_LIMIT
+from specaudit.testing.faults.outside import EOS, EXPECTED_OUTSIDE_CLASS, OUTSIDE_FAULTS, PAD, audit_outside_fault
 
 from cli_run import audit, runs
-
-PAD, EOS = 256, 258  # tiny-llama's pad and EOS ids
-
 
 def _content(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 250) for _ in range(length)]
 
 
-FAULT_PROMPTS = {
-    "prompts_cut_at_limit": ([_content(1, 5), _content(2, PROMPT_LIMIT + 20), _content(3, 7)], PAD),
-    "output_slice_by_pad_value": ([[PAD] + _content(4, 4) + [PAD] + _content(5, 3), _content(6, 6), _content(7, 3)], PAD),
-    "leading_eos_finished": ([_content(8, 3), _content(9, 7), _content(10, 5)], EOS),  # pad id = EOS
-}
-
-
-def audit_fault(fault, prompts: list[list[int]], pad: int, max_new_tokens: int = 6) -> dict:
-    pair = models.pair("tiny-llama", "float64")
-
-    def build(pad_id: int):
-        return fault(pair.target, pair.draft, batch_size=4, draft_tokens=3, pad_token_id=pad_id)
-
-    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-        engine = build(pad if pad_token_id is None else pad_token_id)
-        return engine.generate([prompts[i] for i in indices], max_new_tokens, EOS)
-
-    return audit_engine(build(pad), pair, prompts, max_new_tokens=max_new_tokens, eos_token_id=EOS, dtype="float64",
-                        engine_name=fault.slug(), batch_size=4, rerun=rerun, pad_token_id=pad)
-
-
 @pytest.mark.parametrize("fault", OUTSIDE_FAULTS, ids=lambda f: f.slug())
 def test_outside_fault_is_named_by_its_cause(fault) -> None:
-    prompts, pad = FAULT_PROMPTS[fault.slug()]
-    record = audit_fault(fault, prompts, pad)
+    record = audit_outside_fault(fault)
     structural = [d for d in record["divergences"] if d["kind"] == "structural"]
     assert structural, f"{fault.slug()} left no structural divergence"
     classes = {d["diagnosis"]["class"] for d in structural}

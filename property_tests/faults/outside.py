@@ -11,6 +11,10 @@ Each must be diagnosed by its cause (`EXPECTED_OUTSIDE_CLASS`), never by the sym
 
 from __future__ import annotations
 
+import collections
+import random
+from typing import Any
+
 from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 PROMPT_LIMIT = 512  # the cut of `PromptsCutAtLimit` (the published code cuts at 1024)
@@ -57,3 +61,60 @@ EXPECTED_OUTSIDE_CLASS: dict[str, str] = {
     "output_slice_by_pad_value": "pad_as_content",
     "leading_eos_finished": "pad_as_content",  # the padding (= EOS) read as a finished row
 }
+
+
+PAD, EOS = 256, 258  # tiny-llama's pad and EOS ids
+
+
+def _content(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(length)]
+
+
+# each fault's trigger among ordinary prompts, and the pad id the engine is given
+OUTSIDE_CASES: dict[str, tuple[list[list[int]], int]] = {
+    "prompts_cut_at_limit": ([_content(1, 5), _content(2, PROMPT_LIMIT + 20), _content(3, 7)], PAD),
+    "output_slice_by_pad_value": ([[PAD] + _content(4, 4) + [PAD] + _content(5, 3), _content(6, 6), _content(7, 3)], PAD),
+    "leading_eos_finished": ([_content(8, 3), _content(9, 7), _content(10, 5)], EOS),  # the pad id is EOS
+}
+
+
+def audit_outside_fault(fault: type[FaultEngine], max_new_tokens: int = 6) -> dict[str, Any]:
+    """The audit's run record of `fault` on its case (tiny-llama, float64, batch size 4, k = 3),
+    with re-runs of fresh fault engines for the diagnosis's experiments."""
+    from specaudit.equivalence.audit import audit_engine
+    from specaudit.testing import models
+
+    prompts, pad = OUTSIDE_CASES[fault.slug()]
+    pair = models.pair("tiny-llama", "float64")
+
+    def build(pad_id: int) -> FaultEngine:
+        return fault(pair.target, pair.draft, batch_size=4, draft_tokens=3, pad_token_id=pad_id)
+
+    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+        engine = build(pad if pad_token_id is None else pad_token_id)
+        return engine.generate([prompts[i] for i in indices], max_new_tokens, EOS)
+
+    return audit_engine(build(pad), pair, prompts, max_new_tokens=max_new_tokens, eos_token_id=EOS, dtype="float64",
+                        engine_name=fault.slug(), batch_size=4, rerun=rerun, pad_token_id=pad)
+
+
+def table_row(name: str, expected: str, run: dict[str, Any]) -> str:
+    """`| bug | expected | exact | diagnosed (count) | deciding evidence (count) |` for reports/faults.md."""
+    structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+    classes = collections.Counter(d["diagnosis"]["class"] for d in structural)
+    decided = collections.Counter((d["diagnosis"]["class"], d["diagnosis"].get("decided_by") or "nothing decided")
+                                  for d in structural)
+    evidence = "; ".join(f"`{c}`: {e} ({n})" for (c, e), n in decided.most_common())
+    failures = run.get("failures") or []
+    if failures:
+        evidence += f"; {len(failures)} prompt(s) made it fail: " + ", ".join(
+            f"{f['prompt_index']} ({f['reason'].split(':')[0]})" for f in failures)
+    diagnosed = ", ".join(f"`{c}` {n}" for c, n in classes.most_common()) or "-"
+    return f"| {name} | {expected} | {run['exact_matches']}/{run['num_prompts']} | {diagnosed} | {evidence} |"
+
+
+if __name__ == "__main__":  # python -m specaudit.testing.faults.outside: the rows of reports/faults.md
+    for outside in OUTSIDE_FAULTS:
+        print(table_row(outside.summary(), f"`{EXPECTED_OUTSIDE_CLASS[outside.slug()]}`", audit_outside_fault(outside)),
+              flush=True)
