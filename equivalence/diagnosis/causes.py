@@ -191,3 +191,18 @@ def in_recurrent_state(target: Any, found: Any) -> tuple[str, str]:
     return "recurrent_state", (f"{found.evidence}; the target keeps recurrent state in {recurrent} layers, which a "
                                "rejection or another row changes exactly this way: the state was not the row's own "
                                "after its accepted tokens")
+
+
+def note_shared_mechanisms(divergences: list[dict[str, Any]]) -> None:
+    """Say so on every diagnosis whose mechanism explains more than one divergence of the run."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for divergence in divergences:
+        found = divergence.get("diagnosis") or {}
+        if found.get("mechanism"):
+            groups.setdefault((found["class"], found["mechanism"]), []).append(found)
+    for (cls, mechanism), members in groups.items():
+        if len(members) > 1:
+            for found in members:
+                found["shared"] = len(members)
+                found["evidence"] += (f" One mechanism: {mechanism} explains {len(members)} divergences of this run "
+                                      f"(all `{cls}`).")

@@ -43,6 +43,7 @@ import torch
 
 from specaudit.equivalence.diagnosis import causes, checks
 from specaudit.equivalence.diagnosis.causes import Cause, in_recurrent_state as _in_recurrent_state
+from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.replay import RowContext, explain
 
@@ -96,21 +97,6 @@ def _cause(found: Finding | Cause, decided_by: str) -> Cause:
     if isinstance(found, Cause):
         return found
     return Cause(found.cls, found.evidence, decided_by, "")
-
-
-def note_shared_mechanisms(divergences: list[dict[str, Any]]) -> None:
-    """Say so on every diagnosis whose mechanism explains more than one divergence of the run."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for divergence in divergences:
-        found = divergence.get("diagnosis") or {}
-        if found.get("mechanism"):
-            groups.setdefault((found["class"], found["mechanism"]), []).append(found)
-    for (cls, mechanism), members in groups.items():
-        if len(members) > 1:
-            for found in members:
-                found["shared"] = len(members)
-                found["evidence"] += (f" One mechanism: {mechanism} explains {len(members)} divergences of this run "
-                                      f"(all `{cls}`).")
 
 
 @dataclass
