@@ -133,7 +133,14 @@ def slice_shift(prompt: list[int], reference: list[int], output: list[int], pad:
     """The engine's output is the prompt's last s tokens and then the reference, s the count of pad
     ids in the prompt: the output slice starts at the count of non-pad prompt tokens."""
     s = len(evidence.in_prompt)
-    if not s or len(output) <= s or output[:s] != prompt[len(prompt) - s:] or not _agrees(output[s:], reference):
+    if not s or len(output) < s or output[:s] != prompt[len(prompt) - s:]:
+        return None
+    if len(output) == s:  # nothing but prompt tokens: no new token, and the slice still started early
+        return Cause("pad_as_content", f"the prompt holds the pad id {pad} {s} time(s) ({evidence.where()}); the "
+                     f"engine's whole output is the prompt's last {s} token(s) {output}: its output slice starts at "
+                     "the count of non-pad prompt tokens, found by pad-id equality",
+                     "the output slice against the prompt", "pad-id tokens treated as padding")
+    if not _agrees(output[s:], reference):
         return None
     return Cause("pad_as_content", f"the prompt holds the pad id {pad} {s} time(s) ({evidence.where()}); the "
                  f"engine's output starts with the prompt's last {s} token(s) {output[:s]} and then is the reference: "
