@@ -43,9 +43,24 @@ def _agrees(engine: list[int], replay: list[int]) -> bool:
     return common >= 1 and engine[:common] == replay[:common]
 
 
+def _same_logits(target: Any, cut: list[int], output: list[int], engine_logits: Any) -> bool:
+    """With float64 logits recorded by the engine: the cut prompt's replay reproduces them too (a
+    token match alone can be a coincidence, e.g. a periodic prompt under rotary positions)."""
+    if engine_logits is None or getattr(engine_logits, "dtype", None) != torch.float64:
+        return True
+    from specaudit.equivalence.compare import replay_logits
+
+    upto = min(len(output), engine_logits.shape[0])
+    if upto == 0:
+        return True
+    replay = replay_logits(target, list(cut), list(output[:upto]))
+    return float((replay.to(torch.float64) - engine_logits[:upto].to(replay.device)).abs().max()) <= 1e-9
+
+
 def truncation(target: Any, prompt: list[int], output: list[int], position: int, max_new_tokens: int,
-               eos: int | None, tried: list[str]) -> Cause | None:
-    """The engine's output is greedy decoding of the prompt cut to a common limit."""
+               eos: int | None, tried: list[str], engine_logits: Any = None) -> Cause | None:
+    """The engine's output is greedy decoding of the prompt cut to a common limit (and, when the
+    engine recorded float64 logits, its logits are the cut prompt's)."""
     if target is None or not output:
         return None
     from specaudit.engines.reference import greedy_decode
@@ -60,6 +75,10 @@ def truncation(target: Any, prompt: list[int], output: list[int], position: int,
                 continue
             replay = greedy_decode(target, list(cut), max_new_tokens, eos)[0]
             same = replay[:len(output)] == output and len(output) > min(position, len(replay) - 1)
+            if same and not _same_logits(target, cut, output, engine_logits):
+                tried.append(f"reference on the prompt cut to its {side} {limit} tokens: the tokens agree, the "
+                             "engine's float64 logits do not (a coincidence)")
+                continue
             tried.append(f"reference on the prompt cut to its {side} {limit} tokens: "
                          f"{'reproduces the engine' if same else 'differs'}")
             if same:

@@ -192,7 +192,7 @@ class Diagnoser:
         if cause:
             return cause
         if len(prompt) > min(causes.TRUNCATION_LIMITS):
-            cause = causes.truncation(self.target, prompt, output, position, self.max_new_tokens, eos, tried)
+            cause = causes.truncation(self.target, prompt, output, position, self.max_new_tokens, eos, tried, logits)
             if cause:
                 return cause
         cause = self._pad_cause(index, position, tried)
