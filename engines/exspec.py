@@ -71,6 +71,7 @@ from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
+from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.trace import StepRecord, Trace
@@ -155,19 +156,32 @@ class ExspecPool:
         self.finished: dict[int, list[int]] = {}  # request id -> new tokens, in order of finishing
         self.logits: dict[int, torch.Tensor | None] = {}  # request id -> [new tokens, V] (record_logits)
         self.records: list[StepRecord] = []
+        self.limits: dict[int, int] = {}  # request id -> its own max_new_tokens, where it differs
+
+    def _budgets(self, request_ids: list[int]) -> int | torch.Tensor:
+        """The pool's budget, or `[G]` per request when some request has its own."""
+        if not self.limits:
+            return self.max_new_tokens
+        return torch.tensor([self.limits.get(r, self.max_new_tokens) for r in request_ids], dtype=torch.long,
+                            device=self.target.device)
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.window)
 
-    def admit(self, prompt: list[int], request_id: int | None = None) -> int:
-        """Queue a request; returns its id (the next free integer unless given)."""
+    def admit(self, prompt: list[int], request_id: int | None = None, max_new_tokens: int | None = None) -> int:
+        """Queue a request (with its own budget of new tokens, else the pool's); returns its id (the
+        next free integer unless given)."""
         if not prompt:
             raise ValueError("every prompt needs at least one token")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError("a request's max_new_tokens must be at least 1")
         request_id = request_id if request_id is not None else max(self.prompts, default=-1) + 1
         if request_id in self.prompts:
             raise ValueError(f"request id {request_id} was already admitted")
         self.prompts[request_id] = list(prompt)
+        if max_new_tokens is not None and max_new_tokens != self.max_new_tokens:
+            self.limits[request_id] = max_new_tokens
         self.waiting.append(request_id)
         return request_id
 
@@ -211,7 +225,7 @@ class ExspecPool:
         """Prefill the `count` oldest waiting requests together; they enter the window."""
         ids = [self.waiting.popleft() for _ in range(count)]
         state, result = start_batch(self.target, self.drafter, self.prompts, ids, self.pad_id, self.eos_token_id,
-                                    self.max_new_tokens, self.record_logits)
+                                    self._budgets(ids), self.record_logits)
         clock = Clock(self.target.device)
         entered = [Sequence(rid, self.prompts[rid] + result.emitted[b], len(self.prompts[rid]), None, None)
                    for b, rid in enumerate(ids)]
@@ -250,7 +264,7 @@ class ExspecPool:
 
         # 2. speculate: draft, verify, accept; a group keeps its caches as the verify pass left them
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
-                                  self.max_new_tokens, self.pad_id, self.record_logits,
+                                  self._budgets(state.rows), self.pad_id, self.record_logits,
                                   kind="group" if same_length else "fallback", realign=not same_length)
         clock.lap()
 
@@ -338,9 +352,12 @@ class EXSpec:
         self.last_trace: Trace | None = None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        limits = None if isinstance(max_new_tokens, int) else request_limits(max_new_tokens, len(prompts))
+        if limits is not None:
+            max_new_tokens = max(limits, default=1)
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
                       proposals_from_draft_model=isinstance(self.drafter, ModelDrafter))
         if max_new_tokens <= 0 or not prompts:
@@ -353,7 +370,7 @@ class EXSpec:
         )
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else range(len(prompts))
         for i in order:
-            pool.admit(prompts[i], request_id=i)
+            pool.admit(prompts[i], request_id=i, max_new_tokens=limits[i] if limits is not None else None)
         while pool.busy:
             pool.step()
         for record in pool.records:

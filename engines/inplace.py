@@ -42,7 +42,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
-from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import check_draft_inputs, check_proposals, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import StepRecord, Trace
@@ -244,15 +244,16 @@ class InplaceEngine(ConsecutiveBatches):
         self.compactions = 0
         return super().generate(prompts, max_new_tokens, eos_token_id)
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
-        state, result = self._start(prompts, rows, max_new_tokens, eos_token_id)
+        device = self.target.device
+        state, result = self._start(prompts, rows, row_limits(max_new_tokens, rows, device), eos_token_id)
         self._collect(trace, result, outputs, logits)
         while state.rows:
-            result = self._step(state, len(trace.steps), max_new_tokens, eos_token_id)
+            result = self._step(state, len(trace.steps), row_limits(max_new_tokens, state.rows, device), eos_token_id)
             self._collect(trace, result, outputs, logits)
 
-    def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int,
+    def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | torch.Tensor,
                eos_token_id: int | None) -> tuple[InplaceState, StepResult]:
         """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
         clock = Clock(self.target.device)
@@ -281,7 +282,8 @@ class InplaceEngine(ConsecutiveBatches):
         finished = [r for r, d in zip(rows, done_list) if d]
         return state, StepResult(record, [[t] for t in first_list], row_logits, finished)
 
-    def _step(self, state: InplaceState, step: int, max_new_tokens: int, eos_token_id: int | None) -> StepResult:
+    def _step(self, state: InplaceState, step: int, max_new_tokens: int | torch.Tensor,
+              eos_token_id: int | None) -> StepResult:
         clock = Clock(self.target.device)
         k = self.k
         rows = list(state.rows)
