@@ -33,6 +33,13 @@ class ConsecutiveBatches:
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None,
+                 trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        """Every prompt, in consecutive batches of `batch_size` (an engine that refills rows overrides it)."""
+        for start in range(0, len(prompts), self.batch_size):
+            rows = list(range(start, min(start + self.batch_size, len(prompts))))
+            self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                  eos_token_id: int | None) -> list[list[int]]:
@@ -45,9 +52,7 @@ class ConsecutiveBatches:
         if not isinstance(max_new_tokens, int):
             max_new_tokens = request_limits(max_new_tokens, len(prompts))
         if not isinstance(max_new_tokens, int) or max_new_tokens > 0:
-            for start in range(0, len(prompts), self.batch_size):
-                rows = list(range(start, min(start + self.batch_size, len(prompts))))
-                self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
+            self._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
         if self.record_logits:
             trace.logits = [torch.cat(parts) if parts else None for parts in logits]
         self.last_trace = trace
