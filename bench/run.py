@@ -350,6 +350,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                 try:
                     repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory, budgets))
                     say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {config.clock} second")
+                    keep_finished()  # every timed call is kept at once: a slow machine may not finish the round
                 except KeyboardInterrupt:
                     keep_finished()
                     raise

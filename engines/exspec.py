@@ -76,6 +76,9 @@ from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.trace import StepRecord, Trace
 
+FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
+DEFAULT_FALLBACK = "realign"
+
 
 @dataclass
 class Sequence:
@@ -140,9 +143,17 @@ class ExspecPool:
         record_logits: bool = False,
         min_group: int | None = None,
         refill_at: int | None = None,
+        fallback: str = DEFAULT_FALLBACK,
+        wait_steps: int = 0,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1 or window_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size, draft_tokens, window_size and max_new_tokens must be at least 1")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+        if wait_steps < 0:
+            raise ValueError("wait_steps must be at least 0")
+        self.fallback, self.wait_steps = fallback, wait_steps
+        self._waited = 0  # steps run on a partial same-length group since the last full one
         self.target, self.drafter = target, drafter
         self.batch_size, self.k, self.window_size = batch_size, draft_tokens, window_size
         self.max_new_tokens, self.eos_token_id, self.pad_id = max_new_tokens, eos_token_id, pad_id
@@ -215,7 +226,12 @@ class ExspecPool:
             groups.setdefault(sequence.length, []).append(sequence)
         largest = max(groups.values(), key=lambda g: (min(len(g), self.batch_size), -g[0].length))
         if min(len(largest), self.batch_size) >= self.min_group:
+            self._waited = 0
             return largest[: self.batch_size]
+        if len(largest) >= 2 and self._waited < self.wait_steps:  # wait for a full group, a bounded number of steps
+            self._waited += 1
+            return largest
+        self._waited = 0
         by_length = sorted(self.window, key=lambda s: s.length)
         size = min(self.batch_size, len(by_length))
         start = min(range(len(by_length) - size + 1), key=lambda i: by_length[i + size - 1].length - by_length[i].length)
@@ -265,7 +281,8 @@ class ExspecPool:
         # 2. speculate: draft, verify, accept; a group keeps its caches as the verify pass left them
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
                                   self._budgets(state.rows), self.pad_id, self.record_logits,
-                                  kind="group" if same_length else "fallback", realign=not same_length)
+                                  kind="group" if same_length else "fallback",
+                                  realign=not same_length and self.fallback == "realign")
         clock.lap()
 
         # 3. unstack: append the new tokens; cut each running sequence's caches out of the batch
@@ -276,6 +293,8 @@ class ExspecPool:
         if same_length:  # row b: columns 0 .. n + accepted, where the verify pass left them
             ends = [old_lengths[b] + result.record.accepted_counts[b] for b in running]
             self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)
+        elif running and self.fallback == "masked":
+            self._cut_masked(state, group, running, old_lengths, result.record.accepted_counts)
         elif running:  # realigned: the running rows, right-aligned, in batch order
             width = ragged.cache_width(state.target_cache)
             starts = [width - group[b].length + 1 for b in running]
@@ -287,6 +306,16 @@ class ExspecPool:
         result.record.seconds["stack"] = stack_seconds
         result.record.seconds["unstack"] = clock.lap()
         return self._record(result)
+
+    def _cut_masked(self, state: BatchState, group: list[Sequence], running: list[int], old_lengths: list[int],
+                    accepted_counts: list[int]) -> None:
+        """A padded batch left as the verify pass made it: row b's columns run from the end of its
+        left padding (`width - (n_b - 1)`, `width` = the stacked cache's width before the step) through
+        its pending and accepted tokens (`width + accepted_b + 1`), one slice per row."""
+        width = max(old_lengths) - 1
+        starts = [width - (old_lengths[b] - 1) for b in running]
+        ends = [width + accepted_counts[b] + 1 for b in running]
+        self._cut_caches(state, [group[b] for b in running], running, starts, ends)
 
     def _cut_caches(self, state: BatchState, sequences: list[Sequence], rows: list[int], starts: list[int], ends: list[int]) -> None:
         for sequence, kv, states in zip(sequences, unstack_cache(state.target_cache, rows, starts, ends),
@@ -331,6 +360,8 @@ class EXSpec:
         record_logits: bool = False,
         min_group: int | None = None,
         refill_at: int | None = None,
+        fallback: str = DEFAULT_FALLBACK,
+        wait_steps: int = 0,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -349,6 +380,7 @@ class EXSpec:
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
         self.min_group, self.refill_at = min_group, refill_at
+        self.fallback, self.wait_steps = fallback, wait_steps
         self.last_trace: Trace | None = None
 
     @torch.no_grad()
@@ -367,6 +399,7 @@ class EXSpec:
             self.target, self.drafter, batch_size=self.batch_size, draft_tokens=self.k,
             window_size=self.window_size, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_id=self.pad_id, record_logits=self.record_logits, min_group=self.min_group, refill_at=self.refill_at,
+            fallback=self.fallback, wait_steps=self.wait_steps,
         )
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else range(len(prompts))
         for i in order:
