@@ -27,22 +27,14 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
   padding: it runs only when it fills the batch, and then it saves the padding and the gather.
 - refill when the window has room for `refill_at` sequences (or for all that still wait, or when
   it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
+- `fallback`: a padded batch is realigned after its step (`realign`: one gather per layer, as in
+  EQSPEC) or each running row is cut out of the verify pass's cache with one slice, its left
+  padding kept masked until the next stack (`masked`: no gather). `wait_steps`: while no full
+  group exists, run the largest same-length group (2 rows or more) for at most this many steps
+  before falling back. Measured on the bench pair in reports/bench/README.md.
 
-Measurements (float64, CPU, one thread; all 32 built-in prompts, 48 new tokens, k = 4, model
-drafter). The cost counted is target passes (prefills + steps), which is what grows with a real
-target; on these tiny models wall time is dominated by per-call overhead and by other processes
-on the machine, so it only broke ties. EQSPEC needs 197 (B = 4) and 107 (B = 8) on tiny-llama,
-196 and 105 on tiny-qwen3.
-
-    fallback threshold min_group (refill_at = ceil(B/2)), tiny-llama, unsorted / sorted prompts:
-      B=4 W=8    min_group 1: 477 / 424   2: 183 / 241   4: 177 / 176
-      B=4 W=16   min_group 1: 407 / 407   2: 231 / 236   4: 174 / 175
-      B=8 W=16   min_group 1: 401 / 403   2: 119 / 187   4: 94 / 94   8: 94 / 94
-    refill_at 1 / ceil(B/2) / B (min_group = B), unsorted; sorted within 9 passes:
-      tiny-llama B=4 W=8: 186 / 177 / 168   W=16: 180 / 174 / 172   W=4: 191 / 190 / 197
-      tiny-llama B=8 W=16: 101 / 94 / 91                            W=8: 106 / 105 / 107
-      tiny-qwen3 B=4 W=8: 195 / 179 / 176   W=16: 186 / 181 / 172
-      tiny-qwen3 B=8 W=16: 109 / 99 / 96
+The measurements that chose `min_group` and `refill_at` (target passes on tiny pairs) are in
+reports/bench/README.md, with the fallback and wait policies measured on the bench pair.
 
 Groups smaller than B lose: their steps carry fewer rows, and the rows they leave behind drift
 further apart. Same-length groups of B are rare with these draft models (2 to 8% of steps): rows

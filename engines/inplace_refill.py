@@ -18,18 +18,44 @@ The join is timed as `realign` in the prefill record (the step that brought the 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import ragged
 from specaudit.engines.contract import row_limits
-from specaudit.engines.eqspec import Clock
+from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import Trace
 
-if TYPE_CHECKING:
-    from specaudit.engines.inplace import InplaceEngine, InplaceState
+
+class InplaceRows(Protocol):
+    """What a join reads and writes of `engines.inplace.InplaceState` (which imports this module)."""
+
+    rows: list[int]
+    pending: torch.Tensor  # [B, 1]
+    lengths: torch.Tensor  # [B]
+    prompt_lengths: torch.Tensor  # [B]
+    target_cache: DynamicCache
+    target_valid: torch.Tensor  # [B, W]
+    draft_cache: DynamicCache | None
+    draft_valid: torch.Tensor | None  # [B, W']
+
+
+class RefillingEngine(Protocol):
+    """What the refill loop calls of `engines.inplace.InplaceEngine`."""
+
+    target: PreTrainedModel
+    batch_size: int
+    refill_at: int
+
+    def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: Any,
+               eos_token_id: int | None) -> tuple[Any, StepResult]: ...
+
+    def _step(self, state: Any, step: int, max_new_tokens: Any, eos_token_id: int | None) -> StepResult: ...
+
+    @staticmethod
+    def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None: ...
 
 
 def widen_left(x: torch.Tensor, width: int, dim: int, fill: float | bool = 0) -> torch.Tensor:
@@ -54,7 +80,7 @@ def join_caches(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, o
     return torch.cat([widen_left(valid, width, 1, False), widen_left(other_valid, width, 1, False)], dim=0)  # [B+B', W]
 
 
-def join_rows(state: InplaceState, new: InplaceState) -> None:
+def join_rows(state: InplaceRows, new: InplaceRows) -> None:
     """Add the rows of `new` (freshly prefilled) after the rows of `state`, caches included."""
     state.rows = state.rows + new.rows
     state.pending = torch.cat([state.pending, new.pending])  # [B+B', 1]
@@ -66,13 +92,13 @@ def join_rows(state: InplaceState, new: InplaceState) -> None:
         state.draft_valid = join_caches(state.draft_cache, state.draft_valid, new.draft_cache, new.draft_valid)
 
 
-def run_with_refill(engine: InplaceEngine, prompts: list[list[int]], max_new_tokens: int | list[int],
+def run_with_refill(engine: RefillingEngine, prompts: list[list[int]], max_new_tokens: int | list[int],
                     eos_token_id: int | None, trace: Trace, outputs: list[list[int]],
                     logits: list[list[torch.Tensor]]) -> None:
     """Decode every prompt with at most `engine.batch_size` rows, refilling freed rows in order."""
     device = engine.target.device
     waiting = deque(range(len(prompts)))
-    state: InplaceState | None = None
+    state: Any = None  # the running rows (an InplaceState), None before the first prefill
     while waiting or (state is not None and state.rows):
         running = len(state.rows) if state is not None else 0
         free = engine.batch_size - running
