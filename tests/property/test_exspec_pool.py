@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines.drafters import ModelDrafter, ScriptedDrafter
-from specaudit.engines.exspec import FALLBACKS, ExspecPool, Sequence
+from specaudit.engines.exspec import ExspecPool, Sequence
 from specaudit.testing import models
 from specaudit.testing.faults.mutation import LineChange, mutant_modules
 from specaudit.testing.profiles import examples
@@ -48,11 +48,8 @@ class PoolMachine(RuleBasedStateMachine):
         drafter_kind=st.sampled_from(["model", "scripted"]),
         eos_position=st.none() | st.integers(0, 9),
         schedule=st.lists(st.integers(0, 5), min_size=1, max_size=6),
-        fallback=st.sampled_from(FALLBACKS),
-        wait_steps=st.integers(0, 2),
     )
-    def start(self, pair_name, batch_size, window_factor, k, max_new_tokens, drafter_kind, eos_position, schedule,
-              fallback, wait_steps):
+    def start(self, pair_name, batch_size, window_factor, k, max_new_tokens, drafter_kind, eos_position, schedule):
         torch.set_num_threads(1)
         self.pair = models.pair(pair_name)
         self.references, _ = models.reference(pair_name)
@@ -67,8 +64,7 @@ class PoolMachine(RuleBasedStateMachine):
             drafter = ModelDrafter(self.pair.draft)
         self.pool = self.pool_class(self.pair.target, drafter, batch_size=batch_size, draft_tokens=k,
                                window_size=window_factor * batch_size, max_new_tokens=max_new_tokens,
-                               eos_token_id=self.eos, pad_id=self.pair.pad_token_id, fallback=fallback,
-                               wait_steps=wait_steps)
+                               eos_token_id=self.eos, pad_id=self.pair.pad_token_id)
         self.has_draft_cache = drafter_kind == "model"
         # the model: admission order, prompt of each request, window entries, early ends, answers seen
         self.admitted: list[int] = []
@@ -77,8 +73,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.ended_early: set[int] = set()
         self.answered: list[int] = []
         note(f"pair={pair_name} B={batch_size} W={window_factor * batch_size} k={k} "
-             f"max_new_tokens={max_new_tokens} eos={self.eos} drafter={drafter_kind} schedule={schedule} "
-             f"fallback={fallback} wait_steps={wait_steps}")
+             f"max_new_tokens={max_new_tokens} eos={self.eos} drafter={drafter_kind} schedule={schedule}")
 
     def expected(self, request_id: int) -> list[int]:
         tokens = self.references[self.prompt_of[request_id]][: self.max_new_tokens]
