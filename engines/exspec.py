@@ -33,17 +33,7 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
   group exists, run the largest same-length group (2 rows or more) for at most this many steps
   before falling back. Measured on the bench pair in reports/bench/README.md.
 
-The measurements that chose `min_group` and `refill_at` (target passes on tiny pairs) are in
-reports/bench/README.md, with the fallback and wait policies measured on the bench pair.
-
-Groups smaller than B lose: their steps carry fewer rows, and the rows they leave behind drift
-further apart. Same-length groups of B are rare with these draft models (2 to 8% of steps): rows
-accept different counts, so lengths scatter, and with a draft that is always right the rows move
-in lock step and keep their prompts' length differences (sorted prompts, scripted all-accepting
-drafter, B = 8, W = 32: no group step in 35). The pool's gain over EQSPEC (about 10 to 15% fewer
-passes at W >= 2B) comes from refilling the window while other rows still run. Stage times
-(tiny-llama, B = 8, W = 32): stack and unstack about 5% of the step time each, the fallback's
-realignment about 14% (EQSPEC's: 17%), drafting and verifying the rest.
+The measurements behind this policy (tiny pairs, and the bench pair) are in reports/bench/README.md.
 
 Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
 the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`
