@@ -12,7 +12,8 @@ rows join the running batch (`join_rows`):
 - position ids and the attention mask come, as always in INPLACE, from each row's `lengths` and
   validity mask, never from the column a token sits in: a row that joins late sees only itself.
 
-The join is timed as `realign` in the prefill record (the step that brought the rows in).
+The join is timed as `realign` in the prefill record (the step that brought the rows in). Models
+with recurrent layers do not join rows yet (`joinable`): they run consecutive batches.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import ragged
+from specaudit.engines import ragged, recurrent
 from specaudit.engines.contract import row_limits
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import Trace
@@ -92,6 +93,13 @@ def join_rows(state: InplaceRows, new: InplaceRows) -> None:
         state.draft_valid = join_caches(state.draft_cache, state.draft_valid, new.draft_cache, new.draft_valid)
 
 
+def joinable(state: InplaceRows) -> bool:
+    """Rows join only caches of attention layers: a model with recurrent layers (per-row states, rolled
+    back after each step) waits until its batch is done, as consecutive batches do."""
+    caches = [state.target_cache] + ([state.draft_cache] if state.draft_cache is not None else [])
+    return not any(recurrent.tracks_states(cache) for cache in caches)
+
+
 def run_with_refill(engine: RefillingEngine, prompts: list[list[int]], max_new_tokens: int | list[int],
                     eos_token_id: int | None, trace: Trace, outputs: list[list[int]],
                     logits: list[list[torch.Tensor]]) -> None:
@@ -102,7 +110,7 @@ def run_with_refill(engine: RefillingEngine, prompts: list[list[int]], max_new_t
     while waiting or (state is not None and state.rows):
         running = len(state.rows) if state is not None else 0
         free = engine.batch_size - running
-        if waiting and free > 0 and (running == 0 or free >= min(engine.refill_at, len(waiting))):
+        if waiting and free > 0 and (running == 0 or (free >= min(engine.refill_at, len(waiting)) and joinable(state))):
             rows = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             new, result = engine._start(prompts, rows, row_limits(max_new_tokens, rows, device), eos_token_id)
             clock = Clock(device)
