@@ -69,8 +69,14 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
     how = bench.add_argument_group("how to run")
     how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
                      help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
-    how.add_argument("--num-prompts", type=_positive, default=16, metavar="N", help="use the first N prompts")
-    how.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="new tokens per prompt")
+    how.add_argument("--num-prompts", type=_positive, default=None, metavar="N",
+                     help="requests: the first N prompts, the set repeated in order when it holds fewer "
+                          "(default: 4 x the largest batch size)")
+    how.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N", help="new tokens per request")
+    how.add_argument("--output-lengths", default=None, metavar="DIST",
+                     help="each request's own budget of new tokens, drawn with --seed: uniform:LO:HI or "
+                          "geometric:MEAN (cut at --max-new-tokens); rows then finish at different steps "
+                          "(default: every request gets --max-new-tokens)")
     how.add_argument("--repeats", type=_positive, default=3, metavar="R", help="timed runs per engine and batch size")
     how.add_argument("--warmup", type=_count, default=1, metavar="W",
                      help="untimed runs first (on the first batch, at most 8 tokens)")
@@ -102,6 +108,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--target and --draft go together")
     if not args.target and args.pair != "bench" and args.pair not in builtin_pair_names():
         parser.error(f"unknown pair {args.pair!r}; use bench, {', '.join(builtin_pair_names())}, or --target/--draft")
+    if args.output_lengths is not None:
+        from specaudit.bench.run import PER_REQUEST_BUDGET_ENGINES
+        from specaudit.bench.workload import parse_output_lengths
+
+        try:
+            parse_output_lengths(args.output_lengths, args.max_new_tokens)
+        except ValueError as exc:
+            parser.error(f"--output-lengths: {exc}")
+        fixed = [e for e in args.engine if e not in PER_REQUEST_BUDGET_ENGINES]
+        if fixed:
+            parser.error(f"--output-lengths: {', '.join(fixed)} take one max_new_tokens for every prompt; time "
+                         f"only {', '.join(PER_REQUEST_BUDGET_ENGINES)} with it")
     if args.device.startswith("cuda"):
         import torch
 
@@ -110,7 +128,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = BenchConfig(
         engines=args.engine, pair=args.pair, target=args.target, draft=args.draft, batch_sizes=args.batch_size,
         draft_tokens=args.draft_tokens, acceptance=args.acceptance, prompts=args.prompts,
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, output_lengths=args.output_lengths,
+        repeats=args.repeats, warmup=args.warmup,
         dtype=args.dtype, device=args.device, seed=args.seed, engine_options=dict(args.engine_option),
         clock=args.clock, threads=args.threads,
     )

@@ -111,3 +111,46 @@ def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_leng
 def ceiling(costs: dict[str, Any], k: int, tokens_per_step: float) -> float:
     """Best speedup over plain decoding: tokens per step x plain pass / (verify pass + k draft passes)."""
     return tokens_per_step * costs["target_1"] / (costs["target_k1"][str(k)] + k * costs["draft_1"])
+
+
+@torch.no_grad()
+def prefill_costs(pair: zoo.ModelPair, prompt_length: int, repeats: int, device: str,
+                  use_cpu_clock: bool = False) -> dict[str, Any]:
+    """Median seconds to prefill one prompt of `prompt_length` tokens alone (no padding): target and draft."""
+    tokens = (torch.arange(prompt_length) % 256).unsqueeze(0).to(device)  # [1, P]
+    lengths = torch.tensor([prompt_length], dtype=torch.long, device=device)
+    clock = time.process_time if use_cpu_clock else time.perf_counter
+
+    def timed(model) -> float:
+        seconds = []
+        for _ in range(repeats + 1):  # the first call warms up
+            sync(device)
+            start = clock()
+            batch_ops.prefill(model, tokens, lengths)
+            sync(device)
+            seconds.append(clock() - start)
+        return statistics.median(seconds[1:])
+
+    return {"prompt_length": prompt_length, "target_prefill": timed(pair.target), "draft_prefill": timed(pair.draft)}
+
+
+def ideal_seconds(costs: dict[str, Any], prefill: dict[str, Any], requests: int, tokens: int,
+                  k: int | None = None, tokens_per_step: float = 1.0) -> float:
+    """Seconds a perfect engine needs for `requests` prompts and `tokens` new tokens at this batch size:
+    every request's prefill (target, and the draft's when speculating), then every row of every
+    pass doing work: `(tokens - requests) / B` plain passes, or that / tokens_per_step speculative
+    steps of one verify pass and k draft passes. The first token of each request comes from its prefill."""
+    batch_size = costs["batch_size"]
+    decode_rows = max(0, tokens - requests)
+    if k is None:
+        return requests * prefill["target_prefill"] + decode_rows / batch_size * costs["target_1"]
+    step = costs["target_k1"][str(k)] + k * costs["draft_1"]
+    return (requests * (prefill["target_prefill"] + prefill["draft_prefill"])
+            + decode_rows / tokens_per_step / batch_size * step)
+
+
+def workload_ceiling(costs: dict[str, Any], prefill: dict[str, Any], requests: int, tokens: int, k: int,
+                     tokens_per_step: float) -> float:
+    """Best speedup over plain decoding on this workload, prefill included: ideal plain / ideal speculative."""
+    return (ideal_seconds(costs, prefill, requests, tokens)
+            / ideal_seconds(costs, prefill, requests, tokens, k, tokens_per_step))

@@ -2,9 +2,20 @@
 
 `summarise(bench)` adds to each run of a bench dict (in place): `ratio_to_batch_size_1` (the same
 engine and k at batch size 1), `ratio_to_plain` (plain decoding at the same batch size: `reference`
-at 1, `batched` above), `ratio_to_reference`, `ceiling` (best speedup over plain decoding from the
-measured pass costs and the configured acceptance), `ceiling_at_measured_acceptance` (the same with
-the run's own tokens per step) and `fraction_of_ceiling`. It also sets `exspec_vs_eqspec` (per
+at 1, `batched` above), `ratio_to_reference`, and two ceilings, each the best speedup over plain
+decoding that speculation could reach at that batch size with the configured acceptance (a run
+with the draft model's own proposals: its measured tokens per step):
+
+- `ceiling`: on this workload, prefill included (`bench.costs.workload_ceiling`): ideal plain time
+  / ideal speculative time, where both pay every request's prefill (measured: one prompt of the
+  mean length, alone) and then run every pass with all B rows busy; the speculative side also
+  prefills the draft. The prefill every engine pays lowers it below the pass-only figure.
+- `decode_ceiling`: passes only, `E x target(1) / (target(k+1) + k x draft(1))`.
+
+`fraction_of_ceiling` = `ratio_to_plain / ceiling` (`fraction_of_decode_ceiling` likewise), and
+`fraction_of_ideal_time` (every run, plain ones too) = the perfect engine's time on this workload /
+the run's time: below 1 by what idle rows, padding, cache movement and overhead cost.
+`ceiling_at_measured_acceptance` is `ceiling` with the run's own tokens per step. It also sets `exspec_vs_eqspec` (per
 batch size and k: EXSPEC's group rate and what its pool gains and loses against EQSPEC, from the
 traces) and `findings` (the figures the README reports). `markdown(bench)` renders it all.
 """
@@ -14,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from specaudit.engines.models.bench_pair import expected_tokens_per_step
+from specaudit.bench.costs import ideal_seconds, workload_ceiling
 
 SPECULATIVE_STAGE = "realign"
 
@@ -43,6 +55,8 @@ def plain_run(runs: list[dict[str, Any]], batch_size: int) -> dict[str, Any] | N
 def summarise(bench: dict[str, Any]) -> None:
     runs = _finished(bench)
     costs = {c["batch_size"]: c for c in bench.get("pass_costs") or []}
+    prefill = bench.get("prefill_costs")
+    requests = (bench.get("workload") or {}).get("requests") or bench.get("num_prompts")
     acceptance = bench.get("acceptance")
     reference = _find(runs, "reference", 1)
     for run in runs:
@@ -54,16 +68,34 @@ def summarise(bench: dict[str, Any]) -> None:
         run["ratio_to_plain"] = run["tokens_per_second"] / plain["tokens_per_second"] if plain else None
         run["ratio_to_reference"] = run["tokens_per_second"] / reference["tokens_per_second"] if reference else None
         cost = costs.get(b)
-        if k is None or cost is None or str(k) not in cost["target_k1"]:
+        if cost is None or (k is not None and str(k) not in cost["target_k1"]):
             continue
-        if run.get("mean_tokens_per_step"):
-            run["ceiling_at_measured_acceptance"] = _ceiling(cost, k, run["mean_tokens_per_step"])
+        measured = run.get("mean_tokens_per_step")
         if acceptance is not None and run.get("calibrated_drafter"):
-            run["ceiling"] = _ceiling(cost, k, expected_tokens_per_step(acceptance, k))
+            per_step = expected_tokens_per_step(acceptance, k) if k is not None else 1.0
         else:  # the engine drafts with the draft model: its own acceptance is the only one it has
-            run["ceiling"] = run.get("ceiling_at_measured_acceptance")
-        if run.get("ceiling") and run.get("ratio_to_plain"):
-            run["fraction_of_ceiling"] = run["ratio_to_plain"] / run["ceiling"]
+            per_step = measured if k is not None else 1.0
+        if prefill and requests and per_step:
+            ideal = ideal_seconds(cost, prefill, requests, run["tokens"], k, per_step)
+            run["ideal_seconds"] = ideal
+            run["fraction_of_ideal_time"] = ideal * run["tokens_per_second"] / run["tokens"]
+        if k is None:
+            continue
+        if measured:
+            run["decode_ceiling_at_measured_acceptance"] = _ceiling(cost, k, measured)
+        run["decode_ceiling"] = _ceiling(cost, k, per_step) if per_step else None
+        if prefill and requests:
+            if measured:
+                run["ceiling_at_measured_acceptance"] = workload_ceiling(cost, prefill, requests, run["tokens"], k, measured)
+            run["ceiling"] = workload_ceiling(cost, prefill, requests, run["tokens"], k, per_step) if per_step else None
+        else:  # a bench.json from before the prefill was measured: the pass-only figure
+            run["ceiling"] = run["decode_ceiling"]
+            run["ceiling_at_measured_acceptance"] = run.get("decode_ceiling_at_measured_acceptance")
+        if run.get("ratio_to_plain"):
+            if run.get("ceiling"):
+                run["fraction_of_ceiling"] = run["ratio_to_plain"] / run["ceiling"]
+            if run.get("decode_ceiling"):
+                run["fraction_of_decode_ceiling"] = run["ratio_to_plain"] / run["decode_ceiling"]
     bench["exspec_vs_eqspec"] = exspec_vs_eqspec(runs)
     bench["findings"] = findings(bench, runs)
 
@@ -134,11 +166,15 @@ def findings(bench: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
             verify_ratio = cost["target_k1"][str(k)] / cost["target_1"]
             out["verify_over_plain_pass"] = verify_ratio
             out["ceiling_largest"] = best.get("ceiling")
+            out["decode_ceiling_largest"] = best.get("decode_ceiling")
+            out["best_fraction_of_ceiling"] = best.get("fraction_of_ceiling")
             out["reason"] = (
                 f"at batch size {largest} a target pass over k+1 = {k + 1} tokens per row costs {verify_ratio:.2f}x a "
-                f"1-token pass and the k draft passes add {k * cost['draft_1'] / cost['target_1']:.2f}x, so the ceiling "
-                f"is {best.get('ceiling') or float('nan'):.2f}x; {best['engine']} reaches "
-                f"{best.get('fraction_of_ceiling') or float('nan'):.0%} of it")
+                f"1-token pass and the k draft passes add {k * cost['draft_1'] / cost['target_1']:.2f}x, so the "
+                f"pass-only ceiling is {best.get('decode_ceiling') or float('nan'):.2f}x; with every request's prefill "
+                f"counted the ceiling on this workload is {best.get('ceiling') or float('nan'):.2f}x, and "
+                f"{best['engine']} reaches {best.get('fraction_of_ceiling') or float('nan'):.0%} of it "
+                f"(row utilisation {best.get('row_utilisation') or float('nan'):.0%})")
     return out
 
 
@@ -160,9 +196,24 @@ def markdown(bench: dict[str, Any]) -> str:
         f"(tokens/s, ratios and pass costs per {bench.get('clock', 'wall')} second; stage shares of wall time). "
         f"Peak memory: {bench.get('memory_method')}.",
         "",
-        "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | accepted/step "
-        "| draft | verify | realign | other | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    workload = bench.get("workload")
+    if workload:
+        lines += [f"Workload: {workload['requests']} requests"
+                  + (" (the prompt set repeated)" if workload.get("prompts_repeated") else "")
+                  + f", output budgets {workload['output_lengths']} (mean {workload['mean_budget']:.1f}). Engines "
+                  "that refill (EXSPEC's pool, INPLACE, hf-continuous) take the next request into a freed row; the "
+                  "others run batch after batch. Row util = rows that ran / (B x decoding steps).", ""]
+    prefill = bench.get("prefill_costs")
+    if prefill:
+        lines += [f"Ceiling: ideal plain time / ideal speculative time on this workload, every request's prefill "
+                  f"included (one {prefill['prompt_length']}-token prompt: target {prefill['target_prefill'] * 1000:.1f} ms, "
+                  f"draft {prefill['draft_prefill'] * 1000:.1f} ms), all B rows busy in every pass. Decode ceiling: "
+                  "the passes alone. Of ideal: the perfect engine's time / the run's time.", ""]
+    lines += [
+        "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | decode ceiling | of ideal "
+        "| row util | accepted/step | draft | verify | realign | other | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in bench.get("runs") or []:
         if "tokens_per_second" not in run:
@@ -174,7 +225,8 @@ def markdown(bench: dict[str, Any]) -> str:
             f"| {run['engine']} | {run['batch_size']} | {_fmt(run['draft_tokens'], 'd')} | {run['tokens_per_second']:.2f} "
             f"| {_fmt((run.get('spread') or {}).get('relative_range'), '.0%')} | {_fmt(run.get('ratio_to_batch_size_1'))} "
             f"| {_fmt(run.get('ratio_to_plain'))} | {_fmt(run.get('ceiling'))} | {_fmt(run.get('fraction_of_ceiling'), '.0%')} "
-            f"| {_fmt(run.get('mean_accepted_per_step'))} | "
+            f"| {_fmt(run.get('decode_ceiling'))} | {_fmt(run.get('fraction_of_ideal_time'), '.0%')} "
+            f"| {_fmt(run.get('row_utilisation'), '.0%')} | {_fmt(run.get('mean_accepted_per_step'))} | "
             + " | ".join(_fmt(shares.get(s), ".1%") for s in ("draft", "verify", "realign", "other"))
             + f" | {run['peak_memory_bytes'] / 2**20:.0f} |")
     pairs = bench.get("exspec_vs_eqspec") or []

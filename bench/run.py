@@ -28,11 +28,17 @@ idle OpenMP threads spin). Both are recorded per run (`wall_seconds`, `cpu_secon
 `tokens_per_second`, the ratios and the pass costs use the chosen clock. Stage seconds are the
 engines' own wall-clock laps; stage shares are fractions of the run's wall time.
 
+Workload (`bench/workload.py`): `num_prompts` requests (default 4 x the largest batch size)
+through each batch size, each with `max_new_tokens` or its own budget drawn from `output_lengths`;
+each run reports its row utilisation.
+
 Ceiling: before the runs at each batch size, the target's pass over 1 and k + 1 tokens and the
 draft's pass over 1 token are timed on a context of the prompts' mean length plus half the new
-tokens. The best speedup speculation can reach over plain decoding at that batch size is
-`E x target(1) / (target(k+1) + k x draft(1))` with `E = (1 - A^(k+1)) / (1 - A)` expected
-tokens per step; each speculative run reports its speedup over plain decoding as a fraction of it.
+tokens, and once, the prefill of one prompt of the mean length (target and draft). The pass-only
+best speedup over plain decoding is `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`
+with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step; `ceiling` is the same on this
+workload with every request's prefill counted on both sides (`bench.costs.workload_ceiling`).
+Each speculative run reports its speedup over plain decoding as a fraction of both.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call;
 on the CPU, the process's resident-set high-water mark (`VmHWM`, reset through
@@ -57,13 +63,15 @@ from specaudit.engines.models import bench_pair
 from specaudit.engines.models import zoo
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
-from specaudit.bench.costs import PeakMemory, pass_costs, sync as _sync
+from specaudit.bench.costs import PeakMemory, pass_costs, prefill_costs, sync as _sync
+from specaudit.bench.workload import draw_output_lengths, row_utilisation, serving_prompts, workload_record
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.runner import machine_info, write_json
 
 from specaudit import __version__ as VERSION
 
 PLAIN_ENGINES = ("reference", "batched", "hf-batched", "hf-continuous")  # no draft: k does not apply
+PER_REQUEST_BUDGET_ENGINES = ("reference", "batched", "eqspec", "exspec", "inplace")  # take max_new_tokens per prompt
 BATCH_ONE_ENGINES = ("reference", "hf-assisted")  # one prompt at a time by construction
 STAGES = ("draft", "verify", "realign", "other")
 CACHE_MOVEMENT_STAGES = ("realign", "stack", "unstack")
@@ -79,8 +87,9 @@ class BenchConfig:
     draft_tokens: list[int] = field(default_factory=lambda: [4])
     acceptance: float | None = bench_pair.DEFAULT_ACCEPTANCE  # None: the draft model's own proposals
     prompts: str = "builtin"
-    num_prompts: int | None = 16
+    num_prompts: int | None = None  # requests; None: 4 x the largest batch size (bench/workload.py)
     max_new_tokens: int = 64
+    output_lengths: str | None = None  # per-request budgets: uniform:LO:HI or geometric:MEAN (seeded); None: all max_new_tokens
     repeats: int = 3
     warmup: int = 1
     dtype: str = "float32"
@@ -144,7 +153,7 @@ def stage_seconds(trace: Any, wall: float, fill_seconds: float) -> tuple[dict[st
     return stages, raw
 
 
-def step_statistics(trace: Any) -> dict[str, Any]:
+def step_statistics(trace: Any, batch_size: int) -> dict[str, Any]:
     steps = [s for s in (getattr(trace, "steps", None) or []) if s.kind != "prefill"]
     row_steps = sum(len(s.rows) for s in steps)
     kinds: dict[str, int] = {}
@@ -157,6 +166,7 @@ def step_statistics(trace: Any) -> dict[str, Any]:
         "mean_rows_per_step": row_steps / len(steps) if steps else None,
         "mean_accepted_per_step": sum(sum(s.accepted_counts) for s in steps) / row_steps if row_steps else None,
         "mean_tokens_per_step": sum(sum(s.emitted_counts) for s in steps) / row_steps if row_steps else None,
+        "row_utilisation": row_utilisation(trace, batch_size),
     }
 
 
@@ -184,13 +194,14 @@ def warm_up(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], bat
 
 
 def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
-               config: BenchConfig, continuations: list[list[int]] | None, memory: PeakMemory) -> dict[str, Any]:
-    """One timed `generate` on all prompts: one repeat's record."""
+               config: BenchConfig, continuations: list[list[int]] | None, memory: PeakMemory,
+               budgets: list[int] | None = None) -> dict[str, Any]:
+    """One timed `generate` on all prompts (with their own budgets when given): one repeat's record."""
     engine, drafter, chooser = _engine(engine_name, pair, batch_size, k, config, continuations)
     memory.start()
     _sync(config.device)
     wall_start, cpu_start = time.perf_counter(), time.process_time()
-    outputs = engine.generate(prompts, config.max_new_tokens, pair.eos_token_id)
+    outputs = engine.generate(prompts, budgets if budgets is not None else config.max_new_tokens, pair.eos_token_id)
     _sync(config.device)
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     trace = getattr(engine, "last_trace", None)
@@ -199,7 +210,7 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
     return {"wall_seconds": wall, "cpu_seconds": cpu, "tokens": tokens,
             "tokens_per_second": tokens / (cpu if config.clock == "cpu" else wall),
             "stage_seconds": stages, "stage_seconds_raw": raw, "peak_memory_bytes": memory.peak_bytes(),
-            "statistics": step_statistics(trace), "compactions": getattr(engine, "compactions", None),
+            "statistics": step_statistics(trace, batch_size), "compactions": getattr(engine, "compactions", None),
             "calibrated_drafter": drafter is not None,
             "diverged_rows": chooser.diverged_rows if chooser is not None else None}
 
@@ -254,8 +265,17 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
         torch.set_num_threads(config.threads)
     out_dir.mkdir(parents=True, exist_ok=True)
     pair = _load_pair(config)
-    prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
     plan = run_plan(config)
+    requests = config.num_prompts or 4 * max(config.batch_sizes)
+    prompt_set = load_prompts(config.prompts, pair.tokenizer, requests)
+    prompts = serving_prompts(prompt_set, requests)
+    budgets = (draw_output_lengths(config.output_lengths, requests, config.max_new_tokens, config.seed)
+               if config.output_lengths else None)
+    if budgets is not None:
+        fixed = sorted({e for e, _, _ in plan if e not in PER_REQUEST_BUDGET_ENGINES})
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)} take one max_new_tokens for all prompts: drop --output-lengths "
+                             f"or time only {', '.join(PER_REQUEST_BUDGET_ENGINES)}")
     bench: dict[str, Any] = {
         "specaudit_version": VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -265,12 +285,15 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
         "pair": {"name": pair.name, **pair.info},
         "num_prompts": len(prompts),
         "mean_prompt_length": sum(map(len, prompts)) / len(prompts),
+        "workload": workload_record(prompts, budgets, config.output_lengths, config.max_new_tokens,
+                                    repeated=len(prompt_set) < requests),
         "clock": config.clock,
         "acceptance": config.acceptance,
         "expected_tokens_per_step": {str(k): bench_pair.expected_tokens_per_step(config.acceptance, k)
                                      for k in config.draft_tokens} if config.acceptance is not None else None,
         "memory_method": None,
         "pass_costs": [],
+        "prefill_costs": None,
         "runs": [],
         "complete": False,
     }
@@ -280,12 +303,18 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
     if config.acceptance is not None and any(k is not None for _, _, k in plan):
         say(f"computing the target's greedy continuations of {len(prompts)} prompts (untimed)")
         start = time.perf_counter()
-        continuations = bench_pair.continuations(pair.target, prompts, config.max_new_tokens + max(config.draft_tokens),
-                                                 pair.eos_token_id)
+        unique = list(dict.fromkeys(tuple(p) for p in prompts))  # a repeated prompt is decoded once
+        table = dict(zip(unique, bench_pair.continuations(pair.target, [list(p) for p in unique],
+                                                          config.max_new_tokens + max(config.draft_tokens),
+                                                          pair.eos_token_id)))
+        continuations = [table[tuple(p)] for p in prompts]
         bench["continuation_seconds"] = time.perf_counter() - start
     memory = PeakMemory(config.device)
     bench["memory_method"] = memory.method
     context = round(bench["mean_prompt_length"] + config.max_new_tokens / 2)
+    say(f"prefill cost of one {round(bench['mean_prompt_length'])}-token prompt (target and draft)")
+    bench["prefill_costs"] = prefill_costs(pair, max(1, round(bench["mean_prompt_length"])), config.pass_repeats,
+                                           config.device, use_cpu_clock=config.clock == "cpu")
     for batch_size in sorted({b for _, b, _ in plan}):
         say(f"pass costs at batch size {batch_size} (context {context})")
         bench["pass_costs"].append(pass_costs(pair, batch_size, config.draft_tokens, context, config.pass_repeats,
@@ -319,8 +348,9 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                 name, b, k = spec
                 say(f"repeat {repeat + 1}/{config.repeats}: {name} batch {b}" + (f" k={k}" if k is not None else ""))
                 try:
-                    repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory))
+                    repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory, budgets))
                     say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {config.clock} second")
+                    keep_finished()  # every timed call is kept at once: a slow machine may not finish the round
                 except KeyboardInterrupt:
                     keep_finished()
                     raise

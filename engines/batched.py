@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged, recurrent
 from specaudit.engines.batch import BatchState
-from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.eqspec import Clock, start_batch
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -45,16 +45,18 @@ class BatchedGreedy(ConsecutiveBatches):
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        device = self.target.device
         state, result = start_batch(self.target, _NoDraft(), prompts, rows, self.pad_id, eos_token_id,  # type: ignore[arg-type]
-                                    max_new_tokens, self.record_logits)
+                                    row_limits(max_new_tokens, rows, device), self.record_logits)
         self._collect(trace, result.record, result.emitted, result.logits, outputs, logits)
         while state.rows:
-            record, emitted, row_logits = self._step(state, len(trace.steps), max_new_tokens, eos_token_id)
+            record, emitted, row_logits = self._step(state, len(trace.steps), row_limits(max_new_tokens, state.rows, device),
+                                                     eos_token_id)
             self._collect(trace, record, emitted, row_logits, outputs, logits)
 
-    def _step(self, state: BatchState, step: int, max_new_tokens: int,
+    def _step(self, state: BatchState, step: int, max_new_tokens: int | torch.Tensor,
               eos_token_id: int | None) -> tuple[StepRecord, list[list[int]], list[torch.Tensor] | None]:
         clock = Clock(self.target.device)
         rows = list(state.rows)

@@ -2,9 +2,14 @@
 
 Contract: `generate(prompts, max_new_tokens, eos_token_id) -> list[list[int]]`, per prompt only
 the new tokens: the first EOS kept and nothing after it, never more than `max_new_tokens`.
+The built-in engines (reference, batched, EQSPEC, EXSPEC, INPLACE) also take `max_new_tokens` as
+one budget per prompt (`request_limits`), so that rows of a batch end at different steps, as
+requests of a server do; a row's budget is read by its prompt index (`row_limits`).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -24,23 +29,50 @@ class ConsecutiveBatches:
     record_logits: bool
     last_trace: Trace | None
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None,
+                 trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        """Every prompt, in consecutive batches of `batch_size` (an engine that refills rows overrides it)."""
+        for start in range(0, len(prompts), self.batch_size):
+            rows = list(range(start, min(start + self.batch_size, len(prompts))))
+            self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 eos_token_id: int | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
                       proposals_from_draft_model=getattr(self, "proposals_from_draft_model", False))
         outputs: list[list[int]] = [[] for _ in prompts]
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-        if max_new_tokens > 0:
-            for start in range(0, len(prompts), self.batch_size):
-                rows = list(range(start, min(start + self.batch_size, len(prompts))))
-                self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
+        if not isinstance(max_new_tokens, int):
+            max_new_tokens = request_limits(max_new_tokens, len(prompts))
+        if not isinstance(max_new_tokens, int) or max_new_tokens > 0:
+            self._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
         if self.record_logits:
             trace.logits = [torch.cat(parts) if parts else None for parts in logits]
         self.last_trace = trace
         return outputs
+
+
+def request_limits(max_new_tokens: int | Sequence[int], num_prompts: int) -> list[int]:
+    """Each prompt's budget of new tokens: one int for all, or one per prompt (each at least 1)."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * num_prompts
+    limits = [int(n) for n in max_new_tokens]
+    if len(limits) != num_prompts:
+        raise ValueError(f"{len(limits)} per-request max_new_tokens for {num_prompts} prompts: give one per prompt")
+    if any(n < 1 for n in limits):
+        raise ValueError("every per-request max_new_tokens must be at least 1")
+    return limits
+
+
+def row_limits(max_new_tokens: int | Sequence[int], rows: list[int], device: torch.device) -> int | torch.Tensor:
+    """The budget of each row of a batch: the int itself, or `[B]` from the per-prompt list by row."""
+    if isinstance(max_new_tokens, int):
+        return max_new_tokens
+    return torch.tensor([max_new_tokens[r] for r in rows], dtype=torch.long, device=device)  # [B]

@@ -30,7 +30,7 @@ from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
-from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -65,7 +65,7 @@ def start_batch(
     rows: list[int],
     pad_id: int,
     eos_token_id: int | None,
-    max_new_tokens: int,
+    max_new_tokens: int | torch.Tensor,  # one budget, or [B] per row
     record_logits: bool,
 ) -> tuple[BatchState, StepResult]:
     """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
@@ -101,7 +101,7 @@ def speculative_step(
     k: int,
     step: int,
     eos_token_id: int | None,
-    max_new_tokens: int,
+    max_new_tokens: int | torch.Tensor,  # one budget, or [B] per row of `state`
     pad_id: int,
     record_logits: bool,
     kind: str = "batch",
@@ -205,14 +205,15 @@ class EQSpec(ConsecutiveBatches):
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        device = self.target.device
         state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,
-                                    max_new_tokens, self.record_logits)
+                                    row_limits(max_new_tokens, rows, device), self.record_logits)
         self._collect(trace, result, outputs, logits)
         while state.rows:
             result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
-                                      max_new_tokens, self.pad_id, self.record_logits)
+                                      row_limits(max_new_tokens, state.rows, device), self.pad_id, self.record_logits)
             self._collect(trace, result, outputs, logits)
 
     @property

@@ -27,31 +27,13 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
   padding: it runs only when it fills the batch, and then it saves the padding and the gather.
 - refill when the window has room for `refill_at` sequences (or for all that still wait, or when
   it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
+- `fallback`: a padded batch is realigned after its step (`realign`: one gather per layer, as in
+  EQSPEC) or each running row is cut out of the verify pass's cache with one slice, its left
+  padding kept masked until the next stack (`masked`: no gather). `wait_steps`: while no full
+  group exists, run the largest same-length group (2 rows or more) for at most this many steps
+  before falling back. Measured on the bench pair in reports/bench/README.md.
 
-Measurements (float64, CPU, one thread; all 32 built-in prompts, 48 new tokens, k = 4, model
-drafter). The cost counted is target passes (prefills + steps), which is what grows with a real
-target; on these tiny models wall time is dominated by per-call overhead and by other processes
-on the machine, so it only broke ties. EQSPEC needs 197 (B = 4) and 107 (B = 8) on tiny-llama,
-196 and 105 on tiny-qwen3.
-
-    fallback threshold min_group (refill_at = ceil(B/2)), tiny-llama, unsorted / sorted prompts:
-      B=4 W=8    min_group 1: 477 / 424   2: 183 / 241   4: 177 / 176
-      B=4 W=16   min_group 1: 407 / 407   2: 231 / 236   4: 174 / 175
-      B=8 W=16   min_group 1: 401 / 403   2: 119 / 187   4: 94 / 94   8: 94 / 94
-    refill_at 1 / ceil(B/2) / B (min_group = B), unsorted; sorted within 9 passes:
-      tiny-llama B=4 W=8: 186 / 177 / 168   W=16: 180 / 174 / 172   W=4: 191 / 190 / 197
-      tiny-llama B=8 W=16: 101 / 94 / 91                            W=8: 106 / 105 / 107
-      tiny-qwen3 B=4 W=8: 195 / 179 / 176   W=16: 186 / 181 / 172
-      tiny-qwen3 B=8 W=16: 109 / 99 / 96
-
-Groups smaller than B lose: their steps carry fewer rows, and the rows they leave behind drift
-further apart. Same-length groups of B are rare with these draft models (2 to 8% of steps): rows
-accept different counts, so lengths scatter, and with a draft that is always right the rows move
-in lock step and keep their prompts' length differences (sorted prompts, scripted all-accepting
-drafter, B = 8, W = 32: no group step in 35). The pool's gain over EQSPEC (about 10 to 15% fewer
-passes at W >= 2B) comes from refilling the window while other rows still run. Stage times
-(tiny-llama, B = 8, W = 32): stack and unstack about 5% of the step time each, the fallback's
-realignment about 14% (EQSPEC's: 17%), drafting and verifying the rest.
+The measurements behind this policy (tiny pairs, and the bench pair) are in reports/bench/README.md.
 
 Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
 the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`
@@ -71,9 +53,13 @@ from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
+from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.trace import StepRecord, Trace
+
+FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
+DEFAULT_FALLBACK = "realign"
 
 
 @dataclass
@@ -139,9 +125,17 @@ class ExspecPool:
         record_logits: bool = False,
         min_group: int | None = None,
         refill_at: int | None = None,
+        fallback: str = DEFAULT_FALLBACK,
+        wait_steps: int = 0,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1 or window_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size, draft_tokens, window_size and max_new_tokens must be at least 1")
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+        if wait_steps < 0:
+            raise ValueError("wait_steps must be at least 0")
+        self.fallback, self.wait_steps = fallback, wait_steps
+        self._waited = 0  # steps run on a partial same-length group since the last full one
         self.target, self.drafter = target, drafter
         self.batch_size, self.k, self.window_size = batch_size, draft_tokens, window_size
         self.max_new_tokens, self.eos_token_id, self.pad_id = max_new_tokens, eos_token_id, pad_id
@@ -155,19 +149,32 @@ class ExspecPool:
         self.finished: dict[int, list[int]] = {}  # request id -> new tokens, in order of finishing
         self.logits: dict[int, torch.Tensor | None] = {}  # request id -> [new tokens, V] (record_logits)
         self.records: list[StepRecord] = []
+        self.limits: dict[int, int] = {}  # request id -> its own max_new_tokens, where it differs
+
+    def _budgets(self, request_ids: list[int]) -> int | torch.Tensor:
+        """The pool's budget, or `[G]` per request when some request has its own."""
+        if not self.limits:
+            return self.max_new_tokens
+        return torch.tensor([self.limits.get(r, self.max_new_tokens) for r in request_ids], dtype=torch.long,
+                            device=self.target.device)
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.window)
 
-    def admit(self, prompt: list[int], request_id: int | None = None) -> int:
-        """Queue a request; returns its id (the next free integer unless given)."""
+    def admit(self, prompt: list[int], request_id: int | None = None, max_new_tokens: int | None = None) -> int:
+        """Queue a request (with its own budget of new tokens, else the pool's); returns its id (the
+        next free integer unless given)."""
         if not prompt:
             raise ValueError("every prompt needs at least one token")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError("a request's max_new_tokens must be at least 1")
         request_id = request_id if request_id is not None else max(self.prompts, default=-1) + 1
         if request_id in self.prompts:
             raise ValueError(f"request id {request_id} was already admitted")
         self.prompts[request_id] = list(prompt)
+        if max_new_tokens is not None and max_new_tokens != self.max_new_tokens:
+            self.limits[request_id] = max_new_tokens
         self.waiting.append(request_id)
         return request_id
 
@@ -201,7 +208,12 @@ class ExspecPool:
             groups.setdefault(sequence.length, []).append(sequence)
         largest = max(groups.values(), key=lambda g: (min(len(g), self.batch_size), -g[0].length))
         if min(len(largest), self.batch_size) >= self.min_group:
+            self._waited = 0
             return largest[: self.batch_size]
+        if len(largest) >= 2 and self._waited < self.wait_steps:  # wait for a full group, a bounded number of steps
+            self._waited += 1
+            return largest
+        self._waited = 0
         by_length = sorted(self.window, key=lambda s: s.length)
         size = min(self.batch_size, len(by_length))
         start = min(range(len(by_length) - size + 1), key=lambda i: by_length[i + size - 1].length - by_length[i].length)
@@ -211,7 +223,7 @@ class ExspecPool:
         """Prefill the `count` oldest waiting requests together; they enter the window."""
         ids = [self.waiting.popleft() for _ in range(count)]
         state, result = start_batch(self.target, self.drafter, self.prompts, ids, self.pad_id, self.eos_token_id,
-                                    self.max_new_tokens, self.record_logits)
+                                    self._budgets(ids), self.record_logits)
         clock = Clock(self.target.device)
         entered = [Sequence(rid, self.prompts[rid] + result.emitted[b], len(self.prompts[rid]), None, None)
                    for b, rid in enumerate(ids)]
@@ -250,8 +262,9 @@ class ExspecPool:
 
         # 2. speculate: draft, verify, accept; a group keeps its caches as the verify pass left them
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
-                                  self.max_new_tokens, self.pad_id, self.record_logits,
-                                  kind="group" if same_length else "fallback", realign=not same_length)
+                                  self._budgets(state.rows), self.pad_id, self.record_logits,
+                                  kind="group" if same_length else "fallback",
+                                  realign=not same_length and self.fallback == "realign")
         clock.lap()
 
         # 3. unstack: append the new tokens; cut each running sequence's caches out of the batch
@@ -262,6 +275,8 @@ class ExspecPool:
         if same_length:  # row b: columns 0 .. n + accepted, where the verify pass left them
             ends = [old_lengths[b] + result.record.accepted_counts[b] for b in running]
             self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)
+        elif running and self.fallback == "masked":
+            self._cut_masked(state, group, running, old_lengths, result.record.accepted_counts)
         elif running:  # realigned: the running rows, right-aligned, in batch order
             width = ragged.cache_width(state.target_cache)
             starts = [width - group[b].length + 1 for b in running]
@@ -273,6 +288,16 @@ class ExspecPool:
         result.record.seconds["stack"] = stack_seconds
         result.record.seconds["unstack"] = clock.lap()
         return self._record(result)
+
+    def _cut_masked(self, state: BatchState, group: list[Sequence], running: list[int], old_lengths: list[int],
+                    accepted_counts: list[int]) -> None:
+        """A padded batch left as the verify pass made it: row b's columns run from the end of its
+        left padding (`width - (n_b - 1)`, `width` = the stacked cache's width before the step) through
+        its pending and accepted tokens (`width + accepted_b + 1`), one slice per row."""
+        width = max(old_lengths) - 1
+        starts = [width - (old_lengths[b] - 1) for b in running]
+        ends = [width + accepted_counts[b] + 1 for b in running]
+        self._cut_caches(state, [group[b] for b in running], running, starts, ends)
 
     def _cut_caches(self, state: BatchState, sequences: list[Sequence], rows: list[int], starts: list[int], ends: list[int]) -> None:
         for sequence, kv, states in zip(sequences, unstack_cache(state.target_cache, rows, starts, ends),
@@ -317,6 +342,8 @@ class EXSpec:
         record_logits: bool = False,
         min_group: int | None = None,
         refill_at: int | None = None,
+        fallback: str = DEFAULT_FALLBACK,
+        wait_steps: int = 0,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -335,12 +362,16 @@ class EXSpec:
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
         self.min_group, self.refill_at = min_group, refill_at
+        self.fallback, self.wait_steps = fallback, wait_steps
         self.last_trace: Trace | None = None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        limits = None if isinstance(max_new_tokens, int) else request_limits(max_new_tokens, len(prompts))
+        if limits is not None:
+            max_new_tokens = max(limits, default=1)
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
                       proposals_from_draft_model=isinstance(self.drafter, ModelDrafter))
         if max_new_tokens <= 0 or not prompts:
@@ -350,10 +381,11 @@ class EXSpec:
             self.target, self.drafter, batch_size=self.batch_size, draft_tokens=self.k,
             window_size=self.window_size, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_id=self.pad_id, record_logits=self.record_logits, min_group=self.min_group, refill_at=self.refill_at,
+            fallback=self.fallback, wait_steps=self.wait_steps,
         )
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else range(len(prompts))
         for i in order:
-            pool.admit(prompts[i], request_id=i)
+            pool.admit(prompts[i], request_id=i, max_new_tokens=limits[i] if limits is not None else None)
         while pool.busy:
             pool.step()
         for record in pool.records:

@@ -1,7 +1,8 @@
 """INPLACE: batched speculative decoding that never realigns its caches after a step.
 
 Contract: the same as EQSPEC (token ids in, exactly the tokens of greedy decoding of each prompt
-alone out; consecutive batches of `batch_size`). What differs is what happens to the columns of
+alone out; at most `batch_size` rows at once, a freed row taking the next prompt: see
+`engines/inplace_refill.py`; `refill=False` runs consecutive batches). What differs is what happens to the columns of
 rejected draft tokens: EQSPEC gathers both caches after every step so each row holds exactly its
 accepted tokens; INPLACE leaves them where the verify pass (and the draft passes) wrote them, as
 holes, and keeps a validity mask per cache:
@@ -42,7 +43,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
-from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import check_draft_inputs, check_proposals, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import StepRecord, Trace
@@ -199,7 +200,8 @@ class InplaceDrafter:
 
 
 class InplaceEngine(ConsecutiveBatches):
-    """INPLACE engine: consecutive fixed batches, holes instead of realignment."""
+    """INPLACE engine: holes instead of realignment; freed rows take the next prompts (`refill`,
+    default), or consecutive fixed batches (`refill=False`)."""
 
     name = "inplace"
 
@@ -214,6 +216,8 @@ class InplaceEngine(ConsecutiveBatches):
         pad_token_id: int | None = None,
         record_logits: bool = False,
         compact_fraction: float = DEFAULT_COMPACT_FRACTION,
+        refill: bool = True,
+        refill_at: int = 1,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -222,6 +226,8 @@ class InplaceEngine(ConsecutiveBatches):
             raise ValueError("INPLACE needs a draft model or a drafter")
         if compact_fraction < 0:
             raise ValueError("compact_fraction must be >= 0")
+        if refill_at < 1:
+            raise ValueError("refill_at must be at least 1")
         self.target = target
         self.drafter = drafter if drafter is not None else InplaceDrafter(
             draft, shared_vocab_size=shared_vocab_size(target, draft))
@@ -230,6 +236,7 @@ class InplaceEngine(ConsecutiveBatches):
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
         self.compact_fraction = compact_fraction
+        self.refill, self.refill_at = refill, refill_at  # freed rows take the next prompts (engines/inplace_refill.py)
         self.compactions = 0  # cache compactions (target and draft counted apart) in the last generate
         self._target_windowed = windowed_by_column(target)
         draft_model = getattr(self.drafter, "draft", None)
@@ -244,15 +251,24 @@ class InplaceEngine(ConsecutiveBatches):
         self.compactions = 0
         return super().generate(prompts, max_new_tokens, eos_token_id)
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None,
+                 trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        if not self.refill:
+            return super()._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
+        from specaudit.engines.inplace_refill import run_with_refill
+
+        run_with_refill(self, prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
+
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
-        state, result = self._start(prompts, rows, max_new_tokens, eos_token_id)
+        device = self.target.device
+        state, result = self._start(prompts, rows, row_limits(max_new_tokens, rows, device), eos_token_id)
         self._collect(trace, result, outputs, logits)
         while state.rows:
-            result = self._step(state, len(trace.steps), max_new_tokens, eos_token_id)
+            result = self._step(state, len(trace.steps), row_limits(max_new_tokens, state.rows, device), eos_token_id)
             self._collect(trace, result, outputs, logits)
 
-    def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int,
+    def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | torch.Tensor,
                eos_token_id: int | None) -> tuple[InplaceState, StepResult]:
         """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
         clock = Clock(self.target.device)
@@ -281,7 +297,8 @@ class InplaceEngine(ConsecutiveBatches):
         finished = [r for r, d in zip(rows, done_list) if d]
         return state, StepResult(record, [[t] for t in first_list], row_logits, finished)
 
-    def _step(self, state: InplaceState, step: int, max_new_tokens: int, eos_token_id: int | None) -> StepResult:
+    def _step(self, state: InplaceState, step: int, max_new_tokens: int | torch.Tensor,
+              eos_token_id: int | None) -> StepResult:
         clock = Clock(self.target.device)
         k = self.k
         rows = list(state.rows)

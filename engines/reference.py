@@ -11,6 +11,7 @@ import inspect
 
 from transformers import DynamicCache, PreTrainedModel
 
+from specaudit.engines.contract import request_limits
 from specaudit.engines.layout import last_logits_only
 from specaudit.engines.trace import Trace
 
@@ -71,11 +72,12 @@ class ReferenceDecoder:
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
         trace = Trace(num_prompts=len(prompts))
         outputs = []
+        limits = request_limits(max_new_tokens, len(prompts))
         for i, prompt in enumerate(prompts):
-            tokens, logits = greedy_decode(self.target, prompt, max_new_tokens, eos_token_id, self.record_logits)
+            tokens, logits = greedy_decode(self.target, prompt, limits[i], eos_token_id, self.record_logits)
             outputs.append(tokens)
             trace.logits[i] = logits
         self.last_trace = trace

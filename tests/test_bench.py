@@ -20,7 +20,9 @@ from specaudit.engines.eqspec import EQSpec
 from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.bench.run import BenchConfig, run_bench, run_plan
+from specaudit.bench.costs import ideal_seconds, workload_ceiling
 from specaudit.bench.report import _ceiling
+from specaudit.bench.workload import draw_output_lengths, parse_output_lengths, row_utilisation, serving_prompts
 from specaudit.cli import main
 from specaudit.testing import models
 
@@ -138,8 +140,12 @@ def test_bench_json_fields_and_ratios(tmp_path) -> None:
     for b in (1, 2):
         eq = runs[("eqspec", b)]
         assert eq["calibrated_drafter"] and eq["draft_tokens"] == 3
-        assert eq["ceiling"] == pytest.approx(_ceiling(costs[b], 3, expected_tokens_per_step(0.8, 3)))
+        assert eq["decode_ceiling"] == pytest.approx(_ceiling(costs[b], 3, expected_tokens_per_step(0.8, 3)))
+        assert eq["ceiling"] == pytest.approx(workload_ceiling(costs[b], bench["prefill_costs"], 3, eq["tokens"], 3,
+                                                               expected_tokens_per_step(0.8, 3)))
         assert eq["fraction_of_ceiling"] == pytest.approx(eq["ratio_to_plain"] / eq["ceiling"])
+        assert eq["fraction_of_decode_ceiling"] == pytest.approx(eq["ratio_to_plain"] / eq["decode_ceiling"])
+        assert 0 < eq["row_utilisation"] <= 1 and eq["fraction_of_ideal_time"] > 0
         assert set(eq["stage_seconds"]) == {"draft", "verify", "realign", "other"}
         assert sum(eq["stage_shares"].values()) == pytest.approx(1.0, abs=0.05)
         assert eq["ratio_to_plain"] == pytest.approx(eq["tokens_per_second"] / runs[("reference", 1) if b == 1 else ("batched", 2)]["tokens_per_second"])
@@ -172,7 +178,8 @@ def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
     throughput = ET.fromstring((out / "throughput.svg").read_text())
     labels = "".join(throughput.itertext())
     assert "eqspec" in labels and "batched" in labels and "tokens per CPU second" in labels
-    for bad in (["--acceptance", "1.5"], ["--pair", "no-such-pair"], ["--engine", "no-such-engine"]):
+    for bad in (["--acceptance", "1.5"], ["--pair", "no-such-pair"], ["--engine", "no-such-engine"],
+                ["--output-lengths", "uniform:3"], ["--engine", "hf-batched", "--output-lengths", "uniform:1:4"]):
         args = ["bench", "--engine", "eqspec", "--pair", PAIR, "--out", str(tmp_path / "bad")]
         for i in range(0, len(bad), 2):
             flag, value = bad[i], bad[i + 1]
@@ -183,3 +190,59 @@ def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
         with pytest.raises(SystemExit) as exc:
             main(args)
         assert exc.value.code == 2
+
+
+def test_workload_ceiling_counts_prefill_on_both_sides() -> None:
+    costs = {"batch_size": 8, "target_1": 0.36, "target_k1": {"4": 0.51}, "draft_1": 0.014}
+    decode_only = _ceiling(costs, 4, 3.36)
+    no_prefill = {"target_prefill": 0.0, "draft_prefill": 0.0}
+    assert workload_ceiling(costs, no_prefill, 32, 32 * 64, 4, 3.36) == pytest.approx(decode_only)
+    prefill = {"target_prefill": 1.2, "draft_prefill": 0.05}
+    with_prefill = workload_ceiling(costs, prefill, 32, 32 * 64, 4, 3.36)
+    assert 1.0 < with_prefill < decode_only
+    # by hand: 32 prefills, then 32 x 63 rows in passes of 8
+    plain = 32 * 1.2 + 32 * 63 / 8 * 0.36
+    speculative = 32 * 1.25 + 32 * 63 / 3.36 / 8 * (0.51 + 4 * 0.014)
+    assert with_prefill == pytest.approx(plain / speculative)
+    assert ideal_seconds(costs, prefill, 32, 32 * 64) == pytest.approx(plain)
+    # a prefill that dwarfs decoding leaves nothing to gain
+    assert workload_ceiling(costs, {"target_prefill": 1e6, "draft_prefill": 0.0}, 32, 32 * 64, 4, 3.36) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_output_lengths_are_seeded_and_within_their_distribution() -> None:
+    uniform = draw_output_lengths("uniform:8:64", 400, 64, seed=3)
+    assert uniform == draw_output_lengths("uniform:8:64", 400, 64, seed=3)
+    assert uniform != draw_output_lengths("uniform:8:64", 400, 64, seed=4)
+    assert min(uniform) >= 8 and max(uniform) <= 64 and len(set(uniform)) > 40
+    geometric = draw_output_lengths("geometric:16", 2000, 64, seed=0)
+    assert min(geometric) >= 1 and max(geometric) <= 64
+    assert 13 < sum(geometric) / len(geometric) < 17  # mean 16, a little less after the cut at 64
+    for bad in ("uniform:0:10", "uniform:5:4", "uniform:1:100", "geometric:0.5", "normal:3", "uniform:a:b", "geometric"):
+        with pytest.raises(ValueError):
+            parse_output_lengths(bad, 64)
+    assert serving_prompts([[1], [2, 3]], 5) == [[1], [2, 3], [1], [2, 3], [1]]
+
+
+def test_serving_workload_refills_rows_and_reports_utilisation(tmp_path) -> None:
+    bench = run_bench(_config(engines=["batched", "eqspec", "exspec", "inplace"], batch_sizes=[2], num_prompts=None,
+                              max_new_tokens=8, output_lengths="uniform:2:8"), tmp_path)
+    workload = bench["workload"]
+    assert workload["requests"] == 8 and len(workload["budgets"]) == 8  # 4 x the batch size
+    assert all(2 <= n <= 8 for n in workload["budgets"])
+    runs = {r["engine"]: r for r in bench["runs"]}
+    assert {r["tokens"] for r in runs.values()} == {sum(workload["budgets"])}  # no EOS in 8 tokens here
+    for run in runs.values():
+        assert 0 < run["row_utilisation"] <= 1
+    # a static batch runs on with its finished rows gone; refilled rows keep the batch full
+    assert runs["inplace"]["row_utilisation"] > runs["eqspec"]["row_utilisation"]
+    assert runs["exspec"]["ceiling"] < runs["exspec"]["decode_ceiling"]
+
+
+def test_row_utilisation_counts_rows_that_ran() -> None:
+    from specaudit.engines.trace import StepRecord, Trace
+
+    trace = Trace(num_prompts=3)
+    for rows, kind in (([0, 1, 2], "prefill"), ([0, 1, 2], "batch"), ([0, 2], "batch"), ([2], "batch")):
+        trace.record(StepRecord(0, kind, rows, [0] * len(rows), [0] * len(rows), [1] * len(rows)))
+    assert row_utilisation(trace, 4) == pytest.approx(6 / 12)
+    assert row_utilisation(Trace(num_prompts=0), 4) is None

@@ -227,3 +227,29 @@ def test_registry_builds_exspec_with_default_window() -> None:
         EXSpec(pair.target, None)
     with pytest.raises(ValueError):
         EXSpec(pair.target, pair.draft, batch_size=2, window_size=0)
+
+
+@pytest.mark.parametrize("pair_name", ["tiny-llama", "tiny-gpt2", "tiny-gemma3"])
+@pytest.mark.parametrize("fallback,wait_steps,sort_by_length", [("masked", 0, False), ("masked", 2, True),
+                                                                 ("realign", 1, False)])
+def test_grouping_policies_stay_exact_with_per_request_budgets(pair_name: str, fallback: str, wait_steps: int,
+                                                               sort_by_length: bool) -> None:
+    """Every grouping policy, with requests of their own budgets: exactly the reference's tokens and
+    logits; padded fallback steps happen (the masked fallback cuts them without realigning)."""
+    pair = models.pair(pair_name)
+    reference_outputs, reference_logits = models.reference(pair_name)
+    indices = list(range(14))
+    budgets = [1 + (5 * i) % 16 for i in indices]
+    engine = EXSpec(pair.target, pair.draft, batch_size=3, draft_tokens=3, window_size=6, fallback=fallback,
+                    wait_steps=wait_steps, sort_by_length=sort_by_length, pad_token_id=pair.pad_token_id,
+                    record_logits=True)
+    outputs = engine.generate([list(models.prompts()[i]) for i in indices], budgets, pair.eos_token_id)
+    for got, logits, i, budget in zip(outputs, engine.last_trace.logits, indices, budgets):
+        expected = reference_outputs[i][:budget]
+        if pair.eos_token_id in expected:
+            expected = expected[: expected.index(pair.eos_token_id) + 1]
+        assert got == expected, f"prompt {i}"
+        assert float((logits - reference_logits[i][: logits.shape[0]]).abs().max()) < LOGIT_TOLERANCE
+    kinds = engine.last_trace.totals()["step_kinds"]
+    assert kinds.get("fallback", 0) > 0
+    assert any(max(s.pad_lengths) > 0 for s in engine.last_trace.steps if s.kind == "fallback")

@@ -152,3 +152,40 @@ def test_planted_inplace_faults_are_caught(fault: str) -> None:
     if expected_class is not None:
         classes = Counter(d["diagnosis"]["class"] for d in structural)
         assert classes.most_common(1)[0][0] == expected_class, f"{fault}: diagnosed as {dict(classes)}"
+
+
+@pytest.mark.parametrize("pair_name", ["tiny-llama", "tiny-gpt2", "tiny-gemma3"])
+@pytest.mark.parametrize("batch_size,compact_fraction", [(3, 0.25), (5, 0.0), (4, 1e9)])
+def test_inplace_refills_freed_rows_exactly(pair_name: str, batch_size: int, compact_fraction: float) -> None:
+    """Per-request budgets make rows end at different steps; each freed row takes the next prompt
+    while the others keep decoding, and every prompt still gets exactly its greedy tokens."""
+    pair = models.pair(pair_name)
+    reference_outputs, reference_logits = models.reference(pair_name)
+    indices = list(range(16))
+    prompts = [list(models.prompts()[i]) for i in indices]
+    budgets = [1 + (7 * i) % 16 for i in indices]  # 1 to 16, scattered
+    engine = InplaceEngine(pair.target, pair.draft, batch_size=batch_size, draft_tokens=3,
+                           pad_token_id=pair.pad_token_id, record_logits=True, compact_fraction=compact_fraction)
+    outputs = engine.generate(prompts, budgets, pair.eos_token_id)
+    for got, i, budget in zip(outputs, indices, budgets):
+        expected = reference_outputs[i][:budget]
+        if pair.eos_token_id in expected:
+            expected = expected[: expected.index(pair.eos_token_id) + 1]
+        assert got == expected, f"prompt {i}"
+    for got, i in zip(engine.last_trace.logits, indices):
+        assert float((got - reference_logits[i][: got.shape[0]]).abs().max()) < LOGIT_TOLERANCE
+    steps = engine.last_trace.steps
+    assert all(len(s.rows) <= batch_size for s in steps)
+    # a refill: a step runs rows that a consecutive batching would have put in different batches
+    assert any(len({r // batch_size for r in s.rows}) > 1 for s in steps if s.kind != "prefill")
+    assert sum(s.kind == "prefill" for s in steps) > -(-len(prompts) // batch_size)
+
+
+def test_inplace_without_refill_runs_consecutive_batches() -> None:
+    pair = models.pair("tiny-llama")
+    prompts = [list(models.prompts()[i]) for i in PROMPTS]
+    engine = InplaceEngine(pair.target, pair.draft, batch_size=4, draft_tokens=3, pad_token_id=pair.pad_token_id,
+                           refill=False)
+    outputs = engine.generate(prompts, [3, 9, 5, 16, 2, 11, 7, 4, 13], pair.eos_token_id)
+    assert [len(o) for o in outputs] == [3, 9, 5, 16, 2, 11, 7, 4, 13]
+    assert all(len({r // 4 for r in s.rows}) == 1 for s in engine.last_trace.steps)
