@@ -122,11 +122,11 @@ def test_compact_right_aligns_the_real_columns_in_order() -> None:
 # Both must be caught. The diagnosis names the position fault; holes made visible (rejected draft
 # columns attended to) are not yet modelled by its replays, so that one is only required to be caught.
 INPLACE_FAULTS = {
-    "holes-visible": ("attention_mask=torch.cat([valid, queries], dim=1).long(),  # [B, W + q]",
-                      "attention_mask=torch.cat([torch.ones_like(valid), queries], dim=1).long(),", None),
-    "positions-count-holes": ("position_ids=ragged.position_ids(cache_lengths, inputs.shape[1]),  # [B, q]",
-                              "position_ids=ragged.position_ids(torch.full_like(cache_lengths, valid.shape[1]), "
-                              "inputs.shape[1]),",
+    "holes-visible": ("mask = torch.cat([valid, queries], dim=1).long()  # [B, W + q]",
+                      "mask = torch.cat([torch.ones_like(valid), queries], dim=1).long()", None),
+    "positions-count-holes": ("positions = ragged.position_ids(cache_lengths, inputs.shape[1])  # [B, q]",
+                              "positions = ragged.position_ids(torch.full_like(cache_lengths, valid.shape[1]), "
+                              "inputs.shape[1])",
                               "position_ids"),
 }
 

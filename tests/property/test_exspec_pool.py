@@ -209,9 +209,11 @@ PLANTED_FAULTS = {
 }
 
 
-# a group whose first row finishes while a later one runs on is rare in the search; the wrong-rows
-# fault is caught by the built case in the last test instead
-SEARCHED_FAULTS = [fault for fault in PLANTED_FAULTS if fault != "group-caches-from-wrong-rows"]
+# two cases are rare in the search, so each has a built case below instead: a group whose first row
+# finishes while a later one runs on (wrong rows), and rows of one prompt length whose lengths differ
+# while they share a window (grouped by prompt length)
+SEARCHED_FAULTS = [fault for fault in PLANTED_FAULTS
+                   if fault not in ("group-caches-from-wrong-rows", "grouped-by-prompt-length")]
 
 
 @pytest.mark.parametrize("fault", SEARCHED_FAULTS)
@@ -252,6 +254,36 @@ def test_group_whose_first_row_finishes_keeps_the_other_rows_caches(planted: boo
                            pad_token_id=pair.pad_token_id)
     got = engine.generate([list(models.prompts()[first]), list(models.prompts()[second])], stop + 8, eos)
     assert "group" in engine.last_trace.totals()["step_kinds"]
+    if planted:
+        assert got != expected
+    else:
+        assert got == expected
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["correct", "grouped-by-prompt-length"])
+def test_rows_of_equal_prompt_length_but_unequal_length_are_not_one_group(planted: bool) -> None:
+    """Two prompts of one length: the first accepts every draft, the second none, so after one step their
+    lengths differ. A pool that groups by prompt length stacks them as if equal; the correct one realigns.
+    Built here because the search above rarely keeps both rows in one window long enough."""
+    if planted:
+        old, new = PLANTED_FAULTS["grouped-by-prompt-length"]
+        module = mutant_modules("exspec_prompt_length", (LineChange("specaudit.engines.exspec", old, new),))["specaudit.engines.exspec"]
+    else:
+        import specaudit.engines.exspec as module
+    pair = models.pair("tiny-llama")
+    references, _ = models.reference("tiny-llama")
+    first, second = 2, 3  # two 4-byte prompts
+    assert len(models.prompts()[first]) == len(models.prompts()[second])
+    drafter = ScriptedDrafter([references[first], references[second]], lambda prompt, step: 99 if prompt == 0 else 0,
+                              pair.target.config.vocab_size)
+    engine = module.EXSpec(pair.target, None, batch_size=2, draft_tokens=3, window_size=2, drafter=drafter,
+                           pad_token_id=pair.pad_token_id)
+    expected = [references[first][:12], references[second][:12]]
+    try:
+        got = engine.generate([list(models.prompts()[first]), list(models.prompts()[second])], 12, None)
+    except (RuntimeError, IndexError, ValueError):
+        assert planted, "the correct pool raised"
+        return
     if planted:
         assert got != expected
     else:
