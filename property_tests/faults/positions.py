@@ -12,8 +12,8 @@ class PositionIdsCountPadding(FaultEngine):
 
     pairs = ("tiny-llama", "tiny-gpt2")
     changes = (
-        LineChange("specaudit.engines.batch", "position_ids=ragged.position_ids(cache_lengths, q),",
-                   "position_ids=ragged.position_ids(torch.full_like(cache_lengths, width), q),"),
+        LineChange("specaudit.engines.batch", "positions = ragged.position_ids(cache_lengths, q)  # [B, q]",
+                   "positions = ragged.position_ids(torch.full_like(cache_lengths, width), q)"),
     )
 
 
@@ -24,8 +24,8 @@ class PositionIdsFromOne(FaultEngine):
 
     pairs = ("tiny-llama", "tiny-gpt2")
     changes = (
-        LineChange("specaudit.engines.batch", "position_ids=ragged.position_ids(cache_lengths, q),",
-                   "position_ids=ragged.position_ids(cache_lengths + 1, q),"),
+        LineChange("specaudit.engines.batch", "positions = ragged.position_ids(cache_lengths, q)  # [B, q]",
+                   "positions = ragged.position_ids(cache_lengths + 1, q)"),
         LineChange("specaudit.engines.batch",
                    "positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)",
                    "positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0) + 1"),
