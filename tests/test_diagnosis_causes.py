@@ -6,6 +6,8 @@
   pad option) is diagnosed `prompt_truncated`, `pad_as_content`, `stop_eos` and `output_order`, with
   at most one `unknown`, although some prompts crash it (crash isolation);
 - with the pad id equal to EOS, the published EQSPEC's empty rows are not a length rule.
+- a closer port of the published EQSPEC with its KV cache (`tests/paper_engines_cached.py`) is
+  diagnosed by cause where the pad id comes up as a generated token.
 """
 
 from __future__ import annotations
@@ -83,3 +85,19 @@ def test_pad_equal_to_eos_is_not_a_length_rule(tmp_path: Path) -> None:
     found = _classes(run)
     assert found["pad_as_content"] + found["stop_eos"] > sum(found.values()) / 2, found
     assert found["stop_length"] == 0 and found["unknown"] <= 1, found
+
+
+def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -> None:
+    """The closer port (`tests/paper_engines_cached.py`: draft through `generate`, a cropped and
+    realigned DynamicCache). On the built-in prompts tiny-llama generates the pad id 256 as a new
+    token of prompt 4; the published masks then hide it from later passes only, so a free-running
+    masked replay misses it and the replay along the engine's own output decides."""
+    result = audit("--engine", "paper_engines_cached:make_eqspec", "--pair", "tiny-llama", "--batch-size", "4",
+                   "--num-prompts", "6", "--no-adversarial", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = runs(tmp_path)
+    found = {d["prompt_index"]: d["diagnosis"] for d in run["divergences"] if d["kind"] == "structural"}
+    assert found[4]["class"] == "pad_as_content", found[4]
+    assert "along the engine's output" in found[4]["decided_by"], found[4]
+    assert found[5]["class"] == "stop_eos", found[5]
+    assert _classes(run)["unknown"] == 0, found

@@ -7,7 +7,9 @@ Both are shown by replays of the reference that reproduce the engine's own token
   its last ones) gives exactly the engine's output;
 - `masked_replay`: greedy decoding with every pad-id token of the row left out of the context (as a
   mask built by pad-id equality leaves it out) gives the engine's output, possibly shifted by the
-  count of pad-id tokens in the prompt (an output slice found by counting non-pad tokens).
+  count of pad-id tokens in the prompt (an output slice found by counting non-pad tokens);
+  failing that, `masked_along_output`: along the engine's own output, the target with those tokens
+  masked chooses the engine's token at the divergence and most tokens after it.
 
 `pad_evidence` gathers what needs no re-run: where the pad ids sit, whether the divergence starts
 there, and how the rows without pad ids fared.
@@ -168,11 +170,14 @@ def slice_shift(prompt: list[int], reference: list[int], output: list[int], pad:
 
 
 def masked_replay(target: Any, prompt: list[int], reference: list[int], output: list[int], pad: int,
-                  max_new_tokens: int, eos: int | None, evidence: PadEvidence, tried: list[str]) -> Cause | None:
+                  max_new_tokens: int, eos: int | None, evidence: PadEvidence, tried: list[str],
+                  position: int = 0) -> Cause | None:
     """The engine's output is greedy decoding with the pad-id tokens masked, perhaps shifted by the
     count of pad ids in the prompt (an output slice found by counting non-pad tokens)."""
-    if target is None or not (evidence.in_prompt or pad in reference):
+    if target is None:
         return None
+    if not (evidence.in_prompt or pad in reference):
+        return masked_along_output(target, prompt, output, position, pad, evidence, tried)
     replay = masked_decode(target, prompt, max_new_tokens + len(evidence.in_prompt), pad, eos)
     if replay is None:
         tried.append("replay with the pad-id tokens masked: nothing of the prompt is left")
@@ -200,7 +205,59 @@ def masked_replay(target: Any, prompt: list[int], reference: list[int], output: 
                          f"{evidence.others_text()}: the engine tells padding by token value",
                          "a replay with the pad-id tokens masked", "pad-id tokens treated as padding")
     tried.append("replay with the pad-id tokens masked: does not reproduce the engine")
-    return None
+    return masked_along_output(target, prompt, output, position, pad, evidence, tried)
+
+
+MASKED_WINDOW = 8  # new tokens from the divergence on that the replay along the engine's output compares
+
+
+@torch.no_grad()
+def _choices(target: Any, context: list[int], keep: list[bool]) -> list[int | None]:
+    """The target's greedy choice after every position of `context`, the positions not kept left
+    out (positions renumbered over the kept ones); None after a position left out."""
+    kept = [t for t, k in zip(context, keep) if k]
+    if not kept:
+        return [None] * len(context)
+    ids = torch.tensor([kept], dtype=torch.long, device=target.device)
+    chosen = target(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].argmax(-1).tolist()
+    out: list[int | None] = []
+    j = -1
+    for k in keep:
+        j += int(k)
+        out.append(int(chosen[j]) if k and j >= 0 else None)
+    return out
+
+
+def masked_along_output(target: Any, prompt: list[int], output: list[int], position: int, pad: int,
+                        evidence: PadEvidence, tried: list[str]) -> Cause | None:
+    """Along the engine's own output (teacher-forced), the target with the pad-id tokens left out
+    chooses the engine's token at the divergence, where the plain target does not, and agrees with
+    the engine on most new tokens after it. A free-running masked replay can miss this when the
+    engine saw a generated pad id unmasked in the pass that produced it and masked it afterwards."""
+    pads_before = [j for j in evidence.in_output if j < position]
+    if target is None or position >= len(output) or not (evidence.in_prompt or pads_before):
+        return None
+    end = min(len(output), position + MASKED_WINDOW)
+    context = prompt + output[:end - 1]
+    masked = _choices(target, context, [t != pad for t in context])
+    plain = _choices(target, context, [True] * len(context))
+    base = len(prompt) - 1  # the choice after context position base + q is new token q
+    window = range(position, end)
+    masked_agree = sum(masked[base + q] == output[q] for q in window)
+    plain_agree = sum(plain[base + q] == output[q] for q in window)
+    decisive = masked[base + position] == output[position] != plain[base + position]
+    tried.append(f"replay along the engine's output with the pad-id tokens masked: new token {position} "
+                 f"{'is' if masked[base + position] == output[position] else 'is not'} the engine's; new tokens "
+                 f"{position} to {end - 1}: masked {masked_agree} of {len(window)} agree, plain {plain_agree}")
+    if not decisive or masked_agree * 4 < len(window) * 3 or masked_agree <= plain_agree:
+        return None
+    return Cause("pad_as_content",
+                 f"the pad id {pad} sits in the row as content ({evidence.where()}); along the engine's own output, "
+                 f"the target with those tokens masked chooses the engine's token {output[position]} at new token "
+                 f"{position} (the plain target chooses {plain[base + position]}) and agrees with the engine on "
+                 f"{masked_agree} of {len(window)} new tokens from there (plain: {plain_agree})"
+                 f"{evidence.others_text()}: the engine tells padding by token value",
+                 "a replay along the engine's output with the pad-id tokens masked", "pad-id tokens treated as padding")
 
 
 def in_recurrent_state(target: Any, found: Any) -> tuple[str, str]:

@@ -321,7 +321,7 @@ class Diagnoser:
                          "a re-run with another pad id", mechanism)
         tried.append(f"re-run with another pad id: not run ({result})")
         cause = causes.slice_shift(prompt, reference, output, pad, evidence) or causes.masked_replay(
-            self.target, prompt, reference, output, pad, self.max_new_tokens, eos, evidence, tried)
+            self.target, prompt, reference, output, pad, self.max_new_tokens, eos, evidence, tried, position)
         if cause:
             return cause
         if prompt and all(t == pad for t in prompt) and position == 0:
