@@ -204,7 +204,6 @@ class Diagnoser:
             return _cause(found, "the output's length against its EOS")
         tried.append("the trace's proposals and counts against the target's choices")
         found = (checks.acceptance_from_trace(index, reference, output, position, self.max_new_tokens, eos, self.trace)
-                 or checks.doubled_token(reference, output, position)
                  or checks.own_logits_not_chosen(output, position, logits))
         if found:
             return _cause(found, "the engine's own trace and logits")
@@ -227,6 +226,10 @@ class Diagnoser:
                          f"new token {q} ({replays[-1].split(': ', 1)[1]})", "a reproducing replay",
                          hypothesis.mechanism)
 
+        tried.append("the output with a repeated token dropped against the reference")
+        found = checks.doubled_token(reference, output, position)
+        if found:  # a heuristic: a repeated token can be a coincidence, so it ranks after the replays
+            return _cause(found, "the output with its repeated token dropped (no replay reproduced it)")
         tried.append("the engine's token against the draft model's own choice")
         found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)
         if found:
