@@ -101,3 +101,32 @@ def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -
     assert "along the engine's output" in found[4]["decided_by"], found[4]
     assert found[5]["class"] == "stop_eos", found[5]
     assert _classes(run)["unknown"] == 0, found
+
+
+def _diagnose(prompts, references, outputs, index, position, *, pad, eos, rerun=None):
+    from specaudit.equivalence.diagnosis.core import Diagnoser
+
+    diagnoser = Diagnoser(prompts=prompts, references=references, outputs=outputs, max_new_tokens=8,
+                          eos_token_id=eos, pad_token_id=pad, rerun=rerun)
+    return diagnoser.diagnose({"prompt_index": index, "position": position, "kind": "structural",
+                               "detected_by": "tokens"})
+
+
+def test_a_leading_pad_id_taken_for_padding_still_names_the_output_slice() -> None:
+    # pad = EOS = 9 first and inside the prompt: the row counts as finished at once, and the output slice
+    # (first non-pad column + count of non-pad prompt tokens) starts one token early, not two
+    prompt = [9, 4, 5, 6, 7, 9, 3]
+    found = _diagnose([prompt], [[9]], [[3]], 0, 0, pad=9, eos=9)
+    assert found["class"] == "pad_as_content", found
+    assert found["decided_by"] == "the output slice against the prompt", found
+
+
+def test_pad_equal_to_eos_row_exact_alone_up_to_its_eos_is_padding_read_as_eos() -> None:
+    # in its batch the row stops at once (its left padding is the EOS id); alone it gives the reference and
+    # then more tokens past its EOS (another bug of the same engine): the early stop is still the padding's
+    reference = [4, 5, 9]
+    rerun = lambda indices, pad_token_id: [reference + [6, 7] for _ in indices]  # noqa: E731
+    rerun.takes_pad_option = False
+    found = _diagnose([[3, 4], [5, 6, 7, 8]], [reference, [1, 2]], [[], [1, 2]], 0, 0, pad=9, eos=9, rerun=rerun)
+    assert found["class"] == "pad_as_content", found
+    assert found["decided_by"] == "a re-run alone, without padding", found

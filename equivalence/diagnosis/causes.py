@@ -151,22 +151,25 @@ def pad_evidence(index: int, prompts: list[list[int]], references: list[list[int
 
 def slice_shift(prompt: list[int], reference: list[int], output: list[int], pad: int,
                 evidence: PadEvidence) -> Cause | None:
-    """The engine's output is the prompt's last s tokens and then the reference, s the count of pad
-    ids in the prompt: the output slice starts at the count of non-pad prompt tokens."""
-    s = len(evidence.in_prompt)
-    if not s or len(output) < s or output[:s] != prompt[len(prompt) - s:]:
-        return None
-    if len(output) == s:  # nothing but prompt tokens: no new token, and the slice still started early
-        return Cause("pad_as_content", f"the prompt holds the pad id {pad} {s} time(s) ({evidence.where()}); the "
-                     f"engine's whole output is the prompt's last {s} token(s) {output}: its output slice starts at "
-                     "the count of non-pad prompt tokens, found by pad-id equality",
-                     "the output slice against the prompt", "pad-id tokens treated as padding")
-    if not _agrees(output[s:], reference):
-        return None
-    return Cause("pad_as_content", f"the prompt holds the pad id {pad} {s} time(s) ({evidence.where()}); the "
-                 f"engine's output starts with the prompt's last {s} token(s) {output[:s]} and then is the reference: "
-                 "its output slice starts at the count of non-pad prompt tokens, found by pad-id equality",
-                 "the output slice against the prompt and the reference", "pad-id tokens treated as padding")
+    """The engine's output is the prompt's last s tokens and then the reference, s at most the count
+    of pad ids in the prompt (those before the first other token are taken for left padding): the
+    output slice starts at the count of non-pad prompt tokens."""
+    count = len(evidence.in_prompt)
+    for s in range(count, 0, -1):  # a leading pad id is skipped as left padding, so the shift can be smaller
+        if len(output) < s or output[:s] != prompt[len(prompt) - s:]:
+            continue
+        if len(output) == s:  # nothing but prompt tokens: no new token, and the slice still started early
+            return Cause("pad_as_content", f"the prompt holds the pad id {pad} {count} time(s) ({evidence.where()}); "
+                         f"the engine's whole output is the prompt's last {s} token(s) {output}: its output slice "
+                         "starts at the count of non-pad prompt tokens, found by pad-id equality",
+                         "the output slice against the prompt", "pad-id tokens treated as padding")
+        if _agrees(output[s:], reference):
+            return Cause("pad_as_content", f"the prompt holds the pad id {pad} {count} time(s) ({evidence.where()}); "
+                         f"the engine's output starts with the prompt's last {s} token(s) {output[:s]} and then is the "
+                         "reference: its output slice starts at the count of non-pad prompt tokens, found by pad-id "
+                         "equality", "the output slice against the prompt and the reference",
+                         "pad-id tokens treated as padding")
+    return None
 
 
 def masked_replay(target: Any, prompt: list[int], reference: list[int], output: list[int], pad: int,

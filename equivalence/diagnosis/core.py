@@ -340,7 +340,7 @@ class Diagnoser:
             tried.append("re-run alone (batch of 1, no padding): its first new token is right")
         if evidence.pad_is_eos and stopped_early and eos not in prompt:
             alone = self.alone(index)
-            if isinstance(alone, list) and alone == reference:
+            if isinstance(alone, list) and alone[:len(reference)] == reference:  # (tokens after an EOS: another bug)
                 return Cause("pad_as_content", f"the pad id {pad} is the EOS id; the row stopped after {len(output)} "
                              "token(s) with no EOS of its own, and alone (a batch of 1, no padding) it is exact: its "
                              "left padding was read as an EOS", "a re-run alone, without padding",
