@@ -8,7 +8,8 @@
   those of feeding only its pending and accepted tokens, and rows never share a state;
 - the reference decoder agrees with `model.generate` (greedy, float64);
 - rows that draft fewer tokens than others, or none (a scripted drafter, prompt lookup): their pad
-  slots never reach a state, and the engines stay exact (EQSPEC, EXSPEC, INPLACE).
+  slots never reach a state, and the engines stay exact (EQSPEC, EXSPEC, INPLACE);
+- the diagnosis can silence one kind of layer (attention, recurrent) and still write its caches.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import pytest
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged, recurrent
+from specaudit.engines import layout, ragged, recurrent
 from specaudit.engines.drafters import NO_DRAFT, PromptLookupDrafter
 from specaudit.engines.eqspec import EQSpec
 from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceEngine
 from specaudit.engines.reference import greedy_decode
+from specaudit.equivalence.diagnosis import layers
 from specaudit.testing.models import pair
 from specaudit.testing.properties import check_equivalence, check_scripted_acceptance
 from specaudit.testing.strategies import NO_DRAFTS, AcceptanceSchedule, DecodingCase, Prompt
@@ -148,3 +150,22 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram() -> None:
     with pytest.raises(ValueError):
         InplaceEngine(pair("tiny-llama").target, None, drafter="prompt-lookup")
 
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_silencing_one_kind_of_layer_zeroes_its_output_and_keeps_its_cache(name: str) -> None:
+    """The diagnosis's experiment (`equivalence/diagnosis/layers.py`): with a kind of layer silenced
+    the logits change, that kind's caches are still written, and leaving the block restores the model."""
+    model = pair(name).target
+    ids = torch.tensor([PROMPTS[1]])
+    plain = model(input_ids=ids).logits
+    for kind in ("attention", "recurrent"):
+        modules = layers.silenced_modules(model, kind)
+        assert isinstance(modules, list) and modules, modules
+        cache = layout.full_history_cache(model)
+        with layers.silenced(model, kind) as missing:
+            assert missing is None
+            quiet = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        assert float((quiet - plain).abs().max()) > 1e-3, kind
+        written = _states(cache) if kind == "recurrent" else [layer.keys for layer in ragged.cache_layers(cache)]
+        assert written and all(float(t.abs().max()) > 0 for t in written), kind
+    assert torch.equal(model(input_ids=ids).logits, plain)
