@@ -63,16 +63,18 @@ class BatchState:
 def forward(
     model: PreTrainedModel,
     cache: DynamicCache,
-    inputs: torch.Tensor,  # [B, q] real tokens after each row's cache
+    inputs: torch.Tensor,  # [B, q] tokens after each row's cache
     cache_lengths: torch.Tensor,  # [B] real cached positions per row
+    real_counts: torch.Tensor | None = None,  # [B] each row's first tokens that are real (the rest: pad ids)
 ) -> torch.Tensor:
-    """One cached forward pass of `q` real tokens per row; returns logits [B, q, V]."""
+    """One cached forward pass of `q` tokens per row; returns logits [B, q, V]. A row's tokens past its
+    `real_counts` are padding: rejected like draft tokens, and kept out of its recurrent states."""
     width = ragged.cache_width(cache)
     q = inputs.shape[1]
     mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
     positions = ragged.position_ids(cache_lengths, q)  # [B, q]
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
-        return recurrent.forward_by_token(model, cache, inputs, mask, positions)
+        return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
     out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits
 

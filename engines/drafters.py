@@ -2,8 +2,16 @@
 
 `ModelDrafter` runs a draft model with its own KV cache, kept aligned with the target's: after
 each step it holds exactly the row's accepted tokens (never re-running the draft over the whole
-sequence). `ScriptedDrafter` is for tests: it proposes the reference's own next tokens for a
-chosen number of positions and then a wrong one, so a test dictates each row's acceptance.
+sequence). `PromptLookupDrafter` copies what followed the row's last n-gram earlier in the row
+(prompt lookup, vLLM's n-gram speculation): where the n-gram never occurred it proposes nothing.
+`ScriptedDrafter` is for tests: it proposes the reference's own next tokens for a chosen number of
+positions and then a wrong one, or nothing, so a test dictates each row's acceptance.
+
+A drafter may propose fewer than k tokens for a row, none included: after `propose` it then holds
+`proposal_lengths` [B]. The engines verify `1 + m` tokens per row, m the step's longest proposal
+(`verify_drafts`): a row's own draft tokens, then pad ids that are never accepted
+(`accepted_prefix`) and never enter a recurrent state (`recurrent.forward_by_token`). A step where
+no row drafted anything is a one-token decoding pass.
 """
 
 from __future__ import annotations
@@ -52,6 +60,27 @@ def check_draft_inputs(tokens: torch.Tensor, draft: PreTrainedModel) -> None:
         raise DraftVocabularyError(
             f"the target chose token {int(tokens.max())}, which the draft's vocabulary ({size} ids) does not have: "
             "the target's padding ids must never win (they do in this pair)")
+
+
+def proposal_lengths(drafter: object, proposals: torch.Tensor) -> torch.Tensor:
+    """[B] draft tokens each row really proposed: the drafter's `proposal_lengths`, else all k."""
+    lengths = getattr(drafter, "proposal_lengths", None)
+    if lengths is None:
+        return torch.full(proposals.shape[:1], proposals.shape[1], dtype=torch.long, device=proposals.device)
+    return lengths.to(proposals.device)
+
+
+def verify_drafts(proposals: torch.Tensor, lengths: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft columns of a verify pass: [B, m] (m the longest proposal), each row's own draft tokens
+    then pad ids, and [B, m] True on a row's own draft tokens."""
+    m = int(lengths.max()) if lengths.numel() else 0
+    own = torch.arange(m, device=proposals.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, m]
+    return torch.where(own, proposals[:, :m], torch.full_like(proposals[:, :m], pad_id)), own
+
+
+def own_proposals(proposals: torch.Tensor, lengths: torch.Tensor) -> list[list[int]]:
+    """Each row's own draft tokens, for the trace."""
+    return [row[:n] for row, n in zip(proposals.tolist(), lengths.tolist())]
 
 
 class Drafter(Protocol):
@@ -113,12 +142,16 @@ class ModelDrafter:
 Schedule = Callable[[int, int], int]  # (prompt index, row's step number) -> tokens to get right
 
 
+NO_DRAFT = -1  # a schedule value: the row proposes nothing that step
+
+
 class ScriptedDrafter:
     """Proposes `schedule(prompt, step)` of the reference's next tokens, then a wrong token.
 
     `reference_outputs[p]` is the reference decoder's output for prompt `p`. Past the end of the
     reference output the proposal repeats its last token; those positions never count, because a
-    correct engine stops there. A schedule value >= k proposes k correct tokens (all accepted).
+    correct engine stops there. A schedule value >= k proposes k correct tokens (all accepted);
+    `NO_DRAFT` proposes nothing (`proposal_lengths` 0 for that row).
     """
 
     def __init__(self, reference_outputs: list[list[int]], schedule: Schedule, vocab_size: int) -> None:
@@ -126,24 +159,72 @@ class ScriptedDrafter:
         self.schedule = schedule
         self.vocab_size = vocab_size
         self.row_steps: dict[int, int] = {}
+        self.proposal_lengths: torch.Tensor | None = None
 
     def prefill(self, state: BatchState) -> None:
         state.draft_cache = None
 
     def propose(self, state: BatchState, k: int) -> torch.Tensor:
         generated = (state.lengths - state.prompt_lengths).tolist()
-        proposals = []
+        proposals, lengths = [], []
         for prompt, done in zip(state.rows, generated):  # host-side script, test-only
             step = self.row_steps.get(prompt, 0)
             self.row_steps[prompt] = step + 1
-            right = min(max(self.schedule(prompt, step), 0), k)
+            scheduled = self.schedule(prompt, step)
+            lengths.append(0 if scheduled == NO_DRAFT else k)
+            right = min(max(scheduled, 0), k)
             ref = self.reference_outputs[prompt]
             tail = ref[done : done + k] or [0]
             row = (tail + [tail[-1]] * k)[:k]
             if right < k:
                 row[right] = (ref[done + right] + 1) % self.vocab_size if done + right < len(ref) else row[right]
             proposals.append(row)
-        return torch.tensor(proposals, dtype=torch.long, device=state.tokens.device)
+        device = state.tokens.device
+        self.proposal_lengths = torch.tensor(lengths, dtype=torch.long, device=device) if 0 in lengths else None
+        return torch.tensor(proposals, dtype=torch.long, device=device)
 
     def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
         return None
+
+
+class PromptLookupDrafter:
+    """Prompt lookup (n-gram speculation): for each row, the latest earlier occurrence of its last n
+    tokens (n from `max_ngram` down to `min_ngram`) and up to k tokens that followed it there; a row
+    whose n-grams never occurred earlier proposes nothing (`proposal_lengths` 0). No draft model."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.proposal_lengths: torch.Tensor | None = None
+
+    def prefill(self, state: BatchState) -> None:
+        state.draft_cache = None
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens of `tokens`."""
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            tail = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    def propose(self, state: BatchState, k: int) -> torch.Tensor:
+        width = state.tokens.shape[1]
+        rows = [self.lookup(row[width - n:], k) for row, n in zip(state.tokens.tolist(), state.lengths.tolist())]
+        device = state.tokens.device
+        self.proposal_lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+        return torch.tensor([r + [0] * (k - len(r)) for r in rows], dtype=torch.long, device=device)  # [B, k]
+
+    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
+        return None
+
+
+def make_drafter(drafter: Drafter | str | None, target: PreTrainedModel, draft: PreTrainedModel | None) -> Drafter:
+    """The engine's drafter: a given one, `"prompt-lookup"`, or the draft model's (`ModelDrafter`)."""
+    if drafter == "prompt-lookup":
+        return PromptLookupDrafter()
+    if isinstance(drafter, str):
+        raise ValueError(f"unknown drafter {drafter!r}: use prompt-lookup, or give a draft model")
+    return drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft))

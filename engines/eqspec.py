@@ -31,7 +31,7 @@ from specaudit.engines import layout
 from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
-from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
+from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, verify_drafts
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -117,20 +117,23 @@ def speculative_step(
     pad_lengths = state.pad_lengths().tolist()
     rows = list(state.rows)
 
-    # 1. draft
-    draft_tokens = drafter.propose(state, k)  # [B, k]
+    # 1. draft: up to k tokens per row (a drafter may propose fewer, or none: `drafters.verify_drafts`)
+    proposals = drafter.propose(state, k)  # [B, k]
+    drafted = proposal_lengths(drafter, proposals)  # [B]
+    draft_tokens, own = verify_drafts(proposals, drafted, pad_id)  # [B, m]: the row's drafts, then pad ids
+    k = draft_tokens.shape[1]  # this step's width m: the longest proposal (0: a plain decoding pass)
     draft_seconds = clock.lap()
 
     # 2. verify: the pending token and the k draft tokens in one target pass
     old_width = ragged.cache_width(state.target_cache)
     inputs = torch.cat([state.tokens[:, -1:], draft_tokens], dim=1)  # [B, k+1]
-    logits = batch_ops.forward(target, state.target_cache, inputs, state.cache_lengths)  # [B, k+1, V]
+    logits = batch_ops.forward(target, state.target_cache, inputs, state.cache_lengths, drafted + 1)  # [B, k+1, V]
     target_tokens = logits.argmax(-1)  # [B, k+1]
     verify_seconds = clock.lap()
 
     # 3. accept: draft token i is accepted while it equals the target's choice after token i-1;
     #    accepted draft tokens equal target_tokens[:, :a], and the bonus token is target_tokens[:, a]
-    matches = (draft_tokens == target_tokens[:, :k]).long()  # [B, k]
+    matches = ((draft_tokens == target_tokens[:, :k]) & own).long()  # [B, k]; a pad slot is never accepted
     accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]
     offered = accepted_counts + 1  # accepted + bonus
     room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1 for running rows
@@ -169,7 +172,8 @@ def speculative_step(
         step=step, kind=kind, rows=rows, pad_lengths=pad_lengths, accepted_counts=accepted_list,
         emitted_counts=emitted_list,
         seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": realign_seconds},
-        proposed=draft_tokens.tolist() if record_logits else None,
+        proposed=own_proposals(proposals, drafted) if record_logits else None,
+        drafted_counts=drafted.tolist() if getattr(drafter, "proposal_lengths", None) is not None else None,
     )
     finished = [r for r, d in zip(rows, done_list) if d]
     return StepResult(record, new_tokens, row_logits, finished)
@@ -187,7 +191,7 @@ class EQSpec(ConsecutiveBatches):
         *,
         batch_size: int = 8,
         draft_tokens: int = 4,
-        drafter: Drafter | None = None,
+        drafter: Drafter | str | None = None,
         pad_token_id: int | None = None,
         record_logits: bool = False,
         **_: object,
@@ -198,7 +202,7 @@ class EQSpec(ConsecutiveBatches):
             raise ValueError("EQSPEC needs a draft model or a drafter")
         layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
-        self.drafter = drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft))
+        self.drafter = make_drafter(drafter, target, draft)
         self.batch_size = batch_size
         self.k = draft_tokens
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)

@@ -54,7 +54,7 @@ from specaudit.engines import layout
 from specaudit.engines import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
-from specaudit.engines.drafters import Drafter, ModelDrafter, shared_vocab_size
+from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -337,7 +337,7 @@ class EXSpec:
         draft_tokens: int = 4,
         window_size: int | None = None,
         sort_by_length: bool = False,
-        drafter: Drafter | None = None,
+        drafter: Drafter | str | None = None,
         pad_token_id: int | None = None,
         record_logits: bool = False,
         min_group: int | None = None,
@@ -352,7 +352,7 @@ class EXSpec:
             raise ValueError("EXSPEC needs a draft model or a drafter")
         layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
-        self.drafter = drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft))
+        self.drafter = make_drafter(drafter, target, draft)
         self.batch_size = batch_size
         self.k = draft_tokens
         self.window_size = window_size if window_size is not None else 2 * batch_size

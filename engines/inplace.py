@@ -44,7 +44,8 @@ from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
-from specaudit.engines.drafters import check_draft_inputs, check_proposals, shared_vocab_size
+from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
+                                         shared_vocab_size, verify_drafts)
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -85,13 +86,13 @@ class InplaceState:
 
 
 def masked_forward(model: PreTrainedModel, cache: DynamicCache, valid: torch.Tensor, inputs: torch.Tensor,
-                   cache_lengths: torch.Tensor) -> torch.Tensor:
-    """One pass of `q` real tokens per row after a cache with holes; returns logits [B, q, V]."""
+                   cache_lengths: torch.Tensor, real_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """One pass of `q` tokens per row after a cache with holes (past `real_counts`: pad ids); logits [B, q, V]."""
     queries = torch.ones(inputs.shape[0], inputs.shape[1], dtype=torch.bool, device=inputs.device)
     mask = torch.cat([valid, queries], dim=1).long()  # [B, W + q]
     positions = ragged.position_ids(cache_lengths, inputs.shape[1])  # [B, q]
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
-        return recurrent.forward_by_token(model, cache, inputs, mask, positions)
+        return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
     out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return out.logits
 
@@ -224,6 +225,8 @@ class InplaceEngine(ConsecutiveBatches):
             raise ValueError("batch_size and draft_tokens must be at least 1")
         if drafter is None and draft is None:
             raise ValueError("INPLACE needs a draft model or a drafter")
+        if isinstance(drafter, str):  # prompt lookup reads each row's tokens; INPLACE keeps only the pending one
+            raise ValueError(f"INPLACE takes a draft model or a drafter object, not {drafter!r} (use eqspec or exspec)")
         if compact_fraction < 0:
             raise ValueError("compact_fraction must be >= 0")
         if refill_at < 1:
@@ -304,19 +307,23 @@ class InplaceEngine(ConsecutiveBatches):
         rows = list(state.rows)
         holes = (state.target_valid.shape[1] - state.cache_lengths).tolist()
 
-        # 1. draft
-        draft_tokens = self.drafter.propose(state, k)  # [B, k]
+        # 1. draft: up to k tokens per row (fewer, or none, from a drafter that finds nothing to propose)
+        proposals = self.drafter.propose(state, k)  # [B, k]
+        drafted = proposal_lengths(self.drafter, proposals)  # [B]
+        draft_tokens, own = verify_drafts(proposals, drafted, self.pad_id)  # [B, m]: own drafts, then pad ids
+        k = draft_tokens.shape[1]  # this step's width: the longest proposal
         draft_seconds = clock.lap()
 
         # 2. verify: the pending token and the k draft tokens after the cache with its holes
         inputs = torch.cat([state.pending, draft_tokens], dim=1)  # [B, k+1]
-        logits = masked_forward(self.target, state.target_cache, state.target_valid, inputs, state.cache_lengths)  # [B, k+1, V]
+        logits = masked_forward(self.target, state.target_cache, state.target_valid, inputs, state.cache_lengths,
+                                drafted + 1)  # [B, k+1, V]
         target_tokens = logits.argmax(-1)  # [B, k+1]
         verify_seconds = clock.lap()
 
         # 3. accept: the longest draft prefix equal to the target's choices, then the bonus token;
         #    cut at the first EOS or at exactly max_new_tokens
-        matches = (draft_tokens == target_tokens[:, :k]).long()  # [B, k]
+        matches = ((draft_tokens == target_tokens[:, :k]) & own).long()  # [B, k]; pad slots never accepted
         accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
         emitted = torch.minimum(accepted_counts + 1, room)
@@ -363,7 +370,8 @@ class InplaceEngine(ConsecutiveBatches):
             emitted_counts=emitted_list,
             seconds={"draft": draft_seconds, "verify": verify_seconds, "accept": accept_seconds,
                      "realign": realign_seconds},
-            proposed=draft_tokens.tolist() if self.record_logits else None,
+            proposed=own_proposals(proposals, drafted) if self.record_logits else None,
+            drafted_counts=drafted.tolist() if getattr(self.drafter, "proposal_lengths", None) is not None else None,
         )
         finished = [r for r, d in zip(rows, done_list) if d]
         return StepResult(record, new_tokens, row_logits, finished)

@@ -14,7 +14,12 @@ k+1 tokens leaves it after all k+1, rejected ones included. The engines keep it 
 - Rollback. `commit(cache, accepted_counts)` gives each row `history[accepted_counts[b]]`, its
   state after its pending token and its accepted draft tokens (the bonus token is pending, not yet
   fed), and clears the history. The draft's history holds its k drafting passes and, when some row
-  accepted all k, the fill pass; the target's holds the k+1 verify positions.
+  accepted all k, the fill pass; the target's holds the k+1 verify positions. When no row has a
+  token to undo (every row accepted all it fed: a step where no row drafted anything, or where every
+  draft was accepted) the live states are kept as they are.
+- Rows with fewer draft tokens than the step's longest proposal (`drafters.verify_drafts`) are fed pad
+  ids after their own tokens; during those one-token passes the row keeps its state (`real_counts`),
+  so padding never enters a state, not even the live one.
 - Rows are selected with the KV rows (`select_rows`), and EXSPEC keeps each sequence's states
   beside its KV tensor (`row_states`, `load_rows`): rows never share a state.
 
@@ -44,6 +49,7 @@ class HybridCache(DynamicCache):
     def __init__(self, layers: list) -> None:
         Cache.__init__(self, layers=layers)
         self.history: list[State] = []
+        self.fed: torch.Tensor | None = None  # [B] real tokens each row fed since the last commit
 
 
 def new_cache(kinds: list[str]) -> HybridCache:
@@ -92,14 +98,17 @@ def _assign(cache: HybridCache, tensors: State) -> None:
 def forward_by_token(
     model: PreTrainedModel,
     cache: HybridCache,
-    inputs: torch.Tensor,  # [B, q] real tokens after each row's cache
+    inputs: torch.Tensor,  # [B, q] tokens after each row's cache
     attention_mask: torch.Tensor,  # [B, W + q] 2D mask of the whole pass
     position_ids: torch.Tensor,  # [B, q]
+    real_counts: torch.Tensor | None = None,  # [B] each row's first tokens that are real; the rest are pad ids
 ) -> torch.Tensor:
     """One cached pass of q tokens as q single-token passes; keeps the states after each. Logits [B, q, V]."""
     width = attention_mask.shape[1] - inputs.shape[1]
+    q = inputs.shape[1]
+    real = torch.full((inputs.shape[0],), q, device=inputs.device) if real_counts is None else real_counts  # [B]
     logits = []
-    for i in range(inputs.shape[1]):
+    for i in range(q):
         out = model(
             input_ids=inputs[:, i : i + 1],  # [B, 1]
             attention_mask=attention_mask[:, : width + i + 1],  # [B, W + i + 1]
@@ -108,8 +117,18 @@ def forward_by_token(
             use_cache=True,
         )
         logits.append(out.logits[:, -1:])  # [B, 1, V]
+        padded = real <= i  # [B] rows whose token i is a pad id: they keep the state they had before it
+        if bool(padded.any()):
+            _assign(cache, _where(padded, cache.history[-1], snapshot(cache)))
         cache.history.append(snapshot(cache))
+    cache.fed = real if cache.fed is None else cache.fed + real
     return torch.cat(logits, dim=1)  # [B, q, V]
+
+
+def _where(rows: torch.Tensor, chosen: State, other: State) -> State:
+    """Per row: `chosen`'s tensors where `rows` [B] is True, `other`'s elsewhere."""
+    return [o if c is None else torch.where(rows.to(c.device).view(-1, *[1] * (c.dim() - 1)), c, o)
+            for c, o in zip(chosen, other)]
 
 
 def commit(cache: Any, accepted_counts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
@@ -117,7 +136,12 @@ def commit(cache: Any, accepted_counts: torch.Tensor, keep: torch.Tensor | None 
     pending token and accepted draft tokens), then keep the rows `keep` if given."""
     if not tracks_states(cache):
         return
-    if cache.history:
+    fed, cache.fed = cache.fed, None  # [B] tokens each row fed since the last commit
+    if cache.history and fed is not None and not bool((accepted_counts + 1 < fed.to(accepted_counts.device)).any()):
+        # nothing to undo (no row drafted anything, or every row accepted all it drafted): every live
+        # state is already the row's state after its accepted tokens, padding never having entered one
+        cache.history = []
+    elif cache.history:
         rows = torch.arange(accepted_counts.shape[0], device=accepted_counts.device)  # [B]
         # a row that finished this step may have accepted more than was fed (no fill pass for it): it leaves the batch
         positions = accepted_counts.clamp(max=len(cache.history) - 1)  # [B]
@@ -142,6 +166,8 @@ def select_rows(cache: Any, keep: torch.Tensor) -> None:
     _assign(cache, [None if t is None else t.index_select(0, keep.to(t.device)) for t in snapshot(cache)])
     cache.history = [[None if t is None else t.index_select(0, keep.to(t.device)) for t in entry]
                      for entry in cache.history]
+    if cache.fed is not None:
+        cache.fed = cache.fed.index_select(0, keep.to(cache.fed.device))
 
 
 def row_states(cache: Any, rows: list[int]) -> list[State | None]:

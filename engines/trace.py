@@ -22,7 +22,12 @@ class StepRecord:
     accepted_counts: list[int]  # accepted draft tokens per row, 0..k
     emitted_counts: list[int]  # tokens appended per row: accepted + bonus, cut at EOS / max_new_tokens
     seconds: dict[str, float] = field(default_factory=dict)  # draft, verify, realign
-    proposed: list[list[int]] | None = None  # draft tokens per row [B, k], when recorded
+    proposed: list[list[int]] | None = None  # each row's own draft tokens (k, or fewer), when recorded
+    drafted_counts: list[int] | None = None  # draft tokens per row when a drafter proposed fewer than k
+
+    def drafted(self, k: int) -> int:
+        """Draft tokens the step's rows proposed."""
+        return sum(self.drafted_counts) if self.drafted_counts is not None else k * len(self.rows)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +78,7 @@ class Trace:
             kinds[step.kind] = kinds.get(step.kind, 0) + 1
             group_sizes.append(len(step.rows))
             accepted += sum(step.accepted_counts)
-            proposed += self.draft_tokens * len(step.rows)
+            proposed += step.drafted(self.draft_tokens)
         return {
             "steps": len(self.steps),
             "step_kinds": kinds,

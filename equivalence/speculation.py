@@ -26,11 +26,11 @@ def from_trace(trace: Any) -> dict[str, Any] | None:
     if not draft_tokens or steps is None:
         return None
     decode = [step for step in steps if step.kind != "prefill"]
-    drafted = sum(draft_tokens * len(step.rows) for step in decode)
+    drafted = sum(step.drafted(draft_tokens) for step in decode)
     accepted = sum(sum(step.accepted_counts) for step in decode)
     return {"drafted_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": (accepted / drafted) if drafted else None, "preemptions": None,
-            "source": f"the engine's trace: k={draft_tokens} draft tokens per row per step, over {len(decode)} steps"}
+            "source": f"the engine's trace: up to k={draft_tokens} draft tokens per row per step, over {len(decode)} steps"}
 
 
 def of_run(engine: Any, trace: Any) -> dict[str, Any] | None:

@@ -255,10 +255,11 @@ def accepted_per_prompt(steps: list[Any], num_prompts: int) -> list[list[int]]:
 
 def check_scripted_acceptance(case: DecodingCase, report: EquivalenceReport) -> None:
     """The trace shows the acceptance the schedule dictated: at every speculative step of a row but
-    its last (where the reference may end inside the draft), exactly min(schedule, k) accepted."""
+    its last (where the reference may end inside the draft), exactly min(schedule, k) accepted (none
+    at a step where the schedule proposed no draft)."""
     assert case.schedule is not None and report.drafter == "scripted" and report.accepted is not None
     for prompt_index, counts in enumerate(report.accepted):
-        expected = [min(case.schedule(prompt_index, step), case.draft_tokens) for step in range(len(counts))]
+        expected = [max(min(case.schedule(prompt_index, step), case.draft_tokens), 0) for step in range(len(counts))]
         if counts[:-1] != expected[:-1]:
             step = next(i for i, (a, b) in enumerate(zip(counts, expected)) if a != b)
             raise AssertionError(

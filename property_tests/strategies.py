@@ -27,6 +27,10 @@ MAX_BATCH_SIZE = 16
 
 PROMPT_SHAPES = ("random", "ones", "equal", "skewed")
 SCHEDULE_KINDS = ("none", "all", "alternating", "one_row_full", "random")
+# drawn per row and step like "random", with steps where the row proposes nothing (`ScriptedDrafter`'s NO_DRAFT);
+# asked for by name (not in SCHEDULE_KINDS): engines then verify fewer than k tokens for some rows
+NO_DRAFTS = "no_drafts"
+NO_DRAFT = -1  # the schedule value of a step with no draft (`specaudit.engines.drafters.NO_DRAFT`)
 PROMPT_STYLES = ("synthetic", "builtin", "mixed")
 
 
@@ -163,7 +167,8 @@ class AcceptanceSchedule:
         return cycle[row_step % len(cycle)]
 
     def describe_row(self, prompt_index: int) -> str:
-        return "[" + ", ".join(str(n) for n in self.rows[prompt_index % len(self.rows)]) + ", ...]"
+        counts = self.rows[prompt_index % len(self.rows)]
+        return "[" + ", ".join("no draft" if n == NO_DRAFT else str(n) for n in counts) + ", ...]"
 
     def __repr__(self) -> str:
         return f"AcceptanceSchedule({self.kind!r}, rows={[list(r) for r in self.rows]})"
@@ -174,9 +179,10 @@ def acceptance_schedules(
     draw: st.DrawFn, *, num_rows: int, k: int, kinds: Sequence[str] = SCHEDULE_KINDS, max_cycle: int = 4,
 ) -> AcceptanceSchedule:
     """Per-row acceptance: nothing accepted, everything accepted, alternating all/nothing (rows
-    out of phase), one row always full while the others are drawn, or drawn per row and step."""
+    out of phase), one row always full while the others are drawn, or drawn per row and step
+    (`NO_DRAFTS`: some steps with no draft at all)."""
     kind = draw(st.sampled_from(list(kinds)))
-    counts = st.integers(0, k)
+    counts = st.integers(NO_DRAFT if kind == NO_DRAFTS else 0, k)
     drawn_cycles = st.lists(st.lists(counts, min_size=1, max_size=max_cycle).map(tuple), min_size=num_rows, max_size=num_rows)
     if kind == "none":
         rows = [(0,)] * num_rows

@@ -6,7 +6,10 @@
   zeroes padded hidden states before the recurrent layers, so this guards the property, not the grouping);
 - rollback: after a pass over [pending, d1, d2] and `commit(accepted)`, each row's states equal
   those of feeding only its pending and accepted tokens, and rows never share a state;
-- the reference decoder agrees with `model.generate` (greedy, float64).
+- the reference decoder agrees with `model.generate` (greedy, float64);
+- rows that draft fewer tokens than others, or none (a scripted drafter, prompt lookup): their pad
+  slots never reach a state, and the engines stay exact (EQSPEC, EXSPEC, INPLACE);
+- the diagnosis can silence one kind of layer (attention, recurrent) and still write its caches.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ import pytest
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged, recurrent
+from specaudit.engines import layout, ragged, recurrent
+from specaudit.engines.drafters import NO_DRAFT, PromptLookupDrafter
+from specaudit.engines.eqspec import EQSpec
+from specaudit.engines.exspec import EXSpec
+from specaudit.engines.inplace import InplaceEngine
 from specaudit.engines.reference import greedy_decode
+from specaudit.equivalence.diagnosis import layers
 from specaudit.testing.models import pair
+from specaudit.testing.properties import check_equivalence, check_scripted_acceptance
+from specaudit.testing.strategies import NO_DRAFTS, AcceptanceSchedule, DecodingCase, Prompt
 
 HYBRID = ["tiny-qwen3-next", "tiny-lfm2", "tiny-bamba"]
 PROMPTS = [[5, 9, 13], [40, 41, 42, 43, 44, 45, 46], [7], [100, 3, 100, 3, 100]]
@@ -73,3 +83,89 @@ def test_reference_matches_generate_in_float64(name: str) -> None:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                              eos_token_id=None, pad_token_id=256)
         assert out[0, len(prompt):].tolist() == ours
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_a_row_padded_after_its_drafts_keeps_its_state(name: str) -> None:
+    """A row that drafted fewer tokens than the step's longest proposal is fed pad ids after its own
+    tokens; its states, live and per position, stay those of its real tokens, and a commit with
+    nothing to undo keeps the live states."""
+    model = pair(name).target
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    fed = [[60, 61, 62], [70, 256, 256]]  # row 1 drafted nothing: its pending token, then pad ids
+    real = torch.tensor([3, 1])
+    tokens, lengths = ragged.left_pad(prompts, pad_id=256)
+    cache, _ = batch_ops.prefill(model, tokens, lengths)
+    batch_ops.forward(model, cache, torch.tensor(fed), lengths, real)
+    assert cache.fed.tolist() == [3, 1]
+    for position, entry in enumerate(cache.history):  # row 1 after its pending token at every position
+        for got, want in zip([t for t in entry if t is not None], _states(_alone(model, prompts[1] + fed[1][:1]))):
+            assert torch.allclose(got[1], want[0], rtol=0, atol=1e-12), position
+    recurrent.commit(cache, torch.tensor([2, 0]))  # row 0 accepted both drafts, row 1 had none: nothing to undo
+    assert cache.history == [] and cache.fed is None
+    for b, prompt in enumerate(prompts):
+        expected = _alone(model, prompt + fed[b][: int(real[b])])
+        for got, want in zip(_states(cache), _states(expected)):
+            assert torch.allclose(got[b], want[0], rtol=0, atol=1e-12)
+
+
+ZERO_DRAFT_PROMPTS = (Prompt((5, 9, 13), "synthetic"), Prompt((40, 41, 42, 43, 44, 45, 46), "synthetic"),
+                      Prompt((7,), "synthetic"), Prompt((100, 3, 100, 3, 100), "synthetic"))
+
+
+@pytest.mark.parametrize("engine", [EQSpec, EXSpec, InplaceEngine], ids=["eqspec", "exspec", "inplace"])
+@pytest.mark.parametrize("name", [*HYBRID, "tiny-llama"])
+def test_steps_where_rows_draft_nothing_are_exact(name: str, engine) -> None:
+    """Rows with no draft beside rows with k (the verify pass pads them), steps where no row drafts
+    (a one-token pass), full acceptance beside them (nothing to roll back): token- and logit-exact."""
+    schedule = AcceptanceSchedule(NO_DRAFTS, ((NO_DRAFT, 3, 1), (3, NO_DRAFT), (NO_DRAFT,), (0, NO_DRAFT, 3)))
+    case = DecodingCase(pair=name, prompts=ZERO_DRAFT_PROMPTS, batch_size=3, draft_tokens=3, max_new_tokens=10,
+                        schedule=schedule)
+    report = check_equivalence(engine, case, drafter="scripted")
+    assert report.max_logit_error is not None and report.max_logit_error < 1e-9
+    check_scripted_acceptance(case, report)
+
+
+@pytest.mark.parametrize("engine", [EQSpec, EXSpec], ids=["eqspec", "exspec"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-llama"])
+def test_prompt_lookup_drafts_nothing_for_some_rows_and_stays_exact(name: str, engine) -> None:
+    pair_ = pair(name)
+    # half the byte values in one prompt: a new token often occurred earlier in its row, often not
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9], list(range(0, 256, 2)), [0]]
+    reference = [greedy_decode(pair_.target, p, 12, None)[0] for p in prompts]
+    run = engine(pair_.target, None, batch_size=4, draft_tokens=3, drafter="prompt-lookup",
+                 pad_token_id=pair_.pad_token_id, record_logits=True)
+    assert run.generate(prompts, 12, None) == reference
+    drafted = [c for step in run.last_trace.steps if step.kind != "prefill" for c in step.drafted_counts]
+    assert 0 in drafted and any(c > 0 for c in drafted), drafted
+    if name == "tiny-llama":  # its outputs repeat themselves: some lookups are right
+        assert any(sum(step.accepted_counts) for step in run.last_trace.steps), "no lookup accepted"
+
+
+def test_prompt_lookup_finds_the_latest_earlier_ngram() -> None:
+    lookup = PromptLookupDrafter(max_ngram=2).lookup
+    assert lookup([1, 2, 3, 1, 2, 4, 1, 2], 3) == [4, 1, 2]  # the latest earlier "1 2" is followed by 4
+    assert lookup([1, 2, 3, 9], 3) == []  # "3 9" and "9" never occurred earlier
+    assert lookup([7, 7], 4) == [7]  # what follows is cut at the row's end
+    with pytest.raises(ValueError):
+        InplaceEngine(pair("tiny-llama").target, None, drafter="prompt-lookup")
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_silencing_one_kind_of_layer_zeroes_its_output_and_keeps_its_cache(name: str) -> None:
+    """The diagnosis's experiment (`equivalence/diagnosis/layers.py`): with a kind of layer silenced
+    the logits change, that kind's caches are still written, and leaving the block restores the model."""
+    model = pair(name).target
+    ids = torch.tensor([PROMPTS[1]])
+    plain = model(input_ids=ids).logits
+    for kind in ("attention", "recurrent"):
+        modules = layers.silenced_modules(model, kind)
+        assert isinstance(modules, list) and modules, modules
+        cache = layout.full_history_cache(model)
+        with layers.silenced(model, kind) as missing:
+            assert missing is None
+            quiet = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        assert float((quiet - plain).abs().max()) > 1e-3, kind
+        written = _states(cache) if kind == "recurrent" else [layer.keys for layer in ragged.cache_layers(cache)]
+        assert written and all(float(t.abs().max()) > 0 for t in written), kind
+    assert torch.equal(model(input_ids=ids).logits, plain)

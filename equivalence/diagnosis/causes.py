@@ -263,22 +263,6 @@ def masked_along_output(target: Any, prompt: list[int], output: list[int], posit
                  "a replay along the engine's output with the pad-id tokens masked", "pad-id tokens treated as padding")
 
 
-def in_recurrent_state(target: Any, found: Any) -> tuple[str, str]:
-    """A row's own cache wrong, or its output depending on its batch, in a model with recurrent
-    layers: the state those layers keep per row (`engines/recurrent.py`) is the cache that went
-    wrong, since a state cannot be trimmed like KV columns (the class names that fix)."""
-    if found.cls not in ("kv_cache", "cross_row") or target is None:
-        return found.cls, found.evidence
-    from specaudit.engines.layout import attention_layer_kinds
-
-    recurrent = attention_layer_kinds(target).count("recurrent")
-    if not recurrent:
-        return found.cls, found.evidence
-    return "recurrent_state", (f"{found.evidence}; the target keeps recurrent state in {recurrent} layers, which a "
-                               "rejection or another row changes exactly this way: the state was not the row's own "
-                               "after its accepted tokens")
-
-
 def note_shared_mechanisms(divergences: list[dict[str, Any]]) -> None:
     """Say so on every diagnosis whose mechanism explains more than one divergence of the run."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from specaudit.equivalence.diagnosis import causes, checks
-from specaudit.equivalence.diagnosis.causes import Cause, in_recurrent_state as _in_recurrent_state
+from specaudit.equivalence.diagnosis.layers import recurrent_or_attention
 from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.replay import RowContext, explain
@@ -171,9 +171,8 @@ class Diagnoser:
             found = None
         if found is None:
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
-        cls, evidence = _in_recurrent_state(self.target, found)
-        return diagnosis(cls, evidence + f" (decided by {found.decided_by})", tried, found.decided_by,
-                         found.mechanism or None)
+        cls, evidence, decided = recurrent_or_attention(self, int(divergence["prompt_index"]), found, tried)
+        return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
     def _logits(self, index: int) -> torch.Tensor | None:
         return self.engine_logits[index] if index < len(self.engine_logits) else None

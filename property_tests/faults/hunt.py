@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
 from specaudit.engines.drafters import ScriptedDrafter
+from specaudit.engines.reference import greedy_decode
 from specaudit.equivalence.audit import audit_engine
 from specaudit.testing import models
 from specaudit.testing.faults.draft_check import check_draft_proposals
@@ -39,7 +40,8 @@ CASE_BOUNDS: dict[str, Any] = dict(
 def fault_cases(fault: type[FaultEngine], pair: str) -> st.SearchStrategy[DecodingCase]:
     """Small decoding cases on `pair`: up to 4 rows of up to 8 tokens, k <= 4, <= 8 new tokens;
     EOS and a pad id that is also content drawn as usual; a pool window for EXSPEC faults."""
-    cases = decoding_cases(pairs=[pair], with_window=fault.engine == "exspec", **CASE_BOUNDS)
+    kinds = {"schedule_kinds": fault.schedule_kinds} if fault.schedule_kinds else {}
+    cases = decoding_cases(pairs=[pair], with_window=fault.engine == "exspec", **CASE_BOUNDS, **kinds)
     if fault.drafter_kind == "model":  # the model drafter decides acceptance; no schedule to show
         cases = cases.map(lambda case: dataclasses.replace(case, schedule=None))
     return cases
@@ -149,7 +151,9 @@ def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int
         if scripted:
             def schedule(row: int, step: int) -> int:
                 return case.schedule(indices[row], step)
-            reference = [DEFAULT_ORACLE.decode(pair, tuple(p), case.max_new_tokens, eos)[0] for p in prompts]
+            # the target's own greedy tokens now (not cached): a re-run with some layers silenced
+            # (`equivalence/diagnosis/layers.py`) keeps the schedule's acceptance on the silenced target
+            reference = [greedy_decode(pair.target, list(p), case.max_new_tokens, eos)[0] for p in prompts]
             drafter = ScriptedDrafter(reference, schedule, int(pair.target.config.vocab_size))
         engine = build_engine(fault, rerun_case, pair, drafter)
         return engine.generate(prompts, case.max_new_tokens, eos)

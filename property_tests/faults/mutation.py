@@ -159,13 +159,15 @@ class FaultEngine:
 
     Subclasses set `changes`, `engine` ("eqspec" or "exspec") and, when the fault lives in the
     model drafter and cannot change any output, `drafter_kind = "model"`. `pairs` are the
-    built-in pairs the fault is hunted on.
+    built-in pairs the fault is hunted on; `schedule_kinds` the acceptance schedules, when a fault
+    needs others than the usual ones (steps with no draft).
     """
 
     changes: tuple[LineChange, ...] = ()
     engine: str = "eqspec"
     pairs: tuple[str, ...] = ("tiny-llama",)
     drafter_kind: str = "scripted"
+    schedule_kinds: tuple[str, ...] | None = None  # the acceptance schedules hunted (None: the usual ones)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

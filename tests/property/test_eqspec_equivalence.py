@@ -75,7 +75,7 @@ def test_eqspec_matches_reference_with_the_model_drafter(case: DecodingCase) -> 
     note(f"max logit error {report.max_logit_error}, steps {report.steps}")
 
 
-@pytest.mark.parametrize("kind", sst.SCHEDULE_KINDS)
+@pytest.mark.parametrize("kind", (*sst.SCHEDULE_KINDS, sst.NO_DRAFTS))
 @settings(max_examples=examples(0.5))
 @given(data=st.data())
 def test_eqspec_matches_reference_for_each_schedule_kind(kind: str, data: st.DataObject) -> None:
