@@ -13,7 +13,10 @@ speculation, timed by `specaudit bench` beside the built-in engines on the same 
    cache no prefixes, and a repeated prompt would find its twin's blocks).
 3. Runs `specaudit bench --engine vllm:DRAFT_URL --plain-engine vllm:PLAIN_URL` plus the engines
    and options given after `--`, then stops both servers however the run ends, and writes
-   OUT/servers.json (the server commands, start-up seconds, vLLM's version) and OUT/server-logs/.
+   OUT/servers.json (the server commands, start-up seconds) and OUT/server-logs/. servers.json also
+   gives each server's CPU seconds over the whole bench (its process group's utime + stime from
+   /proc, warm-up included) and the tokens it generated (`vllm:generation_tokens_total`): a CPU-clock
+   view of the servers beside the bench's client wall clock.
 
 Arguments before `--`: --out DIR (required), --draft-tokens K (4), --max-num-seqs N (8),
 --max-model-len N (1024), --eager (vLLM's --enforce-eager; default: vLLM's own compilation).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -72,6 +76,27 @@ def bench_pair_folders() -> tuple[Path, Path]:
     return target, draft
 
 
+def group_cpu_seconds(group: int) -> float:
+    """utime + stime of every live process in the process group `group`: a server started with
+    `start_new_session`, its engine-core and worker children included."""
+    ticks = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # after the command name
+        except OSError:  # the process ended
+            continue
+        if int(fields[2]) == group:  # field 5, pgrp
+            ticks += int(fields[11]) + int(fields[12])  # fields 14 and 15, utime and stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(server: vm.VLLMServer) -> dict[str, float]:
+    return {"cpu_seconds": group_cpu_seconds(server.process.pid),
+            "generation_tokens": server.metrics().get("generation_tokens_total", 0.0)}
+
+
 def main(argv: list[str]) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     ours, bench_args = argv[:split], argv[split + 1:]
@@ -107,6 +132,7 @@ def main(argv: list[str]) -> int:
         for server in servers.values():
             server.wait_healthy()
         print(f"servers healthy after {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        before = {name: server_cpu(server) for name, server in servers.items()}
         for name, server in servers.items():
             record["servers"][name] = {"url": server.url, "command": server.command, "healthy_after_s": server.start_s}
         (args.out / "servers.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -116,6 +142,14 @@ def main(argv: list[str]) -> int:
         status = specaudit(command)
         for name, server in servers.items():
             record["servers"][name]["alive_after_bench"] = server.alive()
+            after = server_cpu(server)
+            seconds = after["cpu_seconds"] - before[name]["cpu_seconds"]
+            tokens = after["generation_tokens"] - before[name]["generation_tokens"]
+            record["servers"][name]["whole_bench"] = {
+                "what": "the server's process group (API server, engine core, workers), utime + stime from /proc, "
+                        "and vllm:generation_tokens_total, from healthy to the end of the bench, warm-up included",
+                "server_cpu_seconds": seconds, "generated_tokens": tokens,
+                "tokens_per_server_cpu_second": tokens / seconds if seconds else None}
     finally:
         for server in servers.values():
             server.stop()
