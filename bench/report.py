@@ -187,8 +187,10 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 def markdown(bench: dict[str, Any]) -> str:
     machine = bench.get("machine") or {}
+    local = any(not is_server(run["engine"]) for run in bench.get("runs") or [])
     lines = [
-        f"# bench: pair `{bench['pair']['name']}`, acceptance {bench.get('acceptance')}",
+        f"# bench: pair `{bench['pair']['name']}`, "
+        + (f"acceptance {bench.get('acceptance')}" if local else "servers only"),
         "",
         f"{bench['num_prompts']} prompts (mean length {bench['mean_prompt_length']:.0f}), "
         f"{bench['config']['max_new_tokens']} new tokens each, {bench['config']['dtype']} on "
@@ -217,7 +219,7 @@ def markdown(bench: dict[str, Any]) -> str:
         "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | decode ceiling | of ideal "
         "| row util | accepted/step | draft | verify | realign | other | peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    ] if local else []
     for run in bench.get("runs") or []:
         if is_server(run["engine"]):
             continue  # the servers' own table, below
