@@ -16,14 +16,15 @@ seconds and each request's latency (send to answer).
 Speculation: `/metrics` is read just before and just after each timed repeat
 (`engines/adapters/server_metrics.py`): drafted and accepted tokens, acceptance rate, preemptions.
 For vLLM also `vllm:spec_decode_num_drafts_total` (speculative steps over all requests), which gives
-`tokens_per_step` = 1 + accepted / drafts, vLLM's "mean acceptance length", the figure the built-in
-engines report as `mean_tokens_per_step`. Nothing else may use the server during a bench.
+`mean_tokens_per_step` = 1 + accepted / drafts, vLLM's "mean acceptance length" (for the built-in
+engines, 1 + `mean_accepted_per_step`). Nothing else may use the server during a bench.
 
 Plain against speculative (`--plain-engine SERVER`): SERVER is a server of the same model without
 speculation. Every other server engine of the same kind (`vllm`, `llamacpp`, ...) gets
 `ratio_to_plain` = its tokens/s / SERVER's at the same batch size, as the built-in speculative
 engines get theirs against `batched` (`reference` at batch size 1). `speculative_over_plain(bench)`
-puts each system's ratio side by side, with its measured acceptance.
+puts each system's ratio side by side, with its measured acceptance as both count it: accepted /
+drafted tokens, and 1 + accepted tokens per speculative step of one request (a row).
 """
 
 from __future__ import annotations
@@ -254,8 +255,8 @@ def speculative_over_plain(bench: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append({"system": "specaudit", "batch_size": run["batch_size"], "speculative": f"{run['engine']} k={k}",
                      "plain": (run.get("plain_engine") or "").split(" (")[0] or None, "ratio": run["ratio_to_plain"],
                      "clock": bench.get("clock", "wall"),
-                     "acceptance_rate": measured / k if measured is not None else None,
-                     "tokens_per_step": run.get("mean_tokens_per_step"),
+                     "acceptance_rate": measured / k if measured is not None else None,  # accepted / drafted
+                     "tokens_per_step": 1 + measured if measured is not None else None,  # as vLLM counts it
                      "acceptance_source": (f"set: calibrated drafter, acceptance {bench['acceptance']} (measured shown)"
                                            if calibrated else "measured: the draft model's own proposals")})
     return rows
@@ -292,8 +293,8 @@ def server_markdown(bench: dict[str, Any]) -> list[str]:
     rows = bench.get("speculative_over_plain") or []
     if rows:
         lines += ["", "Speculative / plain, each system at each batch size (each ratio on its own system's clock):", "",
-                  "| system | B | speculative | plain | speculative / plain | clock | acceptance | tokens/step "
-                  "| acceptance from |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| system | B | speculative | plain | speculative / plain | clock | accepted / drafted "
+                  "| 1 + accepted per step | acceptance from |", "|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             lines.append(f"| {row['system']} | {row['batch_size']} | {row['speculative']} | {row['plain']} "
                          f"| **{row['ratio']:.2f}** | {row['clock']} | {_fmt(row['acceptance_rate'], '.1%')} "

@@ -97,6 +97,8 @@ def test_servers_are_timed_on_the_same_requests_with_b_in_flight_and_their_count
     assert rows["vllm"]["acceptance_rate"] == speculation["acceptance_rate"]
     assert rows["specaudit"]["speculative"] == "eqspec k=4" and rows["specaudit"]["clock"] == "cpu"
     assert rows["specaudit"]["ratio"] == runs["eqspec"]["ratio_to_plain"]
+    accepted = runs["eqspec"]["mean_accepted_per_step"]  # per row and step, as vLLM's accepted / drafts
+    assert rows["specaudit"]["tokens_per_step"] == 1 + accepted and rows["specaudit"]["acceptance_rate"] == accepted / 4
     assert "client wall clock" in result["server_clock"]
     assert [s["url"] for s in result["servers"]] == [fast.url, slow.url]
 
