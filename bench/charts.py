@@ -19,7 +19,8 @@ CEILING_COLOR = "#7f8c8d"
 
 def _runs(bench: dict[str, Any]) -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], str]]:
     """The finished runs, and their series label (the engine, with k when the bench has several)."""
-    runs = [run for run in bench.get("runs") or [] if "tokens_per_second" in run]
+    runs = [run for run in bench.get("runs") or [] if "tokens_per_second" in run
+            and not (run.get("server") and bench.get("clock") == "cpu")]  # a server's rate is per wall second
     several_k = len({run["draft_tokens"] for run in runs if run["draft_tokens"] is not None}) > 1
 
     def label(run: dict[str, Any]) -> str:
@@ -70,7 +71,8 @@ def stages_chart(bench: dict[str, Any]) -> BarChart:
 
 
 def memory_chart(bench: dict[str, Any]) -> BarChart:
-    categories, series = _by_batch_size(bench, lambda run: run["peak_memory_bytes"] / 2**20)
+    categories, series = _by_batch_size(
+        bench, lambda run: math.nan if run["peak_memory_bytes"] is None else run["peak_memory_bytes"] / 2**20)
     return BarChart("Peak memory above the loaded models", "batch size", "MiB", categories, tuple(series),
                     empty_message="no finished run")
 

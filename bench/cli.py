@@ -45,13 +45,24 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
                "--engine inplace --pair bench --batch-size 1 8 --acceptance 0.8 --out out/bench\n"
                "  specaudit bench --engine batched --engine eqspec --engine exspec --engine inplace --pair bench "
                "--batch-size 1 2 4 8 16 --prompts question.jsonl --device cuda --dtype bfloat16 --out out/bench-gpu\n"
+               "  specaudit bench --engine batched --engine eqspec --engine vllm:http://127.0.0.1:8001 "
+               "--plain-engine vllm:http://127.0.0.1:8000 --pair bench --batch-size 8 --out out/bench-vllm\n"
                "engines: reference and hf-assisted run at batch size 1 only; reference, batched, hf-batched and "
                "hf-continuous take no k. Engines with a `drafter` parameter (eqspec, exspec, inplace) get the "
-               "calibrated drafter; the others draft with the draft model itself.",
+               "calibrated drafter; the others draft with the draft model itself.\n"
+               "servers: --engine vllm:URL (or llamacpp:, sglang:, trtllm:) times a running server of the same pair "
+               "on the same requests, at most B in flight at batch size B, on the client's wall clock whatever "
+               "--clock says; its /metrics before and after give drafted and accepted tokens. --plain-engine names "
+               "the same model's server without speculation: every other server of that kind is reported as "
+               "speculative / plain at each batch size, as eqspec, exspec and inplace are against batched.",
     )
     what = bench.add_argument_group("what to time")
     what.add_argument("--engine", action="append", required=True, metavar="E",
                       help=f"engine (repeatable): {', '.join(BUILTIN_ENGINES)} or package.module:factory")
+    what.add_argument("--plain-engine", action="append", default=[], metavar="SERVER",
+                      help="a server of the same model without speculation (e.g. vllm:URL; timed too, need not be "
+                           "repeated in --engine): each other server of its kind gets tokens/s / this one's as "
+                           "its speculative / plain ratio; one per server kind")
     what.add_argument("--engine-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                       help="extra keyword for every engine factory (JSON value), e.g. compact_fraction=0.5")
     what.add_argument("--pair", default="bench", metavar="P",
@@ -104,6 +115,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             resolve(name)
         except EngineSpecError as exc:
             parser.error(str(exc))
+    from specaudit.bench.server import check_plain_engines, is_server
+
+    problem = check_plain_engines(args.engine, args.plain_engine)
+    if problem:
+        parser.error(problem)
+    args.engine = list(dict.fromkeys(args.engine + args.plain_engine))  # the plain servers are timed too
     if bool(args.target) != bool(args.draft):
         parser.error("--target and --draft go together")
     if not args.target and args.pair != "bench" and args.pair not in builtin_pair_names():
@@ -116,7 +133,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parse_output_lengths(args.output_lengths, args.max_new_tokens)
         except ValueError as exc:
             parser.error(f"--output-lengths: {exc}")
-        fixed = [e for e in args.engine if e not in PER_REQUEST_BUDGET_ENGINES]
+        fixed = [e for e in args.engine if e not in PER_REQUEST_BUDGET_ENGINES and not is_server(e)]
         if fixed:
             parser.error(f"--output-lengths: {', '.join(fixed)} take one max_new_tokens for every prompt; time "
                          f"only {', '.join(PER_REQUEST_BUDGET_ENGINES)} with it")
@@ -131,7 +148,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, output_lengths=args.output_lengths,
         repeats=args.repeats, warmup=args.warmup,
         dtype=args.dtype, device=args.device, seed=args.seed, engine_options=dict(args.engine_option),
-        clock=args.clock, threads=args.threads,
+        clock=args.clock, threads=args.threads, plain_engines=args.plain_engine,
     )
     if args.clock == "cpu" and args.device.startswith("cuda"):
         parser.error("--clock cpu does not see GPU work: use --clock wall with --device cuda")

@@ -26,12 +26,14 @@ from typing import Any
 
 from specaudit.engines.models.bench_pair import expected_tokens_per_step
 from specaudit.bench.costs import ideal_seconds, workload_ceiling
+from specaudit.bench.server import is_server, server_markdown, summarise_servers
 
 SPECULATIVE_STAGE = "realign"
 
 
 def _finished(bench: dict[str, Any]) -> list[dict[str, Any]]:
-    return [run for run in bench.get("runs") or [] if "tokens_per_second" in run]
+    """The finished runs of the built-in engines (servers are summarised by `bench/server.py`)."""
+    return [run for run in bench.get("runs") or [] if "tokens_per_second" in run and not run.get("server")]
 
 
 def _find(runs: list[dict[str, Any]], engine: str, batch_size: int, k: Any = "any") -> dict[str, Any] | None:
@@ -98,6 +100,7 @@ def summarise(bench: dict[str, Any]) -> None:
                 run["fraction_of_decode_ceiling"] = run["ratio_to_plain"] / run["decode_ceiling"]
     bench["exspec_vs_eqspec"] = exspec_vs_eqspec(runs)
     bench["findings"] = findings(bench, runs)
+    summarise_servers(bench)
 
 
 def _movement(run: dict[str, Any]) -> float | None:
@@ -184,8 +187,10 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 def markdown(bench: dict[str, Any]) -> str:
     machine = bench.get("machine") or {}
+    local = any(not is_server(run["engine"]) for run in bench.get("runs") or [])
     lines = [
-        f"# bench: pair `{bench['pair']['name']}`, acceptance {bench.get('acceptance')}",
+        f"# bench: pair `{bench['pair']['name']}`, "
+        + (f"acceptance {bench.get('acceptance')}" if local else "servers only"),
         "",
         f"{bench['num_prompts']} prompts (mean length {bench['mean_prompt_length']:.0f}), "
         f"{bench['config']['max_new_tokens']} new tokens each, {bench['config']['dtype']} on "
@@ -214,8 +219,10 @@ def markdown(bench: dict[str, Any]) -> str:
         "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | decode ceiling | of ideal "
         "| row util | accepted/step | draft | verify | realign | other | peak MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    ] if local else []
     for run in bench.get("runs") or []:
+        if is_server(run["engine"]):
+            continue  # the servers' own table, below
         if "tokens_per_second" not in run:
             lines.append(f"| {run['engine']} | {run['batch_size']} | {_fmt(run['draft_tokens'], 'd')} | failed: "
                          f"{run.get('error', '').splitlines()[0] if run.get('error') else ''} |")
@@ -249,6 +256,7 @@ def markdown(bench: dict[str, Any]) -> str:
             verify = ", ".join(f"k={k}: {v * 1000:.1f}" for k, v in c["target_k1"].items())
             lines.append(f"| {c['batch_size']} | {c['context_length']} | {c['target_1'] * 1000:.1f} | {verify} "
                          f"| {c['draft_1'] * 1000:.1f} |")
+    lines += server_markdown(bench)
     found = bench.get("findings") or {}
     if found.get("reason"):
         lines += ["", f"Best speculative engine at batch size {found['largest_batch_size']}: {found['best_speculative']}, "

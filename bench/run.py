@@ -32,6 +32,10 @@ Workload (`bench/workload.py`): `num_prompts` requests (default 4 x the largest 
 through each batch size, each with `max_new_tokens` or its own budget drawn from `output_lengths`;
 each run reports its row utilisation.
 
+Servers (`--engine vllm:URL` and the other server kinds): timed by `bench/server.py` on the same
+requests with at most B in flight, on the client's wall clock, with the server's speculation
+counters; `--plain-engine` names the plain server their `ratio_to_plain` divides by.
+
 Ceiling: before the runs at each batch size, the target's pass over 1 and k + 1 tokens and the
 draft's pass over 1 token are timed on a context of the prompts' mean length plus half the new
 tokens, and once, the prefill of one prompt of the mean length (target and draft). The pass-only
@@ -64,6 +68,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
 from specaudit.bench.costs import PeakMemory, pass_costs, prefill_costs, sync as _sync
+from specaudit.bench import server as servers
 from specaudit.bench.workload import draw_output_lengths, row_utilisation, serving_prompts, workload_record
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.runner import machine_info, write_json
@@ -99,6 +104,7 @@ class BenchConfig:
     clock: str = "wall"  # "wall": elapsed time; "cpu": this process's CPU time (a shared CPU; one torch thread)
     threads: int | None = None  # torch threads (None: torch's default)
     engine_options: dict[str, Any] = field(default_factory=dict)
+    plain_engines: list[str] = field(default_factory=list)  # plain servers, one per server kind (bench/server.py)
 
 
 def available_engines() -> list[str]:
@@ -112,7 +118,7 @@ def run_plan(config: BenchConfig) -> list[tuple[str, int, int | None]]:
         for engine in config.engines:
             if engine in BATCH_ONE_ENGINES and batch_size != 1:
                 continue
-            for k in ([None] if engine in PLAIN_ENGINES else config.draft_tokens):
+            for k in ([None] if engine in PLAIN_ENGINES or servers.is_server(engine) else config.draft_tokens):
                 plan.append((engine, batch_size, k))
     if any(e in BATCH_ONE_ENGINES for e in config.engines) and 1 not in config.batch_sizes:
         plan = [(e, 1, None if e in PLAIN_ENGINES else k) for e in config.engines if e in BATCH_ONE_ENGINES
@@ -272,7 +278,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
     budgets = (draw_output_lengths(config.output_lengths, requests, config.max_new_tokens, config.seed)
                if config.output_lengths else None)
     if budgets is not None:
-        fixed = sorted({e for e, _, _ in plan if e not in PER_REQUEST_BUDGET_ENGINES})
+        fixed = sorted({e for e, _, _ in plan if e not in PER_REQUEST_BUDGET_ENGINES and not servers.is_server(e)})
         if fixed:
             raise ValueError(f"{', '.join(fixed)} take one max_new_tokens for all prompts: drop --output-lengths "
                              f"or time only {', '.join(PER_REQUEST_BUDGET_ENGINES)}")
@@ -312,19 +318,27 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
     memory = PeakMemory(config.device)
     bench["memory_method"] = memory.method
     context = round(bench["mean_prompt_length"] + config.max_new_tokens / 2)
-    say(f"prefill cost of one {round(bench['mean_prompt_length'])}-token prompt (target and draft)")
-    bench["prefill_costs"] = prefill_costs(pair, max(1, round(bench["mean_prompt_length"])), config.pass_repeats,
-                                           config.device, use_cpu_clock=config.clock == "cpu")
+    local = any(not servers.is_server(e) for e, _, _ in plan)  # a server-only bench times no pass of its own
+    bench["servers"] = [servers.server_info(e) for e in dict.fromkeys(e for e, _, _ in plan) if servers.is_server(e)]
+    if local:
+        say(f"prefill cost of one {round(bench['mean_prompt_length'])}-token prompt (target and draft)")
+        bench["prefill_costs"] = prefill_costs(pair, max(1, round(bench["mean_prompt_length"])), config.pass_repeats,
+                                               config.device, use_cpu_clock=config.clock == "cpu")
     for batch_size in sorted({b for _, b, _ in plan}):
-        say(f"pass costs at batch size {batch_size} (context {context})")
-        bench["pass_costs"].append(pass_costs(pair, batch_size, config.draft_tokens, context, config.pass_repeats,
-                                              config.device, use_cpu_clock=config.clock == "cpu"))
+        if local:
+            say(f"pass costs at batch size {batch_size} (context {context})")
+            bench["pass_costs"].append(pass_costs(pair, batch_size, config.draft_tokens, context, config.pass_repeats,
+                                                  config.device, use_cpu_clock=config.clock == "cpu"))
         write_json(json_path, bench)
         here = [(e, b, k) for e, b, k in plan if b == batch_size]
         errors: dict[tuple[str, int, int | None], str] = {}
         for spec in here:
             try:
-                warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
+                if servers.is_server(spec[0]):
+                    servers.server_warm_up(spec[0], prompts, spec[1], config.max_new_tokens, pair.eos_token_id,
+                                           config.warmup, config.engine_options)
+                else:
+                    warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
             except Exception as exc:  # one engine failing keeps the others' runs
                 errors[spec] = f"{type(exc).__name__}: {exc}"
         repeats: dict[tuple[str, int, int | None], list[dict[str, Any]]] = {spec: [] for spec in here}
@@ -336,6 +350,8 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
             for name, b, k in here:
                 if (name, b, k) in errors:
                     bench["runs"].append({"engine": name, "batch_size": b, "draft_tokens": k, "error": errors[(name, b, k)]})
+                elif repeats[(name, b, k)] and servers.is_server(name):
+                    bench["runs"].append(servers.combine_server(name, b, repeats[(name, b, k)], len(prompts)))
                 elif repeats[(name, b, k)]:
                     bench["runs"].append(combine(name, b, k, repeats[(name, b, k)]))
             summarise(bench)
@@ -348,8 +364,15 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                 name, b, k = spec
                 say(f"repeat {repeat + 1}/{config.repeats}: {name} batch {b}" + (f" k={k}" if k is not None else ""))
                 try:
-                    repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory, budgets))
-                    say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {config.clock} second")
+                    if servers.is_server(name):
+                        repeats[spec].append(servers.timed_server_call(
+                            name, prompts, b, budgets or [config.max_new_tokens] * len(prompts), pair.eos_token_id,
+                            config.engine_options))
+                    else:
+                        repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory,
+                                                        budgets))
+                    clock = servers.SERVER_CLOCK if servers.is_server(name) else config.clock
+                    say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {clock} second")
                     keep_finished()  # every timed call is kept at once: a slow machine may not finish the round
                 except KeyboardInterrupt:
                     keep_finished()
