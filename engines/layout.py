@@ -13,7 +13,8 @@ Supported: every layer a full-attention or sliding-window attention layer (the c
 transformers builds for them) or a recurrent layer (gated delta-net, short convolution, Mamba-2:
 transformers' `LinearAttentionLayer`), whose per-row state the engines roll back after each
 verification (`engines/recurrent.py`). Anything else (layers that are attention and recurrent at
-once, chunked attention, layers that share another layer's cache) is refused before any run by
+once, chunked attention, layers that share another layer's cache, recurrent states kept inside the
+model's modules instead of its cache: RecurrentGemma) is refused before any run by
 `check_supported`, with one line naming the architecture and what is missing.
 
 Float64 switches (eager experts, a float64 softmax) are in `engines/models/float64.py`.
@@ -21,6 +22,8 @@ Float64 switches (eager experts, a float64 softmax) are in `engines/models/float
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any
 
 import torch
@@ -85,6 +88,32 @@ def check_supported(model: PreTrainedModel, role: str = "model") -> None:
             f"{role} {architecture_name(model)}: recurrent layers only, no attention layer "
             f"(the batched engines run hybrid recurrent models, not pure state-space ones)"
         )
+    if "recurrent" in kinds and not states_in_cache(model):
+        raise UnsupportedModel(
+            f"{role} {architecture_name(model)}: its recurrent layers keep their state inside the model's modules, "
+            f"not in the cache it is given (the batched engines roll back per-row states they can reach)"
+        )
+
+
+def states_in_cache(model: PreTrainedModel) -> bool:
+    """Whether the model's code writes its recurrent states into the cache object it is handed (the
+    cache's `update_conv_state` / `update_recurrent_state`, transformers' `LinearAttentionLayer`), which
+    the engines select, roll back and stack per row. RecurrentGemma keeps them in module attributes
+    instead. Read from the source of the modules the model's layers come from (True when unreadable)."""
+    known = getattr(model, "_specaudit_states_in_cache", None)
+    if known is None:
+        known = False
+        for name in sorted({type(module).__module__ for module in model.modules()}):
+            try:
+                source = inspect.getsource(sys.modules[name])
+            except (KeyError, OSError, TypeError):
+                known = True
+                break
+            if "update_conv_state" in source or "update_recurrent_state" in source:
+                known = True
+                break
+        model._specaudit_states_in_cache = known
+    return known
 
 
 def full_history_cache(model: PreTrainedModel) -> DynamicCache:

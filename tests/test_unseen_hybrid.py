@@ -11,10 +11,11 @@ vocabulary other than the project's byte one (LFM2 keeps transformers' default o
 audit runs 3 built-in prompts plus the adversarial ones, 8 new tokens.
 
 The other hybrid families transformers has run the same way (fewer prompts): Granite-4 hybrid
-(GraniteMoeHybrid), Jamba, LFM2-MoE, Qwen3.5 and Qwen3.5-MoE. Those the batched engines cannot run
-are refused before any run, one line naming the architecture, exit 2: layers that are attention and
-recurrent at once (Falcon-H1, Zamba2), Nemotron-H's cache-less MLP layers, and models with no
-attention layer (Mamba, Mamba-2).
+(GraniteMoeHybrid), Jamba, LFM2-MoE, OLMo-hybrid, Qwen3.5 and Qwen3.5-MoE. Those the batched
+engines cannot run are refused before any run, one line naming the architecture, exit 2: layers that
+are attention and recurrent at once (Falcon-H1, Zamba2), Nemotron-H's cache-less MLP layers,
+RecurrentGemma's states kept in its modules (accepted before, its audits diverged on every prompt),
+and models with no attention layer (Mamba, Mamba-2).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ OTHER_FAMILIES: dict[str, dict[str, Any]] = {
                   mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=4),
     "lfm2-moe": dict(model_type="lfm2_moe", num_hidden_layers=3, **SMALL, moe_intermediate_size=16, num_experts=4,
                      num_experts_per_tok=2, num_dense_layers=1, layer_types=[C, F, C], conv_L_cache=3),
+    "olmo-hybrid": dict(model_type="olmo_hybrid", num_hidden_layers=4, **SMALL),
     "qwen3.5": dict(model_type="qwen3_5_text", num_hidden_layers=3, **SMALL, head_dim=8, layer_types=[L, L, F],
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                     linear_conv_kernel_dim=4),
@@ -83,6 +85,8 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "nemotron-h": (dict(model_type="nemotron_h", num_hidden_layers=3, **SMALL, head_dim=8, hybrid_override_pattern="M*-",
                         mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=3, expand=2,
                         chunk_size=4), "NemotronHForCausalLM"),
+    "recurrent-gemma": (dict(model_type="recurrent_gemma", num_hidden_layers=3, **SMALL, lru_width=32,
+                             attention_window_size=16), "RecurrentGemmaForCausalLM"),
     "mamba": (dict(model_type="mamba", hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=3,
                    time_step_rank=4, **VOCAB), "MambaForCausalLM"),
     "mamba2": (dict(model_type="mamba2", hidden_size=32, num_hidden_layers=2, head_dim=16, num_heads=4, n_groups=1,
@@ -143,4 +147,5 @@ def test_hybrid_families_the_engines_cannot_run_are_refused_in_one_line(name: st
     # one error line (transformers' loading progress bars share stderr)
     errors = [line for line in result.stderr.splitlines() if line.startswith("specaudit audit: error:")]
     assert len(errors) == 1 and architecture in errors[0], result.stderr[-2000:]
-    assert ("no attention layer" if name in ("mamba", "mamba2") else "not supported") in errors[0]
+    why = {"mamba": "no attention layer", "mamba2": "no attention layer", "recurrent-gemma": "inside the model's modules"}
+    assert why.get(name, "not supported") in errors[0]
