@@ -1,4 +1,5 @@
-"""Measurements under the bench: cached pass costs (for the ceiling) and peak memory of a call."""
+"""Measurements under the bench: pass and prefill costs, the ideal engine built from them (the
+ceilings), and peak memory of a call."""
 
 from __future__ import annotations
 
@@ -114,14 +115,16 @@ def ceiling(costs: dict[str, Any], k: int, tokens_per_step: float) -> float:
 
 
 @torch.no_grad()
-def prefill_costs(pair: zoo.ModelPair, prompt_length: int, repeats: int, device: str,
+def prefill_costs(pair: zoo.ModelPair, prompt_length: int, batch_size: int, repeats: int, device: str,
                   use_cpu_clock: bool = False) -> dict[str, Any]:
-    """Median seconds to prefill one prompt of `prompt_length` tokens alone (no padding): target and draft."""
-    tokens = (torch.arange(prompt_length) % 256).unsqueeze(0).to(device)  # [1, P]
-    lengths = torch.tensor([prompt_length], dtype=torch.long, device=device)
+    """Median seconds to prefill one prompt of `prompt_length` tokens alone and `batch_size` of them in
+    one pass (equal lengths: no padding), target and draft. `target_prefill` and `draft_prefill`, the
+    per-prompt costs the ideal engine pays, are the cheaper of the two per prompt."""
     clock = time.process_time if use_cpu_clock else time.perf_counter
 
-    def timed(model) -> float:
+    def timed(model, rows: int) -> float:
+        tokens = (torch.arange(prompt_length) % 256).unsqueeze(0).repeat(rows, 1).to(device)  # [rows, P]
+        lengths = torch.full((rows,), prompt_length, dtype=torch.long, device=device)
         seconds = []
         for _ in range(repeats + 1):  # the first call warms up
             sync(device)
@@ -131,26 +134,46 @@ def prefill_costs(pair: zoo.ModelPair, prompt_length: int, repeats: int, device:
             seconds.append(clock() - start)
         return statistics.median(seconds[1:])
 
-    return {"prompt_length": prompt_length, "target_prefill": timed(pair.target), "draft_prefill": timed(pair.draft)}
+    out: dict[str, Any] = {"batch_size": batch_size, "prompt_length": prompt_length}
+    for name, model in (("target", pair.target), ("draft", pair.draft)):
+        alone = timed(model, 1)
+        together = timed(model, batch_size) if batch_size > 1 else alone
+        out[f"{name}_prefill_alone"], out[f"{name}_prefill_batch"] = alone, together
+        out[f"{name}_prefill"] = min(alone, together / batch_size)
+    return out
 
 
-def ideal_seconds(costs: dict[str, Any], prefill: dict[str, Any], requests: int, tokens: int,
-                  k: int | None = None, tokens_per_step: float = 1.0) -> float:
-    """Seconds a perfect engine needs for `requests` prompts and `tokens` new tokens at this batch size:
-    every request's prefill (target, and the draft's when speculating), then every row of every
-    pass doing work: `(tokens - requests) / B` plain passes, or that / tokens_per_step speculative
-    steps of one verify pass and k draft passes. The first token of each request comes from its prefill."""
+def expected_row_steps(new_tokens: int, k: int, acceptance: float) -> float:
+    """Expected speculative steps one row needs to emit `new_tokens` tokens when each draft token is
+    right with probability `acceptance`: a step emits j = accepted + 1 tokens, P(j) = A^(j-1) (1 - A)
+    for j <= k and A^k for j = k + 1, cut at what the row still needs (so the last step may waste some).
+    f(0) = 0, f(m) = 1 + sum_j P(j) f(max(0, m - j)); exact, not m / E."""
+    p = [acceptance ** (j - 1) * (1.0 - acceptance) for j in range(1, k + 1)] + [acceptance ** k]
+    f = [0.0] * (max(0, new_tokens) + 1)
+    for m in range(1, len(f)):
+        f[m] = 1.0 + sum(p[j - 1] * f[max(0, m - j)] for j in range(1, k + 2))
+    return f[-1]
+
+
+def ideal_seconds(costs: dict[str, Any], prefill: dict[str, Any], requests: int, row_steps: float,
+                  k: int | None = None) -> float:
+    """The least time any engine at this batch size can take (a lower bound): every request's prompt
+    prefilled once at the per-prompt cost of `prefill` (B prompts of the mean length in one pass, no
+    padding; the draft's too when speculating), then `row_steps` row-steps packed B to a pass (every
+    row busy in every pass), each pass priced at `costs` (B rows): a plain pass, or a verify pass over
+    k + 1 tokens and k draft passes. `row_steps`: the decoding tokens (plain: the first token of each
+    request comes from its prefill), or the expected speculative steps (`expected_row_steps`)."""
     batch_size = costs["batch_size"]
-    decode_rows = max(0, tokens - requests)
     if k is None:
-        return requests * prefill["target_prefill"] + decode_rows / batch_size * costs["target_1"]
+        return requests * prefill["target_prefill"] + row_steps / batch_size * costs["target_1"]
     step = costs["target_k1"][str(k)] + k * costs["draft_1"]
-    return (requests * (prefill["target_prefill"] + prefill["draft_prefill"])
-            + decode_rows / tokens_per_step / batch_size * step)
+    return requests * (prefill["target_prefill"] + prefill["draft_prefill"]) + row_steps / batch_size * step
 
 
-def workload_ceiling(costs: dict[str, Any], prefill: dict[str, Any], requests: int, tokens: int, k: int,
-                     tokens_per_step: float) -> float:
-    """Best speedup over plain decoding on this workload, prefill included: ideal plain / ideal speculative."""
-    return (ideal_seconds(costs, prefill, requests, tokens)
-            / ideal_seconds(costs, prefill, requests, tokens, k, tokens_per_step))
+def speculation_ceiling(costs: dict[str, Any], prefill: dict[str, Any], request_tokens: list[int], k: int,
+                        row_steps: float) -> float:
+    """What speculation is worth on this workload against a perfect plain engine: ideal plain time /
+    ideal speculative time, both with every prompt's prefill (`ideal_seconds`)."""
+    decode_tokens = sum(max(0, n - 1) for n in request_tokens)
+    return (ideal_seconds(costs, prefill, len(request_tokens), decode_tokens)
+            / ideal_seconds(costs, prefill, len(request_tokens), row_steps, k))

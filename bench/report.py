@@ -2,20 +2,23 @@
 
 `summarise(bench)` adds to each run of a bench dict (in place): `ratio_to_batch_size_1` (the same
 engine and k at batch size 1), `ratio_to_plain` (plain decoding at the same batch size: `reference`
-at 1, `batched` above), `ratio_to_reference`, and two ceilings, each the best speedup over plain
-decoding that speculation could reach at that batch size with the configured acceptance (a run
-with the draft model's own proposals: its measured tokens per step):
+at 1, `batched` above), `ratio_to_reference`, and what a perfect engine would do (CEILING_TEXT):
 
-- `ceiling`: on this workload, prefill included (`bench.costs.workload_ceiling`): ideal plain time
-  / ideal speculative time, where both pay every request's prefill (measured: one prompt of the
-  mean length, alone) and then run every pass with all B rows busy; the speculative side also
-  prefills the draft. The prefill every engine pays lowers it below the pass-only figure.
-- `decode_ceiling`: passes only, `E x target(1) / (target(k+1) + k x draft(1))`.
+- `ideal_seconds`: a lower bound on any engine's time on this workload at this batch size
+  (`bench.costs.ideal_seconds`); `fraction_of_ideal_time` = ideal / the run's time (plain runs too).
+- `ceiling` (speculative runs): the best `ratio_to_plain` any engine speculating with this draft, k
+  and acceptance could show: the plain run's measured time / the ideal speculative time. So
+  `fraction_of_ceiling` = `ratio_to_plain / ceiling` = the run's `fraction_of_ideal_time` <= 1, up
+  to timing noise and the luck of the acceptance draws; `ceiling_at_measured_acceptance` is the
+  same with the run's own row-steps instead of the expected ones.
+- `speculation_ceiling`: ideal plain time / ideal speculative time, what speculation is worth
+  against a perfect plain engine, prefill included (`ceiling` divided by how far the plain run is
+  from its own ideal).
+- `decode_ceiling`: passes only, `E x target(1) / (target(k+1) + k x draft(1))`, and
+  `fraction_of_decode_ceiling`.
 
-`fraction_of_ceiling` = `ratio_to_plain / ceiling` (`fraction_of_decode_ceiling` likewise), and
-`fraction_of_ideal_time` (every run, plain ones too) = the perfect engine's time on this workload /
-the run's time: below 1 by what idle rows, padding, cache movement and overhead cost.
-`ceiling_at_measured_acceptance` is `ceiling` with the run's own tokens per step. It also sets `exspec_vs_eqspec` (per
+With the draft model's own proposals (no calibrated acceptance) the speculative ideal divides the
+decoding tokens by the run's measured tokens per row-step. It also sets `exspec_vs_eqspec` (per
 batch size and k: EXSPEC's group rate and what its pool gains and loses against EQSPEC, from the
 traces) and `findings` (the figures the README reports). `markdown(bench)` renders it all.
 """
@@ -25,10 +28,25 @@ from __future__ import annotations
 from typing import Any
 
 from specaudit.engines.models.bench_pair import expected_tokens_per_step
-from specaudit.bench.costs import ideal_seconds, workload_ceiling
+from specaudit.bench.costs import expected_row_steps, ideal_seconds, speculation_ceiling
 from specaudit.bench.server import is_server, server_markdown, summarise_servers
 
 SPECULATIVE_STAGE = "realign"
+CEILING_TEXT = (
+    "Ideal time: a lower bound on any engine's time on this workload at this batch size. Every prompt is "
+    "prefilled once at the cheapest per-prompt cost measured for a prompt of the mean length ({prefill}; no "
+    "padding, and a longer prompt costs more than its share), then every pass has all B rows busy and costs what "
+    "the measured pass at B rows costs (context: mean prompt + half the new tokens): a plain pass per decoding "
+    "token, or per speculative step a verify pass over k + 1 tokens and k draft passes, for the expected number "
+    "of steps each request needs at this acceptance (its last step cut at its budget). Nothing else is counted: "
+    "no padding, idle row, cache movement, fill pass or Python. "
+    "Ceiling: the best x plain any engine speculating with this draft, k and acceptance could show = the plain "
+    "run's time / the ideal speculative time; so of ceiling = the ideal time / the run's time, at most 100% up to "
+    "timing noise and the luck of the acceptance draws. Spec. ceiling: ideal plain time / ideal speculative time, "
+    "what speculation is worth against a perfect plain engine (ceiling = spec. ceiling x the plain run's time / "
+    "its ideal time). Decode ceiling: the passes alone, E x target(1) / (target(k+1) + k x draft(1)). "
+    "Of ideal: the ideal time / the run's time, plain runs too."
+)
 
 
 def _finished(bench: dict[str, Any]) -> list[dict[str, Any]]:
@@ -54,11 +72,28 @@ def plain_run(runs: list[dict[str, Any]], batch_size: int) -> dict[str, Any] | N
     return _find(runs, "batched", batch_size)
 
 
+def _prefill_at(bench: dict[str, Any], batch_size: int) -> dict[str, Any] | None:
+    """The measured prefill cost at this batch size (a bench.json from before it was measured per batch
+    size holds one record, of one prompt alone)."""
+    prefill = bench.get("prefill_costs")
+    if isinstance(prefill, dict):
+        return prefill
+    return next((p for p in prefill or [] if p.get("batch_size") == batch_size), None)
+
+
+def _run_seconds(run: dict[str, Any]) -> float:
+    """The run's time on the bench's clock."""
+    return run["tokens"] / run["tokens_per_second"]
+
+
+def _request_tokens(run: dict[str, Any], requests: int) -> list[int]:
+    """New tokens per request (an older bench.json without them: the mean for each)."""
+    return run.get("request_tokens") or [round(run["tokens"] / requests)] * requests
+
+
 def summarise(bench: dict[str, Any]) -> None:
     runs = _finished(bench)
     costs = {c["batch_size"]: c for c in bench.get("pass_costs") or []}
-    prefill = bench.get("prefill_costs")
-    requests = (bench.get("workload") or {}).get("requests") or bench.get("num_prompts")
     acceptance = bench.get("acceptance")
     reference = _find(runs, "reference", 1)
     for run in runs:
@@ -69,35 +104,48 @@ def summarise(bench: dict[str, Any]) -> None:
         run["plain_engine"] = f"{plain['engine']} (batch {b})" if plain else None
         run["ratio_to_plain"] = run["tokens_per_second"] / plain["tokens_per_second"] if plain else None
         run["ratio_to_reference"] = run["tokens_per_second"] / reference["tokens_per_second"] if reference else None
-        cost = costs.get(b)
+        cost, prefill = costs.get(b), _prefill_at(bench, b)
         if cost is None or (k is not None and str(k) not in cost["target_k1"]):
             continue
         measured = run.get("mean_tokens_per_step")
-        if acceptance is not None and run.get("calibrated_drafter"):
-            per_step = expected_tokens_per_step(acceptance, k) if k is not None else 1.0
-        else:  # the engine drafts with the draft model: its own acceptance is the only one it has
-            per_step = measured if k is not None else 1.0
-        if prefill and requests and per_step:
-            ideal = ideal_seconds(cost, prefill, requests, run["tokens"], k, per_step)
-            run["ideal_seconds"] = ideal
-            run["fraction_of_ideal_time"] = ideal * run["tokens_per_second"] / run["tokens"]
+        calibrated = acceptance is not None and run.get("calibrated_drafter")
+        if k is None:
+            per_step = 1.0
+        else:  # an engine drafting with the draft model: its own acceptance is the only one it has
+            per_step = expected_tokens_per_step(acceptance, k) if calibrated else measured
+        if k is not None and per_step:
+            run["decode_ceiling"] = _ceiling(cost, k, per_step)
+            if measured:
+                run["decode_ceiling_at_measured_acceptance"] = _ceiling(cost, k, measured)
+        if not prefill or not run.get("tokens"):
+            continue
+        requests = _request_tokens(run, (bench.get("workload") or {}).get("requests") or bench["num_prompts"])
+        decode_tokens = [max(0, n - 1) for n in requests]
+        if k is None:
+            row_steps = float(sum(decode_tokens))
+        elif calibrated:
+            row_steps = sum(expected_row_steps(m, k, acceptance) for m in decode_tokens)
+        elif per_step:
+            row_steps = sum(decode_tokens) / per_step
+        else:
+            continue
+        ideal = ideal_seconds(cost, prefill, len(requests), row_steps, k)
+        run["ideal_seconds"] = ideal
+        run["fraction_of_ideal_time"] = ideal / _run_seconds(run)
         if k is None:
             continue
-        if measured:
-            run["decode_ceiling_at_measured_acceptance"] = _ceiling(cost, k, measured)
-        run["decode_ceiling"] = _ceiling(cost, k, per_step) if per_step else None
-        if prefill and requests:
-            if measured:
-                run["ceiling_at_measured_acceptance"] = workload_ceiling(cost, prefill, requests, run["tokens"], k, measured)
-            run["ceiling"] = workload_ceiling(cost, prefill, requests, run["tokens"], k, per_step) if per_step else None
-        else:  # a bench.json from before the prefill was measured: the pass-only figure
-            run["ceiling"] = run["decode_ceiling"]
-            run["ceiling_at_measured_acceptance"] = run.get("decode_ceiling_at_measured_acceptance")
-        if run.get("ratio_to_plain"):
-            if run.get("ceiling"):
-                run["fraction_of_ceiling"] = run["ratio_to_plain"] / run["ceiling"]
-            if run.get("decode_ceiling"):
-                run["fraction_of_decode_ceiling"] = run["ratio_to_plain"] / run["decode_ceiling"]
+        run["speculation_ceiling"] = speculation_ceiling(cost, prefill, requests, k, row_steps)
+        if plain is None:
+            continue
+        # the best ratio to the measured plain run that any engine could show: plain tokens/s against
+        # the ideal engine's (every prefill paid, every row busy, no other cost)
+        run["ceiling"] = run["tokens"] / ideal / plain["tokens_per_second"]
+        run["fraction_of_ceiling"] = run["ratio_to_plain"] / run["ceiling"]
+        if run.get("decode_ceiling"):
+            run["fraction_of_decode_ceiling"] = run["ratio_to_plain"] / run["decode_ceiling"]
+        if run.get("steps") and run.get("mean_rows_per_step"):  # the same with this run's own row-steps (its luck)
+            own = ideal_seconds(cost, prefill, len(requests), run["steps"] * run["mean_rows_per_step"], k)
+            run["ceiling_at_measured_acceptance"] = run["tokens"] / own / plain["tokens_per_second"]
     bench["exspec_vs_eqspec"] = exspec_vs_eqspec(runs)
     bench["findings"] = findings(bench, runs)
     summarise_servers(bench)
@@ -169,15 +217,19 @@ def findings(bench: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
             verify_ratio = cost["target_k1"][str(k)] / cost["target_1"]
             out["verify_over_plain_pass"] = verify_ratio
             out["ceiling_largest"] = best.get("ceiling")
+            out["speculation_ceiling_largest"] = best.get("speculation_ceiling")
             out["decode_ceiling_largest"] = best.get("decode_ceiling")
             out["best_fraction_of_ceiling"] = best.get("fraction_of_ceiling")
+            nan = float("nan")
             out["reason"] = (
                 f"at batch size {largest} a target pass over k+1 = {k + 1} tokens per row costs {verify_ratio:.2f}x a "
                 f"1-token pass and the k draft passes add {k * cost['draft_1'] / cost['target_1']:.2f}x, so the "
-                f"pass-only ceiling is {best.get('decode_ceiling') or float('nan'):.2f}x; with every request's prefill "
-                f"counted the ceiling on this workload is {best.get('ceiling') or float('nan'):.2f}x, and "
-                f"{best['engine']} reaches {best.get('fraction_of_ceiling') or float('nan'):.0%} of it "
-                f"(row utilisation {best.get('row_utilisation') or float('nan'):.0%})")
+                f"pass-only ceiling is {best.get('decode_ceiling') or nan:.2f}x; with every prompt's prefill counted a "
+                f"perfect speculative engine would be {best.get('speculation_ceiling') or nan:.2f}x a perfect plain one, "
+                f"and {best.get('ceiling') or nan:.2f}x the measured `batched` (whose time is "
+                f"{batched.get('fraction_of_ideal_time') or nan:.0%} of ideal); {best['engine']} reaches "
+                f"{best.get('fraction_of_ceiling') or nan:.0%} of that ceiling "
+                f"(row utilisation {best.get('row_utilisation') or nan:.0%})")
     return out
 
 
@@ -209,16 +261,17 @@ def markdown(bench: dict[str, Any]) -> str:
                   + f", output budgets {workload['output_lengths']} (mean {workload['mean_budget']:.1f}). Engines "
                   "that refill (EXSPEC's pool, INPLACE, hf-continuous) take the next request into a freed row; the "
                   "others run batch after batch. Row util = rows that ran / (B x decoding steps).", ""]
-    prefill = bench.get("prefill_costs")
-    if prefill:
-        lines += [f"Ceiling: ideal plain time / ideal speculative time on this workload, every request's prefill "
-                  f"included (one {prefill['prompt_length']}-token prompt: target {prefill['target_prefill'] * 1000:.1f} ms, "
-                  f"draft {prefill['draft_prefill'] * 1000:.1f} ms), all B rows busy in every pass. Decode ceiling: "
-                  "the passes alone. Of ideal: the perfect engine's time / the run's time.", ""]
+    prefills = bench.get("prefill_costs") or []
+    prefills = [prefills] if isinstance(prefills, dict) else prefills
+    if prefills:
+        measured = "; ".join(
+            f"B = {p.get('batch_size', 1)}: {p['prompt_length']} tokens, target {p['target_prefill'] * 1000:.1f} ms, "
+            f"draft {p['draft_prefill'] * 1000:.1f} ms per prompt" for p in prefills)
+        lines += [CEILING_TEXT.format(prefill=measured), ""]
     lines += [
-        "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | decode ceiling | of ideal "
-        "| row util | accepted/step | draft | verify | realign | other | peak MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| engine | B | k | tokens/s | spread | x B=1 | x plain | ceiling | of ceiling | spec. ceiling | decode ceiling "
+        "| of ideal | row util | accepted/step | draft | verify | realign | other | peak MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ] if local else []
     for run in bench.get("runs") or []:
         if is_server(run["engine"]):
@@ -232,7 +285,8 @@ def markdown(bench: dict[str, Any]) -> str:
             f"| {run['engine']} | {run['batch_size']} | {_fmt(run['draft_tokens'], 'd')} | {run['tokens_per_second']:.2f} "
             f"| {_fmt((run.get('spread') or {}).get('relative_range'), '.0%')} | {_fmt(run.get('ratio_to_batch_size_1'))} "
             f"| {_fmt(run.get('ratio_to_plain'))} | {_fmt(run.get('ceiling'))} | {_fmt(run.get('fraction_of_ceiling'), '.0%')} "
-            f"| {_fmt(run.get('decode_ceiling'))} | {_fmt(run.get('fraction_of_ideal_time'), '.0%')} "
+            f"| {_fmt(run.get('speculation_ceiling'))} | {_fmt(run.get('decode_ceiling'))} "
+            f"| {_fmt(run.get('fraction_of_ideal_time'), '.0%')} "
             f"| {_fmt(run.get('row_utilisation'), '.0%')} | {_fmt(run.get('mean_accepted_per_step'))} | "
             + " | ".join(_fmt(shares.get(s), ".1%") for s in ("draft", "verify", "realign", "other"))
             + f" | {run['peak_memory_bytes'] / 2**20:.0f} |")

@@ -36,13 +36,14 @@ Servers (`--engine vllm:URL` and the other server kinds): timed by `bench/server
 requests with at most B in flight, on the client's wall clock, with the server's speculation
 counters; `--plain-engine` names the plain server their `ratio_to_plain` divides by.
 
-Ceiling: before the runs at each batch size, the target's pass over 1 and k + 1 tokens and the
-draft's pass over 1 token are timed on a context of the prompts' mean length plus half the new
-tokens, and once, the prefill of one prompt of the mean length (target and draft). The pass-only
-best speedup over plain decoding is `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`
-with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step; `ceiling` is the same on this
-workload with every request's prefill counted on both sides (`bench.costs.workload_ceiling`).
-Each speculative run reports its speedup over plain decoding as a fraction of both.
+Ceiling: before the runs at each batch size B, the target's pass over 1 and k + 1 tokens and the
+draft's pass over 1 token are timed at B rows on a context of the prompts' mean length plus half the
+new tokens, and the prefill of one prompt of the mean length alone and of B of them in one pass
+(target and draft). From these `bench/report.py` builds a lower bound on any engine's time
+(`ideal_seconds`) and the ceilings: `ceiling` (plain run's time / ideal speculative time: the best
+ratio to plain decoding any engine could show), `speculation_ceiling` (ideal plain / ideal
+speculative) and the pass-only `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`
+with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call;
 on the CPU, the process's resident-set high-water mark (`VmHWM`, reset through
@@ -213,7 +214,7 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
     trace = getattr(engine, "last_trace", None)
     stages, raw = stage_seconds(trace, wall, getattr(drafter, "fill_seconds", 0.0) if drafter is not None else 0.0)
     tokens = sum(len(o) for o in outputs)
-    return {"wall_seconds": wall, "cpu_seconds": cpu, "tokens": tokens,
+    return {"wall_seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "request_tokens": [len(o) for o in outputs],
             "tokens_per_second": tokens / (cpu if config.clock == "cpu" else wall),
             "stage_seconds": stages, "stage_seconds_raw": raw, "peak_memory_bytes": memory.peak_bytes(),
             "statistics": step_statistics(trace, batch_size), "compactions": getattr(engine, "compactions", None),
@@ -234,6 +235,7 @@ def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict
         "wall_seconds": chosen["wall_seconds"],
         "cpu_seconds": chosen["cpu_seconds"],
         "tokens": chosen["tokens"],
+        "request_tokens": chosen["request_tokens"],
         "stage_seconds": stages,
         "stage_shares": {s: v / chosen["wall_seconds"] for s, v in stages.items()} if stages else None,
         "stage_seconds_raw": chosen["stage_seconds_raw"],
@@ -299,7 +301,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                                      for k in config.draft_tokens} if config.acceptance is not None else None,
         "memory_method": None,
         "pass_costs": [],
-        "prefill_costs": None,
+        "prefill_costs": [],
         "runs": [],
         "complete": False,
     }
@@ -320,15 +322,15 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
     context = round(bench["mean_prompt_length"] + config.max_new_tokens / 2)
     local = any(not servers.is_server(e) for e, _, _ in plan)  # a server-only bench times no pass of its own
     bench["servers"] = [servers.server_info(e) for e in dict.fromkeys(e for e, _, _ in plan) if servers.is_server(e)]
-    if local:
-        say(f"prefill cost of one {round(bench['mean_prompt_length'])}-token prompt (target and draft)")
-        bench["prefill_costs"] = prefill_costs(pair, max(1, round(bench["mean_prompt_length"])), config.pass_repeats,
-                                               config.device, use_cpu_clock=config.clock == "cpu")
     for batch_size in sorted({b for _, b, _ in plan}):
         if local:
-            say(f"pass costs at batch size {batch_size} (context {context})")
+            say(f"pass costs at batch size {batch_size} (context {context}; prefill of {batch_size} prompts of "
+                f"{round(bench['mean_prompt_length'])} tokens)")
             bench["pass_costs"].append(pass_costs(pair, batch_size, config.draft_tokens, context, config.pass_repeats,
                                                   config.device, use_cpu_clock=config.clock == "cpu"))
+            bench["prefill_costs"].append(prefill_costs(pair, max(1, round(bench["mean_prompt_length"])), batch_size,
+                                                        config.pass_repeats, config.device,
+                                                        use_cpu_clock=config.clock == "cpu"))
         write_json(json_path, bench)
         here = [(e, b, k) for e, b, k in plan if b == batch_size]
         errors: dict[tuple[str, int, int | None], str] = {}

@@ -20,7 +20,7 @@ from specaudit.engines.eqspec import EQSpec
 from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.bench.run import BenchConfig, run_bench, run_plan
-from specaudit.bench.costs import ideal_seconds, workload_ceiling
+from specaudit.bench.costs import expected_row_steps, ideal_seconds, speculation_ceiling
 from specaudit.bench.report import _ceiling
 from specaudit.bench.workload import draw_output_lengths, parse_output_lengths, row_utilisation, serving_prompts
 from specaudit.cli import main
@@ -137,13 +137,23 @@ def test_bench_json_fields_and_ratios(tmp_path) -> None:
     batched = runs[("batched", 2)]
     assert batched["ratio_to_plain"] == 1.0 and batched["draft_tokens"] is None
     costs = {c["batch_size"]: c for c in bench["pass_costs"]}
+    prefills = {p["batch_size"]: p for p in bench["prefill_costs"]}
     for b in (1, 2):
         eq = runs[("eqspec", b)]
-        assert eq["calibrated_drafter"] and eq["draft_tokens"] == 3
+        plain = runs[("reference", 1) if b == 1 else ("batched", 2)]
+        prefill = prefills[b]  # B prompts of the mean length in one pass, or one alone: the cheaper per prompt
+        assert prefill["target_prefill"] == min(prefill["target_prefill_alone"], prefill["target_prefill_batch"] / b)
+        assert eq["calibrated_drafter"] and eq["draft_tokens"] == 3 and eq["request_tokens"] == [6, 6, 6]
         assert eq["decode_ceiling"] == pytest.approx(_ceiling(costs[b], 3, expected_tokens_per_step(0.8, 3)))
-        assert eq["ceiling"] == pytest.approx(workload_ceiling(costs[b], bench["prefill_costs"], 3, eq["tokens"], 3,
-                                                               expected_tokens_per_step(0.8, 3)))
+        row_steps = 3 * expected_row_steps(5, 3, 0.8)
+        assert eq["ideal_seconds"] == pytest.approx(ideal_seconds(costs[b], prefill, 3, row_steps, 3))
+        assert plain["ideal_seconds"] == pytest.approx(ideal_seconds(costs[b], prefill, 3, 3 * 5))
+        # the ceiling: plain decoding's measured time over the ideal speculative engine's
+        assert eq["ceiling"] == pytest.approx(plain["cpu_seconds" if bench["clock"] == "cpu" else "wall_seconds"]
+                                              / eq["ideal_seconds"])
+        assert eq["speculation_ceiling"] == pytest.approx(plain["ideal_seconds"] / eq["ideal_seconds"])
         assert eq["fraction_of_ceiling"] == pytest.approx(eq["ratio_to_plain"] / eq["ceiling"])
+        assert eq["fraction_of_ceiling"] == pytest.approx(eq["fraction_of_ideal_time"])
         assert eq["fraction_of_decode_ceiling"] == pytest.approx(eq["ratio_to_plain"] / eq["decode_ceiling"])
         assert 0 < eq["row_utilisation"] <= 1 and eq["fraction_of_ideal_time"] > 0
         assert set(eq["stage_seconds"]) == {"draft", "verify", "realign", "other"}
@@ -192,21 +202,105 @@ def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
         assert exc.value.code == 2
 
 
-def test_workload_ceiling_counts_prefill_on_both_sides() -> None:
+# An affine cost model (seconds): a pass costs its fixed part (reading the weights) plus a part per
+# token slot it computes. Under it, a pass over r <= B rows costs at least r / B of one over B rows.
+TARGET_PASS, TARGET_SLOT = 0.05, 0.002
+DRAFT_PASS, DRAFT_SLOT = 0.004, 0.0001
+
+
+def _affine_costs(batch_size: int, k: int, prompt_length: float) -> tuple[dict, dict]:
+    """Pass costs at B rows and the per-prompt prefill (B prompts of `prompt_length` in one pass), as
+    `bench.run` measures them, under the affine model."""
+    costs = {"batch_size": batch_size, "target_1": TARGET_PASS + TARGET_SLOT * batch_size,
+             "target_k1": {str(k): TARGET_PASS + TARGET_SLOT * batch_size * (k + 1)},
+             "draft_1": DRAFT_PASS + DRAFT_SLOT * batch_size}
+    prefill = {"target_prefill": (TARGET_PASS + TARGET_SLOT * batch_size * prompt_length) / batch_size,
+               "draft_prefill": (DRAFT_PASS + DRAFT_SLOT * batch_size * prompt_length) / batch_size}
+    return costs, prefill
+
+
+def _trace_cost(trace, prompts: list[list[int]], k: int | None) -> float:
+    """The least an engine's own passes can cost under the affine model: each prefill record one pass
+    over its rows' real prompt tokens (no padding; the draft's too when speculating), each step one
+    target pass over 1 (plain) or k + 1 tokens per row and k draft passes."""
+    total = 0.0
+    for step in trace.steps:
+        rows = len(step.rows)
+        if step.kind == "prefill":
+            tokens = sum(len(prompts[r]) for r in step.rows)
+            total += TARGET_PASS + TARGET_SLOT * tokens
+            total += 0.0 if k is None else DRAFT_PASS + DRAFT_SLOT * tokens
+        elif k is None:
+            total += TARGET_PASS + TARGET_SLOT * rows
+        else:
+            total += TARGET_PASS + TARGET_SLOT * rows * (k + 1) + k * (DRAFT_PASS + DRAFT_SLOT * rows)
+    return total
+
+
+@pytest.mark.parametrize("engine", ["batched", "eqspec", "exspec", "inplace"])
+def test_ideal_time_is_below_what_any_engine_pays(engine: str) -> None:
+    """The ceiling is an upper bound only if the ideal time is a lower bound: priced with the same
+    costs, every engine's own prefills and passes (from its trace, with its own acceptance) cost at
+    least `ideal_seconds`, with budgets that end rows at different steps."""
+    pair = models.pair(PAIR)
+    prompts = [list(models.prompts()[i]) for i in range(11)]
+    budgets = [3, 9, 5, 12, 1, 7, 10, 2, 8, 11, 4]
+    k = None if engine == "batched" else 3
+    continuations = bench_pair.continuations(pair.target, prompts, max(budgets) + 4, None)
+    for batch_size, acceptance in ((1, 0.5), (3, 0.7), (4, 1.0), (4, 0.0)):
+        chooser = CalibratedChooser(continuations, acceptance, pair.target.config.vocab_size, seed=batch_size)
+        if engine == "batched":
+            from specaudit.engines.batched import BatchedGreedy
+
+            decoder = BatchedGreedy(pair.target, batch_size=batch_size)
+        elif engine == "inplace":
+            decoder = InplaceEngine(pair.target, batch_size=batch_size, draft_tokens=k,
+                                    drafter=InplaceDrafter(pair.draft, chooser))
+        else:
+            factory = EQSpec if engine == "eqspec" else EXSpec
+            decoder = factory(pair.target, batch_size=batch_size, draft_tokens=k, drafter=CalibratedDrafter(pair.draft, chooser))
+        outputs = decoder.generate(prompts, budgets, None)
+        steps = [s for s in decoder.last_trace.steps if s.kind != "prefill"]
+        row_steps = sum(len(s.rows) for s in steps)  # this run's own luck
+        costs, prefill = _affine_costs(batch_size, k or 1, sum(map(len, prompts)) / len(prompts))
+        ideal = ideal_seconds(costs, prefill, len(prompts), row_steps, k)
+        assert ideal <= _trace_cost(decoder.last_trace, prompts, k) * (1 + 1e-9), (batch_size, acceptance)
+        if engine == "batched":  # plain decoding: one row-step per token after the prefill's
+            assert row_steps == sum(len(o) - 1 for o in outputs)
+
+
+def test_expected_row_steps_count_the_cut_last_step() -> None:
+    assert expected_row_steps(10, 4, 0.0) == pytest.approx(10)  # one token per step
+    assert expected_row_steps(10, 4, 1.0) == pytest.approx(2)  # 5 + 5
+    assert expected_row_steps(11, 4, 1.0) == pytest.approx(3)  # 5 + 5 + 1: the cut step counts whole
+    assert expected_row_steps(0, 4, 0.8) == 0
+    # by simulation: each step emits min(accepted + 1, what is left)
+    generator = torch.Generator().manual_seed(0)
+    trials, m, k, a = 4000, 63, 4, 0.8
+    total = 0
+    for _ in range(trials):
+        left = m
+        while left > 0:
+            right = (torch.rand(k, generator=generator) < a).long()
+            total += 1
+            left -= min(int(right.cumprod(0).sum()) + 1, left)
+    assert expected_row_steps(m, k, a) == pytest.approx(total / trials, rel=0.01)
+    assert expected_row_steps(m, k, a) > m / expected_tokens_per_step(a, k)  # the cut last step costs
+
+
+def test_speculation_ceiling_counts_prefill_on_both_sides() -> None:
     costs = {"batch_size": 8, "target_1": 0.36, "target_k1": {"4": 0.51}, "draft_1": 0.014}
-    decode_only = _ceiling(costs, 4, 3.36)
+    tokens = [64] * 32
+    row_steps = 32 * 63 / 3.36
     no_prefill = {"target_prefill": 0.0, "draft_prefill": 0.0}
-    assert workload_ceiling(costs, no_prefill, 32, 32 * 64, 4, 3.36) == pytest.approx(decode_only)
+    assert speculation_ceiling(costs, no_prefill, tokens, 4, row_steps) == pytest.approx(_ceiling(costs, 4, 3.36))
     prefill = {"target_prefill": 1.2, "draft_prefill": 0.05}
-    with_prefill = workload_ceiling(costs, prefill, 32, 32 * 64, 4, 3.36)
-    assert 1.0 < with_prefill < decode_only
-    # by hand: 32 prefills, then 32 x 63 rows in passes of 8
-    plain = 32 * 1.2 + 32 * 63 / 8 * 0.36
+    plain = 32 * 1.2 + 32 * 63 / 8 * 0.36  # by hand: 32 prefills, then 32 x 63 rows in passes of 8
     speculative = 32 * 1.25 + 32 * 63 / 3.36 / 8 * (0.51 + 4 * 0.014)
-    assert with_prefill == pytest.approx(plain / speculative)
-    assert ideal_seconds(costs, prefill, 32, 32 * 64) == pytest.approx(plain)
-    # a prefill that dwarfs decoding leaves nothing to gain
-    assert workload_ceiling(costs, {"target_prefill": 1e6, "draft_prefill": 0.0}, 32, 32 * 64, 4, 3.36) == pytest.approx(1.0, abs=1e-3)
+    assert ideal_seconds(costs, prefill, 32, 32 * 63) == pytest.approx(plain)
+    assert ideal_seconds(costs, prefill, 32, row_steps, 4) == pytest.approx(speculative)
+    assert speculation_ceiling(costs, prefill, tokens, 4, row_steps) == pytest.approx(plain / speculative)
+    assert 1.0 < plain / speculative < _ceiling(costs, 4, 3.36)
 
 
 def test_output_lengths_are_seeded_and_within_their_distribution() -> None:
@@ -235,7 +329,7 @@ def test_serving_workload_refills_rows_and_reports_utilisation(tmp_path) -> None
         assert 0 < run["row_utilisation"] <= 1
     # a static batch runs on with its finished rows gone; refilled rows keep the batch full
     assert runs["inplace"]["row_utilisation"] > runs["eqspec"]["row_utilisation"]
-    assert runs["exspec"]["ceiling"] < runs["exspec"]["decode_ceiling"]
+    assert runs["exspec"]["speculation_ceiling"] < runs["exspec"]["decode_ceiling"]
 
 
 def test_row_utilisation_counts_rows_that_ran() -> None:

@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.batch import BatchState
 from specaudit.engines.eqspec import Clock
+from specaudit.engines.models.attention import use_sdpa_gqa
 from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 from specaudit.engines.reference import greedy_decode
 
@@ -78,12 +79,14 @@ def load_bench_pair(dtype: str | torch.dtype = "float32", device: str = "cpu"):
     draft = _seeded_model(DRAFT_SHAPE, BENCH_SEED + 1, torch.float32)
     tok = ByteTokenizer()
     models = [prepare_model(model, torch_dtype, device) for model in (target, draft)]
+    gqa = [use_sdpa_gqa(model) for model in models]  # on the CPU: key/value heads never repeated (models/attention.py)
     return ModelPair(
         name="bench", target=models[0], draft=models[1], tokenizer=tok, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         info={"family": "qwen3", "seed": BENCH_SEED,
               "target_parameters": sum(p.numel() for p in models[0].parameters()),
-              "draft_parameters": sum(p.numel() for p in models[1].parameters())},
+              "draft_parameters": sum(p.numel() for p in models[1].parameters()),
+              "attention": "sdpa, grouped-query heads not repeated" if all(gqa) else "sdpa"},
     )
 
 

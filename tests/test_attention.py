@@ -1,0 +1,40 @@
+"""`engines/models/attention.py`: SDPA with grouped-query heads not repeated gives SDPA's own results."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from specaudit.engines import batch as batch_ops
+from specaudit.engines import ragged
+from specaudit.engines.models.attention import SDPA_GQA, use_sdpa_gqa
+
+
+def _gqa_model(seed: int) -> torch.nn.Module:
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+def test_sdpa_gqa_gives_sdpa_logits_on_a_ragged_batch() -> None:
+    plain, switched = _gqa_model(0), _gqa_model(0)
+    assert use_sdpa_gqa(switched) and switched.config._attn_implementation == SDPA_GQA
+    assert plain.config._attn_implementation == "sdpa"
+    prompts = [[5, 9, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48], [7], [100, 3, 100, 3, 100]]
+    tokens, lengths = ragged.left_pad(prompts, pad_id=256)
+    with torch.no_grad():
+        results = []
+        for model in (plain, switched):
+            cache, last = batch_ops.prefill(model, tokens, lengths)
+            step = batch_ops.forward(model, cache, torch.tensor([[1, 2, 3]] * 4), lengths)  # [B, 3, V], masked
+            results.append((last, step))
+    for mine, theirs in zip(results[1], results[0]):
+        assert torch.allclose(mine, theirs, rtol=0, atol=1e-12)
+
+
+def test_sdpa_gqa_is_left_off_where_it_does_not_apply() -> None:
+    eager = _gqa_model(1)
+    eager.set_attn_implementation("eager")
+    assert not use_sdpa_gqa(eager) and eager.config._attn_implementation == "eager"
