@@ -30,6 +30,7 @@ SCHEDULE_KINDS = ("none", "all", "alternating", "one_row_full", "random")
 # drawn per row and step like "random", with steps where the row proposes nothing (`ScriptedDrafter`'s NO_DRAFT);
 # asked for by name (not in SCHEDULE_KINDS): engines then verify fewer than k tokens for some rows
 NO_DRAFTS = "no_drafts"
+NO_DRAFTS_PARTIAL = "no_drafts_partial"  # the same, never every draft accepted: the steps with nothing to undo have no drafts
 NO_DRAFT = -1  # the schedule value of a step with no draft (`specaudit.engines.drafters.NO_DRAFT`)
 PROMPT_STYLES = ("synthetic", "builtin", "mixed")
 
@@ -180,9 +181,10 @@ def acceptance_schedules(
 ) -> AcceptanceSchedule:
     """Per-row acceptance: nothing accepted, everything accepted, alternating all/nothing (rows
     out of phase), one row always full while the others are drawn, or drawn per row and step
-    (`NO_DRAFTS`: some steps with no draft at all)."""
+    (`NO_DRAFTS`: some steps with no draft at all; `NO_DRAFTS_PARTIAL`: and never every draft accepted)."""
     kind = draw(st.sampled_from(list(kinds)))
-    counts = st.integers(NO_DRAFT if kind == NO_DRAFTS else 0, k)
+    counts = (st.integers(NO_DRAFT, k) if kind == NO_DRAFTS else st.integers(NO_DRAFT, k - 1) if kind == NO_DRAFTS_PARTIAL
+              else st.integers(0, k))
     drawn_cycles = st.lists(st.lists(counts, min_size=1, max_size=max_cycle).map(tuple), min_size=num_rows, max_size=num_rows)
     if kind == "none":
         rows = [(0,)] * num_rows

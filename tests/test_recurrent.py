@@ -9,6 +9,7 @@
 - the reference decoder agrees with `model.generate` (greedy, float64);
 - rows that draft fewer tokens than others, or none (a scripted drafter, prompt lookup): their pad
   slots never reach a state, and the engines stay exact (EQSPEC, EXSPEC, INPLACE);
+- the stale-state fault is caught from steps with zero drafts alone;
 - the diagnosis can silence one kind of layer (attention, recurrent) and still write its caches.
 """
 
@@ -25,6 +26,8 @@ from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceEngine
 from specaudit.engines.reference import greedy_decode
 from specaudit.equivalence.diagnosis import layers
+from specaudit.testing.faults import StateStaleAfterZeroDraftStep
+from specaudit.testing.faults.hunt import audit_case
 from specaudit.testing.models import pair
 from specaudit.testing.properties import check_equivalence, check_scripted_acceptance
 from specaudit.testing.strategies import NO_DRAFTS, AcceptanceSchedule, DecodingCase, Prompt
@@ -149,6 +152,20 @@ def test_prompt_lookup_finds_the_latest_earlier_ngram() -> None:
     assert lookup([7, 7], 4) == [7]  # what follows is cut at the row's end
     with pytest.raises(ValueError):
         InplaceEngine(pair("tiny-llama").target, None, drafter="prompt-lookup")
+
+
+def test_stale_state_fault_is_caught_through_zero_draft_steps_alone() -> None:
+    """The stale-state fault with no step of full acceptance: only the steps where no row drafted
+    leave nothing to roll back, and the fault is caught and diagnosed `recurrent_state` from them."""
+    schedule = AcceptanceSchedule(NO_DRAFTS, ((NO_DRAFT, 0),))
+    case = DecodingCase(pair="tiny-lfm2", prompts=ZERO_DRAFT_PROMPTS[:1], batch_size=1, draft_tokens=2,
+                        max_new_tokens=8, schedule=schedule)
+    check_equivalence(EQSpec, case, drafter="scripted")  # the correct engine
+    with pytest.raises(AssertionError) as caught:
+        check_equivalence(StateStaleAfterZeroDraftStep, case, drafter="scripted")
+    assert getattr(caught.value, "through", None) == "tokens"
+    divergences = audit_case(StateStaleAfterZeroDraftStep, case)
+    assert divergences and {d["diagnosis"]["class"] for d in divergences} == {"recurrent_state"}
 
 
 @pytest.mark.parametrize("name", HYBRID)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from specaudit.testing.faults.acceptance import BonusTokenDoubled, BonusTokenDropped, FirstRejectedDraftAccepted
 from specaudit.testing.faults.caches import (
+    AttentionCacheCutAtPassEnd,
     CacheTrimmedToSmallestAcceptance,
     DraftCacheNotTrimmed,
     DraftFillPassSkipped,
@@ -19,9 +20,11 @@ from specaudit.testing.faults.mutation import FaultEngine, LineChange, RunawayDe
 from specaudit.testing.faults.padding import AttentionMaskBlindToPadding, PadTokenTreatedAsPadding, RepadWithoutUnpad
 from specaudit.testing.faults.recurrent import (
     ConvStateResetMidSequence,
+    PadTokensFedIntoState,
     RecurrentStateAdvancedByRejected,
     RecurrentStateFromAnotherRow,
     RecurrentStateNotRolledBack,
+    StateStaleAfterZeroDraftStep,
 )
 from specaudit.testing.faults.pool import GroupResultsToWrongRows, GroupStacksDifferentLengths
 from specaudit.testing.faults.positions import PositionIdsCountPadding, PositionIdsFromOne
@@ -49,6 +52,9 @@ FAULTS: tuple[type[FaultEngine], ...] = (
     RecurrentStateAdvancedByRejected,
     ConvStateResetMidSequence,
     RecurrentStateFromAnotherRow,
+    PadTokensFedIntoState,
+    StateStaleAfterZeroDraftStep,
+    AttentionCacheCutAtPassEnd,
 )
 
 __all__ = ["FAULTS", "FaultEngine", "LineChange", "RunawayDecoding", "StaleFault"]

@@ -23,6 +23,20 @@ class TargetCacheNotTrimmed(FaultEngine):
     )
 
 
+class AttentionCacheCutAtPassEnd(FaultEngine):
+    """Attention cache cut at the end of the verify pass: `batch.realign` keeps each row's last
+    columns of the pass, its rejected draft tokens' keys and values included, while the recurrent
+    states are rolled back right; on a hybrid target only the attention layers' cache is wrong.
+    (Planted at `speculative_step`'s realign call, as `TargetCacheNotTrimmed` is, a wrong count
+    reaches the recurrent rollback too: `batch.realign` commits the states.)"""
+
+    pairs = ("tiny-qwen3-next",)
+    changes = (
+        LineChange("specaudit.engines.batch", "keep_end = (old_width + accepted_counts + 1).index_select(0, keep)",
+                   "keep_end = torch.full_like(accepted_counts, ragged.cache_width(cache)).index_select(0, keep)"),
+    )
+
+
 class CacheTrimmedToSmallestAcceptance(FaultEngine):
     """Every row trimmed to the batch's smallest acceptance: `speculative_step` realigns each
     row's target cache to the fewest draft tokens any row accepted, while its tokens keep its own

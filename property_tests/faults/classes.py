@@ -25,9 +25,12 @@ EXPECTED_CLASS: dict[str, str] = {
     "tokens_after_eos": "stop_eos",
     "group_stacks_different_lengths": "kv_cache",  # each row cut out of the group cache at wrong columns
     "group_results_to_wrong_rows": "cross_row",  # a sequence takes its neighbour's cache
-    # hybrid models: a state kept, advanced, zeroed or crossed at the rollback
+    # hybrid models: a state kept, advanced, zeroed, crossed, padded or stale at the rollback
     "recurrent_state_not_rolled_back": "recurrent_state",
     "recurrent_state_advanced_by_rejected": "recurrent_state",
     "conv_state_reset_mid_sequence": "recurrent_state",
     "recurrent_state_from_another_row": "recurrent_state",
+    "pad_tokens_fed_into_state": "recurrent_state",  # padding after a shorter row's drafts kept in its state
+    "state_stale_after_zero_draft_step": "recurrent_state",  # a rollback from an earlier pass's states
+    "attention_cache_cut_at_pass_end": "kv_cache",  # on a hybrid target: the attention cache only, states right
 }
