@@ -290,6 +290,16 @@ def markdown(bench: dict[str, Any]) -> str:
             f"| {_fmt(run.get('row_utilisation'), '.0%')} | {_fmt(run.get('mean_accepted_per_step'))} | "
             + " | ".join(_fmt(shares.get(s), ".1%") for s in ("draft", "verify", "realign", "other"))
             + f" | {run['peak_memory_bytes'] / 2**20:.0f} |")
+    stateful = [run for run in bench.get("runs") or [] if run.get("state_seconds")]
+    if stateful:
+        lines += ["", "Recurrent state rollback (inside draft, verify and realign above): per-position states kept "
+                  "after each one-token pass (snapshot) and each row given its state at a commit (rollback):", "",
+                  "| engine | B | k | snapshot s | rollback s | share of wall |", "|---|---|---|---|---|---|"]
+        for run in stateful:
+            state = run["state_seconds"]
+            lines.append(f"| {run['engine']} | {run['batch_size']} | {_fmt(run['draft_tokens'], 'd')} "
+                         f"| {state['snapshot']:.3f} | {state['rollback']:.3f} "
+                         f"| {_fmt(sum(state.values()) / run['wall_seconds'], '.1%')} |")
     pairs = bench.get("exspec_vs_eqspec") or []
     if pairs:
         lines += ["", "EXSPEC against EQSPEC (steps = speculative steps; cache movement = realign + stack + unstack):", "",

@@ -45,6 +45,10 @@ ratio to plain decoding any engine could show), `speculation_ceiling` (ideal pla
 speculative) and the pass-only `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`
 with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step.
 
+Recurrent state (hybrid models): `state_seconds` = {snapshot, rollback}, the time the engines spend
+keeping each row's per-position recurrent states and rolling them back (`engines/recurrent.py`'s
+`STATE_CLOCK`), already inside draft, verify and realign; None for a model without recurrent layers.
+
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call;
 on the CPU, the process's resident-set high-water mark (`VmHWM`, reset through
 `/proc/self/clear_refs`) above its resident set before the call (`getrusage` where that reset is
@@ -66,6 +70,7 @@ import torch
 
 from specaudit.engines.models import bench_pair
 from specaudit.engines.models import zoo
+from specaudit.engines import recurrent
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
 from specaudit.bench.costs import PeakMemory, pass_costs, prefill_costs, sync as _sync
@@ -208,7 +213,9 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
     memory.start()
     _sync(config.device)
     wall_start, cpu_start = time.perf_counter(), time.process_time()
+    recurrent.STATE_CLOCK.start()
     outputs = engine.generate(prompts, budgets if budgets is not None else config.max_new_tokens, pair.eos_token_id)
+    state = recurrent.STATE_CLOCK.stop()
     _sync(config.device)
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     trace = getattr(engine, "last_trace", None)
@@ -219,7 +226,8 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
             "stage_seconds": stages, "stage_seconds_raw": raw, "peak_memory_bytes": memory.peak_bytes(),
             "statistics": step_statistics(trace, batch_size), "compactions": getattr(engine, "compactions", None),
             "calibrated_drafter": drafter is not None,
-            "diverged_rows": chooser.diverged_rows if chooser is not None else None}
+            "diverged_rows": chooser.diverged_rows if chooser is not None else None,
+            "state_seconds": state if any(state.values()) else None}
 
 
 def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,6 +251,8 @@ def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict
         "calibrated_drafter": chosen["calibrated_drafter"],
         "diverged_rows": chosen["diverged_rows"],
         "compactions": chosen["compactions"],
+        # recurrent state bookkeeping (snapshot, rollback), inside the stages above; None without recurrent layers
+        "state_seconds": chosen.get("state_seconds"),
         **chosen["statistics"],
     }
     if k is None:  # plain decoding: nothing is drafted or accepted

@@ -29,13 +29,49 @@ model (`engines/layout.py`); `ragged.cache_layers` lists only those.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 State = list[torch.Tensor | None]  # per recurrent layer and state slot: conv then recurrent tensors
+
+
+class StateClock:
+    """Seconds spent on recurrent state bookkeeping, for `specaudit bench`: `snapshot` (the states
+    kept after each one-token pass, padded rows held at theirs) and `rollback` (each row given its
+    state at a commit). Both lie inside the engines' draft, verify and realign stages. Counts only
+    between `start` and `stop`; on CUDA each lap waits for the device."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.seconds = {"snapshot": 0.0, "rollback": 0.0}
+
+    def start(self) -> None:
+        self.running, self.seconds = True, {"snapshot": 0.0, "rollback": 0.0}
+
+    def stop(self) -> dict[str, float]:
+        self.running = False
+        return dict(self.seconds)
+
+    @contextmanager
+    def lap(self, stage: str, device: torch.device) -> Iterator[None]:
+        if not self.running:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        self.seconds[stage] += time.perf_counter() - started
+
+
+STATE_CLOCK = StateClock()
 
 
 def is_recurrent_layer(layer: object) -> bool:
@@ -117,10 +153,11 @@ def forward_by_token(
             use_cache=True,
         )
         logits.append(out.logits[:, -1:])  # [B, 1, V]
-        padded = real <= i  # [B] rows whose token i is a pad id: they keep the state they had before it
-        if bool(padded.any()):
-            _assign(cache, _where(padded, cache.history[-1], snapshot(cache)))
-        cache.history.append(snapshot(cache))
+        with STATE_CLOCK.lap("snapshot", inputs.device):
+            padded = real <= i  # [B] rows whose token i is a pad id: they keep the state they had before it
+            if bool(padded.any()):
+                _assign(cache, _where(padded, cache.history[-1], snapshot(cache)))
+            cache.history.append(snapshot(cache))
     cache.fed = real if cache.fed is None else cache.fed + real
     return torch.cat(logits, dim=1)  # [B, q, V]
 
@@ -136,25 +173,26 @@ def commit(cache: Any, accepted_counts: torch.Tensor, keep: torch.Tensor | None 
     pending token and accepted draft tokens), then keep the rows `keep` if given."""
     if not tracks_states(cache):
         return
-    fed, cache.fed = cache.fed, None  # [B] tokens each row fed since the last commit
-    if cache.history and fed is not None and not bool((accepted_counts + 1 < fed.to(accepted_counts.device)).any()):
-        # nothing to undo (no row drafted anything, or every row accepted all it drafted): every live
-        # state is already the row's state after its accepted tokens, padding never having entered one
-        cache.history = []
-    elif cache.history:
-        rows = torch.arange(accepted_counts.shape[0], device=accepted_counts.device)  # [B]
-        # a row that finished this step may have accepted more than was fed (no fill pass for it): it leaves the batch
-        positions = accepted_counts.clamp(max=len(cache.history) - 1)  # [B]
-        chosen: State = []
-        for slot in range(len(cache.history[0])):
-            per_position = [entry[slot] for entry in cache.history]
-            if per_position[0] is None:
-                chosen.append(None)
-                continue
-            stacked = torch.stack(per_position)  # [T, B, ...]
-            chosen.append(stacked[positions.to(stacked.device), rows.to(stacked.device)])  # [B, ...]
-        _assign(cache, chosen)
-        cache.history = []
+    with STATE_CLOCK.lap("rollback", accepted_counts.device):
+        fed, cache.fed = cache.fed, None  # [B] tokens each row fed since the last commit
+        if cache.history and fed is not None and not bool((accepted_counts + 1 < fed.to(accepted_counts.device)).any()):
+            # nothing to undo (no row drafted anything, or every row accepted all it drafted): every live
+            # state is already the row's state after its accepted tokens, padding never having entered one
+            cache.history = []
+        elif cache.history:
+            rows = torch.arange(accepted_counts.shape[0], device=accepted_counts.device)  # [B]
+            # a row that finished this step may have accepted more than was fed (no fill pass for it): it leaves the batch
+            positions = accepted_counts.clamp(max=len(cache.history) - 1)  # [B]
+            chosen: State = []
+            for slot in range(len(cache.history[0])):
+                per_position = [entry[slot] for entry in cache.history]
+                if per_position[0] is None:
+                    chosen.append(None)
+                    continue
+                stacked = torch.stack(per_position)  # [T, B, ...]
+                chosen.append(stacked[positions.to(stacked.device), rows.to(stacked.device)])  # [B, ...]
+            _assign(cache, chosen)
+            cache.history = []
     if keep is not None:
         select_rows(cache, keep)
 

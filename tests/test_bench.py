@@ -340,3 +340,20 @@ def test_row_utilisation_counts_rows_that_ran() -> None:
         trace.record(StepRecord(0, kind, rows, [0] * len(rows), [0] * len(rows), [1] * len(rows)))
     assert row_utilisation(trace, 4) == pytest.approx(6 / 12)
     assert row_utilisation(Trace(num_prompts=0), 4) is None
+
+
+def test_recurrent_state_rollback_is_timed_on_a_hybrid_pair(tmp_path) -> None:
+    """A hybrid target's runs carry the time spent keeping and rolling back recurrent states, within
+    the run's wall time, and the report shows it; an attention-only pair's runs carry None."""
+    from specaudit.bench.report import markdown
+
+    bench = run_bench(_config(engines=["batched", "eqspec", "inplace"], pair="tiny-lfm2", batch_sizes=[2]), tmp_path)
+    for run in bench["runs"]:
+        state = run["state_seconds"]
+        assert state is not None and state["snapshot"] > 0, run["engine"]
+        assert sum(state.values()) < run["wall_seconds"]
+    assert any(run["state_seconds"]["rollback"] > 0 for run in bench["runs"] if run["engine"] != "batched")
+    assert "Recurrent state rollback" in markdown(bench)
+    plain = run_bench(_config(engines=["eqspec"], batch_sizes=[2]), tmp_path / "attention")
+    assert plain["runs"][0]["state_seconds"] is None
+    assert "Recurrent state rollback" not in markdown(plain)
