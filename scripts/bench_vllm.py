@@ -105,9 +105,12 @@ def group_cpu_seconds(group: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def server_cpu(server: vm.VLLMServer) -> dict[str, float]:
-    return {"cpu_seconds": group_cpu_seconds(server.process.pid),
-            "generation_tokens": server.metrics().get("generation_tokens_total", 0.0)}
+def server_cpu(server: vm.VLLMServer) -> dict[str, float | None]:
+    try:
+        generated = server.metrics().get("generation_tokens_total", 0.0)
+    except OSError:  # the server is gone
+        generated = None
+    return {"cpu_seconds": group_cpu_seconds(server.process.pid), "generation_tokens": generated}
 
 
 def main(argv: list[str]) -> int:
@@ -160,12 +163,13 @@ def main(argv: list[str]) -> int:
             record["servers"][name]["alive_after_bench"] = server.alive()
             after = server_cpu(server)
             seconds = after["cpu_seconds"] - before[name]["cpu_seconds"]
-            tokens = after["generation_tokens"] - before[name]["generation_tokens"]
+            tokens = (after["generation_tokens"] - before[name]["generation_tokens"]
+                      if after["generation_tokens"] is not None else None)
             record["servers"][name]["whole_bench"] = {
                 "what": "the server's process group (API server, engine core, workers), utime + stime from /proc, "
                         "and vllm:generation_tokens_total, from healthy to the end of the bench, warm-up included",
                 "server_cpu_seconds": seconds, "generated_tokens": tokens,
-                "tokens_per_server_cpu_second": tokens / seconds if seconds else None}
+                "tokens_per_server_cpu_second": tokens / seconds if seconds and tokens is not None else None}
     finally:
         for server in servers.values():
             server.stop()
