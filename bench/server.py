@@ -37,7 +37,7 @@ from typing import Any
 from specaudit.engines.adapters._http import get_text, join_url, map_concurrently
 from specaudit.engines.adapters.server_base import ServerEngine, finish_output
 from specaudit.engines.adapters.server_metrics import (
-    COUNTERS, METRICS_PATH, parse_prometheus, safe_snapshot, speculation_between,
+    COUNTERS, METRICS_PATH, parse_prometheus, speculation_between,
 )
 from specaudit.engines.registry import black_box_prefix, make_engine
 
@@ -120,13 +120,18 @@ def server_info(engine: str, timeout: float = 10.0) -> dict[str, Any]:
 def send_all(server: ServerEngine, prompts: list[list[int]], budgets: list[int],
              eos_token_id: int | None) -> tuple[list[list[int]], list[float]]:
     """Every request, at most `server.batch_size` in flight: (new tokens per request, latency per request)."""
-    from specaudit.engines.adapters._http import post_json
+    from specaudit.engines.adapters._http import ServerDied, ServerUnreachable, post_json
 
     def one(index: int) -> tuple[list[int], float]:
         body = timing_request(server, [int(t) for t in prompts[index]], budgets[index], eos_token_id)
         start = time.perf_counter()
-        answer = post_json(join_url(server.url, server.path), body, timeout=server.timeout, retries=server.retries,
-                           what=f"{server.server_name} server")
+        try:
+            answer = post_json(join_url(server.url, server.path), body, timeout=server.timeout,
+                               retries=server.retries, what=f"{server.server_name} server", observe=server._observe)
+        except ServerUnreachable as exc:  # one that answered before died: say so, with its last answer
+            if server._answers and not isinstance(exc, ServerDied):
+                raise server._died(exc, index, len(prompts[index])) from None
+            raise
         latency = time.perf_counter() - start
         tokens, _, _ = finish_output(server.parse(answer), budgets[index], eos_token_id)
         return tokens, latency
@@ -149,12 +154,12 @@ def timed_server_call(engine: str, prompts: list[list[int]], batch_size: int, bu
     """One timed pass of every request through the server: one repeat's record."""
     server = make_server(engine, batch_size, options)
     iterations = bool(COUNTERS.get(server.dialect) and COUNTERS[server.dialect].json_iterations)
-    before, _ = safe_snapshot(server.url, server.dialect, server.timeout)
+    before, _ = server._metrics()  # an answer here counts: a server that then refuses has died
     steps_before = _step_count(server.url, engine, server.timeout)
     cpu_start, wall_start = time.process_time(), time.perf_counter()
     outputs, latencies = send_all(server, prompts, budgets, eos_token_id)
     wall, client_cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
-    after, failure = safe_snapshot(server.url, server.dialect, server.timeout)
+    after, failure = server._metrics()
     steps_after = _step_count(server.url, engine, server.timeout)
     speculation = speculation_between(before, after, server.url, iterations=iterations)
     if speculation is not None and steps_before is not None and steps_after is not None:

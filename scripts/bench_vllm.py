@@ -19,7 +19,11 @@ speculation, timed by `specaudit bench` beside the built-in engines on the same 
    view of the servers beside the bench's client wall clock.
 
 Arguments before `--`: --out DIR (required), --draft-tokens K (4), --max-num-seqs N (8),
---max-model-len N (1024), --eager (vLLM's --enforce-eager; default: vLLM's own compilation).
+--max-model-len N (1024), --eager (vLLM's --enforce-eager; default: vLLM's own compilation),
+--no-preload (by default the servers run with LD_PRELOAD of tcmalloc, when installed, and the
+venv's Intel OpenMP `libiomp5.so`, as vLLM's CPU guide asks: without them vLLM warns that
+speculative decoding on the CPU "will cause significant performance loss"; Debian:
+`apt-get install libtcmalloc-minimal4`).
 Arguments after `--` go to `specaudit bench` as they are (--engine, --batch-size, --num-prompts, ...).
 """
 
@@ -76,6 +80,15 @@ def bench_pair_folders() -> tuple[Path, Path]:
     return target, draft
 
 
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
+
+
+def preload(python: Path) -> str:
+    """LD_PRELOAD for vLLM's CPU worker: tcmalloc (if installed) and the venv's Intel OpenMP."""
+    found = [next((lib for lib in TCMALLOC if Path(lib).is_file()), None), python.parent.parent / "lib" / "libiomp5.so"]
+    return ":".join(str(lib) for lib in found if lib is not None and Path(lib).is_file())
+
+
 def group_cpu_seconds(group: int) -> float:
     """utime + stime of every live process in the process group `group`: a server started with
     `start_new_session`, its engine-core and worker children included."""
@@ -92,9 +105,12 @@ def group_cpu_seconds(group: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def server_cpu(server: vm.VLLMServer) -> dict[str, float]:
-    return {"cpu_seconds": group_cpu_seconds(server.process.pid),
-            "generation_tokens": server.metrics().get("generation_tokens_total", 0.0)}
+def server_cpu(server: vm.VLLMServer) -> dict[str, float | None]:
+    try:
+        generated = server.metrics().get("generation_tokens_total", 0.0)
+    except OSError:  # the server is gone
+        generated = None
+    return {"cpu_seconds": group_cpu_seconds(server.process.pid), "generation_tokens": generated}
 
 
 def main(argv: list[str]) -> int:
@@ -106,6 +122,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--no-preload", action="store_true")
     args = parser.parse_args(ours)
     # a SIGTERM (timeout, kill) unwinds through the `finally` below, so the servers are stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -125,6 +142,8 @@ def main(argv: list[str]) -> int:
         if not args.eager:
             server.command.remove("--enforce-eager")
     record = {"vllm_python": str(python), "target": str(target), "draft": str(draft), "servers": {}}
+    if not args.no_preload:
+        os.environ["LD_PRELOAD"] = record["LD_PRELOAD"] = preload(python)  # the servers inherit it (vm.server_env)
     try:
         started = time.monotonic()
         for server in servers.values():
@@ -144,12 +163,13 @@ def main(argv: list[str]) -> int:
             record["servers"][name]["alive_after_bench"] = server.alive()
             after = server_cpu(server)
             seconds = after["cpu_seconds"] - before[name]["cpu_seconds"]
-            tokens = after["generation_tokens"] - before[name]["generation_tokens"]
+            tokens = (after["generation_tokens"] - before[name]["generation_tokens"]
+                      if after["generation_tokens"] is not None else None)
             record["servers"][name]["whole_bench"] = {
                 "what": "the server's process group (API server, engine core, workers), utime + stime from /proc, "
                         "and vllm:generation_tokens_total, from healthy to the end of the bench, warm-up included",
                 "server_cpu_seconds": seconds, "generated_tokens": tokens,
-                "tokens_per_server_cpu_second": tokens / seconds if seconds else None}
+                "tokens_per_server_cpu_second": tokens / seconds if seconds and tokens is not None else None}
     finally:
         for server in servers.values():
             server.stop()

@@ -139,3 +139,12 @@ def test_summary_pairs_only_the_servers_of_the_plain_ones_kind():
 def test_plain_engine_must_be_one_server_per_kind(tmp_path, plain):
     result = cli("bench", "--engine", "vllm:http://127.0.0.1:3", *plain, "--pair", PAIR, "--out", str(tmp_path / "o"))
     assert result.returncode == 2 and "--plain-engine" in result.stderr
+
+
+def test_a_server_that_dies_mid_bench_is_named_as_dead(tmp_path):
+    with FakeServer(answer_with(), metrics=SpeculationMetrics("vllm"), die_after=3) as server:
+        result = cli("bench", "--pair", PAIR, "--engine", f"vllm:{server.url}", "--batch-size", "1", "--num-prompts",
+                     "6", "--max-new-tokens", "3", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path / "out"))
+    assert result.returncode == 1
+    (run,) = json.loads((tmp_path / "out" / "bench.json").read_text())["runs"]
+    assert "died during the run" in run["error"] and "answered 5 time(s)" in run["error"]  # 3 answers, 2 metrics reads
