@@ -27,13 +27,16 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
   padding: it runs only when it fills the batch, and then it saves the padding and the gather.
 - refill when the window has room for `refill_at` sequences (or for all that still wait, or when
   it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
-- `fallback`: a padded batch is realigned after its step (`realign`: one gather per layer, as in
-  EQSPEC) or each running row is cut out of the verify pass's cache with one slice, its left
-  padding kept masked until the next stack (`masked`: no gather). `wait_steps`: while no full
-  group exists, run the largest same-length group (2 rows or more) for at most this many steps
-  before falling back. Measured on the bench pair in reports/bench/README.md.
+- `hold` (default): a padded batch is realigned after its step and kept as it is, caches
+  included, while the next group is the same sequences (a running row leaving it is a row
+  selection); a sequence's own caches are cut out only when it leaves the held batch for another
+  group. Without `hold`, the padded batch is realigned (`fallback="realign"`: one gather per layer,
+  as in EQSPEC) or each running row is cut out of the verify pass's cache with one slice, its left
+  padding kept masked until the next stack (`masked`: no gather), and every step stacks anew.
+  `wait_steps`: while no full group exists, run the largest same-length group (2 rows or more)
+  for at most this many steps before falling back.
 
-The measurements behind this policy (tiny pairs, and the bench pair) are in reports/bench/README.md.
+The measurements behind this policy (tiny pairs, and the bench pair) are in docs/exspec-policies.md.
 
 Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
 the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`
@@ -44,10 +47,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specaudit.engines import ragged
 from specaudit.engines import layout
@@ -56,56 +58,12 @@ from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
+from specaudit.engines.exspec_cache import Sequence, stack_cache, unstack_cache
 from specaudit.engines.trace import StepRecord, Trace
 
 FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
 DEFAULT_FALLBACK = "realign"
-
-
-@dataclass
-class Sequence:
-    """An active request: its tokens (prompt + new) and its own caches of all but the last token."""
-
-    request_id: int
-    tokens: list[int]
-    prompt_length: int
-    target_kv: torch.Tensor | None  # [L, 2, H, n-1, D]; set when it enters the window
-    draft_kv: torch.Tensor | None  # [L', 2, H', n-1, D'], None for a drafter without a cache
-    logits: list[torch.Tensor] = field(default_factory=list)  # per step, [emitted, V]
-    target_states: list | None = None  # its own recurrent states (engines/recurrent.py), hybrid models only
-    draft_states: list | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
-def stack_cache(model: PreTrainedModel, kvs: list[torch.Tensor]) -> DynamicCache:
-    """One batch cache from per-sequence caches `[L, 2, H, S_b, D]`, right-aligned (zero padding
-    on the left when the lengths differ): one stack (or one copy per row), then per-layer views."""
-    lengths = [kv.shape[-2] for kv in kvs]
-    width = max(lengths)
-    if min(lengths) == width:
-        stacked = torch.stack(kvs, dim=2)  # [L, 2, G, H, S, D]
-    else:
-        layers, _, heads, _, dim = kvs[0].shape
-        stacked = kvs[0].new_zeros(layers, 2, len(kvs), heads, width, dim)  # [L, 2, G, H, W, D]
-        for b, kv in enumerate(kvs):
-            stacked[:, :, b, :, width - kv.shape[-2]:] = kv
-    cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
-    layers = ragged.cache_layers(cache)  # attention layers (recurrent states are stacked apart)
-    if len(layers) != stacked.shape[0]:
-        raise ValueError(f"{len(kvs[0])} cached layers for a model with {len(layers)} attention layers")
-    for layer, layer_kv in zip(layers, stacked.unbind(0)):
-        layer.dtype, layer.device, layer.is_initialized = stacked.dtype, stacked.device, True
-        layer.keys, layer.values = layer_kv[0], layer_kv[1]  # [G, H, W, D] each
-    return cache
-
-
-def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends: list[int]) -> list[torch.Tensor]:
-    """Cut row `rows[i]`'s columns `starts[i]:ends[i]` out of a batch cache, as `[L, 2, H, S, D]` views."""
-    stacked = torch.stack([torch.stack((layer.keys, layer.values)) for layer in ragged.cache_layers(cache)])  # [L, 2, G, H, W, D]
-    return [stacked[:, :, b, :, start:end] for b, start, end in zip(rows, starts, ends)]
+DEFAULT_HOLD = True  # keep a realigned padded batch while the next group is the same sequences
 
 
 class ExspecPool:
@@ -127,6 +85,7 @@ class ExspecPool:
         refill_at: int | None = None,
         fallback: str = DEFAULT_FALLBACK,
         wait_steps: int = 0,
+        hold: bool = DEFAULT_HOLD,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1 or window_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size, draft_tokens, window_size and max_new_tokens must be at least 1")
@@ -134,7 +93,8 @@ class ExspecPool:
             raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
         if wait_steps < 0:
             raise ValueError("wait_steps must be at least 0")
-        self.fallback, self.wait_steps = fallback, wait_steps
+        self.fallback, self.wait_steps, self.hold = fallback, wait_steps, hold
+        self._held: tuple[BatchState, list[Sequence]] | None = None  # a realigned batch and its sequences, in row order
         self._waited = 0  # steps run on a partial same-length group since the last full one
         self.target, self.drafter = target, drafter
         self.batch_size, self.k, self.window_size = batch_size, draft_tokens, window_size
@@ -188,6 +148,7 @@ class ExspecPool:
         sequence = next((s for s in self.window if s.request_id == request_id), None)
         if sequence is None:
             raise KeyError(f"request {request_id} is neither waiting nor active")
+        self._release()
         self.window.remove(sequence)
         self._answer(sequence)
 
@@ -242,37 +203,64 @@ class ExspecPool:
         result.record.seconds["unstack"] = clock.lap()
         return self._record(result)
 
+    def caches(self, sequence: Sequence) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A sequence's target and draft caches `[L, 2, H, n - 1, D]`: its own, or cut out of the held batch."""
+        if self._held is None or not any(s is sequence for s in self._held[1]):
+            return sequence.target_kv, sequence.draft_kv
+        state, held = self._held
+        row = next(i for i, s in enumerate(held) if s is sequence)
+        cut = [unstack_cache(cache, [row], [ragged.cache_width(cache) - sequence.length + 1], [ragged.cache_width(cache)])[0]
+               if cache is not None else None for cache in (state.target_cache, state.draft_cache)]
+        return cut[0], cut[1]
+
+    def _release(self) -> None:
+        """Cut every sequence of the held batch out of it (right-aligned, realigned), and hold nothing."""
+        if self._held is not None:
+            state, sequences = self._held
+            width = ragged.cache_width(state.target_cache)
+            self._cut_caches(state, sequences, list(range(len(sequences))), [width - s.length + 1 for s in sequences],
+                             [width] * len(sequences))
+            self._held = None
+
     def _speculate(self, group: list[Sequence]) -> StepRecord:
         """One speculative step on `group`: a same-length group, or a padded fallback batch."""
         clock = Clock(self.target.device)
         device = self.target.device
         same_length = len({s.length for s in group}) == 1
 
-        # 1. stack: tokens [G, n] (left-padded when lengths differ) and both caches, one stack per model
-        tokens, lengths = ragged.left_pad([s.tokens for s in group], self.pad_id, device)
-        prompt_lengths = torch.tensor([s.prompt_length for s in group], dtype=torch.long, device=device)
-        state = BatchState([s.request_id for s in group], tokens, lengths, prompt_lengths,
-                           stack_cache(self.target, [s.target_kv for s in group]))
-        recurrent.load_rows(state.target_cache, [s.target_states for s in group])
-        if group[0].draft_kv is not None:
-            state.draft_cache = stack_cache(self.drafter.draft, [s.draft_kv for s in group])
-            recurrent.load_rows(state.draft_cache, [s.draft_states for s in group])
+        # 1. stack: tokens [G, n] (left-padded when lengths differ) and both caches, one stack per model;
+        #    or the held batch as it is, when it holds exactly these sequences
+        if self._held is not None and {id(s) for s in self._held[1]} == {id(s) for s in group}:
+            (state, group), self._held = self._held, None
+        else:
+            self._release()
+            tokens, lengths = ragged.left_pad([s.tokens for s in group], self.pad_id, device)
+            prompt_lengths = torch.tensor([s.prompt_length for s in group], dtype=torch.long, device=device)
+            state = BatchState([s.request_id for s in group], tokens, lengths, prompt_lengths,
+                               stack_cache(self.target, [s.target_kv for s in group]))
+            recurrent.load_rows(state.target_cache, [s.target_states for s in group])
+            if group[0].draft_kv is not None:
+                state.draft_cache = stack_cache(self.drafter.draft, [s.draft_kv for s in group])
+                recurrent.load_rows(state.draft_cache, [s.draft_states for s in group])
         old_lengths = [s.length for s in group]
         stack_seconds = clock.lap()
 
         # 2. speculate: draft, verify, accept; a group keeps its caches as the verify pass left them
+        hold = self.hold and not same_length
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
                                   self._budgets(state.rows), self.pad_id, self.record_logits,
                                   kind="group" if same_length else "fallback",
-                                  realign=not same_length and self.fallback == "realign")
+                                  realign=hold or (not same_length and self.fallback == "realign"))
         clock.lap()
 
-        # 3. unstack: append the new tokens; cut each running sequence's caches out of the batch
+        # 3. unstack: append the new tokens; hold the batch, or cut each running sequence's caches out of it
         for sequence, new_tokens in zip(group, result.emitted):
             sequence.tokens.extend(new_tokens)
         self._keep_logits(group, result)
         running = [b for b, s in enumerate(group) if s.request_id not in result.finished]
-        if same_length:  # row b: columns 0 .. n + accepted, where the verify pass left them
+        if hold and running:  # realigned: the running rows, in batch order
+            self._held = (state, [group[b] for b in running])
+        elif same_length:  # row b: columns 0 .. n + accepted, where the verify pass left them
             ends = [old_lengths[b] + result.record.accepted_counts[b] for b in running]
             self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)
         elif running and self.fallback == "masked":
@@ -344,6 +332,7 @@ class EXSpec:
         refill_at: int | None = None,
         fallback: str = DEFAULT_FALLBACK,
         wait_steps: int = 0,
+        hold: bool = DEFAULT_HOLD,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -362,7 +351,7 @@ class EXSpec:
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
         self.min_group, self.refill_at = min_group, refill_at
-        self.fallback, self.wait_steps = fallback, wait_steps
+        self.fallback, self.wait_steps, self.hold = fallback, wait_steps, hold
         self.last_trace: Trace | None = None
 
     @torch.no_grad()
@@ -381,7 +370,7 @@ class EXSpec:
             self.target, self.drafter, batch_size=self.batch_size, draft_tokens=self.k,
             window_size=self.window_size, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_id=self.pad_id, record_logits=self.record_logits, min_group=self.min_group, refill_at=self.refill_at,
-            fallback=self.fallback, wait_steps=self.wait_steps,
+            fallback=self.fallback, wait_steps=self.wait_steps, hold=self.hold,
         )
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else range(len(prompts))
         for i in order:

@@ -1,14 +1,15 @@
-"""EXSPEC grouping policies, as engine factories for `specaudit bench` (how reports/bench/README.md's
+"""EXSPEC grouping policies, as engine factories for `specaudit bench` (how docs/exspec-policies.md's
 policy table was measured):
 
-    PYTHONPATH=scripts specaudit bench --engine eqspec --engine exspec_policies:realign \
-        --engine exspec_policies:masked --engine exspec_policies:sorted_realign \
-        --engine exspec_policies:sorted_masked --engine exspec_policies:sorted_masked_wait2 ...
+    PYTHONPATH=scripts specaudit bench --engine eqspec --engine exspec --engine exspec_policies:realign \
+        --engine exspec_policies:masked --engine exspec_policies:window_b ...
 
-Each builds `EXSpec` with one policy: the fallback batch realigned after the step (`realign`) or
-cut out with its left padding masked (`masked`), requests admitted in arrival order or sorted by
-prompt length (`sorted_*`), and partial same-length groups run for at most N steps while waiting
-for a full one (`wait2`).
+Each builds `EXSpec` with one policy. The default (`exspec`): a padded batch is realigned and held
+while the next group is the same sequences. `realign` / `masked`: no holding, the fallback batch
+realigned after the step or cut out with its left padding masked, every step stacked anew;
+`sorted_*`: requests admitted sorted by prompt length; `wait2`: partial same-length groups run for
+at most 2 steps while waiting for a full one; `window_b`: the default with a window of B (no choice
+of rows: the pool refills freed rows).
 """
 
 from __future__ import annotations
@@ -23,20 +24,29 @@ def _exspec(target: Any, draft: Any, drafter: Any = None, **options: Any) -> EXS
 
 
 def realign(target: Any, draft: Any = None, *, drafter: Any = None, **options: Any) -> EXSpec:
-    return _exspec(target, draft, drafter, **{**options, "fallback": "realign", "sort_by_length": False})
+    return _exspec(target, draft, drafter, **{**options, "hold": False, "fallback": "realign", "sort_by_length": False})
 
 
 def masked(target: Any, draft: Any = None, *, drafter: Any = None, **options: Any) -> EXSpec:
-    return _exspec(target, draft, drafter, **{**options, "fallback": "masked", "sort_by_length": False})
+    return _exspec(target, draft, drafter, **{**options, "hold": False, "fallback": "masked", "sort_by_length": False})
 
 
 def sorted_realign(target: Any, draft: Any = None, *, drafter: Any = None, **options: Any) -> EXSpec:
-    return _exspec(target, draft, drafter, **{**options, "fallback": "realign", "sort_by_length": True})
+    return _exspec(target, draft, drafter, **{**options, "hold": False, "fallback": "realign", "sort_by_length": True})
 
 
 def sorted_masked(target: Any, draft: Any = None, *, drafter: Any = None, **options: Any) -> EXSpec:
-    return _exspec(target, draft, drafter, **{**options, "fallback": "masked", "sort_by_length": True})
+    return _exspec(target, draft, drafter, **{**options, "hold": False, "fallback": "masked", "sort_by_length": True})
 
 
 def sorted_masked_wait2(target: Any, draft: Any = None, *, drafter: Any = None, **options: Any) -> EXSpec:
-    return _exspec(target, draft, drafter, **{**options, "fallback": "masked", "sort_by_length": True, "wait_steps": 2})
+    return _exspec(target, draft, drafter, **{**options, "hold": False, "fallback": "masked", "sort_by_length": True,
+                                              "wait_steps": 2})
+
+
+def sorted_hold(target: Any, draft: Any = None, *, drafter: Any = None, **options: Any) -> EXSpec:
+    return _exspec(target, draft, drafter, **{**options, "hold": True, "sort_by_length": True})
+
+
+def window_b(target: Any, draft: Any = None, *, drafter: Any = None, batch_size: int = 8, **options: Any) -> EXSpec:
+    return _exspec(target, draft, drafter, **{**options, "hold": True, "batch_size": batch_size, "window_size": batch_size})

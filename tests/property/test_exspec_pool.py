@@ -48,8 +48,9 @@ class PoolMachine(RuleBasedStateMachine):
         drafter_kind=st.sampled_from(["model", "scripted"]),
         eos_position=st.none() | st.integers(0, 9),
         schedule=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+        hold=st.booleans(),
     )
-    def start(self, pair_name, batch_size, window_factor, k, max_new_tokens, drafter_kind, eos_position, schedule):
+    def start(self, pair_name, batch_size, window_factor, k, max_new_tokens, drafter_kind, eos_position, schedule, hold):
         torch.set_num_threads(1)
         self.pair = models.pair(pair_name)
         self.references, _ = models.reference(pair_name)
@@ -64,7 +65,7 @@ class PoolMachine(RuleBasedStateMachine):
             drafter = ModelDrafter(self.pair.draft)
         self.pool = self.pool_class(self.pair.target, drafter, batch_size=batch_size, draft_tokens=k,
                                window_size=window_factor * batch_size, max_new_tokens=max_new_tokens,
-                               eos_token_id=self.eos, pad_id=self.pair.pad_token_id)
+                               eos_token_id=self.eos, pad_id=self.pair.pad_token_id, hold=hold)
         self.has_draft_cache = drafter_kind == "model"
         # the model: admission order, prompt of each request, window entries, early ends, answers seen
         self.admitted: list[int] = []
@@ -73,7 +74,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.ended_early: set[int] = set()
         self.answered: list[int] = []
         note(f"pair={pair_name} B={batch_size} W={window_factor * batch_size} k={k} "
-             f"max_new_tokens={max_new_tokens} eos={self.eos} drafter={drafter_kind} schedule={schedule}")
+             f"max_new_tokens={max_new_tokens} eos={self.eos} drafter={drafter_kind} schedule={schedule} hold={hold}")
 
     def expected(self, request_id: int) -> list[int]:
         tokens = self.references[self.prompt_of[request_id]][: self.max_new_tokens]
@@ -142,9 +143,10 @@ class PoolMachine(RuleBasedStateMachine):
                     self.check_cache_contents(sequence)
 
     def check_cache_contents(self, sequence: Sequence):
-        caches = [(self.pair.target, sequence.target_kv)]
+        target_kv, draft_kv = self.pool.caches(sequence)  # its own, or its rows of the held batch
+        caches = [(self.pair.target, target_kv)]
         if self.has_draft_cache:
-            caches.append((self.pair.draft, sequence.draft_kv))
+            caches.append((self.pair.draft, draft_kv))
         for model, kv in caches:
             error = float((kv - fresh_cache(model, sequence.tokens[:-1])).abs().max())
             assert error < CACHE_TOLERANCE, f"request {sequence.request_id}: cache differs by {error}"
@@ -161,11 +163,12 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def caches_hold_all_but_the_last_token(self):
         for sequence in self.pool.window:
-            assert sequence.target_kv.shape[-2] == sequence.length - 1
+            target_kv, draft_kv = self.pool.caches(sequence)
+            assert target_kv.shape[-2] == sequence.length - 1
             if self.has_draft_cache:
-                assert sequence.draft_kv is not None and sequence.draft_kv.shape[-2] == sequence.length - 1
+                assert draft_kv is not None and draft_kv.shape[-2] == sequence.length - 1
             else:
-                assert sequence.draft_kv is None
+                assert draft_kv is None
 
     @invariant()
     def no_request_lost_duplicated_or_out_of_turn(self):
@@ -206,6 +209,9 @@ PLANTED_FAULTS = {
                                  "same_length = len({s.prompt_length for s in group}) == 1"),
     "ended-waiting-request-lost": ("self.waiting.remove(request_id)\nself.finished[request_id] = []",
                                    "self.waiting.remove(request_id)"),
+    "held-batch-taken-for-another-group": (
+        "if self._held is not None and {id(s) for s in self._held[1]} == {id(s) for s in group}:",
+        "if self._held is not None:"),
 }
 
 
