@@ -38,3 +38,35 @@ def test_sdpa_gqa_is_left_off_where_it_does_not_apply() -> None:
     eager = _gqa_model(1)
     eager.set_attn_implementation("eager")
     assert not use_sdpa_gqa(eager) and eager.config._attn_implementation == "eager"
+
+
+def test_rows_of_very_different_lengths_attend_over_their_own_columns() -> None:
+    """Rows of 3 and 150 tokens (first visible columns far apart): one kernel call per row over its own
+    columns, the same logits as SDPA over the whole masked width."""
+    from specaudit.engines.models import attention
+
+    plain, switched = _gqa_model(3), _gqa_model(3)
+    use_sdpa_gqa(switched)
+    prompts = [[5, 9, 13], list(range(150)), [7, 8], list(range(100, 230))]
+    tokens, lengths = ragged.left_pad(prompts, pad_id=256)
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape[2])
+        return original(*args, **kwargs)
+
+    with torch.no_grad():
+        results = []
+        for model in (plain, switched):
+            cache, _ = batch_ops.prefill(model, tokens, lengths)
+            calls.clear()
+            torch.nn.functional.scaled_dot_product_attention = counted
+            try:
+                results.append(batch_ops.forward(model, cache, torch.tensor([[1, 2]] * 4), lengths))
+            finally:
+                torch.nn.functional.scaled_dot_product_attention = original
+    assert torch.allclose(results[1], results[0], rtol=0, atol=1e-12)
+    # the switched model's pass: per layer, one call per row over its cached tokens and the 2 new ones
+    assert calls == [3 + 2, 150 + 2, 2 + 2, 130 + 2] * 2
+    assert attention.ROW_SPLIT_COLUMNS < 130 - 3
