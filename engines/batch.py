@@ -79,25 +79,57 @@ def forward(
     return out.logits
 
 
+# A pass's fixed cost (reading every weight once), in prompt tokens: a prefill group pays it once and
+# every padded token slot besides. Groups of prompts of near-equal length come from minimising
+# groups x PASS_OVERHEAD_TOKENS + padded token slots (`prefill_groups`).
+PASS_OVERHEAD_TOKENS = 64
+
+
 def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """Run a left-padded batch of prompts through `model`.
 
     Returns the cache (each row's prompt, right-aligned, padding zeroed) and the logits at each
     row's last prompt token [B, V].
 
+    Prompts are prefilled in groups of near-equal length (`prefill_groups`), each group left-padded
+    only to its own longest prompt, and the group caches are placed into one right-aligned cache:
+    one pass over prompts of 20 and 900 tokens would spend 880 padded token slots in every layer.
+
     A padding query may attend to no key at all. With eager attention in float64 (a float mask at
     the dtype's minimum, softmax upcast to float32: -inf everywhere) its output is NaN, and a NaN
-    value times a zero attention weight poisons the real rows in every later layer. When the padded
-    pass yields anything non-finite, the prompts are prefilled again in groups of equal length (no
-    padding at all) and the group caches are placed into one right-aligned cache. A model with
-    recurrent layers is always prefilled that way: a pad token must never enter a recurrent state.
+    value times a zero attention weight poisons the real rows in every later layer. When a padded
+    group's pass yields anything non-finite, it is prefilled again in groups of equal length (no
+    padding at all). A model with recurrent layers is always prefilled that way: a pad token must
+    never enter a recurrent state.
     """
     if "recurrent" in layout.attention_layer_kinds(model):
         return _prefill_by_length(model, tokens, lengths)
-    cache, last_logits = _prefill_padded(model, tokens, lengths)
-    if _all_finite(cache, last_logits):
-        return cache, last_logits
-    return _prefill_by_length(model, tokens, lengths)
+    groups = prefill_groups(lengths.tolist())
+    if len(groups) == 1:
+        cache, last_logits = _prefill_padded(model, tokens, lengths)
+        if _all_finite(cache, last_logits):
+            return cache, last_logits
+        return _prefill_by_length(model, tokens, lengths)
+    return _prefill_groups(model, tokens, lengths, groups, exact_lengths=False)
+
+
+def prefill_groups(lengths: list[int], overhead: int = PASS_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Rows (indices into `lengths`) in groups of near-equal length that minimise `overhead` per group
+    plus the padded token slots of each group (group size x its longest prompt): a partition of the
+    rows sorted by length into runs, by dynamic programming over the B + 1 cut points."""
+    order = sorted(range(len(lengths)), key=lambda row: lengths[row])
+    best = [0.0] + [float("inf")] * len(order)  # best[j]: cost of the first j rows in order
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):  # rows order[i:j] form the last group; its longest is order[j - 1]
+            cost = best[i] + overhead + (j - i) * lengths[order[j - 1]]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
 
 
 def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
@@ -128,16 +160,28 @@ def _all_finite(cache: DynamicCache, logits: torch.Tensor) -> bool:
 
 def _prefill_by_length(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """`prefill` without padding: one pass per distinct prompt length (a loop over lengths, not rows)."""
-    width = tokens.shape[1]
     groups: dict[int, list[int]] = {}
     for row, n in enumerate(lengths.tolist()):
         groups.setdefault(n, []).append(row)
+    return _prefill_groups(model, tokens, lengths, list(groups.values()), exact_lengths=True)
+
+
+def _prefill_groups(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor, groups: list[list[int]],
+                    exact_lengths: bool) -> tuple[DynamicCache, torch.Tensor]:
+    """One padded pass per group of rows (each left-padded to its own longest prompt), the group caches
+    placed into one cache of the batch's width, right-aligned. A group whose padded pass is not finite
+    is prefilled again by equal lengths (`exact_lengths`: every group already has one length)."""
+    width = tokens.shape[1]
     cache = layout.full_history_cache(model)
     last_logits: torch.Tensor | None = None
-    for n, rows in groups.items():
+    for rows in groups:
         index = torch.tensor(rows, dtype=torch.long, device=tokens.device)
-        group_tokens = tokens.index_select(0, index)[:, width - n:]  # [g, n], no padding
-        group_cache, group_last = _prefill_padded(model, group_tokens, lengths.index_select(0, index))
+        group_lengths = lengths.index_select(0, index)
+        n = int(group_lengths.max().item())
+        group_tokens = tokens.index_select(0, index)[:, width - n:]  # [g, n], padded to the group's longest
+        group_cache, group_last = _prefill_padded(model, group_tokens, group_lengths)
+        if not exact_lengths and not _all_finite(group_cache, group_last):
+            group_cache, group_last = _prefill_by_length(model, group_tokens, group_lengths)
         if last_logits is None:
             last_logits = group_last.new_zeros(tokens.shape[0], group_last.shape[-1])  # [B, V]
             for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
