@@ -85,7 +85,8 @@ def forward(
 PASS_OVERHEAD_TOKENS = 64
 
 
-def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor,
+            grouped: bool = True) -> tuple[DynamicCache, torch.Tensor]:
     """Run a left-padded batch of prompts through `model`.
 
     Returns the cache (each row's prompt, right-aligned, padding zeroed) and the logits at each
@@ -94,6 +95,7 @@ def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor)
     Prompts are prefilled in groups of near-equal length (`prefill_groups`), each group left-padded
     only to its own longest prompt, and the group caches are placed into one right-aligned cache:
     one pass over prompts of 20 and 900 tokens would spend 880 padded token slots in every layer.
+    `grouped=False` runs the whole batch in one padded pass (as an engine without grouping does).
 
     A padding query may attend to no key at all. With eager attention in float64 (a float mask at
     the dtype's minimum, softmax upcast to float32: -inf everywhere) its output is NaN, and a NaN
@@ -104,7 +106,7 @@ def prefill(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor)
     """
     if "recurrent" in layout.attention_layer_kinds(model):
         return _prefill_by_length(model, tokens, lengths)
-    groups = prefill_groups(lengths.tolist())
+    groups = prefill_groups(lengths.tolist()) if grouped else [list(range(len(lengths)))]
     if len(groups) == 1:
         cache, last_logits = _prefill_padded(model, tokens, lengths)
         if _all_finite(cache, last_logits):

@@ -67,11 +67,13 @@ def start_batch(
     eos_token_id: int | None,
     max_new_tokens: int | torch.Tensor,  # one budget, or [B] per row
     record_logits: bool,
+    grouped_prefill: bool = True,
 ) -> tuple[BatchState, StepResult]:
-    """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
+    """Prefill target and draft; the target's choice after each prompt is the row's first new token.
+    `grouped_prefill=False`: the target prefills the whole batch in one padded pass."""
     clock = Clock(target.device)
     tokens, lengths = ragged.left_pad([prompts[r] for r in rows], pad_id, target.device)
-    target_cache, last_logits = batch_ops.prefill(target, tokens, lengths)  # [B, V]
+    target_cache, last_logits = batch_ops.prefill(target, tokens, lengths, grouped_prefill)  # [B, V]
     first = last_logits.argmax(-1, keepdim=True)  # [B, 1]
     ones = torch.ones_like(lengths)
     tokens, new_lengths = ragged.append_and_repad(tokens, lengths, first, ones, pad_id)

@@ -64,8 +64,9 @@ class PositionBugEngine(EQSpec):
         wrapper: _PositionRewrite = self.target
         rejected: dict[int, int] = {r: 0 for r in rows}
         wrapper.rejected = torch.zeros(0, dtype=torch.long)  # the prefill is numbered correctly
+        # one padded prefill pass over the batch, as an engine written without prefill grouping does
         state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,
-                                    max_new_tokens, self.record_logits)
+                                    max_new_tokens, self.record_logits, grouped_prefill=False)
         self._collect(trace, result, outputs, logits)
         while state.rows:
             wrapper.rejected = torch.tensor([rejected[r] for r in state.rows], dtype=torch.long)
