@@ -73,6 +73,7 @@ def forward(
     q = inputs.shape[1]
     mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
     positions = ragged.position_ids(cache_lengths, q)  # [B, q]
+    layout.spare_columns(cache)  # new columns written in place, not the cache copied
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
         return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
     out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)

@@ -91,6 +91,7 @@ def masked_forward(model: PreTrainedModel, cache: DynamicCache, valid: torch.Ten
     queries = torch.ones(inputs.shape[0], inputs.shape[1], dtype=torch.bool, device=inputs.device)
     mask = torch.cat([valid, queries], dim=1).long()  # [B, W + q]
     positions = ragged.position_ids(cache_lengths, inputs.shape[1])  # [B, q]
+    layout.spare_columns(cache)  # new columns written in place, not the cache copied
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
         return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
     out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)

@@ -116,6 +116,52 @@ def states_in_cache(model: PreTrainedModel) -> bool:
     return known
 
 
+class SpareColumnsLayer(DynamicLayer):
+    """A full-history layer whose keys and values live in buffers with spare columns: `update` writes
+    the new columns in place and `keys` / `values` are views of the filled part. `DynamicLayer.update`
+    concatenates instead, a copy of the whole cache in every pass (48 copies of [8, 8, 1000, 64]
+    float32: 0.14 s per pass on one CPU thread, a quarter of the bench pair's verify pass).
+
+    When `keys` is no longer a prefix view of the buffer (an engine realigned, selected or joined
+    rows: new tensors), the next update copies it into a new buffer with room to spare, as the
+    concatenation would have. Columns past the view (cropped or never filled) are overwritten by the
+    next update: nothing may keep a view of them."""
+
+    SPARE_MIN = 64  # columns of room at least; else a quarter of the filled width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        keys, values = getattr(self, "keys", None), getattr(self, "values", None)
+        if not self.is_initialized or keys is None or not keys.numel():
+            return super().update(key_states, value_states, *args, **kwargs)
+        filled, new = keys.shape[-2], key_states.shape[-2]
+        key_buffer, value_buffer = getattr(self, "_buffers", (None, None))
+        if not (_is_prefix(keys, key_buffer) and _is_prefix(values, value_buffer) and filled + new <= key_buffer.shape[-2]):
+            capacity = filled + new + max(self.SPARE_MIN, (filled + new) // 4)
+            key_buffer = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])  # [B, H, C, D]
+            value_buffer = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+            key_buffer[..., :filled, :] = keys
+            value_buffer[..., :filled, :] = values
+            self._buffers = (key_buffer, value_buffer)
+        key_buffer[..., filled:filled + new, :] = key_states
+        value_buffer[..., filled:filled + new, :] = value_states
+        self.keys, self.values = key_buffer[..., :filled + new, :], value_buffer[..., :filled + new, :]
+        return self.keys, self.values
+
+
+def _is_prefix(view: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    """Whether `view` is `buffer[..., :n, :]` for some n."""
+    return (buffer is not None and view.data_ptr() == buffer.data_ptr() and view.shape[:-2] == buffer.shape[:-2]
+            and view.shape[-1] == buffer.shape[-1] and view.stride() == buffer.stride())
+
+
+def spare_columns(cache: Any) -> None:
+    """Give every plain full-history layer of `cache` spare columns (`SpareColumnsLayer`); sliding,
+    recurrent and other layer kinds keep their own update."""
+    for layer in getattr(cache, "layers", None) or []:
+        if type(layer) is DynamicLayer:
+            layer.__class__ = SpareColumnsLayer
+
+
 def full_history_cache(model: PreTrainedModel) -> DynamicCache:
     """An empty cache with one full-history `DynamicLayer` per attention layer of `model`
     (sliding-window layers included: the attention mask applies their window); for a model with
