@@ -57,3 +57,23 @@ def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends:
     """Cut row `rows[i]`'s columns `starts[i]:ends[i]` out of a batch cache, as `[L, 2, H, S, D]` views."""
     stacked = torch.stack([torch.stack((layer.keys, layer.values)) for layer in ragged.cache_layers(cache)])  # [L, 2, G, H, W, D]
     return [stacked[:, :, b, :, start:end] for b, start, end in zip(rows, starts, ends)]
+
+
+def widen_left(x: torch.Tensor, width: int, dim: int, fill: float = 0) -> torch.Tensor:
+    """`x` with columns of `fill` put before its own along `dim`, up to `width` columns."""
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([torch.full(shape, fill, dtype=x.dtype, device=x.device), x], dim=dim)
+
+
+def join_caches(cache: DynamicCache, other: DynamicCache) -> None:
+    """Append `other`'s rows to `cache` (in place), both right-aligned to the wider width, zero columns
+    on the left of the narrower: one copy of each layer, as a concatenation."""
+    layers, extra = ragged.cache_layers(cache), ragged.cache_layers(other)
+    width = max(ragged.cache_width(cache), ragged.cache_width(other))
+    for layer, new in zip(layers, extra):
+        layer.keys = torch.cat([widen_left(layer.keys, width, 2), widen_left(new.keys, width, 2)])  # [B + B', H, W, D]
+        layer.values = torch.cat([widen_left(layer.values, width, 2), widen_left(new.values, width, 2)])

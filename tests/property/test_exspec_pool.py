@@ -210,8 +210,9 @@ PLANTED_FAULTS = {
     "ended-waiting-request-lost": ("self.waiting.remove(request_id)\nself.finished[request_id] = []",
                                    "self.waiting.remove(request_id)"),
     "held-batch-taken-for-another-group": (
-        "if self._held is not None and {id(s) for s in self._held[1]} == {id(s) for s in group}:",
+        "if self._held is not None and held_ids == {id(s) for s in group}:",
         "if self._held is not None:"),
+    "joined-rows-before-the-held-ones": ("group = held + newcomers", "group = newcomers + held"),
 }
 
 
