@@ -58,7 +58,7 @@ from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
-from specaudit.engines.exspec_cache import Sequence, join_caches, stack_cache, unstack_cache, widen_left
+from specaudit.engines.exspec_cache import Sequence, join_rows, joinable, stack_cache, unstack_cache
 from specaudit.engines.trace import StepRecord, Trace
 
 FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
@@ -171,7 +171,7 @@ class ExspecPool:
         if min(len(largest), self.batch_size) >= self.min_group:
             self._waited = 0
             return largest[: self.batch_size]
-        if self._held is not None and self._joinable(self._held[0]):  # keep the held batch; the oldest others join it
+        if self._held is not None and joinable(self._held[0]):  # keep the held batch; the oldest others join it
             held = self._held[1]
             others = [s for s in self.window if all(s is not h for h in held)]
             return held + others[: self.batch_size - len(held)]
@@ -237,10 +237,10 @@ class ExspecPool:
         held_ids = {id(s) for s in self._held[1]} if self._held is not None else set()
         if self._held is not None and held_ids == {id(s) for s in group}:
             (state, group), self._held = self._held, None
-        elif self._held is not None and held_ids < {id(s) for s in group} and self._joinable(self._held[0]):
+        elif self._held is not None and held_ids < {id(s) for s in group} and joinable(self._held[0]):
             (state, held), self._held = self._held, None
             newcomers = [s for s in group if id(s) not in held_ids]
-            self._join(state, newcomers)
+            join_rows(state, newcomers, self.target, self.drafter, self.pad_id)
             group = held + newcomers
         else:
             self._release()
@@ -286,28 +286,6 @@ class ExspecPool:
         result.record.seconds["stack"] = stack_seconds
         result.record.seconds["unstack"] = clock.lap()
         return self._record(result)
-
-    @staticmethod
-    def _joinable(state: BatchState) -> bool:
-        """Rows join a held batch through its attention caches only: recurrent states are restacked."""
-        caches = [state.target_cache] + ([state.draft_cache] if state.draft_cache is not None else [])
-        return not any(recurrent.tracks_states(cache) for cache in caches)
-
-    def _join(self, state: BatchState, newcomers: list[Sequence]) -> None:
-        """Add `newcomers` (their own caches stacked) after the rows of the held batch `state`: tokens,
-        lengths and caches right-aligned to the wider width (one copy of the held caches, not an
-        unstack of every row and a new stack)."""
-        device = self.target.device
-        tokens, lengths = ragged.left_pad([s.tokens for s in newcomers], self.pad_id, device)
-        width = max(state.tokens.shape[1], tokens.shape[1])
-        state.tokens = torch.cat([widen_left(state.tokens, width, 1, self.pad_id), widen_left(tokens, width, 1, self.pad_id)])
-        state.lengths = torch.cat([state.lengths, lengths])
-        state.prompt_lengths = torch.cat([state.prompt_lengths, torch.tensor(
-            [s.prompt_length for s in newcomers], dtype=torch.long, device=device)])
-        state.rows = state.rows + [s.request_id for s in newcomers]
-        join_caches(state.target_cache, stack_cache(self.target, [s.target_kv for s in newcomers]))
-        if state.draft_cache is not None:
-            join_caches(state.draft_cache, stack_cache(self.drafter.draft, [s.draft_kv for s in newcomers]))
 
     def _cut_masked(self, state: BatchState, group: list[Sequence], running: list[int], old_lengths: list[int],
                     accepted_counts: list[int]) -> None:

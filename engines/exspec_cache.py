@@ -5,12 +5,15 @@ cache and cuts each running sequence's columns back out (`engines/exspec.py`).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import layout
 from specaudit.engines import ragged
+from specaudit.engines import recurrent
+from specaudit.engines.batch import BatchState
 
 
 @dataclass
@@ -77,3 +80,26 @@ def join_caches(cache: DynamicCache, other: DynamicCache) -> None:
     for layer, new in zip(layers, extra):
         layer.keys = torch.cat([widen_left(layer.keys, width, 2), widen_left(new.keys, width, 2)])  # [B + B', H, W, D]
         layer.values = torch.cat([widen_left(layer.values, width, 2), widen_left(new.values, width, 2)])
+
+
+def joinable(state: BatchState) -> bool:
+    """Rows join a held batch through its attention caches only: recurrent states are restacked."""
+    caches = [state.target_cache] + ([state.draft_cache] if state.draft_cache is not None else [])
+    return not any(recurrent.tracks_states(cache) for cache in caches)
+
+
+def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedModel, drafter: Any, pad_id: int) -> None:
+    """Add `newcomers` (their own caches stacked) after the rows of the held batch `state`: tokens,
+    lengths and caches right-aligned to the wider width (one copy of the held caches, not an unstack
+    of every row and a new stack)."""
+    device = target.device
+    tokens, lengths = ragged.left_pad([s.tokens for s in newcomers], pad_id, device)
+    width = max(state.tokens.shape[1], tokens.shape[1])
+    state.tokens = torch.cat([widen_left(state.tokens, width, 1, pad_id), widen_left(tokens, width, 1, pad_id)])
+    state.lengths = torch.cat([state.lengths, lengths])
+    state.prompt_lengths = torch.cat([state.prompt_lengths, torch.tensor(
+        [s.prompt_length for s in newcomers], dtype=torch.long, device=device)])
+    state.rows = state.rows + [s.request_id for s in newcomers]
+    join_caches(state.target_cache, stack_cache(target, [s.target_kv for s in newcomers]))
+    if state.draft_cache is not None:  # a drafter with a cache has its model as `draft`
+        join_caches(state.draft_cache, stack_cache(drafter.draft, [s.draft_kv for s in newcomers]))
