@@ -62,26 +62,6 @@ def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends:
     return [stacked[:, :, b, :, start:end] for b, start, end in zip(rows, starts, ends)]
 
 
-def widen_left(x: torch.Tensor, width: int, dim: int, fill: float = 0) -> torch.Tensor:
-    """`x` with columns of `fill` put before its own along `dim`, up to `width` columns."""
-    missing = width - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([torch.full(shape, fill, dtype=x.dtype, device=x.device), x], dim=dim)
-
-
-def join_caches(cache: DynamicCache, other: DynamicCache) -> None:
-    """Append `other`'s rows to `cache` (in place), both right-aligned to the wider width, zero columns
-    on the left of the narrower: one copy of each layer, as a concatenation."""
-    layers, extra = ragged.cache_layers(cache), ragged.cache_layers(other)
-    width = max(ragged.cache_width(cache), ragged.cache_width(other))
-    for layer, new in zip(layers, extra):
-        layer.keys = torch.cat([widen_left(layer.keys, width, 2), widen_left(new.keys, width, 2)])  # [B + B', H, W, D]
-        layer.values = torch.cat([widen_left(layer.values, width, 2), widen_left(new.values, width, 2)])
-
-
 def joinable(state: BatchState) -> bool:
     """Rows join a held batch through its attention caches only: recurrent states are restacked."""
     caches = [state.target_cache] + ([state.draft_cache] if state.draft_cache is not None else [])
@@ -95,11 +75,13 @@ def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedMo
     device = target.device
     tokens, lengths = ragged.left_pad([s.tokens for s in newcomers], pad_id, device)
     width = max(state.tokens.shape[1], tokens.shape[1])
-    state.tokens = torch.cat([widen_left(state.tokens, width, 1, pad_id), widen_left(tokens, width, 1, pad_id)])
+    state.tokens = torch.cat([ragged.widen_left(state.tokens, width, 1, pad_id), ragged.widen_left(tokens, width, 1, pad_id)])
     state.lengths = torch.cat([state.lengths, lengths])
     state.prompt_lengths = torch.cat([state.prompt_lengths, torch.tensor(
         [s.prompt_length for s in newcomers], dtype=torch.long, device=device)])
     state.rows = state.rows + [s.request_id for s in newcomers]
-    join_caches(state.target_cache, stack_cache(target, [s.target_kv for s in newcomers]))
-    if state.draft_cache is not None:  # a drafter with a cache has its model as `draft`
-        join_caches(state.draft_cache, stack_cache(drafter.draft, [s.draft_kv for s in newcomers]))
+    for cache, model, kvs in ((state.target_cache, target, [s.target_kv for s in newcomers]),
+                              (state.draft_cache, getattr(drafter, "draft", None), [s.draft_kv for s in newcomers])):
+        if cache is not None:  # a drafter with a cache has its model as `draft`
+            new = stack_cache(model, kvs)
+            ragged.join_cache_rows(cache, new, max(ragged.cache_width(cache), ragged.cache_width(new)))

@@ -59,26 +59,12 @@ class RefillingEngine(Protocol):
     def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None: ...
 
 
-def widen_left(x: torch.Tensor, width: int, dim: int, fill: float | bool = 0) -> torch.Tensor:
-    """`x` with columns of `fill` put before its own along `dim`, up to `width` columns."""
-    missing = width - x.shape[dim]
-    if missing <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([torch.full(shape, fill, dtype=x.dtype, device=x.device), x], dim=dim)
-
-
 def join_caches(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, other_valid: torch.Tensor) -> torch.Tensor:
     """Append `other`'s rows to `cache` (in place), both right-aligned to the wider width; returns
     the joined validity mask `[B + B', W]`."""
     width = max(valid.shape[1], other_valid.shape[1])
-    for layer, extra in zip(ragged.cache_layers(cache), ragged.cache_layers(other)):
-        if getattr(layer, "keys", None) is None or not layer.keys.numel():
-            continue
-        layer.keys = torch.cat([widen_left(layer.keys, width, 2), widen_left(extra.keys, width, 2)], dim=0)  # [B+B', H, W, D]
-        layer.values = torch.cat([widen_left(layer.values, width, 2), widen_left(extra.values, width, 2)], dim=0)
-    return torch.cat([widen_left(valid, width, 1, False), widen_left(other_valid, width, 1, False)], dim=0)  # [B+B', W]
+    ragged.join_cache_rows(cache, other, width)
+    return torch.cat([ragged.widen_left(valid, width, 1, False), ragged.widen_left(other_valid, width, 1, False)], dim=0)  # [B+B', W]
 
 
 def join_rows(state: InplaceRows, new: InplaceRows) -> None:

@@ -135,6 +135,26 @@ def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows
         layer.values = realign_columns(layer.values, ends, lengths, selected)
 
 
+def widen_left(x: torch.Tensor, width: int, dim: int, fill: float | bool = 0) -> torch.Tensor:
+    """`x` with columns of `fill` put before its own along `dim`, up to `width` columns."""
+    missing = width - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([torch.full(shape, fill, dtype=x.dtype, device=x.device), x], dim=dim)
+
+
+def join_cache_rows(cache, other, width: int) -> None:
+    """Append `other`'s rows to `cache` (in place), both right-aligned to `width` columns, zero columns on
+    the left of the narrower (exactly like left padding)."""
+    for layer, extra in zip(cache_layers(cache), cache_layers(other)):
+        if getattr(layer, "keys", None) is None or not layer.keys.numel():
+            continue
+        layer.keys = torch.cat([widen_left(layer.keys, width, 2), widen_left(extra.keys, width, 2)])  # [B + B', H, W, D]
+        layer.values = torch.cat([widen_left(layer.values, width, 2), widen_left(extra.values, width, 2)])
+
+
 def cache_width(cache) -> int:
     """Number of columns (real and padding) held by the cache."""
     for layer in cache_layers(cache):

@@ -26,14 +26,7 @@ from transformers import DynamicCache
 
 from specaudit.engines.ragged import cache_layers
 
-
-def _pad_left(seqs: list[torch.Tensor], pad_id: int) -> torch.Tensor:  # [B, W]
-    width = max(len(s) for s in seqs)
-    out = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=seqs[0].device)
-    for b, s in enumerate(seqs):
-        if len(s):
-            out[b, width - len(s):] = s
-    return out
+from paper_engines import PaperEQSpec, _declared_pad, _left_pad
 
 
 def _pad_right(seqs: list[torch.Tensor], pad_id: int) -> torch.Tensor:  # [B, W]
@@ -84,24 +77,12 @@ def _realign(cache: DynamicCache, content: torch.Tensor, new_pad: torch.Tensor, 
         layer.keys, layer.values = new_keys, new_values
 
 
-class CachedPaperEQSpec:
+class CachedPaperEQSpec(PaperEQSpec):
     """EQSPEC as published, with its KV cache: consecutive batches, padding found by pad-id equality."""
 
-    def __init__(self, target: Any, draft: Any, *, batch_size: int, draft_tokens: int, pad_token_id: int,
-                 max_input_len: int = 1024) -> None:
-        self.target, self.draft = target, draft
-        self.batch_size, self.k, self.pad_id, self.max_input_len = batch_size, draft_tokens, pad_token_id, max_input_len
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
-        outputs: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            outputs += self._batch(prompts[start:start + self.batch_size], max_new_tokens, eos_token_id)
-        return outputs
-
-    @torch.no_grad()
     def _batch(self, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
         pad, device = self.pad_id, self.target.device
-        ids = _pad_left([torch.tensor(p[: self.max_input_len], dtype=torch.long, device=device) for p in prompts],
+        ids = _left_pad([torch.tensor(p[: self.max_input_len], dtype=torch.long, device=device) for p in prompts],
                         pad)  # [B, W]
         mask = (ids != pad).long()
         input_lengths = mask.sum(1).tolist()
@@ -140,7 +121,7 @@ class CachedPaperEQSpec:
                 content.append(len(seq))
                 new = torch.cat([accepted[b], bonus[b:b + 1]]) if not bool(done[b]) else seq.new_zeros(0)
                 rows.append(torch.cat([seq, new]))
-            ids = _pad_left(rows, pad)
+            ids = _left_pad(rows, pad)
             lengths = torch.tensor([len(r) for r in rows])
             _realign(cache, torch.tensor(content), lengths.max() - lengths, old_pad, kept)
             made += kept
@@ -154,6 +135,5 @@ class CachedPaperEQSpec:
 
 
 def make_eqspec(target, draft, *, batch_size: int, draft_tokens: int, max_input_len: int = 1024) -> CachedPaperEQSpec:
-    pad = getattr(target.config, "pad_token_id", None)
     return CachedPaperEQSpec(target, draft, batch_size=batch_size, draft_tokens=draft_tokens,
-                             pad_token_id=int(pad) if pad is not None else 0, max_input_len=int(max_input_len))
+                             pad_token_id=_declared_pad(target), max_input_len=int(max_input_len))
