@@ -28,15 +28,17 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
 - refill when the window has room for `refill_at` sequences (or for all that still wait, or when
   it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
 - `hold` (default): a padded batch is realigned after its step and kept as it is, caches
-  included, while the next group is the same sequences (a running row leaving it is a row
-  selection); a sequence's own caches are cut out only when it leaves the held batch for another
-  group. Without `hold`, the padded batch is realigned (`fallback="realign"`: one gather per layer,
-  as in EQSPEC) or each running row is cut out of the verify pass's cache with one slice, its left
-  padding kept masked until the next stack (`masked`: no gather), and every step stacks anew.
-  `wait_steps`: while no full group exists, run the largest same-length group (2 rows or more)
-  for at most this many steps before falling back.
+  included; finished rows leave it in the realignment. While no full same-length group exists the
+  held batch runs again, the oldest other sequences of the window joining it in its free rows
+  (`exspec_cache.join_rows`: their caches stacked and appended; models with recurrent layers
+  restack instead). A sequence's own caches are cut out only when it leaves the held batch for a
+  same-length group. Without `hold`, the padded batch is realigned (`fallback="realign"`: one copy
+  per row and layer, as in EQSPEC) or each running row is cut out of the verify pass's cache with
+  one slice, its left padding kept masked until the next stack (`masked`), and every step stacks
+  anew. `wait_steps`: while no full group exists, run the largest same-length group (2 rows or
+  more) for at most this many steps before falling back.
 
-The measurements behind this policy (tiny pairs, and the bench pair) are in docs/exspec-policies.md.
+The measurements behind this policy (tiny pairs, and the bench pair) are in reports/bench/README.md.
 
 Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
 the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`

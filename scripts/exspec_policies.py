@@ -1,11 +1,11 @@
-"""EXSPEC grouping policies, as engine factories for `specaudit bench` (how docs/exspec-policies.md's
-policy table was measured):
+"""EXSPEC grouping policies, as engine factories for `specaudit bench` (how reports/bench/README.md's
+policy tables were measured):
 
     PYTHONPATH=scripts specaudit bench --engine eqspec --engine exspec --engine exspec_policies:realign \
         --engine exspec_policies:masked --engine exspec_policies:window_b ...
 
-Each builds `EXSpec` with one policy. The default (`exspec`): a padded batch is realigned and held
-while the next group is the same sequences. `realign` / `masked`: no holding, the fallback batch
+Each builds `EXSpec` with one policy. The default (`exspec`): a padded batch is realigned and held,
+the window's oldest other sequences joining it in its free rows. `realign` / `masked`: no holding, the fallback batch
 realigned after the step or cut out with its left padding masked, every step stacked anew;
 `sorted_*`: requests admitted sorted by prompt length; `wait2`: partial same-length groups run for
 at most 2 steps while waiting for a full one; `window_b`: the default with a window of B (no choice
