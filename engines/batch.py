@@ -45,7 +45,7 @@ class BatchState:
         for cache in (self.target_cache, self.draft_cache):
             if cache is not None:
                 keep_end = torch.full_like(cache_lengths, ragged.cache_width(cache))
-                ragged.realign_cache(cache, keep_end, cache_lengths, rows=keep)
+                realign_with_room(cache, keep_end, cache_lengths, rows=keep)
                 recurrent.select_rows(cache, keep)
         self.select(keep)
 
@@ -135,7 +135,10 @@ def prefill_groups(lengths: list[int], overhead: int = PASS_OVERHEAD_TOKENS) -> 
     return groups[::-1]
 
 
-def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch.Tensor,
+                    room: bool = True) -> tuple[DynamicCache, torch.Tensor]:
+    """One padded pass; the cache gets spare columns for the next passes unless `room` is False (a
+    group's cache, copied into the batch's)."""
     width = tokens.shape[1]
     pad = width - lengths  # [B]
     positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
@@ -149,7 +152,10 @@ def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
         **layout.last_logits_only(model),
     )
     # zero the padding columns, so that nothing a padded query produced is ever read
-    ragged.realign_cache(cache, torch.full_like(lengths, width), lengths)
+    if room:
+        realign_with_room(cache, torch.full_like(lengths, width), lengths)
+    else:
+        ragged.realign_cache(cache, torch.full_like(lengths, width), lengths)
     return cache, out.logits[:, -1]
 
 
@@ -182,16 +188,16 @@ def _prefill_groups(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
         group_lengths = lengths.index_select(0, index)
         n = int(group_lengths.max().item())
         group_tokens = tokens.index_select(0, index)[:, width - n:]  # [g, n], padded to the group's longest
-        group_cache, group_last = _prefill_padded(model, group_tokens, group_lengths)
+        group_cache, group_last = _prefill_padded(model, group_tokens, group_lengths, room=False)
         if not exact_lengths and not _all_finite(group_cache, group_last):
             group_cache, group_last = _prefill_by_length(model, group_tokens, group_lengths)
         if last_logits is None:
             last_logits = group_last.new_zeros(tokens.shape[0], group_last.shape[-1])  # [B, V]
             for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
                 b, h, _, d = source.keys.shape
-                layer.dtype, layer.device, layer.is_initialized = source.keys.dtype, source.keys.device, True
-                layer.keys = source.keys.new_zeros(tokens.shape[0], h, width, d)  # [B, H, W, D]
-                layer.values = source.values.new_zeros(tokens.shape[0], h, width, source.values.shape[-1])
+                room = width + layout.spare_width(width)  # spare columns for the next passes
+                layout.hold_columns(layer, source.keys.new_zeros(tokens.shape[0], h, room, d),  # [B, H, W + spare, D]
+                                    source.values.new_zeros(tokens.shape[0], h, room, source.values.shape[-1]), width)
         last_logits[index] = group_last
         recurrent.place_rows(cache, group_cache, index, tokens.shape[0])
         for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
@@ -207,4 +213,12 @@ def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, 
     recurrent.commit(cache, accepted_counts, keep)  # each kept row's state after its accepted tokens
     keep_end = (old_width + accepted_counts + 1).index_select(0, keep)
     new_lengths = (cache_lengths + accepted_counts + 1).index_select(0, keep)
-    ragged.realign_cache(cache, keep_end, new_lengths, rows=keep)
+    realign_with_room(cache, keep_end, new_lengths, rows=keep)
+
+
+def realign_with_room(cache: DynamicCache, keep_end: torch.Tensor, new_lengths: torch.Tensor,
+                      rows: torch.Tensor | None = None) -> None:
+    """`ragged.realign_cache` into buffers with spare columns that the next passes write into (one
+    copy of the cache per step, not a second one into a roomier buffer at the next pass)."""
+    spare = layout.spare_width(int(new_lengths.max())) if new_lengths.numel() else 0
+    ragged.realign_cache(cache, keep_end, new_lengths, rows=rows, spare=spare, hold=layout.hold_columns)

@@ -2,14 +2,15 @@
 
 Contract: the same as EQSPEC (token ids in, exactly the tokens of greedy decoding out). Requests
 wait in a FIFO pool; at most `window_size` of them are active at once. Each active sequence owns
-its target and draft KV caches between steps, each one tensor `[layers, 2, heads, n - 1, head_dim]`
-per model (`n` = its token count; the last token is pending, as in `engines/batch.py`). Each call
-of `ExspecPool.step` does one unit of work:
+its target and draft KV caches between steps, `n - 1` columns per layer and model (`n` = its token
+count; the last token is pending, as in `engines/batch.py`), as views of the batch cache it was
+cut from (`exspec_cache.RowKV`), copied once into the next batch it joins. Each call of
+`ExspecPool.step` does one unit of work:
 
 - refill:   when the window has room for a refill batch, the oldest waiting requests are
             prefilled together (`start_batch`) and enter the window;
-- group:    otherwise, up to `batch_size` active sequences of the same length are stacked with
-            one `torch.stack` per model (no padding), one speculative step runs on them, and each
+- group:    otherwise, up to `batch_size` active sequences of the same length are stacked into
+            one buffer per layer (no padding), one speculative step runs on them, and each
             sequence's new cache is cut out of the verify pass's cache with a slice (no realignment);
 - fallback: when no same-length group is large enough, up to `batch_size` sequences of the
             closest lengths form a left-padded batch, and one speculative step runs on it with
@@ -60,7 +61,7 @@ from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
-from specaudit.engines.exspec_cache import Sequence, join_rows, joinable, stack_cache, unstack_cache
+from specaudit.engines.exspec_cache import RowKV, Sequence, join_rows, joinable, stack_cache, unstack_cache
 from specaudit.engines.trace import StepRecord, Trace
 
 FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
@@ -209,8 +210,8 @@ class ExspecPool:
         result.record.seconds["unstack"] = clock.lap()
         return self._record(result)
 
-    def caches(self, sequence: Sequence) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A sequence's target and draft caches `[L, 2, H, n - 1, D]`: its own, or cut out of the held batch."""
+    def caches(self, sequence: Sequence) -> tuple[RowKV | None, RowKV | None]:
+        """A sequence's target and draft caches (`n - 1` columns): its own, or cut out of the held batch."""
         if self._held is None or not any(s is sequence for s in self._held[1]):
             return sequence.target_kv, sequence.draft_kv
         state, held = self._held

@@ -1,6 +1,14 @@
 """EXSPEC's per-sequence caches: each active request owns its target and draft KV caches between
-steps, one tensor `[layers, 2, heads, n - 1, head_dim]` per model; a step stacks them into one batch
-cache and cuts each running sequence's columns back out (`engines/exspec.py`)."""
+steps, one `RowKV` per model (per attention layer, keys and values `[heads, n - 1, head_dim]`); a
+step stacks them into one batch cache and cuts each running sequence's columns back out
+(`engines/exspec.py`).
+
+Cutting copies nothing: a `RowKV` holds views of the batch cache it was cut from (which stays
+alive while some row still views it), and the next stack copies each row once, straight into the
+new batch. On one CPU thread a copy into fresh memory costs several times the copy itself (the
+pages are faulted in on first touch: 4 s for the 720 MB cache of the bench pair's 8 longest
+prompts, against 0.2 s for a copy within touched memory), so the per-sequence form must not be a
+tensor of its own."""
 
 from __future__ import annotations
 
@@ -17,14 +25,35 @@ from specaudit.engines.batch import BatchState
 
 
 @dataclass
+class RowKV:
+    """One sequence's keys and values in one model: per attention layer, `(keys, values)`, each
+    `[H, S, D]` (usually views into a batch cache; `S` = its cached tokens, the same in every layer)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def width(self) -> int:
+        return self.layers[0][0].shape[-2] if self.layers else 0
+
+    def tensor(self) -> torch.Tensor:
+        """A copy as one tensor `[L, 2, H, S, D]` (for inspection and tests)."""
+        return torch.stack([torch.stack(kv) for kv in self.layers])
+
+    @classmethod
+    def from_tensor(cls, kv: torch.Tensor) -> "RowKV":
+        """From one tensor `[L, 2, H, S, D]` (views of it, no copy)."""
+        return cls([(layer[0], layer[1]) for layer in kv.unbind(0)])
+
+
+@dataclass
 class Sequence:
     """An active request: its tokens (prompt + new) and its own caches of all but the last token."""
 
     request_id: int
     tokens: list[int]
     prompt_length: int
-    target_kv: torch.Tensor | None  # [L, 2, H, n-1, D]; set when it enters the window
-    draft_kv: torch.Tensor | None  # [L', 2, H', n-1, D'], None for a drafter without a cache
+    target_kv: RowKV | None  # n - 1 columns per layer; set when it enters the window
+    draft_kv: RowKV | None  # the same for the draft; None for a drafter without a cache
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, [emitted, V]
     target_states: list | None = None  # its own recurrent states (engines/recurrent.py), hybrid models only
     draft_states: list | None = None
@@ -34,32 +63,27 @@ class Sequence:
         return len(self.tokens)
 
 
-def stack_cache(model: PreTrainedModel, kvs: list[torch.Tensor]) -> DynamicCache:
-    """One batch cache from per-sequence caches `[L, 2, H, S_b, D]`, right-aligned (zero padding
-    on the left when the lengths differ): one stack (or one copy per row), then per-layer views."""
-    lengths = [kv.shape[-2] for kv in kvs]
-    width = max(lengths)
-    if min(lengths) == width:
-        stacked = torch.stack(kvs, dim=2)  # [L, 2, G, H, S, D]
-    else:
-        layers, _, heads, _, dim = kvs[0].shape
-        stacked = kvs[0].new_zeros(layers, 2, len(kvs), heads, width, dim)  # [L, 2, G, H, W, D]
-        for b, kv in enumerate(kvs):
-            stacked[:, :, b, :, width - kv.shape[-2]:] = kv
+def stack_cache(model: PreTrainedModel, kvs: list[RowKV], spare: int | None = None) -> DynamicCache:
+    """One batch cache from per-sequence caches, right-aligned (zero padding on the left when the
+    widths differ): per layer one buffer `[G, H, W + spare, D]`, each row copied into it once, the
+    next passes writing into the `spare` columns left (`layout.spare_width(W)` unless given)."""
     cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
     layers = ragged.cache_layers(cache)  # attention layers (recurrent states are stacked apart)
-    if len(layers) != stacked.shape[0]:
-        raise ValueError(f"{len(kvs[0])} cached layers for a model with {len(layers)} attention layers")
-    for layer, layer_kv in zip(layers, stacked.unbind(0)):
-        layer.dtype, layer.device, layer.is_initialized = stacked.dtype, stacked.device, True
-        layer.keys, layer.values = layer_kv[0], layer_kv[1]  # [G, H, W, D] each
+    if len(layers) != len(kvs[0].layers):
+        raise ValueError(f"{len(kvs[0].layers)} cached layers for a model with {len(layers)} attention layers")
+    width = max(kv.width for kv in kvs)
+    spare = layout.spare_width(width) if spare is None else spare
+    for i, layer in enumerate(layers):
+        keys, values = (ragged.right_aligned([kv.layers[i][j].unsqueeze(0) for kv in kvs], width, spare) for j in (0, 1))
+        layout.hold_columns(layer, keys, values, width)
     return cache
 
 
-def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends: list[int]) -> list[torch.Tensor]:
-    """Cut row `rows[i]`'s columns `starts[i]:ends[i]` out of a batch cache, as `[L, 2, H, S, D]` views."""
-    stacked = torch.stack([torch.stack((layer.keys, layer.values)) for layer in ragged.cache_layers(cache)])  # [L, 2, G, H, W, D]
-    return [stacked[:, :, b, :, start:end] for b, start, end in zip(rows, starts, ends)]
+def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends: list[int]) -> list[RowKV]:
+    """Cut row `rows[i]`'s columns `starts[i]:ends[i]` out of a batch cache: views, no copy."""
+    layers = ragged.cache_layers(cache)
+    return [RowKV([(layer.keys[b, :, start:end], layer.values[b, :, start:end]) for layer in layers])
+            for b, start, end in zip(rows, starts, ends)]
 
 
 def joinable(state: BatchState) -> bool:
@@ -69,9 +93,9 @@ def joinable(state: BatchState) -> bool:
 
 
 def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedModel, drafter: Any, pad_id: int) -> None:
-    """Add `newcomers` (their own caches stacked) after the rows of the held batch `state`: tokens,
-    lengths and caches right-aligned to the wider width (one copy of the held caches, not an unstack
-    of every row and a new stack)."""
+    """Add `newcomers` after the rows of the held batch `state`: tokens, lengths and caches
+    right-aligned to the wider width, each layer one new buffer with spare columns into which the
+    held rows and every newcomer are copied once (no unstack of the held rows, no stack of their own)."""
     device = target.device
     tokens, lengths = ragged.left_pad([s.tokens for s in newcomers], pad_id, device)
     width = max(state.tokens.shape[1], tokens.shape[1])
@@ -80,8 +104,13 @@ def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedMo
     state.prompt_lengths = torch.cat([state.prompt_lengths, torch.tensor(
         [s.prompt_length for s in newcomers], dtype=torch.long, device=device)])
     state.rows = state.rows + [s.request_id for s in newcomers]
-    for cache, model, kvs in ((state.target_cache, target, [s.target_kv for s in newcomers]),
-                              (state.draft_cache, getattr(drafter, "draft", None), [s.draft_kv for s in newcomers])):
-        if cache is not None:  # a drafter with a cache has its model as `draft`
-            new = stack_cache(model, kvs)
-            ragged.join_cache_rows(cache, new, max(ragged.cache_width(cache), ragged.cache_width(new)))
+    for cache, kvs in ((state.target_cache, [s.target_kv for s in newcomers]),
+                       (state.draft_cache, [s.draft_kv for s in newcomers])):
+        if cache is None:
+            continue
+        columns = max([ragged.cache_width(cache)] + [kv.width for kv in kvs])
+        for i, layer in enumerate(ragged.cache_layers(cache)):
+            keys, values = (ragged.right_aligned([held] + [kv.layers[i][j].unsqueeze(0) for kv in kvs], columns,
+                                                 layout.spare_width(columns))
+                            for j, held in ((0, layer.keys), (1, layer.values)))
+            layout.hold_columns(layer, keys, values, columns)

@@ -154,6 +154,21 @@ def _is_prefix(view: torch.Tensor, buffer: torch.Tensor | None) -> bool:
             and view.shape[-1] == buffer.shape[-1] and view.stride() == buffer.stride())
 
 
+def spare_width(width: int) -> int:
+    """Columns of room to leave after `width` filled ones (as `SpareColumnsLayer.update` does)."""
+    return max(SpareColumnsLayer.SPARE_MIN, width // 4)
+
+
+def hold_columns(layer: Any, key_buffer: torch.Tensor, value_buffer: torch.Tensor, width: int) -> None:
+    """Make `layer` hold the first `width` columns of buffers `[B, H, C, D]` (`C >= width`); a plain
+    full-history layer keeps the buffers, and its next passes write into the columns left."""
+    layer.dtype, layer.device, layer.is_initialized = key_buffer.dtype, key_buffer.device, True
+    layer.keys, layer.values = key_buffer[..., :width, :], value_buffer[..., :width, :]
+    if type(layer) in (DynamicLayer, SpareColumnsLayer) and key_buffer.shape[-2] > width:
+        layer.__class__ = SpareColumnsLayer
+        layer._buffers = (key_buffer, value_buffer)
+
+
 def spare_columns(cache: Any) -> None:
     """Give every plain full-history layer of `cache` spare columns (`SpareColumnsLayer`); sliding,
     recurrent and other layer kinds keep their own update."""

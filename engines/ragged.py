@@ -101,38 +101,48 @@ def cache_layers(cache) -> list:
 
 
 def realign_columns(x: torch.Tensor, keep_end: list[int], new_lengths: list[int],
-                    rows: list[int] | None = None) -> torch.Tensor:
-    """`[B', H, W', D]` from `x` [B, H, S, D]: row i holds source row `rows[i]`'s `new_lengths[i]`
-    columns ending (exclusively) at `keep_end[i]`, right-aligned in `W' = max(new_lengths)` columns,
-    zeros before them. One slice copy per row; `x` is not modified. A plan that reaches outside `x`
-    (only a faulty engine makes one) reads clamped columns, as `gather_columns` does."""
+                    rows: list[int] | None = None, spare: int = 0) -> torch.Tensor:
+    """`[B', H, W' + spare, D]` from `x` [B, H, S, D]: row i holds source row `rows[i]`'s `new_lengths[i]`
+    columns ending (exclusively) at `keep_end[i]`, right-aligned in the first `W' = max(new_lengths)`
+    columns, zeros before them; the `spare` columns after them are left unwritten. One slice copy per
+    row; `x` is not modified. A plan that reaches outside `x` (only a faulty engine makes one) reads
+    clamped columns, as `gather_columns` does."""
     rows = rows if rows is not None else list(range(len(keep_end)))
     width = max(new_lengths, default=0)
+    out = x.new_empty(len(rows), x.shape[1], width + spare, x.shape[3])  # [B', H, W' + spare, D]
     if any(end - n < 0 or end > x.shape[-2] for end, n in zip(keep_end, new_lengths)):
         source, valid = realign_index(torch.tensor(keep_end, device=x.device), torch.tensor(new_lengths, device=x.device))
-        return gather_columns(x.index_select(0, torch.tensor(rows, device=x.device)), source, valid)
-    out = x.new_empty(len(rows), x.shape[1], width, x.shape[3])  # [B', H, W', D]
+        out[:, :, :width] = gather_columns(x.index_select(0, torch.tensor(rows, device=x.device)), source, valid)
+        return out
     for i, (row, end, n) in enumerate(zip(rows, keep_end, new_lengths)):
         if n:
-            out[i, :, width - n:] = x[row, :, end - n:end]
+            out[i, :, width - n:width] = x[row, :, end - n:end]
         if n < width:
             out[i, :, : width - n].zero_()
     return out
 
 
-def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows: torch.Tensor | None = None,
+                  spare: int = 0, hold=None) -> None:
     """Keep, for each row, the `new_lengths[b]` cached positions ending (exclusively) at column
     `keep_end[b]`, right-aligned, padding zeroed; optionally first select the batch `rows`.
 
     One slice copy per row, layer and tensor (`realign_columns`), the same plan for every layer;
-    modifies `cache` in place (new tensors per layer; the old ones are not written)."""
+    modifies `cache` in place (new tensors per layer; the old ones are not written). With `spare`
+    columns, `hold(layer, key_buffer, value_buffer, width)` hands each layer its new buffers
+    (`layout.hold_columns`: the next pass writes into the room left instead of copying again)."""
     ends, lengths = keep_end.tolist(), new_lengths.tolist()
     selected = rows.tolist() if rows is not None else None
+    width = max(lengths, default=0)
     for layer in cache_layers(cache):
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        layer.keys = realign_columns(layer.keys, ends, lengths, selected)
-        layer.values = realign_columns(layer.values, ends, lengths, selected)
+        keys = realign_columns(layer.keys, ends, lengths, selected, spare)
+        values = realign_columns(layer.values, ends, lengths, selected, spare)
+        if hold is not None:
+            hold(layer, keys, values, width)
+        else:
+            layer.keys, layer.values = keys[:, :, :width], values[:, :, :width]
 
 
 def widen_left(x: torch.Tensor, width: int, dim: int, fill: float | bool = 0) -> torch.Tensor:
@@ -145,14 +155,30 @@ def widen_left(x: torch.Tensor, width: int, dim: int, fill: float | bool = 0) ->
     return torch.cat([torch.full(shape, fill, dtype=x.dtype, device=x.device), x], dim=dim)
 
 
+def right_aligned(blocks: list[torch.Tensor], width: int, spare: int = 0) -> torch.Tensor:
+    """`[sum G_i, H, width + spare, D]` from row blocks `[G_i, H, S_i, D]` (`S_i <= width`), in order:
+    each block's columns end at column `width`, zeros before them (left padding); the `spare`
+    columns after `width` are left unwritten. One allocation, each block copied once."""
+    first = blocks[0]
+    out = first.new_empty(sum(b.shape[0] for b in blocks), first.shape[1], width + spare, first.shape[3])
+    row = 0
+    for block in blocks:
+        rows, columns = block.shape[0], block.shape[2]
+        out[row:row + rows, :, width - columns:width] = block
+        if columns < width:
+            out[row:row + rows, :, :width - columns].zero_()
+        row += rows
+    return out
+
+
 def join_cache_rows(cache, other, width: int) -> None:
     """Append `other`'s rows to `cache` (in place), both right-aligned to `width` columns, zero columns on
     the left of the narrower (exactly like left padding)."""
     for layer, extra in zip(cache_layers(cache), cache_layers(other)):
         if getattr(layer, "keys", None) is None or not layer.keys.numel():
             continue
-        layer.keys = torch.cat([widen_left(layer.keys, width, 2), widen_left(extra.keys, width, 2)])  # [B + B', H, W, D]
-        layer.values = torch.cat([widen_left(layer.values, width, 2), widen_left(extra.values, width, 2)])
+        layer.keys = right_aligned([layer.keys, extra.keys], width)  # [B + B', H, W, D]
+        layer.values = right_aligned([layer.values, extra.values], width)
 
 
 def cache_width(cache) -> int:

@@ -17,6 +17,7 @@ import torch
 from specaudit.engines.models import zoo
 from specaudit.engines.drafters import ModelDrafter, ScriptedDrafter
 from specaudit.engines.exspec import EXSpec, ExspecPool, stack_cache, unstack_cache
+from specaudit.engines.exspec_cache import RowKV
 from specaudit.engines.registry import make_engine
 from specaudit.testing import models
 
@@ -188,12 +189,12 @@ def test_stack_and_unstack_are_inverse() -> None:
     pair = models.pair("tiny-gpt2")
     gen = torch.Generator().manual_seed(3)
     kvs = [torch.randn(4, 2, 4, n, 16, generator=gen, dtype=torch.float64) for n in (3, 1, 5)]
-    cache = stack_cache(pair.target, kvs)
+    cache = stack_cache(pair.target, [RowKV.from_tensor(kv) for kv in kvs])
     assert cache.layers[0].keys.shape == (3, 4, 5, 16)
     assert float(cache.layers[2].values[1, :, :4].abs().max()) == 0.0  # left padding is zero
     back = unstack_cache(cache, [0, 1, 2], [2, 4, 0], [5, 5, 5])
-    assert all(torch.equal(a, b) for a, b in zip(back, kvs))
-    same = stack_cache(pair.target, [kvs[2], kvs[2]])
+    assert all(torch.equal(a.tensor(), b) for a, b in zip(back, kvs))
+    same = stack_cache(pair.target, [RowKV.from_tensor(kvs[2])] * 2)
     assert torch.equal(same.layers[3].keys[1], kvs[2][3, 0])
 
 

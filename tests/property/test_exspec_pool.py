@@ -148,7 +148,7 @@ class PoolMachine(RuleBasedStateMachine):
         if self.has_draft_cache:
             caches.append((self.pair.draft, draft_kv))
         for model, kv in caches:
-            error = float((kv - fresh_cache(model, sequence.tokens[:-1])).abs().max())
+            error = float((kv.tensor() - fresh_cache(model, sequence.tokens[:-1])).abs().max())
             assert error < CACHE_TOLERANCE, f"request {sequence.request_id}: cache differs by {error}"
 
     @invariant()
@@ -164,9 +164,9 @@ class PoolMachine(RuleBasedStateMachine):
     def caches_hold_all_but_the_last_token(self):
         for sequence in self.pool.window:
             target_kv, draft_kv = self.pool.caches(sequence)
-            assert target_kv.shape[-2] == sequence.length - 1
+            assert target_kv.width == sequence.length - 1
             if self.has_draft_cache:
-                assert draft_kv is not None and draft_kv.shape[-2] == sequence.length - 1
+                assert draft_kv is not None and draft_kv.width == sequence.length - 1
             else:
                 assert draft_kv is None
 
