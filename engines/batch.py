@@ -193,9 +193,9 @@ def _prefill_groups(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
             group_cache, group_last = _prefill_by_length(model, group_tokens, group_lengths)
         if last_logits is None:
             last_logits = group_last.new_zeros(tokens.shape[0], group_last.shape[-1])  # [B, V]
+            room = width + layout.spare_width(width)  # spare columns for the next passes
             for layer, source in zip(ragged.cache_layers(cache), ragged.cache_layers(group_cache)):
                 b, h, _, d = source.keys.shape
-                room = width + layout.spare_width(width)  # spare columns for the next passes
                 layout.hold_columns(layer, source.keys.new_zeros(tokens.shape[0], h, room, d),  # [B, H, W + spare, D]
                                     source.values.new_zeros(tokens.shape[0], h, room, source.values.shape[-1]), width)
         last_logits[index] = group_last

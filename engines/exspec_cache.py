@@ -74,9 +74,17 @@ def stack_cache(model: PreTrainedModel, kvs: list[RowKV], spare: int | None = No
     width = max(kv.width for kv in kvs)
     spare = layout.spare_width(width) if spare is None else spare
     for i, layer in enumerate(layers):
-        keys, values = (ragged.right_aligned([kv.layers[i][j].unsqueeze(0) for kv in kvs], width, spare) for j in (0, 1))
-        layout.hold_columns(layer, keys, values, width)
+        _hold_rows(layer, [], [kv.layers[i] for kv in kvs], width, spare)
     return cache
+
+
+def _hold_rows(layer: Any, blocks: list[tuple[torch.Tensor, torch.Tensor]], rows: list[tuple[torch.Tensor, torch.Tensor]],
+               width: int, spare: int) -> None:
+    """Give `layer` new buffers with `spare` columns of room holding, right-aligned in `width` columns, the
+    row blocks `blocks` (keys and values `[G, H, S, D]`) and then the single rows `rows` (`[H, S, D]`)."""
+    parts = blocks + [(keys.unsqueeze(0), values.unsqueeze(0)) for keys, values in rows]
+    layout.hold_columns(layer, ragged.right_aligned([keys for keys, _ in parts], width, spare),
+                        ragged.right_aligned([values for _, values in parts], width, spare), width)
 
 
 def unstack_cache(cache: DynamicCache, rows: list[int], starts: list[int], ends: list[int]) -> list[RowKV]:
@@ -110,7 +118,5 @@ def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedMo
             continue
         columns = max([ragged.cache_width(cache)] + [kv.width for kv in kvs])
         for i, layer in enumerate(ragged.cache_layers(cache)):
-            keys, values = (ragged.right_aligned([held] + [kv.layers[i][j].unsqueeze(0) for kv in kvs], columns,
-                                                 layout.spare_width(columns))
-                            for j, held in ((0, layer.keys), (1, layer.values)))
-            layout.hold_columns(layer, keys, values, columns)
+            _hold_rows(layer, [(layer.keys, layer.values)], [kv.layers[i] for kv in kvs], columns,
+                       layout.spare_width(columns))
