@@ -90,11 +90,8 @@ def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_leng
     def timed(model, q: int) -> float:
         cache, _ = batch_ops.prefill(model, tokens, lengths)
         inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)
-        # one untimed pass gives the layers their spare columns (`layout.SpareColumnsLayer`), as in the
-        # engines' passes; cut back to the context, each timed pass then writes its columns in place
-        batch_ops.forward(model, cache, inputs[:, :1], lengths)
-        for layer in ragged.cache_layers(cache):
-            layer.keys, layer.values = layer.keys[..., :context_length, :], layer.values[..., :context_length, :]
+        # the prefilled layers have spare columns (`layout.SpareColumnsLayer`), as in the engines: each timed
+        # pass writes its columns in place, and restoring the views below drops them again
         saved = [(layer.keys, layer.values) for layer in ragged.cache_layers(cache)]
         seconds = []
         for _ in range(repeats + 1):  # the first call warms up
