@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import ragged, recurrent
+from specaudit.engines import layout, ragged, recurrent
 from specaudit.engines.contract import row_limits
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import Trace
@@ -63,7 +63,7 @@ def join_caches(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, o
     """Append `other`'s rows to `cache` (in place), both right-aligned to the wider width; returns
     the joined validity mask `[B + B', W]`."""
     width = max(valid.shape[1], other_valid.shape[1])
-    ragged.join_cache_rows(cache, other, width)
+    ragged.join_cache_rows(cache, other, width, layout.spare_width(width), layout.hold_columns)  # room for the next passes
     return torch.cat([ragged.widen_left(valid, width, 1, False), ragged.widen_left(other_valid, width, 1, False)], dim=0)  # [B+B', W]
 
 

@@ -171,14 +171,18 @@ def right_aligned(blocks: list[torch.Tensor], width: int, spare: int = 0) -> tor
     return out
 
 
-def join_cache_rows(cache, other, width: int) -> None:
+def join_cache_rows(cache, other, width: int, spare: int = 0, hold=None) -> None:
     """Append `other`'s rows to `cache` (in place), both right-aligned to `width` columns, zero columns on
-    the left of the narrower (exactly like left padding)."""
+    the left of the narrower (exactly like left padding). `spare` and `hold` as in `realign_cache`."""
     for layer, extra in zip(cache_layers(cache), cache_layers(other)):
         if getattr(layer, "keys", None) is None or not layer.keys.numel():
             continue
-        layer.keys = right_aligned([layer.keys, extra.keys], width)  # [B + B', H, W, D]
-        layer.values = right_aligned([layer.values, extra.values], width)
+        keys = right_aligned([layer.keys, extra.keys], width, spare)  # [B + B', H, W + spare, D]
+        values = right_aligned([layer.values, extra.values], width, spare)
+        if hold is not None:
+            hold(layer, keys, values, width)
+        else:
+            layer.keys, layer.values = keys[:, :, :width], values[:, :, :width]
 
 
 def cache_width(cache) -> int:

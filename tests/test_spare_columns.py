@@ -123,3 +123,17 @@ def test_exspec_rows_are_views_and_their_next_stack_has_room() -> None:
     pointer = layer.keys.data_ptr()
     layer.update(torch.zeros(2, 4, 1, 16, dtype=torch.float64), torch.zeros(2, 4, 1, 16, dtype=torch.float64))
     assert layer.keys.data_ptr() == pointer
+
+
+def test_joined_caches_have_room_and_the_next_pass_writes_into_it() -> None:
+    from specaudit.engines import ragged
+
+    (keys, values), (other_keys, other_values), (new_keys, new_values) = _chunks(6, [4, 7, 1])
+    cache, other = _cache(keys, values), _cache(other_keys[:2], other_values[:2])
+    ragged.join_cache_rows(cache, other, 7, layout.spare_width(7), layout.hold_columns)
+    layer = cache.layers[0]
+    assert torch.equal(layer.keys, torch.cat([ragged.widen_left(keys, 7, 2), other_keys[:2]]))
+    assert torch.equal(layer.values, torch.cat([ragged.widen_left(values, 7, 2), other_values[:2]]))
+    pointer = layer.keys.data_ptr()
+    layer.update(torch.cat([new_keys, new_keys[:2]]), torch.cat([new_values, new_values[:2]]))
+    assert layer.keys.data_ptr() == pointer and layer.keys.shape[-2] == 8
