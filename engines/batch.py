@@ -43,7 +43,9 @@ class BatchState:
             return
         cache_lengths = self.cache_lengths.index_select(0, keep)
         for cache in (self.target_cache, self.draft_cache):
-            if cache is not None:
+            if cache is not None and layout.is_row_ends(cache):
+                layout.settle_rows(cache, cache_lengths, keep)
+            elif cache is not None:
                 keep_end = torch.full_like(cache_lengths, ragged.cache_width(cache))
                 realign_with_room(cache, keep_end, cache_lengths, rows=keep)
                 recurrent.select_rows(cache, keep)
@@ -71,8 +73,14 @@ def forward(
     `real_counts` are padding: rejected like draft tokens, and kept out of its recurrent states."""
     width = ragged.cache_width(cache)
     q = inputs.shape[1]
-    mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
     positions = ragged.position_ids(cache_lengths, q)  # [B, q]
+    if layout.is_row_ends(cache):  # each row writes at its own end; a per-query mask
+        for layer in cache.layers:
+            layer.write_at = cache_lengths
+        mask = layout.row_ends_mask(model, cache_lengths, q)  # [B, 1, q, max(c) + q]
+        return model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=True).logits
+    mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
     layout.spare_columns(cache)  # new columns written in place, not the cache copied
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
         return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
@@ -210,6 +218,9 @@ def _prefill_groups(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
 def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, cache_lengths: torch.Tensor, keep: torch.Tensor) -> None:
     """After a step that appended columns from `old_width` on: keep, for each kept row, its old
     cache plus its pending token and accepted draft tokens (`accepted_counts + 1` columns)."""
+    if layout.is_row_ends(cache):  # rejected columns lie past each row's new end: nothing moves
+        layout.settle_rows(cache, (cache_lengths + accepted_counts + 1).index_select(0, keep), keep)
+        return
     recurrent.commit(cache, accepted_counts, keep)  # each kept row's state after its accepted tokens
     keep_end = (old_width + accepted_counts + 1).index_select(0, keep)
     new_lengths = (cache_lengths + accepted_counts + 1).index_select(0, keep)

@@ -12,38 +12,33 @@ cut from (`exspec_cache.RowKV`), copied once into the next batch it joins. Each 
 - group:    otherwise, up to `batch_size` active sequences of the same length are stacked into
             one buffer per layer (no padding), one speculative step runs on them, and each
             sequence's new cache is cut out of the verify pass's cache with a slice (no realignment);
-- fallback: when no same-length group is large enough, up to `batch_size` sequences of the
-            closest lengths form a left-padded batch, and one speculative step runs on it with
-            EQSPEC's padding, masks and realignment (`engines/ragged.py`).
+- fallback: otherwise up to `batch_size` sequences of the closest lengths form a padded batch
+            (held: see `hold` below) and one speculative step runs on it.
 
-Finished sequences (EOS, `max_new_tokens`, or `ExspecPool.finish`) leave the window and are
-answered under their request id. `EXSpec.generate` admits every prompt (sorted by length first
-when asked) and steps the pool until it is empty.
+Finished sequences (EOS, `max_new_tokens`, or `ExspecPool.finish`) leave the window, answered under
+their request id. `EXSpec.generate` admits every prompt and steps the pool until it is empty.
 
 Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overrides it):
 
 - group when some length is shared by at least `min_group = B` active sequences (the shortest
-  such length first, its oldest B sequences); otherwise fall back on the B sequences whose
-  lengths are closest (the shortest such run on ties). A group never trades rows for the lack of
-  padding: it runs only when it fills the batch, and then it saves the padding and the gather.
+  such length first, its oldest B); otherwise fall back on the B sequences whose lengths are
+  closest (the shortest such run on ties): a group never trades rows for the lack of padding.
 - refill when the window has room for `refill_at` sequences (or for all that still wait, or when
   it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
-- `hold` (default): a padded batch is realigned after its step and kept as it is, caches
-  included; finished rows leave it in the realignment. While no full same-length group exists the
-  held batch runs again, the oldest other sequences of the window joining it in its free rows
-  (`exspec_cache.join_rows`: their caches stacked and appended; models with recurrent layers
-  restack instead). A sequence's own caches are cut out only when it leaves the held batch for a
-  same-length group. Without `hold`, the padded batch is realigned (`fallback="realign"`: one copy
-  per row and layer, as in EQSPEC) or each running row is cut out of the verify pass's cache with
-  one slice, its left padding kept masked until the next stack (`masked`), and every step stacks
-  anew. `wait_steps`: while no full group exists, run the largest same-length group (2 rows or
-  more) for at most this many steps before falling back.
+- `hold` (default): a padded batch is kept after its step, caches included, finished rows leaving
+  it; while no full same-length group exists it runs again, the oldest other sequences of the window
+  joining it in its free rows (`exspec_cache.join_rows`). Where every layer is full attention its
+  caches grow at each row's own end (`layout.RowEndsLayer`): a step, a leaving row or a joining row
+  copies nothing but the rows that move; otherwise (sliding windows, recurrent layers) it is
+  realigned as in EQSPEC. A sequence's caches are cut out only when it leaves the held batch.
+  Without `hold`: `fallback="realign"` (EQSPEC's realignment) or `"masked"` (each row cut out of
+  the verify pass's cache, its left padding masked until the next stack). `wait_steps`: run the
+  largest same-length group (2 rows or more) for at most this many steps before falling back.
 
 The measurements behind this policy (tiny pairs, and the bench pair) are in reports/bench/README.md.
 
-Every step records its kind ("prefill", "group", "fallback"), its rows and their padding, and
-the seconds of each stage ("stack", "draft", "verify", "realign", "unstack"); `Trace.totals()`
-sums them.
+Every step records its kind ("prefill", "group", "fallback"), rows, padding and the seconds of
+each stage ("stack", "draft", "verify", "realign", "unstack").
 """
 
 from __future__ import annotations
@@ -61,7 +56,7 @@ from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
-from specaudit.engines.exspec_cache import RowKV, Sequence, join_rows, joinable, stack_cache, unstack_cache
+from specaudit.engines.exspec_cache import RowKV, Sequence, held_spans, join_rows, joinable, stack_cache, unstack_cache
 from specaudit.engines.trace import StepRecord, Trace
 
 FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
@@ -216,17 +211,16 @@ class ExspecPool:
             return sequence.target_kv, sequence.draft_kv
         state, held = self._held
         row = next(i for i, s in enumerate(held) if s is sequence)
-        cut = [unstack_cache(cache, [row], [ragged.cache_width(cache) - sequence.length + 1], [ragged.cache_width(cache)])[0]
-               if cache is not None else None for cache in (state.target_cache, state.draft_cache)]
+        starts, ends = held_spans(state, [sequence])
+        cut = [unstack_cache(cache, [row], starts, ends)[0] if cache is not None else None
+               for cache in (state.target_cache, state.draft_cache)]
         return cut[0], cut[1]
 
     def _release(self) -> None:
         """Cut every sequence of the held batch out of it (right-aligned, realigned), and hold nothing."""
         if self._held is not None:
             state, sequences = self._held
-            width = ragged.cache_width(state.target_cache)
-            self._cut_caches(state, sequences, list(range(len(sequences))), [width - s.length + 1 for s in sequences],
-                             [width] * len(sequences))
+            self._cut_caches(state, sequences, list(range(len(sequences))), *held_spans(state, sequences))
             self._held = None
 
     def _speculate(self, group: list[Sequence]) -> StepRecord:
@@ -234,6 +228,7 @@ class ExspecPool:
         clock = Clock(self.target.device)
         device = self.target.device
         same_length = len({s.length for s in group}) == 1
+        hold = self.hold and not same_length
 
         # 1. stack: tokens [G, n] (left-padded when lengths differ) and both caches, one stack per model;
         #    or the held batch as it is, when it holds exactly these sequences
@@ -249,17 +244,20 @@ class ExspecPool:
             self._release()
             tokens, lengths = ragged.left_pad([s.tokens for s in group], self.pad_id, device)
             prompt_lengths = torch.tensor([s.prompt_length for s in group], dtype=torch.long, device=device)
+            # a batch that will be held grows at its rows' own ends (`layout.RowEndsLayer`), when the models allow;
+            # its buffers have the columns the longest request admitted can need
+            ends = hold and layout.row_ends_supported(self.target, getattr(self.drafter, "draft", None))
+            room = dict(row_ends=ends, rows=self.batch_size, columns=max(map(len, self.prompts.values())) + self.max_new_tokens + self.k + 1)
             state = BatchState([s.request_id for s in group], tokens, lengths, prompt_lengths,
-                               stack_cache(self.target, [s.target_kv for s in group]))
+                               stack_cache(self.target, [s.target_kv for s in group], **room))
             recurrent.load_rows(state.target_cache, [s.target_states for s in group])
             if group[0].draft_kv is not None:
-                state.draft_cache = stack_cache(self.drafter.draft, [s.draft_kv for s in group])
+                state.draft_cache = stack_cache(self.drafter.draft, [s.draft_kv for s in group], **room)
                 recurrent.load_rows(state.draft_cache, [s.draft_states for s in group])
         old_lengths = [s.length for s in group]
         stack_seconds = clock.lap()
 
         # 2. speculate: draft, verify, accept; a group keeps its caches as the verify pass left them
-        hold = self.hold and not same_length
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
                                   self._budgets(state.rows), self.pad_id, self.record_logits,
                                   kind="group" if same_length else "fallback",
@@ -271,8 +269,11 @@ class ExspecPool:
             sequence.tokens.extend(new_tokens)
         self._keep_logits(group, result)
         running = [b for b, s in enumerate(group) if s.request_id not in result.finished]
-        if hold and running:  # realigned: the running rows, in batch order
-            self._held = (state, [group[b] for b in running])
+        if hold and running:  # realigned: the running rows, in the batch's new order; their caches live there
+            by_id = {s.request_id: s for s in group}
+            self._held = (state, [by_id[r] for r in state.rows])
+            for sequence in self._held[1]:
+                sequence.target_kv = sequence.draft_kv = None  # no view keeps the batch they came from alive
         elif same_length:  # row b: columns 0 .. n + accepted, where the verify pass left them
             ends = [old_lengths[b] + result.record.accepted_counts[b] for b in running]
             self._cut_caches(state, [group[b] for b in running], running, [0] * len(running), ends)

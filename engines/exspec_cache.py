@@ -63,10 +63,16 @@ class Sequence:
         return len(self.tokens)
 
 
-def stack_cache(model: PreTrainedModel, kvs: list[RowKV], spare: int | None = None) -> DynamicCache:
+def stack_cache(model: PreTrainedModel, kvs: list[RowKV], spare: int | None = None, row_ends: bool = False,
+                rows: int | None = None, columns: int = 0) -> DynamicCache:
     """One batch cache from per-sequence caches, right-aligned (zero padding on the left when the
     widths differ): per layer one buffer `[G, H, W + spare, D]`, each row copied into it once, the
-    next passes writing into the `spare` columns left (`layout.spare_width(W)` unless given)."""
+    next passes writing into the `spare` columns left (`layout.spare_width(W)` unless given).
+    `row_ends`: left-aligned instead, each row growing at its own end, with room for `rows` rows of
+    `columns` columns (`layout.RowEndsLayer`)."""
+    if row_ends:
+        blocks = [[kv.layers[i] for kv in kvs] for i in range(len(kvs[0].layers))]  # [layer][row]
+        return layout.row_ends_cache(blocks, [kv.width for kv in kvs], max(rows or 0, len(kvs)), columns)
     cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
     layers = ragged.cache_layers(cache)  # attention layers (recurrent states are stacked apart)
     if len(layers) != len(kvs[0].layers):
@@ -111,12 +117,25 @@ def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedMo
     state.lengths = torch.cat([state.lengths, lengths])
     state.prompt_lengths = torch.cat([state.prompt_lengths, torch.tensor(
         [s.prompt_length for s in newcomers], dtype=torch.long, device=device)])
+    held_rows = len(state.rows)
     state.rows = state.rows + [s.request_id for s in newcomers]
     for cache, kvs in ((state.target_cache, [s.target_kv for s in newcomers]),
                        (state.draft_cache, [s.draft_kv for s in newcomers])):
         if cache is None:
             continue
+        if layout.is_row_ends(cache):  # into the free rows of its buffers, nothing else moves
+            layout.append_rows(cache, held_rows, [[kv.layers[i] for kv in kvs] for i in range(len(kvs[0].layers))],
+                                       [kv.width for kv in kvs])
+            continue
         columns = max([ragged.cache_width(cache)] + [kv.width for kv in kvs])
         for i, layer in enumerate(ragged.cache_layers(cache)):
             _hold_rows(layer, [(layer.keys, layer.values)], [kv.layers[i] for kv in kvs], columns,
                        layout.spare_width(columns))
+
+
+def held_spans(state: BatchState, sequences: list[Sequence]) -> tuple[list[int], list[int]]:
+    """Where each sequence's `n - 1` cached columns lie in a held batch: left-aligned (row ends) or right-aligned."""
+    if layout.is_row_ends(state.target_cache):
+        return [0] * len(sequences), [s.length - 1 for s in sequences]
+    width = ragged.cache_width(state.target_cache)
+    return [width - s.length + 1 for s in sequences], [width] * len(sequences)

@@ -17,6 +17,9 @@ once, chunked attention, layers that share another layer's cache, recurrent stat
 model's modules instead of its cache: RecurrentGemma) is refused before any run by
 `check_supported`, with one line naming the architecture and what is missing.
 
+EXSPEC's held batch keeps its rows left-aligned instead, each growing at its own end
+(`RowEndsLayer`, below), where every layer is full attention.
+
 Float64 switches (eager experts, a float64 softmax) are in `engines/models/float64.py`.
 """
 
@@ -215,3 +218,149 @@ def experts_implementation(model: PreTrainedModel) -> str | None:
     if can_set is None or not can_set():
         return None
     return getattr(model.config, "_experts_implementation", None)
+
+
+# Row ends: a batch cache whose rows are left-aligned and grow at their own ends (`cache_seqlens[B]`).
+#
+# A batch cache whose rows are left-aligned and grow at their own ends (`cache_seqlens[B]`).
+#
+# The ragged caches of `engines/batch.py` right-align every row, so after a speculative step in which
+# rows accepted different numbers of draft tokens every row must move (`ragged.realign_cache`: one
+# copy of the whole cache per step). Here row `b` holds its `c_b` cached tokens in columns
+# `0 .. c_b - 1` of a buffer `[B, H, C, D]` per layer, and a pass of `q` tokens writes its keys and
+# values at columns `c_b .. c_b + q - 1` of each row's own (`RowEndsLayer.update`). Accepting a
+# step is then only new lengths: a rejected draft token's columns lie past the row's new end, masked,
+# and the next pass writes over them. A leaving row's place is taken by a row past the new batch size
+# (`fill_order`), and joining rows copy their own columns in; nothing else is ever copied.
+#
+# Column = position, so the attention mask is per row and per query (`row_ends_mask`): query `i`
+# of row `b` (position `c_b + i`) sees columns `0 .. c_b + i`. The columns past it hold stale or zero
+# keys and values, always finite, and get weight exactly zero. The mask is handed to the model as a
+# prepared 4-D mask in the form its attention implementation takes (boolean for SDPA, additive for
+# eager), which transformers passes through unchanged. Only models whose attention layers are all
+# full attention are kept this way (`row_ends_supported`): a sliding window or a recurrent state needs
+# the right-aligned layout.
+
+
+def _room(width: int) -> int:
+    return width + spare_width(width)
+
+
+class RowEndsLayer(DynamicLayer):
+    """Keys and values in buffers `[B_cap, H, C, D]`; rows `0 .. n - 1` are the batch. `write_at` [n]
+    (each row's cached length, set before every pass by `batch.forward`) says where a pass writes."""
+
+    write_at: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        assert self.write_at is not None, "a row-ends layer needs each row's length before a pass"
+        rows, q = key_states.shape[0], key_states.shape[-2]
+        end = int(self.write_at.max()) + q
+        if end > self._buffers[0].shape[-2]:
+            self._grow(_room(end))
+        columns = self.write_at.unsqueeze(1) + torch.arange(q, device=key_states.device)  # [n, q]
+        index = torch.arange(rows, device=key_states.device).unsqueeze(1)  # [n, 1]
+        key_buffer, value_buffer = self._buffers
+        key_buffer[index, :, columns] = key_states.transpose(1, 2)  # [n, q, H, D] into each row's own columns
+        value_buffer[index, :, columns] = value_states.transpose(1, 2)
+        self.keys, self.values = key_buffer[:rows, :, :end], value_buffer[:rows, :, :end]
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        old = self._buffers
+        grown = tuple(b.new_zeros(*b.shape[:-2], capacity, b.shape[-1]) for b in old)
+        for new, buffer in zip(grown, old):
+            new[..., : buffer.shape[-2], :] = buffer
+        self._buffers = grown
+
+    def show(self, rows: int, width: int) -> None:
+        self.keys, self.values = self._buffers[0][:rows, :, :width], self._buffers[1][:rows, :, :width]
+
+
+def is_row_ends(cache: Any) -> bool:
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(isinstance(layer, RowEndsLayer) for layer in layers)
+
+
+def row_ends_supported(*models: PreTrainedModel | None) -> bool:
+    """Whether the models (None: no model) can run on row-ends caches: full attention in every layer, SDPA or eager."""
+    present = [m for m in models if m is not None]
+    return all(all(k == "full" for k in attention_layer_kinds(m)) and _mask_kind(m) is not None for m in present)
+
+
+def _mask_kind(model: PreTrainedModel) -> str | None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+    function = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(getattr(model.config, "_attn_implementation", None))
+    return "bool" if function is sdpa_mask else "additive" if function is eager_mask else None
+
+
+def row_ends_mask(model: PreTrainedModel, cache_lengths: torch.Tensor, q: int) -> torch.Tensor:
+    """`[B, 1, q, max(c) + q]`: query i of row b sees columns 0 .. c_b + i, in the form the model's
+    attention takes (True = attend for SDPA; 0 / the dtype's minimum, added to the scores, for eager)."""
+    columns = torch.arange(int(cache_lengths.max()) + q, device=cache_lengths.device)  # [S]
+    last = cache_lengths.unsqueeze(1) + torch.arange(q, device=cache_lengths.device)  # [B, q]
+    mask = (columns.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1)  # [B, 1, q, S]
+    if _mask_kind(model) == "additive":
+        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
+    return mask
+
+
+def row_ends_cache(blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int],
+              batch_capacity: int, columns: int = 0) -> DynamicCache:
+    """A row-ends cache of `len(lengths)` rows: `blocks[layer][row]` = (keys, values) `[H, n, D]` whose last
+    `lengths[row]` columns are the row's (left-aligned here, zeros past them); room for `batch_capacity` rows
+    of `columns` columns (a pool that knows its longest request allocates once), else for a quarter more."""
+    cache = DynamicCache()
+    width = max(_room(max(lengths)), columns)
+    for rows in blocks:
+        layer = RowEndsLayer()
+        keys, values = rows[0]
+        layer._buffers = (keys.new_zeros(batch_capacity, keys.shape[0], width, keys.shape[-1]),
+                          values.new_zeros(batch_capacity, values.shape[0], width, values.shape[-1]))
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        cache.layers.append(layer)
+    append_rows(cache, 0, blocks, lengths)
+    return cache
+
+
+def append_rows(cache: DynamicCache, rows: int, blocks: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                lengths: list[int]) -> None:
+    """Copy new rows after the first `rows` of the buffers (each as in `row_ends_cache`), growing them when needed."""
+    total = rows + len(lengths)
+    width = max([max(lengths)] + ([cache.layers[0].keys.shape[-2]] if rows else []))  # the batch's widest row
+    for layer, new_rows in zip(cache.layers, blocks):
+        if total > layer._buffers[0].shape[0] or width > layer._buffers[0].shape[-2]:
+            capacity = max(layer._buffers[0].shape[-2], _room(width))
+            grown = tuple(b.new_zeros(max(total, b.shape[0]), b.shape[1], capacity, b.shape[-1]) for b in layer._buffers)
+            for new, buffer in zip(grown, layer._buffers):
+                new[:rows, :, : buffer.shape[-2]] = buffer[:rows]
+            layer._buffers = grown
+        for i, ((keys, values), n) in enumerate(zip(new_rows, lengths)):
+            for buffer, source in zip(layer._buffers, (keys, values)):
+                buffer[rows + i, :, :n] = source[:, source.shape[-2] - n:]  # past n: an earlier row's, finite
+        layer.show(total, width)
+
+
+def fill_order(keep: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows `keep` (ascending, of `rows`) in the order `settle_rows` keeps them with fewest moves: a row
+    that stays where it is keeps its place, and each hole a leaving row makes below the new batch size
+    takes one of the rows past it (one row copied per leaving row, not every row after it)."""
+    kept = keep.tolist()
+    staying = set(kept)
+    tail = [r for r in kept if r >= len(kept)]
+    order = [i if i in staying else tail.pop() for i in range(len(kept))]
+    return torch.tensor(order, dtype=keep.dtype, device=keep.device)
+
+
+def settle_rows(cache: DynamicCache, new_lengths: torch.Tensor, keep: torch.Tensor) -> None:
+    """After a step: rows `keep` stay, row `keep[i]` becoming row `i` (copied in place when they differ:
+    `fill_order` makes that one row per leaving row); `new_lengths` [len(keep)] are their cached lengths."""
+    keep_list = keep.tolist()
+    width = int(new_lengths.max()) if keep_list else 0
+    for layer in cache.layers:
+        for row, source in enumerate(keep_list):
+            if source != row:
+                for buffer in layer._buffers:
+                    buffer[row].copy_(buffer[source])
+        layer.show(len(keep_list), width)

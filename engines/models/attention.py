@@ -10,10 +10,11 @@ whose CPU kernels index the shared key/value head of each query head. On CUDA a 
 `enable_gqa` to the math kernel, so `use_sdpa_gqa` keeps transformers' own path there.
 
 A batch of ragged rows also pays attention over the longest row's columns in every row: a row of
-200 tokens beside one of 1000 attends over 1000 columns, 800 of them masked. When the rows' first
-visible columns differ by more than `ROW_SPLIT_COLUMNS`, each row attends over its own columns only
-(a view of the cache from its first visible column: no copy), one kernel call per row; masked
-columns have weight zero either way.
+200 tokens beside one of 1000 attends over 1000 columns, 800 of them masked. When the rows' visible
+columns differ by more than `ROW_SPLIT_COLUMNS`, each row attends over its own columns only
+(a view of the cache from its first to its last visible column: no copy), one kernel call per row;
+masked columns have weight zero either way. The same holds for rows that end at different columns
+(`layout.RowEndsLayer`: left-aligned rows).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 SDPA_GQA = "specaudit_sdpa_gqa"
-ROW_SPLIT_COLUMNS = 64  # rows whose first visible columns differ by more attend over their own columns
+ROW_SPLIT_COLUMNS = 64  # rows whose visible columns differ by more attend over their own columns
 
 
 def sdpa_gqa_attention(
@@ -48,28 +49,36 @@ def sdpa_gqa_attention(
                                       is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    starts = _first_visible_columns(attention_mask)
-    if starts is None or max(starts) - min(starts) <= ROW_SPLIT_COLUMNS:
+    spans = _visible_spans(attention_mask)
+    if spans is None or _spread(spans) <= ROW_SPLIT_COLUMNS:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
             enable_gqa=True)  # [B, Hq, q, Dv]
     else:
         assert attention_mask is not None
         out = query.new_empty(*query.shape[:3], value.shape[-1])  # [B, Hq, q, Dv]
-        for b, start in enumerate(starts):  # each row over its own columns: views, no copy
+        for b, (start, end) in enumerate(spans):  # each row over its own columns: views, no copy
             out[b:b + 1] = torch.nn.functional.scaled_dot_product_attention(
-                query[b:b + 1], key[b:b + 1, :, start:], value[b:b + 1, :, start:],
-                attn_mask=attention_mask[b:b + 1, :, :, start:], dropout_p=dropout, scale=scaling, enable_gqa=True)
+                query[b:b + 1], key[b:b + 1, :, start:end], value[b:b + 1, :, start:end],
+                attn_mask=attention_mask[b:b + 1, :, :, start:end], dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None  # [B, q, Hq, Dv]
 
 
-def _first_visible_columns(mask: torch.Tensor | None) -> list[int] | None:
-    """Per row, the first key column any of its queries may see (a boolean mask [B, 1, q, S]); None for no
-    mask, another kind of mask, or one row."""
+def _visible_spans(mask: torch.Tensor | None) -> list[tuple[int, int]] | None:
+    """Per row, the columns from the first to past the last that any of its queries may see (a boolean
+    mask [B, 1, q, S]); None for no mask, another kind of mask, or one row."""
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] < 2:
         return None
-    visible = mask.any(dim=2).any(dim=1)  # [B, S]
-    return visible.to(torch.uint8).argmax(dim=1).tolist()  # the first True (a row sees at least its own tokens)
+    visible = mask.any(dim=2).any(dim=1).to(torch.uint8)  # [B, S]; a row sees at least its own tokens
+    firsts = visible.argmax(dim=1)  # the first True
+    ends = visible.shape[1] - visible.flip(1).argmax(dim=1)  # past the last True
+    return list(zip(firsts.tolist(), ends.tolist()))
+
+
+def _spread(spans: list[tuple[int, int]]) -> int:
+    """Columns that one call over the union of the rows' spans would attend to in vain, at most, per row."""
+    starts, ends = [s for s, _ in spans], [e for _, e in spans]
+    return max(starts) - min(starts) + max(ends) - min(ends)
 
 
 def _register() -> None:
