@@ -70,3 +70,36 @@ def test_rows_of_very_different_lengths_attend_over_their_own_columns() -> None:
     # the switched model's pass: per layer, one call per row over its cached tokens and the 2 new ones
     assert calls == [3 + 2, 150 + 2, 2 + 2, 130 + 2] * 2
     assert attention.ROW_SPLIT_COLUMNS < 130 - 3
+
+
+def test_left_aligned_rows_that_end_far_apart_attend_over_their_own_columns() -> None:
+    """Rows of a row-ends cache (`layout.RowEndsLayer`) all start at column 0 and end apart: one kernel
+    call per row over its own columns, the same logits as the right-aligned batch."""
+    from specaudit.engines.exspec_cache import stack_cache, unstack_cache
+
+    model = _gqa_model(4)
+    use_sdpa_gqa(model)
+    prompts = [[5, 9, 13], list(range(150)), [7, 8], list(range(100, 230))]
+    with torch.no_grad():
+        rows = []
+        for prompt in prompts:
+            tokens, lengths = ragged.left_pad([prompt], pad_id=256)
+            cache, _ = batch_ops.prefill(model, tokens, lengths)
+            rows.append(unstack_cache(cache, [0], [0], [len(prompt)])[0])
+        lengths = torch.tensor([len(p) for p in prompts])
+        inputs = torch.tensor([[1, 2]] * 4)
+        expected = batch_ops.forward(model, stack_cache(model, rows), inputs, lengths)
+        calls = []
+        original = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(*args, **kwargs):
+            calls.append(args[1].shape[2])
+            return original(*args, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = counted
+        try:
+            got = batch_ops.forward(model, stack_cache(model, rows, row_ends=True, rows=4), inputs, lengths)
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = original
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+    assert calls == [3 + 2, 150 + 2, 2 + 2, 130 + 2] * 2
