@@ -23,8 +23,8 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
 - group when some length is shared by at least `min_group = B` active sequences (the shortest
   such length first, its oldest B); otherwise fall back on the B sequences whose lengths are
   closest (the shortest such run on ties): a group never trades rows for the lack of padding.
-- refill when the window has room for `refill_at` sequences (or for all that still wait, or when
-  it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
+- window `W = B + ceil(B / 2)`; refill when it has room for `refill_at` sequences (or for all that
+  still wait, or when it is empty), at most B per prefill: `refill_at = B` when W >= 2B, else `ceil(B / 2)`.
 - `hold` (default): a padded batch is kept after its step, caches included, finished rows leaving
   it; while no full same-length group exists it runs again, the oldest other sequences of the window
   joining it in its free rows (`exspec_cache.join_rows`). Where every layer is full attention its
@@ -358,7 +358,8 @@ class EXSpec:
         self.drafter = make_drafter(drafter, target, draft)
         self.batch_size = batch_size
         self.k = draft_tokens
-        self.window_size = window_size if window_size is not None else 2 * batch_size
+        # W = 1.5 B: room for the next refill of B / 2 while a full batch runs (2 B: more memory, slower)
+        self.window_size = window_size if window_size is not None else batch_size + math.ceil(batch_size / 2)
         if self.window_size < 1:
             raise ValueError("window_size must be at least 1")
         self.sort_by_length = sort_by_length

@@ -223,7 +223,7 @@ def test_registry_builds_exspec_with_default_window() -> None:
     pair = models.pair("tiny-opt")
     engine = make_engine("exspec", pair.target, pair.draft, batch_size=3, draft_tokens=2, sort_by_length=True)
     assert isinstance(engine, EXSpec)
-    assert (engine.batch_size, engine.k, engine.window_size, engine.sort_by_length) == (3, 2, 6, True)
+    assert (engine.batch_size, engine.k, engine.window_size, engine.sort_by_length) == (3, 2, 5, True)
     with pytest.raises(ValueError):
         EXSpec(pair.target, None)
     with pytest.raises(ValueError):
