@@ -73,7 +73,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines import recurrent
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
-from specaudit.bench.costs import PeakMemory, pass_costs, prefill_costs, sync as _sync
+from specaudit.bench.costs import KeptMemory, PeakMemory, pass_costs, prefill_costs, sync as _sync
 from specaudit.bench import server as servers
 from specaudit.bench.workload import draw_output_lengths, row_utilisation, serving_prompts, workload_record
 from specaudit.equivalence.prompts import load_prompts
@@ -327,8 +327,8 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                                                           pair.eos_token_id)))
         continuations = [table[tuple(p)] for p in prompts]
         bench["continuation_seconds"] = time.perf_counter() - start
-    memory = PeakMemory(config.device)
-    bench["memory_method"] = memory.method
+    memory = PeakMemory(config.device, KeptMemory(config.device))  # glibc's settings restored at the end
+    bench["memory_method"], bench["allocator"] = memory.method, memory.kept.method
     context = round(bench["mean_prompt_length"] + config.max_new_tokens / 2)
     local = any(not servers.is_server(e) for e, _, _ in plan)  # a server-only bench times no pass of its own
     bench["servers"] = [servers.server_info(e) for e in dict.fromkeys(e for e, _, _ in plan) if servers.is_server(e)]
@@ -394,6 +394,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                     say(f"  failed: {errors[spec]}")
             keep_finished()
     bench["complete"] = True
+    memory.kept.close()
     summarise(bench)
     write_json(json_path, bench)
     return bench

@@ -357,3 +357,26 @@ def test_recurrent_state_rollback_is_timed_on_a_hybrid_pair(tmp_path) -> None:
     plain = run_bench(_config(engines=["eqspec"], batch_sizes=[2]), tmp_path / "attention")
     assert plain["runs"][0]["state_seconds"] is None
     assert "Recurrent state rollback" not in markdown(plain)
+
+
+def test_freed_memory_is_kept_during_a_call_and_handed_back_before_the_next() -> None:
+    from specaudit.bench.costs import KeptMemory, PeakMemory, _proc_status_kib
+
+    kept = KeptMemory("cpu")
+    if kept.method.startswith("the allocator's defaults"):
+        pytest.skip("not glibc: nothing to keep")
+    memory = PeakMemory("cpu", kept)
+    try:
+        memory.start()
+        block = torch.ones(64 * 2**20)  # 256 MB, touched
+        del block
+        resident = _proc_status_kib("VmRSS") * 1024
+        assert resident - memory._base > 200 * 2**20  # freed, but kept in the process
+        memory.start()  # the next call: handed back first
+        assert memory._base < resident - 200 * 2**20
+    finally:
+        kept.close()
+    block = torch.ones(64 * 2**20)
+    before = _proc_status_kib("VmRSS") * 1024
+    del block
+    assert _proc_status_kib("VmRSS") * 1024 < before - 200 * 2**20  # glibc's defaults again: returned at once
