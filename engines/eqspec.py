@@ -156,7 +156,7 @@ def speculative_step(
     #    row; the tokens get the accepted and bonus tokens; finished rows leave the batch
     keep = (~done).nonzero().flatten()
     if layout.is_row_ends(state.target_cache):  # rows fill the holes the leaving rows make (fewest copies)
-        keep = layout.fill_order(keep, len(rows))
+        keep = layout.fill_order(keep)
     new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]
     row_logits = [logits[b, :n] for b, n in enumerate(emitted_list)] if record_logits else None
     if keep.numel():

@@ -71,8 +71,7 @@ def stack_cache(model: PreTrainedModel, kvs: list[RowKV], spare: int | None = No
     `row_ends`: left-aligned instead, each row growing at its own end, with room for `rows` rows of
     `columns` columns (`layout.RowEndsLayer`)."""
     if row_ends:
-        blocks = [[kv.layers[i] for kv in kvs] for i in range(len(kvs[0].layers))]  # [layer][row]
-        return layout.row_ends_cache(blocks, [kv.width for kv in kvs], max(rows or 0, len(kvs)), columns)
+        return layout.row_ends_cache(_by_layer(kvs), [kv.width for kv in kvs], max(rows or 0, len(kvs)), columns)
     cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
     layers = ragged.cache_layers(cache)  # attention layers (recurrent states are stacked apart)
     if len(layers) != len(kvs[0].layers):
@@ -82,6 +81,11 @@ def stack_cache(model: PreTrainedModel, kvs: list[RowKV], spare: int | None = No
     for i, layer in enumerate(layers):
         _hold_rows(layer, [], [kv.layers[i] for kv in kvs], width, spare)
     return cache
+
+
+def _by_layer(kvs: list[RowKV]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`[layer][row]` (keys, values) from per-row caches."""
+    return [[kv.layers[i] for kv in kvs] for i in range(len(kvs[0].layers))]
 
 
 def _hold_rows(layer: Any, blocks: list[tuple[torch.Tensor, torch.Tensor]], rows: list[tuple[torch.Tensor, torch.Tensor]],
@@ -124,8 +128,7 @@ def join_rows(state: BatchState, newcomers: list[Sequence], target: PreTrainedMo
         if cache is None:
             continue
         if layout.is_row_ends(cache):  # into the free rows of its buffers, nothing else moves
-            layout.append_rows(cache, held_rows, [[kv.layers[i] for kv in kvs] for i in range(len(kvs[0].layers))],
-                                       [kv.width for kv in kvs])
+            layout.append_rows(cache, held_rows, _by_layer(kvs), [kv.width for kv in kvs])
             continue
         columns = max([ragged.cache_width(cache)] + [kv.width for kv in kvs])
         for i, layer in enumerate(ragged.cache_layers(cache)):

@@ -222,8 +222,6 @@ def experts_implementation(model: PreTrainedModel) -> str | None:
 
 # Row ends: a batch cache whose rows are left-aligned and grow at their own ends (`cache_seqlens[B]`).
 #
-# A batch cache whose rows are left-aligned and grow at their own ends (`cache_seqlens[B]`).
-#
 # The ragged caches of `engines/batch.py` right-align every row, so after a speculative step in which
 # rows accepted different numbers of draft tokens every row must move (`ragged.realign_cache`: one
 # copy of the whole cache per step). Here row `b` holds its `c_b` cached tokens in columns
@@ -257,7 +255,7 @@ class RowEndsLayer(DynamicLayer):
         rows, q = key_states.shape[0], key_states.shape[-2]
         end = int(self.write_at.max()) + q
         if end > self._buffers[0].shape[-2]:
-            self._grow(_room(end))
+            self.grow(self._buffers[0].shape[0], _room(end))
         columns = self.write_at.unsqueeze(1) + torch.arange(q, device=key_states.device)  # [n, q]
         index = torch.arange(rows, device=key_states.device).unsqueeze(1)  # [n, 1]
         key_buffer, value_buffer = self._buffers
@@ -266,11 +264,12 @@ class RowEndsLayer(DynamicLayer):
         self.keys, self.values = key_buffer[:rows, :, :end], value_buffer[:rows, :, :end]
         return self.keys, self.values
 
-    def _grow(self, capacity: int) -> None:
+    def grow(self, rows: int, columns: int) -> None:
+        """Buffers for at least `rows` rows of `columns` columns, zeros past the old ones' contents."""
         old = self._buffers
-        grown = tuple(b.new_zeros(*b.shape[:-2], capacity, b.shape[-1]) for b in old)
+        grown = tuple(b.new_zeros(max(rows, b.shape[0]), b.shape[1], max(columns, b.shape[-2]), b.shape[-1]) for b in old)
         for new, buffer in zip(grown, old):
-            new[..., : buffer.shape[-2], :] = buffer
+            new[: buffer.shape[0], :, : buffer.shape[-2]] = buffer
         self._buffers = grown
 
     def show(self, rows: int, width: int) -> None:
@@ -331,19 +330,15 @@ def append_rows(cache: DynamicCache, rows: int, blocks: list[list[tuple[torch.Te
     width = max([max(lengths)] + ([cache.layers[0].keys.shape[-2]] if rows else []))  # the batch's widest row
     for layer, new_rows in zip(cache.layers, blocks):
         if total > layer._buffers[0].shape[0] or width > layer._buffers[0].shape[-2]:
-            capacity = max(layer._buffers[0].shape[-2], _room(width))
-            grown = tuple(b.new_zeros(max(total, b.shape[0]), b.shape[1], capacity, b.shape[-1]) for b in layer._buffers)
-            for new, buffer in zip(grown, layer._buffers):
-                new[:rows, :, : buffer.shape[-2]] = buffer[:rows]
-            layer._buffers = grown
+            layer.grow(total, _room(width))
         for i, ((keys, values), n) in enumerate(zip(new_rows, lengths)):
             for buffer, source in zip(layer._buffers, (keys, values)):
                 buffer[rows + i, :, :n] = source[:, source.shape[-2] - n:]  # past n: an earlier row's, finite
         layer.show(total, width)
 
 
-def fill_order(keep: torch.Tensor, rows: int) -> torch.Tensor:
-    """The rows `keep` (ascending, of `rows`) in the order `settle_rows` keeps them with fewest moves: a row
+def fill_order(keep: torch.Tensor) -> torch.Tensor:
+    """The rows `keep` (ascending) in the order `settle_rows` keeps them with fewest moves: a row
     that stays where it is keeps its place, and each hole a leaving row makes below the new batch size
     takes one of the rows past it (one row copied per leaving row, not every row after it)."""
     kept = keep.tolist()

@@ -133,12 +133,12 @@ def test_exspec_holds_row_ends_where_every_layer_is_full_attention_only() -> Non
 
 
 def test_rows_past_the_new_batch_size_fill_the_holes_leaving_rows_make() -> None:
-    assert layout.fill_order(torch.tensor([0, 1, 3, 4, 5, 6, 7]), 8).tolist() == [0, 1, 7, 3, 4, 5, 6]
-    assert layout.fill_order(torch.tensor([2, 5, 6]), 7).tolist() == [6, 5, 2]
-    assert layout.fill_order(torch.tensor([0, 1, 2]), 5).tolist() == [0, 1, 2]
+    assert layout.fill_order(torch.tensor([0, 1, 3, 4, 5, 6, 7])).tolist() == [0, 1, 7, 3, 4, 5, 6]
+    assert layout.fill_order(torch.tensor([2, 5, 6])).tolist() == [6, 5, 2]
+    assert layout.fill_order(torch.tensor([0, 1, 2])).tolist() == [0, 1, 2]
     blocks = _blocks(4, [3, 4, 5, 6])
     cache = layout.row_ends_cache(blocks, [3, 4, 5, 6], 4)
     before = [b.clone() for b in cache.layers[0]._buffers]
-    layout.settle_rows(cache, torch.tensor([3, 6, 5]), layout.fill_order(torch.tensor([0, 2, 3]), 4))
+    layout.settle_rows(cache, torch.tensor([3, 6, 5]), layout.fill_order(torch.tensor([0, 2, 3])))
     keys = cache.layers[0]._buffers[0]
     assert torch.equal(keys[0], before[0][0]) and torch.equal(keys[1], before[0][3]) and torch.equal(keys[2], before[0][2])
