@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines import recurrent
+from specaudit.engines.hf_call import cached_forward
 
 
 @dataclass
@@ -78,14 +79,12 @@ def forward(
         for layer in cache.layers:
             layer.write_at = cache_lengths
         mask = layout.row_ends_mask(model, cache_lengths, q)  # [B, 1, q, max(c) + q]
-        return model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                     use_cache=True).logits
+        return cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=positions).logits
     mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
     layout.spare_columns(cache)  # new columns written in place, not the cache copied
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
         return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
-    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    return out.logits
+    return cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=positions).logits
 
 
 # A pass's fixed cost (reading every weight once), in prompt tokens: a prefill group pays it once and
@@ -151,12 +150,12 @@ def _prefill_padded(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
     pad = width - lengths  # [B]
     positions = (torch.arange(width, device=tokens.device).unsqueeze(0) - pad.unsqueeze(1)).clamp(min=0)
     cache = layout.full_history_cache(model)  # sliding layers too: the mask applies the window
-    out = model(
+    out = cached_forward(
+        model,
+        cache,
         input_ids=tokens,
         attention_mask=ragged.padding_mask(lengths, width).long(),
         position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
         **layout.last_logits_only(model),
     )
     # zero the padding columns, so that nothing a padded query produced is ever read

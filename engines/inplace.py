@@ -47,6 +47,7 @@ from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
                                          shared_vocab_size, verify_drafts)
 from specaudit.engines.eqspec import Clock, StepResult
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 
 DEFAULT_COMPACT_FRACTION = 0.25
@@ -94,8 +95,7 @@ def masked_forward(model: PreTrainedModel, cache: DynamicCache, valid: torch.Ten
     layout.spare_columns(cache)  # new columns written in place, not the cache copied
     if recurrent.tracks_states(cache):  # per-position recurrent states, for the rollback
         return recurrent.forward_by_token(model, cache, inputs, mask, positions, real_counts)
-    out = model(input_ids=inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    return out.logits
+    return cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=positions).logits
 
 
 def append_valid(valid: torch.Tensor, columns: int, real_counts: torch.Tensor) -> torch.Tensor:

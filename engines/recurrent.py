@@ -36,6 +36,7 @@ from typing import Any, Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from specaudit.engines.hf_call import cached_forward
 
 State = list[torch.Tensor | None]  # per recurrent layer and state slot: conv then recurrent tensors
 
@@ -145,12 +146,12 @@ def forward_by_token(
     real = torch.full((inputs.shape[0],), q, device=inputs.device) if real_counts is None else real_counts  # [B]
     logits = []
     for i in range(q):
-        out = model(
+        out = cached_forward(
+            model,
+            cache,
             input_ids=inputs[:, i : i + 1],  # [B, 1]
             attention_mask=attention_mask[:, : width + i + 1],  # [B, W + i + 1]
             position_ids=position_ids[:, i : i + 1],  # [B, 1]
-            past_key_values=cache,
-            use_cache=True,
         )
         logits.append(out.logits[:, -1:])  # [B, 1, V]
         with STATE_CLOCK.lap("snapshot", inputs.device):

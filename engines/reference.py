@@ -7,11 +7,11 @@ new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_
 from __future__ import annotations
 
 import torch
-import inspect
 
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines.contract import request_limits
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.layout import last_logits_only
 from specaudit.engines.trace import Trace
 
@@ -29,9 +29,6 @@ def greedy_decode(
         raise ValueError("a prompt needs at least one token")
     device = model.device
     cache = DynamicCache(config=model.config)  # the model's own cache (sliding layers keep their window)
-    # pure state-space models (Mamba, Mamba-2) take their state as `cache_params`; handed as
-    # `past_key_values` it would fall into **kwargs unused and every token after the first would see no state
-    cache_keyword = cache_argument(model)
     keep = last_logits_only(model)  # the prompt pass needs only its last position's logits
     inputs = torch.tensor([prompt], dtype=torch.long, device=device)
     position = torch.arange(len(prompt), device=device).unsqueeze(0)
@@ -40,8 +37,7 @@ def greedy_decode(
     while len(new_tokens) < max_new_tokens:
         seen = int(position[0, -1]) + 1  # tokens in the cache after this pass
         mask = torch.ones(1, seen, dtype=torch.long, device=device)
-        out = model(input_ids=inputs, attention_mask=mask, position_ids=position, use_cache=True, **{cache_keyword: cache},
-                    **keep)
+        out = cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=position, **keep)
         logits = out.logits[0, -1]  # [V]
         token = int(logits.argmax())
         new_tokens.append(token)
@@ -54,12 +50,6 @@ def greedy_decode(
         position = torch.tensor([[next_position]], device=device)
     recorded = torch.stack(logits_rows) if record_logits and logits_rows else None
     return new_tokens, recorded
-
-
-def cache_argument(model: PreTrainedModel) -> str:
-    """The keyword under which `model.forward` takes its cache: `past_key_values`, or `cache_params`."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache_params" if "cache_params" in parameters and "past_key_values" not in parameters else "past_key_values"
 
 
 class ReferenceDecoder:

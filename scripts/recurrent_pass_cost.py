@@ -20,6 +20,7 @@ import torch
 
 from specaudit.engines import batch as batch_ops
 from specaudit.engines import ragged
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.models.zoo import load_pair
 
 
@@ -46,8 +47,8 @@ def main() -> None:
                 batch_ops.forward(model, cache, inputs[:, :q], lengths)
             else:
                 width = ragged.cache_width(cache)
-                model(input_ids=inputs[:, :q], attention_mask=ragged.attention_mask(lengths, width, q),
-                      position_ids=ragged.position_ids(lengths, q), past_key_values=cache, use_cache=True)
+                cached_forward(model, cache, input_ids=inputs[:, :q], attention_mask=ragged.attention_mask(lengths, width, q),
+                               position_ids=ragged.position_ids(lengths, q))
             return time.process_time() - started
 
         with torch.no_grad():

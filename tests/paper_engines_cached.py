@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.ragged import cache_layers
 
 from paper_engines import PaperEQSpec, _declared_pad, _left_pad
@@ -44,14 +45,14 @@ def _verify(target: Any, ids: torch.Tensor, drafts: torch.Tensor, mask: torch.Te
     length = ids.shape[1]
     if cache.get_seq_length() == 0:  # prefill the prompt columns
         positions = (mask[:, :length].cumsum(-1) - 1).clamp(min=0)
-        target(input_ids=ids, attention_mask=mask[:, :length], past_key_values=cache, position_ids=positions)
+        cached_forward(target, cache, input_ids=ids, attention_mask=mask[:, :length], position_ids=positions)
     surplus = cache.get_seq_length() - (length - 1)
     if surplus > 0:  # the published `crop(max_length=L - 1)`; transformers 5 takes the count to remove
         cache.crop(-surplus)
     cache_position = torch.arange(length - 1, length + drafts.shape[1], device=ids.device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, length - 1:]  # [B, n + 1]
-    logits = target(input_ids=torch.cat([ids[:, -1:], drafts], dim=1), attention_mask=mask, past_key_values=cache,
-                    cache_position=cache_position, position_ids=positions).logits[:, :-1]  # [B, n, V]
+    logits = cached_forward(target, cache, input_ids=torch.cat([ids[:, -1:], drafts], dim=1), attention_mask=mask,
+                            cache_position=cache_position, position_ids=positions).logits[:, :-1]  # [B, n, V]
     predicted = logits.argmax(-1)  # [B, n]
     matches = predicted == drafts
     first_false = torch.where(~matches.all(1), (~matches).int().argmax(1), torch.full_like(matches[:, 0], matches.shape[1] - 1,

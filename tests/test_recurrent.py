@@ -22,6 +22,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines import layout, ragged, recurrent
 from specaudit.engines.drafters import NO_DRAFT, PromptLookupDrafter
 from specaudit.engines.eqspec import EQSpec
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceEngine
 from specaudit.engines.reference import greedy_decode
@@ -181,7 +182,7 @@ def test_silencing_one_kind_of_layer_zeroes_its_output_and_keeps_its_cache(name:
         cache = layout.full_history_cache(model)
         with layers.silenced(model, kind) as missing:
             assert missing is None
-            quiet = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            quiet = cached_forward(model, cache, input_ids=ids).logits
         assert float((quiet - plain).abs().max()) > 1e-3, kind
         written = _states(cache) if kind == "recurrent" else [layer.keys for layer in ragged.cache_layers(cache)]
         assert written and all(float(t.abs().max()) > 0 for t in written), kind

@@ -41,6 +41,7 @@ from transformers import DynamicCache, PreTrainedModel
 from specaudit.engines import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -141,7 +142,7 @@ class BSPEngine(ConsecutiveBatches):
         # prefill: no position ids (the model derives them); the first token is read at each
         # row's last real prompt column
         target_cache = layout.full_history_cache(self.target)
-        out = self.target(input_ids=tokens, attention_mask=mask, past_key_values=target_cache, use_cache=True)
+        out = cached_forward(self.target, target_cache, input_ids=tokens, attention_mask=mask)
         first_logits = out.logits[batch, lengths - 1]  # [B, V]
         pending = first_logits.argmax(-1, keepdim=True)  # [B, 1]
         mask = _extend(mask)  # [B, W+1]
@@ -158,7 +159,7 @@ class BSPEngine(ConsecutiveBatches):
             proposed = []
             inputs = draft_inputs
             for _ in range(k):
-                d_out = self.draft(input_ids=inputs, attention_mask=mask, past_key_values=draft_cache, use_cache=True)
+                d_out = cached_forward(self.draft, draft_cache, input_ids=inputs, attention_mask=mask)
                 inputs = d_out.logits[:, -1:].argmax(-1)  # [B, 1]
                 proposed.append(inputs)
                 mask = _extend(mask)
@@ -166,8 +167,7 @@ class BSPEngine(ConsecutiveBatches):
 
             # 2. verify: [pending, k draft tokens] against the whole (masked) history
             verify_inputs = torch.cat([pending, draft_tokens], dim=1)  # [B, k+1]
-            v_out = self.target(input_ids=verify_inputs, attention_mask=mask, past_key_values=target_cache,
-                                use_cache=True)
+            v_out = cached_forward(self.target, target_cache, input_ids=verify_inputs, attention_mask=mask)
             verify_logits = v_out.logits  # [B, k+1, V]
             target_tokens = verify_logits.argmax(-1)  # [B, k+1]
 

@@ -63,6 +63,7 @@ from specaudit.engines import ragged
 from specaudit.engines import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -128,12 +129,12 @@ class DSDEngine(ConsecutiveBatches):
         if cache is None or carry is None:
             cache = layout.full_history_cache(self.target)
             inputs = torch.cat([tokens, drafts], dim=1)  # [B, S+d] the whole batch, padding included
-            out = self.target(input_ids=inputs, past_key_values=cache, use_cache=True)
+            out = cached_forward(self.target, cache, input_ids=inputs)
             u = tokens.shape[1] - 1
             return out.logits, cache, u
         uncached = tokens[:, ragged.cache_width(cache):]  # [B, u]: see the trim defect above
         inputs = torch.cat([uncached, drafts], dim=1)  # [B, u+d]
-        out = self.target(input_ids=inputs, past_key_values=cache, use_cache=True)
+        out = cached_forward(self.target, cache, input_ids=inputs)
         full = torch.cat([carry.unsqueeze(1), out.logits], dim=1)  # [B, 1+u+d, V]
         return full, cache, uncached.shape[1]
 
