@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.engines.models import zoo
 
 

@@ -46,7 +46,7 @@ speculative) and the pass-only `decode_ceiling = E x target(1) / (target(k+1) + 
 with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step.
 
 Recurrent state (hybrid models): `state_seconds` = {snapshot, rollback}, the time the engines spend
-keeping each row's per-position recurrent states and rolling them back (`engines/recurrent.py`'s
+keeping each row's per-position recurrent states and rolling them back (`engines/ops/recurrent.py`'s
 `STATE_CLOCK`), already inside draft, verify and realign; None for a model without recurrent layers.
 
 Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call;
@@ -70,7 +70,7 @@ import torch
 
 from specaudit.engines.models import bench_pair
 from specaudit.engines.models import zoo
-from specaudit.engines import recurrent
+from specaudit.engines.ops import recurrent
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
 from specaudit.bench.costs import KeptMemory, PeakMemory, pass_costs, prefill_costs, sync as _sync

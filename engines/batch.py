@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import ragged
-from specaudit.engines import layout
-from specaudit.engines import recurrent
-from specaudit.engines.hf_call import cached_forward
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops import layout
+from specaudit.engines.ops import recurrent
+from specaudit.engines.ops.hf_call import cached_forward
 
 
 @dataclass

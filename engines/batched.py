@@ -1,7 +1,7 @@
 """BATCHED: plain greedy decoding of consecutive batches, no draft: the baseline of speculation.
 
 Contract: token ids in, exactly the tokens of greedy decoding of each prompt alone out. It uses
-the ragged operations of EQSPEC (`engines/ragged.py`, `engines/batch.py`): left-padded prefill,
+the ragged operations of EQSPEC (`engines/ops/ragged.py`, `engines/batch.py`): left-padded prefill,
 per-row position ids and masks from `lengths[B]`. Every running row appends one token per pass,
 so the cache stays right-aligned with no realignment; a finished row leaves the batch with one
 row-selecting gather (`BatchState.keep_rows`), timed as `realign`. The target pass is the
@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged, recurrent
+from specaudit.engines.ops import ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.eqspec import Clock, start_batch

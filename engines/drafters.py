@@ -22,9 +22,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
-from specaudit.engines import layout
-from specaudit.engines import recurrent
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops import layout
+from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 
 

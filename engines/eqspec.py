@@ -14,7 +14,7 @@ still running:
             both caches so each row holds exactly its accepted tokens
 
 Per-row state is the vector `lengths[B]`, never one scalar position: position ids and attention
-masks are derived from it every pass (see `engines/ragged.py`).
+masks are derived from it every pass (see `engines/ops/ragged.py`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
-from specaudit.engines import layout
-from specaudit.engines import recurrent
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops import layout
+from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, verify_drafts

@@ -49,9 +49,9 @@ from collections import deque
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines import ragged
-from specaudit.engines import layout
-from specaudit.engines import recurrent
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops import layout
+from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter

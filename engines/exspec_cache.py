@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import layout
-from specaudit.engines import ragged
-from specaudit.engines import recurrent
+from specaudit.engines.ops import layout
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 
 
@@ -55,7 +55,7 @@ class Sequence:
     target_kv: RowKV | None  # n - 1 columns per layer; set when it enters the window
     draft_kv: RowKV | None  # the same for the draft; None for a drafter without a cache
     logits: list[torch.Tensor] = field(default_factory=list)  # per step, [emitted, V]
-    target_states: list | None = None  # its own recurrent states (engines/recurrent.py), hybrid models only
+    target_states: list | None = None  # its own recurrent states (engines/ops/recurrent.py), hybrid models only
     draft_states: list | None = None
 
     @property

@@ -24,7 +24,7 @@ holes, and keeps a validity mask per cache:
   width`. Row selection and compaction are the `realign` stage; their cost is amortised over the
   steps between them.
 - Sliding-window layers (Gemma-3, Mistral): transformers applies the window by column distance
-  (`engines/layout.py`), and a hole would count against it. For a model with such layers the cache
+  (`engines/ops/layout.py`), and a hole would count against it. For a model with such layers the cache
   is compacted after every step that leaves a hole, so INPLACE realigns like EQSPEC there.
 
 Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
@@ -40,14 +40,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
-from specaudit.engines import layout
-from specaudit.engines import recurrent
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops import layout
+from specaudit.engines.ops import recurrent
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
                                          shared_vocab_size, verify_drafts)
 from specaudit.engines.eqspec import Clock, StepResult
-from specaudit.engines.hf_call import cached_forward
+from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 
 DEFAULT_COMPACT_FRACTION = 0.25

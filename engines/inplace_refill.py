@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import layout, ragged, recurrent
+from specaudit.engines.ops import layout, ragged, recurrent
 from specaudit.engines.contract import row_limits
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.trace import Trace

@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines.contract import request_limits
-from specaudit.engines.hf_call import cached_forward
-from specaudit.engines.layout import last_logits_only
+from specaudit.engines.ops.hf_call import cached_forward
+from specaudit.engines.ops.layout import last_logits_only
 from specaudit.engines.trace import Trace
 
 

@@ -26,7 +26,7 @@ import transformers
 
 from specaudit.engines.models import zoo
 from specaudit.engines.adapters._http import ServerDied
-from specaudit.engines.layout import UnsupportedModel
+from specaudit.engines.ops.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine, takes_option
 from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts

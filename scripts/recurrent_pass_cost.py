@@ -1,7 +1,7 @@
 """What the per-position rollback costs a hybrid target's verify pass, on one CPU thread.
 
 The engines run a cached pass of k+1 tokens on a model with recurrent layers as k+1 one-token passes,
-keeping every row's recurrent states after each (`engines/recurrent.py`), so that a rejection can be
+keeping every row's recurrent states after each (`engines/ops/recurrent.py`), so that a rejection can be
 rolled back to any position. This times, after a prefill of B rows of `--context` tokens (median CPU
 milliseconds of 15 repeats, float32): one one-token pass; the k+1 tokens as the engines run them; and
 the same k+1 tokens in one pass of the model, which keeps no per-position state.
@@ -19,8 +19,8 @@ import time
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
-from specaudit.engines.hf_call import cached_forward
+from specaudit.engines.ops import ragged
+from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.models.zoo import load_pair
 
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from specaudit.engines.hf_call import cached_forward
-from specaudit.engines.ragged import cache_layers
+from specaudit.engines.ops.hf_call import cached_forward
+from specaudit.engines.ops.ragged import cache_layers
 
 from paper_engines import PaperEQSpec, _declared_pad, _left_pad
 

@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from specaudit.engines import layout
+from specaudit.engines.ops import layout
 from specaudit.engines.models import zoo
 from specaudit.engines.adapters.bsp import BSPEngine
 from specaudit.engines.adapters.dsd import DSDEngine

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from specaudit.engines.eqspec import EQSpec
-from specaudit.engines.layout import UnsupportedModel
+from specaudit.engines.ops.layout import UnsupportedModel
 from specaudit import cli
 
 WINDOW = 6

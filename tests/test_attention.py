@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.engines.models.attention import SDPA_GQA, use_sdpa_gqa
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.engines.batched import BatchedGreedy
 from specaudit.engines.eqspec import EQSpec
 from specaudit.engines.inplace import InplaceEngine, compact, needs_compaction, windowed_by_column

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.engines.batch import prefill_groups
 from specaudit.testing.models import pair
 

@@ -1,4 +1,4 @@
-"""Recurrent state in the batched engines (`engines/recurrent.py`), on the built-in hybrid pairs.
+"""Recurrent state in the batched engines (`engines/ops/recurrent.py`), on the built-in hybrid pairs.
 
 - padding never enters a state: after a batched prefill of prompts of different lengths, each
   row's states equal those of its prompt prefilled alone (the engines prefill in equal-length
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import layout, ragged, recurrent
+from specaudit.engines.ops import layout, ragged, recurrent
 from specaudit.engines.drafters import NO_DRAFT, PromptLookupDrafter
 from specaudit.engines.eqspec import EQSpec
-from specaudit.engines.hf_call import cached_forward
+from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceEngine
 from specaudit.engines.reference import greedy_decode

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import layout, ragged
+from specaudit.engines.ops import layout, ragged
 from specaudit.engines.exspec_cache import RowKV, stack_cache, unstack_cache
 from specaudit.testing import models
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from specaudit.engines import layout
+from specaudit.engines.ops import layout
 
 
 def _updates(layer: DynamicLayer, chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -73,7 +73,8 @@ def _cache(keys: torch.Tensor, values: torch.Tensor):
 
 
 def test_a_realigned_cache_has_room_and_the_next_pass_writes_into_it() -> None:
-    from specaudit.engines import batch, ragged
+    from specaudit.engines import batch
+    from specaudit.engines.ops import ragged
 
     (keys, values), (new_keys, new_values) = _chunks(2, [9, 3])
     keep_end, new_lengths, rows = torch.tensor([9, 7]), torch.tensor([4, 6]), torch.tensor([2, 0])
@@ -91,7 +92,7 @@ def test_a_realigned_cache_has_room_and_the_next_pass_writes_into_it() -> None:
 
 
 def test_right_aligned_equals_left_padding_and_concatenation() -> None:
-    from specaudit.engines import ragged
+    from specaudit.engines.ops import ragged
 
     g = torch.Generator().manual_seed(4)
     blocks = [torch.randn(rows, 2, n, 3, generator=g, dtype=torch.float64) for rows, n in ((2, 5), (1, 1), (3, 8))]
@@ -102,7 +103,7 @@ def test_right_aligned_equals_left_padding_and_concatenation() -> None:
 
 
 def test_exspec_rows_are_views_and_their_next_stack_has_room() -> None:
-    from specaudit.engines import ragged
+    from specaudit.engines.ops import ragged
     from specaudit.engines.exspec_cache import stack_cache, unstack_cache
     from specaudit.testing import models
 
@@ -126,7 +127,7 @@ def test_exspec_rows_are_views_and_their_next_stack_has_room() -> None:
 
 
 def test_joined_caches_have_room_and_the_next_pass_writes_into_it() -> None:
-    from specaudit.engines import ragged
+    from specaudit.engines.ops import ragged
 
     (keys, values), (other_keys, other_values), (new_keys, new_values) = _chunks(6, [4, 7, 1])
     cache, other = _cache(keys, values), _cache(other_keys[:2], other_values[:2])

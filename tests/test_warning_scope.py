@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from specaudit.engines.hf_call import cache_keyword, cached_forward
+from specaudit.engines.ops.hf_call import cache_keyword, cached_forward
 
 
 def _renamed(old: str, new: str):

@@ -38,10 +38,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import layout
+from specaudit.engines.ops import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.contract import ConsecutiveBatches
-from specaudit.engines.hf_call import cached_forward
+from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 
 

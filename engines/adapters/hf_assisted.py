@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines import layout
+from specaudit.engines.ops import layout
 from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
 from specaudit.engines.trace import StepRecord, Trace
 

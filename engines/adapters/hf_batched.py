@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
 from specaudit.engines.trace import StepRecord, Trace
 

@@ -173,7 +173,7 @@ class CalibratedDrafter:
         state.draft_cache, _ = batch_ops.prefill(self.draft, state.tokens[:, :-1], state.cache_lengths)
 
     def propose(self, state: BatchState, k: int) -> torch.Tensor:
-        from specaudit.engines import ragged
+        from specaudit.engines.ops import ragged
 
         cache = state.draft_cache
         self._old_width = ragged.cache_width(cache)

@@ -27,7 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines.models.float64_recurrent import prepare_recurrent_float64
-from specaudit.engines.layout import experts_implementation
+from specaudit.engines.ops.layout import experts_implementation
 
 FLOAT64_EAGER = "specaudit_float64_eager"
 # the keyword arguments of a model's eager attention that `float64_eager_attention` honours

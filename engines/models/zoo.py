@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specaudit.engines.models.float64 import prepare_float64
-from specaudit.engines.layout import check_supported, layout_info
+from specaudit.engines.ops.layout import check_supported, layout_info
 from specaudit.engines.models.model_files import check_model_folder, check_same_vocabulary, has_tokenizer_files
 from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 

@@ -43,7 +43,7 @@ def _decoder_layers(target: Any, count: int) -> list[torch.nn.Module] | None:
 
 def silenced_modules(target: Any, kind: str) -> list[torch.nn.Module] | str:
     """The module of each `kind` layer ("recurrent" or "attention") whose output to silence, or why none."""
-    from specaudit.engines.layout import attention_layer_kinds
+    from specaudit.engines.ops.layout import attention_layer_kinds
 
     kinds = attention_layer_kinds(target)
     layers = _decoder_layers(target, len(kinds))
@@ -106,7 +106,7 @@ def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[s
     unchanged = found.cls, found.evidence, found.decided_by
     if found.cls not in ("kv_cache", "cross_row") or target is None:
         return unchanged
-    from specaudit.engines.layout import attention_layer_kinds
+    from specaudit.engines.ops.layout import attention_layer_kinds
 
     recurrent = attention_layer_kinds(target).count("recurrent")
     if not recurrent:

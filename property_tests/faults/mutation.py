@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENGINE_MODULES = ("specaudit.engines.recurrent", "specaudit.engines.ragged", "specaudit.engines.batch", "specaudit.engines.drafters",
+ENGINE_MODULES = ("specaudit.engines.ops.recurrent", "specaudit.engines.ops.ragged", "specaudit.engines.batch", "specaudit.engines.drafters",
                   "specaudit.engines.eqspec", "specaudit.engines.exspec", "specaudit.engines.inplace")
 MUTANT_PACKAGE = "specaudit.testing.faults.mutants"
 

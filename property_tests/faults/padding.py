@@ -10,7 +10,7 @@ class AttentionMaskBlindToPadding(FaultEngine):
     the prefill attends to the pad tokens and every cached pass to the zeroed padding columns."""
 
     changes = (
-        LineChange("specaudit.engines.ragged", "return columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)",
+        LineChange("specaudit.engines.ops.ragged", "return columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)",
                    "return torch.ones(lengths.shape[0], width, dtype=torch.bool, device=lengths.device)"),
     )
 
@@ -22,7 +22,7 @@ class RepadWithoutUnpad(FaultEngine):
 
     changes = (
         LineChange(
-            "specaudit.engines.ragged",
+            "specaudit.engines.ops.ragged",
             "source, valid = realign_index(width + new_counts, new_lengths)\n"
             "out = torch.gather(combined, 1, source.clamp(max=combined.shape[1] - 1))\n"
             "return torch.where(valid, out, torch.full_like(out, pad_id)), new_lengths",

@@ -2,7 +2,7 @@
 
 A recurrent layer keeps one state per row, not columns: after a verify pass it has absorbed the
 rejected draft tokens and must be rolled back to the state after the row's accepted tokens
-(`engines/recurrent.py`). Each fault is a line edit of that rollback, as serving stacks got it
+(`engines/ops/recurrent.py`). Each fault is a line edit of that rollback, as serving stacks got it
 wrong (vLLM #39273 and #54928, SGLang #26351 and #34043), hunted on the built-in hybrid pairs.
 
 The last two live where rows propose different numbers of draft tokens (a prompt-lookup drafter
@@ -16,7 +16,7 @@ from __future__ import annotations
 from specaudit.testing.faults.mutation import FaultEngine, LineChange
 from specaudit.testing.strategies import NO_DRAFTS, NO_DRAFTS_PARTIAL
 
-RECURRENT = "specaudit.engines.recurrent"
+RECURRENT = "specaudit.engines.ops.recurrent"
 POSITIONS = "positions = accepted_counts.clamp(max=len(cache.history) - 1)  # [B]"
 ROWS = "rows = torch.arange(accepted_counts.shape[0], device=accepted_counts.device)  # [B]"
 ASSIGN = "        _assign(cache, chosen)\n        cache.history = []"

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
 
 from specaudit.engines import batch as batch_ops
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.engines.drafters import ModelDrafter, ScriptedDrafter
 from specaudit.engines.exspec import ExspecPool, Sequence
 from specaudit.testing import models

@@ -79,7 +79,7 @@ def test_planted_fault_is_caught(fault: type[FaultEngine], pair: str, fault_summ
 
 def test_fault_engines_leave_the_shipped_engines_alone() -> None:
     shipped = {name: Path(inspect.getfile(module)).read_text() for name, module in
-               [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ragged)]}
+               [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ops.ragged)]}
     step = specaudit.engines.eqspec.speculative_step
     for fault in FAULTS:
         modules = fault.modules()
@@ -88,7 +88,7 @@ def test_fault_engines_leave_the_shipped_engines_alone() -> None:
         assert "Planted by:" in (fault.__doc__ or ""), f"{fault.__name__} names no planted line"
     assert specaudit.engines.eqspec.speculative_step is step
     assert specaudit.engines.eqspec.batch_ops is specaudit.engines.batch
-    for name, module in [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ragged)]:
+    for name, module in [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ops.ragged)]:
         assert Path(inspect.getfile(module)).read_text() == shipped[name]
 
 

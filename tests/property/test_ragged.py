@@ -1,4 +1,4 @@
-"""Every function of `engines/ragged.py` against a naive model made of Python lists.
+"""Every function of `engines/ops/ragged.py` against a naive model made of Python lists.
 
 The naive model keeps each row as a plain list (tokens, or one number per cached position) and
 does by hand, row by row, what the tensor functions do in one vectorised gather. Pad ids are
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from transformers import DynamicCache
 
-from specaudit.engines import ragged
+from specaudit.engines.ops import ragged
 from specaudit.testing.profiles import examples
 from specaudit.testing.strategies import MAX_BATCH_SIZE, MAX_DRAFT_TOKENS
 

@@ -24,7 +24,7 @@ k+1 tokens leaves it after all k+1, rejected ones included. The engines keep it 
   beside its KV tensor (`row_states`, `load_rows`): rows never share a state.
 
 Attention layers of a hybrid model keep full-history KV columns, exactly as in an attention-only
-model (`engines/layout.py`); `ragged.cache_layers` lists only those.
+model (`engines/ops/layout.py`); `ragged.cache_layers` lists only those.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer, LinearAttentionCacheLayerMixin, LinearAttentionLayer
-from specaudit.engines.hf_call import cached_forward
+from specaudit.engines.ops.hf_call import cached_forward
 
 State = list[torch.Tensor | None]  # per recurrent layer and state slot: conv then recurrent tensors
 

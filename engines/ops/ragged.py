@@ -96,7 +96,7 @@ def gather_columns(x: torch.Tensor, source: torch.Tensor, valid: torch.Tensor) -
 
 def cache_layers(cache) -> list:
     """The per-layer key/value holders of a transformers 5.x cache (recurrent layers, which hold
-    states and no columns, are left out: `engines/recurrent.py` keeps them)."""
+    states and no columns, are left out: `engines/ops/recurrent.py` keeps them)."""
     return [layer for layer in cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 

@@ -12,7 +12,7 @@ RoPE settings and attention sinks live inside the attention modules and need not
 Supported: every layer a full-attention or sliding-window attention layer (the cache layer types
 transformers builds for them) or a recurrent layer (gated delta-net, short convolution, Mamba-2:
 transformers' `LinearAttentionLayer`), whose per-row state the engines roll back after each
-verification (`engines/recurrent.py`). Anything else (layers that are attention and recurrent at
+verification (`engines/ops/recurrent.py`). Anything else (layers that are attention and recurrent at
 once, chunked attention, layers that share another layer's cache, recurrent states kept inside the
 model's modules instead of its cache: RecurrentGemma) is refused before any run by
 `check_supported`, with one line naming the architecture and what is missing.
@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from specaudit.engines import recurrent
+from specaudit.engines.ops import recurrent
 
 
 class UnsupportedModel(ValueError):
