@@ -14,23 +14,26 @@ from transformers import PreTrainedModel
 
 from specaudit.engines.reference import ReferenceDecoder
 from specaudit.engines.trace import Trace
-from specaudit.engines.models.zoo import ModelPair
+from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import attribute, speculation
 from specaudit.equivalence.blackbox import plain_engine
 from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
-from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits, top2
+from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
+from specaudit.equivalence.precision import Ruler
 
 
 class Reference:
     """Reference outputs and logits for one (pair, dtype, prompts, max_new_tokens, eos), computed once."""
 
     def __init__(self, pair: ModelPair, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> None:
+        started = time.perf_counter()
         decoder = ReferenceDecoder(pair.target, record_logits=True)
         self.outputs = decoder.generate(prompts, max_new_tokens, eos_token_id)
         self.logits: list[torch.Tensor | None] = decoder.last_trace.logits
+        self.seconds = time.perf_counter() - started  # shared by every run of the pair and dtype
 
 
 def accepted_histogram(trace: Trace | None) -> list[int] | None:
@@ -55,36 +58,38 @@ def trace_summary(trace: Trace | None) -> dict[str, Any] | None:
 
 def _divergence(
     index: int, position: int, reference_out: list[int], engine_out: list[int], reference: Reference,
-    trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, prompt: list[int], tokenizer: Any,
+    trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, ruler: Ruler | None, prompt: list[int],
+    tokenizer: Any,
     detected_by: str, logit_error_value: float | None, logit_error_so_far: float | None = None,
     band: blackbox.NoiseBand | None = None, engine_entry: dict[int, float] | None = None,
+    same_dtype: torch.Tensor | None = None,
 ) -> dict[str, Any]:
+    """One divergence record. `ruler` rules token divergences below float64 and black-box ones
+    (`equivalence/precision.py`); an in-process engine in float64 is ruled here: every mismatch is a bug."""
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
     margin, top_logit = attribute.reference_margin_at(reference.logits[index], position)
-    replay = None
-    if replay_target is not None:
-        # the float64 target on the common prefix: prompt + the tokens both agree on
-        replay = replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
-    if band is not None:  # a black-box engine: ruled against its noise band (equivalence/blackbox/rulings.py)
-        at_split = replay if replay is not None else (
-            reference.logits[index][position] if reference.logits[index] is not None
-            and position < reference.logits[index].shape[0] else None)
-        kind, evidence = blackbox.classify(band, at_split, reference_token, engine_token, engine_entry)
-        if replay is not None:
-            evidence["replay_float64_top2"], evidence["replay_float64_margin"] = top2(replay)
-    else:
-        kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay,
-                                            logit_error_so_far)
     if detected_by == "logits":
-        kind, evidence["reason"] = "structural", (
+        kind, evidence = "structural", {"decided_by": "logits", "reason": (
             f"tokens agree but logits differ by {logit_error_value:.3g} "
-            f"(> {LOGIT_TOLERANCE.get(dtype, float('nan')):.0e} in {dtype})")
+            f"(> {LOGIT_TOLERANCE.get(dtype, float('nan')):.0e} in {dtype})")}
+    elif ruler is None:
+        replay = (replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
+                  if replay_target is not None else None)
+        kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
+        evidence["decided_by"] = "float64" if reference_token is not None and engine_token is not None else "length"
+    else:
+        kind, evidence = ruler.rule(prompt, reference_out, engine_out, position, same_dtype)
+        if band is not None:  # a black-box engine: its band and what its log-probabilities said, beside the ruling
+            evidence.update(blackbox.band_evidence(band, evidence, engine_token, reference_token, engine_entry))
+    if logit_error_so_far is not None:
+        evidence["logit_error_so_far"] = logit_error_so_far
     ids, text = attribute.context(engine_out[:position], reference_out, engine_out, position, tokenizer)
     record: dict[str, Any] = {
         "prompt_index": index, "position": position, "reference_token": reference_token,
-        "engine_token": engine_token, "margin": margin, "kind": kind, "detected_by": detected_by,
-        "logit_error": logit_error_value, "evidence": evidence, "context": ids, "text": text,
+        "engine_token": engine_token, "margin": margin, "kind": kind, "decided_by": evidence.get("decided_by"),
+        "detected_by": detected_by, "logit_error": logit_error_value, "evidence": evidence, "context": ids,
+        "text": text,
     }
     record.update(attribute.step_context(trace, index, position))
     return record
@@ -96,6 +101,8 @@ def _same_engine_rerun(engine: Any, prompts: list[list[int]], max_new_tokens: in
     from specaudit.engines.drafters import ScriptedDrafter
 
     if isinstance(getattr(engine, "drafter", None), ScriptedDrafter):
+        return None
+    if getattr(engine, "recorded_prompts", None) is not None:  # a recording answers the same whatever its batch
         return None
 
     def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
@@ -127,6 +134,8 @@ def audit_engine(
     plain: dict[str, Any] | None = None,
     run_subset: Callable[[list[int]], list[list[int]]] | None = None,
     draft_tokens: int | None = None,
+    diagnosis: str = "full",
+    diagnosis_budget: float | None = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
 
@@ -145,11 +154,17 @@ def audit_engine(
     When `generate` raises, the prompts that make it fail are found by bisection
     (`equivalence/isolate.py`) with `run_subset(indices)` (default: this engine on those prompts):
     each is a failure finding in `failures`, and every other prompt is judged as usual.
+
+    `diagnosis`: "full" (checks, replays and re-runs of the engine) or "quick" (no re-runs: a class
+    the checks and replays decide, else `unknown` with what a re-run would have tried);
+    `diagnosis_budget`: seconds after which the diagnosis starts no more re-runs. The run's `timing`
+    says how its time split between the engine, the shared reference, the precision controls, the
+    diagnosis's replays and its re-runs.
     """
     if reference is None:
         reference = Reference(pair, prompts, max_new_tokens, eos_token_id)
-    if replay_target is None and dtype == "float64":
-        replay_target = pair.target
+    if replay_target is None:
+        replay_target = pair.target if dtype == "float64" else float64_copy(pair.target)
     if hasattr(engine, "record_logits"):
         engine.record_logits = True
     started = time.perf_counter()
@@ -181,6 +196,9 @@ def audit_engine(
         engine_logprobs = getattr(engine, "last_logprobs", None) or None
         band = blackbox.noise_band(dtype, engine_dtype, logit_tolerance, engine_logprobs,
                                    [[int(t) for t in o] for o in outputs], reference.outputs, reference.logits)
+    # below float64, and for black-box engines in any dtype, precision is measured on the run (precision.py)
+    ruler = None if dtype == "float64" and band is None else Ruler(dtype, pair.target, replay_target,
+                                                                   band.at if band is not None else None)
 
     comparisons, divergences = [], []
     worst_error: float | None = None
@@ -191,7 +209,7 @@ def audit_engine(
             comparison.exact, comparison.first_divergence, comparison.failed = False, None, True
             comparisons.append(comparison)
             continue
-        error_so_far = None
+        error_so_far, same_dtype = None, None
         if engine_logits[index] is not None:
             # replay along the engine's own output, in the audit dtype: what its step should have seen
             replay = replay_logits(pair.target, prompt, eng_out)
@@ -199,6 +217,8 @@ def audit_engine(
             if not comparison.exact:
                 upto = comparison.first_divergence + 1
                 error_so_far, _ = logit_error(engine_logits[index][:upto], replay[:upto])
+                if comparison.first_divergence < replay.shape[0]:  # the audit dtype on the common prefix
+                    same_dtype = replay[comparison.first_divergence]
             comparison.max_logit_error, comparison.worst_logit_position = error, where
             if error is not None:
                 worst_error = error if worst_error is None else max(worst_error, error)
@@ -208,15 +228,15 @@ def audit_engine(
             if engine_logprobs and engine_logprobs[index] and comparison.first_divergence < len(engine_logprobs[index]):
                 entry = engine_logprobs[index][comparison.first_divergence]
             divergences.append(_divergence(
-                index, comparison.first_divergence, ref_out, eng_out, reference, trace, dtype, replay_target,
-                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band, entry))
+                index, comparison.first_divergence, ref_out, eng_out, reference, trace, dtype, replay_target, ruler,
+                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band, entry, same_dtype))
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
             divergences.append(_divergence(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
-                prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+                ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
 
     plain_outputs = plain.get("outputs") if plain is not None else None
-    if plain_outputs is not None:  # three-way rulings: reference, plain run, speculative run
+    if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
         for divergence in divergences:
             index = divergence["prompt_index"]
             plain_engine.rule(divergence, reference.outputs[index], plain_outputs[index], band is not None)
@@ -227,6 +247,8 @@ def audit_engine(
         for index, mismatch in sorted(first_draft_mismatches(trace, pair.draft, prompts, outputs, diverged).items()):
             divergences.append(draft_divergence(index, mismatch, trace))
 
+    diagnosed_at = time.perf_counter()
+    diagnoser = None
     if any(d["kind"] == "structural" for d in divergences):
         # name the bug of every structural divergence (equivalence/diagnosis/core.py); `rerun(indices,
         # pad_token_id)` runs a fresh engine for its experiments (default: this engine again)
@@ -236,11 +258,26 @@ def audit_engine(
             pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
             trace=trace, engine_logits=list(engine_logits), target=pair.target, draft=getattr(pair, "draft", None),
             rerun=rerun if rerun is not None else _same_engine_rerun(engine, prompts, max_new_tokens, eos_token_id),
-            batch_size=batch_size, draft_tokens=draft_tokens or getattr(trace, "draft_tokens", 0) or 0)
+            batch_size=batch_size, draft_tokens=draft_tokens or getattr(trace, "draft_tokens", 0) or 0,
+            ruler=ruler if dtype != "float64" else None,
+            replay_target=replay_target if dtype != "float64" else None,
+            reference_logits=list(reference.logits), mode=diagnosis,
+            deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
         for divergence in divergences:
             if divergence["kind"] == "structural":
                 divergence["diagnosis"] = diagnoser.diagnose(divergence)
         note_shared_mechanisms(divergences)
+    diagnosis_seconds = time.perf_counter() - diagnosed_at
+    controls = (ruler.seconds if ruler is not None else 0.0) + float((plain or {}).get("seconds") or 0.0)
+    timing = {
+        "engine": seconds,
+        "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
+        "controls": controls,  # float64 and same-dtype replays of the rulings, the plain control's run
+        "replays": diagnoser.replay_seconds if diagnoser is not None else 0.0,
+        "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
+        "diagnosis": diagnosis_seconds,  # replays and re-runs included
+        "diagnosis_mode": diagnosis,
+    }
 
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = getattr(engine, "describe", None)
@@ -273,6 +310,7 @@ def audit_engine(
         "engine_description": describe() if callable(describe) else None,
         "failures": isolation.failures if isolation is not None else [],
         "isolation": None if isolation is None else {"reruns": isolation.reruns, "notes": isolation.notes},
+        "timing": timing,
     }
     if bundle_dir is not None and divergences:
         from specaudit.equivalence.blackbox.bundles import write_bundles

@@ -69,6 +69,8 @@ class AuditConfig:
     pad_token_id: int | None = None  # the pad id the pair declares to the engines (None: the pair's own)
     require_speculation: bool = False  # a run whose engine drafted nothing (or exposes no counters) fails
     plain_engine: str | None = None  # the same engine without speculation: three-way rulings (blackbox/plain_engine.py)
+    diagnosis: str = "full"  # "quick": checks and replays only; "full": re-runs of the engine too
+    diagnosis_budget: float | None = None  # seconds per run for the diagnosis's re-runs (None: --timeout's)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +83,7 @@ class AuditConfig:
             "engine_dtype": self.engine_dtype, "logit_tolerance": self.logit_tolerance,
             "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
             "require_speculation": self.require_speculation, "plain_engine": self.plain_engine,
+            "diagnosis": self.diagnosis, "diagnosis_budget": self.diagnosis_budget,
         }
 
 
@@ -254,14 +257,21 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
             for engine_name in config.engines for batch_size in config.batch_sizes]
 
 
+# the plain control of in-process engines below float64: batched greedy decoding, no speculation
+PLAIN_CONTROL = "batched"
+
+
 def _plain_run(config: AuditConfig, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int,
-               eos: int | None, options: dict[str, Any], cache: dict[Any, dict[str, Any]]) -> dict[str, Any]:
-    """`config.plain_engine` on `prompts` (once per batch size and prompt set): its outputs, or the
-    error that stopped it (the rulings then stay those of the noise band)."""
-    key = (batch_size, tuple(tuple(p) for p in prompts))
+               eos: int | None, options: dict[str, Any], cache: dict[Any, dict[str, Any]],
+               name: str | None = None) -> dict[str, Any]:
+    """The plain engine (`config.plain_engine`, or `name`) on `prompts`, once per engine, batch size and
+    prompt set, shared by every run and flip it controls: its outputs, or the error that stopped it
+    (the rulings then go without it)."""
+    name = str(name or config.plain_engine)
+    key = (name, batch_size, tuple(tuple(p) for p in prompts))
     if key in cache:
         return cache[key]
-    name = str(config.plain_engine)
+    started = time.perf_counter()
     try:
         engine = make_engine(name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=config.draft_tokens,
                              **options)
@@ -277,6 +287,7 @@ def _plain_run(config: AuditConfig, pair: zoo.ModelPair, prompts: list[list[int]
         result = {"engine": name, "outputs": None, "description": None, "speculation": None,
                   "error": one_line(f"the plain engine {name} failed ({type(exc).__name__}: {exc}); the divergences "
                                     "are ruled without it")}
+    result["seconds"] = time.perf_counter() - started
     cache[key] = result
     return result
 
@@ -298,19 +309,20 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             reference = Reference(pair, prompts, config.max_new_tokens, eos)
             adversarial = None  # a recording's prompts are its own
 
-        rerun_deadline: list[float] = []  # set at the first re-run: all of them share one --timeout
+        rerun_deadline: list[float] = []  # set at the first re-run: all of them share one budget
 
         def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
             """A fresh engine on the prompts at `indices`, for the diagnosis's experiments. The re-runs
-            of one run together get at most `config.timeout` seconds (a re-run past it is abandoned as
-            the run itself would be, and the diagnosis reports the experiment as not finished)."""
+            of one run together get at most `--diagnosis-budget` seconds, else `--timeout` (a re-run past
+            it is abandoned as the run itself would be, and the diagnosis reports it as not finished)."""
             left = None
-            if config.timeout is not None:
+            budget = config.diagnosis_budget if config.diagnosis_budget is not None else config.timeout
+            if budget is not None:
                 if not rerun_deadline:
-                    rerun_deadline.append(time.monotonic() + config.timeout)
+                    rerun_deadline.append(time.monotonic() + budget)
                 left = rerun_deadline[0] - time.monotonic()
                 if left <= 0:
-                    raise RunTimeout(f"the diagnosis re-runs used up --timeout {config.timeout:g} s")
+                    raise RunTimeout(f"the diagnosis re-runs used up their {budget:g} s")
             fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
                                 draft_tokens=config.draft_tokens,
                                 **{**options, **({} if pad_token_id is None else {"pad_token_id": pad_token_id})})
@@ -328,15 +340,22 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             return guarded.generate([list(prompts[i]) for i in indices], config.max_new_tokens, eos)
 
         plain = None
+        black_box = bool(getattr(engine, "black_box", False))
         if config.plain_engine:
             plain = _plain_run(config, pair, prompts, batch_size, eos, options, {} if plain_runs is None else plain_runs)
+        elif dtype != "float64" and not black_box:  # the plain control: the same rows in the same batch shapes
+            plain = _plain_run(config, pair, prompts, batch_size, eos, options,
+                               {} if plain_runs is None else plain_runs, PLAIN_CONTROL)
+        if recorded_prompts is not None:
+            rerun = None  # a recording answers the same whatever it is asked beside: nothing to re-run
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
                            logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
                            pad_token_id=options.get("pad_token_id", pair.pad_token_id), plain=plain,
-                           run_subset=run_subset, draft_tokens=config.draft_tokens)
+                           run_subset=run_subset, draft_tokens=config.draft_tokens, diagnosis=config.diagnosis,
+                           diagnosis_budget=config.diagnosis_budget)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         run["adversarial"] = adversarial
         return run

@@ -67,3 +67,19 @@ def test_the_cache_goes_under_the_keyword_the_forward_takes() -> None:
     marker = object()
     assert cached_forward(Old(), marker, input_ids=None) is marker
     assert cached_forward(StateSpace(), marker, input_ids=None) is marker
+
+
+def test_a_wrapper_of_kwargs_alone_gets_the_installed_releases_keyword() -> None:
+    """A module whose forward takes **kwargs (an engine's wrapper around a model) is handed the cache under
+    the name the installed transformers' own models take, which it passes on."""
+    import inspect
+
+    from transformers import LlamaForCausalLM
+
+    class Wrapper(torch.nn.Module):
+        def forward(self, **kwargs):
+            return kwargs
+
+    expected = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    marker = object()
+    assert cached_forward(Wrapper(), marker, input_ids=None)[expected] is marker

@@ -110,6 +110,16 @@ def _as_draft_weight(key: str, source: torch.Tensor | None, shape: torch.Size, t
     raise ValueError(f"the draft's weight {key} {tuple(shape)} cannot copy the target's {tuple(source.shape)}")
 
 
+def float64_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """A float64 copy of `model` that computes in float64 throughout (the oracle of a pair loaded
+    below float64 when no float64 load of its weights is at hand: exact arithmetic on its weights)."""
+    import copy
+
+    twin = prepare_model(copy.deepcopy(model), torch.float64, str(model.device))
+    prepare_float64(twin)
+    return twin
+
+
 def _architecture_info(target: PreTrainedModel, draft: PreTrainedModel, dtype: torch.dtype) -> dict[str, Any]:
     """Refuse what the batched engines cannot run (`UnsupportedModel`, one line); in float64 make
     both models compute in float64 throughout (`engines/models/float64.py`); say what the engines see."""

@@ -26,7 +26,15 @@ def _keyword_of(forward: Any) -> str:
     for name in CACHE_KEYWORDS:
         if name in parameters:
             return name
-    return "past_key_values"  # a forward of **kwargs alone: the name every 5.x release reads
+    return _library_keyword()  # a forward of **kwargs alone (a wrapper): the installed release's own name
+
+
+@lru_cache(maxsize=None)
+def _library_keyword() -> str:
+    """The cache keyword of the installed transformers' causal language models (a Llama's)."""
+    from transformers import LlamaForCausalLM
+
+    return "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

@@ -51,6 +51,7 @@ def rule(divergence: dict[str, Any], reference: list[int], plain: list[int], bla
                               f"{position}, as the speculative run does: the engine's precision, not speculation "
                               "or batching")
         divergence["kind"], divergence["ruled_by"] = "numerical", "plain-engine"
+        divergence["decided_by"] = evidence["decided_by"] = "plain-control"
         return
     divergence["ruled_by"] = "noise-band" if black_box else "reference"
     where = ("equals the reference" if plain_first is None

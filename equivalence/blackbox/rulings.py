@@ -121,6 +121,22 @@ def noise_band(audit_dtype: str, engine_dtype: str | None = None, logit_toleranc
                      dtype=audit_dtype)
 
 
+def band_evidence(band: NoiseBand, ruling: dict[str, Any], engine_token: int | None, reference_token: int | None,
+                  engine_entry: dict[int, float] | None = None) -> dict[str, Any]:
+    """A black-box engine's band beside a ruling of `equivalence/precision.py` (its evidence dict):
+    where the band came from, its width at the split, the float64 margin and the engine token's gap,
+    and the engine's own log-probabilities there when it gave them."""
+    extra: dict[str, Any] = {"noise_band_source": band.source, "noise_band": ruling.get("measured_band"),
+                             "reference_margin": ruling.get("replay_float64_margin"),
+                             "engine_token_gap": (ruling.get("replay_float64_gaps") or {}).get("engine"),
+                             "reference_top2": ruling.get("replay_float64_top2")}
+    if engine_entry:
+        extra["engine_logprobs"] = {str(k): v for k, v in sorted(engine_entry.items(), key=lambda kv: -kv[1])}
+        if reference_token in engine_entry and engine_token in engine_entry:
+            extra["engine_margin"] = engine_entry[engine_token] - engine_entry[reference_token]
+    return extra
+
+
 def classify(band: NoiseBand, logits_at_split: torch.Tensor | None, reference_token: int | None,
              engine_token: int | None, engine_entry: dict[int, float] | None = None) -> tuple[str, dict[str, Any]]:
     """The kind of one black-box token divergence and its evidence. `logits_at_split` is the

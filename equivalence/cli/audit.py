@@ -107,6 +107,16 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                           "prompts past 1024 and 2048 tokens where the model allows them)")
     cli_blackbox.add_audit_options(audit)
 
+    diagnosis = audit.add_argument_group("diagnosis (naming the cause of each structural divergence)")
+    diagnosis.add_argument("--diagnosis", choices=("quick", "full"), default="full",
+                           help="full (default): checks, logit replays and re-runs of the engine (alone, beside a "
+                                "copy, with another pad id, with layers silenced); quick: checks and replays only, "
+                                "no re-run: a class where they decide it, else unknown with what a re-run would "
+                                "try. For a merge gate: quick, see docs/ci.md")
+    diagnosis.add_argument("--diagnosis-budget", type=_seconds, default=None, metavar="SECONDS",
+                           help="seconds per run for the diagnosis's re-runs; once spent, the remaining "
+                                "divergences are diagnosed without re-runs (default: --timeout)")
+
     out = audit.add_argument_group("output")
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -149,6 +159,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
+        diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
     )
 
 

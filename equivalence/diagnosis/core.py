@@ -36,6 +36,7 @@ reported as not run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,6 +46,7 @@ from specaudit.equivalence.diagnosis import causes, checks
 from specaudit.equivalence.diagnosis.layers import recurrent_or_attention
 from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
 from specaudit.equivalence.diagnosis.checks import Finding
+from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.replay import RowContext, explain
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
@@ -100,7 +102,7 @@ def _cause(found: Finding | Cause, decided_by: str) -> Cause:
 
 
 @dataclass
-class Diagnoser:
+class Diagnoser(Experiments):
     """Everything a diagnosis of one run may look at, and its re-run budget."""
 
     prompts: list[list[int]]
@@ -118,44 +120,17 @@ class Diagnoser:
     draft_tokens: int = 0
     reruns_left: int = RERUN_BUDGET
     pad_reruns_left: int = PAD_RERUN_BUDGET
+    # below float64: the run's ruler judges re-runs as the audit judged the run (precision.py); the
+    # float64 target replays the hypotheses; `reference_logits` measure the dtype's own error per prompt
+    ruler: Any = None
+    replay_target: Any = None
+    reference_logits: list[torch.Tensor | None] = field(default_factory=list)
+    mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
+    deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
+    rerun_seconds: float = 0.0
+    replay_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
-
-    # ---- experiments -------------------------------------------------------------------------
-    def _run(self, indices: list[int], pad_token_id: int | None = None) -> list[list[int]] | str:
-        if self.rerun is None:
-            return "no re-run available for this engine"
-        if pad_token_id is not None and getattr(self.rerun, "takes_pad_option", True) is False:
-            return "the engine takes no pad option"
-        if pad_token_id is not None:
-            if self.pad_reruns_left <= 0:
-                return "the pad-id re-run budget of this run is spent"
-            self.pad_reruns_left -= 1
-        elif self.reruns_left <= 0:
-            return "the re-run budget of this run is spent"
-        else:
-            self.reruns_left -= 1
-        try:
-            return [[int(t) for t in out] for out in self.rerun(indices, pad_token_id)]
-        except Exception as exc:  # an experiment that fails tells that, not more
-            return f"the re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
-
-    def alone(self, index: int) -> list[int] | str:
-        if index not in self._alone:
-            result = self._run([index])
-            self._alone[index] = result[0] if isinstance(result, list) else result
-        return self._alone[index]
-
-    def other_pad_id(self, indices: list[int]) -> int | None:
-        used = {t for i in indices for t in self.prompts[i] + self.references[i] + self.outputs[i]}
-        used |= {t for t in (self.pad_token_id, self.eos_token_id) if t is not None}
-        # an id both models have (a padded vocabulary's extra ids cannot be fed to the smaller one)
-        sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (self.target, self.draft)]
-        vocab = int(min((size for size in sizes if isinstance(size, int)), default=0))
-        for candidate in range(vocab - 1, -1, -1):
-            if candidate not in used:
-                return candidate
-        return None
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -213,9 +188,12 @@ class Diagnoser:
                 return _cause(found, "the output's length against max_new_tokens")
 
         q = self._first_corrupted(index, position)
-        hypothesis, replays = explain(self.target, prompt, output, q, self.trace, index, self.pad_token_id,
-                                      logits[q] if logits is not None and q < logits.shape[0] else None, None,
-                                      prefer=tuple(self._explained_by), row=self._row_context(index))
+        started = time.perf_counter()
+        hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
+                                      self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
+                                      None, prefer=tuple(self._explained_by), row=self._row_context(index),
+                                      noise=self.precision_noise(index))
+        self.replay_seconds += time.perf_counter() - started
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
             if hypothesis.name in self._explained_by:
@@ -310,9 +288,10 @@ class Diagnoser:
         other = self.other_pad_id(batch)
         result = self._run(batch, other) if other is not None else "no unused token id for another pad id"
         if isinstance(result, list):
-            exact = result[batch.index(index)] == reference
+            exact = self.equivalent(index, result[batch.index(index)])
             where = "alone" if len(batch) == 1 else f"in its batch (prompts {batch[0]} to {batch[-1]})"
-            tried.append(f"re-run {where} with pad id {other} instead of {pad}: {'exact' if exact else 'still diverges'}")
+            tried.append(f"re-run {where} with pad id {other} instead of {pad}: "
+                         f"{self._verdict(index, result[batch.index(index)])}")
             if not exact:
                 return None  # the experiment says the pad id is not the cause
             what = (f"the pad id {pad} sits in the row as content ({evidence.where()})" if evidence.where() else
@@ -328,7 +307,7 @@ class Diagnoser:
             return cause
         if prompt and all(t == pad for t in prompt) and position == 0:
             alone = self.alone(index)  # alone, no padding: a wrong first token there is the pad id's doing
-            if isinstance(alone, str) or (alone[:1] != reference[:1]):
+            if isinstance(alone, str) or (alone[:1] != reference[:1] and not self.equivalent(index, alone)):
                 seen = ("not run (" + alone + ")") if isinstance(alone, str) else "its first new token still differs"
                 tried.append(f"re-run alone (batch of 1, no padding): {seen}")
                 return Cause("pad_as_content", f"the whole prompt is the pad id {pad} and the engine differs from the "
@@ -339,7 +318,7 @@ class Diagnoser:
             tried.append("re-run alone (batch of 1, no padding): its first new token is right")
         if evidence.pad_is_eos and stopped_early and eos not in prompt:
             alone = self.alone(index)
-            if isinstance(alone, list) and alone[:len(reference)] == reference:  # (tokens after an EOS: another bug)
+            if isinstance(alone, list) and self.equivalent(index, alone[:len(reference)]):  # (tokens after EOS: another bug)
                 return Cause("pad_as_content", f"the pad id {pad} is the EOS id; the row stopped after {len(output)} "
                              "token(s) with no EOS of its own, and alone (a batch of 1, no padding) it is exact: its "
                              "left padding was read as an EOS", "a re-run alone, without padding",
@@ -362,8 +341,8 @@ class Diagnoser:
         if isinstance(alone, str):
             tried.append(f"re-run alone: not run ({alone})")
             return self._single_row(index, q, tried, alone_known=False)
-        exact = alone == self.references[index]
-        tried.append(f"re-run alone (batch of 1): {'exact' if exact else 'still diverges'}")
+        exact = self.equivalent(index, alone)
+        tried.append(f"re-run alone (batch of 1): {self._verdict(index, alone)}")
         if not exact:
             return self._single_row(index, q, tried, alone_known=True)
         group = checks.group_of_unequal_rows(index, position, self.trace)
@@ -371,9 +350,9 @@ class Diagnoser:
             return group
         twin = self._run([index, index])
         if isinstance(twin, list):
-            twin_exact = all(out == self.references[index] for out in twin)
+            twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
-                         f"{'exact' if twin_exact else 'diverges'}")
+                         f"{'equivalent' if twin_exact else 'diverges'}")
         detail = ""
         finished = checks.finished_beside(index, position, self.trace)
         if finished is not None:

@@ -25,7 +25,7 @@ that said: a rejection or a neighbour changes a recurrent state exactly so.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 import torch
@@ -85,18 +85,29 @@ def silenced(target: Any, kind: str) -> Iterator[str | None]:
 
 def _diverges(diagnoser: Any, index: int, batch: list[int], kind: str) -> bool | str:
     """Re-run `batch` with the target's `kind` layers silenced: does row `index` still diverge from
-    greedy decoding of the silenced target? (Or why the experiment was not run.)"""
+    greedy decoding of the silenced target? (Or why the experiment was not run.) Below float64 the
+    float64 target is silenced too and the re-run is judged as the audit judges a run (precision.py)."""
     from specaudit.engines.reference import greedy_decode
+    from specaudit.equivalence.precision import Ruler
 
-    with silenced(diagnoser.target, kind) as missing:
-        if missing:
-            return missing
-        reference = greedy_decode(diagnoser.target, list(diagnoser.prompts[index]), diagnoser.max_new_tokens,
-                                  diagnoser.eos_token_id)[0]
+    targets = [diagnoser.target]
+    if diagnoser.ruler is not None and diagnoser.replay_target not in (None, diagnoser.target):
+        targets.append(diagnoser.replay_target)
+    with ExitStack() as stack:
+        missing = [stack.enter_context(silenced(model, kind)) for model in targets]
+        if any(missing):
+            return next(m for m in missing if m)
+        prompt = list(diagnoser.prompts[index])
+        reference = greedy_decode(diagnoser.target, prompt, diagnoser.max_new_tokens, diagnoser.eos_token_id)[0]
         result = diagnoser._run(batch)
-    if isinstance(result, str):
-        return result
-    return result[batch.index(index)] != reference
+        if isinstance(result, str):
+            return result
+        output = result[batch.index(index)]
+        if output == reference or diagnoser.ruler is None:
+            return output != reference
+        ruler = diagnoser.ruler
+        return not Ruler(ruler.dtype, diagnoser.target, diagnoser.replay_target, ruler.band).equivalent(
+            prompt, reference, output)
 
 
 def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[str]) -> tuple[str, str, str]:
