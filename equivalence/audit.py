@@ -268,11 +268,11 @@ def audit_engine(
                 divergence["diagnosis"] = diagnoser.diagnose(divergence)
         note_shared_mechanisms(divergences)
     diagnosis_seconds = time.perf_counter() - diagnosed_at
-    controls = (ruler.seconds if ruler is not None else 0.0) + float((plain or {}).get("seconds") or 0.0)
     timing = {
         "engine": seconds,
         "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
-        "controls": controls,  # float64 and same-dtype replays of the rulings, the plain control's run
+        "controls": ruler.seconds if ruler is not None else 0.0,  # the rulings' float64 and same-dtype replays
+        "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
         "replays": diagnoser.replay_seconds if diagnoser is not None else 0.0,
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
         "diagnosis": diagnosis_seconds,  # replays and re-runs included

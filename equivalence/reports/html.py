@@ -20,12 +20,15 @@ from specaudit.equivalence.reports.summary import (
     margin_description,
     ordered_divergences,
     replay_description,
+    ruling_text,
     run_status,
     run_title,
     rows_count,
     speculation_lines,
     split_ids,
     three_way_runs,
+    TIMING_HEADER,
+    timing_rows,
     THREE_WAY_HEADER,
     visible_text,
     verdict,
@@ -225,7 +228,7 @@ def _divergence_article(number: int, entry: DivergenceEntry) -> str:
         rows.insert(0, ("adversarial prompt", f"<code>{escape(str(case.get('case')))}</code> "
                                               f"({escape(str(case.get('length')))} tokens): {escape(str(case.get('why')))}"))
     if evidence.get("reason"):
-        rows.append((f"why {entry.kind}", escape(str(evidence["reason"]))))
+        rows.append((ruling_text(entry.kind, divergence), escape(str(evidence["reason"]))))
     if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
         rows.append(("noise band", escape(str(entry.run["noise_band"]["how"]))))
     if divergence.get("logit_error") is not None:
@@ -298,6 +301,19 @@ def _three_way_section(audit: dict[str, Any]) -> str:
             "engine's precision, ruled numerical.</p>" + "".join(parts))
 
 
+def _timing_section(audit: dict[str, Any]) -> str:
+    rows = timing_rows(audit)
+    if not rows:
+        return ""
+    head = "".join(f"<th>{escape(name)}</th>" for name in TIMING_HEADER)
+    body = "".join("<tr>" + "".join(_cell(value) for value in row) + "</tr>" for row in rows)
+    return ("<h2>Where the time went</h2><p>Seconds per run: the engine, the reference (once per pair and dtype), the "
+            "rulings' controls, the plain control (once per batch composition), the diagnosis's replays and "
+            "re-runs, and its total.</p>"
+            f'<div class="table-wrap"><table class="runs"><thead><tr>{head}</tr></thead><tbody>{body}</tbody>'
+            "</table></div>")
+
+
 def _figure(svg: str) -> str:
     return f"<figure>{svg}</figure>"  # the chart's own title is its caption
 
@@ -327,6 +343,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         f"<section>{_speculation_section(audit)}</section>",
         f"<section>{_three_way_section(audit)}</section>",
+        f"<section>{_timing_section(audit)}</section>",
         f"<section>{_crashes(runs)}{_failures(audit)}</section>",
         f"<section>{_divergences(audit, divergence_limit)}</section>",
     ]

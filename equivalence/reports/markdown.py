@@ -25,12 +25,15 @@ from specaudit.equivalence.reports.summary import (
     margin_description,
     ordered_divergences,
     replay_description,
+    ruling_text,
     run_status,
     run_title,
     speculation_lines,
     split_ids,
     three_way_runs,
     THREE_WAY_HEADER,
+    TIMING_HEADER,
+    timing_rows,
     visible_text,
     verdict,
 )
@@ -97,7 +100,7 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
     if case is not None:
         bullets.insert(0, f"adversarial prompt `{case.get('case')}` ({case.get('length')} tokens): {case.get('why')}")
     if evidence.get("reason"):
-        bullets.append(f"why {entry.kind}: {evidence['reason']}")
+        bullets.append(f"{ruling_text(entry.kind, divergence)}: {evidence['reason']}")
     if evidence.get("plain_engine"):
         bullets.append(f"plain engine: {evidence['plain_engine']}")
     if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
@@ -177,6 +180,13 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
             lines += [f"**{run_title(run)}**: {sentence}", ""]
             if rows:
                 lines += _markdown_table(THREE_WAY_HEADER, rows) + [""]
+    timing = timing_rows(audit)
+    if timing:
+        lines += ["## Where the time went", "", "Seconds per run: the engine's own run; the reference (once per pair "
+                  "and dtype); the rulings' controls (float64 and same-dtype replays); the plain control's run (once "
+                  "per batch composition, below float64); the diagnosis's logit replays and re-runs of the engine, "
+                  "and its total.", ""]
+        lines += _markdown_table(TIMING_HEADER, timing) + [""]
     switches = _float64_switches(runs)
     if switches:
         lines += ["## How the models ran in float64", ""] + switches + [""]
@@ -202,8 +212,10 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     entries = ordered_divergences(audit)
     if entries:
         lines += ["## Divergences", "",
-                  "Numerical: the target's top-2 margin at the split is within the dtype's noise and a float64 "
-                  "replay confirms the near-tie. Structural: anything else, a bug in the batching.", ""]
+                  "Numerical: a precision control explains it (below float64: the float64 replay puts both tokens "
+                  "within the band measured on the run, a same-dtype replay nearly ties them, or a plain batched run "
+                  "makes the same flip). Structural: anything else, a bug in the batching. Each says what decided it.",
+                  ""]
         for number, entry in enumerate(entries[:divergence_limit], start=1):
             lines += _markdown_divergence(number, entry)
         left_out = len(entries) - divergence_limit

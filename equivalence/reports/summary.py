@@ -319,3 +319,33 @@ def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, lis
 
 def format_token(token: Any) -> str:
     return "end" if token is None else str(token)
+
+
+TIMING_HEADER = ["run", "engine s", "reference s (shared)", "controls s", "plain control s (shared)", "replays s",
+                 "re-runs s", "diagnosis"]
+
+
+def timing_rows(audit: dict[str, Any]) -> list[list[str]]:
+    """Where each finished run's time went: the engine's run, the reference (computed once per pair and dtype),
+    the rulings' float64 and same-dtype replays, the plain control's run (once per batch composition), and
+    the diagnosis's replays and re-runs (its total, mode in brackets)."""
+    rows = []
+    for run in audit.get("runs") or []:
+        timing = run.get("timing")
+        if run.get("error") or not timing:
+            continue
+
+        def seconds(key: str) -> str:
+            value = timing.get(key)
+            return "—" if value is None else f"{value:.1f}"
+
+        rows.append([run_title(run), seconds("engine"), seconds("reference"), seconds("controls"),
+                     seconds("plain_control"), seconds("replays"), seconds("reruns"),
+                     f"{seconds('diagnosis')} ({timing.get('diagnosis_mode', 'full')})"])
+    return rows
+
+
+def ruling_text(kind: str, divergence: dict[str, Any]) -> str:
+    """`why structural (decided by float64-replay)`: the ruling's label with what decided it."""
+    decided = divergence.get("decided_by") or (divergence.get("evidence") or {}).get("decided_by")
+    return f"why {kind}" + (f" (decided by {decided})" if decided else "")
