@@ -19,7 +19,7 @@ from specaudit.equivalence import attribute, speculation
 from specaudit.equivalence.blackbox import plain_engine
 from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
-from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
+from specaudit.equivalence.draft_fidelity import departure_floor, draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 from specaudit.equivalence.precision import Ruler
@@ -113,6 +113,27 @@ def _same_engine_rerun(engine: Any, prompts: list[list[int]], max_new_tokens: in
     return rerun
 
 
+def plain_control(pair: ModelPair, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
+                  eos_token_id: int | None, pad_token_id: int | None = None) -> dict[str, Any]:
+    """The plain control of an in-process engine below float64: batched greedy decoding, no speculation,
+    of the same prompts in consecutive batches of `batch_size`, in the pair's dtype and device. Its
+    outputs, or the error that stopped it (the rulings then go without it), and its seconds."""
+    from specaudit.engines.batched import BatchedGreedy
+
+    started = time.perf_counter()
+    record: dict[str, Any] = {"engine": "batched", "outputs": None, "description": None, "speculation": None,
+                              "error": None}
+    try:
+        engine = BatchedGreedy(pair.target, batch_size=batch_size,
+                               pad_token_id=pad_token_id if pad_token_id is not None else pair.pad_token_id)
+        record["outputs"] = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+    except Exception as exc:  # the audited run goes on, ruled without the plain control
+        record["error"] = (f"the plain control (batched) failed ({type(exc).__name__}: {exc}); the divergences are "
+                           "ruled without it").splitlines()[0]
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
 def audit_engine(
     engine: Any,
     pair: ModelPair,
@@ -131,11 +152,12 @@ def audit_engine(
     bundle_dir: Any = None,
     rerun: Callable[[list[int], int | None], list[list[int]]] | None = None,
     pad_token_id: int | None = None,
-    plain: dict[str, Any] | None = None,
+    plain: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
     run_subset: Callable[[list[int]], list[list[int]]] | None = None,
     draft_tokens: int | None = None,
     diagnosis: str = "full",
     diagnosis_budget: float | None = None,
+    replay_draft: PreTrainedModel | None = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
 
@@ -145,8 +167,9 @@ def audit_engine(
     self-contained repro bundle (`equivalence/blackbox/bundles.py`).
 
     `plain` is a plain run of the same engine on the same prompts (`{"engine": name, "outputs":
-    [...] or None, "description", "speculation", "error"}`): a divergence it makes identically is
-    ruled numerical (`equivalence/blackbox/plain_engine.py`).
+    [...] or None, "description", "speculation", "error"}`, or a callable that makes it when a flip
+    needs it): a divergence it makes identically is ruled numerical (`equivalence/blackbox/plain_engine.py`).
+    Below float64 an in-process engine with a `batch_size` gets one by default (`plain_control`).
 
     `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
     pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
@@ -155,8 +178,10 @@ def audit_engine(
     (`equivalence/isolate.py`) with `run_subset(indices)` (default: this engine on those prompts):
     each is a failure finding in `failures`, and every other prompt is judged as usual.
 
-    `diagnosis`: "full" (checks, replays and re-runs of the engine) or "quick" (no re-runs: a class
-    the checks and replays decide, else `unknown` with what a re-run would have tried);
+    `diagnosis`: "full" (checks, replays and re-runs of the engine), "quick" (no re-runs: a class
+    the checks and replays decide, else `unknown` with what a re-run would have tried) or "off" (none:
+    a search for failing cases that only needs the rulings); `replay_draft`: the draft in float64, for
+    the draft check below float64 (default: a float64 copy of the pair's draft);
     `diagnosis_budget`: seconds after which the diagnosis starts no more re-runs. The run's `timing`
     says how its time split between the engine, the shared reference, the precision controls, the
     diagnosis's replays and its re-runs.
@@ -235,21 +260,37 @@ def audit_engine(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
                 ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
 
+    if callable(plain) or (plain is None and band is None and dtype != "float64" and batch_size):
+        # the plain control, made only when a flip needs it (and then shared by all the run's flips)
+        needed = any(d["kind"] == "structural" for d in divergences)
+        plain = (plain() if callable(plain) else plain_control(pair, prompts, int(batch_size), max_new_tokens,
+                                                               eos_token_id, pad_token_id)) if needed else None
     plain_outputs = plain.get("outputs") if plain is not None else None
     if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
         for divergence in divergences:
             index = divergence["prompt_index"]
             plain_engine.rule(divergence, reference.outputs[index], plain_outputs[index], band is not None)
 
-    if (dtype == "float64" and trace is not None and getattr(trace, "proposals_from_draft_model", False)
+    if (trace is not None and getattr(trace, "proposals_from_draft_model", False)
             and getattr(pair, "draft", None) is not None):
         diverged = {d["prompt_index"] for d in divergences}
-        for index, mismatch in sorted(first_draft_mismatches(trace, pair.draft, prompts, outputs, diverged).items()):
+        draft, accept = pair.draft, None
+        if dtype != "float64":  # the float64 draft chooses; a proposal within the precision's reach passes
+            draft = replay_draft if replay_draft is not None else float64_copy(pair.draft)
+            draft_ruler, floors = Ruler(dtype, pair.draft, draft), {}
+
+            def accept(row: int, start: int, choice: int, proposal: int) -> bool:
+                sequence = list(prompts[row]) + [int(t) for t in outputs[row]]
+                if row not in floors:  # how far the draft in this dtype strays from float64 on this row
+                    floors[row] = departure_floor(pair.draft, draft, sequence)
+                return draft_ruler.rule(sequence[:start], [choice], [proposal], 0, floor=floors[row])[0] == "numerical"
+
+        for index, mismatch in sorted(first_draft_mismatches(trace, draft, prompts, outputs, diverged, accept).items()):
             divergences.append(draft_divergence(index, mismatch, trace))
 
     diagnosed_at = time.perf_counter()
     diagnoser = None
-    if any(d["kind"] == "structural" for d in divergences):
+    if diagnosis != "off" and any(d["kind"] == "structural" for d in divergences):
         # name the bug of every structural divergence (equivalence/diagnosis/core.py); `rerun(indices,
         # pad_token_id)` runs a fresh engine for its experiments (default: this engine again)
         diagnoser = Diagnoser(

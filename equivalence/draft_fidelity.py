@@ -6,13 +6,15 @@ logit; it only lowers acceptance. It does show in the proposals: with a correct 
 proposal that follows accepted tokens equals the draft model's greedy choice on that prefix, and
 all of those choices come from one uncached draft pass over the row's final sequence.
 
-Checked only in float64 and only for engines whose trace says the proposals come from greedy
-decoding with the draft model (`Trace.proposals_from_draft_model`).
+Checked only for engines whose trace says the proposals come from greedy decoding with the draft
+model (`Trace.proposals_from_draft_model`). Below float64 the choices come from the draft in float64
+and a proposal that differs is kept only when `accept` (the rulings of `equivalence/precision.py`, on
+the draft) does not put it within the precision's reach.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -28,9 +30,12 @@ def draft_choices(draft: PreTrainedModel, sequence: list[int]) -> list[int]:
 
 
 def first_draft_mismatches(
-    trace: Trace, draft: PreTrainedModel, prompts: list[list[int]], outputs: list[list[int]], skip: set[int]
+    trace: Trace, draft: PreTrainedModel, prompts: list[list[int]], outputs: list[list[int]], skip: set[int],
+    accept: Callable[[int, int, int, int], bool] | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Per prompt (not in `skip`), the first proposal that is not the draft's greedy choice."""
+    """Per prompt (not in `skip`), the first proposal that is not the draft's greedy choice;
+    `accept(row, prefix length, choice, proposal)` lets a differing proposal pass (below float64: a
+    proposal within the precision's reach)."""
     generated = [0] * len(prompts)  # tokens each row had emitted before the step
     choices: dict[int, list[int]] = {}
     found: dict[int, dict[str, Any]] = {}
@@ -44,7 +49,8 @@ def first_draft_mismatches(
                 checkable = min(step.accepted_counts[b] + 1, step.emitted_counts[b], len(step.proposed[b]))
                 for j in range(checkable):
                     expected = choices[row][start + j - 1]
-                    if step.proposed[b][j] != expected:
+                    if step.proposed[b][j] != expected and not (
+                            accept is not None and accept(row, start + j, expected, step.proposed[b][j])):
                         found[row] = {"step": index, "position": generated[row] + j,
                                       "draft_token": expected, "proposed_token": step.proposed[b][j]}
                         break
@@ -68,3 +74,16 @@ def draft_divergence(prompt_index: int, mismatch: dict[str, Any], trace: Trace) 
     record.update(step_context(trace, prompt_index, mismatch["position"]))
     record["step"] = mismatch["step"]
     return record
+
+
+@torch.no_grad()
+def departure_floor(draft: PreTrainedModel, exact_draft: PreTrainedModel, sequence: list[int]) -> float:
+    """How far the draft in its own dtype strays from the float64 draft's choices along `sequence`: the
+    largest float64 gap below the top of the token it chooses (uncached, batch of one). The measured
+    floor of the draft check's band below float64, as the reference's departures are the target's."""
+    ids = torch.tensor([sequence], dtype=torch.long, device=draft.device)
+    chosen = draft(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].argmax(-1)  # [n]
+    exact = exact_draft(input_ids=ids.to(exact_draft.device),
+                        attention_mask=torch.ones_like(ids).to(exact_draft.device)).logits[0].to(torch.float64)
+    gaps = exact.max(-1).values - exact.gather(1, chosen.to(exact.device).unsqueeze(1)).squeeze(1)  # [n]
+    return float(gaps.max())

@@ -17,7 +17,8 @@ first divergent position p of a prompt, the reference's token r and the engine's
    one that flipped, its departure at p is in that floor).
 3. `same-dtype-replay`: a plain replay of the target in the audit dtype on the same prefix (batch of
    one, no cache: a correct computation with other kernel shapes than the reference's and the
-   engine's) puts both r and e within the dtype's noise of its top: that precision ties them here.
+   engine's) puts e within the dtype's noise of its top: a correct computation in that precision
+   chooses the engine's token, or nearly.
 4. Otherwise `structural`, decided by the float64 replay, with every control's numbers as evidence.
 
 A plain, non-speculative run of the same rows in the same batch shapes (`blackbox/plain_engine.py`:
@@ -73,19 +74,20 @@ class Ruler:
         return float((path.max(dim=1).values - chosen).max())
 
     def rule(self, prompt: list[int], reference: list[int], output: list[int], position: int,
-             same_dtype: torch.Tensor | None = None) -> tuple[str, dict[str, Any]]:
+             same_dtype: torch.Tensor | None = None, floor: float | None = None) -> tuple[str, dict[str, Any]]:
         """The kind of the divergence at `position` and its evidence (with `decided_by`).
-        `same_dtype`: the audit-dtype target's logits [V] on the common prefix, when already computed."""
+        `same_dtype`: the audit-dtype target's logits [V] on the common prefix, when already computed;
+        `floor`: a departure measured otherwise (default: the reference's along its own output)."""
         import time
 
         started = time.perf_counter()
         try:
-            return self._rule(prompt, reference, output, position, same_dtype)
+            return self._rule(prompt, reference, output, position, same_dtype, floor)
         finally:
             self.seconds += time.perf_counter() - started
 
     def _rule(self, prompt: list[int], reference: list[int], output: list[int], position: int,
-              same_dtype: torch.Tensor | None) -> tuple[str, dict[str, Any]]:
+              same_dtype: torch.Tensor | None, floor: float | None) -> tuple[str, dict[str, Any]]:
         reference_token = reference[position] if position < len(reference) else None
         engine_token = output[position] if position < len(output) else None
         evidence: dict[str, Any] = {"replay_float64_top2": None, "replay_float64_margin": None, "dtype_noise": None}
@@ -98,7 +100,7 @@ class Ruler:
         top = float(exact.max())
         gaps = {"reference": top - float(exact[reference_token]), "engine": top - float(exact[engine_token])}
         noise = self.width(top)
-        floor = self.floor(prompt, reference)
+        floor = self.floor(prompt, reference) if floor is None else floor
         band = max(noise, floor)
         evidence.update(dtype_noise=noise, replay_float64_gaps=gaps, reference_departure=floor, measured_band=band)
         if max(gaps.values()) <= band:
@@ -116,12 +118,11 @@ class Ruler:
                       "engine": plain_top - float(plain[engine_token])}
         plain_noise = self.width(plain_top)
         evidence.update(replay_same_dtype_gaps=plain_gaps, replay_same_dtype_noise=plain_noise)
-        if max(plain_gaps.values()) <= plain_noise:
+        if plain_gaps["engine"] <= plain_noise:
             evidence.update(decided_by="same-dtype-replay", reason=(
-                f"a plain replay in {self.dtype} on the same prefix puts both tokens within "
-                f"{max(plain_gaps.values()):.3g} of its top, inside {self.dtype} noise {plain_noise:.3g} (in float64 "
-                f"the {max(gaps, key=gaps.get)} token lies {max(gaps.values()):.3g} below the top): {self.dtype} "
-                "nearly ties them here"))
+                f"a plain replay in {self.dtype} on the same prefix puts the engine's token "
+                f"{plain_gaps['engine']:.3g} below its top, inside {self.dtype} noise {plain_noise:.3g} (in float64 it "
+                f"lies {gaps['engine']:.3g} below the top): a correct {self.dtype} computation chooses it, or nearly"))
             return "numerical", evidence
         who = max(gaps, key=gaps.get)
         evidence.update(decided_by="float64-replay", reason=(

@@ -168,7 +168,8 @@ def run_audit(
                 if not factories_checked:
                     validate.check_factories(config, pair)  # a UsageError here ends the audit before any run
                     factories_checked = True
-                replay = pair.target if dtype == "float64" else load(pair_spec, "float64", config.device).target
+                # the float64 target (and draft) that rule flips below float64
+                replay = pair if dtype == "float64" else load(pair_spec, "float64", config.device)
                 prompts = load_prompts(config.prompts, pair.tokenizer, config.num_prompts)
                 eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
                 declared_pad = config.pad_token_id
@@ -343,19 +344,21 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
         black_box = bool(getattr(engine, "black_box", False))
         if config.plain_engine:
             plain = _plain_run(config, pair, prompts, batch_size, eos, options, {} if plain_runs is None else plain_runs)
-        elif dtype != "float64" and not black_box:  # the plain control: the same rows in the same batch shapes
-            plain = _plain_run(config, pair, prompts, batch_size, eos, options,
-                               {} if plain_runs is None else plain_runs, PLAIN_CONTROL)
+        elif dtype != "float64" and not black_box:  # the plain control: the same rows in the same batch shapes,
+            def plain() -> dict[str, Any]:  # made when a flip needs it, once per batch composition
+                return _plain_run(config, pair, prompts, batch_size, eos, options,
+                                  {} if plain_runs is None else plain_runs, PLAIN_CONTROL)
         if recorded_prompts is not None:
             rerun = None  # a recording answers the same whatever it is asked beside: nothing to re-run
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
-                           dtype=dtype, reference=reference, replay_target=replay, engine_name=engine_name,
+                           dtype=dtype, reference=reference, replay_target=replay.target, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
                            logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
                            pad_token_id=options.get("pad_token_id", pair.pad_token_id), plain=plain,
                            run_subset=run_subset, draft_tokens=config.draft_tokens, diagnosis=config.diagnosis,
-                           diagnosis_budget=config.diagnosis_budget)
+                           diagnosis_budget=config.diagnosis_budget,
+                           replay_draft=replay.draft if dtype != "float64" else None)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         run["adversarial"] = adversarial
         return run

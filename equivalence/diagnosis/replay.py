@@ -39,6 +39,8 @@ class Hypothesis:
     name: str  # what it assumes, in words
     build: Callable[[], tuple[list[int], list[int]] | None]  # (ids, positions) or None when it does not apply
     mechanism: str = ""  # the bug it stands for, shared by hypotheses that differ only in how they count
+    # a replay of its own (the target -> logits [V] or None), for a hypothesis no (ids, positions) can state
+    replay: Callable[[Any], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.mechanism:
@@ -233,6 +235,16 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
         found.append(Hypothesis("attention_mask", "the row's left padding visible to its queries and "
                                 "counted in its positions", padding_visible(True)))
 
+        # padding that appears after the prefill (rows that accepted different numbers of tokens): the query of
+        # new token q sees as many zeroed cache columns as the trace records for the row at the step that fed it
+        fed_query = fed[q - 1] if q >= 1 else (steps[0] if steps else None)
+        zeroed = _pad_at(trace, fed_query, index)
+        if zeroed:
+            found.append(Hypothesis("attention_mask", f"the row's padding ({zeroed} zeroed cache columns at the step "
+                                    "that fed the query) visible to its queries", lambda: None,
+                                    "the row's padding visible to its queries",
+                                    replay=lambda target, pad=zeroed: replay_with_zeroed_columns(target, sequence, pad)))
+
     for shift in CONSTANT_SHIFTS:
         def constant(shift: int = shift) -> tuple[list[int], list[int]] | None:
             positions = [p + shift for p in true_positions]
@@ -260,6 +272,39 @@ def replay_last(target: Any, ids: list[int], positions: list[int]) -> torch.Tens
     try:
         out = target(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids)
     except (IndexError, RuntimeError, ValueError):
+        return None
+    return out.logits[0, -1]
+
+
+@torch.no_grad()
+def replay_with_zeroed_columns(target: Any, sequence: list[int], pad: int) -> torch.Tensor | None:
+    """The target's logits [V] after `sequence` when its last token (the query) also sees `pad` cache
+    columns of zeros in front of the row's own (a left-padded cache whose padding the mask lets through),
+    the earlier tokens computed without them; None when the model keeps no key/value cache to pad."""
+    from transformers import DynamicCache
+
+    from specaudit.engines.ops.hf_call import cached_forward
+
+    if len(sequence) < 2 or pad <= 0:
+        return None
+    device = target.device
+    cache = DynamicCache(config=target.config)
+    prefix = torch.tensor([sequence[:-1]], dtype=torch.long, device=device)
+    try:
+        cached_forward(target, cache, input_ids=prefix, attention_mask=torch.ones_like(prefix),
+                       position_ids=torch.arange(prefix.shape[1], device=device).unsqueeze(0))
+        layers = getattr(cache, "layers", [])
+        if not layers or not all(getattr(layer, "keys", None) is not None for layer in layers):
+            return None  # recurrent or windowed layers: no plain column cache to pad
+        for layer in layers:
+            keys, values = layer.keys, layer.values  # [1, H, L, D]
+            layer.keys = torch.cat([keys.new_zeros(*keys.shape[:2], pad, keys.shape[-1]), keys], dim=2)
+            layer.values = torch.cat([values.new_zeros(*values.shape[:2], pad, values.shape[-1]), values], dim=2)
+        query = torch.tensor([[sequence[-1]]], dtype=torch.long, device=device)
+        out = cached_forward(target, cache, input_ids=query,
+                             attention_mask=torch.ones(1, pad + len(sequence), dtype=torch.long, device=device),
+                             position_ids=torch.tensor([[len(sequence) - 1]], device=device))
+    except (IndexError, RuntimeError, ValueError, AttributeError):
         return None
     return out.logits[0, -1]
 
@@ -295,10 +340,11 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
     ordered = sorted(hypotheses(prompt, output, q, trace, index, pad_id, row),
                      key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
     for hypothesis in ordered:
-        built = hypothesis.build()
-        if built is None:
-            continue
-        logits = replay_last(target, *built)
+        if hypothesis.replay is not None:
+            logits = hypothesis.replay(target)
+        else:
+            built = hypothesis.build()
+            logits = replay_last(target, *built) if built is not None else None
         if logits is None:
             continue
         if engine_logits is not None and base is not None and base > 0:

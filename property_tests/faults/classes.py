@@ -34,3 +34,11 @@ EXPECTED_CLASS: dict[str, str] = {
     "state_stale_after_zero_draft_step": "recurrent_state",  # a rollback from an earlier pass's states
     "attention_cache_cut_at_pass_end": "kv_cache",  # on a hybrid target: the attention cache only, states right
 }
+
+# Faults that change no output in exact arithmetic on a pair: below float64 they are rounding only, so
+# an audit in bfloat16 must rule every flip they cause numerical (the float64 audit sees them in logits).
+INVISIBLE_BELOW_FLOAT64: dict[tuple[str, str], str] = {
+    ("position_ids_from_one", "tiny-llama"): "RoPE attention depends on position differences only: a constant "
+                                            "offset moves no logit in exact arithmetic (about 1e-8 in float64, "
+                                            "where the audit's logit check catches it)",
+}

@@ -6,6 +6,12 @@ The property is output equivalence (`specaudit.testing.properties.check_equivale
 float64 logits) for every fault that can change an output, and the draft-proposal property
 (`draft_check`) for the faults that live in the model drafter's cache. The search is
 derandomized with no example database, so a hunt gives the same counterexample on every run.
+
+Below float64 (`hunt(..., dtype="bfloat16")`) no exact property holds: a correct engine flips
+near-ties. There the property is the audit's own verdict: the fault engine, run in that dtype on
+the case, gets a structural ruling (`equivalence/precision.py`: the float64 replay, the same-dtype
+replay and the plain control all fail to explain a flip; for the model drafter, a proposal beyond
+the draft's own precision). That is what a user auditing in bfloat16 relies on.
 """
 
 from __future__ import annotations
@@ -37,20 +43,36 @@ CASE_BOUNDS: dict[str, Any] = dict(
 )
 
 
-def fault_cases(fault: type[FaultEngine], pair: str) -> st.SearchStrategy[DecodingCase]:
+def fault_cases(fault: type[FaultEngine], pair: str, dtype: str = "float64") -> st.SearchStrategy[DecodingCase]:
     """Small decoding cases on `pair`: up to 4 rows of up to 8 tokens, k <= 4, <= 8 new tokens;
     EOS and a pad id that is also content drawn as usual; a pool window for EXSPEC faults."""
     kinds = {"schedule_kinds": fault.schedule_kinds} if fault.schedule_kinds else {}
-    cases = decoding_cases(pairs=[pair], with_window=fault.engine == "exspec", **CASE_BOUNDS, **kinds)
+    cases = decoding_cases(pairs=[pair], with_window=fault.engine == "exspec", dtype=dtype, **CASE_BOUNDS, **kinds)
     if fault.drafter_kind == "model":  # the model drafter decides acceptance; no schedule to show
         cases = cases.map(lambda case: dataclasses.replace(case, schedule=None))
     return cases
 
 
+class StructuralRuling(AssertionError):
+    """The audit in the case's dtype ruled a divergence of the fault engine structural."""
+
+    def __init__(self, divergence: dict[str, Any]) -> None:
+        super().__init__(f"{divergence['kind']} divergence through {divergence['detected_by']}: prompt "
+                         f"{divergence['prompt_index']}, position {divergence['position']}, reference "
+                         f"{divergence['reference_token']}, engine {divergence['engine_token']} "
+                         f"(decided by {divergence.get('decided_by')}: {divergence['evidence'].get('reason')})")
+        self.through = {"draft": "draft tokens"}.get(divergence["detected_by"], divergence["detected_by"])
+
+
 def check_fault(fault: type[FaultEngine], case: DecodingCase) -> None:
     """The property the fault must break; raises AssertionError when it does. (A draft-cache
-    fault passes output equivalence by construction; the audit of its minimal case shows that.)"""
-    if fault.drafter_kind == "model":
+    fault passes output equivalence by construction; the audit of its minimal case shows that.)
+    Below float64: the audit's structural ruling (see the module docstring)."""
+    if case.dtype != "float64":
+        structural = [d for d in audit_case(fault, case, diagnosis="off") if d["kind"] == "structural"]
+        if structural:
+            raise StructuralRuling(structural[0])
+    elif fault.drafter_kind == "model":
         check_draft_proposals(fault, case)
     else:
         check_equivalence(fault, case, drafter="scripted")
@@ -72,6 +94,7 @@ class Finding:
     crashes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     planted: list[str] = field(default_factory=list)  # the line edits that plant the fault
+    dtype: str = "float64"  # the precision the hunt searched and audited in
 
     @property
     def kinds(self) -> set[str]:
@@ -98,7 +121,8 @@ class Finding:
                 f"{size['new_tokens']} new tokens, k = {size['draft_tokens']}")
 
     def report(self) -> str:
-        head = f"{self.fault} on {self.pair} ({self.engine}): {self.bug_class}"
+        head = f"{self.fault} on {self.pair} ({self.engine}{', ' + self.dtype if self.dtype != 'float64' else ''}): " \
+               f"{self.bug_class}"
         head += "".join(f"\n  planted by {line}" for line in self.planted)
         if self.case is None:
             return f"{head}\n  NOT DETECTED in {self.examples} cases" + "".join(f"\n  crash: {c}" for c in self.crashes[:3])
@@ -124,9 +148,11 @@ class Finding:
         return "\n".join(lines)
 
 
-def audit_case(fault: type[FaultEngine], case: DecodingCase) -> list[dict[str, Any]]:
-    """The audit's divergences for the fault engine on `case` (float64, the case's drafter)."""
+def audit_case(fault: type[FaultEngine], case: DecodingCase, diagnosis: str = "full") -> list[dict[str, Any]]:
+    """The audit's divergences for the fault engine on `case` (the case's dtype and drafter; below
+    float64 ruled with the float64 pair and the plain control, as `specaudit audit` rules them)."""
     pair = models.pair(case.pair, case.dtype)
+    exact = models.pair(case.pair, "float64") if case.dtype != "float64" else None
     eos = resolve_eos(case, pair, DEFAULT_ORACLE)
     drafter = None
     if fault.drafter_kind != "model" and case.schedule is not None:
@@ -136,7 +162,9 @@ def audit_case(fault: type[FaultEngine], case: DecodingCase) -> list[dict[str, A
     record = audit_engine(engine, pair, case.prompt_tokens, max_new_tokens=case.max_new_tokens, eos_token_id=eos,
                           dtype=case.dtype, engine_name=fault.slug(), batch_size=case.batch_size,
                           rerun=case_rerun(fault, case, pair, eos, drafter is not None),
-                          pad_token_id=case.pad_token_id)
+                          pad_token_id=case.pad_token_id, diagnosis=diagnosis,
+                          replay_target=exact.target if exact is not None else None,
+                          replay_draft=exact.draft if exact is not None else None)
     return record["divergences"]
 
 
@@ -161,7 +189,7 @@ def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int
     return rerun
 
 
-def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLES) -> Finding:
+def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLES, dtype: str = "float64") -> Finding:
     """Search, shrink and audit; never raises for a fault that escapes (the Finding says so)."""
     started = time.perf_counter()
     calls, crashes = 0, []
@@ -184,9 +212,9 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
         phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck),
     )
     finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "",
-                      planted=[change.describe() for change in fault.changes])
+                      planted=[change.describe() for change in fault.changes], dtype=dtype)
     try:
-        minimal = find(fault_cases(fault, pair), breaks_property, settings=search)
+        minimal = find(fault_cases(fault, pair, dtype), breaks_property, settings=search)
     except NoSuchExample:
         minimal = None
     if minimal is not None:

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 import specaudit.engines.eqspec
 from specaudit.engines.eqspec import EQSpec
 from specaudit.testing.faults import FAULTS, FaultEngine
-from specaudit.testing.faults.classes import EXPECTED_CLASS
+from specaudit.testing.faults.classes import EXPECTED_CLASS, INVISIBLE_BELOW_FLOAT64
 from specaudit.testing.faults.draft_check import check_draft_proposals
-from specaudit.testing.faults.hunt import Finding, fault_cases, hunt
+from specaudit.testing.faults.hunt import Finding, check_fault, fault_cases, hunt
 from specaudit.testing.faults.table import render_table
 from specaudit.testing.properties import check_equivalence
 
@@ -77,6 +77,26 @@ def test_planted_fault_is_caught(fault: type[FaultEngine], pair: str, fault_summ
     assert diagnosed == {EXPECTED_CLASS[fault.slug()]}, finding.report()
 
 
+@pytest.mark.parametrize("fault, pair", HUNTS)
+def test_planted_fault_is_caught_in_bfloat16(fault: type[FaultEngine], pair: str, fault_summary: FaultSummary,
+                                             record_property) -> None:
+    """The same hunt below float64, where a correct engine flips near-ties: the audit in bfloat16 (its
+    rulings with controls, `equivalence/precision.py`) still rules the fault structural and names it."""
+    finding = hunt(fault, pair, dtype="bfloat16")
+    fault_summary.findings.append(finding)
+    record_property("minimal_counterexample", finding.report())
+    print(finding.report())
+    if (fault.slug(), pair) in INVISIBLE_BELOW_FLOAT64:  # rounding only: no structural ruling in any case searched
+        assert finding.case is None and finding.examples >= 100, finding.report()
+        return
+    assert finding.case is not None, finding.report()
+    assert finding.detected_by == ("draft tokens" if fault.drafter_kind == "model" else "tokens"), finding.report()
+    structural = [d for d in finding.divergences if d["kind"] == "structural"]
+    assert structural, "the audit of the minimal counterexample ruled nothing structural:\n" + finding.report()
+    assert {(d.get("diagnosis") or {}).get("class") for d in structural} == {EXPECTED_CLASS[fault.slug()]}, \
+        finding.report()
+
+
 def test_fault_engines_leave_the_shipped_engines_alone() -> None:
     shipped = {name: Path(inspect.getfile(module)).read_text() for name, module in
                [("eqspec", specaudit.engines.eqspec), ("batch", specaudit.engines.batch), ("ragged", specaudit.engines.ops.ragged)]}
@@ -106,3 +126,25 @@ def test_correct_eqspec_passes_the_hunted_property(case) -> None:
 @given(case=fault_cases(next(f for f in FAULTS if f.drafter_kind == "model"), "tiny-llama"))
 def test_correct_model_drafter_passes_the_draft_proposal_check(case) -> None:
     check_draft_proposals(EQSpec, case)
+
+
+class NoFault(FaultEngine):
+    """No fault: EQSPEC as shipped, rebuilt the way the fault engines are"""
+
+
+class NoFaultModelDrafter(FaultEngine):
+    """No fault: EQSPEC as shipped, drafting with the draft model"""
+
+    drafter_kind = "model"
+
+
+@CONTROL
+@given(case=fault_cases(FAULTS[0], "tiny-llama", "bfloat16"))
+def test_correct_eqspec_gets_no_structural_ruling_in_bfloat16(case) -> None:
+    check_fault(NoFault, case)
+
+
+@CONTROL
+@given(case=fault_cases(NoFaultModelDrafter, "tiny-llama", "bfloat16"))
+def test_correct_model_drafter_gets_no_structural_ruling_in_bfloat16(case) -> None:
+    check_fault(NoFaultModelDrafter, case)
