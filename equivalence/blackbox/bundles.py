@@ -116,15 +116,19 @@ def replay_bundle(bundle: dict[str, Any], target: Any, replay_target: Any | None
     position = comparison.first_divergence
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
-    replay_model = replay_target if replay_target is not None else (target if dtype == "float64" else None)
-    replay = replay_logits(replay_model, prompt, list(reference_out[:position]) + [0])[-1] if replay_model is not None else None
     band_record = bundle.get("noise_band")
-    if band_record:  # a black-box run: the band it was ruled with
-        band = blackbox.NoiseBand(**band_record)
-        at_split = replay if replay is not None else (
-            reference_logits[position] if reference_logits is not None and position < reference_logits.shape[0] else None)
-        kind, evidence = blackbox.classify(band, at_split, reference_token, engine_token)
+    if band_record or dtype != "float64":  # ruled as the audit rules: precision measured on the run (precision.py)
+        from specaudit.engines.models.zoo import float64_copy
+        from specaudit.equivalence.precision import Ruler
+
+        exact = replay_target if replay_target is not None else (target if dtype == "float64" else float64_copy(target))
+        band = blackbox.NoiseBand(**band_record) if band_record else None
+        kind, evidence = Ruler(dtype, target, exact, band.at if band is not None else None).rule(
+            prompt, reference_out, engine_out, position)
+        if band is not None:
+            evidence.update(blackbox.band_evidence(band, evidence, engine_token, reference_token))
     else:
+        replay = replay_logits(target, prompt, list(reference_out[:position]) + [0])[-1]
         margin, top_logit = attribute.reference_margin_at(reference_logits, position)
         kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
     return {**result, "kind": kind, "position": position, "reference_token": reference_token,

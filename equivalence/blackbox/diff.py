@@ -71,8 +71,10 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
                            engine_dtype: str | None = None, logit_tolerance: float | None = None) -> dict[str, Any]:
     """Decode each differing prompt with the reference and rule each recording's first divergence
     from it. Returns the bands used, per recording."""
+    from specaudit.engines.models.zoo import float64_copy
     from specaudit.engines.reference import ReferenceDecoder
     from specaudit.equivalence.blackbox import rulings as blackbox
+    from specaudit.equivalence.precision import Ruler
 
     differing = [d for d in diffs if d.position is not None and d.missing_from is None]
     matched = {index: (line_a, line_b) for index, line_a, line_b in pair_lines(a, b)[0]}
@@ -82,6 +84,7 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
     decoder = ReferenceDecoder(target, record_logits=True)
     reference_outputs = decoder.generate(prompts, max_new_tokens, eos_token_id)
     reference_logits = decoder.last_trace.logits
+    exact = target if dtype == "float64" else float64_copy(target)  # the oracle that rules each side's flip
     bands = {}
     for side, pick in (("A", 0), ("B", 1)):
         lines = [matched[d.index][pick] for d in differing]
@@ -90,6 +93,7 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
         band = blackbox.noise_band(dtype, engine_dtype, logit_tolerance, logprobs if any(logprobs) else None,
                                    outputs, reference_outputs, reference_logits)
         bands[side] = band.to_dict()
+        ruler = Ruler(dtype, target, exact, band.at)
         for d, output, per_token, ref_out, logits in zip(differing, outputs, logprobs, reference_outputs,
                                                          reference_logits):
             if output == ref_out:
@@ -98,9 +102,10 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
             position = matched_prefix(ref_out, output)
             ref_token = ref_out[position] if position < len(ref_out) else None
             eng_token = output[position] if position < len(output) else None
-            at_split = logits[position] if logits is not None and position < logits.shape[0] else None
             entry = per_token[position] if per_token and position < len(per_token) else None
-            kind, evidence = blackbox.classify(band, at_split, ref_token, eng_token, entry)
+            prompt = matched[d.index][pick].prompt_ids
+            kind, evidence = ruler.rule(prompt, ref_out, output, position)
+            evidence.update(blackbox.band_evidence(band, evidence, eng_token, ref_token, entry))
             d.rulings[side] = {"kind": kind, "position": position, "reference_token": ref_token,
                                "engine_token": eng_token, "evidence": evidence, "reason": evidence["reason"]}
     return bands
