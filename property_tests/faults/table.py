@@ -42,6 +42,8 @@ Minimal example: prompts (batch size), longest prompt, new tokens, draft tokens 
 
 def audit_verdict(finding: Finding) -> str:
     if finding.case is None:
+        if finding.dtype != "float64" and (finding.fault, finding.pair) in INVISIBLE_BELOW_FLOAT64:
+            return f"no structural ruling in {finding.examples} cases"
         return "not caught"
     if not finding.divergences:
         return "no output divergence"
@@ -72,7 +74,7 @@ def render_table(findings: list[Finding]) -> str:
     for f in findings:
         size = f.size
         if size is None:
-            cells = ["-"] * 5
+            cells = ["-"] * 4
         else:
             cells = [f"{size['rows']} ({size['batch_size']})", str(size["max_prompt_length"]), str(size["new_tokens"]),
                      str(size["draft_tokens"])]
