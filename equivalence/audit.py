@@ -314,7 +314,8 @@ def audit_engine(
         "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
         "controls": ruler.seconds if ruler is not None else 0.0,  # the rulings' float64 and same-dtype replays
         "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
-        "replays": diagnoser.replay_seconds if diagnoser is not None else 0.0,
+        # the diagnosis's checks and replays: everything it did but re-run the engine
+        "replays": diagnosis_seconds - diagnoser.rerun_seconds if diagnoser is not None else 0.0,
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
         "diagnosis": diagnosis_seconds,  # replays and re-runs included
         "diagnosis_mode": diagnosis,

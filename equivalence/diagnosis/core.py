@@ -36,7 +36,6 @@ reported as not run.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -128,7 +127,6 @@ class Diagnoser(Experiments):
     mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
     deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
     rerun_seconds: float = 0.0
-    replay_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
 
@@ -188,12 +186,10 @@ class Diagnoser(Experiments):
                 return _cause(found, "the output's length against max_new_tokens")
 
         q = self._first_corrupted(index, position)
-        started = time.perf_counter()
         hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
                                       self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index),
                                       noise=self.precision_noise(index))
-        self.replay_seconds += time.perf_counter() - started
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
             if hypothesis.name in self._explained_by:
