@@ -1,0 +1,85 @@
+"""Rulings below float64 (`equivalence/precision.py`): what each control decides, on models whose logits
+are set by hand (each position's logits depend on the token there alone)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from specaudit.equivalence.attribute import dtype_noise
+from specaudit.equivalence.precision import Ruler
+
+V = 6
+
+
+class TableModel(torch.nn.Module):
+    """logits after token t = table[t]: a model whose every choice is known in advance."""
+
+    def __init__(self, table: dict[int, list[float]], dtype: torch.dtype) -> None:
+        super().__init__()
+        rows = [table.get(t, [0.0] * V) for t in range(V)]
+        self.register_buffer("table", torch.tensor(rows, dtype=dtype))
+        self.config = SimpleNamespace(vocab_size=V)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: object):
+        return SimpleNamespace(logits=self.table[input_ids])  # [1, n, V]
+
+
+def ruler(exact: dict[int, list[float]], low: dict[int, list[float]] | None = None) -> Ruler:
+    return Ruler("bfloat16", TableModel(low or exact, torch.bfloat16), TableModel(exact, torch.float64))
+
+
+NOISE = dtype_noise("bfloat16", 4.0)  # 0.25 at a top logit of 4
+
+
+def test_an_engine_token_far_below_the_top_is_structural_with_every_control_in_the_evidence() -> None:
+    exact = {0: [4.0, 1.0, 0.0, 0, 0, 0], 1: [0, 4.0, 0, 0, 0, 0]}
+    kind, evidence = ruler(exact).rule([1], [1, 1], [1, 2], 1)
+    assert kind == "structural" and evidence["decided_by"] == "float64-replay"
+    assert evidence["replay_float64_gaps"]["engine"] == 4.0 and evidence["measured_band"] == NOISE
+    assert evidence["replay_same_dtype_gaps"]["engine"] == 4.0
+
+
+def test_a_near_tie_within_the_dtype_noise_is_numerical() -> None:
+    exact = {1: [0, 4.0, 4.0 - NOISE / 2, 0, 0, 0]}
+    kind, evidence = ruler(exact).rule([1], [1, 1], [1, 2], 1)
+    assert kind == "numerical" and evidence["decided_by"] == "float64-replay"
+
+
+def test_the_band_widens_to_the_references_own_departure_on_the_prompt() -> None:
+    """The reference (a computation in the audit dtype) chose token 1 after token 3, 0.6 below the float64
+    top: a correct decoder in this precision strays 0.6 on this prompt, so an engine token 0.5 below the
+    top later on is numerical; without that departure the same flip is structural."""
+    exact = {3: [0, 3.4, 4.0, 0, 0, 0], 1: [0, 4.0, 3.5, 0, 0, 0]}
+    kind, evidence = ruler(exact).rule([3], [1, 1], [1, 2], 1)
+    assert kind == "numerical" and evidence["decided_by"] == "float64-replay"
+    assert abs(evidence["reference_departure"] - 0.6) < 1e-9 and evidence["measured_band"] > NOISE
+    kind, evidence = ruler(exact).rule([1], [1, 1], [1, 2], 1)
+    assert kind == "structural" and evidence["reference_departure"] == 0.0
+
+
+def test_a_same_dtype_replay_that_chooses_the_engine_token_makes_it_numerical() -> None:
+    exact = {1: [0, 4.0, 3.4, 0, 0, 0]}  # 0.6 apart in float64
+    low = {1: [0, 3.9, 4.0, 0, 0, 0]}  # the low-precision computation prefers token 2
+    kind, evidence = ruler(exact, low).rule([1], [1, 1], [1, 2], 1)
+    assert kind == "numerical" and evidence["decided_by"] == "same-dtype-replay"
+    kind, _ = ruler(exact).rule([1], [1, 1], [1, 2], 1)  # without it: structural
+    assert kind == "structural"
+
+
+def test_a_length_mismatch_is_structural() -> None:
+    kind, evidence = ruler({1: [0, 4.0, 0, 0, 0, 0]}).rule([1], [1, 1], [1], 1)
+    assert kind == "structural" and evidence["decided_by"] == "length"
+
+
+def test_a_rerun_is_equivalent_when_exact_or_its_flip_is_numerical() -> None:
+    exact = {1: [0, 4.0, 4.0 - NOISE / 2, 0, 0, 0], 2: [0, 4.0, 0, 0, 0, 0]}
+    judge = ruler(exact)
+    assert judge.equivalent([1], [1, 1], [1, 1])
+    assert judge.equivalent([1], [1, 1], [1, 2])
+    assert not judge.equivalent([2], [1, 1], [1, 3])
