@@ -78,3 +78,78 @@ def test_options_are_grouped_with_defaults(user_repo: pytest.Pytester) -> None:
     result = user_repo.runpytest("--help")
     result.stdout.fnmatch_lines(["specaudit: equivalence of batched speculative decoding:",
                                  "*--specaudit-engine=E*", "*--specaudit-max-examples=N*", "*(default: 25)*"])
+
+
+LOGGING_ENGINE = '''
+import json, os
+from specaudit.engines.eqspec import EQSpec
+
+def make(target, draft, *, batch_size, draft_tokens, **options):
+    """EQSPEC that writes every call it gets (the examples the search drew) to $DRAWN_LOG."""
+    engine = EQSpec(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+    inner = engine.generate
+
+    def generate(prompts, max_new_tokens, eos_token_id):
+        with open(os.environ["DRAWN_LOG"], "a") as log:
+            log.write(json.dumps([prompts, max_new_tokens, eos_token_id, batch_size, draft_tokens]) + "\\n")
+        return inner(prompts, max_new_tokens, eos_token_id)
+
+    engine.generate = generate
+    return engine
+'''
+SEARCH = ["--specaudit-engine", "logging_engine:make", "--specaudit-pair", "tiny-gpt2", "--specaudit-batch-size", "2",
+          "--specaudit-max-examples", "5", "--specaudit-max-new-tokens", "6", "--specaudit-max-prompt-length", "6",
+          "--specaudit-no-adversarial"]
+
+
+def _drawn(repo: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> tuple[str, str]:
+    """What a run's search drew (the engine's calls, in order) and the run's output."""
+    log = repo.path / f"drawn-{len(list(repo.path.glob('drawn-*')))}.jsonl"
+    monkeypatch.setenv("DRAWN_LOG", str(log))
+    result = repo.runpytest("-p", "no:cacheprovider", *SEARCH, *args)
+    result.assert_outcomes(passed=2)  # the repository's own test and the engine's
+    return log.read_text(), result.stdout.str()
+
+
+def test_the_same_seed_draws_the_same_examples(user_repo: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("SPECAUDIT_SEED", raising=False)
+    user_repo.makepyfile(logging_engine=LOGGING_ENGINE)
+    first, out = _drawn(user_repo, monkeypatch, "--specaudit-seed", "11")
+    again, _ = _drawn(user_repo, monkeypatch, "--specaudit-seed", "11")
+    other, _ = _drawn(user_repo, monkeypatch, "--specaudit-seed", "12")
+    assert first and first == again
+    assert other != first
+    assert "property search seed: 11" in out
+    # with no seed given: a random one, printed; replaying it draws the same examples
+    drawn, out = _drawn(user_repo, monkeypatch)
+    printed = out.split("property search seed: ")[1].split(" ")[0]
+    assert _drawn(user_repo, monkeypatch, "--specaudit-seed", printed)[0] == drawn
+
+
+def test_ci_runs_draw_from_a_fixed_seed(user_repo: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECAUDIT_SEED", raising=False)
+    monkeypatch.setenv("CI", "true")
+    user_repo.makepyfile(logging_engine=LOGGING_ENGINE)
+    first, out = _drawn(user_repo, monkeypatch)
+    assert first == _drawn(user_repo, monkeypatch)[0]
+    assert "property search seed: 0 (the fixed seed of CI runs" in out
+    monkeypatch.setenv("SPECAUDIT_SEED", "5")
+    assert _drawn(user_repo, monkeypatch)[0] == _drawn(user_repo, monkeypatch, "--specaudit-seed", "5")[0]
+
+
+def test_a_failure_prints_its_seed_and_a_command_that_replays_it(user_repo: pytest.Pytester,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("SPECAUDIT_SEED", raising=False)
+    result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_row_zero_position_bug", *ARGS,
+                                 "--specaudit-max-examples", "40", "--specaudit-no-adversarial")
+    result.assert_outcomes(passed=1, failed=1)
+    lines = result.stdout.lines
+    seed = next(line for line in lines if line.startswith("seed: "))
+    replay = next(line for line in lines if line.startswith("replay: pytest "))
+    shrunk = next(line for line in lines if "shrunk counterexample" in line)
+    assert seed.split()[1] in replay.split()
+    replayed = user_repo.runpytest("-p", "no:cacheprovider", *replay.split()[2:])  # after "replay: pytest"
+    replayed.assert_outcomes(failed=1)
+    assert shrunk in replayed.stdout.lines  # the same minimal example

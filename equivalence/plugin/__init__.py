@@ -7,8 +7,13 @@ adds one test per (engine, pair, batch size) that runs the Hypothesis equivalenc
 ragged prompt lengths, EOS at any step, k from 1 to the maximum) against the engine, then audits it
 on the adversarial prompts (`equivalence/adversarial.py`; `--specaudit-no-adversarial` skips them).
 A failure message starts with the diagnosis of the divergence (class, evidence, fix), then shows
-the shrunk counterexample; the run ends with equivalence per engine and batch size.
-The run's exit status gates CI. Hooks here only hand off to the harness modules.
+the shrunk counterexample, the search's seed and the command that replays it; the run ends with
+equivalence per engine and batch size. The run's exit status gates CI. Hooks here only hand off to
+the harness modules.
+
+Seeds (`seed.py`): `--specaudit-seed N`, else `SPECAUDIT_SEED`, else a fixed seed when `CI` is set
+(the same examples on every run of the same code), else a fresh random seed; whichever it is, the
+terminal summary and every failure print it, so any run can be replayed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+from specaudit.equivalence.plugin.seed import SEED, Seed, replay_command, search_seed
 
 DEFAULT_PAIRS = ["tiny-llama", "tiny-gpt2"]
 DEFAULT_BATCH_SIZES = [1, 4, 8]
@@ -48,9 +55,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="largest k drawn (default: 8)")
     group.addoption("--specaudit-max-prompt-length", type=int, default=32, metavar="N",
                     help="longest synthetic prompt drawn; small prompts shrink fast (default: 32)")
+    group.addoption("--specaudit-seed", type=int, default=None, metavar="N",
+                    help="seed of the property search: the same seed draws the same examples (default: "
+                         "SPECAUDIT_SEED, else 0 when CI is set, else a random seed, printed in the summary)")
     group.addoption("--specaudit-no-adversarial", action="store_true", default=False,
                     help="skip the adversarial prompts (pad, EOS and BOS ids inside prompts, identical prompts, "
                          "one-token and very long prompts) run after the search (default: run them)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One seed for the whole run: the controller chooses it, pytest-xdist's workers are handed it."""
+    given = getattr(config, "workerinput", {}).get("specaudit_seed")
+    config.stash[SEED] = Seed(*given) if given else search_seed(config.getoption("specaudit_seed"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:  # pytest-xdist: a worker is being started
+    seed = node.config.stash[SEED]
+    node.workerinput["specaudit_seed"] = (seed.value, seed.source)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -97,6 +119,7 @@ class EquivalenceItem(pytest.Item):
             max_new_tokens=self.config.getoption("specaudit_max_new_tokens"),
             max_draft_tokens=self.config.getoption("specaudit_max_draft_tokens"),
             max_prompt_length=self.config.getoption("specaudit_max_prompt_length"),
+            seed=self.config.stash[SEED].value,
         )
         if not self.config.getoption("specaudit_no_adversarial"):
             run_adversarial(self.engine, self.pair, self.batch_size,
@@ -109,8 +132,14 @@ class EquivalenceItem(pytest.Item):
             # the plugin's own "shrunk counterexample" note, then Hypothesis' own notes, whatever their wording
             notes = "\n".join(getattr(excinfo.value, "__notes__", []))
             return (f"{_diagnosis_lines(excinfo.value)}\n{self.engine} on {self.pair}, batch size {self.batch_size}: "
-                    f"structural divergence (float64)\n{excinfo.value}\n{notes}")
+                    f"structural divergence (float64)\n{excinfo.value}\n{notes}\n{self.replay_lines()}")
         return super().repr_failure(excinfo)
+
+    def replay_lines(self) -> str:
+        """The search's seed and the command that draws the same examples for this engine, pair and batch size."""
+        seed = self.config.stash[SEED]
+        return (f"seed: {seed.value} ({seed.source})\n"
+                f"replay: {replay_command(self.config, self.engine, self.pair, self.batch_size, seed.value)}")
 
     def reportinfo(self) -> tuple[str, int | None, str]:
         return "specaudit", None, self.name
@@ -161,6 +190,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if not results:
         return
     terminalreporter.section("specaudit equivalence")
+    seed = config.stash.get(SEED, None)
+    if seed is not None and config.getoption("specaudit_engine"):
+        terminalreporter.write_line(f"property search seed: {seed.value} ({seed.source}); the same examples again: "
+                                    f"--specaudit-seed {seed.value}")
     for (engine, batch_size), outcome in sorted(results.items()):
         total = outcome.passed + outcome.failed
         verdict = "equivalent" if not outcome.failed else "NOT equivalent"

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
 
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
 
@@ -99,9 +100,9 @@ def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tok
 
 
 def run_property(engine: str, pair: str, batch_size: int, *, max_examples: int, max_new_tokens: int,
-                 max_draft_tokens: int, max_prompt_length: int = 32) -> None:
+                 max_draft_tokens: int, max_prompt_length: int = 32, seed: int | None = None) -> None:
     """Raise (with Hypothesis' shrunk counterexample and its diagnosis) when the engine differs
-    from greedy decoding."""
+    from greedy decoding. `seed` fixes the examples drawn (`hypothesis.seed`)."""
     from specaudit.testing.properties import check_equivalence
     from specaudit.testing.strategies import decoding_cases
 
@@ -120,6 +121,9 @@ def run_property(engine: str, pair: str, batch_size: int, *, max_examples: int, 
         except AssertionError:
             failing.append(case)
             raise
+
+    if seed is not None:
+        equivalent_to_greedy = hypothesis_seed(seed)(equivalent_to_greedy)
 
     # Hypothesis replays the shrunk example last, so the last failing case is the minimal one; it is
     # shown in the plugin's own words, whatever a Hypothesis release calls it.
