@@ -35,9 +35,11 @@ class BatchedGreedy(ConsecutiveBatches):
     name = "batched"
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, batch_size: int = 8,
-                 pad_token_id: int | None = None, record_logits: bool = False, **_: object) -> None:
+                 pad_token_id: int | None = None, record_logits: bool = False, static: bool | None = None,
+                 cuda_graphs: bool = True, **_: object) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        self.static, self.cuda_graphs = static, cuda_graphs  # the fixed-shape path (engines/static/engine.py)
         self.target = target
         self.batch_size = batch_size
         self.k = 0

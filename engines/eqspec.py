@@ -198,12 +198,15 @@ class EQSpec(ConsecutiveBatches):
         drafter: Drafter | str | None = None,
         pad_token_id: int | None = None,
         record_logits: bool = False,
+        static: bool | None = None,
+        cuda_graphs: bool = True,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
             raise ValueError("batch_size and draft_tokens must be at least 1")
         if drafter is None and draft is None:
             raise ValueError("EQSPEC needs a draft model or a drafter")
+        self.static, self.cuda_graphs = static, cuda_graphs  # the fixed-shape path (engines/static/engine.py)
         layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
         self.drafter = make_drafter(drafter, target, draft)

@@ -35,10 +35,9 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
   the verify pass's cache, its left padding masked until the next stack). `wait_steps`: run the
   largest same-length group (2 rows or more) for at most this many steps before falling back.
 
-The measurements behind this policy (tiny pairs, and the bench pair) are in reports/bench/README.md.
-
-Every step records its kind ("prefill", "group", "fallback"), rows, padding and the seconds of
-each stage ("stack", "draft", "verify", "realign", "unstack").
+The measurements behind this policy: reports/bench/README.md. Every step records its kind ("prefill",
+"group", "fallback"), rows, padding and stage seconds ("stack", "draft", "verify", "realign", "unstack").
+On CUDA, dense models run on the fixed-shape path instead (`static`, engines/static/engine.py).
 """
 
 from __future__ import annotations
@@ -49,14 +48,13 @@ from collections import deque
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.ops import ragged
-from specaudit.engines.ops import layout
-from specaudit.engines.ops import recurrent
+from specaudit.engines.ops import layout, ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.exspec_cache import RowKV, Sequence, held_spans, join_rows, joinable, stack_cache, unstack_cache
+from specaudit.engines.static import engine as static_path
 from specaudit.engines.trace import StepRecord, Trace
 
 FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
@@ -347,6 +345,8 @@ class EXSpec:
         fallback: str = DEFAULT_FALLBACK,
         wait_steps: int = 0,
         hold: bool = DEFAULT_HOLD,
+        static: bool | None = None,  # the fixed-shape path, refilling freed slots (engines/static/engine.py)
+        cuda_graphs: bool = True,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -367,10 +367,12 @@ class EXSpec:
         self.record_logits = record_logits
         self.min_group, self.refill_at = min_group, refill_at
         self.fallback, self.wait_steps, self.hold = fallback, wait_steps, hold
-        self.last_trace: Trace | None = None
+        self.static, self.cuda_graphs, self.last_trace = static, cuda_graphs, None
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
+        if static_path.applies(self):
+            return static_path.generate(self, prompts, max_new_tokens, eos_token_id, refill=True)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         limits = None if isinstance(max_new_tokens, int) else request_limits(max_new_tokens, len(prompts))

@@ -57,12 +57,22 @@ class ReferenceDecoder:
 
     name = "reference"
 
-    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, record_logits: bool = False, **_: object) -> None:
+    k = 0  # drafts nothing
+    batch_size = 1
+
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, record_logits: bool = False,
+                 static: bool | None = None, cuda_graphs: bool = True, **_: object) -> None:
         self.target = target
         self.record_logits = record_logits
+        # the fixed-shape path, one prompt at a time (engines/static/engine.py); the audit's oracle stays plain
+        self.static, self.cuda_graphs = static, cuda_graphs
         self.last_trace: Trace | None = None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
+        from specaudit.engines.static import engine as static_path
+
+        if static_path.applies(self):
+            return static_path.generate(self, prompts, max_new_tokens, eos_token_id, refill=True)
         trace = Trace(num_prompts=len(prompts))
         outputs = []
         limits = request_limits(max_new_tokens, len(prompts))

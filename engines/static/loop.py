@@ -1,0 +1,237 @@
+"""The speculative loop on fixed-shape caches: one host read per step.
+
+Contract: the engines' (token ids in, exactly the tokens of greedy decoding of each prompt alone out,
+first EOS kept, never more than the row's budget). A batch has `B` slots; a slot holds a request until it
+finishes and is then refilled (`refill=True`: INPLACE, EXSPEC) or left idle until every slot is done
+(EQSPEC's consecutive batches). Per-slot state lives on the device (`lengths[B]`, the pending token, the
+token before it, new tokens so far, the budget, running or not); the host mirrors only which request
+each slot holds. Each step, for every slot (idle ones computed and masked out of every update):
+
+1. draft:   the draft model feeds [the token before the pending one, the pending token] at c - 1 (so
+            its cache holds every accepted token, the k-th draft token of a fully accepted step
+            included) and then proposes k tokens greedily                              # [B, k]
+2. verify:  one target pass over [pending token, k draft tokens], written at c         # [B, k+1, V]
+3. accept:  accepted tokens = the longest draft prefix equal to the target's choices; the bonus token
+            is the target's next choice; emitted = accepted + bonus, cut at the first EOS or the budget
+4. read:    one transfer to the host of accepted, emitted, done, the target's tokens and the proposals
+5. advance: c += accepted + 1 on running slots; pending = bonus; previous = the last accepted token
+
+Rejected draft tokens need no trimming: their columns lie past the row's new end, masked, and the next
+pass writes over them. Every pass has one shape per (B, q) (`capture.PassRunner` replays it as a CUDA
+graph); the prefill of new requests is one eager pass per refill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from specaudit.engines.drafters import DraftVocabularyError, shared_vocab_size
+from specaudit.engines.static.cache import StaticCache
+from specaudit.engines.static.capture import PassRunner
+from specaudit.engines.trace import StepRecord, Trace
+
+
+class StageClock:
+    """Stage seconds without a host sync: CUDA events read after the step's one transfer; wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """The spans between consecutive marks (after the step's read, when every event has completed)."""
+        if self.cuda:
+            spans = [a.elapsed_time(b) / 1000.0 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.marks = []
+        return spans
+
+
+@dataclass
+class Slots:
+    """Per-slot state on the device (all [B])."""
+
+    pending: torch.Tensor  # the last emitted token, not cached yet
+    previous: torch.Tensor  # the token before it (cached at column c - 1)
+    generated: torch.Tensor  # new tokens so far, the pending one included
+    budget: torch.Tensor  # max new tokens of the slot's request
+    running: torch.Tensor  # bool
+
+
+class StaticLoop:
+    """One engine call's batch of `batch_size` slots on fixed-shape target and draft caches."""
+
+    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None, *, batch_size: int, k: int, columns: int,
+                 eos_token_id: int | None, graphs: bool = True, record_logits: bool = False,
+                 chooser: Any = None) -> None:
+        self.k, self.eos, self.record_logits, self.chooser = k, eos_token_id, record_logits, chooser
+        self.device = target.device
+        self.target = StaticCache(target, batch_size, columns)
+        self.target_pass = PassRunner(self.target, graphs)
+        self.draft = StaticCache(draft, batch_size, columns) if draft is not None and k else None  # None: plain decoding
+        self.draft_pass = PassRunner(self.draft, graphs) if self.draft is not None else None
+        self.shared = shared_vocab_size(target, draft) or int(target.config.vocab_size)
+        self.draft_vocab = int(getattr(getattr(draft, "config", None), "vocab_size", self.shared))
+        zeros = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        self.slots = Slots(zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(), zeros.bool())
+        self.requests: list[int | None] = [None] * batch_size  # the request each slot holds (host mirror)
+        self.request_ids = torch.full((batch_size,), -1, dtype=torch.long, device=self.device)  # the same, on the device
+        self.clock = StageClock(self.device)
+
+    @torch.no_grad()
+    def admit(self, slots: list[int], requests: list[int], prompts: Sequence[Sequence[int]],
+              budgets: list[int]) -> tuple[list[int], list[bool], list[torch.Tensor] | None]:
+        """Prefill `prompts` into `slots` (one eager pass per model); the first new token of each, whether the
+        request is already done, and its logits [1, V] when recorded. Reads the host once."""
+        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
+        width = max(len(p) for p in prompts)
+        tokens = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
+        last = self.target.prefill(rows, tokens, lengths)  # [n, V]
+        if self.draft is not None:
+            self.draft.prefill(rows, tokens, lengths)
+        first = last.argmax(-1)  # [n]
+        budget = torch.tensor(budgets, dtype=torch.long, device=self.device)
+        done = budget <= 1
+        if self.eos is not None:
+            done |= first == self.eos
+        s = self.slots
+        s.pending[rows], s.previous[rows] = first, tokens[torch.arange(len(slots), device=self.device), lengths - 1]
+        s.generated[rows], s.budget[rows], s.running[rows] = 1, budget, ~done
+        for slot, request in zip(slots, requests):
+            self.requests[slot] = request
+        self.request_ids[rows] = torch.tensor(requests, dtype=torch.long, device=self.device)
+        first_list, done_list = torch.stack([first, done.long()]).tolist()
+        logits = [row.unsqueeze(0) for row in last] if self.record_logits else None
+        return first_list, [bool(d) for d in done_list], logits
+
+    @torch.no_grad()
+    def step(self) -> tuple[list[int], list[list[int]], list[int], list[bool], list[list[int]], list[torch.Tensor] | None, dict[str, float]]:
+        """One speculative step of every slot. Returns, for the slots that were running (in slot order):
+        their slots, emitted tokens, accepted counts, whether each finished, the proposals, the logits of the
+        emitted tokens [n, V] when recorded, and the stage seconds."""
+        s, k, c = self.slots, self.k, self.target.lengths
+        self.clock.mark()
+        # 1. draft: [previous, pending] at c - 1, then k - 1 more greedy tokens (k = 0: plain decoding)
+        drafts = s.pending.new_zeros(s.pending.shape[0], 0)  # [B, 0]
+        if self.draft_pass is not None:
+            if self.chooser is not None:
+                self.chooser.begin(self.request_ids, s.generated, s.pending, k)
+            logits = self.draft_pass.run(torch.stack([s.previous, s.pending], dim=1), (c - 1).clamp(min=0))  # [B, 2, V]
+            proposals = [self._choose(0, logits[:, -1])]
+            for i in range(1, k):
+                logits = self.draft_pass.run(proposals[-1].unsqueeze(1), c + i)  # [B, 1, V]
+                proposals.append(self._choose(i, logits[:, -1]))
+            drafts = torch.stack(proposals, dim=1)  # [B, k]
+        self.clock.mark()
+        # 2. verify: the pending token and the k draft tokens in one target pass
+        inputs = torch.cat([s.pending.unsqueeze(1), drafts], dim=1)  # [B, k+1]
+        verify_logits = self.target_pass.run(inputs, c)  # [B, k+1, V]
+        targets = verify_logits.argmax(-1)  # [B, k+1]
+        self.clock.mark()
+        # 3. accept: draft token i is accepted while it equals the target's choice after token i-1
+        accepted = (drafts == targets[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [B]
+        room = s.budget - s.generated  # [B]
+        emitted = torch.minimum(accepted + 1, room)
+        position = torch.arange(k + 1, device=self.device).unsqueeze(0)  # [1, k+1]
+        ended = torch.zeros_like(s.running)
+        if self.eos is not None:
+            is_eos = (targets == self.eos) & (position < emitted.unsqueeze(1))  # [B, k+1]
+            ended = is_eos.any(1)
+            emitted = torch.where(ended, is_eos.float().argmax(1) + 1, emitted)
+        done = (emitted >= room) | ended
+        outside = (drafts >= self.shared).any(1)  # [B] padded vocabularies: a draft error, or a target token the
+        if self.draft is not None:  # draft cannot read
+            outside |= (targets >= self.draft_vocab).any(1)
+        # 4. read: the step's one transfer to the host
+        table = torch.cat([torch.stack([accepted, emitted, done.long(), s.running.long(), outside.long()], dim=1),
+                           targets, drafts], dim=1).tolist()  # [B, 5 + (k+1) + k]
+        # 5. advance the slots that go on (device): accepted columns stay, the bonus token is pending; a slot that
+        #    finished keeps its length, so that its idle passes stay inside the buffers
+        c.add_((accepted + 1) * (s.running & ~done))
+        s.generated.add_(emitted * s.running)
+        s.previous.copy_(torch.where(s.running, inputs.gather(1, accepted.unsqueeze(1)).squeeze(1), s.previous))
+        s.pending.copy_(torch.where(s.running, targets.gather(1, accepted.unsqueeze(1)).squeeze(1), s.pending))
+        s.running &= ~done
+        slots, tokens, counts, finished, proposed, kept = [], [], [], [], [], []
+        for slot, row in enumerate(table):
+            a, n, is_done, was_running, bad = row[:5]
+            if not was_running:
+                continue
+            if bad:
+                raise DraftVocabularyError(f"slot {slot}: a draft token or a target token outside the {self.shared} "
+                                           "ids both models have (a padded vocabulary must never choose a padding id)")
+            slots.append(slot)
+            tokens.append(row[5:5 + n])
+            counts.append(a)
+            finished.append(bool(is_done))
+            proposed.append(row[6 + k:6 + 2 * k])
+            if self.record_logits:
+                kept.append(verify_logits[slot, :n].clone())  # the graph's output is overwritten by the next replay
+        self.clock.mark()
+        draft_s, verify_s, accept_s = self.clock.seconds()
+        return (slots, tokens, counts, finished, proposed, kept if self.record_logits else None,
+                {"draft": draft_s, "verify": verify_s, "realign": accept_s})
+
+    def _choose(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        greedy = logits.argmax(-1)  # [B]
+        return greedy if self.chooser is None else self.chooser.choose(i, greedy)
+
+
+def run(loop: StaticLoop, prompts: list[list[int]], limits: list[int], trace: Trace, outputs: list[list[int]],
+        logits: list[list[torch.Tensor]], *, refill: bool) -> None:
+    """Decode every prompt through `loop`'s slots: refill a slot as soon as it frees (`refill`), or run
+    consecutive batches (each slot idle once done until the whole batch is). Fills `outputs`, `logits`
+    (when recorded) and `trace`."""
+    capacity = len(loop.requests)
+    waiting = list(range(len(prompts)))
+    free = list(range(capacity))
+
+    def admit() -> None:
+        """Prefill the oldest waiting requests into free slots (lowest first)."""
+        count = min(len(free), len(waiting))
+        into, requests = [free.pop(0) for _ in range(count)], [waiting.pop(0) for _ in range(count)]
+        started = time.perf_counter()
+        first, done, first_logits = loop.admit(into, requests, [prompts[r] for r in requests],
+                                               [limits[r] for r in requests])
+        for i, request in enumerate(requests):
+            outputs[request].append(first[i])
+            if first_logits is not None:
+                logits[request].append(first_logits[i])
+            if done[i]:
+                free.append(into[i])
+        free.sort()
+        trace.record(StepRecord(step=len(trace.steps), kind="prefill", rows=requests, pad_lengths=[0] * count,
+                                accepted_counts=[0] * count, emitted_counts=[1] * count,
+                                seconds={"verify": time.perf_counter() - started}))
+
+    while waiting or len(free) < capacity:
+        if waiting and free and (refill or len(free) == capacity):
+            admit()
+            continue
+        taken, tokens, counts, finished, proposed, step_logits, seconds = loop.step()
+        requests = [loop.requests[slot] for slot in taken]
+        for i, request in enumerate(requests):
+            outputs[request].extend(tokens[i])
+            if step_logits is not None:
+                logits[request].append(step_logits[i])
+            if finished[i]:
+                free.append(taken[i])
+        free.sort()
+        trace.record(StepRecord(step=len(trace.steps), kind="static", rows=requests, pad_lengths=[0] * len(requests),
+                                accepted_counts=counts, emitted_counts=[len(t) for t in tokens], seconds=seconds,
+                                proposed=proposed if step_logits is not None else None))
