@@ -188,7 +188,7 @@ def _engine(engine_name: str, pair: zoo.ModelPair, batch_size: int, k: int | Non
     chooser = None
     if continuations is not None and config.acceptance is not None and k is not None:
         chooser = bench_pair.CalibratedChooser(continuations, config.acceptance, pair.target.config.vocab_size,
-                                               seed=config.seed)
+                                               seed=config.seed, device=pair.target.device)
     drafter = _drafter_for(engine_name, pair, chooser)
     options = {"pad_token_id": pair.pad_token_id, **config.engine_options}
     if drafter is not None:

@@ -105,20 +105,29 @@ def continuations(target: PreTrainedModel, prompts: list[list[int]], max_new_tok
 
 
 class CalibratedChooser:
-    """Chooses each draft token: the target's greedy token with probability `acceptance`, else another."""
+    """Chooses each draft token: the target's greedy token with probability `acceptance`, else another.
 
-    def __init__(self, continuations: list[list[int]], acceptance: float, vocab_size: int, seed: int = 0) -> None:
+    Everything lives on `device` (the continuation table, the random draws, which requests have left
+    their continuation), so choosing reads nothing on the host: the fixed-shape path takes it as is
+    (`on_device`), and a step pays no host read for it."""
+
+    on_device = True
+
+    def __init__(self, continuations: list[list[int]], acceptance: float, vocab_size: int, seed: int = 0,
+                 device: str | torch.device = "cpu") -> None:
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be within [0, 1], got {acceptance}")
         width = max((len(c) for c in continuations), default=0) + 1
         # [P, width]: continuation tokens, -1 past the end (no target token there: any proposal is fine)
-        self.table = torch.full((len(continuations), width), -1, dtype=torch.long)
+        table = torch.full((len(continuations), width), -1, dtype=torch.long)
         for p, tokens in enumerate(continuations):
-            self.table[p, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            table[p, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        self.device = torch.device(device)
+        self.table = table.to(self.device)
         self.acceptance = acceptance
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
-        self.diverged: set[int] = set()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.diverged = torch.zeros(len(continuations), dtype=torch.bool, device=self.device)  # [P]
         self._rows: torch.Tensor | None = None
         self._generated: torch.Tensor | None = None
         self._right: torch.Tensor | None = None
@@ -126,19 +135,23 @@ class CalibratedChooser:
 
     @property
     def diverged_rows(self) -> int:
-        return len(self.diverged)
+        return int(self.diverged.sum())  # read once, after the run
 
-    def begin(self, rows: list[int], generated: torch.Tensor, pending: torch.Tensor, k: int) -> None:
-        """Start a step: `generated` [B] new tokens so far per row (pending one included), `pending` [B]."""
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        generated = generated.cpu()
-        expected = self.table[rows_t, (generated - 1).clamp(min=0, max=self.table.shape[1] - 1)]
-        for row, ok in zip(rows, (expected == pending.cpu()).tolist()):  # host table, B entries
-            if not ok:
-                self.diverged.add(row)
-        self._rows, self._generated = rows_t, generated
-        self._right = torch.rand(len(rows), k, generator=self.generator) < self.acceptance  # [B, k]
-        self._other = torch.randint(1, self.vocab_size, (len(rows), k), generator=self.generator)  # [B, k]
+    def begin(self, rows: list[int] | torch.Tensor, generated: torch.Tensor, pending: torch.Tensor, k: int) -> None:
+        """Start a step: `rows` [B] the request of each row (-1: an idle slot), `generated` [B] new tokens so
+        far per row (pending one included), `pending` [B]."""
+        rows_t = torch.as_tensor(rows, dtype=torch.long).to(self.device)
+        known = rows_t >= 0  # [B]
+        safe = rows_t.clamp(min=0)
+        generated = generated.to(self.device)
+        expected = self.table[safe, (generated - 1).clamp(min=0, max=self.table.shape[1] - 1)]  # [B]
+        left = known & (expected != pending.to(self.device))  # the row no longer follows its continuation
+        hits = torch.zeros(self.diverged.shape, dtype=torch.long, device=self.device).index_put_(
+            (safe,), left.long(), accumulate=True)  # idle slots (clamped to request 0) add nothing
+        self.diverged |= hits > 0  # sticky per request
+        self._rows, self._generated = safe, generated
+        self._right = torch.rand(len(rows_t), k, generator=self.generator, device=self.device) < self.acceptance
+        self._other = torch.randint(1, self.vocab_size, (len(rows_t), k), generator=self.generator, device=self.device)
 
     def choose(self, i: int, draft_greedy: torch.Tensor) -> torch.Tensor:
         """Draft token `i` per row [B]; `draft_greedy` [B] is the draft model's own choice (used when
@@ -148,11 +161,8 @@ class CalibratedChooser:
         truth = self.table[self._rows, column]  # [B]
         wrong = (truth + self._other[:, i]) % self.vocab_size  # never equals truth
         chosen = torch.where(self._right[:, i], truth, wrong)
-        unknown = truth < 0
-        if self.diverged:
-            unknown |= torch.tensor([r in self.diverged for r in self._rows.tolist()])
-        chosen = torch.where(unknown, draft_greedy.cpu(), chosen)
-        return chosen.to(draft_greedy.device)
+        unknown = (truth < 0) | self.diverged[self._rows]
+        return torch.where(unknown, draft_greedy.to(self.device), chosen).to(draft_greedy.device)
 
 
 class CalibratedDrafter:
