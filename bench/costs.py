@@ -225,3 +225,18 @@ def speculation_ceiling(costs: dict[str, Any], prefill: dict[str, Any], request_
     decode_tokens = sum(max(0, n - 1) for n in request_tokens)
     return (ideal_seconds(costs, prefill, len(request_tokens), decode_tokens)
             / ideal_seconds(costs, prefill, len(request_tokens), row_steps, k))
+
+
+def dispatch_per_step(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    """Aten ops dispatched and host synchronisations of one untimed call of `engine` on `prompts`, in all and
+    per step (the trace's steps, prefill passes included; without a trace, per new token): kernel launches
+    and host reads are a property of the code, so the CPU counts what a GPU pays (`engines/ops/dispatch.py`)."""
+    from specaudit.engines.ops.dispatch import AtenOps, HostSyncs
+
+    with torch.no_grad(), HostSyncs() as syncs, AtenOps() as ops:
+        outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+    steps = list(getattr(getattr(engine, "last_trace", None), "steps", None) or [])
+    count = len(steps) or sum(len(o) for o in outputs) or 1
+    return {"aten_ops": ops.count, "host_syncs": syncs.count, "steps": count,
+            "aten_ops_per_step": ops.count / count, "host_syncs_per_step": syncs.count / count,
+            "static_path": any(s.kind == "static" for s in steps)}

@@ -10,31 +10,25 @@ and the ratios to the same engine at batch size 1 and to plain decoding at the s
 
 Acceptance: with `acceptance` set, every engine that takes a `drafter` gets a calibrated one
 (`engines.models.bench_pair`): the draft model runs for its real cost and each proposal is the target's
-greedy token with that probability. The target's greedy continuations are computed once, before
-any timing, with the reference decoder; the drafter reads them by row position, so no target
-pass is spent on proposals inside a timed region. Engines without a `drafter` parameter
-(`hf-assisted`, `bsp`, `dsd`, user engines) draft with the draft model itself.
+greedy token with that probability, read by row position from the target's continuations (computed once
+before any timing, on the device). Engines without a `drafter` parameter draft with the draft model.
 
 Stages (from the engine's trace, summed over steps, prefill included): `draft`, `verify` (target
 passes), `realign` (everything that moves cache rows or columns: EQSPEC's realignment, EXSPEC's
 realignment plus stacking and unstacking, INPLACE's row selection and compaction; the fill pass
 of the draft, which the ragged engines time inside their realign stage, is moved to `draft`), and
-`other` = wall time minus the three. The acceptance rule is in EQSPEC's realign stage (a few small
-tensor operations per step) and in `other` for INPLACE and BATCHED.
+`other` = wall time minus the three (the acceptance rule: EQSPEC's realign stage, `other` elsewhere).
 
-Clock: `wall` (elapsed time, the figure a user sees) or `cpu` (this process's CPU time, for a CPU
-shared with other work: it counts only what this process computed; use one torch thread, since
-idle OpenMP threads spin). Both are recorded per run (`wall_seconds`, `cpu_seconds`);
-`tokens_per_second`, the ratios and the pass costs use the chosen clock. Stage seconds are the
-engines' own wall-clock laps; stage shares are fractions of the run's wall time.
+Clock: `wall` (elapsed time, the figure a user sees) or `cpu` (this process's CPU time, for a CPU shared
+with other work; use one torch thread, since idle OpenMP threads spin). Both are recorded per run;
+`tokens_per_second`, the ratios and the pass costs use the chosen clock. Stage seconds are the engines'
+own laps (CUDA events on the fixed-shape path); stage shares are fractions of the run's wall time.
 
-Workload (`bench/workload.py`): `num_prompts` requests (default 4 x the largest batch size)
-through each batch size, each with `max_new_tokens` or its own budget drawn from `output_lengths`;
-each run reports its row utilisation.
+Workload (`bench/workload.py`): `num_prompts` requests (default 4 x the largest batch size) through each
+batch size, each with `max_new_tokens` or its own budget from `output_lengths`; runs report row utilisation.
 
-Servers (`--engine vllm:URL` and the other server kinds): timed by `bench/server.py` on the same
-requests with at most B in flight, on the client's wall clock, with the server's speculation
-counters; `--plain-engine` names the plain server their `ratio_to_plain` divides by.
+Servers (`--engine vllm:URL`, ...): timed by `bench/server.py` on the same requests, at most B in flight,
+on the client's wall clock; `--plain-engine` names the plain server their `ratio_to_plain` divides by.
 
 Ceiling: before the runs at each batch size B, the target's pass over 1 and k + 1 tokens and the
 draft's pass over 1 token are timed at B rows on a context of the prompts' mean length plus half the
@@ -45,14 +39,15 @@ ratio to plain decoding any engine could show), `speculation_ceiling` (ideal pla
 speculative) and the pass-only `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`
 with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step.
 
-Recurrent state (hybrid models): `state_seconds` = {snapshot, rollback}, the time the engines spend
-keeping each row's per-position recurrent states and rolling them back (`engines/ops/recurrent.py`'s
-`STATE_CLOCK`), already inside draft, verify and realign; None for a model without recurrent layers.
+Recurrent state (hybrid models): `state_seconds` = {snapshot, rollback}, keeping each row's per-position
+states and rolling them back (`ops/recurrent.py`'s `STATE_CLOCK`), inside draft, verify and realign.
 
-Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call;
-on the CPU, the process's resident-set high-water mark (`VmHWM`, reset through
-`/proc/self/clear_refs`) above its resident set before the call (`getrusage` where that reset is
-unavailable: then the figure is a process-lifetime high-water mark). `memory_method` says which.
+Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call; on
+the CPU, the resident-set high-water mark (`VmHWM`, reset through `/proc/self/clear_refs`) above the
+resident set before the call (else `getrusage`'s lifetime mark). `memory_method` says which.
+
+Dispatch: each run's `dispatch` counts the aten ops and host syncs of one untimed call on the first batch,
+per step of its trace (`costs.dispatch_per_step`), on every device alike.
 """
 
 from __future__ import annotations
@@ -73,7 +68,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.ops import recurrent
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
-from specaudit.bench.costs import KeptMemory, PeakMemory, pass_costs, prefill_costs, sync as _sync
+from specaudit.bench.costs import KeptMemory, PeakMemory, dispatch_per_step, pass_costs, prefill_costs, sync as _sync
 from specaudit.bench import server as servers
 from specaudit.bench.workload import draw_output_lengths, row_utilisation, serving_prompts, workload_record
 from specaudit.equivalence.prompts import load_prompts
@@ -198,11 +193,14 @@ def _engine(engine_name: str, pair: zoo.ModelPair, batch_size: int, k: int | Non
 
 
 def warm_up(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
-            config: BenchConfig, continuations: list[list[int]] | None) -> None:
-    """Untimed calls on the first batch, at most 8 new tokens each."""
+            config: BenchConfig, continuations: list[list[int]] | None) -> dict[str, Any]:
+    """Untimed calls on the first batch, at most 8 new tokens each; then one that counts what the engine
+    dispatches per step (`costs.dispatch_per_step`, 16 new tokens at most), returned as the run's `dispatch`."""
     for _ in range(config.warmup):
         engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations)
         engine.generate(prompts[:batch_size], min(8, config.max_new_tokens), pair.eos_token_id)
+    engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations)
+    return dispatch_per_step(engine, prompts[:batch_size], min(16, config.max_new_tokens), pair.eos_token_id)
 
 
 def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
@@ -344,13 +342,14 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
         write_json(json_path, bench)
         here = [(e, b, k) for e, b, k in plan if b == batch_size]
         errors: dict[tuple[str, int, int | None], str] = {}
+        dispatched: dict[tuple[str, int, int | None], dict[str, Any]] = {}
         for spec in here:
             try:
                 if servers.is_server(spec[0]):
                     servers.server_warm_up(spec[0], prompts, spec[1], config.max_new_tokens, pair.eos_token_id,
                                            config.warmup, config.engine_options)
                 else:
-                    warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
+                    dispatched[spec] = warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
             except Exception as exc:  # one engine failing keeps the others' runs
                 errors[spec] = f"{type(exc).__name__}: {exc}"
         repeats: dict[tuple[str, int, int | None], list[dict[str, Any]]] = {spec: [] for spec in here}
@@ -365,7 +364,8 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                 elif repeats[(name, b, k)] and servers.is_server(name):
                     bench["runs"].append(servers.combine_server(name, b, repeats[(name, b, k)], len(prompts)))
                 elif repeats[(name, b, k)]:
-                    bench["runs"].append(combine(name, b, k, repeats[(name, b, k)]))
+                    bench["runs"].append({**combine(name, b, k, repeats[(name, b, k)]),
+                                          "dispatch": dispatched.get((name, b, k))})
             summarise(bench)
             write_json(json_path, bench)
 

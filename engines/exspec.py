@@ -345,8 +345,7 @@ class EXSpec:
         fallback: str = DEFAULT_FALLBACK,
         wait_steps: int = 0,
         hold: bool = DEFAULT_HOLD,
-        static: bool | None = None,  # the fixed-shape path, refilling freed slots (engines/static/engine.py)
-        cuda_graphs: bool = True,
+        static: bool | None = None, cuda_graphs: bool = True,  # the fixed-shape path (engines/static/engine.py)
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -365,8 +364,7 @@ class EXSpec:
         self.sort_by_length = sort_by_length
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
-        self.min_group, self.refill_at = min_group, refill_at
-        self.fallback, self.wait_steps, self.hold = fallback, wait_steps, hold
+        self.min_group, self.refill_at, self.fallback, self.wait_steps, self.hold = min_group, refill_at, fallback, wait_steps, hold
         self.static, self.cuda_graphs, self.last_trace = static, cuda_graphs, None
 
     @torch.no_grad()

@@ -220,8 +220,7 @@ class InplaceEngine(ConsecutiveBatches):
         compact_fraction: float = DEFAULT_COMPACT_FRACTION,
         refill: bool = True,
         refill_at: int = 1,
-        static: bool | None = None,
-        cuda_graphs: bool = True,
+        static: bool | None = None, cuda_graphs: bool = True,  # the fixed-shape path (engines/static/engine.py)
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -243,7 +242,7 @@ class InplaceEngine(ConsecutiveBatches):
         self.record_logits = record_logits
         self.compact_fraction = compact_fraction
         self.refill, self.refill_at = refill, refill_at  # freed rows take the next prompts (engines/inplace_refill.py)
-        self.static, self.cuda_graphs, self.static_refill = static, cuda_graphs, refill  # engines/static/engine.py
+        self.static, self.cuda_graphs, self.static_refill = static, cuda_graphs, refill
         self.compactions = 0  # cache compactions (target and draft counted apart) in the last generate
         self._target_windowed = windowed_by_column(target)
         draft_model = getattr(self.drafter, "draft", None)

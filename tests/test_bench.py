@@ -166,6 +166,24 @@ def test_bench_json_fields_and_ratios(tmp_path) -> None:
     assert versus[2]["group_steps"] + versus[2]["fallback_steps"] == runs[("exspec", 2)]["steps"]
 
 
+def test_every_run_reports_what_it_dispatches_per_step(tmp_path) -> None:
+    """Kernel launches and host reads are a property of the code: counted on the CPU for every engine,
+    and on the fixed-shape path (static=true, the eager twin of the CUDA graphs) one host read per step."""
+    dynamic = run_bench(_config(batch_sizes=[2], num_prompts=2), tmp_path / "dynamic")
+    fixed = run_bench(_config(batch_sizes=[2], num_prompts=2, engine_options={"static": True}), tmp_path / "static")
+    for bench, on_static_path in ((dynamic, False), (fixed, True)):
+        assert {r["engine"] for r in bench["runs"]} == {"reference", "batched", "eqspec", "exspec", "inplace"}
+        for run in bench["runs"]:
+            counted = run["dispatch"]
+            assert counted["static_path"] is on_static_path, run["engine"]
+            assert counted["aten_ops_per_step"] > 10 and counted["steps"] > 0
+            assert counted["aten_ops"] == pytest.approx(counted["aten_ops_per_step"] * counted["steps"])
+            if on_static_path:
+                assert counted["host_syncs_per_step"] <= 1, run["engine"]
+    speculative = {r["engine"]: r["dispatch"] for r in dynamic["runs"] if r["draft_tokens"]}
+    assert all(d["host_syncs_per_step"] > 1 for d in speculative.values()), speculative
+
+
 def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
     out = tmp_path / "out"
     status = main(["bench", "--engine", "eqspec", "--engine", "batched", "--pair", PAIR, "--batch-size", "2",

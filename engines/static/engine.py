@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from specaudit.engines.contract import request_limits
+from specaudit.engines.limits import request_limits
 from specaudit.engines.static import loop
 from specaudit.engines.static.cache import static_supported
 from specaudit.engines.trace import Trace
