@@ -113,3 +113,47 @@ def test_on_the_cpu_the_engines_keep_their_own_path_unless_asked() -> None:
         engine = engine_class(p.target, p.draft, batch_size=2, draft_tokens=2)
         engine.generate(_prompts(3), 5, None)
         assert "static" not in {s.kind for s in engine.last_trace.steps}, engine_class.__name__
+
+
+def test_a_pass_that_cannot_be_captured_runs_eagerly_and_says_why(monkeypatch) -> None:
+    """On CUDA a forward that reads the host mid-pass cannot be captured: that length runs eagerly, the
+    same values, with a warning naming the reason (the capture itself is forced to fail here)."""
+    from specaudit.engines.static.capture import PassRunner
+
+    p = pair("tiny-llama")
+    cache = StaticCache(p.target, 2, 16)
+    runner = PassRunner(cache)
+    runner.graphs = True  # as on CUDA
+
+    def refuse(*_):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
+
+    monkeypatch.setattr(runner, "_capture", refuse)
+    ids, write_at = torch.randint(0, 250, (2, 3)), torch.tensor([0, 4])
+    with pytest.warns(RuntimeWarning, match="3-token pass"):
+        got = runner.run(ids, write_at)
+    assert runner.eager_lengths == {3: "RuntimeError: operation not permitted when stream is capturing"}
+    assert torch.equal(got, cache.forward(ids, write_at))
+    assert torch.equal(runner.run(ids, write_at), got) and runner.captured == []  # no second try, no warning
+
+
+def test_an_attention_that_splits_ragged_rows_on_the_host_stays_off_the_host_on_the_static_path() -> None:
+    """models/attention.py's SDPA (the bench pair's on the CPU) attends row by row when a boolean mask shows
+    rows far apart, reading the mask on the host; the static path's masks give it nothing to read."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from specaudit.engines.models.attention import use_sdpa_gqa
+
+    config = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    assert use_sdpa_gqa(target)
+    cases = [[5, 9, 13], list(range(1, 150)), [7], list(range(100, 230))]  # first columns > 64 apart
+    expected = [greedy_decode(target, c, 10, None)[0] for c in cases]
+    for engine_class in (*SPECULATIVE, BatchedGreedy):
+        engine = engine_class(target, target, batch_size=4, draft_tokens=3, static=True)
+        with HostSyncs() as syncs:
+            assert engine.generate(cases, 10, None) == expected, engine_class.__name__
+        assert syncs.count == len(engine.last_trace.steps), (engine_class.__name__, dict(syncs.calls))

@@ -63,17 +63,20 @@ class StaticCache:
         self.cache.layers.extend(self.layers)
         self.lengths = torch.zeros(rows, dtype=torch.long, device=self.device)  # [B] cached tokens per row
         self.keyword = cache_keyword(model)
-        self.additive = layout._mask_kind(model) == "additive"
         self.columns_index = torch.arange(columns, device=self.device)  # [L]
 
     def mask(self, first: torch.Tensor, q: int) -> torch.Tensor:
         """`[B, 1, q, L]`: query i of row b (position first_b + i) sees columns 0 .. first_b + i."""
         last = first.unsqueeze(1) + self.columns_index[:q]  # [B, q]
-        visible = (self.columns_index.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1)  # [B, 1, q, L]
-        if self.additive:
-            return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
-                ~visible, torch.finfo(self.dtype).min)
-        return visible
+        return self.additive((self.columns_index.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1))  # [B, 1, q, L]
+
+    def additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """0 where `visible`, the dtype's minimum elsewhere, added to the scores: the same weights as a boolean
+        mask for SDPA and eager attention alike, and one an attention function cannot read back on the host
+        (a boolean one lets it find each row's visible columns, as models/attention.py's per-row split does,
+        which a captured pass cannot do)."""
+        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
+            ~visible, torch.finfo(self.dtype).min)
 
     def forward(self, input_ids: torch.Tensor, write_at: torch.Tensor) -> torch.Tensor:
         """One pass of `q` tokens per row written at `write_at` [B]: logits [B, q, V]. Fixed shapes, no host read."""
@@ -100,10 +103,7 @@ class StaticCache:
         visible = (causal.unsqueeze(0) & (columns.view(1, 1, -1) < lengths.view(-1, 1, 1))).unsqueeze(1)  # [n,1,W,W]
         view_columns = torch.zeros(n, 1, width, self.columns, dtype=torch.bool, device=self.device)
         view_columns[..., :width] = visible
-        mask = view_columns
-        if self.additive:
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(
-                ~mask, torch.finfo(self.dtype).min)
+        mask = self.additive(view_columns)
         positions = columns.unsqueeze(0).expand(n, width)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self.keyword: cache})

@@ -6,10 +6,14 @@ the first call with a query length warms the pass up twice on a side stream and 
 The cache's buffers are part of the graph (the pass writes its keys and values in place), and warming up
 writes the same columns with the same values as the call itself, so capturing changes nothing. The
 returned logits are the graph's output tensor: read them before the next replay of that length. On the
-CPU, or with `graphs=False`, it calls the same pass eagerly: the eager twin that CI runs.
+CPU, or with `graphs=False`, it calls the same pass eagerly: the eager twin that CI runs. A pass that
+cannot be captured (a host read or a data-dependent branch inside a model's forward) runs eagerly for that
+query length, with a RuntimeWarning and the reason kept in `eager_lengths`: slower, never wrong.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -21,14 +25,21 @@ class PassRunner:
         self.cache = cache
         self.graphs = graphs and cache.device.type == "cuda"
         self._captured: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.eager_lengths: dict[int, str] = {}  # query length -> why its capture failed
 
     def run(self, input_ids: torch.Tensor, write_at: torch.Tensor) -> torch.Tensor:
         """Logits [B, q, V] of `input_ids` [B, q] written at `write_at` [B]."""
-        if not self.graphs:
-            return self.cache.forward(input_ids, write_at)
         q = input_ids.shape[1]
+        if not self.graphs or q in self.eager_lengths:
+            return self.cache.forward(input_ids, write_at)
         if q not in self._captured:
-            self._captured[q] = self._capture(input_ids, write_at)
+            try:
+                self._captured[q] = self._capture(input_ids, write_at)
+            except RuntimeError as exc:  # the pass writes the same columns again below, so nothing is lost
+                self.eager_lengths[q] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                warnings.warn(f"the {q}-token pass could not be captured as a CUDA graph and runs eagerly: "
+                              f"{self.eager_lengths[q]}", RuntimeWarning, stacklevel=2)
+                return self.cache.forward(input_ids, write_at)
         graph, static_ids, static_at, logits = self._captured[q]
         static_ids.copy_(input_ids)
         static_at.copy_(write_at)
