@@ -1,23 +1,20 @@
 """`specaudit bench`: tokens per second of engines over batch sizes and draft lengths, in one run.
 
-Contract: `run_bench(config, out_dir)` writes `out_dir/bench.json` (rewritten after every round of
-repeats, so an interrupted bench keeps what it measured) and returns the same dict. Per run
-(engine, batch size, k): `tokens_per_second` (median over `repeats` timed `generate` calls on all
-prompts, after `warmup` untimed calls on the first batch; the repeats go round robin over the runs
-of a batch size, so a change in the machine's load hits every engine alike), its spread, `mean_accepted_per_step` (per row and
-speculative step), `stage_seconds` (draft, verify, realign, other; see below), `peak_memory_bytes`,
-and the ratios to the same engine at batch size 1 and to plain decoding at the same batch size.
+Contract: `run_bench(config, out_dir)` writes `out_dir/bench.json` (rewritten after every timed call, so
+an interrupted bench keeps what it measured) and returns the same dict. Per run (engine, batch size, k):
+`tokens_per_second` (median over `repeats` timed calls on all prompts after `warmup` untimed ones on the
+first batch, round robin over a batch size's runs so that load hits every engine alike), its spread,
+`mean_accepted_per_step`, `stage_seconds`, `peak_memory_bytes`, the ratios to the same engine at batch
+size 1 and to plain decoding at the same batch size.
 
 Acceptance: with `acceptance` set, every engine that takes a `drafter` gets a calibrated one
 (`engines.models.bench_pair`): the draft model runs for its real cost and each proposal is the target's
 greedy token with that probability, read by row position from the target's continuations (computed once
 before any timing, on the device). Engines without a `drafter` parameter draft with the draft model.
 
-Stages (from the engine's trace, summed over steps, prefill included): `draft`, `verify` (target
-passes), `realign` (everything that moves cache rows or columns: EQSPEC's realignment, EXSPEC's
-realignment plus stacking and unstacking, INPLACE's row selection and compaction; the fill pass
-of the draft, which the ragged engines time inside their realign stage, is moved to `draft`), and
-`other` = wall time minus the three (the acceptance rule: EQSPEC's realign stage, `other` elsewhere).
+Stages (the trace's, summed over steps, prefill included): `draft`, `verify` (target passes), `realign`
+(whatever moves cache rows or columns: EQSPEC's realignment, EXSPEC's and stacking, INPLACE's row selection
+and compaction; the draft's fill pass is moved to `draft`), `other` = wall time minus the three.
 
 Clock: `wall` (elapsed time, the figure a user sees) or `cpu` (this process's CPU time, for a CPU shared
 with other work; use one torch thread, since idle OpenMP threads spin). Both are recorded per run;
@@ -30,24 +27,23 @@ batch size, each with `max_new_tokens` or its own budget from `output_lengths`; 
 Servers (`--engine vllm:URL`, ...): timed by `bench/server.py` on the same requests, at most B in flight,
 on the client's wall clock; `--plain-engine` names the plain server their `ratio_to_plain` divides by.
 
-Ceiling: before the runs at each batch size B, the target's pass over 1 and k + 1 tokens and the
-draft's pass over 1 token are timed at B rows on a context of the prompts' mean length plus half the
-new tokens, and the prefill of one prompt of the mean length alone and of B of them in one pass
-(target and draft). From these `bench/report.py` builds a lower bound on any engine's time
-(`ideal_seconds`) and the ceilings: `ceiling` (plain run's time / ideal speculative time: the best
-ratio to plain decoding any engine could show), `speculation_ceiling` (ideal plain / ideal
-speculative) and the pass-only `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`
-with `E = (1 - A^(k+1)) / (1 - A)` expected tokens per step.
+Ceiling: before the runs at each batch size B, the target's pass over 1 and k + 1 tokens and the draft's
+over 1 are timed at B rows on a context of the prompts' mean length plus half the new tokens, and the
+prefill of one prompt of the mean length alone and of B in one pass. From these `bench/report.py` builds
+a lower bound on any engine's time (`ideal_seconds`) and the ceilings: `ceiling` (plain run's time /
+ideal speculative time: the best ratio to plain any engine could show), `speculation_ceiling` (ideal
+plain / ideal speculative), `decode_ceiling = E x target(1) / (target(k+1) + k x draft(1))`,
+`E = (1 - A^(k+1)) / (1 - A)` expected tokens per step.
 
 Recurrent state (hybrid models): `state_seconds` = {snapshot, rollback}, keeping each row's per-position
 states and rolling them back (`ops/recurrent.py`'s `STATE_CLOCK`), inside draft, verify and realign.
 
-Peak memory: on CUDA, `torch.cuda.max_memory_allocated` above what was allocated before the call; on
-the CPU, the resident-set high-water mark (`VmHWM`, reset through `/proc/self/clear_refs`) above the
-resident set before the call (else `getrusage`'s lifetime mark). `memory_method` says which.
+Peak memory: on CUDA `torch.cuda.max_memory_allocated` above the allocation before the call; on the CPU
+the resident set's high-water mark (`VmHWM` reset through `/proc/self/clear_refs`, else `getrusage`'s
+lifetime mark) above the resident set before it. `memory_method` says which.
 
-Dispatch: each run's `dispatch` counts the aten ops and host syncs of one untimed call on the first batch,
-per step of its trace (`costs.dispatch_per_step`), on every device alike.
+Dispatch: each run's `dispatch` counts the aten ops and host syncs of one untimed call on the first batch
+(after the first timed call), per step of its trace (`costs.dispatch_per_step`), on every device alike.
 """
 
 from __future__ import annotations
@@ -63,8 +59,7 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.engines.models import bench_pair
-from specaudit.engines.models import zoo
+from specaudit.engines.models import bench_pair, zoo
 from specaudit.engines.ops import recurrent
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
@@ -193,14 +188,11 @@ def _engine(engine_name: str, pair: zoo.ModelPair, batch_size: int, k: int | Non
 
 
 def warm_up(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
-            config: BenchConfig, continuations: list[list[int]] | None) -> dict[str, Any]:
-    """Untimed calls on the first batch, at most 8 new tokens each; then one that counts what the engine
-    dispatches per step (`costs.dispatch_per_step`, 16 new tokens at most), returned as the run's `dispatch`."""
+            config: BenchConfig, continuations: list[list[int]] | None) -> None:
+    """Untimed calls on the first batch, at most 8 new tokens each."""
     for _ in range(config.warmup):
         engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations)
         engine.generate(prompts[:batch_size], min(8, config.max_new_tokens), pair.eos_token_id)
-    engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations)
-    return dispatch_per_step(engine, prompts[:batch_size], min(16, config.max_new_tokens), pair.eos_token_id)
 
 
 def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
@@ -349,7 +341,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                     servers.server_warm_up(spec[0], prompts, spec[1], config.max_new_tokens, pair.eos_token_id,
                                            config.warmup, config.engine_options)
                 else:
-                    dispatched[spec] = warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
+                    warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
             except Exception as exc:  # one engine failing keeps the others' runs
                 errors[spec] = f"{type(exc).__name__}: {exc}"
         repeats: dict[tuple[str, int, int | None], list[dict[str, Any]]] = {spec: [] for spec in here}
@@ -383,6 +375,10 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                     else:
                         repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory,
                                                         budgets))
+                        if spec not in dispatched:  # untimed, on the first batch, 16 new tokens at most
+                            counted = _engine(name, pair, b, k, config, continuations)[0]
+                            dispatched[spec] = dispatch_per_step(counted, prompts[:b], min(16, config.max_new_tokens),
+                                                                 pair.eos_token_id)
                     clock = servers.SERVER_CLOCK if servers.is_server(name) else config.clock
                     say(f"  {repeats[spec][-1]['tokens_per_second']:.2f} tokens per {clock} second")
                     keep_finished()  # every timed call is kept at once: a slow machine may not finish the round
