@@ -201,6 +201,17 @@ def run(loop: StaticLoop, prompts: list[list[int]], limits: list[int], trace: Tr
     waiting = list(range(len(prompts)))
     free = list(range(capacity))
 
+    def collect(slots: list[int], requests: list[int], tokens: list[list[int]], row_logits: Any,
+                finished: list[bool]) -> None:
+        """Each request's new tokens (and logits); the slots of finished requests freed."""
+        for i, request in enumerate(requests):
+            outputs[request].extend(tokens[i])
+            if row_logits is not None:
+                logits[request].append(row_logits[i])
+            if finished[i]:
+                free.append(slots[i])
+        free.sort()
+
     def admit() -> None:
         """Prefill the oldest waiting requests into free slots (lowest first)."""
         count = min(len(free), len(waiting))
@@ -208,13 +219,7 @@ def run(loop: StaticLoop, prompts: list[list[int]], limits: list[int], trace: Tr
         started = time.perf_counter()
         first, done, first_logits = loop.admit(into, requests, [prompts[r] for r in requests],
                                                [limits[r] for r in requests])
-        for i, request in enumerate(requests):
-            outputs[request].append(first[i])
-            if first_logits is not None:
-                logits[request].append(first_logits[i])
-            if done[i]:
-                free.append(into[i])
-        free.sort()
+        collect(into, requests, [[token] for token in first], first_logits, done)
         trace.record(StepRecord(step=len(trace.steps), kind="prefill", rows=requests, pad_lengths=[0] * count,
                                 accepted_counts=[0] * count, emitted_counts=[1] * count,
                                 seconds={"verify": time.perf_counter() - started}))
@@ -225,13 +230,7 @@ def run(loop: StaticLoop, prompts: list[list[int]], limits: list[int], trace: Tr
             continue
         taken, tokens, counts, finished, proposed, step_logits, seconds = loop.step()
         requests = [loop.requests[slot] for slot in taken]
-        for i, request in enumerate(requests):
-            outputs[request].extend(tokens[i])
-            if step_logits is not None:
-                logits[request].append(step_logits[i])
-            if finished[i]:
-                free.append(taken[i])
-        free.sort()
+        collect(taken, requests, tokens, step_logits, finished)
         trace.record(StepRecord(step=len(trace.steps), kind="static", rows=requests, pad_lengths=[0] * len(requests),
                                 accepted_counts=counts, emitted_counts=[len(t) for t in tokens], seconds=seconds,
                                 proposed=proposed if step_logits is not None else None))
