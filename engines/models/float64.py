@@ -10,7 +10,8 @@ Some transformers kernels quietly leave float64:
   has: a float64 audit could not tell it from a bug. `float64_eager_attention` is the same eager
   attention (scaling, soft-capping, attention sinks, GQA) with the softmax in float64.
 
-- recurrent layers (gated delta-net, Mamba-2) run their recurrences in float32: `engines/models/float64_recurrent.py`.
+- recurrent layers (gated delta-net, Mamba-2) run their recurrences in float32, every RMS norm normalises
+  in float32 and expert routers take their softmax in float32: `engines/models/float64_recurrent.py`.
 
 `prepare_float64` applies all three where they apply and returns notes saying what it switched; the
 oracle and the engines share the model object, so they share the switch. Nothing changes below

@@ -1,10 +1,15 @@
-"""Float64 switches for recurrent layers (gated delta-net, Mamba-2 mixers and their gated norms).
+"""Float64 switches for the layers that leave float64: recurrences, RMS norms and expert routers.
 
 transformers' reference PyTorch paths (used when `flash-linear-attention` and `causal_conv1d` are
 absent) compute the recurrences in float32 whatever the model's dtype: the gated delta rule casts
 query, key, value, beta and the decay to float32; the Mamba-2 scans and their single-token state
-update cast dt, A, B and C; the gated RMS norms after them cast to float32; the decay of gated
-delta-net comes from `A_log.float()`. A float64 oracle would carry float32 noise there.
+update cast dt, A, B and C; the decay of gated delta-net comes from `A_log.float()`. Every RMS norm
+(Llama's, Qwen3's, Gemma's, gated or not) normalises in float32, and expert routers take their softmax
+with `dtype=torch.float`. A float64 oracle would carry float32 noise there: two float64 inputs that
+differ by rounding alone (a row alone against the same row in a batch) land on different float32 values
+once in a while, and the logits then differ by about 1e-7 (found on tiny-lfm2, a 14-token prompt and
+21 new tokens beside a 1-token prompt at batch size 2, every engine). Rotary embeddings stay as they
+are: their float32 values depend on the position alone, the same in every batch.
 
 `prepare_recurrent_float64(model)` swaps in the same code with every float32 cast turned into a
 float64 cast (the source of each function or `forward`, with `torch.float32` read as
@@ -13,7 +18,7 @@ convolutions) computed as an explicit sum over the kernel (`depthwise_conv1d`: t
 costs tens of milliseconds per call on these shapes, which made a float64 audit of a hybrid pair
 take many minutes):
 
-- a mixer's or gated norm's `forward` on that model's own module instances (nothing else changes);
+- a mixer's, norm's or router's `forward` on that model's own module instances (nothing else changes);
 - a module-level function of the model's family (the scans, the delta rules): the module's name is
   bound to a dispatcher that runs the float64 copy when any tensor argument is float64 and the
   original otherwise, so a model of the same family in another dtype computes as before.
@@ -36,8 +41,9 @@ from transformers import PreTrainedModel
 
 # module-level functions of the recurrent paths, by name
 _FUNCTION_NAME = re.compile(r"gated_delta_rule|selective_state_update|chunk_scan|ssd|segment_sum|selective_scan|causal_conv1d")
-# classes whose forward runs a recurrence or the gated norm after it
-_CLASS_NAME = re.compile(r"GatedDeltaNet|Mixer|RMSNormGated|GatedRMSNorm|ShortConv|Mamba")
+# classes whose forward runs a recurrence, an RMS norm (gated or not) or an expert router: each casts to float32
+_CLASS_NAME = re.compile(r"GatedDeltaNet|Mixer|RMSNorm|ShortConv|Mamba|Router")
+_BARE_FLOAT = re.compile(r"torch\.float\b")  # `dtype=torch.float` (float32), not float16 or float64
 _MARK = "_specaudit_float64"
 
 
@@ -48,6 +54,7 @@ def _as_float64(source: str) -> str:
         lines.pop(0)
     source = "\n".join(lines)
     source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
+    source = _BARE_FLOAT.sub("torch.float64", source)
     return source.replace("F.conv1d(", f"{_CONV}(").replace("nn.functional.conv1d(", f"{_CONV}(")
 
 
@@ -87,7 +94,7 @@ def _uses_float32(function: Callable[..., Any]) -> bool:
         source = inspect.getsource(function)
     except (OSError, TypeError):
         return False
-    return "torch.float32" in source or ".float()" in source or "conv1d(" in source
+    return "torch.float32" in source or ".float()" in source or "conv1d(" in source or bool(_BARE_FLOAT.search(source))
 
 
 def _any_float64(args: tuple, kwargs: dict) -> bool:
@@ -141,10 +148,10 @@ def prepare_recurrent_float64(model: PreTrainedModel) -> list[str]:
             continue
         submodule.forward = types.MethodType(forward, submodule)
         methods.add(cls.__name__)
-    if not methods and not functions:
-        return []
-    what = sorted(methods) + [f"{name}()" for name in functions]
-    return [f"recurrent layers: float64, depthwise convolutions as explicit sums ({', '.join(what)})"]
+    plain = sorted(m for m in methods if m.endswith(("RMSNorm", "Router")))  # in every family, not only hybrids
+    recurrent = sorted(methods - set(plain)) + [f"{name}()" for name in functions]
+    notes = [f"recurrent layers: float64, depthwise convolutions as explicit sums ({', '.join(recurrent)})"] if recurrent else []
+    return notes + ([f"RMS norms and routers: float64 ({', '.join(plain)})"] if plain else [])
 
 
 def _conv_module_forward(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
