@@ -1,8 +1,13 @@
-"""Cached built-in pairs and reference outputs, built once per process (tests, plugin)."""
+"""Cached built-in pairs and reference outputs, built once per process (tests, plugin).
+
+`SPECAUDIT_TEST_DEVICE` (default `cpu`) puts the pairs on another torch device, e.g. `cuda` to run the
+property tests or the planted-fault hunts (`python -m specaudit.testing.faults.table`) on a GPU.
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 
 from specaudit.engines.models import zoo
 from specaudit.engines.reference import ReferenceDecoder
@@ -12,7 +17,7 @@ MAX_NEW_TOKENS = 24
 
 @functools.lru_cache(maxsize=None)
 def pair(name: str, dtype: str = "float64") -> zoo.ModelPair:
-    return zoo.load_pair(name, dtype=dtype)
+    return zoo.load_pair(name, dtype=dtype, device=os.environ.get("SPECAUDIT_TEST_DEVICE", "cpu"))
 
 
 @functools.lru_cache(maxsize=None)

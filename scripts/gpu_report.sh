@@ -5,6 +5,8 @@
 #      (--no-cuda-graphs) and the fixed-shape path captured as CUDA graphs (the default on CUDA)
 #   2. the bfloat16 audit of EQSPEC, EXSPEC and INPLACE on the built-in dense pairs at B = 1, 8 and 16:
 #      correct engines must get 0 structural divergences
+#   3. the planted-fault hunts in float64 and bfloat16 on the GPU (SPECAUDIT_TEST_DEVICE=cuda): every fault
+#      caught and named
 # Each step writes its own folder, so a step that fails leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +37,6 @@ audit_command=(specaudit audit --engine eqspec --engine exspec --engine inplace 
                --out "$out/audit-bf16")
 echo "+ ${audit_command[*]}" | tee -a "$out/commands.txt"
 "${audit_command[@]}" || status=1
+echo "+ SPECAUDIT_TEST_DEVICE=cuda python3 -m specaudit.testing.faults.table --out $out/faults.md" | tee -a "$out/commands.txt"
+SPECAUDIT_TEST_DEVICE=cuda python3 -m specaudit.testing.faults.table --out "$out/faults.md" || status=1
 exit $status

@@ -10,6 +10,7 @@ the test run finds (the hunts are derandomized: the same counterexamples every r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,8 +111,11 @@ def render_report(findings: list[Finding], seconds: float | None = None) -> str:
     lower = [f for f in findings if f.dtype != "float64"]
     parts = [HEADER, render_table(exact), ""]
     if seconds is not None:
+        device = os.environ.get("SPECAUDIT_TEST_DEVICE", "cpu")
+        where = "one CPU thread" if device == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})" \
+            if device.startswith("cuda") else device
         parts.append(f"{len(findings)} hunts ({len(exact)} in float64, {len(lower)} in bfloat16), {seconds:.0f} s on "
-                     "one CPU thread.\n")
+                     f"{where}.\n")
     if lower:
         parts += [BFLOAT16, render_table(lower), ""]
         invisible = [f for f in lower if (f.fault, f.pair) in INVISIBLE_BELOW_FLOAT64]

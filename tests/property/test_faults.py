@@ -148,3 +148,19 @@ def test_correct_eqspec_gets_no_structural_ruling_in_bfloat16(case) -> None:
 @given(case=fault_cases(NoFaultModelDrafter, "tiny-llama", "bfloat16"))
 def test_correct_model_drafter_gets_no_structural_ruling_in_bfloat16(case) -> None:
     check_fault(NoFaultModelDrafter, case)
+
+
+def test_the_hunts_run_on_the_device_named_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECAUDIT_TEST_DEVICE puts the cached pairs (property tests, hunts) on that device; the report says where."""
+    from specaudit.testing import models
+    from specaudit.testing.faults import table
+
+    asked: list[str] = []
+    monkeypatch.setattr(models.zoo, "load_pair", lambda name, *, dtype, device: asked.append(device))
+    monkeypatch.setenv("SPECAUDIT_TEST_DEVICE", "cpu:0")
+    models.pair.__wrapped__("tiny-llama")
+    assert asked == ["cpu:0"]
+    assert "s on cpu:0." in table.render_report([], 12.0)
+    monkeypatch.delenv("SPECAUDIT_TEST_DEVICE")
+    models.pair.__wrapped__("tiny-llama")
+    assert asked == ["cpu:0", "cpu"] and "s on one CPU thread." in table.render_report([], 12.0)
