@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.engines.models.bench_pair import DEFAULT_ACCEPTANCE
-from specaudit.equivalence.cli.args import DTYPE_CHOICES
+from specaudit.equivalence.cli.args import DTYPE_CHOICES, add_engine_path_options, engine_options
 from specaudit.equivalence.cli.args import dtype as _dtype
 from specaudit.equivalence.cli.args import engine_option as _option
 from specaudit.equivalence.cli.args import positive as _positive
@@ -63,11 +63,7 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
                       help="a server of the same model without speculation (e.g. vllm:URL; timed too, need not be "
                            "repeated in --engine): each other server of its kind gets tokens/s / this one's as "
                            "its speculative / plain ratio; one per server kind")
-    what.add_argument("--no-cuda-graphs", action="store_true",
-                      help="turn off the fixed-shape path: on --device cuda the built-in engines (EQSPEC, EXSPEC, "
-                      "INPLACE, batched, reference) run dense models on passes captured as CUDA graphs, one host "
-                      "read per step; this runs their dynamic path (engine option static=false; "
-                      "cuda_graphs=false keeps the fixed shapes uncaptured)")
+    add_engine_path_options(what)
     what.add_argument("--engine-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
                       help="extra keyword for every engine factory (JSON value), e.g. compact_fraction=0.5")
     what.add_argument("--pair", default="bench", metavar="P",
@@ -152,7 +148,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         draft_tokens=args.draft_tokens, acceptance=args.acceptance, prompts=args.prompts,
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, output_lengths=args.output_lengths,
         repeats=args.repeats, warmup=args.warmup,
-        dtype=args.dtype, device=args.device, seed=args.seed, engine_options={**({"static": False} if args.no_cuda_graphs else {}), **dict(args.engine_option)},
+        dtype=args.dtype, device=args.device, seed=args.seed, engine_options=engine_options(args),
         clock=args.clock, threads=args.threads, plain_engines=args.plain_engine,
     )
     if args.clock == "cpu" and args.device.startswith("cuda"):

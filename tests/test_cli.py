@@ -149,3 +149,17 @@ def test_ctrl_c_keeps_finished_runs_and_writes_reports(tmp_path: Path) -> None:
     assert [run["engine"] for run in audit["runs"]] == ["eqspec"] and not audit["complete"]
     assert audit["runs"][0]["exact_matches"] == audit["runs"][0]["num_prompts"] > 2
     assert (tmp_path / "report.md").exists() and "interrupted" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["audit", "bench"])
+def test_no_cuda_graphs_turns_the_static_path_off_unless_an_engine_option_says_otherwise(command: str) -> None:
+    from specaudit.cli import build_parser
+    from specaudit.equivalence.cli.args import engine_options
+
+    def options(*extra: str) -> dict:
+        return engine_options(build_parser().parse_args([command, "--engine", "eqspec", "--out", "out", *extra]))
+
+    assert options() == {}
+    assert options("--no-cuda-graphs") == {"static": False}
+    assert options("--no-cuda-graphs", "--engine-option", "cuda_graphs=false") == {"static": False, "cuda_graphs": False}
+    assert options("--no-cuda-graphs", "--engine-option", "static=true") == {"static": True}

@@ -55,3 +55,17 @@ def engine_option(value: str) -> tuple[str, Any]:
         return key.replace("-", "_"), json.loads(raw)
     except json.JSONDecodeError:
         return key.replace("-", "_"), raw
+
+
+def add_engine_path_options(group: Any) -> None:
+    """`--no-cuda-graphs`, shared by `audit` and `bench` (read back by `engine_options`)."""
+    group.add_argument("--no-cuda-graphs", action="store_true",
+                       help="turn off the fixed-shape path: on --device cuda the built-in engines (EQSPEC, EXSPEC, "
+                       "INPLACE, batched, reference) run dense models on passes captured as CUDA graphs, one host "
+                       "read per step; this runs their dynamic path (engine option static=false; "
+                       "cuda_graphs=false keeps the fixed shapes uncaptured)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Every `--engine-option KEY=VALUE`, after `static=false` from `--no-cuda-graphs` (an explicit option wins)."""
+    return {**({"static": False} if args.no_cuda_graphs else {}), **dict(args.engine_option)}

@@ -14,6 +14,7 @@ from typing import Any
 
 from specaudit.equivalence.cli import blackbox as cli_blackbox
 from specaudit.equivalence.cli.args import DTYPE_CHOICES, EXIT_EQUIVALENT, EXIT_USAGE
+from specaudit.equivalence.cli.args import add_engine_path_options, engine_options
 from specaudit.equivalence.cli.args import dtype as _dtype
 from specaudit.equivalence.cli.args import engine_option as _option
 from specaudit.equivalence.cli.args import positive as _positive
@@ -87,11 +88,7 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     how.add_argument("--dtype", nargs="+", type=_dtype, default=["float64"], metavar="DTYPE",
                      help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
     how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
-    how.add_argument("--no-cuda-graphs", action="store_true",
-                     help="turn off the fixed-shape path: on --device cuda the built-in engines (EQSPEC, EXSPEC, "
-                     "INPLACE, batched, reference) run dense models on passes captured as CUDA graphs, one host "
-                     "read per step; this runs their dynamic path (engine option static=false; "
-                     "cuda_graphs=false keeps the fixed shapes uncaptured)")
+    add_engine_path_options(how)
     how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
                      help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
     how.add_argument("--num-prompts", type=_positive, default=None, metavar="N", help="use the first N prompts (default: all)")
@@ -161,7 +158,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         engines=args.engine, pairs=pairs, batch_sizes=args.batch_size, dtypes=args.dtype, device=args.device,
         prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id,
-        engine_options={**({"static": False} if args.no_cuda_graphs else {}), **dict(args.engine_option)},
+        engine_options=engine_options(args),
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
