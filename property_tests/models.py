@@ -15,9 +15,14 @@ from specaudit.engines.reference import ReferenceDecoder
 MAX_NEW_TOKENS = 24
 
 
+def pairs_device() -> str:
+    """The torch device of the cached pairs: `SPECAUDIT_TEST_DEVICE`, else `cpu`."""
+    return os.environ.get("SPECAUDIT_TEST_DEVICE", "cpu")
+
+
 @functools.lru_cache(maxsize=None)
 def pair(name: str, dtype: str = "float64") -> zoo.ModelPair:
-    return zoo.load_pair(name, dtype=dtype, device=os.environ.get("SPECAUDIT_TEST_DEVICE", "cpu"))
+    return zoo.load_pair(name, dtype=dtype, device=pairs_device())
 
 
 @functools.lru_cache(maxsize=None)

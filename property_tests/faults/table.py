@@ -10,7 +10,6 @@ the test run finds (the hunts are derandomized: the same counterexamples every r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from specaudit.testing.faults.classes import EXPECTED_CLASS, INVISIBLE_BELOW_FLOAT64
 from specaudit.testing.faults.hunt import Finding
+from specaudit.testing.models import pairs_device
 
 REPORT = Path(__file__).resolve().parents[2] / "reports" / "faults.md"
 
@@ -111,9 +111,11 @@ def render_report(findings: list[Finding], seconds: float | None = None) -> str:
     lower = [f for f in findings if f.dtype != "float64"]
     parts = [HEADER, render_table(exact), ""]
     if seconds is not None:
-        device = os.environ.get("SPECAUDIT_TEST_DEVICE", "cpu")
-        where = "one CPU thread" if device == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})" \
-            if device.startswith("cuda") else device
+        where = device = pairs_device()
+        if device == "cpu":
+            where = "one CPU thread"
+        elif device.startswith("cuda"):
+            where = f"{device} ({torch.cuda.get_device_name(device)})"
         parts.append(f"{len(findings)} hunts ({len(exact)} in float64, {len(lower)} in bfloat16), {seconds:.0f} s on "
                      f"{where}.\n")
     if lower:
