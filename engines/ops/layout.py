@@ -300,9 +300,12 @@ def row_ends_mask(model: PreTrainedModel, cache_lengths: torch.Tensor, q: int) -
     columns = torch.arange(int(cache_lengths.max()) + q, device=cache_lengths.device)  # [S]
     last = cache_lengths.unsqueeze(1) + torch.arange(q, device=cache_lengths.device)  # [B, q]
     mask = (columns.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1)  # [B, 1, q, S]
-    if _mask_kind(model) == "additive":
-        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, torch.finfo(model.dtype).min)
-    return mask
+    return additive_mask(mask, model.dtype) if _mask_kind(model) == "additive" else mask
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `visible`, the dtype's minimum elsewhere: the mask added to the attention scores."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 def row_ends_cache(blocks: list[list[tuple[torch.Tensor, torch.Tensor]]], lengths: list[int],

@@ -4,9 +4,12 @@ Row `b` holds its `c_b` cached tokens in columns `0 .. c_b - 1` of a buffer `[B,
 (`L`: the longest request's prompt, new tokens and one verify pass). A pass of `q` tokens writes its keys
 and values at columns `c_b .. c_b + q - 1` of its own row (`StaticLayer.update`, index writes with device
 offsets) and attends over all `L` columns through a per-row, per-query mask: query `i` of row `b` (position
-`c_b + i`) sees columns `0 .. c_b + i`. Columns past a row's end hold stale or zero keys and values, finite,
-weighted exactly zero. Every tensor a pass creates has a shape fixed by `(B, q, L)`, and none is read on
-the host, so the pass can be captured (`capture.PassRunner`). A rejected draft token's columns lie past
+`c_b + i`) sees columns `0 .. c_b + i`. The masks are additive for every model (the same weights as a
+boolean mask for SDPA and eager attention alike): a boolean one lets an attention function find each
+row's visible columns on the host, as `models/attention.py`'s per-row split does, which a captured pass
+cannot do. Columns past a row's end hold stale or zero keys and values, finite, weighted exactly zero.
+Every tensor a pass creates has a shape fixed by `(B, q, L)`, and none is read on the host, so the pass
+can be captured (`capture.PassRunner`). A rejected draft token's columns lie past
 the row's new end: accepting a step is only new lengths, as in EXSPEC's held batch (`ops/layout.RowEndsLayer`).
 """
 
@@ -68,15 +71,8 @@ class StaticCache:
     def mask(self, first: torch.Tensor, q: int) -> torch.Tensor:
         """`[B, 1, q, L]`: query i of row b (position first_b + i) sees columns 0 .. first_b + i."""
         last = first.unsqueeze(1) + self.columns_index[:q]  # [B, q]
-        return self.additive((self.columns_index.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1))  # [B, 1, q, L]
-
-    def additive(self, visible: torch.Tensor) -> torch.Tensor:
-        """0 where `visible`, the dtype's minimum elsewhere, added to the scores: the same weights as a boolean
-        mask for SDPA and eager attention alike, and one an attention function cannot read back on the host
-        (a boolean one lets it find each row's visible columns, as models/attention.py's per-row split does,
-        which a captured pass cannot do)."""
-        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(
-            ~visible, torch.finfo(self.dtype).min)
+        visible = (self.columns_index.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1)  # [B, 1, q, L]
+        return layout.additive_mask(visible, self.dtype)
 
     def forward(self, input_ids: torch.Tensor, write_at: torch.Tensor) -> torch.Tensor:
         """One pass of `q` tokens per row written at `write_at` [B]: logits [B, q, V]. Fixed shapes, no host read."""
@@ -103,7 +99,7 @@ class StaticCache:
         visible = (causal.unsqueeze(0) & (columns.view(1, 1, -1) < lengths.view(-1, 1, 1))).unsqueeze(1)  # [n,1,W,W]
         view_columns = torch.zeros(n, 1, width, self.columns, dtype=torch.bool, device=self.device)
         view_columns[..., :width] = visible
-        mask = self.additive(view_columns)
+        mask = layout.additive_mask(view_columns, self.dtype)
         positions = columns.unsqueeze(0).expand(n, width)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self.keyword: cache})
