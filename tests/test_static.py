@@ -127,7 +127,10 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly_and_says_why(monkeypatch) -
     runner = PassRunner(cache)
     runner.graphs = True  # as on CUDA
 
-    def refuse(*_):
+    tries: list[int] = []
+
+    def refuse(input_ids, _write_at):
+        tries.append(input_ids.shape[1])
         raise RuntimeError("operation not permitted when stream is capturing\nmore lines")
 
     monkeypatch.setattr(runner, "_capture", refuse)
@@ -136,7 +139,8 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly_and_says_why(monkeypatch) -
         got = runner.run(ids, write_at)
     assert runner.eager_lengths == {3: "RuntimeError: operation not permitted when stream is capturing"}
     assert torch.equal(got, cache.forward(ids, write_at))
-    assert torch.equal(runner.run(ids, write_at), got) and runner.captured == []  # no second try, no warning
+    assert torch.equal(runner.run(ids, write_at), got) and runner.captured == []
+    assert tries == [3]  # that length is never tried again
 
 
 def test_an_attention_that_splits_ragged_rows_on_the_host_stays_off_the_host_on_the_static_path() -> None:
