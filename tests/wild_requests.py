@@ -1,0 +1,113 @@
+"""Requests with request parameters for the table model (tests/wild_models.py), sent to a server
+with speculation and to the same server without it, and the differences between the two answers.
+
+Under greedy decoding every parameter here is deterministic, so a speculative server must answer
+each request exactly as the plain one does: the same tokens, text, finish reason, usage, and the
+same log-probabilities (float32, up to 1e-3). `differences(plain, speculative)` lists every field
+where they part; `past_stop(choice)` checks one answer on its own (tokens kept after the stop string
+that the text was cut at).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+CYCLE_PROMPT = list((ALPHABET + "abcdefghij").encode())  # continues "klmnop...": n-gram drafts match the prompt
+DIGITS_PROMPT = list(b"0123456789 0123456")  # continues "789" then EOS
+LOGPROB_TOLERANCE = 1e-3
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def vllm_requests(max_tokens: int = 40) -> dict[str, dict[str, Any]]:
+    """{name: body of a /v1/completions request}, every one greedy, asking for token ids and
+    log-probabilities."""
+    def body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 2,
+                "return_token_ids": True, **extra}
+
+    return {
+        "plain": body(CYCLE_PROMPT),
+        "stop-2": body(CYCLE_PROMPT, stop=["mn"]),
+        "stop-3": body(CYCLE_PROMPT, stop=["qrs"]),
+        "stop-space": body(CYCLE_PROMPT, stop=["z a"]),
+        "stop-include": body(CYCLE_PROMPT, stop=["mn"], include_stop_str_in_output=True),
+        "stop-token": body(CYCLE_PROMPT, stop_token_ids=[ord("q")]),
+        "bias-ban": body(CYCLE_PROMPT, logit_bias={str(ord("m")): -100}),
+        "bias-boost": body(CYCLE_PROMPT, logit_bias={str(ord("M")): 5}),
+        "repetition": body(CYCLE_PROMPT, repetition_penalty=1.3),
+        "presence": body(CYCLE_PROMPT, presence_penalty=2.0, max_tokens=64),
+        "frequency": body(CYCLE_PROMPT, frequency_penalty=1.0, max_tokens=64),
+        "bad-words": body(CYCLE_PROMPT, bad_words=["mn"]),
+        "allowed": body(CYCLE_PROMPT, allowed_token_ids=[ord(c) for c in ALPHABET if c != "p"] + [ord("P")]),
+        "min-p": body(CYCLE_PROMPT, min_p=0.5),
+        "top-k": body(CYCLE_PROMPT, top_k=1),
+        "logprobs-5": body(CYCLE_PROMPT, logprobs=5),
+        "prompt-logprobs": body(CYCLE_PROMPT, prompt_logprobs=1, max_tokens=8),
+        "max-tokens-5": body(CYCLE_PROMPT, max_tokens=5),
+        "eos": body(DIGITS_PROMPT),
+        "min-tokens": body(DIGITS_PROMPT, min_tokens=6),
+        "ignore-eos": body(DIGITS_PROMPT, ignore_eos=True, max_tokens=12),
+        "min-tokens-stop": body(CYCLE_PROMPT, min_tokens=6, stop=["kl", "op"]),
+    }
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """POST JSON; an HTTP error comes back as {"http_error": status, "body": text}."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return {"http_error": error.code, "body": error.read().decode(errors="replace")[:500]}
+
+
+def vllm_choice(answer: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a vLLM completion answer that a speculative server must reproduce."""
+    if "http_error" in answer:
+        return {"http_error": answer["http_error"], "body": answer["body"]}
+    choice = answer["choices"][0]
+    logprobs = choice.get("logprobs") or {}
+    return {
+        "token_ids": choice.get("token_ids"),
+        "text": choice["text"],
+        "finish_reason": choice["finish_reason"],
+        "stop_reason": choice.get("stop_reason"),
+        "completion_tokens": answer["usage"]["completion_tokens"],
+        "tokens": logprobs.get("tokens"),
+        "token_logprobs": logprobs.get("token_logprobs"),
+        "top_logprobs": logprobs.get("top_logprobs"),
+        "prompt_logprobs": answer.get("prompt_logprobs") or choice.get("prompt_logprobs"),
+    }
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= LOGPROB_TOLERANCE
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def differences(plain: dict[str, Any], speculative: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (plain's value, the speculative server's value)} for every field that differs."""
+    return {key: (plain.get(key), speculative.get(key)) for key in sorted(set(plain) | set(speculative))
+            if not _close(plain.get(key), speculative.get(key))}
+
+
+def past_stop(choice: dict[str, Any]) -> list[int]:
+    """The token ids a stop-string answer reports after the token whose text completes its stop
+    string (empty when the answer is consistent): the text is the decoded token ids cut at the stop,
+    so every token id beyond len(text) + len(stop) bytes (a byte tokenizer) is surplus."""
+    if choice.get("finish_reason") != "stop" or not isinstance(choice.get("stop_reason"), str):
+        return []
+    kept_bytes = len(choice["text"].encode()) + len(choice["stop_reason"].encode())
+    return list(choice["token_ids"][kept_bytes:])
