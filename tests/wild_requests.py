@@ -111,3 +111,49 @@ def past_stop(choice: dict[str, Any]) -> list[int]:
         return []
     kept_bytes = len(choice["text"].encode()) + len(choice["stop_reason"].encode())
     return list(choice["token_ids"][kept_bytes:])
+
+
+def llamacpp_requests(max_tokens: int = 40) -> dict[str, dict[str, Any]]:
+    """{name: body of a llama.cpp /completion request}, every one greedy (temperature 0), asking
+    for the generated token ids and the top-2 probabilities of each."""
+    def body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+        return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "n_probs": 2, "return_tokens": True,
+                "cache_prompt": False, **extra}
+
+    return {
+        "plain": body(CYCLE_PROMPT),
+        "stop-2": body(CYCLE_PROMPT, stop=["mn"]),
+        "stop-3": body(CYCLE_PROMPT, stop=["qrs"]),
+        "stop-space": body(CYCLE_PROMPT, stop=["z a"]),
+        "bias-ban": body(CYCLE_PROMPT, logit_bias=[[ord("m"), -100]]),
+        "bias-boost": body(CYCLE_PROMPT, logit_bias=[[ord("M"), 5]]),
+        "bias-false": body(CYCLE_PROMPT, logit_bias=[[ord("m"), False]]),
+        "repetition": body(CYCLE_PROMPT, repeat_penalty=1.3, repeat_last_n=64),
+        "presence": body(CYCLE_PROMPT, presence_penalty=2.0, repeat_last_n=64, n_predict=64),
+        "frequency": body(CYCLE_PROMPT, frequency_penalty=1.0, repeat_last_n=64, n_predict=64),
+        "min-p": body(CYCLE_PROMPT, min_p=0.5),
+        "top-k": body(CYCLE_PROMPT, top_k=1),
+        "max-tokens-5": body(CYCLE_PROMPT, n_predict=5),
+        "eos": body(DIGITS_PROMPT),
+        "ignore-eos": body(DIGITS_PROMPT, ignore_eos=True, n_predict=12),
+        "n-probs-0": body(CYCLE_PROMPT, n_probs=0),
+    }
+
+
+def llamacpp_choice(answer: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a llama.cpp /completion answer that a speculative server must reproduce."""
+    if "http_error" in answer:
+        return {"http_error": answer["http_error"], "body": answer["body"]}
+    probabilities = answer.get("completion_probabilities") or []
+    return {
+        "token_ids": answer.get("tokens"),
+        "text": answer["content"],
+        "stop_type": answer.get("stop_type"),
+        "stopping_word": answer.get("stopping_word"),
+        "tokens_predicted": answer.get("tokens_predicted"),
+        "predicted_n": (answer.get("timings") or {}).get("predicted_n"),
+        "probability_ids": [entry["id"] for entry in probabilities],
+        "logprobs": [entry["logprob"] for entry in probabilities],
+        "top_logprobs": [[(top["id"], top["logprob"]) for top in entry.get("top_logprobs", [])]
+                         for entry in probabilities],
+    }

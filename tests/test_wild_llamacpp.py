@@ -1,0 +1,110 @@
+"""A publicly reported llama.cpp bug, reproduced on the pinned prebuilt server (PyPI `xllamacpp`
+2026.10.11549, llama.cpp b11549, the newest release on PyPI when this was written: no fixed build
+exists to contrast with).
+
+llama.cpp #27972 (open; the fix proposed in PR #27196, open): with draft-model speculation, the
+server reports `logprob` 0.0 (p = 1) and no `top_logprobs` for every token after the first of a
+request, on `/completion` (`n_probs`) and on `/v1/completions` (`logprobs`). The tokens are right;
+only the report is wrong. The same server without speculation (`--spec-type none`) reports the
+target's log-probabilities. n-gram speculation (`ngram-simple`) on the same build zeroes the
+tokens that follow its first draft: the bug is in the server's speculative path, whatever drafts.
+
+The model is the table model of tests/wild_models.py (each greedy token at about -0.21, its second
+choice at about -1.71), converted to GGUF f32 and served with an f32 KV cache and flash attention
+off, so the plain server's numbers are the target's to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import llamacpp_models as lm
+import wild_models as wm
+import wild_requests as wr
+
+NEW_TOKENS = 16
+# ngram-simple drafts after a 12-token match (its default size_n), so its prompt holds the cycle twice
+TWO_CYCLES = wr.ids(wr.ALPHABET * 2) + wr.CYCLE_PROMPT
+
+
+@pytest.fixture(scope="module")
+def table_gguf() -> tuple:
+    llama_dir = lm.llama_cpp_dir()
+    pair = wm.table_pair()
+    target, draft = wm.gguf_files(llama_dir)
+    return llama_dir, lm.GGUFPair(pair.folder, pair.target, pair.draft, target, draft)
+
+
+def _completion(server: lm.LlamaServer, prompt: list[int] = wr.CYCLE_PROMPT) -> dict:
+    body = {"prompt": prompt, "n_predict": NEW_TOKENS, "temperature": 0, "n_probs": 2,
+            "return_tokens": True, "cache_prompt": False}
+    answer = wr.post(server.url + "/completion", body)
+    assert "http_error" not in answer, answer
+    return answer
+
+
+def _openai_logprobs(server: lm.LlamaServer) -> list[dict]:
+    body = {"prompt": wr.CYCLE_PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": 2}
+    answer = wr.post(server.url + "/v1/completions", body)
+    assert "http_error" not in answer, answer
+    return answer["choices"][0]["logprobs"]["content"]
+
+
+def _served(llama_dir, pair, spec_type: str, log) -> lm.LlamaServer:
+    return lm.LlamaServer(llama_dir, pair, lm.EXACT_ARGS + ["--spec-type", spec_type], log)
+
+
+def test_draft_speculation_reports_logprob_zero_after_the_first_token(table_gguf, tmp_path):
+    llama_dir, pair = table_gguf
+    with _served(llama_dir, pair, "none", tmp_path / "plain.log") as plain:
+        expected = _completion(plain)
+        expected_openai = _openai_logprobs(plain)
+    with _served(llama_dir, pair, "draft-simple", tmp_path / "draft.log") as speculative:
+        before = speculative.metrics()
+        actual = _completion(speculative)
+        actual_openai = _openai_logprobs(speculative)
+        after = speculative.metrics()
+    accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
+    assert accepted > 0, "no draft token was accepted: the request never ran the speculative path"
+
+    # the tokens are exact: the bug is in the report only
+    assert actual["tokens"] == expected["tokens"] and len(expected["tokens"]) == NEW_TOKENS
+    plain_report = expected["completion_probabilities"]
+    spec_report = actual["completion_probabilities"]
+    assert [entry["id"] for entry in spec_report] == [entry["id"] for entry in plain_report]
+    # the plain server: every token has its target log-probability (about -0.21 here) and 2 alternatives
+    assert all(entry["logprob"] < -0.1 and len(entry["top_logprobs"]) == 2 for entry in plain_report), plain_report
+    # the speculative server: the first token (sampled from the prompt's pass) is reported right ...
+    assert spec_report[0]["logprob"] == pytest.approx(plain_report[0]["logprob"], abs=1e-4)
+    assert len(spec_report[0]["top_logprobs"]) == 2
+    # ... and every later one as p = 1 with no alternatives
+    assert all(entry["logprob"] == 0.0 and entry["top_logprobs"] == [] for entry in spec_report[1:]), spec_report
+    # the OpenAI-compatible endpoint reports the same
+    assert all(entry["logprob"] < -0.1 for entry in expected_openai)
+    assert [entry["logprob"] for entry in actual_openai[1:]] == [0.0] * (len(actual_openai) - 1)
+    print(f"{lm.build_info(llama_dir)}: {accepted:.0f} drafts accepted; plain logprobs "
+          f"{[round(entry['logprob'], 3) for entry in plain_report[:4]]}..., "
+          f"draft-simple {[entry['logprob'] for entry in spec_report[:4]]}...")
+
+
+def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gguf, tmp_path):
+    """n-gram speculation (`ngram-simple`) on the same build: it drafts only after a 12-token match,
+    so the first tokens of the answer are sampled one at a time and reported right; the tokens after
+    drafting starts come back as p = 1 with no alternatives. The bug is in the server's speculative
+    path, not in one drafter."""
+    llama_dir, pair = table_gguf
+    with _served(llama_dir, pair, "none", tmp_path / "plain.log") as plain:
+        expected = _completion(plain, TWO_CYCLES)
+    with _served(llama_dir, pair, "ngram-simple", tmp_path / "ngram.log") as speculative:
+        actual = _completion(speculative, TWO_CYCLES)
+        accepted = speculative.metrics()["spec_decode_num_accepted_tokens_total"]
+    assert accepted > 0
+    assert actual["tokens"] == expected["tokens"]
+    plain_report, spec_report = expected["completion_probabilities"], actual["completion_probabilities"]
+    assert all(entry["logprob"] < -0.1 for entry in plain_report), plain_report
+    zeroed = [index for index, entry in enumerate(spec_report) if entry["logprob"] == 0.0 and entry["top_logprobs"] == []]
+    right = [index for index, (got, want) in enumerate(zip(spec_report, plain_report))
+             if got["logprob"] == pytest.approx(want["logprob"], abs=1e-4)]
+    assert len(zeroed) > 0 and sorted(zeroed + right) == list(range(NEW_TOKENS)), (zeroed, right)
+    assert right[0] == 0 and zeroed[-1] == NEW_TOKENS - 1  # right before drafting starts, zeros after
+    print(f"ngram-simple: {accepted:.0f} drafts accepted; right at {right}, 0.0 at {zeroed}")
