@@ -146,22 +146,27 @@ def eagle_head(name: str) -> Path:
     embedding and the target's hidden state (passed through, the embedding added at 0.1); no
     embedding or LM head (vLLM shares the target's). Seeded random attention and MLP weights, so
     it drafts badly (0.7% accepted, measured) but exercises vLLM's EAGLE path. Cached beside the pair."""
+    pair = hf_pair(name)
+    return eagle_head_for(pair.target, pair.folder / "eagle", PAIRS[name]["seed"] + 7)
+
+
+def eagle_head_for(target: Path, folder: Path, seed: int) -> Path:
+    """`eagle_head` for any Llama target folder: the head written to `folder` (once), its random
+    weights drawn from `seed`."""
     import torch
     from safetensors.torch import save_file
 
-    pair = hf_pair(name)
-    folder = pair.folder / "eagle"
     if (folder / "model.safetensors").is_file():
         return folder
-    stage = Path(tempfile.mkdtemp(dir=pair.folder, prefix="eagle."))
+    stage = Path(tempfile.mkdtemp(dir=folder.parent, prefix="eagle."))
     try:
-        config = json.loads((pair.target / "config.json").read_text())
+        config = json.loads((target / "config.json").read_text())
         config.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"])
         (stage / "config.json").write_text(json.dumps(config, indent=1))
         for file_name, text in byte_tokenizer_files().items():
             (stage / file_name).write_text(text)
         hidden, inner = config["hidden_size"], config["intermediate_size"]
-        generator = torch.Generator().manual_seed(PAIRS[name]["seed"] + 7)
+        generator = torch.Generator().manual_seed(seed)
 
         def matrix(rows: int, cols: int, scale: float = 0.1) -> torch.Tensor:
             return torch.randn(rows, cols, generator=generator) * scale

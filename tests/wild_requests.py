@@ -55,6 +55,9 @@ def vllm_requests(max_tokens: int = 40) -> dict[str, dict[str, Any]]:
         "min-tokens": body(DIGITS_PROMPT, min_tokens=6),
         "ignore-eos": body(DIGITS_PROMPT, ignore_eos=True, max_tokens=12),
         "min-tokens-stop": body(CYCLE_PROMPT, min_tokens=6, stop=["kl", "op"]),
+        # EOS / a stop token id right after 4 drafts that n-gram and the draft model both propose
+        "min-tokens-bonus": body(ids("0123456789 01234"), min_tokens=5),
+        "stop-token-bonus": body(ids("0123456789 0123"), min_tokens=3, stop_token_ids=[ord("9")]),
     }
 
 
@@ -153,7 +156,9 @@ def llamacpp_choice(answer: dict[str, Any]) -> dict[str, Any]:
         "tokens_predicted": answer.get("tokens_predicted"),
         "predicted_n": (answer.get("timings") or {}).get("predicted_n"),
         "probability_ids": [entry["id"] for entry in probabilities],
-        "logprobs": [entry["logprob"] for entry in probabilities],
-        "top_logprobs": [[(top["id"], top["logprob"]) for top in entry.get("top_logprobs", [])]
+        # `post_sampling_probs` answers with probabilities ("prob", "top_probs") instead
+        "logprobs": [entry.get("logprob", entry.get("prob")) for entry in probabilities],
+        "top_logprobs": [[(top["id"], top.get("logprob", top.get("prob")))
+                          for top in entry.get("top_logprobs", entry.get("top_probs", []))]
                          for entry in probabilities],
     }
