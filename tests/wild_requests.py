@@ -18,6 +18,8 @@ from typing import Any
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 CYCLE_PROMPT = list((ALPHABET + "abcdefghij").encode())  # continues "klmnop...": n-gram drafts match the prompt
 DIGITS_PROMPT = list(b"0123456789 0123456")  # continues "789" then EOS
+_COUNTING = list(b"klmnopqrstuv0123456")
+EOS_IN_DRAFT_PROMPT = _COUNTING + list(b"789") + [258] + list(b"xyz " + b"abcdefghijklmnopqrstuvwxyz " * 2) + _COUNTING
 LOGPROB_TOLERANCE = 1e-3
 
 
@@ -140,6 +142,10 @@ def llamacpp_requests(max_tokens: int = 40) -> dict[str, dict[str, Any]]:
         "eos": body(DIGITS_PROMPT),
         "ignore-eos": body(DIGITS_PROMPT, ignore_eos=True, n_predict=12),
         "n-probs-0": body(CYCLE_PROMPT, n_probs=0),
+        # the prompt holds "789 EOS xyz ab..." after the same 19 tokens it ends with, so that n-gram
+        # drafts run past the EOS the target ends with (llama.cpp #28049: drafts accepted after EOS
+        # kept in the slot's state and statistics; `tokens_cached` shows the slot's length)
+        "eos-in-draft": body(EOS_IN_DRAFT_PROMPT),
     }
 
 
@@ -154,6 +160,7 @@ def llamacpp_choice(answer: dict[str, Any]) -> dict[str, Any]:
         "stop_type": answer.get("stop_type"),
         "stopping_word": answer.get("stopping_word"),
         "tokens_predicted": answer.get("tokens_predicted"),
+        "tokens_cached": answer.get("tokens_cached"),
         "predicted_n": (answer.get("timings") or {}).get("predicted_n"),
         "probability_ids": [entry["id"] for entry in probabilities],
         # `post_sampling_probs` answers with probabilities ("prob", "top_probs") instead
