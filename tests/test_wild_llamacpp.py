@@ -108,3 +108,29 @@ def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gg
     assert len(zeroed) > 0 and sorted(zeroed + right) == list(range(NEW_TOKENS)), (zeroed, right)
     assert right[0] == 0 and zeroed[-1] == NEW_TOKENS - 1  # right before drafting starts, zeros after
     print(f"ngram-simple: {accepted:.0f} drafts accepted; right at {right}, 0.0 at {zeroed}")
+
+
+def test_log_probabilities_are_grouped_by_complete_utf8_characters(tmp_path):
+    """Not a speculation bug, but what a `logprob_report` check must know: llama.cpp reports one
+    `completion_probabilities` entry per complete UTF-8 character, not per token. A byte token that
+    starts a multi-byte character gets no entry of its own; the entry of the token that completes
+    the character carries that token's id and the bytes of both; a trailing incomplete character
+    gets none. So entries are aligned to tokens by their `bytes`, not by position (the plain
+    server, no speculation; the tiny-llama pair, whose byte tokenizer emits such bytes)."""
+    llama_dir = lm.llama_cpp_dir()
+    pair = lm.gguf_pair(llama_dir)
+    with _served(llama_dir, pair, "none", tmp_path / "plain.log") as plain:
+        body = {"prompt": "The cat sat on the mat. The cat sat on the mat. The cat", "n_predict": 12,
+                "temperature": 0, "n_probs": 1, "return_tokens": True, "cache_prompt": False}
+        answer = wr.post(plain.url + "/completion", body)
+    tokens, entries = answer["tokens"], answer["completion_probabilities"]
+    assert len(tokens) == 12 and len(entries) < len(tokens), (tokens, entries)
+    # every entry's bytes are a run of consecutive tokens (byte ids), ending with the entry's token
+    position = 0
+    for entry in entries:
+        run = entry["bytes"]
+        assert tokens[position:position + len(run)] == run and run[-1] == entry["id"], (position, entry, tokens)
+        position += len(run)
+    dropped = tokens[position:]  # a character still incomplete when generation stopped
+    assert dropped == [] or (dropped[0] >= 0xC0 and len(dropped) < 4), dropped  # a lead byte and at most 2 more
+    assert any(len(entry["bytes"]) > 1 for entry in entries)
