@@ -10,7 +10,8 @@ an alphabet cycle, digits counting up to EOS), so every request parameter change
 way one can read. The requests are those of tests/wild_requests.py: stop strings, stop token ids,
 logit bias, repetition/presence/frequency penalties, bad words, allowed token ids, min_p, top_k,
 min_tokens, ignore_eos, log-probabilities (vLLM also prompt log-probabilities); each is sent once
-alone and once among the others at the same time (`--concurrent`). The servers run on 127.0.0.1 at
+alone, and with `--concurrent` once more among the others at the same time, and with `--stream`
+(vLLM) once more streamed (the chunks joined). The servers run on 127.0.0.1 at
 free ports and are stopped when the probe ends. With `--json PATH` the answers are written there.
 Exit status 1 when any speculative answer differs from the plain one.
 """
@@ -48,8 +49,11 @@ def vllm_configs(methods: list[str]) -> dict[str, list[str]]:
                               for method in methods}}
 
 
-def ask_all(url: str, requests: dict[str, dict], choice, concurrent_too: bool) -> dict[str, dict]:
+def ask_all(url: str, requests: dict[str, dict], choice, concurrent_too: bool,
+            stream_too: bool = False) -> dict[str, dict]:
     answers = {name: choice(wr.post(url, body)) for name, body in requests.items()}
+    if stream_too:
+        answers.update({f"{name} (streamed)": choice(wr.post_stream(url, body)) for name, body in requests.items()})
     if concurrent_too:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = {name: pool.submit(wr.post, url, body) for name, body in requests.items()}
@@ -57,7 +61,8 @@ def ask_all(url: str, requests: dict[str, dict], choice, concurrent_too: bool) -
     return answers
 
 
-def probe_vllm(methods: list[str], requests: dict[str, dict], log_dir: Path, concurrent_too: bool) -> dict:
+def probe_vllm(methods: list[str], requests: dict[str, dict], log_dir: Path, concurrent_too: bool,
+               stream_too: bool = False) -> dict:
     python = vm.vllm_python()
     target = wm.table_pair().target
     servers = {name: vm.VLLMServer(python, target, args, log_dir / f"vllm-{name}.log")
@@ -71,7 +76,8 @@ def probe_vllm(methods: list[str], requests: dict[str, dict], log_dir: Path, con
         for name, server in servers.items():
             before = server.metrics()
             bodies = {key: {"model": "table", **body} for key, body in requests.items()}
-            answers[name] = ask_all(server.url + "/v1/completions", bodies, wr.vllm_choice, concurrent_too)
+            answers[name] = ask_all(server.url + "/v1/completions", bodies, wr.vllm_choice, concurrent_too,
+                                    stream_too)
             accepted = vm.counter_delta(before, server.metrics(), "spec_decode_num_accepted_tokens_total")
             print(f"vllm {name}: {accepted:.0f} draft tokens accepted", file=sys.stderr)
     finally:
@@ -104,7 +110,12 @@ def report(answers: dict[str, dict]) -> int:
         for method, method_answers in answers.items():
             if method == "plain":
                 continue
-            for field, (want, got) in wr.differences(plain, method_answers[request]).items():
+            answer = method_answers[request]
+            if "http_error" in answer and "http_error" not in plain:
+                differing += 1
+                print(f"    {method} refused it: HTTP {answer['http_error']} {answer['body'][:200]}")
+                continue
+            for field, (want, got) in wr.differences(plain, answer).items():
                 differing += 1
                 print(f"    {method} {field}:\n        plain       {str(want)[:300]}\n        speculative {str(got)[:300]}")
     return 1 if differing else 0
@@ -116,6 +127,7 @@ def main() -> int:
     parser.add_argument("--methods", help="comma-separated speculation methods (default: all the engine offers)")
     parser.add_argument("--requests", help="comma-separated request names (default: all)")
     parser.add_argument("--concurrent", action="store_true", help="also send all requests at once")
+    parser.add_argument("--stream", action="store_true", help="also stream each request (vLLM)")
     parser.add_argument("--logs", type=Path, default=Path("wild-probe-logs"), help="server logs (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write every answer here")
     args = parser.parse_args()
@@ -128,8 +140,10 @@ def main() -> int:
     if args.requests:
         requests = {name: requests[name] for name in args.requests.split(",")}
     args.logs.mkdir(parents=True, exist_ok=True)
-    probe = probe_vllm if args.engine == "vllm" else probe_llamacpp
-    answers = probe(methods, requests, args.logs, args.concurrent)
+    if args.engine == "vllm":
+        answers = probe_vllm(methods, requests, args.logs, args.concurrent, args.stream)
+    else:
+        answers = probe_llamacpp(methods, requests, args.logs, args.concurrent)
     if args.json:
         args.json.write_text(json.dumps(answers, indent=1))
     return report(answers)

@@ -73,6 +73,37 @@ def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, An
         return {"http_error": error.code, "body": error.read().decode(errors="replace")[:500]}
 
 
+def post_stream(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """POST a streaming completion request and join its server-sent events into the shape of a
+    non-streamed vLLM answer: the text, token ids and log-probabilities concatenated, the last
+    finish and stop reasons, and the usage of the final chunk (`stream_options.include_usage`)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    joined: dict[str, Any] = {"text": "", "token_ids": [], "finish_reason": None, "stop_reason": None,
+                              "logprobs": {"tokens": [], "token_logprobs": [], "top_logprobs": []}}
+    usage = None
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            for raw in answer:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:"):])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    joined["text"] += choice.get("text", "")
+                    joined["token_ids"] += choice.get("token_ids") or []
+                    for key in ("finish_reason", "stop_reason"):
+                        if choice.get(key) is not None:
+                            joined[key] = choice[key]
+                    for key, values in (choice.get("logprobs") or {}).items():
+                        if key in joined["logprobs"]:
+                            joined["logprobs"][key] += values or []
+    except urllib.error.HTTPError as error:
+        return {"http_error": error.code, "body": error.read().decode(errors="replace")[:500]}
+    return {"choices": [joined], "usage": usage or {"completion_tokens": None}}
+
+
 def vllm_choice(answer: dict[str, Any]) -> dict[str, Any]:
     """The parts of a vLLM completion answer that a speculative server must reproduce."""
     if "http_error" in answer:
