@@ -89,6 +89,10 @@ def post_stream(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[len("data:"):])
+                if "error" in chunk:  # a refusal after the stream started: an error event, status 200
+                    error = chunk["error"]
+                    return {"http_error": error.get("code", 200) if isinstance(error, dict) else 200,
+                            "body": json.dumps(chunk)[:500]}
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):
                     joined["text"] += choice.get("text", "")
