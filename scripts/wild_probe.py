@@ -22,6 +22,7 @@ import argparse
 import concurrent.futures
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -128,7 +129,7 @@ def main() -> int:
     parser.add_argument("--requests", help="comma-separated request names (default: all)")
     parser.add_argument("--concurrent", action="store_true", help="also send all requests at once")
     parser.add_argument("--stream", action="store_true", help="also stream each request (vLLM)")
-    parser.add_argument("--logs", type=Path, default=Path("wild-probe-logs"), help="server logs (default: %(default)s)")
+    parser.add_argument("--logs", type=Path, help="folder for the server logs (default: a new temporary folder)")
     parser.add_argument("--json", type=Path, help="write every answer here")
     args = parser.parse_args()
     offered = VLLM_METHODS if args.engine == "vllm" else LLAMACPP_METHODS
@@ -139,7 +140,10 @@ def main() -> int:
     requests = wr.vllm_requests() if args.engine == "vllm" else wr.llamacpp_requests()
     if args.requests:
         requests = {name: requests[name] for name in args.requests.split(",")}
+    if args.logs is None:
+        args.logs = Path(tempfile.mkdtemp(prefix="wild-probe-"))
     args.logs.mkdir(parents=True, exist_ok=True)
+    print(f"server logs in {args.logs}", file=sys.stderr)
     if args.engine == "vllm":
         answers = probe_vllm(methods, requests, args.logs, args.concurrent, args.stream)
     else:

@@ -24,8 +24,8 @@ and torch); the requests take seconds.
 
 from __future__ import annotations
 
+import functools
 import json
-from pathlib import Path
 
 import pytest
 
@@ -51,13 +51,19 @@ def ngram_server(tmp_path_factory):
         print(f"vLLM n-gram server healthy after {server.start_s:.0f} s; log {log}")
 
 
-def reference(prompt: list[int], min_new_tokens: int, stop_ids: tuple[int, ...] = (wm.EOS,)) -> list[int]:
-    """transformers' greedy tokens (float32) with `min_new_tokens`, up to and with the stop token."""
+@functools.cache
+def table_target():
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(wm.table_pair().target, dtype=torch.float32)
-    generated = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=min_new_tokens,
+    return AutoModelForCausalLM.from_pretrained(wm.table_pair().target, dtype=torch.float32)
+
+
+def reference(prompt: list[int], min_new_tokens: int, stop_ids: tuple[int, ...] = (wm.EOS,)) -> list[int]:
+    """transformers' greedy tokens (float32) with `min_new_tokens`, up to and with the stop token."""
+    import torch
+
+    generated = table_target().generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=min_new_tokens,
                                do_sample=False, eos_token_id=list(stop_ids), pad_token_id=256)
     return generated[0, len(prompt):].tolist()
 
