@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.reference import ReferenceDecoder
+from specaudit.engines.limits import eos_ids
+from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import attribute, speculation
@@ -22,7 +23,7 @@ from specaudit.equivalence.blackbox import rulings as blackbox
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.draft_fidelity import departure_floor, draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
-from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, matched_prefix, replay_logits
+from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 from specaudit.equivalence.precision import Ruler
 
 
@@ -97,35 +98,34 @@ def _divergence(
     return record
 
 
-MAX_CONTINUATIONS = 16  # numerical flips judged past, per prompt: bounds the reference's extra decoding
+MAX_CONTINUATIONS = 16  # numerical flips judged past, per prompt
 
 
 @dataclass
 class Continuation:
     """The reference continued on the engine's own prefix after a numerical flip: what a correct decoder
-    in the audit dtype chooses from there. A later divergence of the engine is judged against it."""
+    in the audit dtype chooses after each of the engine's prefixes, up to the engine's next difference."""
 
-    after: int  # the position of the numerical flip the engine's prefix runs through
-    tokens: list[int]  # engine's tokens up to and including the flip, then the reference's continuation
-    logits: torch.Tensor | None  # [n, V] rows past `after` chose the continuation (rows up to it: the reference's)
+    after: int  # the position of the numerical flip judged past
+    position: int  # the engine's next difference from a correct decoder on its own prefix
+    tokens: list[int]  # the engine's tokens before `position`, then the correct choice there (none: it stops)
 
 
-def _continue_after(target: PreTrainedModel, prompt: list[int], engine_out: list[int], position: int,
-                    max_new_tokens: int, eos_token_id: Any, reference_logits: torch.Tensor | None) -> Continuation | None:
-    """The reference decoded greedily from `prompt + engine_out[:position + 1]` for the rest of the budget;
-    None when the engine's prefix already ends the row (its budget spent, or its flipped token an EOS)."""
-    from specaudit.engines.limits import eos_ids
-    from specaudit.engines.reference import greedy_decode
-
-    prefix = [int(t) for t in engine_out[: position + 1]]
-    left = max_new_tokens - len(prefix)
-    if left <= 0 or prefix[-1] in eos_ids(eos_token_id):
-        return None
-    tokens, logits = greedy_decode(target, list(prompt) + prefix, left, eos_token_id, record_logits=True)
-    if reference_logits is not None and logits is not None:
-        head = reference_logits[: position + 1].to(logits.dtype)  # [position + 1, V], never read for the margin
-        logits = torch.cat([head, logits.to(head.device)])
-    return Continuation(position, prefix + tokens, logits)
+def next_difference(choices: list[int], engine_out: list[int], after: int, max_new_tokens: int,
+                    eos_token_id: Any) -> Continuation | None:
+    """The first position past `after` where the engine leaves what a correct decoder does on the engine's
+    own prefix: `choices[j]` is the audit-dtype target's choice after `engine_out[:j]` (one uncached pass
+    along the engine's output, one row more than the output). A correct decoder stops after an EOS and at
+    `max_new_tokens`; None when the engine agrees to its end."""
+    stops = set(eos_ids(eos_token_id))
+    for j in range(after + 1, len(engine_out) + 1):
+        if engine_out[j - 1] in stops or j >= max_new_tokens:  # a correct decoder ends here
+            return None if j == len(engine_out) else Continuation(after, j, list(engine_out[:j]))
+        if j == len(engine_out):  # the engine ends where a correct decoder goes on
+            return Continuation(after, j, list(engine_out[:j]) + [choices[j]])
+        if choices[j] != engine_out[j]:
+            return Continuation(after, j, list(engine_out[:j]) + [choices[j]])
+    return None
 
 
 def _same_engine_rerun(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None):
@@ -291,23 +291,26 @@ def audit_engine(
                 replay_target, ruler, prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band,
                 entry, same_dtype)
             divergences.append(record)
-            # past a numerical flip, judge on: the reference continued on the engine's own prefix says what a
-            # correct decoder chooses from there, so a bug that shows after a rounding flip is still seen
+            # past a numerical flip, judge on: a correct decoder continued on the engine's own prefix says
+            # what it chooses from there, so a bug that shows after a rounding flip is still seen
+            along = None  # [n + 1, V] audit-dtype logits after each prefix of the engine's output
             for _ in range(MAX_CONTINUATIONS):
                 if ruler is None or record["kind"] != "numerical" or record["engine_token"] is None:
                     break
-                continued = _continue_after(pair.target, prompt, eng_out, int(record["position"]), max_new_tokens,
-                                            eos_token_id, reference.logits[index])
-                if continued is None or continued.tokens == eng_out:
+                if along is None:
+                    along = replay_logits(pair.target, prompt, eng_out + [0])
+                continued = next_difference(along.argmax(-1).tolist(), eng_out, int(record["position"]),
+                                            max_new_tokens, eos_token_id)
+                if continued is None:
                     break
-                position = matched_prefix(continued.tokens, eng_out)
+                position = continued.position
                 entry = (engine_logprobs[index][position] if engine_logprobs and engine_logprobs[index]
                          and position < len(engine_logprobs[index]) else None)
-                same_dtype = replay[position] if replay is not None and position < replay.shape[0] else None
                 record = _divergence(
-                    index, position, continued.tokens, eng_out, continued.logits, trace, dtype, replay_target, ruler,
-                    prompt, pair.tokenizer, "tokens", comparison.max_logit_error, None, band, entry, same_dtype)
-                record["continued_after"] = continued.after  # judged against the reference continued from there
+                    index, position, continued.tokens, eng_out, along, trace, dtype, replay_target, ruler, prompt,
+                    pair.tokenizer, "tokens", comparison.max_logit_error, None, band, entry,
+                    along[position] if position < along.shape[0] else None)
+                record["continued_after"] = continued.after  # judged against a correct decoder from that prefix
                 continued_references[id(record)] = continued.tokens
                 divergences.append(record)
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
@@ -364,9 +367,12 @@ def audit_engine(
         for divergence in divergences:
             if divergence["kind"] == "structural":
                 index = divergence["prompt_index"]
-                if id(divergence) in continued_references:  # diagnosed against the reference it was judged by
-                    diagnoser.references = [continued_references[id(divergence)] if i == index else r
-                                            for i, r in enumerate(originals)]
+                if id(divergence) in continued_references:  # diagnosed against the reference it was judged by,
+                    head = continued_references[id(divergence)]  # decoded on to the end of the budget
+                    left = max_new_tokens - len(head)
+                    whole = head if left <= 0 or not head or head[-1] in eos_ids(eos_token_id) else head + greedy_decode(
+                        pair.target, list(prompts[index]) + head, left, eos_token_id)[0]
+                    diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
                 divergence["diagnosis"] = diagnoser.diagnose(divergence)
                 diagnoser.references = originals
         note_shared_mechanisms(divergences)

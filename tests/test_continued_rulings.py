@@ -74,3 +74,18 @@ def test_the_later_divergence_is_diagnosed(scripted_run) -> None:
     run, _, q, _ = scripted_run
     later = next(d for d in run["divergences"] if d["position"] == q)
     assert "diagnosis" in later and later["diagnosis"]["class"]
+
+
+def test_the_next_difference_stops_where_a_correct_decoder_stops() -> None:
+    from specaudit.equivalence.audit import next_difference
+
+    # choices[j]: a correct decoder's token after the engine's first j tokens (one more than the output)
+    engine = [5, 6, 7, 8]
+    assert next_difference([5, 6, 7, 8, 9], engine, 0, 4, None) is None  # agrees to its budget
+    found = next_difference([5, 6, 3, 8, 9], engine, 0, 4, None)
+    assert (found.position, found.tokens) == (2, [5, 6, 3])  # a token a correct decoder does not choose
+    found = next_difference([5, 6, 7, 8, 9], engine, 0, 8, None)
+    assert (found.position, found.tokens) == (4, [5, 6, 7, 8, 9])  # ends early: a correct decoder goes on
+    found = next_difference([5, 6, 7, 8, 9], engine, 0, 8, [2, 6])
+    assert (found.position, found.tokens) == (2, [5, 6])  # runs past the second of two EOS ids
+    assert next_difference([5, 6, 7, 8, 9], engine[:2], 0, 8, [2, 6]) is None  # stops at it
