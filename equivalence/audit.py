@@ -7,12 +7,14 @@ error, per-prompt comparisons and a list of divergences, each with its kind and 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.reference import ReferenceDecoder
+from specaudit.engines.limits import eos_ids
+from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import attribute, speculation
@@ -57,7 +59,7 @@ def trace_summary(trace: Trace | None) -> dict[str, Any] | None:
 
 
 def _divergence(
-    index: int, position: int, reference_out: list[int], engine_out: list[int], reference: Reference,
+    index: int, position: int, reference_out: list[int], engine_out: list[int], reference_logits: torch.Tensor | None,
     trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, ruler: Ruler | None, prompt: list[int],
     tokenizer: Any,
     detected_by: str, logit_error_value: float | None, logit_error_so_far: float | None = None,
@@ -65,10 +67,11 @@ def _divergence(
     same_dtype: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """One divergence record. `ruler` rules token divergences below float64 and black-box ones
-    (`equivalence/precision.py`); an in-process engine in float64 is ruled here: every mismatch is a bug."""
+    (`equivalence/precision.py`); an in-process engine in float64 is ruled here: every mismatch is a bug.
+    `reference_logits` [n, V]: the logits that chose `reference_out` (for the margin)."""
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
-    margin, top_logit = attribute.reference_margin_at(reference.logits[index], position)
+    margin, top_logit = attribute.reference_margin_at(reference_logits, position)
     if detected_by == "logits":
         kind, evidence = "structural", {"decided_by": "logits", "reason": (
             f"tokens agree but logits differ by {logit_error_value:.3g} "
@@ -93,6 +96,36 @@ def _divergence(
     }
     record.update(attribute.step_context(trace, index, position))
     return record
+
+
+MAX_CONTINUATIONS = 16  # numerical flips judged past, per prompt
+
+
+@dataclass
+class Continuation:
+    """The reference continued on the engine's own prefix after a numerical flip: what a correct decoder
+    in the audit dtype chooses after each of the engine's prefixes, up to the engine's next difference."""
+
+    after: int  # the position of the numerical flip judged past
+    position: int  # the engine's next difference from a correct decoder on its own prefix
+    tokens: list[int]  # the engine's tokens before `position`, then the correct choice there (none: it stops)
+
+
+def next_difference(choices: list[int], engine_out: list[int], after: int, max_new_tokens: int,
+                    eos_token_id: Any) -> Continuation | None:
+    """The first position past `after` where the engine leaves what a correct decoder does on the engine's
+    own prefix: `choices[j]` is the audit-dtype target's choice after `engine_out[:j]` (one uncached pass
+    along the engine's output, one row more than the output). A correct decoder stops after an EOS and at
+    `max_new_tokens`; None when the engine agrees to its end."""
+    stops = set(eos_ids(eos_token_id))
+    for j in range(after + 1, len(engine_out) + 1):
+        if engine_out[j - 1] in stops or j >= max_new_tokens:  # a correct decoder ends here
+            return None if j == len(engine_out) else Continuation(after, j, list(engine_out[:j]))
+        if j == len(engine_out):  # the engine ends where a correct decoder goes on
+            return Continuation(after, j, list(engine_out[:j]) + [choices[j]])
+        if choices[j] != engine_out[j]:
+            return Continuation(after, j, list(engine_out[:j]) + [choices[j]])
+    return None
 
 
 def _same_engine_rerun(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None):
@@ -226,6 +259,7 @@ def audit_engine(
                                                                    band.at if band is not None else None)
 
     comparisons, divergences = [], []
+    continued_references: dict[int, list[int]] = {}  # id(divergence) -> the reference it was judged against
     worst_error: float | None = None
     for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, outputs)):
         eng_out = [int(t) for t in eng_out]
@@ -234,7 +268,7 @@ def audit_engine(
             comparison.exact, comparison.first_divergence, comparison.failed = False, None, True
             comparisons.append(comparison)
             continue
-        error_so_far, same_dtype = None, None
+        error_so_far, same_dtype, replay = None, None, None
         if engine_logits[index] is not None:
             # replay along the engine's own output, in the audit dtype: what its step should have seen
             replay = replay_logits(pair.target, prompt, eng_out)
@@ -252,13 +286,37 @@ def audit_engine(
             entry = None
             if engine_logprobs and engine_logprobs[index] and comparison.first_divergence < len(engine_logprobs[index]):
                 entry = engine_logprobs[index][comparison.first_divergence]
-            divergences.append(_divergence(
-                index, comparison.first_divergence, ref_out, eng_out, reference, trace, dtype, replay_target, ruler,
-                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band, entry, same_dtype))
+            record = _divergence(
+                index, comparison.first_divergence, ref_out, eng_out, reference.logits[index], trace, dtype,
+                replay_target, ruler, prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band,
+                entry, same_dtype)
+            divergences.append(record)
+            # past a numerical flip, judge on: a correct decoder continued on the engine's own prefix says
+            # what it chooses from there, so a bug that shows after a rounding flip is still seen
+            along = None  # [n + 1, V] audit-dtype logits after each prefix of the engine's output
+            for _ in range(MAX_CONTINUATIONS):
+                if ruler is None or record["kind"] != "numerical" or record["engine_token"] is None:
+                    break
+                if along is None:
+                    along = replay_logits(pair.target, prompt, eng_out + [0])
+                continued = next_difference(along.argmax(-1).tolist(), eng_out, int(record["position"]),
+                                            max_new_tokens, eos_token_id)
+                if continued is None:
+                    break
+                position = continued.position
+                entry = (engine_logprobs[index][position] if engine_logprobs and engine_logprobs[index]
+                         and position < len(engine_logprobs[index]) else None)
+                record = _divergence(
+                    index, position, continued.tokens, eng_out, along, trace, dtype, replay_target, ruler, prompt,
+                    pair.tokenizer, "tokens", comparison.max_logit_error, None, band, entry,
+                    along[position] if position < along.shape[0] else None)
+                record["continued_after"] = continued.after  # judged against a correct decoder from that prefix
+                continued_references[id(record)] = continued.tokens
+                divergences.append(record)
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
             divergences.append(_divergence(
-                index, comparison.worst_logit_position, ref_out, eng_out, reference, trace, dtype, replay_target,
-                ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+                index, comparison.worst_logit_position, ref_out, eng_out, reference.logits[index], trace, dtype,
+                replay_target, ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
 
     if callable(plain) or (plain is None and band is None and dtype != "float64" and batch_size):
         # the plain control, made only when a flip needs it (and then shared by all the run's flips)
@@ -269,7 +327,8 @@ def audit_engine(
     if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
         for divergence in divergences:
             index = divergence["prompt_index"]
-            plain_engine.rule(divergence, reference.outputs[index], plain_outputs[index], band is not None)
+            judged_against = continued_references.get(id(divergence), reference.outputs[index])
+            plain_engine.rule(divergence, judged_against, plain_outputs[index], band is not None)
 
     if (trace is not None and getattr(trace, "proposals_from_draft_model", False)
             and getattr(pair, "draft", None) is not None):
@@ -304,9 +363,18 @@ def audit_engine(
             replay_target=replay_target if dtype != "float64" else None,
             reference_logits=list(reference.logits), mode=diagnosis,
             deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
+        originals = diagnoser.references
         for divergence in divergences:
             if divergence["kind"] == "structural":
+                index = divergence["prompt_index"]
+                if id(divergence) in continued_references:  # diagnosed against the reference it was judged by,
+                    head = continued_references[id(divergence)]  # decoded on to the end of the budget
+                    left = max_new_tokens - len(head)
+                    whole = head if left <= 0 or not head or head[-1] in eos_ids(eos_token_id) else head + greedy_decode(
+                        pair.target, list(prompts[index]) + head, left, eos_token_id)[0]
+                    diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
                 divergence["diagnosis"] = diagnoser.diagnose(divergence)
+                diagnoser.references = originals
         note_shared_mechanisms(divergences)
     diagnosis_seconds = time.perf_counter() - diagnosed_at
     timing = {
