@@ -13,7 +13,7 @@ last answer (HTTP status and body, or the connection error), not "cannot reach".
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specaudit.engines.adapters._http import (
@@ -199,6 +199,9 @@ class ServerEngine:
             self.last_completions.append(completion)
             params = self.params_for(index)
             budget = params.max_tokens if params is not None and params.max_tokens is not None else max_new_tokens
+            if (params is not None and completion.stopped_at_eos and completion.token_ids
+                    and completion.token_ids[-1] in params.stop_token_ids):
+                completion = replace(completion, stopped_at_eos=False)  # it ended on a stop id it returned: no EOS to add
             tokens, logprobs, details = finish_output(completion, budget, eos_token_id)
             outputs.append(tokens)
             self.last_logprobs.append(logprobs)
