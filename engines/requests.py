@@ -87,6 +87,8 @@ class RequestParams:
             raise ValueError(f"min_p must lie in [0, 1], got {self.min_p}")
         if any(len(word) == 0 for word in self.bad_words):
             raise ValueError("bad_words: an empty token sequence bans nothing")
+        if any(abs(b) > 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias: each bias must lie in [-100, 100] (OpenAI's range; vLLM clamps to it)")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be at least 0, got {self.logprobs}")
 
@@ -271,3 +273,35 @@ PROCESSOR_NAMES = ("bad_words", "min_tokens", "logit_bias", "repetition_penalty"
 def log_softmax(row: torch.Tensor) -> torch.Tensor:
     """float64 log-softmax of one row `[V]` (`-inf` entries stay `-inf`)."""
     return torch.log_softmax(row.to(torch.float64), dim=-1)
+
+
+def bad_words_ids(words: Sequence[str], tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `SamplingParams.update_from_tokenizer` for `bad_words`: each word encoded without special
+    tokens as written (left-stripped) and, where it encodes to as many tokens with a different first
+    token, also after a space (a word inside the text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain: tuple[int, ...] | None = None
+        for prefix in ("", " "):
+            text = prefix + word.lstrip()
+            try:
+                ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            except TypeError:  # the built-in byte tokenizer takes no keyword (it adds no specials)
+                ids = tuple(tokenizer.encode(text))
+            if not ids:
+                continue
+            if prefix == "":
+                plain = ids
+                out.append(ids)
+            elif plain is not None and ids[0] != plain[0] and len(ids) == len(plain):
+                out.append(ids)
+    return tuple(out)
+
+
+def with_bad_words_resolved(params: RequestParams, tokenizer: Any) -> RequestParams:
+    """`params` with `bad_words` (ids) filled from `bad_words_text` by `bad_words_ids` when only text was given."""
+    if not params.bad_words_text or params.bad_words or tokenizer is None:
+        return params
+    values = {f.name: getattr(params, f.name) for f in fields(params)}
+    values["bad_words"] = bad_words_ids(params.bad_words_text, tokenizer)
+    return RequestParams(**values)

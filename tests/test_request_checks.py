@@ -124,3 +124,30 @@ def test_refused_parameters_are_reported_not_divergences(pair, prompts):
     run, _ = audit(pair, prompts[:1], [RequestParams(min_tokens=3)], engine_class=LlamaCppEngine,
                    answer=lambda path, body: (500, {}))
     assert run["refused_parameters"][0]["parameter"] == "min_tokens"
+
+
+def test_audit_command_sends_flags_and_per_prompt_params(tmp_path):
+    """`specaudit audit` against the fake vLLM: the flags' parameters for every prompt, a prompts file line's
+    `params` over them; the correct server exits 0, the one reporting logprob 0.0 exits 1 with the class named."""
+    import json
+
+    from cli_run import audit as cli_audit, runs
+
+    served = zoo.load_pair("tiny-llama", dtype="float64")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": list(b"The cat"), "params": {"min_tokens": 2, "logit_bias": {"258": 60}}})
+                       + "\n" + json.dumps({"input_ids": list(b"Hello")}) + "\n")
+    flags = ["--pair", "tiny-llama", "--batch-size", "1", "--max-new-tokens", "6", "--prompts", str(prompts),
+             "--no-adversarial", "--repetition-penalty", "1.4", "--logprobs", "1"]
+    for bug, code in ((None, 0), ("zero_logprobs", 1)):
+        with FakeServer(vllm_answer(served.target, served.tokenizer, EOS, bug)) as server:
+            result = cli_audit("--engine", f"vllm:{server.url}", *flags, out=tmp_path / str(bug))
+        assert result.returncode == code, result.stdout + result.stderr
+        [run] = runs(tmp_path / str(bug))
+        bodies = [body for _, body in server.requests]
+        assert [b["repetition_penalty"] for b in bodies] == [1.4, 1.4] and [b["logprobs"] for b in bodies] == [1, 1]
+        assert bodies[0]["min_tokens"] == 2 and "min_tokens" not in bodies[1]
+        assert run["request_params"][0] == {"min_tokens": 2, "repetition_penalty": 1.4, "logit_bias": {"258": 60.0},
+                                            "logprobs": 1}
+        assert run["prompts"][0]["reference_finish"] == ["stop", None]
+    assert {d["diagnosis"]["class"] for d in run["divergences"]} == {"logprob_report"}

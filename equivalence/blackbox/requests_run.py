@@ -25,15 +25,17 @@ import torch
 from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALTY_SCOPE
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.request_reference import RequestResult, decode_with_params
-from specaudit.engines.requests import RequestParams, process
+from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
 from specaudit.equivalence.blackbox import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 
 
-def prompt_params(source: str, num_prompts: int, common: RequestParams | None) -> list[RequestParams]:
+def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
+                  from_file: int | None = None) -> list[RequestParams]:
     """Each prompt's parameters: the prompts file's `params` object on its line (non-blank lines, in order,
     as `equivalence/prompts.py` reads them) merged over `common`; `common` alone for the built-in set and
-    for prompts past the file's (the adversarial ones)."""
+    for prompts past the file's (the adversarial ones). `from_file`: how many of the file's prompts the
+    audit uses (`--num-prompts`), None for all."""
     base = common or RequestParams()
     per_line: list[RequestParams] = []
     if source != "builtin" and Path(source).is_file():
@@ -45,6 +47,8 @@ def prompt_params(source: str, num_prompts: int, common: RequestParams | None) -
                 per_line.append(base.merged(RequestParams.from_dict(given)) if given else base)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{source}:{number}: params: {exc}") from None
+    if from_file is not None:
+        per_line = per_line[:from_file]
     return [per_line[i] if i < len(per_line) else base for i in range(num_prompts)]
 
 
@@ -160,3 +164,39 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
         cls = _ending_class(reference, tokens, position, limit, stop_ids)
         record["diagnosis"] = {"class": cls, "evidence": evidence.get("reason"), "decided_by": "ending", "tried": []}
     return record
+
+
+def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: Any, dtype: str, engine_name: str,
+                    batch_size: int, black_box: bool) -> dict[str, Any]:
+    """The runner's run of one engine when the audit sends request parameters (equivalence/runner.py).
+    Only live servers take them: an in-process engine's contract carries token ids and limits alone."""
+    inner = getattr(engine, "engine", engine)
+    if not black_box or not hasattr(inner, "request_params"):
+        raise ValueError(f"engine {engine_name} takes no request parameters: they are sent to live servers "
+                         "(llamacpp:, vllm:, sglang:, trtllm:) only")
+    eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
+    file_prompts = config.num_prompts
+    params = prompt_params(config.prompts, len(prompts), config.request_params, file_prompts)
+    params = [with_bad_words_resolved(p, pair.tokenizer) for p in params]
+    return audit_requests(engine, pair, prompts, params, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                          dtype=dtype, engine_name=engine_name, batch_size=batch_size, device=config.device,
+                          engine_dtype=config.engine_dtype, logit_tolerance=config.logit_tolerance)
+
+
+SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")
+
+
+def preflight(config: Any) -> None:
+    """ValueError (a usage error) for request parameters the audit cannot send: an engine that is not a
+    live server, a plain engine beside them, or a prompts file whose `params` do not parse."""
+    from specaudit.engines.registry import black_box_prefix
+
+    if not has_request_params(config.prompts, config.request_params):
+        return
+    others = [name for name in config.engines if black_box_prefix(name) not in SERVER_PREFIXES]
+    if others:
+        raise ValueError(f"request parameters are sent to live servers only ({', '.join(p + ':URL' for p in SERVER_PREFIXES)}); "
+                         f"{', '.join(others)} takes token ids and limits alone")
+    if config.plain_engine:
+        raise ValueError("--plain-engine is not combined with request parameters")
+    prompt_params(config.prompts, 0, config.request_params)  # parses every line's params
