@@ -68,10 +68,10 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
                 if extra == 0:
                     break
                 continue
+            now = decode_text(tokenizer, out).rstrip("\ufffd")
+            found = find_stop(now, len(previous), params.stop) if params.stop and len(out) > params.min_tokens else None
+            previous = now  # the search window is this token's new text, min_tokens or not
             if params.stop and len(out) > params.min_tokens:
-                now = decode_text(tokenizer, out).rstrip("\ufffd")
-                found = find_stop(now, len(previous), params.stop)
-                previous = now
                 if found is not None:
                     finish, reason, text = "stop", found[0], now[: found[1]]
                     if bug == "stop_tail":

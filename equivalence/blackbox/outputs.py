@@ -88,6 +88,17 @@ def _texts(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list
     return list(dict.fromkeys([alone] + ([after[len(head):]] if after.startswith(head) else [])))
 
 
+def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
+    """Each decoding cut before the stop string found at `start` of the first (the one decoded alone);
+    another decoding is shifted by its length difference (a leading space after the prompt)."""
+    out = []
+    for text in texts:
+        at = start + len(text) - len(texts[0])
+        if at >= 0 and text[at:].startswith(stop):
+            out.append(text[:at])
+    return out
+
+
 def token_cause(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
                 returned: list[int], eos_token_id: Any, tokenizer: Any, penalty_scope: str,
                 band_width: float) -> dict[str, Any] | None:
@@ -209,8 +220,7 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
                              {"stop": stop_reason, "completed_by": completes_at - 1,
                               "tokens_after_stop": len(returned) - completes_at, "text": text},
                              engine_token=returned[completes_at], detected_by="text")]
-        wanted = [t[: t.find(stop_reason, max(0, start - 8))] if stop_reason in t else t
-                  for t in _texts(tokenizer, prompt, returned)]
+        wanted = _cut_at(_texts(tokenizer, prompt, returned), stop_reason, start)
         wanted += [w + stop_reason for w in wanted]  # include_stop_str_in_output
     else:
         wanted = _texts(tokenizer, prompt, returned)
@@ -224,8 +234,7 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
                                  f"{len(returned) - cut[0]} token(s) after it", {"stop": cut[1], "text": text},
                                  engine_token=returned[cut[0]], detected_by="text")]
             if cut is not None:  # it ended on a stop string without naming it: the finish check says so
-                wanted += [t[: t.find(cut[1], max(0, cut[2] - 8))] for t in _texts(tokenizer, prompt, returned)
-                           if cut[1] in t]
+                wanted += _cut_at(_texts(tokenizer, prompt, returned), cut[1], cut[2])
     if text in wanted:
         return []
     return [_finding(index, None, "text_report", "detokenize",
