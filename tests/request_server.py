@@ -99,3 +99,34 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
                                "total_tokens": len(prompt) + completion_tokens}}
 
     return answer
+
+
+def llamacpp_answer(model: Any, tokenizer: Any, eos_token_id: int, zero_logprobs: bool = False):
+    """The same decoding as `vllm_answer`, answered in llama.cpp's `/completion` shape: `tokens` without the
+    EOS, `content`, `stop_type`, `tokens_evaluated` / `tokens_predicted`, one `completion_probabilities` entry
+    per token; `zero_logprobs`: what llama.cpp gives under speculation (logprob 0.0, no alternatives)."""
+    decode = vllm_answer(model, tokenizer, eos_token_id)
+
+    def answer(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        assert path == "/completion"
+        assert "min_tokens" not in body and body.get("repeat_last_n", -1) == -1
+        vllm_body = {"prompt": body["prompt"], "max_tokens": body["n_predict"],
+                     "stop_token_ids": [] if body.get("ignore_eos") else [eos_token_id], "stop": body.get("stop"),
+                     "repetition_penalty": body.get("repeat_penalty", 1.0),
+                     "logit_bias": {str(i): b for i, b in body.get("logit_bias") or []}}
+        # llama.cpp counts presence and frequency over prompt and output: not modelled here, none sent
+        assert not body.get("presence_penalty") and not body.get("frequency_penalty")
+        _, out = decode("/v1/completions", vllm_body)
+        choice = out["choices"][0]
+        tokens, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        stop_type = {"length": "limit"}.get(choice["finish_reason"]) or ("word" if choice["stop_reason"] else "eos")
+        if stop_type == "eos":
+            tokens, lps = tokens[:-1], lps[:-1]  # llama.cpp does not return the EOS
+        probs = [{"id": t, "logprob": 0.0 if zero_logprobs else lp, "token": "", "bytes": [],
+                  "top_logprobs": [] if zero_logprobs else [{"id": t, "logprob": lp}]} for t, lp in zip(tokens, lps)]
+        return 200, {"content": choice["text"], "tokens": tokens, "stop": True, "stop_type": stop_type,
+                     "stopping_word": choice["stop_reason"] if stop_type == "word" else "",
+                     "tokens_evaluated": len(body["prompt"]), "tokens_predicted": len(choice["token_ids"]),
+                     "completion_probabilities": probs}
+
+    return answer

@@ -151,3 +151,20 @@ def test_audit_command_sends_flags_and_per_prompt_params(tmp_path):
                                             "logprobs": 1}
         assert run["prompts"][0]["reference_finish"] == ["stop", None]
     assert {d["diagnosis"]["class"] for d in run["divergences"]} == {"logprob_report"}
+
+
+def test_llamacpp_dialect_names_and_its_speculative_zero_logprobs(pair, prompts):
+    from request_server import llamacpp_answer
+
+    plain, _ = greedy_decode(pair.target, prompts[0], N, None)
+    params = [RequestParams(repetition_penalty=1.3, logit_bias={plain[1]: -30.0}, logprobs=2),
+              stop_string_params(pair, prompts)[1]]
+    run, server = audit(pair, prompts, params, engine_class=LlamaCppEngine,
+                        answer=llamacpp_answer(pair.target, pair.tokenizer, EOS))
+    assert run["divergences"] == [] and run["exact_matches"] == 2 and run["penalty_scope"] == "context"
+    body = server.requests[0][1]
+    assert body["repeat_penalty"] == 1.3 and body["repeat_last_n"] == -1 and body["n_probs"] == 2
+    assert body["logit_bias"] == [[plain[1], -30.0]] and server.requests[1][1]["stop"] == list(params[1].stop)
+    run, _ = audit(pair, prompts, params, engine_class=LlamaCppEngine,
+                   answer=llamacpp_answer(pair.target, pair.tokenizer, EOS, zero_logprobs=True))
+    assert classes(run) == ["logprob_report"] and all(d["evidence"]["all_zero"] for d in run["divergences"])
