@@ -138,10 +138,7 @@ def run_audit(
     """Run every (engine, pair, batch size, dtype) and return the audit dict (also in `out_dir/audit.json`).
     Raises `UsageError` (before any run) for bad input; see the module docstring for failures."""
     validate.preflight(config)
-    try:
-        requests_run.preflight(config)
-    except ValueError as exc:
-        raise validate.UsageError(str(exc)) from None
+    requests_run.preflight(config)  # request parameters go to live servers only
     out_dir.mkdir(parents=True, exist_ok=True)
     audit: dict[str, Any] = {
         "specaudit_version": VERSION,
@@ -359,9 +356,7 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             rerun = None  # a recording answers the same whatever it is asked beside: nothing to re-run
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         if requests_run.has_request_params(config.prompts, config.request_params):
-            run = requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size, black_box)
-            run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
-            return run
+            return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size, black_box)}
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay.target, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,

@@ -187,12 +187,20 @@ SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")
 
 
 def preflight(config: Any) -> None:
-    """ValueError (a usage error) for request parameters the audit cannot send: an engine that is not a
-    live server, a plain engine beside them, or a prompts file whose `params` do not parse."""
+    """`UsageError` for request parameters the audit cannot send: an engine that is not a live server, a
+    plain engine beside them, or a prompts file whose `params` do not parse."""
     from specaudit.engines.registry import black_box_prefix
+    from specaudit.equivalence.validate import UsageError
 
-    if not has_request_params(config.prompts, config.request_params):
-        return
+    try:
+        if not has_request_params(config.prompts, config.request_params):
+            return
+        _check_usage(config, black_box_prefix)
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_usage(config: Any, black_box_prefix: Any) -> None:
     others = [name for name in config.engines if black_box_prefix(name) not in SERVER_PREFIXES]
     if others:
         raise ValueError(f"request parameters are sent to live servers only ({', '.join(p + ':URL' for p in SERVER_PREFIXES)}); "
