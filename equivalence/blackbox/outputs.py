@@ -23,7 +23,7 @@ the final stop token's text: any of these is accepted.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -101,7 +101,7 @@ def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
 
 def token_cause(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
                 returned: list[int], eos_token_id: Any, tokenizer: Any, penalty_scope: str,
-                band_width: float) -> dict[str, Any] | None:
+                band_at: Callable[[float], float]) -> dict[str, Any] | None:
     """The cause of a token divergence that request parameters explain, or None (left to the noise-band
     ruling). `returned` is the server's token_ids as it returned them."""
     ref = reference.tokens
@@ -142,7 +142,7 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
     engine_token, reference_token = returned[agree], ref[agree]
     full = process(raw, prompt, output, params, stop_ids, penalty_scope)
     gap = float(full.greedy[reference_token] - full.greedy[engine_token])
-    if not gap > band_width:
+    if not gap > band_at(float(full.greedy.max())):
         return None  # a near-tie under the processed logits: the noise band rules it
     candidates = [(name, process(raw, prompt, output, params, stop_ids, penalty_scope, skip=name).greedy)
                   for name in PROCESSOR_NAMES if name in full.applied]
@@ -160,7 +160,7 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
 
 def check_report(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
                  returned: list[int], report: dict[str, Any], eos_token_id: Any, tokenizer: Any,
-                 definition: str = "raw", band_width: float = 0.0) -> list[dict[str, Any]]:
+                 definition: str = "raw", band_at: Callable[[float], float] = lambda top: 0.0) -> list[dict[str, Any]]:
     """The report checks of one prompt (module table): finish, text, usage, log-probabilities."""
     findings: list[dict[str, Any]] = []
     stop_ids = _stop_ids(params, eos_token_id)
@@ -200,7 +200,7 @@ def check_report(index: int, prompt: list[int], params: RequestParams, reference
     # log-probabilities of the chosen tokens
     chosen = report.get("chosen_logprobs")
     if chosen:
-        findings += _logprob_findings(index, reference, returned, chosen, definition, band_width)
+        findings += _logprob_findings(index, reference, returned, chosen, definition, band_at)
     return findings
 
 
@@ -243,7 +243,7 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
 
 
 def _logprob_findings(index: int, reference: RequestResult, returned: list[int], chosen: list[float | None],
-                      definition: str, band_width: float) -> list[dict[str, Any]]:
+                      definition: str, band_at: Callable[[float], float]) -> list[dict[str, Any]]:
     ref_lps = reference.logprobs.get(definition) or []
     agree = next((i for i, (a, b) in enumerate(zip(reference.tokens, returned)) if a != b),
                  min(len(reference.tokens), len(returned)))
@@ -253,7 +253,7 @@ def _logprob_findings(index: int, reference: RequestResult, returned: list[int],
         if reported is None:
             continue
         top = float(reference.logits[position].max()) if reference.logits is not None else 0.0
-        tolerance = 2 * max(band_width, dtype_noise(FLOAT32, top))
+        tolerance = 2 * max(band_at(top), dtype_noise(FLOAT32, top))
         if abs(reported - ref_lps[position]) > tolerance:
             off.append((position, reported, ref_lps[position], tolerance))
     if not off:

@@ -113,17 +113,15 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         record.update({"exact": exact, "reported_finish": [report.get("finish_reason"), report.get("stop_reason")]})
         prompt_records.append(record)
         row_findings: list[dict[str, Any]] = []
-        top = float(reference.logits[0].max()) if reference.logits is not None and len(reference.logits) else 0.0
-        width = band.at(top)
         if not exact:
-            cause = token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, width)
+            cause = token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at)
             if cause is not None:
                 row_findings.append(cause)
             else:
                 row_findings.append(_ruled(index, prompts[index], p, reference, tokens, band, stop_ids, scope, limit))
         named = {(d.get("diagnosis") or {}).get("class") for d in row_findings}
         row_findings += [d for d in check_report(index, prompts[index], p, reference, returned, report, eos_token_id,
-                                                 pair.tokenizer, definition, width)
+                                                 pair.tokenizer, definition, band.at)
                          if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
         divergences += row_findings
     structural = sum(d["kind"] == "structural" for d in divergences)
