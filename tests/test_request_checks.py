@@ -168,3 +168,11 @@ def test_llamacpp_dialect_names_and_its_speculative_zero_logprobs(pair, prompts)
     run, _ = audit(pair, prompts, params, engine_class=LlamaCppEngine,
                    answer=llamacpp_answer(pair.target, pair.tokenizer, EOS, zero_logprobs=True))
     assert classes(run) == ["logprob_report"] and all(d["evidence"]["all_zero"] for d in run["divergences"])
+
+
+def test_min_tokens_skipped_at_some_positions_is_logits_processor(pair, prompts):
+    params = [RequestParams(min_tokens=4, logit_bias={EOS: 60.0})]
+    run, _ = audit(pair, prompts[:1], params, bug="min_tokens_skipped")
+    assert classes(run) == ["logits_processor"]
+    [found] = [d for d in run["divergences"] if d["kind"] == "structural"]
+    assert found["evidence"]["processor"] == "min_tokens" and found["engine_token"] == EOS
