@@ -176,3 +176,18 @@ def test_min_tokens_skipped_at_some_positions_is_logits_processor(pair, prompts)
     assert classes(run) == ["logits_processor"]
     [found] = [d for d in run["divergences"] if d["kind"] == "structural"]
     assert found["evidence"]["processor"] == "min_tokens" and found["engine_token"] == EOS
+
+
+def test_request_params_for_an_in_process_engine_or_a_bad_params_line_are_usage_errors(tmp_path):
+    from cli_run import audit as cli_audit
+
+    result = cli_audit("--engine", "eqspec", "--pair", "tiny-llama", "--stop", "ab", out=tmp_path / "a")
+    assert result.returncode == 2 and "live servers only" in result.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2], "params": {"stopp": ["x"]}}\n')
+    result = cli_audit("--engine", "vllm:http://127.0.0.1:9", "--pair", "tiny-llama", "--prompts", str(prompts),
+                       out=tmp_path / "b")
+    assert result.returncode == 2 and "p.jsonl:1: params: unknown request parameter(s) stopp" in result.stderr
+    result = cli_audit("--engine", "vllm:http://127.0.0.1:9", "--pair", "tiny-llama", "--logit-bias", "5:500",
+                       out=tmp_path / "c")
+    assert result.returncode == 2 and "[-100, 100]" in result.stderr
