@@ -74,3 +74,7 @@ def test_what_each_dialect_reads_beside_the_tokens():
 def test_a_400_naming_a_sent_field_is_a_refusal():
     assert refused_in_answer("sglang", PARAMS, "HTTP 400: min_new_tokens is not supported") == "min_tokens"
     assert refused_in_answer("vllm", RequestParams(top_k=3), "HTTP 400: prompt too long") is None
+    both = RequestParams(stop=["x"], stop_token_ids=[7])
+    assert refused_in_answer("vllm", both, "HTTP 400: stop_token_ids must be a list") == "stop_token_ids"
+    assert refused_in_answer("vllm", both, "HTTP 400: 'stop' too long") == "stop"
+    assert refused_in_answer("vllm", RequestParams(top_k=3), "HTTP 400: unknown field stop_k") is None

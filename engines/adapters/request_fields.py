@@ -28,6 +28,7 @@ alternatives: a server that reports 0.0 for every token is caught by comparing t
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from specaudit.engines.requests import RequestParams
@@ -164,9 +165,9 @@ def refused_in_answer(dialect: str, params: RequestParams, message: str) -> str 
     """The RequestParams field an HTTP 400 answer names (by the server's name for it), or None."""
     text = message.lower()
     names = SERVER_NAMES.get(dialect, {})
-    for field in params.sent() + (["logprobs"] if params.logprobs is not None else []):
-        server_name = names.get(field)
-        if server_name and server_name.lower() in text:
+    sent = [f for f in params.sent() + (["logprobs"] if params.logprobs is not None else []) if names.get(f)]
+    for field in sorted(sent, key=lambda f: -len(names[f])):  # "stop_token_ids" before "stop"
+        if re.search(rf"(?<![a-z_]){re.escape(names[field].lower())}(?![a-z_])", text):
             return field
     return None
 
