@@ -168,6 +168,18 @@ def test_llamacpp_dialect_names_and_its_speculative_zero_logprobs(pair, prompts)
     run, _ = audit(pair, prompts, params, engine_class=LlamaCppEngine,
                    answer=llamacpp_answer(pair.target, pair.tokenizer, EOS, zero_logprobs=True))
     assert classes(run) == ["logprob_report"] and all(d["evidence"]["all_zero"] for d in run["divergences"])
+    # an EOS ending (not returned by llama.cpp) still has its finish checked
+    eos_params = [RequestParams(logit_bias={EOS: 60.0})]  # EOS first: llama.cpp has no min_tokens
+    run, _ = audit(pair, prompts[:1], eos_params, engine_class=LlamaCppEngine,
+                   answer=llamacpp_answer(pair.target, pair.tokenizer, EOS))
+    assert run["divergences"] == [] and run["prompts"][0]["reported_finish"] == ["stop", None]
+
+    def says_limit(path, body):
+        status, answer = llamacpp_answer(pair.target, pair.tokenizer, EOS)(path, body)
+        return status, {**answer, "stop_type": "limit"}
+
+    run, _ = audit(pair, prompts[:1], eos_params, engine_class=LlamaCppEngine, answer=says_limit)
+    assert "finish_reason" in classes(run)
 
 
 def test_min_tokens_skipped_at_some_positions_is_logits_processor(pair, prompts):
