@@ -31,6 +31,7 @@ from specaudit.engines.registry import black_box_prefix, make_engine, takes_opti
 from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
+from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.errors import EngineFailure, RunTimeout, one_line
 from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, raised_inside_engine
 from specaudit.equivalence.prompts import load_prompts
@@ -71,6 +72,7 @@ class AuditConfig:
     plain_engine: str | None = None  # the same engine without speculation: three-way rulings (blackbox/plain_engine.py)
     diagnosis: str = "full"  # "quick": checks and replays only; "full": re-runs of the engine too
     diagnosis_budget: float | None = None  # seconds per run for the diagnosis's re-runs (None: --timeout's)
+    request_params: Any = None  # RequestParams for every prompt (live servers; blackbox/requests_run.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +86,7 @@ class AuditConfig:
             "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
             "require_speculation": self.require_speculation, "plain_engine": self.plain_engine,
             "diagnosis": self.diagnosis, "diagnosis_budget": self.diagnosis_budget,
+            "request_params": self.request_params.to_dict() if self.request_params is not None else None,
         }
 
 
@@ -135,6 +138,7 @@ def run_audit(
     """Run every (engine, pair, batch size, dtype) and return the audit dict (also in `out_dir/audit.json`).
     Raises `UsageError` (before any run) for bad input; see the module docstring for failures."""
     validate.preflight(config)
+    requests_run.preflight(config)  # request parameters go to live servers only
     out_dir.mkdir(parents=True, exist_ok=True)
     audit: dict[str, Any] = {
         "specaudit_version": VERSION,
@@ -351,6 +355,8 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
         if recorded_prompts is not None:
             rerun = None  # a recording answers the same whatever it is asked beside: nothing to re-run
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
+        if requests_run.has_request_params(config.prompts, config.request_params):
+            return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size, black_box)}
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay.target, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,

@@ -13,14 +13,16 @@ last answer (HTTP status and body, or the connection error), not "cannot reach".
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specaudit.engines.adapters._http import (
     DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerDied, ServerError, ServerUnreachable, join_url, map_concurrently,
     post_json,
 )
+from specaudit.engines.adapters.request_fields import ParameterRefused, refused_in_answer
 from specaudit.engines.adapters.server_metrics import COUNTERS, safe_snapshot, speculation_between
+from specaudit.engines.requests import RequestParams
 
 DEFAULT_TOP_LOGPROBS = 2  # the top-2 margin is what a ruling needs
 
@@ -34,6 +36,9 @@ class Completion:
     finish: str | None = None  # the server's own stop reason, as it spells it
     stopped_at_eos: bool = False  # the server says it stopped on the EOS token
     notes: list[str] = field(default_factory=list)
+    # what the server says beside its tokens (engines/adapters/request_fields.py `read_*`): text,
+    # finish_reason ("stop"/"length"), stop_reason, usage, chosen_logprobs (one per returned token)
+    report: dict[str, Any] = field(default_factory=dict)
 
 
 class ServerEngine:
@@ -63,6 +68,10 @@ class ServerEngine:
         self.last_details: list[dict[str, Any]] = []
         self.last_speculation: dict[str, Any] | None = None
         self.metrics_note: str | None = None  # why no speculation counters were read, when none were
+        # request parameters: None (plain greedy), one RequestParams for every prompt, or one (or None) per prompt
+        self.request_params: RequestParams | list[RequestParams | None] | None = None
+        self.last_completions: list[Completion | None] = []  # as the server answered, before the client's cuts
+        self.last_refused: list[tuple[int, ParameterRefused]] = []  # (prompt index, refusal) of the last generate
         self._lock = threading.Lock()
         self._answers = 0  # HTTP answers this engine has had (any status), the metrics reads included
         self._last_answer: str | None = None  # the latest one: status and the start of its body
@@ -107,17 +116,35 @@ class ServerEngine:
             self._observe(True, "an answer to GET /metrics")
         return snapshot, failure
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                params: RequestParams | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
     def parse(self, answer: Any) -> Completion:
         raise NotImplementedError
 
-    def complete(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> Completion:
-        """One prompt: the request, sent, and the answer, read."""
-        body = self.request(prompt, max_new_tokens, eos_token_id)
-        answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
-                           what=f"{self.server_name} server", observe=self._observe)
+    def params_for(self, index: int) -> RequestParams | None:
+        """The request parameters of prompt `index` (None: a plain greedy request)."""
+        params = self.request_params
+        if isinstance(params, list):
+            params = params[index] if index < len(params) else None
+        return None if params is None or (params.is_plain() and params.logprobs is None) else params
+
+    def complete(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                 params: RequestParams | None = None) -> Completion:
+        """One prompt: the request, sent, and the answer, read. A parameter the dialect cannot carry, or
+        an HTTP 400 naming one that was sent, raises `ParameterRefused`."""
+        body = (self.request(prompt, max_new_tokens, eos_token_id) if params is None
+                else self.request(prompt, max_new_tokens, eos_token_id, params))
+        try:
+            answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
+                               what=f"{self.server_name} server", observe=self._observe)
+        except ServerError as exc:
+            refused = (refused_in_answer(self.dialect, params, str(exc))
+                       if params is not None and "HTTP 400" in str(exc) else None)
+            if refused is not None:
+                raise ParameterRefused(refused, f"the {self.server_name} server answered: {exc}") from None
+            raise
         try:
             return self.parse(answer)
         except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -133,10 +160,12 @@ class ServerEngine:
             return [[] for _ in prompts]
         before, _ = self._metrics()
 
-        def one(numbered: tuple[int, list[int]]) -> Completion | ServerError:
+        def one(numbered: tuple[int, list[int]]) -> Completion | ServerError | ParameterRefused:
             index, prompt = numbered
             try:
-                return self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id)
+                return self.complete([int(t) for t in prompt], max_new_tokens, eos_token_id, self.params_for(index))
+            except ParameterRefused as exc:  # reported as such, never a divergence
+                return exc
             except ServerDied:
                 raise
             except ServerUnreachable as exc:
@@ -158,14 +187,22 @@ class ServerEngine:
             raise refused[0][1]
         # a request that errors is a finding for its prompt (an empty output here); the rest are judged
         self.last_failures = refused
-        outputs, self.last_logprobs, self.last_details = [], [], []
-        for completion in completions:
-            if isinstance(completion, ServerError):
+        self.last_refused = [(index, c) for index, c in enumerate(completions) if isinstance(c, ParameterRefused)]
+        outputs, self.last_logprobs, self.last_details, self.last_completions = [], [], [], []
+        for index, completion in enumerate(completions):
+            if isinstance(completion, (ServerError, ParameterRefused)):
                 outputs.append([])
                 self.last_logprobs.append(None)
-                self.last_details.append({})
+                self.last_details.append({"refused": str(completion)} if isinstance(completion, ParameterRefused) else {})
+                self.last_completions.append(None)
                 continue
-            tokens, logprobs, details = finish_output(completion, max_new_tokens, eos_token_id)
+            self.last_completions.append(completion)
+            params = self.params_for(index)
+            budget = params.max_tokens if params is not None and params.max_tokens is not None else max_new_tokens
+            if (params is not None and completion.stopped_at_eos and completion.token_ids
+                    and completion.token_ids[-1] in params.stop_token_ids):
+                completion = replace(completion, stopped_at_eos=False)  # it ended on a stop id it returned: no EOS to add
+            tokens, logprobs, details = finish_output(completion, budget, eos_token_id)
             outputs.append(tokens)
             self.last_logprobs.append(logprobs)
             self.last_details.append(details)

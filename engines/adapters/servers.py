@@ -23,18 +23,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from specaudit.engines.adapters import request_fields as fields
 from specaudit.engines.adapters.server_base import (  # noqa: F401 (re-exported for users and tests)
     DEFAULT_TOP_LOGPROBS, Completion, ServerEngine, _top_dict, finish_output,
 )
+from specaudit.engines.limits import eos_ids
+from specaudit.engines.requests import RequestParams
 
 
 # --- llama.cpp: POST /completion -------------------------------------------------------------------
 
 def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
-                     top_logprobs: int = DEFAULT_TOP_LOGPROBS) -> dict[str, Any]:
+                     top_logprobs: int = DEFAULT_TOP_LOGPROBS, params: RequestParams | None = None) -> dict[str, Any]:
     """llama.cpp `/completion`: ids as `prompt`, greedy, no penalties, no prompt cache reuse (reused
-    KV from another request would make the output depend on what ran before)."""
-    return {
+    KV from another request would make the output depend on what ran before). `params` adds the
+    request parameters in llama.cpp's names (engines/adapters/request_fields.py)."""
+    body = {
         "prompt": list(prompt),
         "n_predict": max_new_tokens,
         "temperature": 0.0,
@@ -48,6 +52,9 @@ def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int |
         "stream": False,
         "ignore_eos": eos_token_id is None,
     }
+    if params is not None:
+        body.update(fields.llamacpp_fields(params))
+    return body
 
 
 def llamacpp_parse(answer: dict[str, Any]) -> Completion:
@@ -56,7 +63,8 @@ def llamacpp_parse(answer: dict[str, Any]) -> Completion:
     are kept only when there is one entry per token, naming that token, with real alternatives."""
     tokens = [int(t) for t in answer["tokens"]]
     finish = answer.get("stop_type")
-    completion = Completion(tokens, finish=finish, stopped_at_eos=finish == "eos")
+    completion = Completion(tokens, finish=finish, stopped_at_eos=finish == "eos",
+                            report=fields.read_llamacpp(answer, tokens))
     probs = answer.get("completion_probabilities") or []
     if not probs:
         return completion
@@ -81,8 +89,9 @@ class LlamaCppEngine(ServerEngine):
     server_name = "llama.cpp"
     path = "/completion"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
-        return llamacpp_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                params: RequestParams | None = None) -> dict[str, Any]:
+        return llamacpp_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, params)
 
     def parse(self, answer: Any) -> Completion:
         return llamacpp_parse(answer)
@@ -95,7 +104,8 @@ def _openai_stop_fields(eos_token_id: int | None) -> dict[str, Any]:
 
 
 def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
-                 top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None) -> dict[str, Any]:
+                 top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None,
+                 params: RequestParams | None = None) -> dict[str, Any]:
     """vLLM `/v1/completions`: the ids as `prompt`, greedy, output ids returned (`return_token_ids`)
     and log-probability entries named `token_id:ID` (`return_tokens_as_token_ids`)."""
     body: dict[str, Any] = {
@@ -117,6 +127,8 @@ def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Non
     }
     if model is not None:
         body["model"] = model
+    if params is not None:
+        body.update(fields.openai_fields(params, list(eos_ids(eos_token_id)), "vllm"))
     return body
 
 
@@ -136,7 +148,8 @@ def vllm_parse(answer: dict[str, Any]) -> Completion:
     finish = choice.get("finish_reason")
     stop_reason = choice.get("stop_reason")
     completion = Completion(tokens, finish=finish,
-                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)))
+                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)),
+                            report=fields.read_openai(choice, answer))
     logprobs = choice.get("logprobs") or {}
     tops, chosen = logprobs.get("top_logprobs") or [], logprobs.get("token_logprobs") or []
     if tops and len(tops) == len(tokens) and len(chosen) == len(tokens):
@@ -160,19 +173,21 @@ class VLLMEngine(ServerEngine):
     server_name = "vLLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
-        return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                params: RequestParams | None = None) -> dict[str, Any]:
+        return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model, params)
 
     def parse(self, answer: Any) -> Completion:
         return vllm_parse(answer)
 
 
 def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
-                   top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None) -> dict[str, Any]:
+                   top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None,
+                   params: RequestParams | None = None) -> dict[str, Any]:
     """TensorRT-LLM `trtllm-serve` `/v1/completions`. Its request model forbids unknown fields and
     requires `model`; it returns output ids only with `detokenize` false (then `text` is empty). Its
     top log-probabilities are keyed by decoded text, so only the chosen tokens' are asked for."""
-    return {
+    body = {
         "model": model or "model",
         "prompt": list(prompt),
         "max_tokens": max_new_tokens,
@@ -188,6 +203,11 @@ def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | N
         **({"logprobs": 1} if top_logprobs else {}),
         **_openai_stop_fields(eos_token_id),
     }
+    if params is not None:
+        extra = fields.openai_fields(params, list(eos_ids(eos_token_id)), "trtllm")
+        extra.pop("logprobs", None)  # alternatives come keyed by text: only the chosen token's is read
+        body.update(extra)
+    return body
 
 
 def trtllm_parse(answer: dict[str, Any]) -> Completion:
@@ -197,8 +217,11 @@ def trtllm_parse(answer: dict[str, Any]) -> Completion:
     tokens = [int(t) for t in choice["token_ids"]]
     finish = choice.get("finish_reason")
     stop_reason = choice.get("stop_reason")
+    report = fields.read_openai(choice, answer)
+    report["text"] = None  # `detokenize` false: no text to check
     completion = Completion(tokens, finish=finish,
-                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)))
+                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)),
+                            report=report)
     if choice.get("logprobs"):
         completion.notes.append("log-probabilities not used: TensorRT-LLM names alternatives by text, not id")
     return completion
@@ -212,8 +235,9 @@ class TRTLLMEngine(ServerEngine):
     server_name = "TensorRT-LLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
-        return trtllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                params: RequestParams | None = None) -> dict[str, Any]:
+        return trtllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model, params)
 
     def parse(self, answer: Any) -> Completion:
         return trtllm_parse(answer)
@@ -222,7 +246,7 @@ class TRTLLMEngine(ServerEngine):
 # --- SGLang: POST /generate ----------------------------------------------------------------------
 
 def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
-                   top_logprobs: int = DEFAULT_TOP_LOGPROBS) -> dict[str, Any]:
+                   top_logprobs: int = DEFAULT_TOP_LOGPROBS, params: RequestParams | None = None) -> dict[str, Any]:
     """SGLang's native `/generate`: ids as `input_ids`, greedy sampling parameters, log-
     probabilities of the output only (`logprob_start_len` -1) with `top_logprobs_num` alternatives."""
     sampling: dict[str, Any] = {
@@ -239,7 +263,7 @@ def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | N
         sampling["stop_token_ids"] = [eos_token_id]
     else:
         sampling["ignore_eos"] = True
-    return {
+    body: dict[str, Any] = {
         "input_ids": list(prompt),
         "sampling_params": sampling,
         "stream": False,
@@ -247,6 +271,11 @@ def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | N
         "logprob_start_len": -1,
         "top_logprobs_num": top_logprobs,
     }
+    if params is not None:
+        extra_sampling, extra_top = fields.sglang_fields(params, list(eos_ids(eos_token_id)))
+        sampling.update(extra_sampling)
+        body.update(extra_top)
+    return body
 
 
 def sglang_parse(answer: Any) -> Completion:
@@ -262,7 +291,8 @@ def sglang_parse(answer: Any) -> Completion:
     finish = finish_reason.get("type") if isinstance(finish_reason, dict) else str(finish_reason)
     matched = finish_reason.get("matched") if isinstance(finish_reason, dict) else None
     completion = Completion(tokens, finish=finish,
-                            stopped_at_eos=finish == "stop" and (matched is None or isinstance(matched, int)))
+                            stopped_at_eos=finish == "stop" and (matched is None or isinstance(matched, int)),
+                            report=fields.read_sglang(answer))
     tops = meta.get("output_top_logprobs") or []
     if tops and len(tops) == len(tokens):
         completion.logprobs = []
@@ -281,8 +311,9 @@ class SGLangEngine(ServerEngine):
     server_name = "SGLang"
     path = "/generate"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
-        return sglang_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+                params: RequestParams | None = None) -> dict[str, Any]:
+        return sglang_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, params)
 
     def parse(self, answer: Any) -> Completion:
         return sglang_parse(answer)

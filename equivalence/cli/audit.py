@@ -50,6 +50,7 @@ def _eos(value: str) -> int | None | str:
 
 def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """`audit`, `pairs` and `engines` on the `specaudit` parser's subcommands."""
+    from specaudit.equivalence.cli.request_args import add_request_arguments
     from specaudit.engines.registry import BUILTIN_ENGINES
     from specaudit.engines.models.zoo import builtin_pair_names
 
@@ -119,6 +120,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                            help="seconds per run for the diagnosis's re-runs; once spent, the remaining "
                                 "divergences are diagnosed without re-runs (default: --timeout)")
 
+    add_request_arguments(audit)
+
     out = audit.add_argument_group("output")
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -133,6 +136,7 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
 
 def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
     from specaudit.engines.models.zoo import builtin_pair_names
+    from specaudit.equivalence.cli.request_args import request_params_from_args
     from specaudit.equivalence.runner import AuditConfig, UserPair
 
     from specaudit.engines.registry import black_box_prefix
@@ -163,6 +167,7 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
         diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
+        request_params=request_params_from_args(args, parser),
     )
 
 

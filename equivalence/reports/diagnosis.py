@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specaudit.equivalence.blackbox.outputs import REQUEST_CLASSES, REQUEST_FIXES
 from specaudit.equivalence.diagnosis.core import CLASSES, FIXES
 
 
@@ -52,13 +53,14 @@ def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
             cls = (divergence.get("diagnosis") or {}).get("class") or "unknown"
             counts[cls] = counts.get(cls, 0) + 1
             first.setdefault(cls, (run, divergence))
-    order = sorted(counts, key=lambda c: (c == "unknown", -counts[c], CLASSES.index(c) if c in CLASSES else 99))
+    known = list(CLASSES) + [c for c in REQUEST_CLASSES if c not in CLASSES]
+    order = sorted(counts, key=lambda c: (c == "unknown", -counts[c], known.index(c) if c in known else 99))
     lines = []
     for cls in order:
         run, divergence = first[cls]
         evidence = str((divergence.get("diagnosis") or {}).get("evidence") or "not diagnosed")
         lines.append(ClassLine(cls, counts[cls], example_text(run, divergence), evidence,
-                               FIXES.get(cls, FIXES["unknown"])))
+                               FIXES.get(cls) or REQUEST_FIXES.get(cls) or FIXES["unknown"]))
     return lines
 
 

@@ -1,0 +1,272 @@
+"""What a server says beside its tokens, checked against the reference with request parameters.
+
+One prompt's server answer (`Completion`: returned `token_ids` and its `report`: text, finish and stop
+reasons, usage, per-token log-probabilities) against `RequestResult` (engines/request_reference.py).
+Each check that fails gives one finding, a divergence record whose `diagnosis.class` names the cause
+and whose `diagnosis.decided_by` names the check that decided it:
+
+| class              | decided by                | the check                                                           |
+|--------------------|---------------------------|---------------------------------------------------------------------|
+| `stop_string`      | `stop-string-replay`      | a stop string completed before the last returned token (tokens kept after the stop), the output went on past the reference's stop string, a stop string claimed that the tokens do not contain, or a stop honoured inside `min_tokens` |
+| `logits_processor` | `processor-replay`        | at the first token that differs, the reference's processed logits with one processor left out (or all of them) choose the server's token, beyond the noise band; or the row ended on a stop id inside `min_tokens` |
+| `logprob_report`   | `logprob-compare`         | a reported log-probability of a chosen token differs from the reference's (under the server's documented definition) by more than the tolerance, on the positions where the tokens agree; "p = 1 at every position" is said so |
+| `finish_reason`    | `finish-compare`          | tokens agree but `finish_reason` / `stop_reason` differ from the reference's |
+| `text_report`      | `detokenize`              | `text` is not the detokenized `token_ids` (cut before a stop string where there is one) |
+| `usage_report`     | `usage-count`             | `usage` counts differ from the prompt's and the returned tokens' counts |
+
+Relation of text and tokens (engines/request_reference.py): the tokens end at the token that ended
+the request; the text is those tokens decoded, without a final EOS / stop id's text, cut just before
+a stop string. Decoding is compared both alone and after the prompt (a tokenizer whose first output
+token decodes differently after the prompt, e.g. a sentencepiece leading space), and with or without
+the final stop token's text: any of these is accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specaudit.engines.limits import eos_ids
+from specaudit.engines.request_reference import RequestResult, decode_text, find_stop
+from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
+from specaudit.equivalence.attribute import dtype_noise
+
+REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report")
+REQUEST_FIXES = {
+    "stop_string": "Check stop strings on each token as it is accepted, end the request at the token that completes "
+                   "one (drop the accepted tokens after it from token_ids, logprobs and usage), and never before "
+                   "min_tokens.",
+    "logits_processor": "Apply every request's logits processors (penalties, logit_bias, bad_words, min_tokens) to "
+                        "every verified position with that position's own history, drafts accepted so far included.",
+    "logprob_report": "Report each accepted token's log-probability from the target's logits at its own position "
+                      "(for drafts too), under the documented distribution; never a placeholder such as 0.0.",
+    "finish_reason": "Report finish_reason and stop_reason from the condition that actually ended the request "
+                     "(EOS, stop token id, stop string, or max_tokens).",
+    "text_report": "Build text from exactly the returned token_ids, cut only before a stop string.",
+    "usage_report": "Count usage from the tokens actually returned (prompt and completion).",
+}
+# servers compute and serialise log-probabilities in float32 at best: the smallest difference a report check
+# takes for a misreport (with the run's noise band on top), in units of float32's noise at the top logit
+FLOAT32 = "float32"
+
+
+def _finding(index: int, position: int | None, cls: str, decided_by: str, reason: str,
+             evidence: dict[str, Any], reference_token: int | None = None, engine_token: int | None = None,
+             detected_by: str = "tokens") -> dict[str, Any]:
+    return {"prompt_index": index, "position": position, "reference_token": reference_token,
+            "engine_token": engine_token, "kind": "structural", "decided_by": decided_by,
+            "detected_by": detected_by, "evidence": {"reason": reason, **evidence},
+            "diagnosis": {"class": cls, "evidence": reason, "decided_by": decided_by, "tried": []}}
+
+
+def _stop_ids(params: RequestParams, eos_token_id: Any) -> list[int]:
+    return sorted(set(eos_ids(eos_token_id)) | set(params.stop_token_ids))
+
+
+def first_stop_completion(tokenizer: Any, tokens: Sequence[int], params: RequestParams,
+                          only: str | None = None) -> tuple[int, str, int] | None:
+    """Where the reference's rule ends `tokens` on a stop string: (tokens up to and including the one
+    that completes it, the string, its start in the text), or None. `only` looks for one string."""
+    stops = (only,) if only is not None else params.stop
+    previous = ""
+    for n in range(1, len(tokens) + 1):
+        text = decode_text(tokenizer, list(tokens[:n])).rstrip("\ufffd")
+        if n > params.min_tokens:
+            found = find_stop(text, len(previous), stops)
+            if found is not None:
+                return n, found[0], found[1]
+        previous = text
+    return None
+
+
+def _texts(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list[str]:
+    """The accepted decodings of `tokens`: alone, and as the text after the prompt."""
+    alone = decode_text(tokenizer, list(tokens))
+    after = decode_text(tokenizer, list(prompt) + list(tokens))
+    head = decode_text(tokenizer, list(prompt))
+    return list(dict.fromkeys([alone] + ([after[len(head):]] if after.startswith(head) else [])))
+
+
+def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
+    """Each decoding cut before the stop string found at `start` of the first (the one decoded alone);
+    another decoding is shifted by its length difference (a leading space after the prompt)."""
+    out = []
+    for text in texts:
+        at = start + len(text) - len(texts[0])
+        if at >= 0 and text[at:].startswith(stop):
+            out.append(text[:at])
+    return out
+
+
+def token_cause(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
+                returned: list[int], eos_token_id: Any, tokenizer: Any, penalty_scope: str,
+                band_at: Callable[[float], float]) -> dict[str, Any] | None:
+    """The cause of a token divergence that request parameters explain, or None (left to the noise-band
+    ruling). `returned` is the server's token_ids as it returned them."""
+    ref = reference.tokens
+    agree = next((i for i, (a, b) in enumerate(zip(ref, returned)) if a != b), min(len(ref), len(returned)))
+    if agree == len(ref) == len(returned):
+        return None
+    stop_ids = _stop_ids(params, eos_token_id)
+    if agree == len(ref):  # the server went on where the reference ended
+        if reference.stop_reason is not None and isinstance(reference.stop_reason, str):
+            return _finding(index, agree, "stop_string", "stop-string-replay",
+                            f"the reference stops at stop string {reference.stop_reason!r} completed by token "
+                            f"{agree - 1}; the server returned {len(returned) - agree} token(s) after it",
+                            {"stop": reference.stop_reason, "tokens_after_stop": len(returned) - agree},
+                            None, returned[agree])
+        return None  # EOS / length: the usual stop rulings
+    if agree == len(returned):  # the server ended where the reference went on
+        last = returned[-1] if returned else None
+        if last in stop_ids and len(returned) <= params.min_tokens:
+            return _finding(index, agree - 1, "logits_processor", "processor-replay",
+                            f"the server ended on stop id {last} after {len(returned)} token(s), inside min_tokens "
+                            f"= {params.min_tokens}: min_tokens was not applied there", {"processor": "min_tokens"},
+                            ref[agree - 1] if agree else None, last)
+        if params.stop and tokenizer is not None:
+            found = first_stop_completion(tokenizer, returned, params)
+            if found is None:
+                early = first_stop_completion(tokenizer, returned, RequestParams(stop=params.stop))
+                if early is not None and early[0] == len(returned):
+                    return _finding(index, agree, "stop_string", "stop-string-replay",
+                                    f"the server ended on stop string {early[1]!r} after {len(returned)} token(s), "
+                                    f"inside min_tokens = {params.min_tokens} (or outside the new text)",
+                                    {"stop": early[1]}, ref[agree], None)
+        return None
+    # both have a token at `agree`: which processor, left out, makes the server's token?
+    if reference.logits is None or agree >= reference.logits.shape[0]:
+        return None
+    raw = reference.logits[agree].to(torch.float64)
+    output = ref[:agree]
+    engine_token, reference_token = returned[agree], ref[agree]
+    full = process(raw, prompt, output, params, stop_ids, penalty_scope)
+    gap = float(full.greedy[reference_token] - full.greedy[engine_token])
+    if not gap > band_at(float(full.greedy.max())):
+        return None  # a near-tie under the processed logits: the noise band rules it
+    candidates = [(name, process(raw, prompt, output, params, stop_ids, penalty_scope, skip=name).greedy)
+                  for name in PROCESSOR_NAMES if name in full.applied]
+    candidates.append(("all", raw))
+    for name, row in candidates:
+        if int(row.argmax()) == engine_token:
+            what = "no processor applied (the raw logits' argmax)" if name == "all" else f"{name} not applied"
+            return _finding(index, agree, "logits_processor", "processor-replay",
+                            f"at new token {agree} the server's token {engine_token} is the reference's choice with "
+                            f"{what}; with every processor the reference chooses {reference_token}, {gap:.3g} above",
+                            {"processor": name, "processed_gap": gap, "applied": full.applied},
+                            reference_token, engine_token)
+    return None
+
+
+def check_report(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
+                 returned: list[int], report: dict[str, Any], eos_token_id: Any, tokenizer: Any,
+                 definition: str = "raw", band_at: Callable[[float], float] = lambda top: 0.0) -> list[dict[str, Any]]:
+    """The report checks of one prompt (module table): finish, text, usage, log-probabilities."""
+    findings: list[dict[str, Any]] = []
+    stop_ids = _stop_ids(params, eos_token_id)
+    ref = reference.tokens
+    # llama.cpp does not return the EOS it stopped on: the tokens before it are the same tokens
+    same_tokens = returned == ref or (bool(ref) and returned == ref[:-1] and ref[-1] in stop_ids)
+    # finish_reason / stop_reason
+    finish, stop_reason = report.get("finish_reason"), report.get("stop_reason")
+    if same_tokens and finish is not None:
+        expected = (reference.finish_reason, reference.stop_reason)
+        ok = finish == reference.finish_reason and (
+            stop_reason == reference.stop_reason
+            or (reference.stop_reason is None and reference.finish_reason == "stop" and stop_reason in (None, *eos_ids(eos_token_id))))
+        if reference.finish_ambiguous and finish == "stop" and (stop_reason is None or stop_reason in stop_ids):
+            ok = True
+        if not ok:
+            findings.append(_finding(index, len(returned) - 1 if returned else None, "finish_reason", "finish-compare",
+                                     f"the tokens equal the reference's, which ends with finish_reason "
+                                     f"{expected[0]!r} (stop_reason {expected[1]!r}); the server says {finish!r} "
+                                     f"(stop_reason {stop_reason!r})",
+                                     {"expected": list(expected), "reported": [finish, stop_reason]},
+                                     detected_by="finish_reason"))
+    # text against the detokenized token_ids
+    text = report.get("text")
+    if text is not None and tokenizer is not None:
+        findings += _text_findings(index, prompt, params, returned, text, stop_reason, stop_ids, tokenizer)
+    # usage
+    usage = report.get("usage") or {}
+    counts = {"prompt_tokens": [len(prompt)], "completion_tokens": [len(returned)]}
+    if len(ref) > len(returned) and ref[len(returned)] in stop_ids:
+        counts["completion_tokens"].append(len(returned) + 1)  # the stop token counted but not returned
+    wrong = {k: v for k, v in usage.items() if k in counts and v not in counts[k]}
+    if wrong:
+        findings.append(_finding(index, None, "usage_report", "usage-count",
+                                 "usage says " + ", ".join(f"{k} {v}" for k, v in wrong.items()) + f" for a "
+                                 f"{len(prompt)}-token prompt and {len(returned)} returned token(s)",
+                                 {"usage": usage, "prompt_tokens": len(prompt), "returned_tokens": len(returned)},
+                                 detected_by="usage"))
+    # log-probabilities of the chosen tokens
+    chosen = report.get("chosen_logprobs")
+    if chosen:
+        findings += _logprob_findings(index, reference, returned, chosen, definition, band_at)
+    return findings
+
+
+def _text_findings(index: int, prompt: list[int], params: RequestParams, returned: list[int], text: str,
+                   stop_reason: Any, stop_ids: list[int], tokenizer: Any) -> list[dict[str, Any]]:
+    if isinstance(stop_reason, str) and stop_reason:
+        found = first_stop_completion(tokenizer, returned, params, only=stop_reason)
+        if found is None:
+            return [_finding(index, len(returned) - 1 if returned else None, "stop_string", "stop-string-replay",
+                             f"the server says it stopped at stop string {stop_reason!r}, which the returned tokens "
+                             "do not complete (after min_tokens)", {"stop": stop_reason}, detected_by="text")]
+        completes_at, _, start = found
+        if completes_at < len(returned):
+            return [_finding(index, completes_at, "stop_string", "stop-string-replay",
+                             f"stop string {stop_reason!r} is completed by token {completes_at - 1}, but token_ids "
+                             f"keep {len(returned) - completes_at} token(s) after it (text cut at the stop)",
+                             {"stop": stop_reason, "completed_by": completes_at - 1,
+                              "tokens_after_stop": len(returned) - completes_at, "text": text},
+                             engine_token=returned[completes_at], detected_by="text")]
+        wanted = _cut_at(_texts(tokenizer, prompt, returned), stop_reason, start)
+        wanted += [w + stop_reason for w in wanted]  # include_stop_str_in_output
+    else:
+        wanted = _texts(tokenizer, prompt, returned)
+        if returned and returned[-1] in stop_ids:
+            wanted += _texts(tokenizer, prompt, returned[:-1])
+        if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
+            cut = first_stop_completion(tokenizer, returned, params)
+            if cut is not None and cut[0] < len(returned):
+                return [_finding(index, cut[0], "stop_string", "stop-string-replay",
+                                 f"stop string {cut[1]!r} is completed by token {cut[0] - 1}, but token_ids keep "
+                                 f"{len(returned) - cut[0]} token(s) after it", {"stop": cut[1], "text": text},
+                                 engine_token=returned[cut[0]], detected_by="text")]
+            if cut is not None:  # it ended on a stop string without naming it: the finish check says so
+                wanted += _cut_at(_texts(tokenizer, prompt, returned), cut[1], cut[2])
+    if text in wanted:
+        return []
+    return [_finding(index, None, "text_report", "detokenize",
+                     f"text {text[:60]!r} is not the detokenized token_ids {wanted[0][:60]!r}",
+                     {"text": text, "detokenized": wanted[0]}, detected_by="text")]
+
+
+def _logprob_findings(index: int, reference: RequestResult, returned: list[int], chosen: list[float | None],
+                      definition: str, band_at: Callable[[float], float]) -> list[dict[str, Any]]:
+    ref_lps = reference.logprobs.get(definition) or []
+    agree = next((i for i, (a, b) in enumerate(zip(reference.tokens, returned)) if a != b),
+                 min(len(reference.tokens), len(returned)))
+    off: list[tuple[int, float, float, float]] = []
+    for position in range(min(agree, len(chosen), len(ref_lps))):
+        reported = chosen[position]
+        if reported is None:
+            continue
+        top = float(reference.logits[position].max()) if reference.logits is not None else 0.0
+        tolerance = 2 * max(band_at(top), dtype_noise(FLOAT32, top))
+        if abs(reported - ref_lps[position]) > tolerance:
+            off.append((position, reported, ref_lps[position], tolerance))
+    if not off:
+        return []
+    compared = min(agree, len(chosen), len(ref_lps))
+    all_zero = all(v == 0.0 for v in chosen[:compared] if v is not None)
+    position, reported, expected, tolerance = off[0]
+    pattern = "every reported log-probability is 0.0 (p = 1)" if all_zero else f"{len(off)} of {compared} positions off"
+    reason = (f"{pattern}: at new token {position} the server reports {reported:.6g} for token {returned[position]}, "
+              f"the reference's {definition} log-probability is {expected:.6g} (tolerance {tolerance:.3g})")
+    return [_finding(index, position, "logprob_report", "logprob-compare", reason,
+                     {"definition": definition, "positions_off": [p for p, *_ in off], "compared": compared,
+                      "all_zero": all_zero, "reported": reported, "expected": expected, "tolerance": tolerance},
+                     reference.tokens[position], returned[position], detected_by="logprobs")]

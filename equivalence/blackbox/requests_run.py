@@ -1,0 +1,208 @@
+"""One audit run of a live server with request parameters: the reference decodes each prompt under its
+parameters (engines/request_reference.py), the server is sent the same parameters in its own names
+(engines/adapters/request_fields.py), and its tokens and everything it says beside them are checked
+(equivalence/blackbox/outputs.py).
+
+A token divergence that a parameter explains gets its class there (`stop_string`, `logits_processor`);
+any other token divergence is ruled against the run's noise band on the PROCESSED logits (a near-tie
+there is `numerical`) and, when structural, named by how the row ended (`stop_eos`, `stop_length`) or
+`unknown`. A parameter the server refuses (HTTP 400 naming it) or its dialect cannot carry is listed
+under `refused_parameters` and that prompt is not judged: it is not a divergence.
+
+Per-prompt parameters come from the prompts file: a `params` object on a JSONL line
+(`RequestParams.from_dict`), merged over the one set given on the command line (`prompt_params`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALTY_SCOPE
+from specaudit.engines.limits import eos_ids
+from specaudit.engines.request_reference import RequestResult, decode_with_params
+from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
+from specaudit.equivalence.blackbox import rulings
+from specaudit.equivalence.blackbox.outputs import check_report, token_cause
+
+
+def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
+                  from_file: int | None = None) -> list[RequestParams]:
+    """Each prompt's parameters: the prompts file's `params` object on its line (non-blank lines, in order,
+    as `equivalence/prompts.py` reads them) merged over `common`; `common` alone for the built-in set and
+    for prompts past the file's (the adversarial ones). `from_file`: how many of the file's prompts the
+    audit uses (`--num-prompts`), None for all."""
+    base = common or RequestParams()
+    per_line: list[RequestParams] = []
+    if source != "builtin" and Path(source).is_file():
+        lines = [line for line in Path(source).read_text(encoding="utf-8").splitlines() if line.strip()]
+        for number, line in enumerate(lines, 1):
+            record = json.loads(line)
+            given = record.get("params") if isinstance(record, dict) else None
+            try:
+                per_line.append(base.merged(RequestParams.from_dict(given)) if given else base)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{source}:{number}: params: {exc}") from None
+    if from_file is not None:
+        per_line = per_line[:from_file]
+    return [per_line[i] if i < len(per_line) else base for i in range(num_prompts)]
+
+
+def has_request_params(source: str, common: RequestParams | None) -> bool:
+    """Whether the audit sends any request parameter: a common set, or a `params` object in the prompts file."""
+    if common is not None and not (common.is_plain() and common.logprobs is None):
+        return True
+    if source == "builtin" or not Path(source).is_file():
+        return False
+    return any(isinstance(r, dict) and r.get("params") for r in
+               (json.loads(line) for line in Path(source).read_text(encoding="utf-8").splitlines() if line.strip()))
+
+
+def _ending_class(reference: RequestResult, tokens: list[int], position: int, limit: int, stop_ids: list[int]) -> str:
+    """The class of a structural divergence no parameter explains, from how the rows ended."""
+    if position >= len(reference.tokens):  # the engine went on past the reference's end
+        return "stop_length" if reference.finish_reason == "length" else "stop_eos"
+    if position >= len(tokens):  # the engine ended early
+        return "stop_eos" if tokens and tokens[-1] in stop_ids else ("stop_length" if len(tokens) >= limit else "unknown")
+    return "unknown"
+
+
+def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list[RequestParams], *,
+                   max_new_tokens: int, eos_token_id: Any, dtype: str, engine_name: str, batch_size: int | None,
+                   device: str | None = None, engine_dtype: str | None = None,
+                   logit_tolerance: float | None = None) -> dict[str, Any]:
+    """Run the server `engine` (engines/adapters/servers.py) on `prompts` with `params` (one per prompt)
+    and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
+    `refused_parameters` and `reported`)."""
+    inner = getattr(engine, "engine", engine)  # through GuardedEngine
+    dialect = getattr(inner, "dialect", "vllm")
+    scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
+    started = time.perf_counter()
+    references = [decode_with_params(pair.target, prompt, p, max_new_tokens, eos_token_id, pair.tokenizer,
+                                     penalty_scope=scope) for prompt, p in zip(prompts, params)]
+    reference_seconds = time.perf_counter() - started
+    inner.request_params = list(params)
+    started = time.perf_counter()
+    outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+    seconds = time.perf_counter() - started
+    refused = {index: exc for index, exc in getattr(inner, "last_refused", [])}
+    completions = getattr(inner, "last_completions", [None] * len(prompts))
+    judged = [i for i in range(len(prompts)) if i not in refused]
+    band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
+                              [inner.last_logprobs[i] if i in judged else None for i in range(len(prompts))],
+                              outputs, [r.tokens for r in references], [r.logits for r in references])
+    divergences: list[dict[str, Any]] = []
+    prompt_records: list[dict[str, Any]] = []
+    for index in range(len(prompts)):
+        reference, tokens, p = references[index], outputs[index], params[index]
+        record = {"index": index, "params": p.to_dict(), "reference_finish": [reference.finish_reason, reference.stop_reason]}
+        if index in refused:
+            record.update({"exact": None, "refused": str(refused[index])})
+            prompt_records.append(record)
+            continue
+        completion = completions[index] if index < len(completions) else None
+        returned = list(completion.token_ids) if completion is not None else tokens
+        report = completion.report if completion is not None else {}
+        stop_ids = sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids))
+        limit = p.max_tokens if p.max_tokens is not None else max_new_tokens
+        exact = tokens == reference.tokens
+        record.update({"exact": exact, "reported_finish": [report.get("finish_reason"), report.get("stop_reason")]})
+        prompt_records.append(record)
+        row_findings: list[dict[str, Any]] = []
+        if not exact:
+            cause = token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at)
+            if cause is not None:
+                row_findings.append(cause)
+            else:
+                row_findings.append(_ruled(index, prompts[index], p, reference, tokens, band, stop_ids, scope, limit))
+        named = {(d.get("diagnosis") or {}).get("class") for d in row_findings}
+        row_findings += [d for d in check_report(index, prompts[index], p, reference, returned, report, eos_token_id,
+                                                 pair.tokenizer, definition, band.at)
+                         if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
+        divergences += row_findings
+    structural = sum(d["kind"] == "structural" for d in divergences)
+    describe = getattr(engine, "describe", None)
+    return {
+        "engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
+        "device": device or str(pair.target.device), "num_prompts": len(prompts),
+        "exact_matches": sum(1 for r in prompt_records if r["exact"]),
+        "equivalent": structural == 0, "structural_divergences": structural,
+        "numerical_divergences": len(divergences) - structural, "max_logit_error": None,
+        "logit_tolerance": logit_tolerance, "seconds": seconds, "tokens_generated": sum(len(o) for o in outputs),
+        "error": None, "trace": None, "prompts": prompt_records, "divergences": divergences,
+        "noise_band": band.to_dict(), "speculation": getattr(inner, "last_speculation", None),
+        "engine_description": describe() if callable(describe) else None, "failures": [],
+        "request_params": [p.to_dict() for p in params], "penalty_scope": scope, "logprob_definition": definition,
+        "refused_parameters": [{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
+                               for i, exc in sorted(refused.items())],
+        "timing": {"engine": seconds, "reference": reference_seconds},
+    }
+
+
+def _ruled(index: int, prompt: list[int], params: RequestParams, reference: RequestResult, tokens: list[int],
+           band: rulings.NoiseBand, stop_ids: list[int], scope: str, limit: int) -> dict[str, Any]:
+    """A token divergence no parameter explains: the noise band on the processed logits at the split."""
+    position = next((i for i, (a, b) in enumerate(zip(reference.tokens, tokens)) if a != b),
+                    min(len(reference.tokens), len(tokens)))
+    reference_token = reference.tokens[position] if position < len(reference.tokens) else None
+    engine_token = tokens[position] if position < len(tokens) else None
+    row = None
+    if reference.logits is not None and position < reference.logits.shape[0]:
+        row = process(reference.logits[position].to(torch.float64), prompt, reference.tokens[:position], params,
+                      stop_ids, scope).greedy
+    kind, evidence = rulings.classify(band, row, reference_token, engine_token)
+    record = {"prompt_index": index, "position": position, "reference_token": reference_token,
+              "engine_token": engine_token, "kind": kind, "decided_by": "noise-band", "detected_by": "tokens",
+              "evidence": evidence}
+    if kind == "structural":
+        cls = _ending_class(reference, tokens, position, limit, stop_ids)
+        record["diagnosis"] = {"class": cls, "evidence": evidence.get("reason"), "decided_by": "ending", "tried": []}
+    return record
+
+
+def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: Any, dtype: str, engine_name: str,
+                    batch_size: int, black_box: bool) -> dict[str, Any]:
+    """The runner's run of one engine when the audit sends request parameters (equivalence/runner.py).
+    Only live servers take them: an in-process engine's contract carries token ids and limits alone."""
+    inner = getattr(engine, "engine", engine)
+    if not black_box or not hasattr(inner, "request_params"):
+        raise ValueError(f"engine {engine_name} takes no request parameters: they are sent to live servers "
+                         "(llamacpp:, vllm:, sglang:, trtllm:) only")
+    eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
+    file_prompts = config.num_prompts
+    params = prompt_params(config.prompts, len(prompts), config.request_params, file_prompts)
+    params = [with_bad_words_resolved(p, pair.tokenizer) for p in params]
+    return audit_requests(engine, pair, prompts, params, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                          dtype=dtype, engine_name=engine_name, batch_size=batch_size, device=config.device,
+                          engine_dtype=config.engine_dtype, logit_tolerance=config.logit_tolerance)
+
+
+SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")
+
+
+def preflight(config: Any) -> None:
+    """`UsageError` for request parameters the audit cannot send: an engine that is not a live server, a
+    plain engine beside them, or a prompts file whose `params` do not parse."""
+    from specaudit.engines.registry import black_box_prefix
+    from specaudit.equivalence.validate import UsageError
+
+    try:
+        if not has_request_params(config.prompts, config.request_params):
+            return
+        _check_usage(config, black_box_prefix)
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _check_usage(config: Any, black_box_prefix: Any) -> None:
+    others = [name for name in config.engines if black_box_prefix(name) not in SERVER_PREFIXES]
+    if others:
+        raise ValueError(f"request parameters are sent to live servers only ({', '.join(p + ':URL' for p in SERVER_PREFIXES)}); "
+                         f"{', '.join(others)} takes token ids and limits alone")
+    if config.plain_engine:
+        raise ValueError("--plain-engine is not combined with request parameters")
+    prompt_params(config.prompts, 0, config.request_params)  # parses every line's params

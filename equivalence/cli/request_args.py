@@ -1,0 +1,56 @@
+"""`specaudit audit` flags for request parameters: one set for every prompt (a prompts file's per-line
+`params` objects override it field by field; equivalence/blackbox/requests_run.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from specaudit.engines.requests import RequestParams
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS such as 258:-5, got {value!r}") from None
+
+
+def add_request_arguments(audit: argparse.ArgumentParser) -> None:
+    """The request-parameter flags, in their own group."""
+    group = audit.add_argument_group(
+        "request parameters (sent to live servers in each one's names; the reference applies the same; a prompts "
+        "file line's `params` object overrides them for that prompt)")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
+    group.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+                       help="a stop token id besides EOS (repeatable)")
+    group.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no stop before N new tokens")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                       help="divide positive / multiply negative logits of tokens seen in prompt and output")
+    group.add_argument("--presence-penalty", type=float, default=0.0, metavar="X")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X")
+    group.add_argument("--logit-bias", action="append", type=_logit_bias, default=[], metavar="ID:BIAS",
+                       help="add BIAS to token ID's logit (repeatable; BIAS in [-100, 100])")
+    group.add_argument("--bad-words", action="append", default=[], metavar="TEXT",
+                       help="a banned word, as text (repeatable; resolved to token ids as vLLM does)")
+    group.add_argument("--min-p", type=float, default=0.0, metavar="P", help="min_p (changes reported probabilities only)")
+    group.add_argument("--top-k", type=int, default=0, metavar="K", help="top_k (changes reported probabilities only)")
+    group.add_argument("--logprobs", type=int, default=None, metavar="N", help="top log-probabilities to ask for")
+
+
+def request_params_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RequestParams | None:
+    """The flags' RequestParams, or None when none was given; a bad value is a usage error (exit 2)."""
+    values: dict[str, Any] = {
+        "stop": tuple(args.stop), "stop_token_ids": tuple(args.stop_token_id), "min_tokens": args.min_tokens,
+        "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty, "logit_bias": tuple(args.logit_bias),
+        "bad_words_text": tuple(args.bad_words), "min_p": args.min_p, "top_k": args.top_k, "logprobs": args.logprobs,
+    }
+    try:
+        params = RequestParams(**values)
+    except ValueError as exc:
+        parser.error(f"request parameters: {exc}")
+    return None if params.is_plain() and params.logprobs is None else params

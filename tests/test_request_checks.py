@@ -1,0 +1,205 @@
+"""The request-parameter audit of a live server (equivalence/blackbox/requests_run.py) against a fake vLLM
+that really decodes with the tiny model (tests/request_server.py): correct, it is clean under every
+parameter; with each bug that shipped planted, the bug is caught and named by its class."""
+
+from __future__ import annotations
+
+import pytest
+from fake_server import FakeServer
+from request_server import vllm_answer
+
+from specaudit.engines.adapters.servers import LlamaCppEngine, VLLMEngine
+from specaudit.engines.models import zoo
+from specaudit.engines.reference import greedy_decode
+from specaudit.engines.request_reference import decode_text
+from specaudit.engines.requests import RequestParams
+from specaudit.equivalence.blackbox.requests_run import audit_requests
+
+N = 10
+EOS = 258
+
+
+class HexTokenizer:
+    """Each token as its hex digits and a dot: printable, several characters a token."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"{i:x}." for i in ids)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    pair = zoo.load_pair("tiny-llama", dtype="float64")
+    pair.tokenizer = HexTokenizer()
+    return pair
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    return [list(b"The cat sat"), list(b"Hello there")]
+
+
+def audit(pair, prompts, params, bug=None, engine_class=VLLMEngine, answer=None):
+    with FakeServer(answer or vllm_answer(pair.target, pair.tokenizer, EOS, bug)) as server:
+        engine = engine_class(server.url)
+        run = audit_requests(engine, pair, prompts, params, max_new_tokens=N, eos_token_id=EOS, dtype="float64",
+                             engine_name="vllm:fake", batch_size=1)
+    return run, server
+
+
+def classes(run):
+    return sorted({(d.get("diagnosis") or {}).get("class") for d in run["divergences"] if d["kind"] == "structural"})
+
+
+def stop_string_params(pair, prompts):
+    """A stop string from the middle of each prompt's plain output (it completes inside the output)."""
+    out = []
+    for prompt in prompts:
+        plain, _ = greedy_decode(pair.target, prompt, N, None)
+        text = decode_text(pair.tokenizer, plain)
+        out.append(RequestParams(stop=[text[7:12]]))
+    return out
+
+
+def mixed_params(pair, prompts):
+    plain, _ = greedy_decode(pair.target, prompts[0], N, None)
+    return [RequestParams(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.3,
+                          logit_bias={plain[1]: -30.0}),
+            RequestParams(min_tokens=2, logit_bias={EOS: 60.0}, stop_token_ids=[7])]
+
+
+def test_correct_server_is_clean_under_every_parameter(pair, prompts):
+    for params in (stop_string_params(pair, prompts), mixed_params(pair, prompts)):
+        run, server = audit(pair, prompts, params)
+        assert run["divergences"] == [] and run["equivalent"], run["divergences"]
+        assert run["exact_matches"] == len(prompts)
+    body = server.requests[-1][1]
+    assert body["min_tokens"] == 2 and body["logit_bias"] == {str(EOS): 60.0} and body["stop_token_ids"] == [EOS, 7]
+    assert run["prompts"][1]["reference_finish"] == ["stop", None]  # EOS after min_tokens
+
+
+def test_text_cut_at_stop_with_tokens_kept_after_it_is_stop_string(pair, prompts):
+    run, _ = audit(pair, prompts, stop_string_params(pair, prompts), bug="stop_tail")
+    assert classes(run) == ["stop_string"]
+    found = [d for d in run["divergences"] if d["diagnosis"]["class"] == "stop_string"]
+    assert len(found) == len(prompts) and all(d["decided_by"] == "stop-string-replay" for d in found)
+
+
+def test_logit_bias_skipped_at_some_positions_is_logits_processor(pair, prompts):
+    run, _ = audit(pair, prompts[:1], mixed_params(pair, prompts)[:1], bug="bias_skipped")
+    assert classes(run) == ["logits_processor"]
+    [found] = [d for d in run["divergences"] if d["kind"] == "structural"]
+    assert found["evidence"]["processor"] == "logit_bias" and found["position"] % 2 == 1
+
+
+def test_logprob_zero_for_every_token_is_logprob_report(pair, prompts):
+    run, _ = audit(pair, prompts, stop_string_params(pair, prompts), bug="zero_logprobs")
+    assert classes(run) == ["logprob_report"]
+    assert all(d["evidence"]["all_zero"] for d in run["divergences"])
+
+
+def test_wrong_finish_reason_and_usage_are_named(pair, prompts):
+    # prompt 0 ends on EOS after min_tokens, prompt 1 on a stop string
+    params = mixed_params(pair, prompts)[1:] + stop_string_params(pair, prompts)[1:]
+    run, _ = audit(pair, prompts, params, bug="finish_wrong")
+    assert classes(run) == ["finish_reason"] and run["structural_divergences"] == 2
+    run, _ = audit(pair, prompts, params, bug="usage_wrong")
+    assert classes(run) == ["usage_report"]
+
+
+def test_refused_parameters_are_reported_not_divergences(pair, prompts):
+    def refuses_min_p(path, body):
+        if "min_p" in body:
+            return 400, {"object": "error", "message": "min_p: not supported with speculative decoding"}
+        return vllm_answer(pair.target, pair.tokenizer, EOS)(path, body)
+
+    params = [RequestParams(min_p=0.1), RequestParams(bad_words=[[1, 2]])]  # ids alone: vLLM takes text
+    run, server = audit(pair, prompts, params, answer=refuses_min_p)
+    assert run["divergences"] == [] and run["equivalent"]
+    assert [(r["prompt_index"], r["parameter"]) for r in run["refused_parameters"]] == [(0, "min_p"), (1, "bad_words")]
+    assert len(server.requests) == 1  # the client-side refusal sent nothing
+    # llama.cpp has no min_tokens: refused by the client
+    run, _ = audit(pair, prompts[:1], [RequestParams(min_tokens=3)], engine_class=LlamaCppEngine,
+                   answer=lambda path, body: (500, {}))
+    assert run["refused_parameters"][0]["parameter"] == "min_tokens"
+
+
+def test_audit_command_sends_flags_and_per_prompt_params(tmp_path):
+    """`specaudit audit` against the fake vLLM: the flags' parameters for every prompt, a prompts file line's
+    `params` over them; the correct server exits 0, the one reporting logprob 0.0 exits 1 with the class named."""
+    import json
+
+    from cli_run import audit as cli_audit, runs
+
+    served = zoo.load_pair("tiny-llama", dtype="float64")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": list(b"The cat"), "params": {"min_tokens": 2, "logit_bias": {"258": 60}}})
+                       + "\n" + json.dumps({"input_ids": list(b"Hello")}) + "\n")
+    flags = ["--pair", "tiny-llama", "--batch-size", "1", "--max-new-tokens", "6", "--prompts", str(prompts),
+             "--no-adversarial", "--repetition-penalty", "1.4", "--logprobs", "1"]
+    for bug, code in ((None, 0), ("zero_logprobs", 1)):
+        with FakeServer(vllm_answer(served.target, served.tokenizer, EOS, bug)) as server:
+            result = cli_audit("--engine", f"vllm:{server.url}", *flags, out=tmp_path / str(bug))
+        assert result.returncode == code, result.stdout + result.stderr
+        [run] = runs(tmp_path / str(bug))
+        bodies = [body for _, body in server.requests]
+        assert [b["repetition_penalty"] for b in bodies] == [1.4, 1.4] and [b["logprobs"] for b in bodies] == [1, 1]
+        assert bodies[0]["min_tokens"] == 2 and "min_tokens" not in bodies[1]
+        assert run["request_params"][0] == {"min_tokens": 2, "repetition_penalty": 1.4, "logit_bias": {"258": 60.0},
+                                            "logprobs": 1}
+        assert run["prompts"][0]["reference_finish"] == ["stop", None]
+    assert {d["diagnosis"]["class"] for d in run["divergences"]} == {"logprob_report"}
+
+
+def test_llamacpp_dialect_names_and_its_speculative_zero_logprobs(pair, prompts):
+    from request_server import llamacpp_answer
+
+    plain, _ = greedy_decode(pair.target, prompts[0], N, None)
+    params = [RequestParams(repetition_penalty=1.3, logit_bias={plain[1]: -30.0}, logprobs=2),
+              stop_string_params(pair, prompts)[1]]
+    run, server = audit(pair, prompts, params, engine_class=LlamaCppEngine,
+                        answer=llamacpp_answer(pair.target, pair.tokenizer, EOS))
+    assert run["divergences"] == [] and run["exact_matches"] == 2 and run["penalty_scope"] == "context"
+    body = server.requests[0][1]
+    assert body["repeat_penalty"] == 1.3 and body["repeat_last_n"] == -1 and body["n_probs"] == 2
+    assert body["logit_bias"] == [[plain[1], -30.0]] and server.requests[1][1]["stop"] == list(params[1].stop)
+    run, _ = audit(pair, prompts, params, engine_class=LlamaCppEngine,
+                   answer=llamacpp_answer(pair.target, pair.tokenizer, EOS, zero_logprobs=True))
+    assert classes(run) == ["logprob_report"] and all(d["evidence"]["all_zero"] for d in run["divergences"])
+    # an EOS ending (not returned by llama.cpp) still has its finish checked
+    eos_params = [RequestParams(logit_bias={EOS: 60.0})]  # EOS first: llama.cpp has no min_tokens
+    run, _ = audit(pair, prompts[:1], eos_params, engine_class=LlamaCppEngine,
+                   answer=llamacpp_answer(pair.target, pair.tokenizer, EOS))
+    assert run["divergences"] == [] and run["prompts"][0]["reported_finish"] == ["stop", None]
+
+    def says_limit(path, body):
+        status, answer = llamacpp_answer(pair.target, pair.tokenizer, EOS)(path, body)
+        return status, {**answer, "stop_type": "limit"}
+
+    run, _ = audit(pair, prompts[:1], eos_params, engine_class=LlamaCppEngine, answer=says_limit)
+    assert "finish_reason" in classes(run)
+
+
+def test_min_tokens_skipped_at_some_positions_is_logits_processor(pair, prompts):
+    params = [RequestParams(min_tokens=4, logit_bias={EOS: 60.0})]
+    run, _ = audit(pair, prompts[:1], params, bug="min_tokens_skipped")
+    assert classes(run) == ["logits_processor"]
+    [found] = [d for d in run["divergences"] if d["kind"] == "structural"]
+    assert found["evidence"]["processor"] == "min_tokens" and found["engine_token"] == EOS
+
+
+def test_request_params_for_an_in_process_engine_or_a_bad_params_line_are_usage_errors(tmp_path):
+    from cli_run import audit as cli_audit
+
+    result = cli_audit("--engine", "eqspec", "--pair", "tiny-llama", "--stop", "ab", out=tmp_path / "a")
+    assert result.returncode == 2 and "live servers only" in result.stderr
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"input_ids": [1, 2], "params": {"stopp": ["x"]}}\n')
+    result = cli_audit("--engine", "vllm:http://127.0.0.1:9", "--pair", "tiny-llama", "--prompts", str(prompts),
+                       out=tmp_path / "b")
+    assert result.returncode == 2 and "p.jsonl:1: params: unknown request parameter(s) stopp" in result.stderr
+    result = cli_audit("--engine", "vllm:http://127.0.0.1:9", "--pair", "tiny-llama", "--logit-bias", "5:500",
+                       out=tmp_path / "c")
+    assert result.returncode == 2 and "[-100, 100]" in result.stderr
