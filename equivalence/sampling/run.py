@@ -55,7 +55,7 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
-                  recorded: list[Sample] | None = None) -> dict[str, Any]:
+                  recorded: list[Sample] | None = None, seed_checks: bool = True) -> dict[str, Any]:
     """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict."""
     started = time.perf_counter()
     if recorded is None:
@@ -68,8 +68,9 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed)
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
-    report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed) if recorded is None
-                       else {"checked": False, "why": "a recording cannot be re-run"})
+    report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed) if recorded is None and seed_checks
+                       else {"checked": False, "why": "a recording cannot be re-run" if recorded is not None
+                             else "not asked"})
     seeds = report["seeds"]
     report["verdict"] = ("departure" if report["departs"]
                          else "seed broken" if seeds.get("checked") and not (seeds["same_seed_same_output"]
