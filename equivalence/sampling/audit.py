@@ -41,7 +41,8 @@ def _direction(u: torch.Tensor) -> str:
 def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = 0.01,
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64) -> dict[str, Any]:
     """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict."""
-    generator = torch.Generator().manual_seed(seed)
+    # the PIT's own stream, apart from every request's ((seed << 20) + i, engines/sampling/engine.py)
+    generator = torch.Generator().manual_seed((1 << 62) + seed)
     probs = target_distributions(model, samples, params)
     tokens, positions, table, contexts = [], [], [], defaultdict(list)
     impossible = []
