@@ -80,3 +80,26 @@ def test_the_exact_check_sees_a_departure_in_the_second_position_only() -> None:
     target = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 0.5]], dtype=torch.float64)
     worst = step_departure(SpeculativeRule(verify=late_fault), target, target.clone(), SamplingParams(1.0))
     assert worst.position == 1 and worst.total_variation > 0.3
+
+
+def test_top_p_by_sorting_agrees_with_the_pairwise_rule() -> None:
+    """Vocabularies above 512 take the sort-based top-p; it keeps the same tokens, ties included."""
+    from specaudit.engines.sampling.process import _keep_top_p
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(-3, 3, (5, 600), generator=gen).to(torch.float64)  # many ties
+    probs = torch.softmax(logits, -1)
+    above = (probs.unsqueeze(-2) * (probs.unsqueeze(-2) > probs.unsqueeze(-1))).sum(-1)
+    for top_p in (0.3, 0.5, 0.9):
+        assert torch.equal(_keep_top_p(probs, top_p), above < top_p)
+
+
+def test_the_batched_sampler_names_accepted_recovered_and_bonus_tokens() -> None:
+    from specaudit.engines.sampling.rules import rejection_sample, seeded_draws
+
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]],  # row 0: draft 1 accepted, bonus 2
+                      [[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]], dtype=torch.float64)  # row 1: draft 1 rejected, 0 recovered
+    q = torch.tensor([[[0.0, 1.0, 0.0]], [[0.0, 1.0, 0.0]]], dtype=torch.float64)
+    out = rejection_sample(p, q, torch.tensor([[1], [1]]), [seeded_draws(0), seeded_draws(1)])
+    assert out.accepted == [[1], []] and out.final == [2, 0] and out.bonus == [True, False]
+    assert out.as_tensor(1).tolist() == [[1, 2], [0, -1]]
