@@ -106,3 +106,6 @@ def test_bad_sampling_options_are_one_line_usage_errors(tmp_path, capsys) -> Non
     assert exit_info.value.code == 2
     assert main(["audit", "--engine", "sampled-spec", "--temperature", "1", "--out", str(tmp_path)]) == 2
     assert "one pair" in capsys.readouterr().err
+    assert main(["audit", "--pair", "tiny-llama", "--engine", "no-such-engine", "--temperature", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert "unknown sampled engine" in capsys.readouterr().err

@@ -85,10 +85,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     reports: dict[str, Any] = {}
     for spec in args.engine:
-        recorded = _recorded_samples(spec[len("recorded:"):]) if spec.startswith("recorded:") else None
-        engine = None if recorded is not None else make_engine(
-            spec, pair.target, pair.draft, params, seed=args.seed, draft_tokens=args.draft_tokens,
-            options=engine_options(args))
+        try:
+            recorded = _recorded_samples(spec[len("recorded:"):]) if spec.startswith("recorded:") else None
+            engine = None if recorded is not None else make_engine(
+                spec, pair.target, pair.draft, params, seed=args.seed, draft_tokens=args.draft_tokens,
+                options=engine_options(args))
+        except (ValueError, ImportError, AttributeError) as exc:  # a bad name or file: one line, exit 2
+            print(f"specaudit audit: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         report = sampled_audit(engine, pair.target, prompts, params, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
                                alpha=args.alpha, recorded=recorded)
