@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     audit_cli.add_parsers(commands, Formatter)
     blackbox_cli.add_parsers(commands, Formatter)
     bench_cli.add_parser(commands, Formatter)
+    from specaudit.equivalence.sampling import cli as sampling_cli
+
+    sampling_cli.add_options(commands.choices["audit"])  # --temperature etc.: the sampled audit
     return parser
 
 
@@ -35,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "audit" and args.temperature is not None:
+        from specaudit.equivalence.sampling import cli as sampling_cli
+
+        return sampling_cli.run(args)
     if args.command in ("audit", "pairs", "engines"):
         return audit_cli.run(args, parser)
     if args.command in blackbox_cli.COMMANDS:

@@ -1,0 +1,79 @@
+"""One sampled audit: draw `samples` outputs from an engine (or read them from a recording), test them
+against the target by teacher forcing (`audit`), and, for an in-process engine, check the seed's
+promises: the same seed gives the same tokens, and a seeded request gives the same tokens alone as
+inside a batch (randomness leaking across rows breaks it)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from typing import Any
+
+from specaudit.engines.sampling.engine import SampledReference, SampledSpeculative, request_seeds
+from specaudit.engines.sampling.process import SamplingParams
+from specaudit.equivalence.sampling.audit import audit_samples
+from specaudit.equivalence.sampling.teacher import Sample
+
+BUILTIN_SAMPLED = {"sampled-spec": SampledSpeculative, "sampled-reference": SampledReference}
+
+
+def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, seed: int, draft_tokens: int,
+                options: dict[str, Any]) -> Any:
+    """A built-in sampled engine by name, or `package.module:factory` called as
+    factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)."""
+    if spec in BUILTIN_SAMPLED:
+        factory = BUILTIN_SAMPLED[spec]
+    elif ":" in spec:
+        module, _, name = spec.partition(":")
+        factory = getattr(importlib.import_module(module), name)
+    else:
+        raise ValueError(f"unknown sampled engine {spec!r}: give {', '.join(BUILTIN_SAMPLED)}, recorded:FILE "
+                         "or package.module:factory")
+    return factory(target, draft, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                   seed=seed, draft_tokens=draft_tokens, **options)
+
+
+def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
+    """`samples` requests over the prompts, as evenly as possible, in prompt order."""
+    return [prompts[i % len(prompts)] for i in range(samples)]
+
+
+def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any, seed: int
+                ) -> dict[str, Any]:
+    """Same seed twice, and the first request alone against it inside the batch."""
+    if "seeds" not in inspect.signature(engine.generate).parameters:
+        return {"checked": False, "why": "the engine takes no per-request seeds"}
+    batch = prompts[:4] if len(prompts) >= 4 else (prompts * 4)[:4]
+    seeds = request_seeds(seed + 7919, len(batch))
+    first = engine.generate(batch, max_new_tokens, eos_token_id, seeds=seeds)
+    second = engine.generate(batch, max_new_tokens, eos_token_id, seeds=seeds)
+    alone = [engine.generate([prompt], max_new_tokens, eos_token_id, seeds=[s])[0] for prompt, s in zip(batch, seeds)]
+    return {"checked": True, "same_seed_same_output": first == second, "alone_equals_batch": alone == first,
+            "rows_differing_alone": [i for i, (a, b) in enumerate(zip(alone, first)) if a != b]}
+
+
+def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
+                  max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
+                  recorded: list[Sample] | None = None, seed_checks: bool = True) -> dict[str, Any]:
+    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict."""
+    started = time.perf_counter()
+    if recorded is None:
+        requests = spread(prompts, samples)
+        outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+        drawn: list[Sample] = list(zip(requests, outputs))
+    else:
+        drawn = recorded
+    sampling_seconds = time.perf_counter() - started
+    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed)
+    report["seconds"] = {"sampling": sampling_seconds,
+                         "testing": time.perf_counter() - started - sampling_seconds}
+    report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed) if recorded is None and seed_checks
+                       else {"checked": False, "why": "a recording cannot be re-run" if recorded is not None
+                             else "not asked"})
+    seeds = report["seeds"]
+    report["verdict"] = ("departure" if report["departs"]
+                         else "seed broken" if seeds.get("checked") and not (seeds["same_seed_same_output"]
+                                                                             and seeds["alone_equals_batch"])
+                         else "no departure found")
+    return report

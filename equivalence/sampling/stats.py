@@ -1,0 +1,139 @@
+"""The statistics of the sampled audit, in float64 torch (no other dependency).
+
+- `randomized_pit`: token t drawn from a distribution P becomes u = F(t-) + v P(t), v ~ U[0, 1), with
+  the tokens ordered by descending probability (ties by id). u is exactly U[0, 1) when t ~ P; over a
+  sequence where each token is drawn from its own conditional P given the tokens before, the u's are
+  independent U[0, 1). The order puts likely tokens near 0, so a sampler too sharp (temperature too
+  low, argmax, a cut too tight) piles u's near 0 and one too flat near 1, in every context alike.
+  The departure of u from uniform in total variation equals TV(Q, P), the sampler's own departure.
+- `chi_square_uniform` (binned u's), `ks_uniform` (Kolmogorov-Smirnov), `chi_square_counts` (tokens
+  counted in one context against P, tokens of expected count below 5 merged into one bin).
+- `holm`: Holm's step-down correction of a family of p-values (family-wise error at most alpha).
+- `detectable_tv`: power. A chi-square test with `df` degrees of freedom on n draws sees a departure
+  of TV d between its bins with noncentrality at least 4 n d^2 (the least detectable direction: mass
+  d moved between two halves of probability 1/2 each). The smallest d whose power reaches `power` at
+  level `alpha` is found by bisection on the noncentral chi-square's survival function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+F64 = torch.float64
+
+
+def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, jitter: torch.Tensor) -> torch.Tensor:
+    """probs [n, V], tokens [n], jitter [n] U[0, 1) -> u [n] (NaN where the token has probability 0)."""
+    p_t = probs.gather(-1, tokens[:, None])  # [n, 1]
+    ids = torch.arange(probs.shape[-1])[None, :]  # [1, V]
+    before = (probs > p_t) | ((probs == p_t) & (ids < tokens[:, None]))  # [n, V]
+    u = (probs * before).sum(-1) + jitter * p_t[:, 0]
+    return torch.where(p_t[:, 0] > 0, u, torch.full_like(u, float("nan")))
+
+
+def chi_square_survival(statistic: float, df: int) -> float:
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=F64), torch.tensor(statistic / 2, dtype=F64)))
+
+
+def chi_square_critical(df: int, alpha: float) -> float:
+    low, high = 0.0, float(df) + 100.0 * math.sqrt(df) + 200.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if chi_square_survival(middle, df) > alpha else (low, middle)
+    return high
+
+
+def noncentral_chi_square_survival(threshold: float, df: int, noncentrality: float) -> float:
+    """P(X > threshold) for X ~ chi^2(df, noncentrality): the Poisson(noncentrality/2) mixture of chi^2(df + 2i)."""
+    half = noncentrality / 2
+    terms = int(half + 12 * math.sqrt(half + 1) + 60)
+    i = torch.arange(terms, dtype=F64)
+    log_weights = -half + i * math.log(half) - torch.lgamma(i + 1) if half > 0 else torch.where(i == 0, 0.0, -math.inf)
+    tails = torch.special.gammaincc(df / 2 + i, torch.full_like(i, threshold / 2))
+    return float((log_weights.exp() * tails).sum())
+
+
+def detectable_tv(n: int, df: int, alpha: float, power: float = 0.8) -> float:
+    """The smallest total variation between a test's bins that it detects with `power` at level alpha on n draws."""
+    if n <= 0 or df <= 0:
+        return 1.0
+    critical = chi_square_critical(df, alpha)
+    low, high = 0.0, 1.0
+    if noncentral_chi_square_survival(critical, df, 4 * n) < power:
+        return 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if noncentral_chi_square_survival(critical, df, 4 * n * middle ** 2) >= power:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def chi_square_uniform(u: torch.Tensor, bins: int) -> dict[str, float]:
+    """Binned u's against uniform: statistic, df, p-value, observed TV between the bins."""
+    n = u.numel()
+    counts = torch.bincount((u * bins).long().clamp(0, bins - 1), minlength=bins).to(F64)
+    expected = n / bins
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    return {"test": "chi_square_pit", "n": n, "bins": bins, "df": bins - 1, "statistic": statistic,
+            "p_value": chi_square_survival(statistic, bins - 1),
+            "tv_observed": 0.5 * float((counts / n - 1 / bins).abs().sum())}
+
+
+def ks_uniform(u: torch.Tensor) -> dict[str, float]:
+    """Kolmogorov-Smirnov against U[0, 1): D and its asymptotic p-value (Stephens' small-n correction)."""
+    n = u.numel()
+    ordered = u.sort().values
+    ranks = torch.arange(1, n + 1, dtype=F64)
+    distance = float(torch.maximum(ranks / n - ordered, ordered - (ranks - 1) / n).max())
+    root = math.sqrt(n)
+    lam = (root + 0.12 + 0.11 / root) * distance
+    j = torch.arange(1, 101, dtype=F64)
+    p_value = float((2 * ((-1) ** (j - 1)) * torch.exp(-2 * j ** 2 * lam ** 2)).sum()) if lam > 0 else 1.0
+    return {"test": "ks_pit", "n": n, "statistic": distance, "p_value": min(1.0, max(0.0, p_value))}
+
+
+def chi_square_counts(counts: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
+    """Tokens counted in one context [V] against its distribution [V]; tokens of expected count below 5
+    are merged into one bin (dropped when that bin still expects less than 5, folded into the smallest kept)."""
+    n = float(counts.sum())
+    expected = probs * n
+    big = expected >= 5
+    observed_bins = [counts[big]]
+    expected_bins = [expected[big]]
+    rest_expected, rest_observed = float(expected[~big].sum()), float(counts[~big].sum())
+    if rest_expected >= 5:
+        observed_bins.append(torch.tensor([rest_observed], dtype=F64))
+        expected_bins.append(torch.tensor([rest_expected], dtype=F64))
+    observed, wanted = torch.cat(observed_bins), torch.cat(expected_bins)
+    if rest_expected < 5 and observed.numel():  # fold the small rest into the least likely kept bin
+        smallest = int(wanted.argmin())
+        observed[smallest] += rest_observed
+        wanted[smallest] += rest_expected
+    df = observed.numel() - 1
+    statistic = float(((observed - wanted) ** 2 / wanted).sum()) if df > 0 else 0.0
+    return {"test": "chi_square_context", "n": int(n), "df": df, "statistic": statistic,
+            "p_value": chi_square_survival(statistic, df),
+            "tv_observed": 0.5 * float((counts / n - probs).abs().sum())}
+
+
+def null_tv(probs: torch.Tensor, n: int, generator: torch.Generator, repeats: int = 200) -> float:
+    """The mean TV between n draws from probs [V] and probs itself: what sampling noise alone gives."""
+    draws = torch.multinomial(probs.expand(repeats, -1), n, replacement=True, generator=generator)  # [repeats, n]
+    counts = torch.zeros(repeats, probs.numel(), dtype=F64).scatter_add_(1, draws, torch.ones_like(draws, dtype=F64))
+    return float((0.5 * (counts / n - probs).abs().sum(-1)).mean())
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm-adjusted p-values, in the input order."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted, running = [0.0] * len(p_values), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
