@@ -21,7 +21,9 @@ about stopping and anything the client had to cut.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+from specaudit.engines.limits import eos_ids
 
 from specaudit.engines.adapters.server_base import (  # noqa: F401 (re-exported for users and tests)
     DEFAULT_TOP_LOGPROBS, Completion, ServerEngine, _top_dict, finish_output,
@@ -30,7 +32,7 @@ from specaudit.engines.adapters.server_base import (  # noqa: F401 (re-exported 
 
 # --- llama.cpp: POST /completion -------------------------------------------------------------------
 
-def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                      top_logprobs: int = DEFAULT_TOP_LOGPROBS) -> dict[str, Any]:
     """llama.cpp `/completion`: ids as `prompt`, greedy, no penalties, no prompt cache reuse (reused
     KV from another request would make the output depend on what ran before)."""
@@ -46,7 +48,7 @@ def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int |
         "n_probs": top_logprobs,
         "cache_prompt": False,
         "stream": False,
-        "ignore_eos": eos_token_id is None,
+        "ignore_eos": not eos_ids(eos_token_id),
     }
 
 
@@ -81,7 +83,7 @@ class LlamaCppEngine(ServerEngine):
     server_name = "llama.cpp"
     path = "/completion"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return llamacpp_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
 
     def parse(self, answer: Any) -> Completion:
@@ -90,11 +92,12 @@ class LlamaCppEngine(ServerEngine):
 
 # --- vLLM and TensorRT-LLM: POST /v1/completions (OpenAI-compatible) ---------------------------------
 
-def _openai_stop_fields(eos_token_id: int | None) -> dict[str, Any]:
-    return {"stop_token_ids": [eos_token_id]} if eos_token_id is not None else {"ignore_eos": True}
+def _openai_stop_fields(eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    ids = list(eos_ids(eos_token_id))  # every id of the set stops the request
+    return {"stop_token_ids": ids} if ids else {"ignore_eos": True}
 
 
-def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                  top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None) -> dict[str, Any]:
     """vLLM `/v1/completions`: the ids as `prompt`, greedy, output ids returned (`return_token_ids`)
     and log-probability entries named `token_id:ID` (`return_tokens_as_token_ids`)."""
@@ -136,7 +139,8 @@ def vllm_parse(answer: dict[str, Any]) -> Completion:
     finish = choice.get("finish_reason")
     stop_reason = choice.get("stop_reason")
     completion = Completion(tokens, finish=finish,
-                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)))
+                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)),
+                            stop_token=stop_reason if isinstance(stop_reason, int) else None)
     logprobs = choice.get("logprobs") or {}
     tops, chosen = logprobs.get("top_logprobs") or [], logprobs.get("token_logprobs") or []
     if tops and len(tops) == len(tokens) and len(chosen) == len(tokens):
@@ -160,14 +164,14 @@ class VLLMEngine(ServerEngine):
     server_name = "vLLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
 
     def parse(self, answer: Any) -> Completion:
         return vllm_parse(answer)
 
 
-def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None) -> dict[str, Any]:
     """TensorRT-LLM `trtllm-serve` `/v1/completions`. Its request model forbids unknown fields and
     requires `model`; it returns output ids only with `detokenize` false (then `text` is empty). Its
@@ -198,7 +202,8 @@ def trtllm_parse(answer: dict[str, Any]) -> Completion:
     finish = choice.get("finish_reason")
     stop_reason = choice.get("stop_reason")
     completion = Completion(tokens, finish=finish,
-                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)))
+                            stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)),
+                            stop_token=stop_reason if isinstance(stop_reason, int) else None)
     if choice.get("logprobs"):
         completion.notes.append("log-probabilities not used: TensorRT-LLM names alternatives by text, not id")
     return completion
@@ -212,7 +217,7 @@ class TRTLLMEngine(ServerEngine):
     server_name = "TensorRT-LLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return trtllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
 
     def parse(self, answer: Any) -> Completion:
@@ -221,7 +226,7 @@ class TRTLLMEngine(ServerEngine):
 
 # --- SGLang: POST /generate ----------------------------------------------------------------------
 
-def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS) -> dict[str, Any]:
     """SGLang's native `/generate`: ids as `input_ids`, greedy sampling parameters, log-
     probabilities of the output only (`logprob_start_len` -1) with `top_logprobs_num` alternatives."""
@@ -235,8 +240,8 @@ def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | N
         "frequency_penalty": 0.0,
         "skip_special_tokens": False,
     }
-    if eos_token_id is not None:
-        sampling["stop_token_ids"] = [eos_token_id]
+    if eos_ids(eos_token_id):
+        sampling["stop_token_ids"] = list(eos_ids(eos_token_id))
     else:
         sampling["ignore_eos"] = True
     return {
@@ -262,7 +267,8 @@ def sglang_parse(answer: Any) -> Completion:
     finish = finish_reason.get("type") if isinstance(finish_reason, dict) else str(finish_reason)
     matched = finish_reason.get("matched") if isinstance(finish_reason, dict) else None
     completion = Completion(tokens, finish=finish,
-                            stopped_at_eos=finish == "stop" and (matched is None or isinstance(matched, int)))
+                            stopped_at_eos=finish == "stop" and (matched is None or isinstance(matched, int)),
+                            stop_token=matched if isinstance(matched, int) else None)
     tops = meta.get("output_top_logprobs") or []
     if tops and len(tops) == len(tokens):
         completion.logprobs = []
@@ -281,7 +287,7 @@ class SGLangEngine(ServerEngine):
     server_name = "SGLang"
     path = "/generate"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return sglang_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
 
     def parse(self, answer: Any) -> Completion:

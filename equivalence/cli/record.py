@@ -39,9 +39,19 @@ def add_parser(commands: Any, formatter: type) -> None:
     source.add_argument("--tokenizer", metavar="PATH", help="tokenise with this local Hugging Face tokenizer")
     how = record.add_argument_group("decoding")
     how.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt")
-    how.add_argument("--eos-token-id", default="auto", metavar="ID|none|auto",
-                     help="stop token (auto: the pair's or the tokenizer's EOS)")
+    how.add_argument("--eos-token-id", default="auto", metavar="ID[,ID...]|none|auto",
+                     help="stop tokens: an id, a set of ids A,B (any of them ends a row), none, or auto (the "
+                          "pair's or the tokenizer's EOS)")
     how.add_argument("--batch-size", type=int, default=8, metavar="N", help="requests in flight at once")
+
+
+def _eos_ids(value: str) -> int | list[int]:
+    from specaudit.equivalence.cli.args import eos_token_ids
+
+    try:
+        return eos_token_ids(value, "none or auto")
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--eos-token-id: {exc}") from None
 
 
 def _tokenizer(args: argparse.Namespace) -> tuple[Any | None, int | None]:
@@ -89,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the tokenizer names no EOS: give --eos-token-id ID or none")
         eos = default_eos
     else:
-        eos = None if args.eos_token_id == "none" else int(args.eos_token_id)
+        eos = None if args.eos_token_id == "none" else _eos_ids(args.eos_token_id)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     options = {}
     for item in args.engine_option:
