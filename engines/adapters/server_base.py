@@ -109,7 +109,8 @@ class ServerEngine:
             self._observe(True, "an answer to GET /metrics")
         return snapshot, failure
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int,
+                eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         raise NotImplementedError
 
     def parse(self, answer: Any) -> Completion:
@@ -126,7 +127,8 @@ class ServerEngine:
             raise ServerError(f"{self.server_name} server at {self.url}: unexpected answer shape "
                               f"({type(exc).__name__}: {exc}); is this a {self.server_name} server?") from None
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self.last_speculation = None
@@ -175,7 +177,8 @@ class ServerEngine:
 
 
 def finish_output(completion: Completion, max_new_tokens: int,
-                  eos_token_id: int | Sequence[int] | None) -> tuple[list[int], list[dict[int, float]] | None, dict[str, Any]]:
+                  eos_token_id: int | Sequence[int] | None
+                  ) -> tuple[list[int], list[dict[int, float]] | None, dict[str, Any]]:
     """The contract's output from a server's answer: EOS appended when the server says it stopped on
     EOS without returning it (the id it names, else the only id of the set), then cut at the first EOS
     of the set (kept) and at `max_new_tokens`."""

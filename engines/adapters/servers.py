@@ -83,7 +83,8 @@ class LlamaCppEngine(ServerEngine):
     server_name = "llama.cpp"
     path = "/completion"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int,
+                eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return llamacpp_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
 
     def parse(self, answer: Any) -> Completion:
@@ -164,7 +165,8 @@ class VLLMEngine(ServerEngine):
     server_name = "vLLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int,
+                eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
 
     def parse(self, answer: Any) -> Completion:
@@ -217,7 +219,8 @@ class TRTLLMEngine(ServerEngine):
     server_name = "TensorRT-LLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int,
+                eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return trtllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model)
 
     def parse(self, answer: Any) -> Completion:
@@ -287,7 +290,8 @@ class SGLangEngine(ServerEngine):
     server_name = "SGLang"
     path = "/generate"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    def request(self, prompt: list[int], max_new_tokens: int,
+                eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
         return sglang_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs)
 
     def parse(self, answer: Any) -> Completion:
