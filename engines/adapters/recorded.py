@@ -123,6 +123,8 @@ def read_recording(path: str | Path) -> list[RecordedLine]:
         prompt = _ids(record["prompt_ids"], "prompt_ids", where, allow_empty=False)
         output = _ids(record["output_ids"], "output_ids", where, allow_empty=True)
         metadata = {key: value for key, value in record.items() if key not in KNOWN_FIELDS}
+        if "eos_token_id" in metadata:
+            _recorded_eos(metadata["eos_token_id"], where)  # null, an id or a list of ids
         lines.append(RecordedLine(prompt, output, _logprobs(record, output, where), metadata))
     if not lines:
         raise RecordingError(f"recording {str(path)!r} is empty: give one JSON object per line")
