@@ -133,3 +133,10 @@ def test_eos_ids_on_the_command_line_match_a_recording_as_a_set(folders, tmp_pat
     (run,) = runs(tmp_path / "one")
     assert one.returncode == 1 and f"recorded with eos_token_id=[{SECOND_EOS},{FIRST_EOS}]" in run["error"]
     assert f"pass --eos-token-id {SECOND_EOS},{FIRST_EOS}" in run["error"]
+
+
+@pytest.mark.parametrize("name, batch_size", [("hf-batched", 4), ("hf-assisted", 1), ("hf-continuous", 4)])
+def test_the_hugging_face_adapters_stop_at_every_eos_id(pair, prompts, reference, name: str, batch_size: int) -> None:
+    engine = make_engine(name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=3,
+                         pad_token_id=pair.pad_token_id)
+    assert engine.generate(prompts, MAX_NEW, pair.eos_token_id) == reference.outputs
