@@ -140,3 +140,12 @@ def test_the_hugging_face_adapters_stop_at_every_eos_id(pair, prompts, reference
     engine = make_engine(name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=3,
                          pad_token_id=pair.pad_token_id)
     assert engine.generate(prompts, MAX_NEW, pair.eos_token_id) == reference.outputs
+
+
+def test_the_python_api_takes_an_eos_set(folders) -> None:
+    import specaudit
+
+    report = specaudit.audit(f"recorded:{folders['past']}", target=str(folders["target"]), max_new_tokens=MAX_NEW,
+                             eos_token_id=(FIRST_EOS, SECOND_EOS))
+    assert report.data["config"]["eos_token_id"] == [FIRST_EOS, SECOND_EOS]
+    assert report.exit_status == 1 and {d["diagnosis"]["class"] for d in report.divergences} == {"stop_eos"}
