@@ -343,3 +343,26 @@ def test_record_two_runs_and_diff_them(tmp_path):
     url = f"http://127.0.0.1:{free_port_with_nothing_listening()}"
     assert run_cli("record", "--engine", f"llamacpp:{url}", "--pair", "tiny-llama", "--num-prompts", "1",
                    "--engine-option", "retries=0", "--out", str(tmp_path / "x.jsonl")) == 1
+
+
+def test_record_with_a_model_folder_stops_at_every_eos_id_its_generation_config_declares(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specaudit.engines.adapters.recorded import read_recording
+
+    folder = tmp_path / "model"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab={"<unk>": 0}, unk_token="<unk>")),
+                            unk_token="<unk>", eos_token="<unk>").save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 157]}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [4, 5]}) + "\n")
+    out = tmp_path / "run.jsonl"
+    with FakeServer(openai_answer(include_eos=True)) as server:
+        assert run_cli("record", "--engine", f"vllm:{server.url}", "--tokenizer", str(folder), "--prompts",
+                       str(prompts), "--max-new-tokens", "6", "--out", str(out)) == 0
+    assert server.requests[0][1]["stop_token_ids"] == [EOS, 157]  # not only the tokenizer's own EOS
+    (line,) = read_recording(out)
+    assert line.metadata["eos_token_id"] == [EOS, 157] and line.output_ids == continuation([4, 5], 3) + [EOS]

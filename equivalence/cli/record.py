@@ -41,7 +41,8 @@ def add_parser(commands: Any, formatter: type) -> None:
     how.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt")
     how.add_argument("--eos-token-id", default="auto", metavar="ID[,ID...]|none|auto",
                      help="stop tokens: an id, a set of ids A,B (any of them ends a row), none, or auto (the "
-                          "pair's or the tokenizer's EOS)")
+                          "pair's EOS; with --tokenizer, every EOS id its folder's generation config declares, "
+                          "else the tokenizer's)")
     how.add_argument("--batch-size", type=int, default=8, metavar="N", help="requests in flight at once")
 
 
@@ -72,6 +73,12 @@ def _tokenizer(args: argparse.Namespace) -> tuple[Any | None, int | None]:
         except Exception as exc:  # whatever the library raises: the folder holds no usable tokenizer
             raise ValueError(f"no tokenizer in {args.tokenizer!r} ({type(exc).__name__}): give a local Hugging "
                              "Face model or tokenizer folder") from None
+        # a model folder's generation config may declare several EOS ids (the server stops at each)
+        from specaudit.engines.models.model_files import declared_eos_ids
+
+        declared = declared_eos_ids(args.tokenizer)
+        if declared:
+            return tokenizer, declared[0] if len(declared) == 1 else declared
         return tokenizer, tokenizer.eos_token_id
     return None, None
 
