@@ -149,3 +149,12 @@ def test_the_python_api_takes_an_eos_set(folders) -> None:
                              eos_token_id=(FIRST_EOS, SECOND_EOS))
     assert report.data["config"]["eos_token_id"] == [FIRST_EOS, SECOND_EOS]
     assert report.exit_status == 1 and {d["diagnosis"]["class"] for d in report.divergences} == {"stop_eos"}
+
+
+def test_the_reports_name_the_eos_set(folders, tmp_path: Path) -> None:
+    audit("--engine", f"recorded:{folders['correct']}", "--target", str(folders["target"]),
+          "--max-new-tokens", str(MAX_NEW), out=tmp_path / "pair")
+    assert f"the pair's own ({FIRST_EOS}, {SECOND_EOS})" in (tmp_path / "pair" / "report.md").read_text()
+    audit("--engine", f"recorded:{folders['declared']}", "--pair", "tiny-llama", "--eos-token-id",
+          f"{FIRST_EOS},{SECOND_EOS}", "--max-new-tokens", str(MAX_NEW), out=tmp_path / "given")
+    assert f"{FIRST_EOS}, {SECOND_EOS}" in (tmp_path / "given" / "report.html").read_text()
