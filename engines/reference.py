@@ -6,11 +6,14 @@ new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines.contract import request_limits
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.ops.layout import last_logits_only
 from specaudit.engines.trace import Trace
@@ -21,7 +24,7 @@ def greedy_decode(
     model: PreTrainedModel,
     prompt: list[int],
     max_new_tokens: int,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     record_logits: bool = False,
 ) -> tuple[list[int], torch.Tensor | None]:
     """Decode one prompt greedily. Returns the new tokens and, if asked, the logits each was chosen from [n, V]."""
@@ -43,7 +46,7 @@ def greedy_decode(
         new_tokens.append(token)
         if record_logits:
             logits_rows.append(logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits)
-        if eos_token_id is not None and token == eos_token_id:
+        if token in eos_ids(eos_token_id):  # any id of the set ends the row
             break
         next_position = int(position[0, -1]) + 1
         inputs = torch.tensor([[token]], dtype=torch.long, device=device)

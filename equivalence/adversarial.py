@@ -25,7 +25,9 @@ The pad id is the one the engines under audit are given (`--pad-token-id` sets i
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
+
+from specaudit.engines.limits import eos_ids
 
 LONG_LENGTHS = (2100, 1100)  # past 2048 (and so past 1024); past 1024 where 2048 does not fit
 IDENTICAL_COPIES = 4
@@ -64,7 +66,7 @@ def adversarial_prompts(
     filler: list[int],
     *,
     pad_token_id: int | None,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     bos_token_id: int | None,
     max_positions: int | None,
     max_new_tokens: int,
@@ -73,7 +75,8 @@ def adversarial_prompts(
     """The adversarial prompts for one pair, and a sentence for each case left out and why.
 
     `filler` is ordinary content in the pair's own tokens (the audit's prompts, concatenated)."""
-    specials = {t for t in (pad_token_id, eos_token_id, bos_token_id) if t is not None}
+    ends = eos_ids(eos_token_id)
+    specials = {t for t in (pad_token_id, *ends, bos_token_id) if t is not None}
     text = _content(filler, 12, specials)
     prompts: list[AdversarialPrompt] = []
     skipped: list[str] = []
@@ -125,10 +128,11 @@ def adversarial_prompts(
             "pad-inside", [pad_token_id] + text[:MIN_TEXT] + [pad_token_id] + text[MIN_TEXT:2 * MIN_TEXT],
             f"the pad id {pad_token_id} first and inside the prompt: it is content there; an engine that "
             "finds padding by value drops it"))
-    if eos_token_id is not None:
+    if ends:  # every id of the EOS set inside the prompt
         prompts.append(AdversarialPrompt(
-            "eos-inside", text[:MIN_TEXT] + [eos_token_id] + text[MIN_TEXT:2 * MIN_TEXT],
-            f"the EOS id {eos_token_id} inside the prompt: only a generated EOS ends a row"))
+            "eos-inside", text[:MIN_TEXT] + list(ends) + text[MIN_TEXT:2 * MIN_TEXT],
+            (f"the EOS id {ends[0]}" if len(ends) == 1 else f"the EOS ids {list(ends)}")
+            + " inside the prompt: only a generated EOS ends a row"))
     else:
         skipped.append("EOS-id prompt left out: the audit has no EOS")
     if bos_token_id is not None:
@@ -140,7 +144,7 @@ def adversarial_prompts(
     return prompts, skipped
 
 
-def pair_adversarial_prompts(pair: Any, base_prompts: list[list[int]], *, eos_token_id: int | None,
+def pair_adversarial_prompts(pair: Any, base_prompts: list[list[int]], *, eos_token_id: int | Sequence[int] | None,
                              max_new_tokens: int, draft_tokens: int) -> tuple[list[AdversarialPrompt], list[str]]:
     """`adversarial_prompts` for a loaded `ModelPair`, its content drawn from `base_prompts`."""
     filler = [t for p in base_prompts for t in p] or list(range(32))
@@ -169,8 +173,8 @@ def declare_pad_token_id(pair: Any, pad_token_id: int) -> None:
             generation.pad_token_id = int(pad_token_id)
 
 
-def with_adversarial_prompts(pair: Any, prompts: list[list[int]], *, eos_token_id: int | None, max_new_tokens: int,
-                             draft_tokens: int) -> tuple[list[list[int]], dict[str, Any]]:
+def with_adversarial_prompts(pair: Any, prompts: list[list[int]], *, eos_token_id: int | Sequence[int] | None,
+                             max_new_tokens: int, draft_tokens: int) -> tuple[list[list[int]], dict[str, Any]]:
     """`prompts` followed by the pair's adversarial prompts, and what a run record keeps about them:
     `{"first_index", "cases": [{"prompt_index", "case", "length", "why"}], "skipped": [...]}`."""
     cases, skipped = pair_adversarial_prompts(pair, prompts, eos_token_id=eos_token_id,

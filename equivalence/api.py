@@ -84,6 +84,7 @@ def audit(
     num_prompts: int | None = None,
     max_new_tokens: int = 32,
     draft_tokens: int = 4,
+    eos_token_id: int | Sequence[int] | None | str = "pair",
     engine_options: dict[str, Any] | None = None,
     out: str | Path | None = None,
     trust_remote_code: bool = False,
@@ -97,7 +98,9 @@ def audit(
     """Audit `engines` (built-in names or `package.module:factory`) on built-in `pairs` and/or a
     user pair (`target` and `draft` folders). With `out`, writes `audit.json` and the reports there.
     `adversarial=False` leaves out the adversarial prompts added to every pair's prompts by default;
-    `pad_token_id` is the pad id the pair declares to the engines (default: the pair's own).
+    `pad_token_id` is the pad id the pair declares to the engines (default: the pair's own);
+    `eos_token_id`: "pair" (every EOS id the pair's target declares), an id, a set of ids (any of them
+    ends a row) or None (never stop early).
     Recordings and servers (`recorded:FILE`, `llamacpp:URL`, ...) need only `target` (or a pair);
     `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py);
     `require_speculation=True` makes a run whose engine shows no drafted token a failure
@@ -119,6 +122,7 @@ def audit(
     config = AuditConfig(engines=engine_names, pairs=pair_specs, batch_sizes=list(batch_sizes),
                          dtypes=list(dtypes), device=device, prompts=prompts, num_prompts=num_prompts,
                          max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
+                         eos_token_id=list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else eos_token_id,
                          engine_options=dict(engine_options or {}), adversarial=adversarial,
                          pad_token_id=pad_token_id, engine_dtype=engine_dtype, logit_tolerance=logit_tolerance,
                          require_speculation=require_speculation, plain_engine=plain_engine)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import transformers
 
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.models import zoo
 from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.ops.layout import UnsupportedModel
@@ -59,7 +60,8 @@ class AuditConfig:
     num_prompts: int | None = None
     max_new_tokens: int = 32
     draft_tokens: int = 4
-    eos_token_id: int | None | str = "pair"  # "pair": the pair's own EOS; None: never stop early
+    # "pair": the pair's own EOS ids; an id or a list of ids (any of them ends a row); None: never stop early
+    eos_token_id: int | list[int] | None | str = "pair"
     engine_options: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = 3600.0  # seconds per run; a run past it is recorded as failed
     # black-box engines (recordings, servers): a declared noise band (equivalence/blackbox/rulings.py)
@@ -302,6 +304,7 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
              plain_runs: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
     base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
             "device": config.device, "num_prompts": len(prompts),
+            "eos_token_ids": list(eos_ids(eos)),  # the set the run stopped at (config "pair": the pair's own)
             "pair_info": dict(pair.info)}  # layouts and float64 switches (eager experts, float64 softmax)
     try:
         options = {"pad_token_id": pair.pad_token_id, "record_logits": True, **config.engine_options}

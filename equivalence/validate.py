@@ -7,7 +7,9 @@
 - engine names: built in, `PREFIX:LOCATION`, or an importable callable `module:factory`;
 - pairs: a built-in name, or two local folders (`engines.models.model_files`: config, safetensors weights
   or the pickle opt-in, custom code opt-in, one vocabulary and tokenizer);
-- prompts: for every pair, the prompt set loads and fits its vocabulary and positions.
+- the EOS ids (`--eos-token-id ID` or `A,B`): each in every pair's vocabulary;
+- prompts: for every pair, the prompt set loads and fits its vocabulary and positions (not the
+  built-in set when every engine is a recording: recordings bring their own prompts).
 
 `check_factories(config, pair)` runs after the first pair is loaded and before its first run: each
 engine that is not built in is built once; a factory that raises (a recording that is missing or
@@ -53,16 +55,34 @@ def preflight(config: Any) -> None:
         check_engine_name(name)
     if getattr(config, "plain_engine", None):
         check_engine_name(config.plain_engine)
+    # recordings bring their own prompts (checked against the pair in `check_factories`): the prompt set
+    # is not used unless one is given
+    prompts_used = config.prompts != "builtin" or not all(black_box_prefix(n) == "recorded" for n in config.engines)
     for spec in config.pairs:
         limits = pair_limits(spec)
-        eos = getattr(config, "eos_token_id", None)
-        if isinstance(eos, int) and not isinstance(eos, bool) and (
-                eos < 0 or (limits.vocab_size is not None and eos >= limits.vocab_size)):
+        check_eos_ids(getattr(config, "eos_token_id", None), limits)
+        if prompts_used:
+            load_prompts(config.prompts, limits.tokenizer, config.num_prompts, vocab_size=limits.vocab_size,
+                         max_positions=limits.max_positions, max_new_tokens=config.max_new_tokens)
+
+
+def check_eos_ids(eos: Any, limits: PairLimits) -> None:
+    """`--eos-token-id`: "pair", None, one id or a list of ids, each a whole number in the pair's vocabulary."""
+    if eos is None or eos == "pair":
+        return
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if not ids:
+        raise UsageError("--eos-token-id: the set of EOS ids is empty: give an id, ids A,B, pair, or none")
+    shown = ",".join(str(i) for i in ids)
+    for eos_id in ids:
+        if isinstance(eos_id, bool) or not isinstance(eos_id, int):
+            raise UsageError(f"--eos-token-id {shown}: {eos_id!r} is not a token id: give whole numbers, pair, or none")
+        if eos_id < 0 or (limits.vocab_size is not None and eos_id >= limits.vocab_size):
             bound = f"0..{limits.vocab_size - 1}" if limits.vocab_size is not None else "0 or more"
-            raise UsageError(f"--eos-token-id {eos} is outside the vocabulary of {limits.name} ({bound}): give an id "
-                             "from its tokenizer, pair, or none")
-        load_prompts(config.prompts, limits.tokenizer, config.num_prompts, vocab_size=limits.vocab_size,
-                     max_positions=limits.max_positions, max_new_tokens=config.max_new_tokens)
+            raise UsageError(f"--eos-token-id {shown}: {eos_id} is outside the vocabulary of {limits.name} ({bound}): "
+                             "give ids from its tokenizer, pair, or none")
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"--eos-token-id {shown} names an id twice: give each EOS id once")
 
 
 def check_numbers(config: Any) -> None:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 from hypothesis import note
 from hypothesis.control import currently_in_test_context
 
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
 from specaudit.engines.models.zoo import ModelPair
@@ -37,7 +38,8 @@ class ReferenceOracle:
     def __init__(self) -> None:
         self._runs: dict[tuple[str, tuple[int, ...]], tuple[list[int], torch.Tensor]] = {}
 
-    def decode(self, pair: ModelPair, prompt: tuple[int, ...], max_new_tokens: int, eos_token_id: int | None) -> tuple[list[int], torch.Tensor]:
+    def decode(self, pair: ModelPair, prompt: tuple[int, ...], max_new_tokens: int,
+               eos_token_id: int | Sequence[int] | None) -> tuple[list[int], torch.Tensor]:
         key = (pair_key(pair), tuple(prompt))
         run = self._runs.get(key)
         if run is None or len(run[0]) < max_new_tokens:
@@ -45,8 +47,10 @@ class ReferenceOracle:
             run = (tokens, logits)
             self._runs[key] = run
         tokens = run[0][:max_new_tokens]
-        if eos_token_id is not None and eos_token_id in tokens:
-            tokens = tokens[: tokens.index(eos_token_id) + 1]
+        ends = eos_ids(eos_token_id)  # one id or a set: the first of any of them ends the row
+        first = next((i for i, t in enumerate(tokens) if t in ends), None)
+        if first is not None:
+            tokens = tokens[: first + 1]
         return tokens, run[1][: len(tokens)]
 
 

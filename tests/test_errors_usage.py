@@ -93,6 +93,26 @@ def test_eos_token_id_not_a_token(tmp_path: Path, value: str, fragment: str) -> 
     usage_error(audit(*PAIR, "--eos-token-id", value, out=tmp_path), value, fragment)
 
 
+@pytest.mark.parametrize("value, fragments", [
+    ("258,999", ("--eos-token-id 258,999: 999 is outside the vocabulary of tiny-gpt2 (0..258)",)),
+    ("258,x", ("'x' in '258,x' is not a token id", "ids separated by commas")),
+    ("258,", ("'' in '258,' is not a token id",)),
+    ("258,258", ("names an id twice",)),
+])
+def test_eos_token_id_set_with_a_bad_id(tmp_path: Path, value: str, fragments) -> None:
+    usage_error(audit(*PAIR, "--eos-token-id", value, out=tmp_path), *fragments)
+
+
+def test_eos_token_id_set_from_python(tmp_path: Path) -> None:
+    from specaudit.equivalence.runner import AuditConfig, run_audit
+
+    for eos, fragment in (([], "the set of EOS ids is empty"), ([258, 1.5], "1.5 is not a token id"),
+                          ([258, 300], "300 is outside the vocabulary")):
+        config = AuditConfig(engines=["eqspec"], pairs=["tiny-gpt2"], batch_sizes=[1], eos_token_id=eos)
+        with pytest.raises(UsageError, match=fragment):
+            run_audit(config, tmp_path)
+
+
 def test_unknown_dtype(tmp_path: Path) -> None:
     usage_error(audit(*PAIR, "--dtype", "float8", out=tmp_path), "unknown dtype 'float8'", "float64, float32")
 

@@ -109,7 +109,42 @@ def test_recording_made_with_other_settings_is_refused(recordings, tmp_path):
         RecordedEngine(str(recordings["good"])).generate([[1, 2, 3]], MAX_NEW, 258)
 
 
+def test_a_recordings_eos_ids_are_compared_as_a_set(recordings, tmp_path):
+    lines = read_recording(recordings["good"])
+    path = write_recording(tmp_path / "two.jsonl", [l.prompt_ids for l in lines], [l.output_ids for l in lines],
+                           metadata={"eos_token_id": [258, 157]})
+    engine = RecordedEngine(str(path))
+    assert engine.generate(engine.recorded_prompts, MAX_NEW, (157, 258)) == [l.output_ids for l in lines]
+    assert engine.generate(engine.recorded_prompts, MAX_NEW, [258, 157]) == [l.output_ids for l in lines]
+    with pytest.raises(RecordingError, match=r"recorded with eos_token_id=\[258,157\].*audited with 258: "
+                                             r"pass --eos-token-id 258,157"):
+        engine.generate(engine.recorded_prompts, MAX_NEW, 258)
+    with pytest.raises(RecordingError, match="audited with none"):
+        engine.generate(engine.recorded_prompts, MAX_NEW, None)
+
+
+def test_a_recording_brings_its_own_prompts_past_the_builtin_preflight(recordings, tmp_path):
+    # a target of 512 positions: built-in prompt 16 (915 tokens) would not fit, but a recording's
+    # audit never decodes the built-in prompts, so their preflight must not stop it
+    target = zoo.load_pair("tiny-llama").target
+    target.config.max_position_embeddings = 512
+    target.save_pretrained(tmp_path / "target", safe_serialization=True)
+    code, stdout, stderr = cli("audit", "--engine", f"recorded:{recordings['good']}", "--target",
+                               str(tmp_path / "target"), "--max-new-tokens", str(MAX_NEW), "--eos-token-id", "258",
+                               "--out", str(tmp_path / "out"), "--no-progress")
+    assert code == 0, stderr
+    (run,) = json.loads((tmp_path / "out" / "audit.json").read_text())["runs"]
+    assert run["num_prompts"] == NUM_PROMPTS and run["exact_matches"] == NUM_PROMPTS
+    # the prompts a recording brings are still checked against the model's positions
+    code, _, stderr = cli("audit", "--engine", f"recorded:{recordings['good']}", "--target",
+                          str(tmp_path / "target"), "--max-new-tokens", "600", "--eos-token-id", "258",
+                          "--out", str(tmp_path / "long"), "--no-progress")
+    assert code == 2 and "512 positions" in stderr and "good.jsonl, prompt 1" in stderr
+
+
 @pytest.mark.parametrize("content, fragment", [
+    ('{"prompt_ids": [1], "output_ids": [3], "eos_token_id": "eos"}', "eos_token_id must be null, a token id"),
+    ('{"prompt_ids": [1], "output_ids": [3], "eos_token_id": [258, -1]}', ":1: eos_token_id"),
     ('{"prompt_ids": [1, 2]}', ":1:"),
     ('{"prompt_ids": [], "output_ids": [3]}', "empty"),
     ('{"prompt_ids": [1], "output_ids": [3, 4], "logprobs": [-0.1]}', "one entry per output token"),

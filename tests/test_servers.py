@@ -199,6 +199,24 @@ def test_vllm_request_field_by_field_and_logprobs_by_id():
     assert len(engine.last_logprobs[0]) == len(outputs[0])
 
 
+def test_an_eos_set_is_sent_whole_and_the_client_stops_at_any_of_its_ids():
+    second = 157  # a target whose generation config declares two EOS ids
+
+    def stops_on_second(path, body):  # stopped on the set's second id, without returning it
+        return 200, {"choices": [{"token_ids": [5, 6], "finish_reason": "stop", "stop_reason": second}]}
+
+    with FakeServer(stops_on_second) as server:
+        assert VLLMEngine(server.url).generate([[1]], 8, (EOS, second)) == [[5, 6, second]]
+    assert server.requests[0][1]["stop_token_ids"] == [EOS, second]
+
+    def runs_past(path, body):  # a server that runs on past an id of the set
+        return 200, {"tokens": [1, second, 2, EOS, 3], "stop_type": "limit"}
+
+    with FakeServer(runs_past) as server:
+        assert LlamaCppEngine(server.url).generate([[1]], 8, [EOS, second]) == [[1, second]]
+        assert LlamaCppEngine(server.url).generate([[1]], 8, EOS) == [[1, second, 2, EOS]]
+
+
 def test_vllm_no_eos_asks_to_ignore_eos():
     with FakeServer(openai_answer(include_eos=True)) as server:
         outputs = VLLMEngine(server.url).generate([[4, 5]], 6, None)
@@ -245,6 +263,8 @@ def test_sglang_request_field_by_field():
         first = outputs[0][0]
         assert engine.last_logprobs[0][0] == {first: -0.3, first + 2: -0.9}
         assert engine.generate([[1]], 5, None) == [continuation([1], 5)]
+        engine.generate([[1]], 5, [EOS, 157])
+    assert server.requests[-1][1]["sampling_params"]["stop_token_ids"] == [EOS, 157]  # the whole EOS set
     path, body = server.requests[0]
     assert path == "/generate"
     assert body["input_ids"] in ([7, 8, 9], [1], [2])
@@ -252,7 +272,7 @@ def test_sglang_request_field_by_field():
     assert body["sampling_params"]["max_new_tokens"] == 5
     assert body["sampling_params"]["stop_token_ids"] == [EOS]
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 2
-    assert server.requests[-1][1]["sampling_params"]["ignore_eos"] is True
+    assert server.requests[-2][1]["sampling_params"]["ignore_eos"] is True
 
 
 # --- the whole audit against a fake server that decodes with the reference ------------------------
@@ -323,3 +343,26 @@ def test_record_two_runs_and_diff_them(tmp_path):
     url = f"http://127.0.0.1:{free_port_with_nothing_listening()}"
     assert run_cli("record", "--engine", f"llamacpp:{url}", "--pair", "tiny-llama", "--num-prompts", "1",
                    "--engine-option", "retries=0", "--out", str(tmp_path / "x.jsonl")) == 1
+
+
+def test_record_with_a_model_folder_stops_at_every_eos_id_its_generation_config_declares(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specaudit.engines.adapters.recorded import read_recording
+
+    folder = tmp_path / "model"
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab={"<unk>": 0}, unk_token="<unk>")),
+                            unk_token="<unk>", eos_token="<unk>").save_pretrained(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS, 157]}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [4, 5]}) + "\n")
+    out = tmp_path / "run.jsonl"
+    with FakeServer(openai_answer(include_eos=True)) as server:
+        assert run_cli("record", "--engine", f"vllm:{server.url}", "--tokenizer", str(folder), "--prompts",
+                       str(prompts), "--max-new-tokens", "6", "--out", str(out)) == 0
+    assert server.requests[0][1]["stop_token_ids"] == [EOS, 157]  # not only the tokenizer's own EOS
+    (line,) = read_recording(out)
+    assert line.metadata["eos_token_id"] == [EOS, 157] and line.output_ids == continuation([4, 5], 3) + [EOS]

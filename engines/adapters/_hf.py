@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
+
+from specaudit.engines.limits import eos_ids
 
 
 @contextlib.contextmanager
@@ -39,12 +41,21 @@ def resolve_pad_id(model: PreTrainedModel, pad_token_id: int | None) -> int:
     return int(pad) if pad is not None else 0
 
 
-def cut_at_eos(tokens: list[int], eos_token_id: int | None, max_new_tokens: int) -> int:
-    """Number of tokens to keep: up to and including the first EOS, never more than `max_new_tokens`."""
+def cut_at_eos(tokens: list[int], eos_token_id: int | Sequence[int] | None, max_new_tokens: int) -> int:
+    """Number of tokens to keep: up to and including the first EOS (any id of the set), never more than
+    `max_new_tokens`."""
     n = min(len(tokens), max_new_tokens)
-    if eos_token_id is not None and eos_token_id in tokens[:n]:
-        n = tokens.index(eos_token_id) + 1
+    ends = eos_ids(eos_token_id)
+    for i, token in enumerate(tokens[:n]):
+        if token in ends:
+            return i + 1
     return n
+
+
+def hf_eos(eos_token_id: int | Sequence[int] | None) -> int | list[int] | None:
+    """The EOS set as `generate` takes it: None, one id, or a list (transformers stops at any of them)."""
+    ids = eos_ids(eos_token_id)
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
 
 
 def as_float(logits: torch.Tensor) -> torch.Tensor:

@@ -35,11 +35,14 @@ Known defects, kept on purpose because they are the published behaviour:
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines.ops import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
@@ -100,7 +103,7 @@ class BSPEngine(ConsecutiveBatches):
         rows: list[int],
         running: list[bool],
         max_new_tokens: int,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         outputs: list[list[int]],
         logits: list[list[torch.Tensor]],
     ) -> None:
@@ -119,7 +122,7 @@ class BSPEngine(ConsecutiveBatches):
             record.pad_lengths.append(masked[b])
             record.accepted_counts.append(accepted[b])
             record.emitted_counts.append(n)
-            hit_eos = eos_token_id is not None and eos_token_id in offered[b][:n]
+            hit_eos = any(t in eos_ids(eos_token_id) for t in offered[b][:n])
             running[b] = not (hit_eos or len(outputs[prompt]) >= max_new_tokens)
         trace.record(record)
 
@@ -128,7 +131,7 @@ class BSPEngine(ConsecutiveBatches):
         prompts: list[list[int]],
         rows: list[int],
         max_new_tokens: int,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         trace: Trace,
         outputs: list[list[int]],
         logits: list[list[torch.Tensor]],

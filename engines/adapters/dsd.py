@@ -56,12 +56,15 @@ With `record_logits`, the logits are the target's at each emitted position.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.contract import ConsecutiveBatches
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
@@ -143,7 +146,7 @@ class DSDEngine(ConsecutiveBatches):
         prompts: list[list[int]],
         rows: list[int],
         max_new_tokens: int,
-        eos_token_id: int | None,
+        eos_token_id: int | Sequence[int] | None,
         trace: Trace,
         outputs: list[list[int]],
         logits: list[list[torch.Tensor]],
@@ -205,6 +208,6 @@ class DSDEngine(ConsecutiveBatches):
                 record.pad_lengths.append(pad_lengths[b])
                 record.accepted_counts.append(taken_list[b])
                 record.emitted_counts.append(n)
-                hit_eos = eos_token_id is not None and eos_token_id in offered[:n]
+                hit_eos = any(t in eos_ids(eos_token_id) for t in offered[:n])
                 running[b] = not (hit_eos or len(outputs[prompt]) >= max_new_tokens)
             trace.record(record)

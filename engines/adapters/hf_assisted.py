@@ -18,11 +18,14 @@ each token from (a token flipped by that cast still shows in the token compariso
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines.ops import layout
-from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
+from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, hf_eos, patched_generation_config
+from specaudit.engines.adapters._hf import resolve_pad_id
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -60,7 +63,9 @@ class HFAssisted:
         self.last_generate_logits: list[torch.Tensor | None] = []
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
+        eos_token_id = hf_eos(eos_token_id)  # a set of ids as the list transformers stops at
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)

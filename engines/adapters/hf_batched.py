@@ -13,11 +13,14 @@ pad id that is also a real token is not stripped from inside the content.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines.ops import ragged
-from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, patched_generation_config, resolve_pad_id
+from specaudit.engines.adapters._hf import LogitsTap, as_float, cut_at_eos, hf_eos, patched_generation_config
+from specaudit.engines.adapters._hf import resolve_pad_id
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -48,7 +51,9 @@ class HFBatched:
         self.last_generate_logits: list[torch.Tensor | None] = []
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
+        eos_token_id = hf_eos(eos_token_id)  # a set of ids as the list transformers stops at
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         trace = Trace(num_prompts=len(prompts))

@@ -29,12 +29,13 @@ Measured with transformers 5.23 on the CPU: token-exact on tiny-llama in float32
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from specaudit.engines.adapters._hf import cut_at_eos, resolve_pad_id
+from specaudit.engines.limits import eos_ids
 
 ATTENTION = {"sdpa": "sdpa", "paged|sdpa": "sdpa", "eager": "eager", "paged|eager": "eager"}
 NO_EOS = -1  # transformers' continuous batching reads a negative EOS id as "never stop on EOS"
@@ -101,7 +102,8 @@ class HFContinuous:
         return num_blocks, max_batch_tokens
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self.last_token_logprobs = [None] * len(prompts)
@@ -110,7 +112,7 @@ class HFContinuous:
         num_blocks, max_batch_tokens = self._cache_size(prompts, max_new_tokens)
         generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=NO_EOS if eos_token_id is None else int(eos_token_id),
+            eos_token_id=list(eos_ids(eos_token_id)) or NO_EOS,  # the whole set: any id ends a request
         )
         cb_config = _continuous_batching_config(
             max_requests_per_batch=self.batch_size, num_blocks=num_blocks, page_size=self.page_size,

@@ -6,7 +6,8 @@ FILE is JSONL, one line per prompt:
      "logprobs": [...],          optional: per output token, the log-probability of that token
      "top_logprobs": [...],      optional: per output token, the top alternatives, as
                                  {"ID": logprob, ...}, [[ID, logprob], ...] or [{"id": ID, "logprob": x}, ...]
-     "max_new_tokens": N, "eos_token_id": ID,   optional: the settings it was made with (checked)
+     "max_new_tokens": N, "eos_token_id": ID,   optional: the settings it was made with (checked);
+                                 eos_token_id may be null, one id or a list [A, B] (compared as a set)
      ...}                         anything else is kept as free metadata
 
 The prompts come from the file (`recorded_prompts`, in file order): the audit decodes exactly
@@ -21,7 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+from specaudit.engines.limits import eos_ids
 
 KNOWN_FIELDS = ("prompt_ids", "output_ids", "logprobs", "top_logprobs")
 
@@ -45,6 +48,20 @@ def _ids(value: Any, what: str, where: str, allow_empty: bool) -> list[int]:
     if not value and not allow_empty:
         raise RecordingError(f"{where}: {what} is empty; every prompt needs at least one token")
     return [int(t) for t in value]
+
+
+def _recorded_eos(value: Any, where: str) -> tuple[int, ...]:
+    """A recording's `eos_token_id`: null, one id or a list of ids, as the set of ids."""
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise RecordingError(f"{where}: eos_token_id must be null, a token id or a list of token ids, not {value!r}")
+    return eos_ids(ids)
+
+
+def _shown(ids: tuple[int, ...]) -> str:
+    return "none" if not ids else str(ids[0]) if len(ids) == 1 else "[" + ",".join(map(str, ids)) + "]"
 
 
 def _alternatives(entry: Any, where: str) -> dict[int, float]:
@@ -106,6 +123,8 @@ def read_recording(path: str | Path) -> list[RecordedLine]:
         prompt = _ids(record["prompt_ids"], "prompt_ids", where, allow_empty=False)
         output = _ids(record["output_ids"], "output_ids", where, allow_empty=True)
         metadata = {key: value for key, value in record.items() if key not in KNOWN_FIELDS}
+        if "eos_token_id" in metadata:
+            _recorded_eos(metadata["eos_token_id"], where)  # null, an id or a list of ids
         lines.append(RecordedLine(prompt, output, _logprobs(record, output, where), metadata))
     if not lines:
         raise RecordingError(f"recording {str(path)!r} is empty: give one JSON object per line")
@@ -146,18 +165,22 @@ class RecordedEngine:
                       if all(line.metadata.get(key) == value for line in self.lines)}
         return {"kind": "recorded", "path": self.path, "lines": len(self.lines), "metadata": shared}
 
-    def _check_settings(self, max_new_tokens: int, eos_token_id: int | None) -> None:
+    def _check_settings(self, max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> None:
         for number, line in enumerate(self.lines, 1):
             recorded = line.metadata.get("max_new_tokens")
             if recorded is not None and recorded != max_new_tokens:
                 raise RecordingError(f"{self.path}: recorded with max_new_tokens={recorded} (line {number}), "
                                      f"audited with {max_new_tokens}: pass --max-new-tokens {recorded}")
-            if "eos_token_id" in line.metadata and line.metadata["eos_token_id"] != eos_token_id:
-                raise RecordingError(f"{self.path}: recorded with eos_token_id={line.metadata['eos_token_id']} "
-                                     f"(line {number}), audited with {eos_token_id}: pass --eos-token-id "
-                                     f"{line.metadata['eos_token_id'] if line.metadata['eos_token_id'] is not None else 'none'}")
+            if "eos_token_id" not in line.metadata:
+                continue
+            recorded_eos = _recorded_eos(line.metadata["eos_token_id"], f"{self.path}:{number}")
+            if set(recorded_eos) != set(eos_ids(eos_token_id)):  # a set: the order of the ids does not matter
+                raise RecordingError(f"{self.path}: recorded with eos_token_id={_shown(recorded_eos)} (line {number}), "
+                                     f"audited with {_shown(eos_ids(eos_token_id))}: pass --eos-token-id "
+                                     f"{','.join(map(str, recorded_eos)) if recorded_eos else 'none'}")
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         self._check_settings(max_new_tokens, eos_token_id)
         unused: dict[tuple[int, ...], list[int]] = {}
         for index, line in enumerate(self.lines):

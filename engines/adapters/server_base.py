@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 from specaudit.engines.adapters._http import (
     DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, ServerDied, ServerError, ServerUnreachable, join_url, map_concurrently,
     post_json,
 )
 from specaudit.engines.adapters.request_fields import ParameterRefused, refused_in_answer
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.adapters.server_metrics import COUNTERS, safe_snapshot, speculation_between
 from specaudit.engines.requests import RequestParams
 
@@ -34,7 +35,8 @@ class Completion:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     finish: str | None = None  # the server's own stop reason, as it spells it
-    stopped_at_eos: bool = False  # the server says it stopped on the EOS token
+    stopped_at_eos: bool = False  # the server says it stopped on an EOS token
+    stop_token: int | None = None  # the id it says it stopped on, where it names one
     notes: list[str] = field(default_factory=list)
     # what the server says beside its tokens (engines/adapters/request_fields.py `read_*`): text,
     # finish_reason ("stop"/"length"), stop_reason, usage, chosen_logprobs (one per returned token)
@@ -116,7 +118,7 @@ class ServerEngine:
             self._observe(True, "an answer to GET /metrics")
         return snapshot, failure
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                 params: RequestParams | None = None) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -130,7 +132,7 @@ class ServerEngine:
             params = params[index] if index < len(params) else None
         return None if params is None or (params.is_plain() and params.logprobs is None) else params
 
-    def complete(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def complete(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                  params: RequestParams | None = None) -> Completion:
         """One prompt: the request, sent, and the answer, read. A parameter the dialect cannot carry, or
         an HTTP 400 naming one that was sent, raises `ParameterRefused`."""
@@ -151,7 +153,8 @@ class ServerEngine:
             raise ServerError(f"{self.server_name} server at {self.url}: unexpected answer shape "
                               f"({type(exc).__name__}: {exc}); is this a {self.server_name} server?") from None
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self.last_speculation = None
@@ -210,21 +213,26 @@ class ServerEngine:
 
 
 def finish_output(completion: Completion, max_new_tokens: int,
-                  eos_token_id: int | None) -> tuple[list[int], list[dict[int, float]] | None, dict[str, Any]]:
+                  eos_token_id: int | Sequence[int] | None
+                  ) -> tuple[list[int], list[dict[int, float]] | None, dict[str, Any]]:
     """The contract's output from a server's answer: EOS appended when the server says it stopped on
-    EOS without returning it, then cut at the first EOS (kept) and at `max_new_tokens`."""
+    EOS without returning it (the id it names, else the only id of the set), then cut at the first EOS
+    of the set (kept) and at `max_new_tokens`."""
     tokens = list(completion.token_ids)
     logprobs = completion.logprobs
     notes = list(completion.notes)
-    if (eos_token_id is not None and completion.stopped_at_eos and len(tokens) < max_new_tokens
-            and eos_token_id not in tokens):
-        tokens.append(eos_token_id)
+    ends = eos_ids(eos_token_id)
+    missing = completion.stop_token if completion.stop_token in ends else ends[0] if len(ends) == 1 else None
+    if (missing is not None and completion.stopped_at_eos and len(tokens) < max_new_tokens
+            and not any(t in ends for t in tokens)):
+        tokens.append(missing)
         notes.append("the server stopped on EOS without returning it; EOS appended")
         if logprobs is not None:
             logprobs = None  # no log-probability for the appended token: drop them rather than misalign
     returned = len(tokens)
-    if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    first_eos = next((i for i, t in enumerate(tokens) if t in ends), None)
+    if first_eos is not None:
+        tokens = tokens[: first_eos + 1]
     tokens = tokens[:max_new_tokens]
     if len(tokens) < returned:
         notes.append(f"{returned - len(tokens)} token(s) after EOS or past max_new_tokens cut by the client")

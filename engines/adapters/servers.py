@@ -21,7 +21,7 @@ about stopping and anything the client had to cut.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from specaudit.engines.adapters import request_fields as fields
 from specaudit.engines.adapters.server_base import (  # noqa: F401 (re-exported for users and tests)
@@ -33,7 +33,7 @@ from specaudit.engines.requests import RequestParams
 
 # --- llama.cpp: POST /completion -------------------------------------------------------------------
 
-def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                      top_logprobs: int = DEFAULT_TOP_LOGPROBS, params: RequestParams | None = None) -> dict[str, Any]:
     """llama.cpp `/completion`: ids as `prompt`, greedy, no penalties, no prompt cache reuse (reused
     KV from another request would make the output depend on what ran before). `params` adds the
@@ -50,7 +50,7 @@ def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int |
         "n_probs": top_logprobs,
         "cache_prompt": False,
         "stream": False,
-        "ignore_eos": eos_token_id is None,
+        "ignore_eos": not eos_ids(eos_token_id),
     }
     if params is not None:
         body.update(fields.llamacpp_fields(params))
@@ -89,7 +89,7 @@ class LlamaCppEngine(ServerEngine):
     server_name = "llama.cpp"
     path = "/completion"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                 params: RequestParams | None = None) -> dict[str, Any]:
         return llamacpp_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, params)
 
@@ -99,11 +99,12 @@ class LlamaCppEngine(ServerEngine):
 
 # --- vLLM and TensorRT-LLM: POST /v1/completions (OpenAI-compatible) ---------------------------------
 
-def _openai_stop_fields(eos_token_id: int | None) -> dict[str, Any]:
-    return {"stop_token_ids": [eos_token_id]} if eos_token_id is not None else {"ignore_eos": True}
+def _openai_stop_fields(eos_token_id: int | Sequence[int] | None) -> dict[str, Any]:
+    ids = list(eos_ids(eos_token_id))  # every id of the set stops the request
+    return {"stop_token_ids": ids} if ids else {"ignore_eos": True}
 
 
-def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def vllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                  top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None,
                  params: RequestParams | None = None) -> dict[str, Any]:
     """vLLM `/v1/completions`: the ids as `prompt`, greedy, output ids returned (`return_token_ids`)
@@ -149,6 +150,7 @@ def vllm_parse(answer: dict[str, Any]) -> Completion:
     stop_reason = choice.get("stop_reason")
     completion = Completion(tokens, finish=finish,
                             stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)),
+                            stop_token=stop_reason if isinstance(stop_reason, int) else None,
                             report=fields.read_openai(choice, answer))
     logprobs = choice.get("logprobs") or {}
     tops, chosen = logprobs.get("top_logprobs") or [], logprobs.get("token_logprobs") or []
@@ -173,7 +175,7 @@ class VLLMEngine(ServerEngine):
     server_name = "vLLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                 params: RequestParams | None = None) -> dict[str, Any]:
         return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model, params)
 
@@ -181,7 +183,7 @@ class VLLMEngine(ServerEngine):
         return vllm_parse(answer)
 
 
-def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None,
                    params: RequestParams | None = None) -> dict[str, Any]:
     """TensorRT-LLM `trtllm-serve` `/v1/completions`. Its request model forbids unknown fields and
@@ -221,6 +223,7 @@ def trtllm_parse(answer: dict[str, Any]) -> Completion:
     report["text"] = None  # `detokenize` false: no text to check
     completion = Completion(tokens, finish=finish,
                             stopped_at_eos=finish == "stop" and (stop_reason is None or isinstance(stop_reason, int)),
+                            stop_token=stop_reason if isinstance(stop_reason, int) else None,
                             report=report)
     if choice.get("logprobs"):
         completion.notes.append("log-probabilities not used: TensorRT-LLM names alternatives by text, not id")
@@ -235,7 +238,7 @@ class TRTLLMEngine(ServerEngine):
     server_name = "TensorRT-LLM"
     path = "/v1/completions"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                 params: RequestParams | None = None) -> dict[str, Any]:
         return trtllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model, params)
 
@@ -245,7 +248,7 @@ class TRTLLMEngine(ServerEngine):
 
 # --- SGLang: POST /generate ----------------------------------------------------------------------
 
-def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS, params: RequestParams | None = None) -> dict[str, Any]:
     """SGLang's native `/generate`: ids as `input_ids`, greedy sampling parameters, log-
     probabilities of the output only (`logprob_start_len` -1) with `top_logprobs_num` alternatives."""
@@ -259,8 +262,8 @@ def sglang_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | N
         "frequency_penalty": 0.0,
         "skip_special_tokens": False,
     }
-    if eos_token_id is not None:
-        sampling["stop_token_ids"] = [eos_token_id]
+    if eos_ids(eos_token_id):
+        sampling["stop_token_ids"] = list(eos_ids(eos_token_id))
     else:
         sampling["ignore_eos"] = True
     body: dict[str, Any] = {
@@ -292,6 +295,7 @@ def sglang_parse(answer: Any) -> Completion:
     matched = finish_reason.get("matched") if isinstance(finish_reason, dict) else None
     completion = Completion(tokens, finish=finish,
                             stopped_at_eos=finish == "stop" and (matched is None or isinstance(matched, int)),
+                            stop_token=matched if isinstance(matched, int) else None,
                             report=fields.read_sglang(answer))
     tops = meta.get("output_top_logprobs") or []
     if tops and len(tops) == len(tokens):
@@ -311,7 +315,7 @@ class SGLangEngine(ServerEngine):
     server_name = "SGLang"
     path = "/generate"
 
-    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | None,
+    def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                 params: RequestParams | None = None) -> dict[str, Any]:
         return sglang_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, params)
 

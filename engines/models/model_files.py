@@ -44,6 +44,20 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def declared_eos_ids(path: str | Path) -> list[int] | None:
+    """The EOS ids a model folder's `generation_config.json` declares (every one of a list), else its
+    `config.json`'s; None when neither names one or neither can be read."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((Path(path) / name).read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if eos is not None and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            return list(dict.fromkeys(ids))
+    return None
+
+
 def weight_files(path: str | Path) -> tuple[list[Path], list[Path]]:
     """(safetensors files, pickle files) directly in the folder."""
     files = [f for f in Path(path).iterdir() if f.is_file()]

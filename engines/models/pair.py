@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines.limits import eos_ids
+
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -51,9 +53,16 @@ class ModelPair:
     target: PreTrainedModel
     draft: PreTrainedModel | None  # None: a target alone, for black-box engines
     tokenizer: Any | None
-    eos_token_id: int | None
+    # the ids that end a row: one id, or the tuple of every EOS id the target's generation config
+    # declares (Llama 3, Qwen and Gemma declare several); None: no EOS
+    eos_token_id: int | tuple[int, ...] | None
     pad_token_id: int
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The EOS ids as a tuple (empty with none): stopping at any of them is correct."""
+        return eos_ids(self.eos_token_id)
 
 
 def prepare_model(model: PreTrainedModel, dtype: torch.dtype, device: str) -> PreTrainedModel:

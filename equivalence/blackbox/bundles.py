@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from specaudit import __version__ as VERSION
 
@@ -39,7 +39,7 @@ def bundle_name(run: dict[str, Any], divergence: dict[str, Any]) -> str:
 def write_bundles(bundle_dir: Path | str, run: dict[str, Any], prompts: list[list[int]],
                   reference_outputs: list[list[int]], outputs: list[list[int]],
                   engine_logprobs: list[list[dict[int, float]] | None] | None, *,
-                  max_new_tokens: int, eos_token_id: int | None) -> list[Path]:
+                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> list[Path]:
     """One bundle per divergence of `run`; each divergence record gets its bundle's name."""
     folder = Path(bundle_dir)
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ dtype's own noise.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from specaudit.engines.adapters.recorded import RecordedLine
 from specaudit.equivalence.compare import matched_prefix
@@ -67,7 +67,7 @@ def diff_recordings(a: list[RecordedLine], b: list[RecordedLine]) -> tuple[list[
 
 
 def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: list[RecordedLine], target: Any,
-                           dtype: str, max_new_tokens: int, eos_token_id: int | None,
+                           dtype: str, max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                            engine_dtype: str | None = None, logit_tolerance: float | None = None) -> dict[str, Any]:
     """Decode each differing prompt with the reference and rule each recording's first divergence
     from it. Returns the bands used, per recording."""

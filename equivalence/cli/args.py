@@ -40,6 +40,23 @@ def positive(value: str) -> int:
     return number
 
 
+def eos_token_ids(value: str, words: str = "pair (the pair's own EOS ids) or none") -> int | list[int]:
+    """`--eos-token-id` as ids: `ID` (one id) or `A,B,...` (a set: stopping at any of them ends a row). Whether
+    each id is in the vocabulary is checked against the pair (`validate.check_eos_ids`)."""
+    parts = [part.strip() for part in value.split(",")]
+    ids = []
+    for part in parts:
+        try:
+            ids.append(int(part))
+        except ValueError:
+            what = f"{part!r} in {value!r} is not a token id" if len(parts) > 1 else f"{value!r} is not a token id"
+            raise argparse.ArgumentTypeError(f"{what}: give a token id, ids separated by commas (A,B), or "
+                                             f"{words}") from None
+    if len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"{value!r} names an id twice: give each EOS id once")
+    return ids[0] if len(ids) == 1 else ids
+
+
 def dtype(value: str) -> str:
     if value not in DTYPE_CHOICES:
         raise argparse.ArgumentTypeError(f"unknown dtype {value!r}: use one of {', '.join(DTYPE_CHOICES)}")

@@ -16,6 +16,7 @@ from specaudit.equivalence.cli import blackbox as cli_blackbox
 from specaudit.equivalence.cli.args import DTYPE_CHOICES, EXIT_EQUIVALENT, EXIT_USAGE
 from specaudit.equivalence.cli.args import add_engine_path_options, engine_options
 from specaudit.equivalence.cli.args import dtype as _dtype
+from specaudit.equivalence.cli.args import eos_token_ids
 from specaudit.equivalence.cli.args import engine_option as _option
 from specaudit.equivalence.cli.args import positive as _positive
 
@@ -39,13 +40,10 @@ def _token_id(value: str) -> int:
     return number
 
 
-def _eos(value: str) -> int | None | str:
+def _eos(value: str) -> int | list[int] | None | str:
     if value in ("pair", "none"):
         return None if value == "none" else "pair"
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a token id, pair (the pair's own EOS) or none") from None
+    return eos_token_ids(value)
 
 
 def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
@@ -99,8 +97,9 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                      help="per-run time limit: a run past it is recorded as failed and the audit goes on "
                           "(the engine is abandoned in a background thread, not killed); the diagnosis's re-runs "
                           "of a run share a second limit of the same length")
-    how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID|pair|none",
-                     help="stop token: the pair's own EOS, an id, or none")
+    how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID[,ID...]|pair|none",
+                     help="stop tokens: the pair's own EOS ids (every id its target's generation config declares), "
+                          "an id, a set of ids A,B (stopping at any of them ends a row), or none")
     how.add_argument("--pad-token-id", type=_token_id, default=None, metavar="ID",
                      help="the pad id the pair declares (its configs' pad_token_id) to the engines under audit "
                           "(default: the pair's own); the EOS id here audits the pad-equals-EOS set-up")

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specaudit.equivalence.cli.args import eos_token_ids
+
 COMMANDS = ("diff", "replay", "record")
 ENGINE_DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -87,8 +89,8 @@ def add_parsers(commands: Any, formatter: type) -> None:
                      help="the reference's dtype")
     how.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                      help="new tokens per prompt (default: the recordings' max_new_tokens, else their longest output)")
-    how.add_argument("--eos-token-id", default="pair", metavar="ID|pair|none",
-                     help="stop token: the target's own EOS, an id, or none")
+    how.add_argument("--eos-token-id", default="pair", metavar="ID[,ID...]|pair|none",
+                     help="stop tokens: the target's own EOS ids, an id, a set of ids A,B, or none")
     _add_band_options(how)
     diff.add_argument("--out", type=Path, metavar="FILE", help="also write the comparison as JSON")
 
@@ -117,10 +119,15 @@ def _load_target(args: argparse.Namespace, dtype: str) -> Any:
                          trust_remote_code=args.trust_remote_code)
 
 
-def _eos(value: str, pair: Any) -> int | None:
+def _eos(value: str, pair: Any) -> int | list[int] | tuple[int, ...] | None:
     if value == "pair":
         return pair.eos_token_id
-    return None if value == "none" else int(value)
+    if value == "none":
+        return None
+    try:
+        return eos_token_ids(value)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--eos-token-id: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,9 +39,20 @@ def add_parser(commands: Any, formatter: type) -> None:
     source.add_argument("--tokenizer", metavar="PATH", help="tokenise with this local Hugging Face tokenizer")
     how = record.add_argument_group("decoding")
     how.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt")
-    how.add_argument("--eos-token-id", default="auto", metavar="ID|none|auto",
-                     help="stop token (auto: the pair's or the tokenizer's EOS)")
+    how.add_argument("--eos-token-id", default="auto", metavar="ID[,ID...]|none|auto",
+                     help="stop tokens: an id, a set of ids A,B (any of them ends a row), none, or auto (the "
+                          "pair's EOS; with --tokenizer, every EOS id its folder's generation config declares, "
+                          "else the tokenizer's)")
     how.add_argument("--batch-size", type=int, default=8, metavar="N", help="requests in flight at once")
+
+
+def _eos_ids(value: str) -> int | list[int]:
+    from specaudit.equivalence.cli.args import eos_token_ids
+
+    try:
+        return eos_token_ids(value, "none or auto")
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--eos-token-id: {exc}") from None
 
 
 def _tokenizer(args: argparse.Namespace) -> tuple[Any | None, int | None]:
@@ -62,6 +73,12 @@ def _tokenizer(args: argparse.Namespace) -> tuple[Any | None, int | None]:
         except Exception as exc:  # whatever the library raises: the folder holds no usable tokenizer
             raise ValueError(f"no tokenizer in {args.tokenizer!r} ({type(exc).__name__}): give a local Hugging "
                              "Face model or tokenizer folder") from None
+        # a model folder's generation config may declare several EOS ids (the server stops at each)
+        from specaudit.engines.models.model_files import declared_eos_ids
+
+        declared = declared_eos_ids(args.tokenizer)
+        if declared:
+            return tokenizer, declared[0] if len(declared) == 1 else declared
         return tokenizer, tokenizer.eos_token_id
     return None, None
 
@@ -89,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the tokenizer names no EOS: give --eos-token-id ID or none")
         eos = default_eos
     else:
-        eos = None if args.eos_token_id == "none" else int(args.eos_token_id)
+        eos = None if args.eos_token_id == "none" else _eos_ids(args.eos_token_id)
     prompts = load_prompts(args.prompts, tokenizer, args.num_prompts)
     options = {}
     for item in args.engine_option:

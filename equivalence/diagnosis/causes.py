@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from specaudit.engines.limits import eos_ids
+
 TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most common first
 
 
@@ -106,7 +108,7 @@ def masked_decode(target: Any, prompt: list[int], steps: int, pad: int, eos: int
         out.append(token)
         if token != pad:
             context.append(token)
-        if eos is not None and token == eos:
+        if token in eos_ids(eos):
             break
     return out
 
@@ -146,7 +148,7 @@ def pad_evidence(index: int, prompts: list[list[int]], references: list[list[int
     others = (sum(outputs[i] == references[i] for i in clean), len(clean)) if clean else None
     return PadEvidence([i for i, t in enumerate(prompt) if t == pad],
                        [j for j, t in enumerate(output[:position + 1]) if t == pad],
-                       eos is not None and pad == eos, others)
+                       pad in eos_ids(eos), others)
 
 
 def slice_shift(prompt: list[int], reference: list[int], output: list[int], pad: int,

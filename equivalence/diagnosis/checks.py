@@ -9,9 +9,11 @@ of the draft model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from specaudit.engines.limits import eos_ids
 
 
 @dataclass
@@ -36,26 +38,36 @@ def output_order(index: int, references: list[list[int]], outputs: list[list[int
 
 
 def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[int], position: int,
-             eos: int | None, trace: Any, outputs: list[list[int]]) -> Finding | None:
-    """Tokens after the row's EOS, or a stop at an EOS that is not the row's own."""
-    if eos is None:
+             eos: int | Sequence[int] | None, trace: Any, outputs: list[list[int]]) -> Finding | None:
+    """Tokens after the row's EOS (any id of the set), or a stop at an EOS that is not the row's own."""
+    ends = eos_ids(eos)
+    if not ends:
         return None
-    if position == len(reference) and reference and reference[-1] == eos and len(output) > position:
-        return Finding("stop_eos", f"the reference ends with EOS {eos} at position {position - 1}; the engine "
-                       f"went on with {len(output) - position} more token(s) ({output[position:position + 4]})")
-    if position == len(output) < len(reference) and (not output or output[-1] != eos):
-        if eos in prompt:
-            at = [i for i, t in enumerate(prompt) if t == eos]
+    if position == len(reference) and reference and reference[-1] in ends and len(output) > position:
+        return Finding("stop_eos", f"the reference ends with EOS {reference[-1]}{_of_set(ends)} at position "
+                       f"{position - 1}; the engine went on with {len(output) - position} more token(s) "
+                       f"({output[position:position + 4]})")
+    if position == len(output) < len(reference) and (not output or output[-1] not in ends):
+        at = [i for i, t in enumerate(prompt) if t in ends]
+        if at:
             return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own; "
-                           f"the prompt holds the EOS id {eos} at position(s) {at[:4]}, which it took for the end")
-        other = _foreign_eos(index, output, eos, trace, outputs)
+                           f"the prompt holds the EOS id {prompt[at[0]]}{_of_set(ends)} at position(s) {at[:4]}, "
+                           "which it took for the end")
+        other = _foreign_eos(index, output, ends, trace, outputs)
         if other is not None:
             return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own, "
-                           f"in the step where prompt {other} of its batch emitted EOS {eos}")
+                           f"in the step where prompt {other} of its batch emitted "
+                           + (f"EOS {ends[0]}" if len(ends) == 1 else f"an EOS id of {list(ends)}"))
     return None
 
 
-def _foreign_eos(index: int, output: list[int], eos: int, trace: Any, outputs: list[list[int]]) -> int | None:
+def _of_set(ends: tuple[int, ...]) -> str:
+    """Where the EOS set has several ids, say which: " (of the EOS ids [a, b])"."""
+    return f" (of the EOS ids {list(ends)})" if len(ends) > 1 else ""
+
+
+def _foreign_eos(index: int, output: list[int], eos: tuple[int, ...], trace: Any,
+                 outputs: list[list[int]]) -> int | None:
     emitted_at = getattr(trace, "emitted_at", None)
     if not emitted_at or index >= len(emitted_at) or not emitted_at[index]:
         return None
@@ -65,13 +77,13 @@ def _foreign_eos(index: int, output: list[int], eos: int, trace: Any, outputs: l
         if row == index or row >= len(outputs):
             continue
         theirs = [j for j, s in enumerate(emitted_at[row]) if s == last]
-        if any(outputs[row][j] == eos for j in theirs if j < len(outputs[row])):
+        if any(outputs[row][j] in eos for j in theirs if j < len(outputs[row])):
             return row
     return None
 
 
 def acceptance_from_trace(index: int, reference: list[int], output: list[int], position: int,
-                          max_new_tokens: int, eos: int | None, trace: Any) -> Finding | None:
+                          max_new_tokens: int, eos: int | Sequence[int] | None, trace: Any) -> Finding | None:
     """A step that accepted a draft token the target did not choose, or that dropped or doubled
     its bonus token, read from the trace's proposals and counts."""
     steps = getattr(trace, "steps", None)
@@ -100,7 +112,7 @@ def acceptance_from_trace(index: int, reference: list[int], output: list[int], p
                                    f"({reference[slot]}, new token {slot}): a rejected draft token was kept")
         if emitted is not None and accepted is not None and record.kind not in ("prefill", "stopped") and k:
             room = max_new_tokens - done
-            ended = eos is not None and eos in output[done:done + emitted]
+            ended = any(t in eos_ids(eos) for t in output[done:done + emitted])
             if emitted == accepted and emitted < room and not ended and done <= position:
                 return Finding("acceptance_rule", f"step {s} accepted {accepted} draft token(s) and emitted "
                                f"{emitted}: no bonus token, though {room} token(s) of room were left")
@@ -169,7 +181,8 @@ def draft_token_kept(prompt: list[int], reference: list[int], output: list[int],
     return None
 
 
-def length_stop(reference: list[int], output: list[int], position: int, max_new_tokens: int, eos: int | None,
+def length_stop(reference: list[int], output: list[int], position: int, max_new_tokens: int,
+                eos: int | Sequence[int] | None,
                 continuation: list[int] | None) -> Finding | None:
     """More tokens than `max_new_tokens`, or fewer with neither EOS nor the budget reached."""
     if len(output) > max_new_tokens:
@@ -179,7 +192,8 @@ def length_stop(reference: list[int], output: list[int], position: int, max_new_
                 if same else "")
         return Finding("stop_length", f"{len(output)} tokens for max_new_tokens = {max_new_tokens} "
                        f"({len(extra)} past the budget: {extra[:4]}).{tail}")
-    if position == len(output) < len(reference) and len(output) < max_new_tokens and (not output or output[-1] != eos):
+    if (position == len(output) < len(reference) and len(output) < max_new_tokens
+            and (not output or output[-1] not in eos_ids(eos))):
         return Finding("stop_length", f"the engine stopped after {len(output)} token(s), with no EOS and "
                        f"max_new_tokens = {max_new_tokens}; the reference goes on to {len(reference)}")
     return None

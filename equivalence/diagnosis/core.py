@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.diagnosis import causes, checks
 from specaudit.equivalence.diagnosis.layers import recurrent_or_attention
 from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
@@ -108,7 +109,7 @@ class Diagnoser(Experiments):
     references: list[list[int]]
     outputs: list[list[int]]
     max_new_tokens: int
-    eos_token_id: int | None
+    eos_token_id: int | tuple[int, ...] | list[int] | None  # the EOS set: any of its ids ends a row
     pad_token_id: int | None
     trace: Any = None
     engine_logits: list[torch.Tensor | None] = field(default_factory=list)
@@ -271,7 +272,7 @@ class Diagnoser(Experiments):
         if evidence is None or not evidence.any:
             return None
         prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
-        stopped_early = len(output) < len(reference) and (not output or output[-1] != eos)
+        stopped_early = len(output) < len(reference) and (not output or output[-1] not in eos_ids(eos))
         if not (evidence.in_prompt or evidence.in_output) and not stopped_early:
             return None  # pad = EOS matters to rows that stop early
         mechanism = "pad-id tokens treated as padding"
@@ -312,7 +313,7 @@ class Diagnoser(Experiments):
                              "the divergence starts where the pad ids sit (no re-run with another pad id could be "
                              "made)", mechanism)
             tried.append("re-run alone (batch of 1, no padding): its first new token is right")
-        if evidence.pad_is_eos and stopped_early and eos not in prompt:
+        if evidence.pad_is_eos and stopped_early and not any(t in eos_ids(eos) for t in prompt):
             alone = self.alone(index)
             if isinstance(alone, list) and self.equivalent(index, alone[:len(reference)]):  # (tokens after EOS: another bug)
                 return Cause("pad_as_content", f"the pad id {pad} is the EOS id; the row stopped after {len(output)} "

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from specaudit.engines.limits import eos_ids
+
 
 class Experiments:
     """Re-runs and their judgement; the fields live on `Diagnoser`."""
@@ -22,7 +24,7 @@ class Experiments:
     references: list[list[int]]
     outputs: list[list[int]]
     pad_token_id: int | None
-    eos_token_id: int | None
+    eos_token_id: int | tuple[int, ...] | list[int] | None  # the EOS set: any of its ids ends a row
     target: Any
     draft: Any
     rerun: Any
@@ -90,7 +92,7 @@ class Experiments:
 
     def other_pad_id(self, indices: list[int]) -> int | None:
         used = {t for i in indices for t in self.prompts[i] + self.references[i] + self.outputs[i]}
-        used |= {t for t in (self.pad_token_id, self.eos_token_id) if t is not None}
+        used |= {t for t in (self.pad_token_id, *eos_ids(self.eos_token_id)) if t is not None}
         # an id both models have (a padded vocabulary's extra ids cannot be fed to the smaller one)
         sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (self.target, self.draft)]
         vocab = int(min((size for size in sizes if isinstance(size, int)), default=0))

@@ -166,8 +166,25 @@ def config_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
         prompts = f"{prompts} ({config['num_prompts']} prompts)"
     rows = [("engines", listed("engines")), ("pairs", listed("pairs")), ("batch sizes", listed("batch_sizes")),
             ("dtypes", listed("dtypes")), ("prompts", prompts), ("max new tokens", config.get("max_new_tokens")),
-            ("draft tokens (k)", config.get("draft_tokens"))]
+            ("draft tokens (k)", config.get("draft_tokens")), ("EOS ids", eos_summary(audit))]
     return [(name, str(value)) for name, value in rows if value not in (None, "")]
+
+
+def eos_summary(audit: dict[str, Any]) -> str | None:
+    """The EOS ids the audit stopped at: "258, 157", or "the pair's own (258, 157)" with the sets the runs
+    resolved, or "none (never stop early)"."""
+    config = audit.get("config") or {}
+    if "eos_token_id" not in config:
+        return None
+    eos = config["eos_token_id"]
+    if eos is None:
+        return "none (never stop early)"
+    if eos != "pair":
+        return ", ".join(str(i) for i in eos) if isinstance(eos, list) else str(eos)
+    sets = list(dict.fromkeys(tuple(run["eos_token_ids"]) for run in audit.get("runs") or []
+                              if isinstance(run.get("eos_token_ids"), list)))
+    resolved = "; ".join(", ".join(str(i) for i in ids) or "none" for ids in sets)
+    return f"the pair's own ({resolved})" if resolved else "the pair's own"
 
 
 def rows_count(rows: int) -> str:
