@@ -39,7 +39,7 @@ def add_options(audit: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=_non_negative, default=None, metavar="T",
                        help="audit sampling at this temperature (0: greedy through the sampler)")
     group.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="nucleus cut (1: off)")
-    group.add_argument("--top-k", type=int, default=0, metavar="K", help="top-k cut (0: off)")
+    # --top-k is the request parameters' option (equivalence/cli/request_args.py): one flag, a cut here too
     group.add_argument("--samples", type=int, default=400, metavar="N",
                        help="sampled outputs per engine, spread evenly over the prompts")
     group.add_argument("--seed", type=int, default=0, metavar="S", help="the run's seed (each request gets its own)")
