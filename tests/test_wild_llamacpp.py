@@ -24,6 +24,7 @@ import cli_run
 import llamacpp_models as lm
 import wild_models as wm
 import wild_requests as wr
+from specaudit.engines.adapters.request_fields import llamacpp_chosen_logprobs
 
 NEW_TOKENS = 16
 # ngram-simple drafts after a 12-token match (its default size_n), so its prompt holds the cycle twice
@@ -149,6 +150,10 @@ def test_log_probabilities_are_grouped_by_complete_utf8_characters(tmp_path):
     dropped = tokens[position:]  # a character still incomplete when generation stopped
     assert dropped == [] or (dropped[0] >= 0xC0 and len(dropped) < 4), dropped  # a lead byte and at most 2 more
     assert any(len(entry["bytes"]) > 1 for entry in entries)
+    # the audit's reader places each entry on its token by these bytes; the tokens without one get None
+    chosen = llamacpp_chosen_logprobs(entries, tokens)
+    assert chosen is not None and [value for value in chosen if value is not None] == [e["logprob"] for e in entries]
+    assert chosen.count(None) == len(tokens) - len(entries)
 
 
 def _audit_logprobs(server: lm.LlamaServer, tmp_path) -> tuple[cli_run.Result, dict]:
