@@ -103,17 +103,17 @@ def test_draft_speculation_reports_logprob_zero_after_the_first_token(table_gguf
           f"draft-simple {[entry['logprob'] for entry in spec_report[:4]]}...")
 
 
-def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gguf, tmp_path):
+def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gguf, plain_server, tmp_path):
     """n-gram speculation (`ngram-simple`) on the same build: it drafts only after a 12-token match,
     so the first tokens of the answer are sampled one at a time and reported right; the tokens after
     drafting starts come back as p = 1 with no alternatives. The bug is in the server's speculative
     path, not in one drafter."""
     llama_dir, pair = table_gguf
-    with _served(llama_dir, pair, "none", tmp_path / "plain.log") as plain:
-        expected = _completion(plain, TWO_CYCLES)
+    expected = _completion(plain_server, TWO_CYCLES)
     with _served(llama_dir, pair, "ngram-simple", tmp_path / "ngram.log") as speculative:
         actual = _completion(speculative, TWO_CYCLES)
         accepted = speculative.metrics()["spec_decode_num_accepted_tokens_total"]
+        result, run = _audit_logprobs(speculative, tmp_path / "audit", TWO_CYCLES)
     assert accepted > 0
     assert actual["tokens"] == expected["tokens"]
     plain_report, spec_report = expected["completion_probabilities"], actual["completion_probabilities"]
@@ -124,6 +124,12 @@ def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gg
     assert len(zeroed) > 0 and sorted(zeroed + right) == list(range(NEW_TOKENS)), (zeroed, right)
     assert right[0] == 0 and zeroed[-1] == NEW_TOKENS - 1  # right before drafting starts, zeros after
     print(f"ngram-simple: {accepted:.0f} drafts accepted; right at {right}, 0.0 at {zeroed}")
+    # the audit of the same server: tokens exact, a structural logprob_report at the zeroed positions
+    assert result.returncode == 1 and run["exact_matches"] == 1, result.stdout
+    (finding,) = run["divergences"]
+    assert finding["kind"] == "structural" and finding["diagnosis"]["class"] == "logprob_report", finding
+    assert finding["evidence"]["positions_off"] == zeroed, finding["evidence"]
+    print(finding["diagnosis"]["evidence"])
 
 
 def test_log_probabilities_are_grouped_by_complete_utf8_characters(tmp_path):
@@ -156,11 +162,11 @@ def test_log_probabilities_are_grouped_by_complete_utf8_characters(tmp_path):
     assert chosen.count(None) == len(tokens) - len(entries)
 
 
-def _audit_logprobs(server: lm.LlamaServer, tmp_path) -> tuple[cli_run.Result, dict]:
-    """`specaudit audit --engine llamacpp:URL --target TABLE_TARGET --logprobs 2` on the cycle prompt."""
+def _audit_logprobs(server: lm.LlamaServer, tmp_path, prompt: list[int] = wr.CYCLE_PROMPT) -> tuple[cli_run.Result, dict]:
+    """`specaudit audit --engine llamacpp:URL --target TABLE_TARGET --logprobs 2` on one prompt."""
     tmp_path.mkdir()
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"input_ids": wr.CYCLE_PROMPT}) + "\n")
+    prompts.write_text(json.dumps({"input_ids": prompt}) + "\n")
     result = cli_run.audit("--engine", f"llamacpp:{server.url}", "--target", str(wm.table_pair().target),
                            "--prompts", str(prompts), "--no-adversarial", "--batch-size", "1", "--dtype", "float32",
                            "--max-new-tokens", str(NEW_TOKENS), "--logprobs", "2", out=tmp_path / "audit")
