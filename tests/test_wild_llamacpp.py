@@ -12,6 +12,9 @@ tokens that follow its first draft: the bug is in the server's speculative path,
 The model is the table model of tests/wild_models.py (each greedy token at about -0.21, its second
 choice at about -1.71), converted to GGUF f32 and served with an f32 KV cache and flash attention
 off, so the plain server's numbers are the target's to float32 rounding.
+
+`specaudit audit --logprobs 2` against the same servers rules the speculative ones a structural
+`logprob_report` and the plain one clean.
 """
 
 from __future__ import annotations

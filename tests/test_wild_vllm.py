@@ -18,6 +18,9 @@ position while the committed output is 1 token long. The reference is transforme
 of the same weights with `min_new_tokens` (the same rule: stop tokens masked while fewer than that
 many tokens were generated).
 
+`specaudit audit --min-tokens 5` against the same server rules it a structural `logits_processor`
+divergence at new token 5 (min_tokens applied past its end).
+
 The server takes about 3 minutes to start on two shared cores (three Python processes import vLLM
 and torch); the requests take seconds.
 """
@@ -131,6 +134,8 @@ def _is_min_tokens_at_bonus(finding: dict, position: int, reference_token: int, 
     assert finding["kind"] == "structural" and finding["diagnosis"]["class"] == "logits_processor", finding
     assert (finding["position"], finding["reference_token"], finding["engine_token"]) == (
         position, reference_token, engine_token), finding
+    # the replay: the engine's token is the reference's choice with the stop ids masked past min_tokens
+    assert finding["evidence"]["processor"] == "min_tokens" and finding["evidence"]["applied_past_end"], finding
 
 
 def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processor(ngram_server, tmp_path):
