@@ -10,6 +10,8 @@ cached loop), stops as vLLM does, and answers with `token_ids`, `text`, `finish_
   log-probabilities keep the burst's tokens after it (vllm #47616);
 - "bias_skipped": `logit_bias` not applied at odd positions, as at verified draft positions (vllm #42744);
 - "min_tokens_skipped": `min_tokens` not applied at odd positions (rows misaligned, vllm #41768);
+- "min_tokens_past_end": the stop ids still masked at new token `min_tokens` (vLLM 0.32.0 at the bonus
+  position under speculation, reports/wild/vllm-min-tokens-bonus.md);
 - "zero_logprobs": every token reported with log-probability 0.0 (llama.cpp #27972);
 - "finish_wrong": `finish_reason` "length" for a request that stopped on EOS / a stop id / a stop string;
 - "usage_wrong": `completion_tokens` one more than the tokens returned.
@@ -24,7 +26,8 @@ import torch
 from specaudit.engines.request_reference import decode_text, find_stop
 from specaudit.engines.requests import RequestParams, process
 
-BUGS = ("stop_tail", "bias_skipped", "min_tokens_skipped", "zero_logprobs", "finish_wrong", "usage_wrong")
+BUGS = ("stop_tail", "bias_skipped", "min_tokens_skipped", "min_tokens_past_end", "zero_logprobs", "finish_wrong",
+        "usage_wrong")
 BURST = 3  # tokens a stop-string bug keeps after the stop
 
 
@@ -62,6 +65,8 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
                 used = RequestParams(**{**params.__dict__, "logit_bias": ()})
             if bug == "min_tokens_skipped" and len(out) % 2 == 1:
                 used = RequestParams(**{**params.__dict__, "min_tokens": 0})
+            if bug == "min_tokens_past_end" and params.min_tokens and len(out) == params.min_tokens:
+                used = RequestParams(**{**params.__dict__, "min_tokens": params.min_tokens + 1})
             row = process(raw, prompt, out, used, stop_ids).greedy
             token = int(row.argmax())
             out.append(token)

@@ -190,6 +190,22 @@ def test_min_tokens_skipped_at_some_positions_is_logits_processor(pair, prompts)
     assert found["evidence"]["processor"] == "min_tokens" and found["engine_token"] == EOS
 
 
+def test_min_tokens_applied_past_its_end_is_logits_processor(pair, prompts):
+    """The stop ids masked one position too long (vLLM 0.32.0's bonus position): with the plain greedy
+    token at new token 4 as a stop id and min_tokens 4, the reference ends on it there, the server
+    takes the runner-up; the replay names min_tokens. (A stop id, not EOS raised by a logit bias: the
+    runner-up would then also be "logit_bias not applied".)"""
+    plain, _ = greedy_decode(pair.target, prompts[0], N, None)
+    stop = plain[4]
+    assert stop not in plain[:4]
+    params = [RequestParams(min_tokens=4, stop_token_ids=[stop])]
+    run, _ = audit(pair, prompts[:1], params, bug="min_tokens_past_end")
+    assert classes(run) == ["logits_processor"]
+    [found] = [d for d in run["divergences"] if d["kind"] == "structural"]
+    assert (found["position"], found["reference_token"]) == (4, stop) and found["engine_token"] != stop
+    assert found["evidence"]["processor"] == "min_tokens" and found["evidence"]["applied_past_end"] is True
+
+
 def test_request_params_for_an_in_process_engine_or_a_bad_params_line_are_usage_errors(tmp_path):
     from cli_run import audit as cli_audit
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specaudit.engines.adapters.request_fields import ParameterRefused, read_sglang, refused_in_answer
+from specaudit.engines.adapters.request_fields import (ParameterRefused, llamacpp_chosen_logprobs, read_sglang,
+                                                       refused_in_answer)
 from specaudit.engines.adapters.servers import (
     llamacpp_parse, llamacpp_request, sglang_parse, sglang_request, trtllm_request, vllm_parse, vllm_request,
 )
@@ -78,3 +79,21 @@ def test_a_400_naming_a_sent_field_is_a_refusal():
     assert refused_in_answer("vllm", both, "HTTP 400: stop_token_ids must be a list") == "stop_token_ids"
     assert refused_in_answer("vllm", both, "HTTP 400: 'stop' too long") == "stop"
     assert refused_in_answer("vllm", RequestParams(top_k=3), "HTTP 400: unknown field stop_k") is None
+
+
+def test_llamacpp_log_probabilities_are_placed_by_their_bytes():
+    """llama.cpp's entries are per complete UTF-8 character (tests/test_wild_llamacpp.py shows it on the
+    tiny-llama pair): these 12 tokens came back with 9 entries; a lead byte (209, 202) has none, the
+    next token's entry carries both bytes, and the trailing lone 202 has none."""
+    tokens = [143, 129, 209, 104, 57, 130, 202, 99, 175, 33, 18, 202]
+    runs = [[143], [129], [209, 104], [57], [130], [202, 99], [175], [33], [18]]
+    probs = [{"id": run[-1], "bytes": run, "logprob": -0.5 - index, "top_logprobs": []} for index, run in enumerate(runs)]
+    chosen = llamacpp_chosen_logprobs(probs, tokens)
+    assert chosen == [-0.5, -1.5, None, -2.5, -3.5, -4.5, None, -5.5, -6.5, -7.5, -8.5, None]
+    answer = {"tokens": tokens, "content": "", "stop_type": "limit", "completion_probabilities": probs}
+    assert llamacpp_parse(answer).report["chosen_logprobs"] == chosen
+    # an entry that names a token not within its bytes' reach cannot be placed: nothing is read
+    assert llamacpp_chosen_logprobs([{"id": 104, "bytes": [104], "logprob": -1.0}], tokens) is None
+    assert llamacpp_chosen_logprobs(probs[:2] + [{"id": 57, "bytes": [209, 104], "logprob": -1.0}], tokens) is None
+    # without `bytes` (older builds) an entry covers one token
+    assert llamacpp_chosen_logprobs([{"id": 143, "logprob": -1.0}, {"id": 129, "logprob": -2.0}], tokens[:2]) == [-1.0, -2.0]

@@ -12,15 +12,22 @@ tokens that follow its first draft: the bug is in the server's speculative path,
 The model is the table model of tests/wild_models.py (each greedy token at about -0.21, its second
 choice at about -1.71), converted to GGUF f32 and served with an f32 KV cache and flash attention
 off, so the plain server's numbers are the target's to float32 rounding.
+
+`specaudit audit --logprobs 2` against the same servers rules the speculative ones a structural
+`logprob_report` and the plain one clean.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+import cli_run
 import llamacpp_models as lm
 import wild_models as wm
 import wild_requests as wr
+from specaudit.engines.adapters.request_fields import llamacpp_chosen_logprobs
 
 NEW_TOKENS = 16
 # ngram-simple drafts after a 12-token match (its default size_n), so its prompt holds the cycle twice
@@ -33,6 +40,20 @@ def table_gguf() -> tuple:
     pair = wm.table_pair()
     target, draft = wm.gguf_files(llama_dir)
     return llama_dir, lm.GGUFPair(pair.folder, pair.target, pair.draft, target, draft)
+
+
+@pytest.fixture(scope="module")
+def plain_server(table_gguf, tmp_path_factory):
+    llama_dir, pair = table_gguf
+    with _served(llama_dir, pair, "none", tmp_path_factory.mktemp("plain") / "server.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def draft_server(table_gguf, tmp_path_factory):
+    llama_dir, pair = table_gguf
+    with _served(llama_dir, pair, "draft-simple", tmp_path_factory.mktemp("draft") / "server.log") as server:
+        yield server
 
 
 def _completion(server: lm.LlamaServer, prompt: list[int] = wr.CYCLE_PROMPT) -> dict:
@@ -54,16 +75,14 @@ def _served(llama_dir, pair, spec_type: str, log) -> lm.LlamaServer:
     return lm.LlamaServer(llama_dir, pair, lm.EXACT_ARGS + ["--spec-type", spec_type], log)
 
 
-def test_draft_speculation_reports_logprob_zero_after_the_first_token(table_gguf, tmp_path):
-    llama_dir, pair = table_gguf
-    with _served(llama_dir, pair, "none", tmp_path / "plain.log") as plain:
-        expected = _completion(plain)
-        expected_openai = _openai_logprobs(plain)
-    with _served(llama_dir, pair, "draft-simple", tmp_path / "draft.log") as speculative:
-        before = speculative.metrics()
-        actual = _completion(speculative)
-        actual_openai = _openai_logprobs(speculative)
-        after = speculative.metrics()
+def test_draft_speculation_reports_logprob_zero_after_the_first_token(table_gguf, plain_server, draft_server):
+    llama_dir, _pair = table_gguf
+    expected = _completion(plain_server)
+    expected_openai = _openai_logprobs(plain_server)
+    before = draft_server.metrics()
+    actual = _completion(draft_server)
+    actual_openai = _openai_logprobs(draft_server)
+    after = draft_server.metrics()
     accepted = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
     assert accepted > 0, "no draft token was accepted: the request never ran the speculative path"
 
@@ -87,17 +106,17 @@ def test_draft_speculation_reports_logprob_zero_after_the_first_token(table_gguf
           f"draft-simple {[entry['logprob'] for entry in spec_report[:4]]}...")
 
 
-def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gguf, tmp_path):
+def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gguf, plain_server, tmp_path):
     """n-gram speculation (`ngram-simple`) on the same build: it drafts only after a 12-token match,
     so the first tokens of the answer are sampled one at a time and reported right; the tokens after
     drafting starts come back as p = 1 with no alternatives. The bug is in the server's speculative
     path, not in one drafter."""
     llama_dir, pair = table_gguf
-    with _served(llama_dir, pair, "none", tmp_path / "plain.log") as plain:
-        expected = _completion(plain, TWO_CYCLES)
+    expected = _completion(plain_server, TWO_CYCLES)
     with _served(llama_dir, pair, "ngram-simple", tmp_path / "ngram.log") as speculative:
         actual = _completion(speculative, TWO_CYCLES)
         accepted = speculative.metrics()["spec_decode_num_accepted_tokens_total"]
+        result, run = _audit_logprobs(speculative, tmp_path / "audit", TWO_CYCLES)
     assert accepted > 0
     assert actual["tokens"] == expected["tokens"]
     plain_report, spec_report = expected["completion_probabilities"], actual["completion_probabilities"]
@@ -108,6 +127,12 @@ def test_ngram_speculation_reports_logprob_zero_for_its_accepted_drafts(table_gg
     assert len(zeroed) > 0 and sorted(zeroed + right) == list(range(NEW_TOKENS)), (zeroed, right)
     assert right[0] == 0 and zeroed[-1] == NEW_TOKENS - 1  # right before drafting starts, zeros after
     print(f"ngram-simple: {accepted:.0f} drafts accepted; right at {right}, 0.0 at {zeroed}")
+    # the audit of the same server: tokens exact, a structural logprob_report at the zeroed positions
+    assert result.returncode == 1 and run["exact_matches"] == 1, result.stdout
+    (finding,) = run["divergences"]
+    assert finding["kind"] == "structural" and finding["diagnosis"]["class"] == "logprob_report", finding
+    assert finding["evidence"]["positions_off"] == zeroed, finding["evidence"]
+    print(finding["diagnosis"]["evidence"])
 
 
 def test_log_probabilities_are_grouped_by_complete_utf8_characters(tmp_path):
@@ -134,3 +159,41 @@ def test_log_probabilities_are_grouped_by_complete_utf8_characters(tmp_path):
     dropped = tokens[position:]  # a character still incomplete when generation stopped
     assert dropped == [] or (dropped[0] >= 0xC0 and len(dropped) < 4), dropped  # a lead byte and at most 2 more
     assert any(len(entry["bytes"]) > 1 for entry in entries)
+    # the audit's reader places each entry on its token by these bytes; the tokens without one get None
+    chosen = llamacpp_chosen_logprobs(entries, tokens)
+    assert chosen is not None and [value for value in chosen if value is not None] == [e["logprob"] for e in entries]
+    assert chosen.count(None) == len(tokens) - len(entries)
+
+
+def _audit_logprobs(server: lm.LlamaServer, tmp_path, prompt: list[int] = wr.CYCLE_PROMPT) -> tuple[cli_run.Result, dict]:
+    """`specaudit audit --engine llamacpp:URL --target TABLE_TARGET --logprobs 2` on one prompt."""
+    tmp_path.mkdir()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": prompt}) + "\n")
+    result = cli_run.audit("--engine", f"llamacpp:{server.url}", "--target", str(wm.table_pair().target),
+                           "--prompts", str(prompts), "--no-adversarial", "--batch-size", "1", "--dtype", "float32",
+                           "--max-new-tokens", str(NEW_TOKENS), "--logprobs", "2", out=tmp_path / "audit")
+    (run,) = cli_run.runs(tmp_path / "audit")
+    assert run.get("error") is None, (run["error"], result.stdout)
+    return result, run
+
+
+def test_audit_rules_the_zero_logprobs_structural_logprob_report(draft_server, plain_server, tmp_path):
+    """The audit itself, with log-probabilities requested: the speculative server's tokens are exact,
+    and its report of them is a structural `logprob_report` (p = 1 where the reference has about
+    -0.21); the same audit of the same build without speculation is clean."""
+    result, run = _audit_logprobs(draft_server, tmp_path / "draft")
+    assert result.returncode == 1, result.stdout
+    assert run["exact_matches"] == run["num_prompts"] == 1, result.stdout
+    (finding,) = run["divergences"]
+    assert finding["kind"] == "structural" and finding["diagnosis"]["class"] == "logprob_report", finding
+    evidence = finding["evidence"]
+    # the first token (sampled from the prompt's pass) is right; every drafted one after it is 0.0
+    assert evidence["positions_off"] == list(range(1, NEW_TOKENS)), evidence
+    assert evidence["reported"] == 0.0 and evidence["expected"] < -0.1, evidence
+    print(result.stdout)
+
+    result, run = _audit_logprobs(plain_server, tmp_path / "plain")
+    assert result.returncode == 0, result.stdout
+    assert run["exact_matches"] == run["num_prompts"] == 1 and run["divergences"] == [], result.stdout
+    print(result.stdout)

@@ -18,6 +18,9 @@ position while the committed output is 1 token long. The reference is transforme
 of the same weights with `min_new_tokens` (the same rule: stop tokens masked while fewer than that
 many tokens were generated).
 
+`specaudit audit --min-tokens 5` against the same server rules it a structural `logits_processor`
+divergence at new token 5 (min_tokens applied past its end).
+
 The server takes about 3 minutes to start on two shared cores (three Python processes import vLLM
 and torch); the requests take seconds.
 """
@@ -29,6 +32,7 @@ import json
 
 import pytest
 
+import cli_run
 import vllm_models as vm
 import wild_models as wm
 import wild_requests as wr
@@ -110,3 +114,50 @@ def test_min_tokens_masks_a_stop_token_id_at_the_bonus_position(ngram_server):
     # the control: with min_tokens 0 the stop token ends the answer where greedy decoding does
     control = complete(ngram_server, STOP_TOKEN_PROMPT, stop_token_ids=[nine])
     assert control["token_ids"] == reference(STOP_TOKEN_PROMPT, 0, stop_ids=(wm.EOS, nine))
+
+
+def _audit(server: vm.VLLMServer, directory, lines: list[dict], *flags: str) -> tuple[cli_run.Result, dict]:
+    """`specaudit audit --engine vllm:URL --target TABLE_TARGET` on `lines` (a prompts file), one
+    request at a time."""
+    directory.mkdir()
+    prompts = directory / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = cli_run.audit("--engine", f"vllm:{server.url}", "--target", str(wm.table_pair().target),
+                           "--prompts", str(prompts), "--no-adversarial", "--batch-size", "1", "--dtype", "float32",
+                           "--max-new-tokens", str(MAX_TOKENS), *flags, out=directory / "audit")
+    (run,) = cli_run.runs(directory / "audit")
+    assert run.get("error") is None, (run["error"], result.stdout)
+    return result, run
+
+
+def _is_min_tokens_at_bonus(finding: dict, position: int, reference_token: int, engine_token: int) -> None:
+    assert finding["kind"] == "structural" and finding["diagnosis"]["class"] == "logits_processor", finding
+    assert (finding["position"], finding["reference_token"], finding["engine_token"]) == (
+        position, reference_token, engine_token), finding
+    # the replay: the engine's token is the reference's choice with the stop ids masked past min_tokens
+    assert finding["evidence"]["processor"] == "min_tokens" and finding["evidence"]["applied_past_end"], finding
+
+
+def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processor(ngram_server, tmp_path):
+    """The audit itself: `--min-tokens 5` on the prompt that shows the bug is a structural divergence
+    at new token 5 (reference EOS, engine `0`) of class `logits_processor`. In a prompts file with
+    per-prompt parameters, the control rows (min_tokens 0 and 6) stay exact on the same server, and
+    the stop-token-id row diverges at token 5 (reference `9`, engine a space), same class."""
+    result, run = _audit(ngram_server, tmp_path / "cli", [{"input_ids": EOS_PROMPT}], "--min-tokens", "5")
+    assert result.returncode == 1, result.stdout
+    (finding,) = run["divergences"]
+    _is_min_tokens_at_bonus(finding, 5, wm.EOS, ord("0"))
+    print(result.stdout, finding["diagnosis"]["evidence"])
+
+    lines = [{"input_ids": EOS_PROMPT, "params": {"min_tokens": 6}},
+             {"input_ids": EOS_PROMPT},
+             {"input_ids": EOS_PROMPT, "params": {"min_tokens": 2}},
+             {"input_ids": STOP_TOKEN_PROMPT, "params": {"min_tokens": 3, "stop_token_ids": [ord("9")]}}]
+    result, run = _audit(ngram_server, tmp_path / "file", lines)
+    assert result.returncode == 1, result.stdout
+    assert run["exact_matches"] == 2, result.stdout
+    by_prompt = {finding["prompt_index"]: finding for finding in run["divergences"]}
+    assert sorted(by_prompt) == [2, 3], run["divergences"]
+    _is_min_tokens_at_bonus(by_prompt[2], 5, wm.EOS, ord("0"))
+    _is_min_tokens_at_bonus(by_prompt[3], 5, ord("9"), ord(" "))
+    print(result.stdout, by_prompt[3]["diagnosis"]["evidence"])

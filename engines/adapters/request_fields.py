@@ -195,16 +195,36 @@ def read_openai(choice: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any
             "chosen_logprobs": [None if v is None else float(v) for v in chosen] if chosen else None}
 
 
+def llamacpp_chosen_logprobs(probs: list[dict[str, Any]], tokens: list[int]) -> list[float | None] | None:
+    """Each returned token's reported log-probability, None for a token without an entry; None when the
+    entries cannot be placed. llama.cpp writes one entry per complete UTF-8 character, not per token: a
+    token that ends inside a character (a byte that starts a multi-byte one) gets no entry, the entry
+    of the token that completes it names that token and carries the bytes of both, and a character
+    still incomplete at the end gets none. So each entry is placed on the next token with its `id`,
+    past at most len(bytes) - 1 tokens without an entry (each of them holds at least one of its bytes)."""
+    if not probs:
+        return None
+    chosen: list[float | None] = [None] * len(tokens)
+    cursor = 0
+    for entry in probs:
+        token = int(entry.get("id", -1))
+        covered = max(1, len(entry.get("bytes") or [token]))
+        window = tokens[cursor:cursor + covered]
+        if token not in window:
+            return None
+        position = cursor + window.index(token)
+        chosen[position] = float(entry["logprob"]) if "logprob" in entry else None
+        cursor = position + 1
+    return chosen
+
+
 def read_llamacpp(answer: dict[str, Any], tokens: list[int]) -> dict[str, Any]:
     """llama.cpp: `content`, `stop_type` ("eos", "word" with `stopping_word`, "limit"), `tokens_evaluated`
-    / `tokens_predicted`, and `completion_probabilities` when there is one entry per token naming it."""
+    / `tokens_predicted`, and the chosen tokens' log-probabilities placed by `llamacpp_chosen_logprobs`."""
     stop_type = answer.get("stop_type")
     finish = {"eos": "stop", "word": "stop", "limit": "length"}.get(stop_type, stop_type)
     stop_reason = answer.get("stopping_word") if stop_type == "word" else None
-    probs = answer.get("completion_probabilities") or []
-    chosen = None
-    if probs and len(probs) == len(tokens) and all(int(e.get("id", -1)) == t for e, t in zip(probs, tokens)):
-        chosen = [float(e["logprob"]) if "logprob" in e else None for e in probs]
+    chosen = llamacpp_chosen_logprobs(answer.get("completion_probabilities") or [], tokens)
     return {"text": answer.get("content"), "finish_reason": finish, "stop_reason": stop_reason,
             "usage": _usage(answer.get("tokens_evaluated"), answer.get("tokens_predicted")),
             "chosen_logprobs": chosen}

@@ -23,6 +23,7 @@ the final stop token's text: any of these is accepted.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -155,6 +156,17 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
                             f"{what}; with every processor the reference chooses {reference_token}, {gap:.3g} above",
                             {"processor": name, "processed_gap": gap, "applied": full.applied},
                             reference_token, engine_token)
+    if params.min_tokens and "min_tokens" not in full.applied:
+        # the opposite fault: the stop ids masked at a position min_tokens no longer covers (a server that
+        # counts only its committed output, not the drafts accepted in the same step)
+        stretched = process(raw, prompt, output, replace(params, min_tokens=agree + 1), stop_ids, penalty_scope)
+        if "min_tokens" in stretched.applied and int(stretched.greedy.argmax()) == engine_token:
+            return _finding(index, agree, "logits_processor", "processor-replay",
+                            f"at new token {agree} the server's token {engine_token} is the reference's choice with "
+                            f"the stop ids masked: min_tokens = {params.min_tokens} was applied past its end "
+                            f"({agree} tokens generated); the reference chooses {reference_token}, {gap:.3g} above",
+                            {"processor": "min_tokens", "applied_past_end": True, "processed_gap": gap,
+                             "applied": full.applied}, reference_token, engine_token)
     return None
 
 
