@@ -6,11 +6,14 @@ new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from transformers import DynamicCache, PreTrainedModel
 
 from specaudit.engines.contract import request_limits
+from specaudit.engines.limits import eos_ids
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.ops.layout import last_logits_only
 from specaudit.engines.trace import Trace
@@ -21,13 +24,14 @@ def greedy_decode(
     model: PreTrainedModel,
     prompt: list[int],
     max_new_tokens: int,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     record_logits: bool = False,
 ) -> tuple[list[int], torch.Tensor | None]:
     """Decode one prompt greedily. Returns the new tokens and, if asked, the logits each was chosen from [n, V]."""
     if not prompt:
         raise ValueError("a prompt needs at least one token")
     device = model.device
+    stop = eos_ids(eos_token_id)  # any of them ends the row
     cache = DynamicCache(config=model.config)  # the model's own cache (sliding layers keep their window)
     keep = last_logits_only(model)  # the prompt pass needs only its last position's logits
     inputs = torch.tensor([prompt], dtype=torch.long, device=device)
@@ -43,7 +47,7 @@ def greedy_decode(
         new_tokens.append(token)
         if record_logits:
             logits_rows.append(logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits)
-        if eos_token_id is not None and token == eos_token_id:
+        if token in stop:
             break
         next_position = int(position[0, -1]) + 1
         inputs = torch.tensor([[token]], dtype=torch.long, device=device)
@@ -61,18 +65,13 @@ class ReferenceDecoder:
     batch_size = 1
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, record_logits: bool = False,
-                 static: bool | None = None, cuda_graphs: bool = True, **_: object) -> None:
+                 **_: object) -> None:
         self.target = target
         self.record_logits = record_logits
-        # the fixed-shape path, one prompt at a time (engines/static/engine.py); the audit's oracle stays plain
-        self.static, self.cuda_graphs = static, cuda_graphs
         self.last_trace: Trace | None = None
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
-        from specaudit.engines.static import engine as static_path
-
-        if static_path.applies(self):
-            return static_path.generate(self, prompts, max_new_tokens, eos_token_id, refill=True)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         trace = Trace(num_prompts=len(prompts))
         outputs = []
         limits = request_limits(max_new_tokens, len(prompts))
