@@ -84,6 +84,14 @@ class FixedShapeEngine:
         self.loops: dict[tuple[int, int], loop.StaticLoop] = {}  # (batch, length bucket) -> its loop
         self.last_trace: Trace | None = None
 
+    def set_drafter(self, drafter: Any) -> None:
+        """Draft with `drafter` from the next call on (the bench's fresh seeded chooser for each timed call),
+        keeping the loops and their prepared passes; it must draft with the same draft model."""
+        model, chooser = drafter_parts(drafter, self.draft)
+        if model is not self.draft:
+            raise ValueError("set_drafter: the drafter must draft with the engine's own draft model")
+        self.chooser = chooser
+
     @property
     def proposals_from_draft_model(self) -> bool:
         return self.chooser is None
