@@ -2,7 +2,9 @@
 
 Contract: `generate(prompts, max_new_tokens, eos_token_id) -> list[list[int]]`, per prompt only
 the new tokens: the first EOS kept and nothing after it, never more than `max_new_tokens`.
-The built-in engines (reference, batched, EQSPEC, EXSPEC, INPLACE) also take `max_new_tokens` as
+`eos_token_id` is one id, a sequence of ids or None (`limits.eos_ids`): a row ends at the first token
+that is any of them.
+The built-in engines (reference, batched, EQSPEC, EXSPEC, INPLACE, fixedshape) also take `max_new_tokens` as
 one budget per prompt (`request_limits`), so that rows of a batch end at different steps, as
 requests of a server do; a row's budget is read by its prompt index (`row_limits`).
 """
