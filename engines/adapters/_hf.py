@@ -16,6 +16,8 @@ from typing import Any, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines.limits import EosIds, eos_ids
+
 
 @contextlib.contextmanager
 def patched_generation_config(model: PreTrainedModel, **values: Any) -> Iterator[None]:
@@ -39,12 +41,12 @@ def resolve_pad_id(model: PreTrainedModel, pad_token_id: int | None) -> int:
     return int(pad) if pad is not None else 0
 
 
-def cut_at_eos(tokens: list[int], eos_token_id: int | None, max_new_tokens: int) -> int:
-    """Number of tokens to keep: up to and including the first EOS, never more than `max_new_tokens`."""
+def cut_at_eos(tokens: list[int], eos_token_id: EosIds, max_new_tokens: int) -> int:
+    """Number of tokens to keep: up to and including the first EOS (any id of the set), never more than
+    `max_new_tokens`."""
     n = min(len(tokens), max_new_tokens)
-    if eos_token_id is not None and eos_token_id in tokens[:n]:
-        n = tokens.index(eos_token_id) + 1
-    return n
+    stop = eos_ids(eos_token_id)
+    return next((i + 1 for i, token in enumerate(tokens[:n]) if token in stop), n)
 
 
 def as_float(logits: torch.Tensor) -> torch.Tensor:
