@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specaudit.engines import batch as batch_ops
+from specaudit.engines.static.loop import STEP_KIND as FIXED_SHAPE_STEP
 from specaudit.engines.ops import ragged
 from specaudit.engines.models import zoo
 
@@ -239,4 +240,4 @@ def dispatch_per_step(engine: Any, prompts: list[list[int]], max_new_tokens: int
     count = len(steps) or sum(len(o) for o in outputs) or 1
     return {"aten_ops": ops.count, "host_syncs": syncs.count, "steps": count,
             "aten_ops_per_step": ops.count / count, "host_syncs_per_step": syncs.count / count,
-            "static_path": any(s.kind == "static" for s in steps)}
+            "fixed_shape_loop": any(s.kind == FIXED_SHAPE_STEP for s in steps)}

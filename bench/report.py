@@ -201,12 +201,12 @@ def findings(bench: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
     if largest is None or k is None:
         return out
     out["draft_tokens"], out["largest_batch_size"] = k, largest
-    for name in ("eqspec", "exspec", "inplace"):
+    for name in ("eqspec", "exspec", "inplace", "fixedshape"):
         run = _find(runs, name, largest, k)
         if run and run.get("stage_shares"):
             out[f"{name}_realign_share_b{largest}"] = run["stage_shares"]["realign"]
     speculative = [r for r in runs if r["batch_size"] == largest and r["draft_tokens"] == k
-                   and r["engine"] in ("eqspec", "exspec", "inplace")]
+                   and r["engine"] in ("eqspec", "exspec", "inplace", "fixedshape")]
     batched = _find(runs, "batched", largest)
     if speculative and batched:
         best = max(speculative, key=lambda r: r["tokens_per_second"])

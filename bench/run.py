@@ -72,7 +72,7 @@ from specaudit.equivalence.runner import machine_info, write_json
 from specaudit import __version__ as VERSION
 
 PLAIN_ENGINES = ("reference", "batched", "hf-batched", "hf-continuous")  # no draft: k does not apply
-PER_REQUEST_BUDGET_ENGINES = ("reference", "batched", "eqspec", "exspec", "inplace")  # take max_new_tokens per prompt
+PER_REQUEST_BUDGET_ENGINES = ("reference", "batched", "eqspec", "exspec", "inplace", "fixedshape")  # take max_new_tokens per prompt
 BATCH_ONE_ENGINES = ("reference", "hf-assisted")  # one prompt at a time by construction
 STAGES = ("draft", "verify", "realign", "other")
 CACHE_MOVEMENT_STAGES = ("realign", "stack", "unstack")
@@ -173,8 +173,10 @@ def step_statistics(trace: Any, batch_size: int) -> dict[str, Any]:
 
 
 def _engine(engine_name: str, pair: zoo.ModelPair, batch_size: int, k: int | None, config: BenchConfig,
-            continuations: list[list[int]] | None) -> tuple[Any, Any, Any]:
-    """A fresh engine (and its calibrated drafter and chooser, seeded alike every time)."""
+            continuations: list[list[int]] | None, kept: dict[Any, Any] | None = None) -> tuple[Any, Any, Any]:
+    """A fresh engine (and its calibrated drafter and chooser, seeded alike every time). An engine that keeps
+    prepared passes for its lifetime (the fixed-shape engine's `captures`) is kept in `kept` after its first
+    call and reused with the fresh drafter, so its warm-up captures and its timed calls only replay."""
     chooser = None
     if continuations is not None and config.acceptance is not None and k is not None:
         chooser = bench_pair.CalibratedChooser(continuations, config.acceptance, pair.target.config.vocab_size,
@@ -183,23 +185,36 @@ def _engine(engine_name: str, pair: zoo.ModelPair, batch_size: int, k: int | Non
     options = {"pad_token_id": pair.pad_token_id, **config.engine_options}
     if drafter is not None:
         options["drafter"] = drafter
-    engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=k or 1, **options)
+    key = (engine_name, batch_size, k)
+    if kept is not None and key in kept:
+        engine = kept[key]
+        engine.set_drafter(drafter)
+    else:
+        engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=k or 1, **options)
+        if kept is not None and hasattr(engine, "captures"):
+            kept[key] = engine
     return engine, drafter, chooser if drafter is not None else None
 
 
 def warm_up(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
-            config: BenchConfig, continuations: list[list[int]] | None) -> None:
-    """Untimed calls on the first batch, at most 8 new tokens each."""
+            config: BenchConfig, continuations: list[list[int]] | None, kept: dict[Any, Any] | None = None,
+            budgets: list[int] | None = None) -> None:
+    """Untimed calls on the first batch, at most 8 new tokens each; an engine kept for its prepared passes
+    warms up on the timed call itself (all prompts, their budgets), so that every shape is captured here."""
     for _ in range(config.warmup):
-        engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations)
-        engine.generate(prompts[:batch_size], min(8, config.max_new_tokens), pair.eos_token_id)
+        engine, _, _ = _engine(engine_name, pair, batch_size, k, config, continuations, kept)
+        if kept is not None and engine in kept.values():
+            engine.generate(prompts, budgets if budgets is not None else config.max_new_tokens, pair.eos_token_id)
+        else:
+            engine.generate(prompts[:batch_size], min(8, config.max_new_tokens), pair.eos_token_id)
 
 
 def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int, k: int | None,
                config: BenchConfig, continuations: list[list[int]] | None, memory: PeakMemory,
-               budgets: list[int] | None = None) -> dict[str, Any]:
+               budgets: list[int] | None = None, kept: dict[Any, Any] | None = None) -> dict[str, Any]:
     """One timed `generate` on all prompts (with their own budgets when given): one repeat's record."""
-    engine, drafter, chooser = _engine(engine_name, pair, batch_size, k, config, continuations)
+    engine, drafter, chooser = _engine(engine_name, pair, batch_size, k, config, continuations, kept)
+    captured = sum(engine.captures.values()) if hasattr(engine, "captures") else None
     memory.start()
     _sync(config.device)
     wall_start, cpu_start = time.perf_counter(), time.process_time()
@@ -217,7 +232,9 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
             "statistics": step_statistics(trace, batch_size), "compactions": getattr(engine, "compactions", None),
             "calibrated_drafter": drafter is not None,
             "diverged_rows": chooser.diverged_rows if chooser is not None else None,
-            "state_seconds": state if any(state.values()) else None}
+            "state_seconds": state if any(state.values()) else None,
+            # passes captured inside the timed call (the fixed-shape engine: 0 once warmed up)
+            "captures_in_timed_call": sum(engine.captures.values()) - captured if captured is not None else None}
 
 
 def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,6 +260,8 @@ def combine(engine_name: str, batch_size: int, k: int | None, repeats: list[dict
         "compactions": chosen["compactions"],
         # recurrent state bookkeeping (snapshot, rollback), inside the stages above; None without recurrent layers
         "state_seconds": chosen.get("state_seconds"),
+        "captures_in_timed_calls": (sum(r["captures_in_timed_call"] for r in repeats)
+                                    if chosen.get("captures_in_timed_call") is not None else None),
         **chosen["statistics"],
     }
     if k is None:  # plain decoding: nothing is drafted or accepted
@@ -333,6 +352,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                                                         use_cpu_clock=config.clock == "cpu"))
         write_json(json_path, bench)
         here = [(e, b, k) for e, b, k in plan if b == batch_size]
+        kept: dict[Any, Any] = {}  # engines kept for their prepared passes, from warm-up to the last timed call
         errors: dict[tuple[str, int, int | None], str] = {}
         dispatched: dict[tuple[str, int, int | None], dict[str, Any]] = {}
         for spec in here:
@@ -341,7 +361,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                     servers.server_warm_up(spec[0], prompts, spec[1], config.max_new_tokens, pair.eos_token_id,
                                            config.warmup, config.engine_options)
                 else:
-                    warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations)
+                    warm_up(spec[0], pair, prompts, spec[1], spec[2], config, continuations, kept, budgets)
             except Exception as exc:  # one engine failing keeps the others' runs
                 errors[spec] = f"{type(exc).__name__}: {exc}"
         repeats: dict[tuple[str, int, int | None], list[dict[str, Any]]] = {spec: [] for spec in here}
@@ -374,7 +394,7 @@ def run_bench(config: BenchConfig, out_dir: Path, log: Callable[[str], None] | N
                             config.engine_options))
                     else:
                         repeats[spec].append(timed_call(name, pair, prompts, b, k, config, continuations, memory,
-                                                        budgets))
+                                                        budgets, kept))
                         if spec not in dispatched:  # untimed, on the first batch, 16 new tokens at most
                             counted = _engine(name, pair, b, k, config, continuations)[0]
                             dispatched[spec] = dispatch_per_step(counted, prompts[:b], min(16, config.max_new_tokens),

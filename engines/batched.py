@@ -11,6 +11,8 @@ with the speculative engines'.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import PreTrainedModel
 
@@ -19,6 +21,7 @@ from specaudit.engines.ops import ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.eqspec import Clock, start_batch
+from specaudit.engines.limits import is_eos
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -35,11 +38,9 @@ class BatchedGreedy(ConsecutiveBatches):
     name = "batched"
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, batch_size: int = 8,
-                 pad_token_id: int | None = None, record_logits: bool = False, static: bool | None = None,
-                 cuda_graphs: bool = True, **_: object) -> None:
+                 pad_token_id: int | None = None, record_logits: bool = False, **_: object) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
-        self.static, self.cuda_graphs = static, cuda_graphs  # the fixed-shape path (engines/static/engine.py)
         self.target = target
         self.batch_size = batch_size
         self.k = 0
@@ -47,7 +48,7 @@ class BatchedGreedy(ConsecutiveBatches):
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         device = self.target.device
         state, result = start_batch(self.target, _NoDraft(), prompts, rows, self.pad_id, eos_token_id,  # type: ignore[arg-type]
@@ -59,7 +60,7 @@ class BatchedGreedy(ConsecutiveBatches):
             self._collect(trace, record, emitted, row_logits, outputs, logits)
 
     def _step(self, state: BatchState, step: int, max_new_tokens: int | torch.Tensor,
-              eos_token_id: int | None) -> tuple[StepRecord, list[list[int]], list[torch.Tensor] | None]:
+              eos_token_id: int | Sequence[int] | None) -> tuple[StepRecord, list[list[int]], list[torch.Tensor] | None]:
         clock = Clock(self.target.device)
         rows = list(state.rows)
         pad_lengths = state.pad_lengths().tolist()
@@ -69,9 +70,7 @@ class BatchedGreedy(ConsecutiveBatches):
         verify_seconds = clock.lap()
 
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        done = room <= 1
-        if eos_token_id is not None:
-            done |= tokens == eos_token_id
+        done = (room <= 1) | is_eos(tokens, eos_token_id)
         ones = torch.ones_like(state.lengths)
         state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, tokens.unsqueeze(1), ones, self.pad_id)
         token_list, done_list = torch.stack([tokens, done.long()]).tolist()

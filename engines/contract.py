@@ -2,12 +2,16 @@
 
 Contract: `generate(prompts, max_new_tokens, eos_token_id) -> list[list[int]]`, per prompt only
 the new tokens: the first EOS kept and nothing after it, never more than `max_new_tokens`.
-The built-in engines (reference, batched, EQSPEC, EXSPEC, INPLACE) also take `max_new_tokens` as
+`eos_token_id` is one id, a sequence of ids or None (`limits.eos_ids`): a row ends at the first token
+that is any of them.
+The built-in engines (reference, batched, EQSPEC, EXSPEC, INPLACE, fixedshape) also take `max_new_tokens` as
 one budget per prompt (`request_limits`), so that rows of a batch end at different steps, as
 requests of a server do; a row's budget is read by its prompt index (`row_limits`).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -28,28 +32,22 @@ class ConsecutiveBatches:
     record_logits: bool
     last_trace: Trace | None
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         raise NotImplementedError
 
-    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None,
+    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                  trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         """Every prompt, in consecutive batches of `batch_size` (an engine that refills rows overrides it)."""
         for start in range(0, len(prompts), self.batch_size):
             rows = list(range(start, min(start + self.batch_size, len(prompts))))
             self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
 
-    static_refill = False  # on the static path: refill a freed slot at once (else consecutive batches)
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-                 eos_token_id: int | None) -> list[list[int]]:
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        from specaudit.engines.static import engine as static_path
-
-        if static_path.applies(self):  # fixed-shape passes, captured on CUDA (engines/static/)
-            return static_path.generate(self, prompts, max_new_tokens, eos_token_id, refill=self.static_refill)
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
                       proposals_from_draft_model=getattr(self, "proposals_from_draft_model", False))
         outputs: list[list[int]] = [[] for _ in prompts]

@@ -16,6 +16,7 @@ no row drafted anything is a one-token decoding pass.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Protocol
 
 import torch
@@ -93,12 +94,18 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """Greedy drafting with a draft model whose cache lives in `state.draft_cache`."""
+    """Drafting with a draft model whose cache lives in `state.draft_cache`: each proposal is the draft
+    model's greedy token, or, with a `chooser` (the bench's `engines.models.bench_pair.CalibratedChooser`),
+    the chooser's token; the draft model runs on the chosen tokens either way, so its cache holds what the
+    row accepted. `fill_seconds` adds up the fill passes, which the ragged engines time inside their realign
+    stage (the bench moves them to the draft stage), when a chooser is set."""
 
-    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None) -> None:
+    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None, chooser: object = None) -> None:
         layout.check_supported(draft, "draft")
         self.draft = draft
         self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
+        self.chooser = chooser
+        self.fill_seconds = 0.0
         self._proposed: torch.Tensor | None = None  # [B, k] last proposal, for the fill pass
         self._old_width = 0
 
@@ -112,10 +119,13 @@ class ModelDrafter:
         token = state.tokens[:, -1:]  # [B, 1] pending token
         check_draft_inputs(token, self.draft)
         cache_lengths = state.cache_lengths
+        if self.chooser is not None:
+            self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
         proposed = []
         for i in range(k):
             logits = batch_ops.forward(self.draft, cache, token, cache_lengths + i)  # [B, 1, V]
-            token = logits[:, -1:].argmax(-1)  # [B, 1]
+            greedy = logits[:, -1].argmax(-1)  # [B]
+            token = (greedy if self.chooser is None else self.chooser.choose(i, greedy)).unsqueeze(1)  # [B, 1]
             proposed.append(token)
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
         check_proposals(self._proposed, self.shared_vocab_size)
@@ -131,12 +141,23 @@ class ModelDrafter:
         k = self._proposed.shape[1]
         cache = state.draft_cache
         if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):
+            timed = self.chooser is not None  # the bench's drafter: its fill passes timed (a GPU waited for)
+            started = _now(self.draft.device) if timed else 0.0
             batch_ops.forward(self.draft, cache, self._proposed[:, -1:], state.cache_lengths + k)
+            if timed:
+                self.fill_seconds += _now(self.draft.device) - started
         if realign:
             batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
         else:
             recurrent.commit(cache, accepted_counts)  # recurrent states: every row, in batch order
         self._proposed = None
+
+
+def _now(device: torch.device) -> float:
+    """Wall seconds, after the device's queued work (a GPU's fill pass timed as it runs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 Schedule = Callable[[int, int], int]  # (prompt index, row's step number) -> tokens to get right

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines import acceptance
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
@@ -64,7 +66,7 @@ def start_batch(
     prompts: list[list[int]],
     rows: list[int],
     pad_id: int,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     max_new_tokens: int | torch.Tensor,  # one budget, or [B] per row
     record_logits: bool,
     grouped_prefill: bool = True,
@@ -81,9 +83,7 @@ def start_batch(
     verify_seconds = clock.lap()
     drafter.prefill(state)
     draft_seconds = clock.lap()
-    done = torch.zeros_like(lengths, dtype=torch.bool) | (max_new_tokens <= 1)
-    if eos_token_id is not None:
-        done |= first[:, 0] == eos_token_id
+    done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id)  # [B]
     first_list, done_list = first[:, 0].tolist(), done.tolist()
     record = StepRecord(
         step=0, kind="prefill", rows=list(rows), pad_lengths=(tokens.shape[1] - new_lengths).tolist(),
@@ -102,7 +102,7 @@ def speculative_step(
     state: BatchState,
     k: int,
     step: int,
-    eos_token_id: int | None,
+    eos_token_id: int | Sequence[int] | None,
     max_new_tokens: int | torch.Tensor,  # one budget, or [B] per row of `state`
     pad_id: int,
     record_logits: bool,
@@ -130,24 +130,13 @@ def speculative_step(
     old_width = ragged.cache_width(state.target_cache)
     inputs = torch.cat([state.tokens[:, -1:], draft_tokens], dim=1)  # [B, k+1]
     logits = batch_ops.forward(target, state.target_cache, inputs, state.cache_lengths, drafted + 1)  # [B, k+1, V]
-    target_tokens = logits.argmax(-1)  # [B, k+1]
     verify_seconds = clock.lap()
 
-    # 3. accept: draft token i is accepted while it equals the target's choice after token i-1;
-    #    accepted draft tokens equal target_tokens[:, :a], and the bonus token is target_tokens[:, a]
-    matches = ((draft_tokens == target_tokens[:, :k]) & own).long()  # [B, k]; a pad slot is never accepted
-    accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]
-    offered = accepted_counts + 1  # accepted + bonus
+    # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
+    #    cut at the first EOS id or at exactly the row's budget, never later
     room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1 for running rows
-    emitted = torch.minimum(offered, room)
-    if eos_token_id is not None:
-        position = torch.arange(k + 1, device=inputs.device).unsqueeze(0)  # [1, k+1]
-        is_eos = (target_tokens == eos_token_id) & (position < emitted.unsqueeze(1))
-        first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(emitted, k + 1))
-        emitted = torch.minimum(emitted, first_eos + 1)
-        done = (emitted >= room) | is_eos.any(1)
-    else:
-        done = emitted >= room
+    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own)
+    target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
     # the step's one read of per-row results (the other host syncs are a fixed few per step, for
     # batch widths and row selection; none is per row)
     accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
@@ -198,15 +187,12 @@ class EQSpec(ConsecutiveBatches):
         drafter: Drafter | str | None = None,
         pad_token_id: int | None = None,
         record_logits: bool = False,
-        static: bool | None = None,
-        cuda_graphs: bool = True,
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
             raise ValueError("batch_size and draft_tokens must be at least 1")
         if drafter is None and draft is None:
             raise ValueError("EQSPEC needs a draft model or a drafter")
-        self.static, self.cuda_graphs = static, cuda_graphs  # the fixed-shape path (engines/static/engine.py)
         layout.check_supported(target, "target")  # one line naming what is missing, before any run
         self.target = target
         self.drafter = make_drafter(drafter, target, draft)
@@ -216,7 +202,7 @@ class EQSpec(ConsecutiveBatches):
         self.record_logits = record_logits
         self.last_trace: Trace | None = None
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         device = self.target.device
         state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,

@@ -37,7 +37,8 @@ Policy, chosen by measurement (`ExspecPool(min_group=..., refill_at=...)` overri
 
 The measurements behind this policy: reports/bench/README.md. Every step records its kind ("prefill",
 "group", "fallback"), rows, padding and stage seconds ("stack", "draft", "verify", "realign", "unstack").
-On CUDA, dense models run on the fixed-shape path instead (`static`, engines/static/engine.py).
+EXSPEC runs this algorithm on every device; the fixed-shape loop is its own engine (`fixedshape`,
+engines/static/engine.py).
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ from transformers import PreTrainedModel
 from specaudit.engines.ops import layout, ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
+from specaudit.engines.limits import EosIds
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
 from specaudit.engines.exspec_cache import RowKV, Sequence, held_spans, join_rows, joinable, stack_cache, unstack_cache
-from specaudit.engines.static import engine as static_path
 from specaudit.engines.trace import StepRecord, Trace
 
 FALLBACKS = ("realign", "masked")  # a padded fallback batch: realigned after the step, or cut out with its padding masked
@@ -74,7 +75,7 @@ class ExspecPool:
         draft_tokens: int,
         window_size: int,
         max_new_tokens: int,
-        eos_token_id: int | None,
+        eos_token_id: EosIds,
         pad_id: int,
         record_logits: bool = False,
         min_group: int | None = None,
@@ -345,7 +346,6 @@ class EXSpec:
         fallback: str = DEFAULT_FALLBACK,
         wait_steps: int = 0,
         hold: bool = DEFAULT_HOLD,
-        static: bool | None = None, cuda_graphs: bool = True,  # the fixed-shape path (engines/static/engine.py)
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -365,12 +365,10 @@ class EXSpec:
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
         self.min_group, self.refill_at, self.fallback, self.wait_steps, self.hold = min_group, refill_at, fallback, wait_steps, hold
-        self.static, self.cuda_graphs, self.last_trace = static, cuda_graphs, None
+        self.last_trace: Trace | None = None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
-        if static_path.applies(self):
-            return static_path.generate(self, prompts, max_new_tokens, eos_token_id, refill=True)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: EosIds) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         limits = None if isinstance(max_new_tokens, int) else request_limits(max_new_tokens, len(prompts))

@@ -35,10 +35,12 @@ compaction). `pad_lengths` of a record holds each row's holes (width - real colu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specaudit.engines import acceptance
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
@@ -220,7 +222,6 @@ class InplaceEngine(ConsecutiveBatches):
         compact_fraction: float = DEFAULT_COMPACT_FRACTION,
         refill: bool = True,
         refill_at: int = 1,
-        static: bool | None = None, cuda_graphs: bool = True,  # the fixed-shape path (engines/static/engine.py)
         **_: object,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1:
@@ -242,7 +243,6 @@ class InplaceEngine(ConsecutiveBatches):
         self.record_logits = record_logits
         self.compact_fraction = compact_fraction
         self.refill, self.refill_at = refill, refill_at  # freed rows take the next prompts (engines/inplace_refill.py)
-        self.static, self.cuda_graphs, self.static_refill = static, cuda_graphs, refill
         self.compactions = 0  # cache compactions (target and draft counted apart) in the last generate
         self._target_windowed = windowed_by_column(target)
         draft_model = getattr(self.drafter, "draft", None)
@@ -253,11 +253,11 @@ class InplaceEngine(ConsecutiveBatches):
     def proposals_from_draft_model(self) -> bool:
         return isinstance(self.drafter, InplaceDrafter) and self.drafter.chooser is None
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         self.compactions = 0
         return super().generate(prompts, max_new_tokens, eos_token_id)
 
-    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None,
+    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                  trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         if not self.refill:
             return super()._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
@@ -265,7 +265,7 @@ class InplaceEngine(ConsecutiveBatches):
 
         run_with_refill(self, prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
 
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | None,
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         device = self.target.device
         state, result = self._start(prompts, rows, row_limits(max_new_tokens, rows, device), eos_token_id)
@@ -275,7 +275,7 @@ class InplaceEngine(ConsecutiveBatches):
             self._collect(trace, result, outputs, logits)
 
     def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | torch.Tensor,
-               eos_token_id: int | None) -> tuple[InplaceState, StepResult]:
+               eos_token_id: int | Sequence[int] | None) -> tuple[InplaceState, StepResult]:
         """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
         clock = Clock(self.target.device)
         tokens, prompt_lengths = ragged.left_pad([prompts[r] for r in rows], self.pad_id, self.target.device)
@@ -287,9 +287,7 @@ class InplaceEngine(ConsecutiveBatches):
         self.drafter.prefill(state)
         state.prompt_tokens = None
         draft_seconds = clock.lap()
-        done = torch.zeros_like(prompt_lengths, dtype=torch.bool) | (max_new_tokens <= 1)
-        if eos_token_id is not None:
-            done |= first[:, 0] == eos_token_id
+        done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id)  # [B]
         first_list, done_list = first[:, 0].tolist(), done.tolist()
         keep = (~done).nonzero().flatten()
         if keep.numel() < len(rows):
@@ -304,7 +302,7 @@ class InplaceEngine(ConsecutiveBatches):
         return state, StepResult(record, [[t] for t in first_list], row_logits, finished)
 
     def _step(self, state: InplaceState, step: int, max_new_tokens: int | torch.Tensor,
-              eos_token_id: int | None) -> StepResult:
+              eos_token_id: int | Sequence[int] | None) -> StepResult:
         clock = Clock(self.target.device)
         k = self.k
         rows = list(state.rows)
@@ -321,23 +319,13 @@ class InplaceEngine(ConsecutiveBatches):
         inputs = torch.cat([state.pending, draft_tokens], dim=1)  # [B, k+1]
         logits = masked_forward(self.target, state.target_cache, state.target_valid, inputs, state.cache_lengths,
                                 drafted + 1)  # [B, k+1, V]
-        target_tokens = logits.argmax(-1)  # [B, k+1]
         verify_seconds = clock.lap()
 
-        # 3. accept: the longest draft prefix equal to the target's choices, then the bonus token;
-        #    cut at the first EOS or at exactly max_new_tokens
-        matches = ((draft_tokens == target_tokens[:, :k]) & own).long()  # [B, k]; pad slots never accepted
-        accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]
+        # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
+        #    cut at the first EOS id or at exactly the row's budget
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        emitted = torch.minimum(accepted_counts + 1, room)
-        if eos_token_id is not None:
-            position = torch.arange(k + 1, device=inputs.device).unsqueeze(0)  # [1, k+1]
-            is_eos = (target_tokens == eos_token_id) & (position < emitted.unsqueeze(1))
-            first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1), torch.full_like(emitted, k + 1))
-            emitted = torch.minimum(emitted, first_eos + 1)
-            done = (emitted >= room) | is_eos.any(1)
-        else:
-            done = emitted >= room
+        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own)
+        target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
         accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
         keep = (~done).nonzero().flatten()
         new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]

@@ -19,7 +19,7 @@ with recurrent layers do not join rows yet (`joinable`): they run consecutive ba
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -51,9 +51,9 @@ class RefillingEngine(Protocol):
     refill_at: int
 
     def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: Any,
-               eos_token_id: int | None) -> tuple[Any, StepResult]: ...
+               eos_token_id: int | Sequence[int] | None) -> tuple[Any, StepResult]: ...
 
-    def _step(self, state: Any, step: int, max_new_tokens: Any, eos_token_id: int | None) -> StepResult: ...
+    def _step(self, state: Any, step: int, max_new_tokens: Any, eos_token_id: int | Sequence[int] | None) -> StepResult: ...
 
     @staticmethod
     def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None: ...
@@ -87,7 +87,7 @@ def joinable(state: InplaceRows) -> bool:
 
 
 def run_with_refill(engine: RefillingEngine, prompts: list[list[int]], max_new_tokens: int | list[int],
-                    eos_token_id: int | None, trace: Trace, outputs: list[list[int]],
+                    eos_token_id: int | Sequence[int] | None, trace: Trace, outputs: list[list[int]],
                     logits: list[list[torch.Tensor]]) -> None:
     """Decode every prompt with at most `engine.batch_size` rows, refilling freed rows in order."""
     device = engine.target.device

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
@@ -24,6 +24,9 @@ def row_limits(max_new_tokens: int | Sequence[int], rows: list[int], device: tor
     if isinstance(max_new_tokens, int):
         return max_new_tokens
     return torch.tensor([max_new_tokens[r] for r in rows], dtype=torch.long, device=device)  # [B]
+
+
+EosIds = Union[int, Sequence[int], None]  # an engine's `eos_token_id`: one id, a set of ids, or none
 
 
 def eos_ids(eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:

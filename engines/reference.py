@@ -31,6 +31,7 @@ def greedy_decode(
     if not prompt:
         raise ValueError("a prompt needs at least one token")
     device = model.device
+    stop = eos_ids(eos_token_id)  # any of them ends the row
     cache = DynamicCache(config=model.config)  # the model's own cache (sliding layers keep their window)
     keep = last_logits_only(model)  # the prompt pass needs only its last position's logits
     inputs = torch.tensor([prompt], dtype=torch.long, device=device)
@@ -46,7 +47,7 @@ def greedy_decode(
         new_tokens.append(token)
         if record_logits:
             logits_rows.append(logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits)
-        if token in eos_ids(eos_token_id):  # any id of the set ends the row
+        if token in stop:
             break
         next_position = int(position[0, -1]) + 1
         inputs = torch.tensor([[token]], dtype=torch.long, device=device)
@@ -64,18 +65,13 @@ class ReferenceDecoder:
     batch_size = 1
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, record_logits: bool = False,
-                 static: bool | None = None, cuda_graphs: bool = True, **_: object) -> None:
+                 **_: object) -> None:
         self.target = target
         self.record_logits = record_logits
-        # the fixed-shape path, one prompt at a time (engines/static/engine.py); the audit's oracle stays plain
-        self.static, self.cuda_graphs = static, cuda_graphs
         self.last_trace: Trace | None = None
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | None) -> list[list[int]]:
-        from specaudit.engines.static import engine as static_path
-
-        if static_path.applies(self):
-            return static_path.generate(self, prompts, max_new_tokens, eos_token_id, refill=True)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         trace = Trace(num_prompts=len(prompts))
         outputs = []
         limits = request_limits(max_new_tokens, len(prompts))

@@ -18,6 +18,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "exspec": "specaudit.engines.exspec:EXSpec",
     "inplace": "specaudit.engines.inplace:InplaceEngine",
     "batched": "specaudit.engines.batched:BatchedGreedy",
+    "fixedshape": "specaudit.engines.static.engine:FixedShapeEngine",
     "hf-assisted": "specaudit.engines.adapters.hf_assisted:HFAssisted",
     "hf-batched": "specaudit.engines.adapters.hf_batched:HFBatched",
     "hf-continuous": "specaudit.engines.adapters.hf_continuous:HFContinuous",

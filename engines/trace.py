@@ -16,7 +16,8 @@ import torch
 @dataclass
 class StepRecord:
     step: int
-    kind: str  # "batch" (EQSPEC), "group" (EXSPEC same-length group), "fallback" (EXSPEC padded)
+    kind: str  # "prefill"; "batch" (EQSPEC, INPLACE, batched), "group" (EXSPEC same-length group), "fallback"
+    # (EXSPEC padded), "fixedshape" (the fixed-shape engine's loop)
     rows: list[int]  # prompt index of each row, in batch order
     pad_lengths: list[int]  # left padding of each row's target cache when the step began
     accepted_counts: list[int]  # accepted draft tokens per row, 0..k

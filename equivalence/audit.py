@@ -32,7 +32,7 @@ class Reference:
 
     def __init__(self, pair: ModelPair, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> None:
         started = time.perf_counter()
-        decoder = ReferenceDecoder(pair.target, record_logits=True, static=False)  # the oracle: plain greedy decoding
+        decoder = ReferenceDecoder(pair.target, record_logits=True)  # the oracle: plain greedy decoding
         self.outputs = decoder.generate(prompts, max_new_tokens, eos_token_id)
         self.logits: list[torch.Tensor | None] = decoder.last_trace.logits
         self.seconds = time.perf_counter() - started  # shared by every run of the pair and dtype

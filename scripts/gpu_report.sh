@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU and specaudit installed: the measurements only a GPU can give, written to
 # reports/gpu-<device>/ (or $1). Not yet run on a GPU: untimed.
-#   1. the bench pair in bfloat16, B = 1 and 8, k = 4, acceptance 0.8: the engines' own path
-#      (--no-cuda-graphs) and the fixed-shape path captured as CUDA graphs (the default on CUDA)
-#   2. the bfloat16 audit of EQSPEC, EXSPEC and INPLACE on the built-in dense pairs at B = 1, 8 and 16:
+#   1. the bench pair in bfloat16, B = 1 and 8, k = 4, acceptance 0.8: every engine under its own name,
+#      the fixed-shape engine (fixedshape) with its passes captured as CUDA graphs, and again uncaptured
+#      (--no-cuda-graphs, which only the fixed-shape engine reads)
+#   2. the bfloat16 audit of EQSPEC, EXSPEC, INPLACE and fixedshape on the built-in dense pairs at B = 1, 8 and 16:
 #      correct engines must get 0 structural divergences
 #   3. the planted-fault hunts in float64 and bfloat16 on the GPU (SPECAUDIT_TEST_DEVICE=cuda): every fault
 #      caught and named
@@ -26,13 +27,15 @@ status=0
 bench() {  # $1: folder, then extra options
     local folder=$1; shift
     echo "+ specaudit bench ... $* --out $out/$folder" | tee -a "$out/commands.txt"
-    specaudit bench --engine reference --engine batched --engine eqspec --engine exspec --engine inplace \
+    specaudit bench "${engines[@]}" \
         --pair bench --batch-size 1 8 --draft-tokens 4 --acceptance 0.8 --num-prompts 32 --max-new-tokens 64 \
         --repeats 3 --warmup 1 --dtype bfloat16 --device cuda "$@" --out "$out/$folder" || status=1
 }
-bench bench-own-path --no-cuda-graphs
+engines=(--engine reference --engine batched --engine eqspec --engine exspec --engine inplace --engine fixedshape)
 bench bench-cuda-graphs
-audit_command=(specaudit audit --engine eqspec --engine exspec --engine inplace --pair tiny-llama --pair tiny-qwen3
+engines=(--engine fixedshape)
+bench bench-fixedshape-uncaptured --no-cuda-graphs
+audit_command=(specaudit audit --engine eqspec --engine exspec --engine inplace --engine fixedshape --pair tiny-llama --pair tiny-qwen3
                --pair tiny-gpt2 --batch-size 1 8 16 --dtype bfloat16 --device cuda --max-new-tokens 32
                --out "$out/audit-bf16")
 echo "+ ${audit_command[*]}" | tee -a "$out/commands.txt"

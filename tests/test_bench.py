@@ -167,21 +167,33 @@ def test_bench_json_fields_and_ratios(tmp_path) -> None:
 
 
 def test_every_run_reports_what_it_dispatches_per_step(tmp_path) -> None:
-    """Kernel launches and host reads are a property of the code: counted on the CPU for every engine,
-    and on the fixed-shape path (static=true, the eager twin of the CUDA graphs) one host read per step."""
-    dynamic = run_bench(_config(batch_sizes=[2], num_prompts=2), tmp_path / "dynamic")
-    fixed = run_bench(_config(batch_sizes=[2], num_prompts=2, engine_options={"static": True}), tmp_path / "static")
-    for bench, on_static_path in ((dynamic, False), (fixed, True)):
-        assert {r["engine"] for r in bench["runs"]} == {"reference", "batched", "eqspec", "exspec", "inplace"}
-        for run in bench["runs"]:
-            counted = run["dispatch"]
-            assert counted["static_path"] is on_static_path, run["engine"]
-            assert counted["aten_ops_per_step"] > 10 and counted["steps"] > 0
-            assert counted["aten_ops"] == pytest.approx(counted["aten_ops_per_step"] * counted["steps"])
-            if on_static_path:
-                assert counted["host_syncs_per_step"] <= 1, run["engine"]
-    speculative = {r["engine"]: r["dispatch"] for r in dynamic["runs"] if r["draft_tokens"]}
+    """Kernel launches and host reads are a property of the code: counted on the CPU for every engine, and
+    for the fixed-shape engine (the eager twin of its CUDA graphs) one host read per step."""
+    engines = ["reference", "batched", "eqspec", "exspec", "inplace", "fixedshape"]
+    bench = run_bench(_config(batch_sizes=[2], num_prompts=2, engines=engines), tmp_path)
+    assert {r["engine"] for r in bench["runs"]} == set(engines)
+    for run in bench["runs"]:
+        counted = run["dispatch"]
+        assert counted["fixed_shape_loop"] is (run["engine"] == "fixedshape"), run["engine"]
+        assert counted["aten_ops_per_step"] > 10 and counted["steps"] > 0
+        assert counted["aten_ops"] == pytest.approx(counted["aten_ops_per_step"] * counted["steps"])
+    fixed = next(r["dispatch"] for r in bench["runs"] if r["engine"] == "fixedshape")
+    assert fixed["host_syncs_per_step"] <= 1
+    speculative = {r["engine"]: r["dispatch"] for r in bench["runs"] if r["draft_tokens"] and r["engine"] != "fixedshape"}
     assert all(d["host_syncs_per_step"] > 1 for d in speculative.values()), speculative
+
+
+def test_the_fixed_shape_engine_captures_in_its_warm_up_and_never_in_a_timed_call(tmp_path) -> None:
+    """The engine is kept from warm-up to the last timed call (a fresh seeded chooser each call): its passes
+    are prepared in the warm-up; without a warm-up the first timed call prepares them, and the bench says so."""
+    runs = {}
+    for warmup in (1, 0):
+        bench = run_bench(_config(engines=["fixedshape"], batch_sizes=[2], num_prompts=2, warmup=warmup, repeats=2),
+                          tmp_path / str(warmup))
+        (runs[warmup],) = bench["runs"]
+    assert runs[1]["captures_in_timed_calls"] == 0
+    assert runs[0]["captures_in_timed_calls"] == 3  # the target's verify pass and the draft's two shapes
+    assert runs[1]["calibrated_drafter"] and runs[1]["tokens_per_second_repeats"][0] > 0
 
 
 def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:

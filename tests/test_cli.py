@@ -152,14 +152,13 @@ def test_ctrl_c_keeps_finished_runs_and_writes_reports(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command", ["audit", "bench"])
-def test_no_cuda_graphs_turns_the_static_path_off_unless_an_engine_option_says_otherwise(command: str) -> None:
+def test_no_cuda_graphs_turns_the_fixed_shape_engines_graphs_off_unless_an_engine_option_says_otherwise(command: str) -> None:
     from specaudit.cli import build_parser
     from specaudit.equivalence.cli.args import engine_options
 
     def options(*extra: str) -> dict:
-        return engine_options(build_parser().parse_args([command, "--engine", "eqspec", "--out", "out", *extra]))
+        return engine_options(build_parser().parse_args([command, "--engine", "fixedshape", "--out", "out", *extra]))
 
     assert options() == {}
-    assert options("--no-cuda-graphs") == {"static": False}
-    assert options("--no-cuda-graphs", "--engine-option", "cuda_graphs=false") == {"static": False, "cuda_graphs": False}
-    assert options("--no-cuda-graphs", "--engine-option", "static=true") == {"static": True}
+    assert options("--no-cuda-graphs") == {"cuda_graphs": False}
+    assert options("--no-cuda-graphs", "--engine-option", "cuda_graphs=true") == {"cuda_graphs": True}

@@ -1,5 +1,5 @@
-"""The layout rules of the library (DESIGN's "Layout"): folders that show their concerns, small modules,
-imports that run one way and never in a circle."""
+"""The layout rules of the library (DESIGN's "Layout"): folders that show their concerns and imports that
+run one way and never in a circle. Modules are sized by concern, not by a line count: no limit is a gate."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = {"specaudit": "specaudit", "engines": "specaudit.engines", "equivalence": "specaudit.equivalence",
            "bench": "specaudit.bench", "property_tests": "specaudit.testing", "fixtures": "specaudit.fixtures"}
 MAX_MODULES_PER_FOLDER = 15
-MAX_LINES_PER_MODULE = 400
 
 
 def _modules() -> dict[str, Path]:
@@ -42,13 +41,11 @@ def _imports(path: Path, name: str) -> set[str]:
     return {module for module in out if module in known and module != name}
 
 
-def test_every_library_folder_is_small_and_every_module_short() -> None:
+def test_every_library_folder_is_small() -> None:
     folders: dict[Path, int] = {}
     for name, path in _modules().items():
         if path.name != "__init__.py":
             folders[path.parent] = folders.get(path.parent, 0) + 1
-        lines = len(path.read_text(encoding="utf-8").splitlines())
-        assert lines <= MAX_LINES_PER_MODULE, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES_PER_MODULE})"
     crowded = {str(folder.relative_to(ROOT)): count for folder, count in folders.items()
                if count > MAX_MODULES_PER_FOLDER}
     assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"

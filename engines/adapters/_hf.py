@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.limits import eos_ids
+from specaudit.engines.limits import EosIds, eos_ids
 
 
 @contextlib.contextmanager
@@ -41,15 +41,12 @@ def resolve_pad_id(model: PreTrainedModel, pad_token_id: int | None) -> int:
     return int(pad) if pad is not None else 0
 
 
-def cut_at_eos(tokens: list[int], eos_token_id: int | Sequence[int] | None, max_new_tokens: int) -> int:
+def cut_at_eos(tokens: list[int], eos_token_id: EosIds, max_new_tokens: int) -> int:
     """Number of tokens to keep: up to and including the first EOS (any id of the set), never more than
     `max_new_tokens`."""
     n = min(len(tokens), max_new_tokens)
-    ends = eos_ids(eos_token_id)
-    for i, token in enumerate(tokens[:n]):
-        if token in ends:
-            return i + 1
-    return n
+    stop = eos_ids(eos_token_id)
+    return next((i + 1 for i, token in enumerate(tokens[:n]) if token in stop), n)
 
 
 def hf_eos(eos_token_id: int | Sequence[int] | None) -> int | list[int] | None:

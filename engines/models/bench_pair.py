@@ -33,9 +33,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
-from specaudit.engines import batch as batch_ops
-from specaudit.engines.batch import BatchState
-from specaudit.engines.eqspec import Clock
+from specaudit.engines.drafters import ModelDrafter
 from specaudit.engines.models.attention import use_sdpa_gqa
 from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 from specaudit.engines.reference import greedy_decode
@@ -165,47 +163,10 @@ class CalibratedChooser:
         return torch.where(unknown, draft_greedy.to(self.device), chosen).to(draft_greedy.device)
 
 
-class CalibratedDrafter:
-    """The `Drafter` of the ragged engines (EQSPEC, EXSPEC): the draft model runs its k passes on a
-    ragged batch as `ModelDrafter` does, but each proposal comes from a `CalibratedChooser`.
+class CalibratedDrafter(ModelDrafter):
+    """The `Drafter` of the ragged engines (EQSPEC, EXSPEC): `ModelDrafter` (its k passes on a ragged
+    batch, the fill pass, the recurrent commit and the draft checks) with its proposals chosen by a
+    `CalibratedChooser`; `fill_seconds` adds up its fill passes."""
 
-    `fill_seconds` adds up the fill passes, which the ragged engines time inside their realign
-    stage; the bench moves them to the draft stage."""
-
-    def __init__(self, draft: PreTrainedModel, chooser: CalibratedChooser) -> None:
-        self.draft = draft
-        self.chooser = chooser
-        self.fill_seconds = 0.0
-        self._proposed: torch.Tensor | None = None
-        self._old_width = 0
-
-    def prefill(self, state: BatchState) -> None:
-        state.draft_cache, _ = batch_ops.prefill(self.draft, state.tokens[:, :-1], state.cache_lengths)
-
-    def propose(self, state: BatchState, k: int) -> torch.Tensor:
-        from specaudit.engines.ops import ragged
-
-        cache = state.draft_cache
-        self._old_width = ragged.cache_width(cache)
-        token = state.tokens[:, -1:]  # [B, 1]
-        generated = state.lengths - state.prompt_lengths
-        self.chooser.begin(list(state.rows), generated, token[:, 0], k)
-        proposed = []
-        for i in range(k):
-            logits = batch_ops.forward(self.draft, cache, token, state.cache_lengths + i)  # [B, 1, V]
-            token = self.chooser.choose(i, logits[:, -1].argmax(-1)).unsqueeze(1)  # [B, 1]
-            proposed.append(token)
-        self._proposed = torch.cat(proposed, dim=1)  # [B, k]
-        return self._proposed
-
-    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
-        assert self._proposed is not None
-        k = self._proposed.shape[1]
-        cache = state.draft_cache
-        if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):
-            clock = Clock(self.draft.device)
-            batch_ops.forward(self.draft, cache, self._proposed[:, -1:], state.cache_lengths + k)
-            self.fill_seconds += clock.lap()
-        if realign:
-            batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
-        self._proposed = None
+    def __init__(self, draft: PreTrainedModel, chooser: CalibratedChooser, shared_vocab_size: int | None = None) -> None:
+        super().__init__(draft, shared_vocab_size, chooser=chooser)

@@ -89,7 +89,11 @@ class StaticCache:
         the rows `rows` [n] from column 0, and set those rows' lengths; the logits at each prompt's last token
         [n, V]. One eager pass (its width W varies): not a captured pass."""
         n, width = tokens.shape
-        views = [StaticLayer(layer.keys[rows], layer.values[rows]) for layer in self.layers]  # copies of the rows
+        # the prompts' own W columns only (not the slots' whole L): every one is written by this pass, and
+        # the columns past each row's end stay masked until the row's next pass writes over them
+        views = [StaticLayer(layer.keys.new_zeros(n, layer.keys.shape[1], width, layer.keys.shape[-1]),
+                             layer.values.new_zeros(n, layer.values.shape[1], width, layer.values.shape[-1]))
+                 for layer in self.layers]
         cache = DynamicCache()
         cache.layers.extend(views)
         for view in views:
@@ -97,15 +101,13 @@ class StaticCache:
         columns = torch.arange(width, device=self.device)
         causal = columns.view(1, -1) <= columns.view(-1, 1)  # [W, W]
         visible = (causal.unsqueeze(0) & (columns.view(1, 1, -1) < lengths.view(-1, 1, 1))).unsqueeze(1)  # [n,1,W,W]
-        view_columns = torch.zeros(n, 1, width, self.columns, dtype=torch.bool, device=self.device)
-        view_columns[..., :width] = visible
-        mask = layout.additive_mask(view_columns, self.dtype)
+        mask = layout.additive_mask(visible, self.dtype)
         positions = columns.unsqueeze(0).expand(n, width)
         out = self.model(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self.keyword: cache})
         for layer, view in zip(self.layers, views):
-            layer.keys[rows] = view.keys
-            layer.values[rows] = view.values
+            layer.keys[rows, :, :width] = view.keys
+            layer.values[rows, :, :width] = view.values
         self.lengths[rows] = lengths
         return out.logits[torch.arange(n, device=self.device), lengths - 1]  # [n, V]
 

@@ -1,9 +1,10 @@
-"""The speculative loop on fixed-shape caches: one host read per step.
+"""The speculative loop of the fixed-shape engine: one host read per step.
 
 Contract: the engines' (token ids in, exactly the tokens of greedy decoding of each prompt alone out,
-first EOS kept, never more than the row's budget). A batch has `B` slots; a slot holds a request until it
-finishes and is then refilled (`refill=True`: INPLACE, EXSPEC) or left idle until every slot is done
-(EQSPEC's consecutive batches). Per-slot state lives on the device (`lengths[B]`, the pending token, the
+first EOS id kept, never more than the row's budget). A loop has `B` slots of `L` columns (a length
+bucket) and lives as long as its engine: its buffers and prepared passes serve every `generate` call
+that needs that (B, L) (`reset` starts a call). A slot holds a request until it finishes and is then
+refilled (`refill=True`) or left idle until every slot is done (consecutive batches). Per-slot state lives on the device (`lengths[B]`, the pending token, the
 token before it, new tokens so far, the budget, running or not); the host mirrors only which request
 each slot holds. Each step, for every slot (idle ones computed and masked out of every update):
 
@@ -11,28 +12,31 @@ each slot holds. Each step, for every slot (idle ones computed and masked out of
             its cache holds every accepted token, the k-th draft token of a fully accepted step
             included) and then proposes k tokens greedily                              # [B, k]
 2. verify:  one target pass over [pending token, k draft tokens], written at c         # [B, k+1, V]
-3. accept:  accepted tokens = the longest draft prefix equal to the target's choices; the bonus token
-            is the target's next choice; emitted = accepted + bonus, cut at the first EOS or the budget
+3. accept:  `engines/acceptance.py`: the accepted draft tokens, then the recovered or bonus token,
+            cut at the first EOS id or the budget
 4. read:    one transfer to the host of accepted, emitted, done, the target's tokens and the proposals
 5. advance: c += accepted + 1 on running slots; pending = bonus; previous = the last accepted token
 
 Rejected draft tokens need no trimming: their columns lie past the row's new end, masked, and the next
-pass writes over them. Every pass has one shape per (B, q) (`capture.PassRunner` replays it as a CUDA
-graph); the prefill of new requests is one eager pass per refill.
+pass writes over them. Every pass has one shape per (B, q, L) (`capture.PassRunner` prepares it once and
+replays it, as a CUDA graph on a GPU); the prefill of new requests is one eager pass per refill.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines import acceptance
 from specaudit.engines.drafters import DraftVocabularyError, shared_vocab_size
+from specaudit.engines.limits import EosIds
 from specaudit.engines.static.cache import StaticCache
-from specaudit.engines.static.capture import PassRunner
+from specaudit.engines.static.capture import Capture, PassRunner, eager
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -54,6 +58,7 @@ class StageClock:
     def seconds(self) -> list[float]:
         """The spans between consecutive marks (after the step's read, when every event has completed)."""
         if self.cuda:
+            self.marks[-1].synchronize()  # the last mark was recorded after the step's read: wait for it
             spans = [a.elapsed_time(b) / 1000.0 for a, b in zip(self.marks, self.marks[1:])]
         else:
             spans = [b - a for a, b in zip(self.marks, self.marks[1:])]
@@ -73,17 +78,18 @@ class Slots:
 
 
 class StaticLoop:
-    """One engine call's batch of `batch_size` slots on fixed-shape target and draft caches."""
+    """`batch_size` slots of `columns` columns on fixed-shape target and draft caches, for an engine's lifetime."""
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None, *, batch_size: int, k: int, columns: int,
-                 eos_token_id: int | None, graphs: bool = True, record_logits: bool = False,
-                 chooser: Any = None) -> None:
-        self.k, self.eos, self.record_logits, self.chooser = k, eos_token_id, record_logits, chooser
+                 capture: Capture = eager, pool: Any = None) -> None:
+        self.k, self.columns = k, columns
+        self.eos: EosIds = None
+        self.record_logits, self.chooser = False, None
         self.device = target.device
         self.target = StaticCache(target, batch_size, columns)
-        self.target_pass = PassRunner(self.target, graphs)
+        self.target_pass = PassRunner(self.target, "target", capture, pool)
         self.draft = StaticCache(draft, batch_size, columns) if draft is not None and k else None  # None: plain decoding
-        self.draft_pass = PassRunner(self.draft, graphs) if self.draft is not None else None
+        self.draft_pass = PassRunner(self.draft, "draft", capture, pool) if self.draft is not None else None
         self.shared = shared_vocab_size(target, draft) or int(target.config.vocab_size)
         self.draft_vocab = int(getattr(getattr(draft, "config", None), "vocab_size", self.shared))
         zeros = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -91,6 +97,22 @@ class StaticLoop:
         self.requests: list[int | None] = [None] * batch_size  # the request each slot holds (host mirror)
         self.request_ids = torch.full((batch_size,), -1, dtype=torch.long, device=self.device)  # the same, on the device
         self.clock = StageClock(self.device)
+
+    def reset(self, eos_token_id: EosIds, record_logits: bool, chooser: Any = None) -> None:
+        """Start a `generate` call: every slot free and empty; the buffers and prepared passes stay."""
+        self.eos, self.record_logits, self.chooser = eos_token_id, record_logits, chooser
+        for tensor in (self.slots.pending, self.slots.previous, self.slots.generated, self.slots.budget,
+                       self.target.lengths, *([self.draft.lengths] if self.draft is not None else [])):
+            tensor.zero_()
+        self.slots.running.zero_()
+        self.request_ids.fill_(-1)
+        self.requests = [None] * len(self.requests)
+
+    @property
+    def captures(self) -> Counter[tuple[str, int, int, int]]:
+        """Preparations per pass shape (role, B, q, L) over the loop's lifetime."""
+        runners = [self.target_pass, *([self.draft_pass] if self.draft_pass is not None else [])]
+        return sum((r.captures for r in runners), Counter())
 
     @torch.no_grad()
     def admit(self, slots: list[int], requests: list[int], prompts: Sequence[Sequence[int]],
@@ -106,9 +128,7 @@ class StaticLoop:
             self.draft.prefill(rows, tokens, lengths)
         first = last.argmax(-1)  # [n]
         budget = torch.tensor(budgets, dtype=torch.long, device=self.device)
-        done = budget <= 1
-        if self.eos is not None:
-            done |= first == self.eos
+        done = acceptance.first_token_done(first, budget, self.eos)  # [n]
         s = self.slots
         s.pending[rows], s.previous[rows] = first, tokens[torch.arange(len(slots), device=self.device), lengths - 1]
         s.generated[rows], s.budget[rows], s.running[rows] = 1, budget, ~done
@@ -141,19 +161,10 @@ class StaticLoop:
         # 2. verify: the pending token and the k draft tokens in one target pass
         inputs = torch.cat([s.pending.unsqueeze(1), drafts], dim=1)  # [B, k+1]
         verify_logits = self.target_pass.run(inputs, c)  # [B, k+1, V]
-        targets = verify_logits.argmax(-1)  # [B, k+1]
         self.clock.mark()
-        # 3. accept: draft token i is accepted while it equals the target's choice after token i-1
-        accepted = (drafts == targets[:, :k]).long().cumprod(dim=1).sum(dim=1)  # [B]
-        room = s.budget - s.generated  # [B]
-        emitted = torch.minimum(accepted + 1, room)
-        position = torch.arange(k + 1, device=self.device).unsqueeze(0)  # [1, k+1]
-        ended = torch.zeros_like(s.running)
-        if self.eos is not None:
-            is_eos = (targets == self.eos) & (position < emitted.unsqueeze(1))  # [B, k+1]
-            ended = is_eos.any(1)
-            emitted = torch.where(ended, is_eos.float().argmax(1) + 1, emitted)
-        done = (emitted >= room) | ended
+        # 3. accept (engines/acceptance.py); an idle slot's room is <= 0, and its verdict is never used
+        verdict = acceptance.accept(verify_logits, drafts, s.budget - s.generated, self.eos)
+        targets, accepted, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
         outside = (drafts >= self.shared).any(1)  # [B] padded vocabularies: a draft error, or a target token the
         if self.draft is not None:  # draft cannot read
             outside |= (targets >= self.draft_vocab).any(1)
@@ -192,13 +203,16 @@ class StaticLoop:
         return greedy if self.chooser is None else self.chooser.choose(i, greedy)
 
 
-def run(loop: StaticLoop, prompts: list[list[int]], limits: list[int], trace: Trace, outputs: list[list[int]],
-        logits: list[list[torch.Tensor]], *, refill: bool) -> None:
-    """Decode every prompt through `loop`'s slots: refill a slot as soon as it frees (`refill`), or run
-    consecutive batches (each slot idle once done until the whole batch is). Fills `outputs`, `logits`
-    (when recorded) and `trace`."""
+STEP_KIND = "fixedshape"  # the trace's kind of a speculative step of this loop
+
+
+def run(loop: StaticLoop, prompts: Sequence[Sequence[int]], limits: list[int], requests: list[int], trace: Trace,
+        outputs: list[list[int]], logits: list[list[torch.Tensor]], *, refill: bool) -> None:
+    """Decode the prompts `requests` (indices into `prompts` and `limits`, each limit >= 1) through `loop`'s
+    slots: refill a slot as soon as it frees (`refill`), or run consecutive batches (each slot idle once done
+    until the whole batch is). Fills `outputs`, `logits` (when recorded) and `trace`, by prompt index."""
     capacity = len(loop.requests)
-    waiting = list(range(len(prompts)))
+    waiting = list(requests)
     free = list(range(capacity))
 
     def collect(slots: list[int], requests: list[int], tokens: list[list[int]], row_logits: Any,
@@ -229,8 +243,8 @@ def run(loop: StaticLoop, prompts: list[list[int]], limits: list[int], trace: Tr
             admit()
             continue
         taken, tokens, counts, finished, proposed, step_logits, seconds = loop.step()
-        requests = [loop.requests[slot] for slot in taken]
-        collect(taken, requests, tokens, step_logits, finished)
-        trace.record(StepRecord(step=len(trace.steps), kind="static", rows=requests, pad_lengths=[0] * len(requests),
+        held = [loop.requests[slot] for slot in taken]
+        collect(taken, held, tokens, step_logits, finished)
+        trace.record(StepRecord(step=len(trace.steps), kind=STEP_KIND, rows=held, pad_lengths=[0] * len(held),
                                 accepted_counts=counts, emitted_counts=[len(t) for t in tokens], seconds=seconds,
                                 proposed=proposed if step_logits is not None else None))

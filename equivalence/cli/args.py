@@ -77,12 +77,10 @@ def engine_option(value: str) -> tuple[str, Any]:
 def add_engine_path_options(group: Any) -> None:
     """`--no-cuda-graphs`, shared by `audit` and `bench` (read back by `engine_options`)."""
     group.add_argument("--no-cuda-graphs", action="store_true",
-                       help="turn off the fixed-shape path: on --device cuda the built-in engines (EQSPEC, EXSPEC, "
-                       "INPLACE, batched, reference) run dense models on passes captured as CUDA graphs, one host "
-                       "read per step; this runs their dynamic path (engine option static=false; "
-                       "cuda_graphs=false keeps the fixed shapes uncaptured)")
+                       help="the fixed-shape engine (--engine fixedshape) runs its passes eagerly instead of "
+                       "replaying them as CUDA graphs (engine option cuda_graphs=false); other engines ignore it")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Every `--engine-option KEY=VALUE`, after `static=false` from `--no-cuda-graphs` (an explicit option wins)."""
-    return {**({"static": False} if args.no_cuda_graphs else {}), **dict(args.engine_option)}
+    """Every `--engine-option KEY=VALUE`, after `cuda_graphs=false` from `--no-cuda-graphs` (an explicit option wins)."""
+    return {**({"cuda_graphs": False} if args.no_cuda_graphs else {}), **dict(args.engine_option)}

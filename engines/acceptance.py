@@ -1,0 +1,107 @@
+"""The acceptance rule of speculative decoding, written once for every engine.
+
+A step verifies `k` draft tokens per row with one target pass over [pending token, k draft tokens],
+whose logits are `[B, k+1, V]`: position `i` holds the target's distribution after the pending token and
+the first `i` draft tokens. From them the rule decides, per row:
+
+- accepted tokens: the longest prefix of the row's own draft tokens the target agrees with (`accepted[b]`);
+- the recovered token: when a draft token is rejected (`accepted < k`), the target's own token at that
+  position replaces it;
+- the bonus token: when every draft token is accepted (`accepted == k`), the target's token after them.
+
+Either way a row offers `accepted + 1` tokens, `tokens[b, :accepted[b] + 1]`; `accept` then cuts them
+after the first EOS id (any id of the set: `limits.eos_ids`) and at the row's room (its budget of new
+tokens left), and says which rows are done. Which draft tokens are accepted and what the recovered or
+bonus token is belongs to a `Sampler`: `GREEDY` (the default) takes the target's greedy choice at every
+position, which makes speculative decoding exactly greedy decoding. A sampled rule (temperature,
+top-k/top-p, rejection sampling with a generator per row) is another `Sampler` with the same call, the
+draft's logits passed in `draft_logits`; nothing outside this module changes.
+
+EQSPEC (and EXSPEC, which steps through EQSPEC's `speculative_step`), INPLACE and the fixed-shape engine
+(`static/loop.py`) call `accept` through this module (`acceptance.accept`), so changing it changes all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from specaudit.engines.limits import is_eos
+
+
+class Sampler(Protocol):
+    """The rule's choice: the step's tokens [B, k+1] and accepted draft tokens [B]."""
+
+    def __call__(self, target_logits: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor,
+                 draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class GreedySampler:
+    """Greedy verification: a draft token is accepted while it equals the target's greedy token; the
+    recovered or bonus token is the target's greedy token at the first position not accepted."""
+
+    def __call__(self, target_logits: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor,
+                 draft_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = target_logits.argmax(-1)  # [B, k+1]
+        return tokens, greedy_accepted(tokens, drafts, own)
+
+
+def greedy_accepted(target_tokens: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
+    """[B] accepted draft tokens: the longest prefix of `drafts` [B, k] equal to `target_tokens[:, :k]`
+    (a column where `own` [B, k] is False, a pad slot of a shorter proposal, is never accepted)."""
+    k = drafts.shape[1]
+    matches = drafts == target_tokens[:, :k]  # [B, k]
+    if own is not None:
+        matches &= own
+    return matches.long().cumprod(dim=1).sum(dim=1)  # [B]
+
+
+GREEDY = GreedySampler()
+
+
+@dataclass
+class Verdict:
+    """One step's outcome per row."""
+
+    tokens: torch.Tensor  # [B, k+1]: accepted draft tokens, then the recovered or bonus token at `accepted`
+    accepted: torch.Tensor  # [B] draft tokens accepted
+    emitted: torch.Tensor  # [B] new tokens of the step: tokens[b, :emitted[b]] (accepted + 1, cut at EOS and room)
+    done: torch.Tensor  # [B] bool: the row emitted an EOS id or reached its budget
+    ended_by_eos: torch.Tensor  # [B] bool: the row's last emitted token is an EOS id
+
+
+def accept(target_logits: torch.Tensor | None, drafts: torch.Tensor, room: torch.Tensor | int,
+           eos_token_id: int | Sequence[int] | None, *, own: torch.Tensor | None = None,
+           target_tokens: torch.Tensor | None = None, sampler: Sampler = GREEDY,
+           draft_logits: torch.Tensor | None = None) -> Verdict:
+    """The rule on one verify pass.
+
+    `target_logits` [B, k+1, V] (or, for the greedy rule only, `target_tokens` [B, k+1] instead); `drafts`
+    [B, k] the verified draft tokens; `room` [B] (or one int) the new tokens each row may still emit, at
+    least 1 for a running row; `eos_token_id` the EOS id set; `own` [B, k] True on a row's own draft tokens
+    (all of them when None)."""
+    if own is None:
+        own = torch.ones_like(drafts, dtype=torch.bool)
+    if target_logits is None:
+        if sampler is not GREEDY or target_tokens is None:
+            raise ValueError("without target logits only the greedy rule can decide, from target_tokens")
+        tokens, accepted = target_tokens, greedy_accepted(target_tokens, drafts, own)
+    else:
+        tokens, accepted = sampler(target_logits, drafts, own, draft_logits)
+    k = drafts.shape[1]
+    emitted = torch.minimum(accepted + 1, torch.as_tensor(room, device=accepted.device))  # [B]
+    position = torch.arange(k + 1, device=tokens.device).unsqueeze(0)  # [1, k+1]
+    eos = is_eos(tokens, eos_token_id) & (position < emitted.unsqueeze(1))  # [B, k+1] EOS among the offered tokens
+    ended = eos.any(1)  # [B]
+    first_eos = eos.float().argmax(1)  # [B] (0 where there is none; used only where `ended`)
+    emitted = torch.where(ended, first_eos + 1, emitted)
+    done = (emitted >= torch.as_tensor(room, device=accepted.device)) | ended
+    return Verdict(tokens=tokens, accepted=accepted, emitted=emitted, done=done, ended_by_eos=ended)
+
+
+def first_token_done(first: torch.Tensor, budget: torch.Tensor | int, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:
+    """[B] bool: after a prefill's first new token `first` [B], whether the row is already done (an EOS id,
+    or a budget of one token)."""
+    return is_eos(first, eos_token_id) | (torch.as_tensor(budget, device=first.device) <= 1)
