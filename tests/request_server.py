@@ -2,7 +2,7 @@
 for tests/fake_server.py's `FakeServer`; optionally with one of the bugs that shipped planted.
 
 It reads the request's parameters back from vLLM's field names, decodes greedily with the processors of
-engines/requests.py (the whole sequence through the model at every step: independent of the reference's
+engines/requests/__init__.py (the whole sequence through the model at every step: independent of the reference's
 cached loop), stops as vLLM does, and answers with `token_ids`, `text`, `finish_reason`, `stop_reason`,
 `usage` and per-token `logprobs` (raw, vLLM's default). Planted bugs (`bug=`):
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from specaudit.engines.request_reference import decode_text, find_stop
+from specaudit.engines.requests.reference import decode_text, find_stop
 from specaudit.engines.requests import RequestParams, process
 
 BUGS = ("stop_tail", "bias_skipped", "min_tokens_skipped", "min_tokens_past_end", "zero_logprobs", "finish_wrong",

@@ -11,7 +11,7 @@ from request_server import vllm_answer
 from specaudit.engines.adapters.servers import LlamaCppEngine, VLLMEngine
 from specaudit.engines.models import zoo
 from specaudit.engines.reference import greedy_decode
-from specaudit.engines.request_reference import decode_text
+from specaudit.engines.requests.reference import decode_text
 from specaudit.engines.requests import RequestParams
 from specaudit.equivalence.blackbox.requests_run import audit_requests
 

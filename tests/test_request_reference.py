@@ -1,4 +1,4 @@
-"""The reference with request parameters (engines/request_reference.py) against a brute-force
+"""The reference with request parameters (engines/requests/reference.py) against a brute-force
 recomputation in float64: the whole sequence through the model at every step (no cache), the
 processors applied, and the stopping rules written out plainly here."""
 
@@ -10,7 +10,7 @@ import torch
 from specaudit.engines import requests as rq
 from specaudit.engines.models import zoo
 from specaudit.engines.reference import greedy_decode
-from specaudit.engines.request_reference import decode_text, decode_with_params
+from specaudit.engines.requests.reference import decode_text, decode_with_params
 from specaudit.engines.requests import RequestParams
 
 N = 12

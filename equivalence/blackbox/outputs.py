@@ -1,7 +1,7 @@
 """What a server says beside its tokens, checked against the reference with request parameters.
 
 One prompt's server answer (`Completion`: returned `token_ids` and its `report`: text, finish and stop
-reasons, usage, per-token log-probabilities) against `RequestResult` (engines/request_reference.py).
+reasons, usage, per-token log-probabilities) against `RequestResult` (engines/requests/reference.py).
 Each check that fails gives one finding, a divergence record whose `diagnosis.class` names the cause
 and whose `diagnosis.decided_by` names the check that decided it:
 
@@ -14,7 +14,7 @@ and whose `diagnosis.decided_by` names the check that decided it:
 | `text_report`      | `detokenize`              | `text` is not the detokenized `token_ids` (cut before a stop string where there is one) |
 | `usage_report`     | `usage-count`             | `usage` counts differ from the prompt's and the returned tokens' counts |
 
-Relation of text and tokens (engines/request_reference.py): the tokens end at the token that ended
+Relation of text and tokens (engines/requests/reference.py): the tokens end at the token that ended
 the request; the text is those tokens decoded, without a final EOS / stop id's text, cut just before
 a stop string. Decoding is compared both alone and after the prompt (a tokenizer whose first output
 token decodes differently after the prompt, e.g. a sentencepiece leading space), and with or without
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specaudit.engines.limits import eos_ids
-from specaudit.engines.request_reference import RequestResult, decode_text, find_stop
+from specaudit.engines.requests.reference import RequestResult, decode_text, find_stop
 from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
 from specaudit.equivalence.attribute import dtype_noise
 

@@ -1,5 +1,5 @@
 """One audit run of a live server with request parameters: the reference decodes each prompt under its
-parameters (engines/request_reference.py), the server is sent the same parameters in its own names
+parameters (engines/requests/reference.py), the server is sent the same parameters in its own names
 (engines/adapters/request_fields.py), and its tokens and everything it says beside them are checked
 (equivalence/blackbox/outputs.py).
 
@@ -24,7 +24,7 @@ import torch
 
 from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALTY_SCOPE
 from specaudit.engines.limits import eos_ids
-from specaudit.engines.request_reference import RequestResult, decode_with_params
+from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
 from specaudit.equivalence.blackbox import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause

@@ -4,7 +4,7 @@
 minimum and a maximum length, repetition / presence / frequency penalties, a logit bias, banned
 token sequences, `min_p` and `top_k`, and how many top log-probabilities to report. Under greedy
 decoding every one of them is deterministic, so the reference computes the tokens a correct server
-must return (engines/request_reference.py).
+must return (engines/requests/reference.py).
 
 Each processor is a pure function over one row of float64 logits `[V]`, returning a new row. The
 definitions are vLLM's (vllm/v1/sample/sampler.py and its ops), applied in vLLM's order by
