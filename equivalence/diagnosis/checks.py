@@ -36,7 +36,7 @@ def output_order(index: int, references: list[list[int]], outputs: list[list[int
 
 
 def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[int], position: int,
-             eos: int | None, trace: Any, outputs: list[list[int]]) -> Finding | None:
+             eos: int | None, trace: Any, outputs: list[list[int]], batch: list[int] | None = None) -> Finding | None:
     """Tokens after the row's EOS, or a stop at an EOS that is not the row's own."""
     if eos is None:
         return None
@@ -52,6 +52,14 @@ def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[i
         if other is not None:
             return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own, "
                            f"in the step where prompt {other} of its batch emitted EOS {eos}")
+        if not getattr(trace, "steps", None):
+            # no trace: a row of its batch (consecutive batches) whose EOS is its new token at the same count
+            same = [j for j in batch or [] if j != index and len(outputs[j]) == len(output) and outputs[j]
+                    and outputs[j][-1] == eos]
+            if same:
+                return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own; "
+                               f"prompt {same[0]} of its batch ended with EOS {eos} as its new token "
+                               f"{len(output) - 1}, the same count: the row stopped at another row's EOS")
     return None
 
 
