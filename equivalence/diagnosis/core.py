@@ -384,6 +384,11 @@ class Diagnoser(Experiments):
             twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
                          f"{'equivalent' if twin_exact else 'diverges'}")
+        if not getattr(self.trace, "steps", None):
+            named = self._padding_replay(index, 0, position, "it is the longest of its batch (no padding at the "
+                                         "prefill) and diverges only where the other rows grow past it")
+            if named:
+                return named
         detail = ""
         finished = checks.finished_beside(index, position, self.trace)
         if finished is not None:
@@ -404,10 +409,10 @@ class Diagnoser(Experiments):
         if not padding:
             return None
         first = padding[0]
-        return Cause(first.cls, f"alone the prompt is exact; {shown}: its own left padding ({pad}) changes its tokens; "
-                     f"at new token {position} a replay with {first.name} chooses the engine's token (the plain replay "
-                     "does not)", "a re-run with the row's own padding, then the replay at the divergence",
-                     first.mechanism)
+        padded = f"its own left padding ({pad})" if pad else "the padding its neighbours' lengths give it"
+        return Cause(first.cls, f"alone the prompt is exact; {shown}: {padded} changes its tokens; at new token "
+                     f"{position} a replay with {first.name} chooses the engine's token (the plain replay does not)",
+                     "re-runs alone and with the row's padding, then the replay at the divergence", first.mechanism)
 
     def _own_padding(self, index: int, position: int, tried: list[str]) -> Cause | None:
         """Alone exact, in its batch not: is it the row's own left padding or its neighbours? Re-run the row
@@ -432,6 +437,11 @@ class Diagnoser(Experiments):
                      f"{self._verdict(index, padded)}"
                      + (", the run's own output" if padded == self.outputs[index] else ""))
         if self.equivalent(index, padded):
+            named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone, with the same left "
+                                         "padding, it is exact; in its batch, where the other rows' lengths set its "
+                                         "padding at each step, it diverges")
+            if named:
+                return named
             return Cause("cross_row", f"alone the prompt is exact; beside prompt {longest} alone, with the same left "
                          f"padding ({pad}) as in its batch, it is exact too; in its batch it diverges: the other rows "
                          "of its batch (not its own padding) change its tokens", "re-runs with the same padding beside "
@@ -456,6 +466,11 @@ class Diagnoser(Experiments):
         tried.append(f"re-run beside prompt {others[0]} instead (the same length, the same padding; only the "
                      f"neighbour changed): {'the same' if same else 'other'} tokens up to new token {position}")
         if not same:
+            named = self._padding_replay(index, pad, position, f"beside prompt {longest} and beside prompt "
+                                         f"{others[0]} (the same length) it gives different tokens, the neighbours' "
+                                         "lengths setting its padding at each step")
+            if named:
+                return named
             return Cause("cross_row", f"with the same left padding ({pad}), beside prompt {longest} and beside prompt "
                          f"{others[0]} (the same length) the row gives different tokens: its neighbour's content "
                          "changes its output", "a re-run that changes only the neighbour",

@@ -258,7 +258,104 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
     found += prefill_hypotheses(prompt, sequence)
     if (trace is None or not getattr(trace, "steps", None)) and row is not None:
         found += padding_scan(sequence, row, pad_id)
+        found += holes_hypotheses(prompt, output, q, row)
     return found
+
+
+HOLE_MODES = {
+    "counted": "rejected draft slots left in the sequence as masked holes and counted in the positions",
+    "counted_padding": "rejected draft slots left as masked holes, the positions counted over them and over the "
+                       "row's left padding (the column index)",
+    "visible": "rejected draft slots left in the sequence and visible to later queries (positions counting only "
+               "the kept tokens)",
+    "visible_counted": "rejected draft slots left in the sequence, visible to later queries and counted in the "
+                       "positions",
+    "stale": "the rejected draft tokens' entries left in the target cache (not cropped), at the positions they were "
+             "computed at, the kept tokens numbered by their own count",
+}
+HOLE_CLASSES = {"counted": "position_ids", "counted_padding": "position_ids", "visible": "attention_mask",
+                "visible_counted": "attention_mask", "stale": "kv_cache"}
+HOLE_MECHANISMS = {"position_ids": "position ids counted past rejected draft slots",
+                   "attention_mask": "rejected draft slots visible to later queries",
+                   "kv_cache": "rejected draft tokens left in the target cache"}
+
+
+def holes_hypotheses(prompt: list[int], output: list[int], q: int, row: RowContext) -> list[Hypothesis]:
+    """For a speculative engine without a trace that keeps rejected draft tokens in its sequence as holes
+    (recomputing or caching it whole): the holes rebuilt step by step from the draft model's proposals,
+    the draft run under the same numbering and mask as the target (one forward code for both), then the
+    target replayed over the holey sequence. Token 0 comes from the prefill, each step appends k proposals
+    (the accepted ones kept, the rest holes) and the target's token."""
+    if row.draft is None or not row.draft_tokens or q == 0:
+        return []
+    found = []
+    for mode, text in HOLE_MODES.items():
+        if mode == "counted_padding" and not row.batch_padding:
+            continue
+        cls = HOLE_CLASSES[mode]
+        mechanism = HOLE_MECHANISMS[cls]
+
+        def build(mode: str = mode) -> tuple[Any, ...] | None:
+            return holey_replay_inputs(row.draft, row.draft_tokens, prompt, output, q, mode, row.batch_padding or 0)
+
+        found.append(Hypothesis(cls, text, build, mechanism))
+    return found
+
+
+def _holey_inputs(slots: list[tuple[int, bool]], mode: str, padding: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """ids, positions and the visibility [L, L] of a holey sequence (`slots`: token, kept) under `mode`."""
+    ids = [t for t, _ in slots]
+    kept = torch.tensor([k for _, k in slots])  # [L]
+    counted = mode in ("counted", "counted_padding", "visible_counted")
+    if counted:
+        positions = [i + (padding if mode == "counted_padding" else 0) for i in range(len(slots))]
+    elif mode == "stale":  # a rejected token keeps the position it had as a proposal; kept tokens count kept ones
+        positions, last = [], -1
+        for i, (_, keep) in enumerate(slots):
+            last = last + 1 if keep else last
+            positions.append(last if keep else positions[-1] + 1)
+    else:  # "visible" and "clean": numbered by the kept tokens before them
+        positions = (kept.long().cumsum(0) - 1).clamp(min=0).tolist()
+    causal = torch.ones(len(slots), len(slots), dtype=torch.bool).tril()
+    shown = mode.startswith("visible") or mode == "stale"
+    allowed = causal if shown else causal & (kept.unsqueeze(0) | torch.eye(len(slots), dtype=torch.bool))
+    return ids, positions, allowed
+
+
+@torch.no_grad()
+def holey_replay_inputs(draft: Any, k: int, prompt: list[int], output: list[int], end: int, mode: str,
+                        padding: int) -> tuple[Any, ...] | None:
+    """(ids, positions, allowed, rows) of the holey sequence through the query of new token `end`; `rows`
+    are the query slots of new tokens 0..end (each the slot of the kept token before it)."""
+    slots: list[tuple[int, bool]] = [(t, True) for t in prompt] + [(output[0], True)]
+    done, rejected = 1, 0
+    while done < end:
+        proposals: list[int] = []
+        for _ in range(k):
+            # the draft under the target's numbering and mask; beside a stale target cache, a clean draft
+            ids, positions, allowed = _holey_inputs(slots + [(t, True) for t in proposals],
+                                                    "clean" if mode == "stale" else mode, padding)
+            logits = replay_all(draft, ids, positions, allowed)
+            if logits is None:
+                return None
+            proposals.append(int(logits[-1].argmax()))
+        accepted = 0
+        while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
+            accepted += 1
+        slots += [(t, True) for t in proposals[:accepted]] + [(t, False) for t in proposals[accepted:]]
+        rejected += k - accepted
+        done += accepted
+        if done < len(output):
+            slots.append((output[done], True))
+            done += 1
+    if not rejected:
+        return None  # no hole before the query: the plain replay already says it
+    kept_at = [i for i, (_, kept) in enumerate(slots) if kept]  # slot of each kept token, in order
+    n = len(prompt)
+    rows = [kept_at[n - 1 + j] for j in range(end + 1)]
+    cut = rows[-1] + 1
+    ids, positions, allowed = _holey_inputs(slots[:cut], mode, padding)
+    return ids, positions, allowed, rows
 
 
 CHUNK_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -431,7 +528,7 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
             logits = hypothesis.replay(target)
         else:
             built = hypothesis.build()
-            logits = replay_last(target, *built) if built is not None else None
+            logits = replay_last(target, *built) if built is not None and len(built) < 4 else None
         if logits is None:
             continue
         error = _error(engine_logits, logits)
@@ -475,13 +572,16 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
     if row is not None and row.draft is not None:
         draft_choice = _draft_greedy(row.draft, list(prompt) + list(output[:q]), 1)[0]
     matched_at_q.clear()
+    passing: list[tuple[int, Hypothesis]] = []
     for hypothesis in _ordered(hypotheses(prompt, output, end, trace, index, pad_id, row), prefer):
         if hypothesis.replay is not None:
             continue  # a single-query replay: no window
         built = hypothesis.build()
-        logits = replay_all(target, *built) if built is not None else None
+        logits = replay_all(target, *built[:3]) if built is not None else None
         if logits is None:
             continue
+        if len(built) == 4:  # the replay names the rows of new tokens 0..end (a sequence with holes)
+            logits = logits[built[3]]
         chosen = logits[-width:].argmax(-1).tolist()
         agree = sum(a == b for a, b in zip(chosen[1:], engine[1:]))
         tried.append(f"{hypothesis.name}: chooses {chosen[0]} at new token {q} (engine {engine[0]}, plain replay "
@@ -490,8 +590,16 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
             continue
         matched_at_q.append(hypothesis)
         if width == 1 or agree > plain_agree or (agree == plain_agree and draft_choice != engine[0]):
-            return hypothesis, tried
-    return None, tried
+            passing.append((agree, hypothesis))
+            if agree == width - 1:
+                break  # the whole window reproduced: nothing can do better
+    if not passing:
+        return None, tried
+    # of the hypotheses that pass, the one that reproduces most of the window (the first of those)
+    best = max(passing, key=lambda item: item[0])[1]
+    if best is not passing[-1][1] or len(passing) > 1:
+        tried.append(f"chosen: {best.name} (reproduces the most of the window)")
+    return best, tried
 
 
 # the hypotheses that chose the engine's token at the divergence in the last `explain_tokens` call,

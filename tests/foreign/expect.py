@@ -26,8 +26,13 @@ EXPECTED: dict[str, dict[str, str | None]] = {
     "server_batcher": {"correct": None, "pos_padded": "position_ids", "mask_padding": "attention_mask",
                        "answer_by_slot": "output_order", "stop_on_any_eos": "stop_eos", "one_more": "stop_length"},
 }
-STOP_VARIANTS = {"eos_any", "eos_after", "stop_on_any_eos", "answer_by_slot"}  # audited with EOS_ID
 EOS_ID = 19  # tiny-gpt2 emits it within a few tokens on most built-in prompts
+# the variants whose bug needs more than the plain settings to show: an EOS that comes up (stops, and the
+# order rows finish in), or one draft token a step (a step that accepts every draft token, for the bonus bugs)
+EXTRA_ARGS: dict[str, tuple[str, ...]] = {
+    **{v: ("--eos-token-id", str(EOS_ID)) for v in ("eos_any", "eos_after", "stop_on_any_eos", "answer_by_slot")},
+    **{v: ("--draft-tokens", "1") for v in ("no_bonus", "bonus_twice")},
+}
 SETTINGS = ("--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12", "--no-adversarial")
 
 
@@ -44,16 +49,23 @@ def share_named(run: dict[str, Any], expected: str) -> float:
     return sum(d["diagnosis"]["class"] == expected for d in found) / len(found) if found else 0.0
 
 
-def audit_module(module: str, variants: list[str], pair: str, out: Path, eos: int | None = None) -> list[dict]:
-    """One audit of `variants` of `tests/foreign/<module>.py` on `pair` (CLI, this process)."""
+def audit_module(module: str, pair: str, out: Path) -> list[dict]:
+    """The audits of every variant of `tests/foreign/<module>.py` on `pair` (CLI, this process): one per
+    set of extra arguments, the correct variant in each."""
     from cli_run import audit, runs
 
-    args = [arg for variant in variants for arg in ("--engine", f"foreign.{module}:{variant}")]
-    if eos is not None:
-        args += ["--eos-token-id", str(eos)]
-    result = audit(*args, "--pair", pair, *SETTINGS, out=out)
-    assert result.returncode in (0, 1), result.stdout + result.stderr
-    return runs(out)
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for variant in EXPECTED[module]:
+        groups.setdefault(EXTRA_ARGS.get(variant, ()), ["correct"])
+        if variant != "correct":
+            groups[EXTRA_ARGS.get(variant, ())].append(variant)
+    found: list[dict] = []
+    for n, (extra, variants) in enumerate(groups.items()):
+        args = [arg for variant in variants for arg in ("--engine", f"foreign.{module}:{variant}")]
+        result = audit(*args, "--pair", pair, *SETTINGS, *extra, out=out / str(n))
+        assert result.returncode in (0, 1), result.stdout + result.stderr
+        found += runs(out / str(n))
+    return found
 
 
 def problems(run: dict[str, Any], expected: str | None) -> list[str]:

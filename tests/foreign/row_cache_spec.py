@@ -21,6 +21,13 @@ import torch
 from transformers import DynamicCache
 
 
+def _crop_to(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` entries (transformers 5 crops by a negative count of entries to drop)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 class RowCacheSpec:
     def __init__(self, target: Any, draft: Any, batch_size: int, k: int, bug: str | None) -> None:
         self.target, self.draft, self.batch_size, self.k, self.bug = target, draft, batch_size, k, bug
@@ -69,8 +76,8 @@ class RowCacheSpec:
             emitted = proposals[:n] + [choices[n]]
         kept = pos + n + 1  # the cached tokens: everything before, the pending token, n accepted drafts
         if self.bug != "no_crop":
-            row["t"].crop(kept)
-        row["d"].crop(min(kept, row["d"].get_seq_length()))
+            _crop_to(row["t"], kept)
+        _crop_to(row["d"], kept)
         if n == k:  # the draft never saw its own last proposal
             self._step(self.draft, row["d"], [proposals[-1]], pos + k)
         if self.bug != "overshoot":
