@@ -138,6 +138,8 @@ class Diagnoser(Experiments):
     rerun_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
+    # per batch: the other pad id and the batch's re-run with it (or why none ran)
+    _pad_read: dict[tuple[int, ...], tuple[int | None, Any]] = field(default_factory=dict)
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +206,7 @@ class Diagnoser(Experiments):
                                       noise=self.precision_noise(index))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
+            hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
             if hypothesis.name in self._explained_by:
                 self._explained_by.remove(hypothesis.name)
             self._explained_by.insert(0, hypothesis.name)
@@ -399,6 +402,31 @@ class Diagnoser(Experiments):
                        f"(rows {uneven[1]} accepted {uneven[2]})")
         return Finding("cross_row", "alone the prompt is exact and in its batch it diverges, and neither shifted "
                        f"positions nor visible padding explain its logits: its output depends on the other rows{detail}")
+
+    def _padding_read_or_numbered(self, index: int, hypothesis: Any, tried: list[str]) -> Any:
+        """Without the engine's logits, padding counted in the positions and padding attended can both
+        reproduce its tokens. The pad id decides: re-run the row's batch with another pad id; attended
+        padding is read, so its tokens change; padding only counted in the positions is never read."""
+        from specaudit.equivalence.diagnosis.replay import passed_at_q
+
+        rivals = [h for h in passed_at_q if "padding" in h.name and h.cls in ("position_ids", "attention_mask")]
+        if hypothesis not in rivals or len({h.cls for h in rivals}) < 2:
+            return hypothesis
+        batch = self._batch_rows(index)
+        key = tuple(batch)
+        if key not in self._pad_read:
+            other = self.other_pad_id(batch)
+            self._pad_read[key] = (other, self._run(batch, other) if other is not None else
+                                   "no unused token id for another pad id")
+        other, result = self._pad_read[key]
+        if isinstance(result, str):
+            tried.append(f"re-run with another pad id to tell counted padding from attended padding: not run ({result})")
+            return hypothesis
+        read = result[batch.index(index)] != self.outputs[index]
+        cls = "attention_mask" if read else "position_ids"
+        tried.append(f"re-run of its batch with pad id {other} instead of {self.pad_token_id}: the row's tokens "
+                     f"{'change' if read else 'stay the same'}: the padding is {'read' if read else 'not read'}")
+        return next(h for h in rivals if h.cls == cls) if any(h.cls == cls for h in rivals) else hypothesis
 
     def _padding_replay(self, index: int, pad: int, position: int, shown: str) -> Cause | None:
         """The row's own padding is shown to change its tokens: the replays that chose the engine's token

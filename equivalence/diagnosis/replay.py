@@ -512,6 +512,7 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
     logits, see `explain_tokens`."""
     tried: list[str] = []
     matched_at_q.clear()
+    passed_at_q.clear()
     if target is None:
         return None, tried
     if engine_logits is None:
@@ -593,6 +594,7 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
             passing.append((agree, hypothesis))
             if agree == width - 1:
                 break  # the whole window reproduced: nothing can do better
+    passed_at_q[:] = [h for _, h in passing]
     if not passing:
         return None, tried
     # of the hypotheses that pass, the one that reproduces most of the window (the first of those)
@@ -605,3 +607,4 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
 # the hypotheses that chose the engine's token at the divergence in the last `explain_tokens` call,
 # whatever the window showed: evidence for a re-run that has ruled the neighbours out
 matched_at_q: list[Hypothesis] = []
+passed_at_q: list[Hypothesis] = []  # those that also passed the window

@@ -16,7 +16,7 @@ EXPECTED: dict[str, dict[str, str | None]] = {
     "padded_loop": {"correct": None, "pos_padded": "position_ids", "pos_from_one": "position_ids",
                     "mask_padding": "attention_mask", "eos_any": "stop_eos", "eos_after": "stop_eos"},
     "generate_spec": {"correct": None, "pos_padded": "position_ids", "mask_padding": "attention_mask",
-                      "accept_extra": "acceptance_rule", "no_bonus": "acceptance_rule", "overshoot": "stop_length",
+                      "accept_extra": "acceptance_rule", "overshoot": "stop_length",
                       "eos_after": "stop_eos"},
     "recompute_spec": {"correct": None, "pos_padded": "position_ids", "pos_holes": "position_ids",
                        "mask_holes": "attention_mask", "mask_padding": "attention_mask",
@@ -31,7 +31,7 @@ EOS_ID = 19  # tiny-gpt2 emits it within a few tokens on most built-in prompts
 # order rows finish in), or one draft token a step (a step that accepts every draft token, for the bonus bugs)
 EXTRA_ARGS: dict[str, tuple[str, ...]] = {
     **{v: ("--eos-token-id", str(EOS_ID)) for v in ("eos_any", "eos_after", "stop_on_any_eos", "answer_by_slot")},
-    **{v: ("--draft-tokens", "1") for v in ("no_bonus", "bonus_twice")},
+    "bonus_twice": ("--draft-tokens", "1"),
 }
 SETTINGS = ("--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12", "--no-adversarial")
 

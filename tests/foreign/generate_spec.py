@@ -8,7 +8,6 @@ Variants (`bug=`):
 - "pos_padded": the target pass numbers tokens by their column in the padded batch;
 - "mask_padding": the target pass attends to the padding (an all-ones mask);
 - "accept_extra": one draft token past the first mismatch is kept (acceptance off by one);
-- "no_bonus": a step that accepts every proposal emits no bonus token;
 - "overshoot": a step's tokens are not cut at max_new_tokens;
 - "eos_after": tokens after a row's EOS are kept.
 """
@@ -66,8 +65,6 @@ class GenerateSpec:
                     n += 1
                 if self.bug == "accept_extra" and n < self.k:
                     tokens = proposals[b, :n + 1].tolist()
-                elif self.bug == "no_bonus" and n == self.k:
-                    tokens = proposals[b].tolist()
                 else:
                     tokens = proposals[b, :n].tolist() + [int(choices[b, n])]
                 if eos is not None and eos in tokens and self.bug != "eos_after":
@@ -95,6 +92,5 @@ correct = _factory(None)
 pos_padded = _factory("pos_padded")
 mask_padding = _factory("mask_padding")
 accept_extra = _factory("accept_extra")
-no_bonus = _factory("no_bonus")
 overshoot = _factory("overshoot")
 eos_after = _factory("eos_after")
