@@ -590,6 +590,8 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
         if chosen[0] != engine[0]:
             continue
         matched_at_q.append(hypothesis)
+        if len(built) == 4 and agree * 2 < width - 1:
+            continue  # holes rebuilt from the draft's proposals: more freedom, so most of the window must agree
         if width == 1 or agree > plain_agree or (agree == plain_agree and draft_choice != engine[0]):
             passing.append((agree, hypothesis))
             if agree == width - 1:
