@@ -570,8 +570,13 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
         return None, tried
     plain_agree = sum(a == b for a, b in zip(plain[1:], engine[1:]))
     draft_choice = None  # a tie on the window is no evidence when the draft itself chose the engine's token
+    kept_agree = -1  # along the window: the engine's tokens that are the target's or the draft's own choice
     if row is not None and row.draft is not None:
-        draft_choice = _draft_greedy(row.draft, list(prompt) + list(output[:q]), 1)[0]
+        drafted = replay_all(row.draft, list(prompt) + list(output[:end]), list(range(len(prompt) + end)))
+        if drafted is not None:
+            by_draft = drafted[-width:].argmax(-1).tolist()
+            draft_choice = by_draft[0]
+            kept_agree = sum(e in (t, d) for e, t, d in zip(engine[1:], plain[1:], by_draft[1:]))
     matched_at_q.clear()
     passing: list[tuple[int, Hypothesis]] = []
     for hypothesis in _ordered(hypotheses(prompt, output, end, trace, index, pad_id, row), prefer):
@@ -598,6 +603,13 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
                 break  # the whole window reproduced: nothing can do better
     passed_at_q[:] = [h for _, h in passing]
     if not passing:
+        return None, tried
+    if draft_choice == engine[0] and kept_agree >= max(agree for agree, _ in passing):
+        # the engine's tokens are the target's or the draft's own choices at least as often as any replay's:
+        # kept draft tokens explain them as well (the acceptance checks decide)
+        tried.append(f"the engine's tokens are the target's or the draft's own choices on {kept_agree} of the next "
+                     f"{width - 1} new token(s), as many as the best replay reproduces: no replay decides")
+        passed_at_q.clear()
         return None, tried
     # of the hypotheses that pass, the one that reproduces most of the window (the first of those)
     best = max(passing, key=lambda item: item[0])[1]
