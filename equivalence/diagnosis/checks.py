@@ -38,7 +38,8 @@ def output_order(index: int, references: list[list[int]], outputs: list[list[int
 
 
 def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[int], position: int,
-             eos: int | Sequence[int] | None, trace: Any, outputs: list[list[int]]) -> Finding | None:
+             eos: int | Sequence[int] | None, trace: Any, outputs: list[list[int]],
+             batch: list[int] | None = None) -> Finding | None:
     """Tokens after the row's EOS (any id of the set), or a stop at an EOS that is not the row's own."""
     ends = eos_ids(eos)
     if not ends:
@@ -58,6 +59,14 @@ def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[i
             return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own, "
                            f"in the step where prompt {other} of its batch emitted "
                            + (f"EOS {ends[0]}" if len(ends) == 1 else f"an EOS id of {list(ends)}"))
+        if not getattr(trace, "steps", None):
+            # no trace: a row of its batch (consecutive batches) whose EOS is its new token at the same count
+            same = [j for j in batch or [] if j != index and len(outputs[j]) == len(output) and outputs[j]
+                    and outputs[j][-1] in ends]
+            if same:
+                return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own; "
+                               f"prompt {same[0]} of its batch ended with EOS {outputs[same[0]][-1]} as its new token "
+                               f"{len(output) - 1}, the same count: the row stopped at another row's EOS")
     return None
 
 

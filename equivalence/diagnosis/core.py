@@ -83,14 +83,23 @@ RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences
 PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
 
 
+WOULD_DECIDE = ("the engine's target logits at the divergence (a trace with record_logits), replayed under the "
+                "position and mask hypotheses; or re-runs of the row beside other neighbours of the same length")
+
+
 def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, decided_by: str | None = None,
-              mechanism: str | None = None) -> dict[str, Any]:
+              mechanism: str | None = None, would_decide: str | None = None) -> dict[str, Any]:
+    """A named class carries `decided_by` (the experiment that decided it) and `tried` (every check,
+    replay and re-run made, with what it showed: the alternatives ruled out); `unknown` carries
+    `would_decide`, the experiment that would name it."""
     assert cls in CLASSES, cls
     found: dict[str, Any] = {"class": cls, "evidence": evidence, "tried": list(tried or [])}
     if decided_by:
         found["decided_by"] = decided_by
     if mechanism:
         found["mechanism"] = mechanism
+    if cls == "unknown":
+        found["would_decide"] = would_decide or WOULD_DECIDE
     return found
 
 
@@ -130,6 +139,8 @@ class Diagnoser(Experiments):
     rerun_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
+    # per batch: the other pad id and the batch's re-run with it (or why none ran)
+    _pad_read: dict[tuple[int, ...], tuple[int | None, Any]] = field(default_factory=dict)
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +156,8 @@ class Diagnoser(Experiments):
             found = None
         if found is None:
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
+        if found.cls == "unknown":  # an experiment narrowed it down without naming it
+            return diagnosis("unknown", found.evidence, tried, would_decide=found.decided_by or None)
         cls, evidence, decided = recurrent_or_attention(self, int(divergence["prompt_index"]), found, tried)
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
@@ -172,7 +185,8 @@ class Diagnoser(Experiments):
         if cause:
             return cause
         tried.append("lengths against EOS")
-        found = checks.stop_eos(index, prompt, reference, output, position, eos, self.trace, self.outputs)
+        found = checks.stop_eos(index, prompt, reference, output, position, eos, self.trace, self.outputs,
+                                 self._batch_rows(index))
         if found:
             return _cause(found, "the output's length against its EOS")
         tried.append("the trace's proposals and counts against the target's choices")
@@ -189,10 +203,11 @@ class Diagnoser(Experiments):
         q = self._first_corrupted(index, position)
         hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
                                       self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
-                                      None, prefer=tuple(self._explained_by), row=self._row_context(index),
+                                      None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
                                       noise=self.precision_noise(index))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
+            hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
             if hypothesis.name in self._explained_by:
                 self._explained_by.remove(hypothesis.name)
             self._explained_by.insert(0, hypothesis.name)
@@ -212,14 +227,34 @@ class Diagnoser(Experiments):
         if found:
             return _cause(found, "the output's length (no cause explains it)")
         found = self._batch_experiments(index, position, q, tried)
+        if isinstance(found, Cause):
+            return found
         return _cause(found, "re-runs alone and in its batch") if found else None
 
-    def _row_context(self, index: int) -> RowContext:
+    def _batch_rows(self, index: int) -> list[int]:
+        """The rows of prompt `index`'s batch: consecutive batches of the run's batch size."""
+        if not self.batch_size:
+            return [index]
+        start = index - index % self.batch_size
+        return list(range(start, min(start + self.batch_size, len(self.prompts))))
+
+    def _row_context(self, index: int, q: int = 0) -> RowContext:
         padding = None
+        widths: set[int] = set()
         if self.batch_size:
-            start = index - index % self.batch_size
-            padding = max(len(p) for p in self.prompts[start:start + self.batch_size]) - len(self.prompts[index])
-        return RowContext(padding, self.draft, self.draft_tokens)
+            rows = self._batch_rows(index)
+            padding = max(len(self.prompts[j]) for j in rows) - len(self.prompts[index])
+            # a re-padding engine pads the row to its longest neighbour at each step: a neighbour's length
+            # (prompt and t new tokens, t near q) minus the row's own when it fed new token q
+            own = len(self.prompts[index]) + q
+            reach = 2 * (self.draft_tokens + 1)
+            for j in rows:
+                if j == index:
+                    continue
+                for t in range(max(0, q - reach), min(len(self.outputs[j]), q + reach) + 1):
+                    widths.add(len(self.prompts[j]) + t - own)
+        ordered = sorted((w for w in widths if w > 0), key=lambda w: (abs(w - (padding or 0)), w))[:24]
+        return RowContext(padding, self.draft, self.draft_tokens, tuple(ordered))
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
         if self.target is None:
@@ -333,7 +368,7 @@ class Diagnoser(Experiments):
                          mechanism)
         return None
 
-    def _batch_experiments(self, index: int, position: int, q: int, tried: list[str]) -> Finding | None:
+    def _batch_experiments(self, index: int, position: int, q: int, tried: list[str]) -> Finding | Cause | None:
         alone = self.alone(index)
         if isinstance(alone, str):
             tried.append(f"re-run alone: not run ({alone})")
@@ -345,11 +380,19 @@ class Diagnoser(Experiments):
         group = checks.group_of_unequal_rows(index, position, self.trace)
         if group:
             return group
+        own = self._own_padding(index, position, tried)
+        if own is not None:
+            return own
         twin = self._run([index, index])
         if isinstance(twin, list):
             twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
                          f"{'equivalent' if twin_exact else 'diverges'}")
+        if not getattr(self.trace, "steps", None):
+            named = self._padding_replay(index, 0, position, "it is the longest of its batch (no padding at the "
+                                         "prefill) and diverges only where the other rows grow past it")
+            if named:
+                return named
         detail = ""
         finished = checks.finished_beside(index, position, self.trace)
         if finished is not None:
@@ -360,6 +403,116 @@ class Diagnoser(Experiments):
                        f"(rows {uneven[1]} accepted {uneven[2]})")
         return Finding("cross_row", "alone the prompt is exact and in its batch it diverges, and neither shifted "
                        f"positions nor visible padding explain its logits: its output depends on the other rows{detail}")
+
+    def _padding_read_or_numbered(self, index: int, hypothesis: Any, tried: list[str]) -> Any:
+        """Without the engine's logits, padding counted in the positions and padding attended can both
+        reproduce its tokens. The pad id decides: re-run the row's batch with another pad id; attended
+        padding is read, so its tokens change; padding only counted in the positions is never read."""
+        from specaudit.equivalence.diagnosis.replay import passed_at_q
+
+        rivals = [h for h in passed_at_q if "padding" in h.name and h.cls in ("position_ids", "attention_mask")]
+        if hypothesis not in rivals or len({h.cls for h in rivals}) < 2:
+            return hypothesis
+        batch = self._batch_rows(index)
+        key = tuple(batch)
+        if key not in self._pad_read:
+            other = self.other_pad_id(batch)
+            self._pad_read[key] = (other, self._run(batch, other) if other is not None else
+                                   "no unused token id for another pad id")
+        other, result = self._pad_read[key]
+        if isinstance(result, str):
+            tried.append(f"re-run with another pad id to tell counted padding from attended padding: not run ({result})")
+            return hypothesis
+        read = result[batch.index(index)] != self.outputs[index]
+        cls = "attention_mask" if read else "position_ids"
+        tried.append(f"re-run of its batch with pad id {other} instead of {self.pad_token_id}: the row's tokens "
+                     f"{'change' if read else 'stay the same'}: the padding is {'read' if read else 'not read'}")
+        return next(h for h in rivals if h.cls == cls) if any(h.cls == cls for h in rivals) else hypothesis
+
+    def _padding_replay(self, index: int, pad: int, position: int, shown: str) -> Cause | None:
+        """The row's own padding is shown to change its tokens: the replays that chose the engine's token
+        at the divergence (their window undecided) say whether it was numbered over it or attended it."""
+        from specaudit.equivalence.diagnosis.replay import matched_at_q
+
+        padding = [h for h in matched_at_q if h.cls in ("position_ids", "attention_mask") and "padding" in h.name]
+        if not padding:
+            return None
+        first = padding[0]
+        padded = f"its own left padding ({pad})" if pad else "the padding its neighbours' lengths give it"
+        return Cause(first.cls, f"alone the prompt is exact; {shown}: {padded} changes its tokens; at new token "
+                     f"{position} a replay with {first.name} chooses the engine's token (the plain replay does not)",
+                     "re-runs alone and with the row's padding, then the replay at the divergence", first.mechanism)
+
+    def _own_padding(self, index: int, position: int, tried: list[str]) -> Cause | None:
+        """Alone exact, in its batch not: is it the row's own left padding or its neighbours? Re-run the row
+        beside the longest prompt of its batch (the same left padding as in the run), then beside another
+        prompt of that same length (only the neighbour changed). `cross_row` only when changing only the
+        neighbour changes the row's tokens; the row's own padding when it does not."""
+        rows = self._batch_rows(index)
+        mine = len(self.prompts[index])
+        longest = max(rows, key=lambda j: (len(self.prompts[j]), j == index))
+        width = len(self.prompts[longest])
+        if longest == index or width <= mine:
+            tried.append("re-run with the row's own left padding: none to test (the row is the longest of its batch, "
+                         "its prefill has no padding)")
+            return None
+        pad = width - mine
+        beside = self._run([index, longest])
+        if isinstance(beside, str):
+            tried.append(f"re-run with the same left padding ({pad}) beside prompt {longest}: not run ({beside})")
+            return None
+        padded = beside[0]
+        tried.append(f"re-run beside prompt {longest} alone (the same left padding, {pad}, as in its batch): "
+                     f"{self._verdict(index, padded)}"
+                     + (", the run's own output" if padded == self.outputs[index] else ""))
+        if self.equivalent(index, padded):
+            named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone, with the same left "
+                                         "padding, it is exact; in its batch, where the other rows' lengths set its "
+                                         "padding at each step, it diverges")
+            if named:
+                return named
+            return Cause("cross_row", f"alone the prompt is exact; beside prompt {longest} alone, with the same left "
+                         f"padding ({pad}) as in its batch, it is exact too; in its batch it diverges: the other rows "
+                         "of its batch (not its own padding) change its tokens", "re-runs with the same padding beside "
+                         "other neighbours", "other rows' content read by this row")
+        others = [j for j in range(len(self.prompts))
+                  if j not in (index, longest) and len(self.prompts[j]) == width and self.prompts[j] != self.prompts[longest]]
+        if not others:
+            tried.append(f"re-run beside another prompt of length {width}: none in the run")
+            named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone it diverges")
+            if named:
+                return named
+            return Cause("unknown", f"alone the prompt is exact; beside prompt {longest} alone, with the same left "
+                         f"padding ({pad}) as in its batch, it still diverges: its own left padding changes its tokens "
+                         "(positions counted over it, or the padding attended), and no replay reproduced which",
+                         WOULD_DECIDE, "")
+        swapped = self._run([index, others[0]])
+        if isinstance(swapped, str):
+            tried.append(f"re-run beside prompt {others[0]} (the same length): not run ({swapped})")
+            return None
+        upto = position + 1  # the row's tokens up to and with the divergence
+        same = swapped[0][:upto] == padded[:upto]
+        tried.append(f"re-run beside prompt {others[0]} instead (the same length, the same padding; only the "
+                     f"neighbour changed): {'the same' if same else 'other'} tokens up to new token {position}")
+        if not same:
+            named = self._padding_replay(index, pad, position, f"beside prompt {longest} and beside prompt "
+                                         f"{others[0]} (the same length) it gives different tokens, the neighbours' "
+                                         "lengths setting its padding at each step")
+            if named:
+                return named
+            return Cause("cross_row", f"with the same left padding ({pad}), beside prompt {longest} and beside prompt "
+                         f"{others[0]} (the same length) the row gives different tokens: its neighbour's content "
+                         "changes its output", "a re-run that changes only the neighbour",
+                         "other rows' content read by this row")
+        named = self._padding_replay(index, pad, position, f"with the same left padding it diverges beside prompt "
+                                     f"{longest} and gives the same tokens beside prompt {others[0]} (only the "
+                                     "neighbour changed)")
+        if named:
+            return named
+        return Cause("unknown", f"alone the prompt is exact; with the same left padding ({pad}) it diverges beside "
+                     f"prompt {longest} and gives the same tokens beside prompt {others[0]} (only the neighbour "
+                     "changed): its own left padding, not its neighbours, changes its tokens (positions counted over "
+                     "it, or the padding attended); no replay reproduced which", WOULD_DECIDE, "")
 
     def _single_row(self, index: int, q: int, tried: list[str], alone_known: bool) -> Finding | None:
         rejected = checks.rejection_before(index, q, self.trace)

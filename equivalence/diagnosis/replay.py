@@ -37,7 +37,8 @@ CONSTANT_SHIFTS = (1, -1, 2)
 class Hypothesis:
     cls: str  # the diagnosis class it stands for
     name: str  # what it assumes, in words
-    build: Callable[[], tuple[list[int], list[int]] | None]  # (ids, positions) or None when it does not apply
+    # (ids, positions) or (ids, positions, allowed [L, L] bool: key j visible to query i), None when it does not apply
+    build: Callable[[], tuple[Any, ...] | None]
     mechanism: str = ""  # the bug it stands for, shared by hypotheses that differ only in how they count
     # a replay of its own (the target -> logits [V] or None), for a hypothesis no (ids, positions) can state
     replay: Callable[[Any], torch.Tensor | None] | None = None
@@ -95,6 +96,9 @@ class RowContext:
     batch_padding: int | None = None
     draft: Any = None
     draft_tokens: int = 0
+    # the paddings this row can have had at any step: its batch neighbours' lengths (prompt and any number
+    # of their new tokens) minus its own at the query, for engines that re-pad the batch as rows grow
+    neighbour_paddings: tuple[int, ...] = ()
 
 
 @torch.no_grad()
@@ -251,13 +255,184 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
             return (sequence, positions) if min(positions) >= 0 else None
 
         found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant))
+    found += prefill_hypotheses(prompt, sequence)
+    if (trace is None or not getattr(trace, "steps", None)) and row is not None:
+        found += padding_scan(sequence, row, pad_id)
+        found += holes_hypotheses(prompt, output, q, row)
+    return found
+
+
+HOLE_MODES = {
+    "counted": "rejected draft slots left in the sequence as masked holes and counted in the positions",
+    "counted_padding": "rejected draft slots left as masked holes, the positions counted over them and over the "
+                       "row's left padding (the column index)",
+    "visible": "rejected draft slots left in the sequence and visible to later queries (positions counting only "
+               "the kept tokens)",
+    "visible_counted": "rejected draft slots left in the sequence, visible to later queries and counted in the "
+                       "positions",
+    "stale": "the rejected draft tokens' entries left in the target cache (not cropped), at the positions they were "
+             "computed at, the kept tokens numbered by their own count",
+}
+HOLE_CLASSES = {"counted": "position_ids", "counted_padding": "position_ids", "visible": "attention_mask",
+                "visible_counted": "attention_mask", "stale": "kv_cache"}
+HOLE_MECHANISMS = {"position_ids": "position ids counted past rejected draft slots",
+                   "attention_mask": "rejected draft slots visible to later queries",
+                   "kv_cache": "rejected draft tokens left in the target cache"}
+
+
+def holes_hypotheses(prompt: list[int], output: list[int], q: int, row: RowContext) -> list[Hypothesis]:
+    """For a speculative engine without a trace that keeps rejected draft tokens in its sequence as holes
+    (recomputing or caching it whole): the holes rebuilt step by step from the draft model's proposals,
+    the draft run under the same numbering and mask as the target (one forward code for both), then the
+    target replayed over the holey sequence. Token 0 comes from the prefill, each step appends k proposals
+    (the accepted ones kept, the rest holes) and the target's token."""
+    if row.draft is None or not row.draft_tokens or q == 0:
+        return []
+    found = []
+    for mode, text in HOLE_MODES.items():
+        if mode == "counted_padding" and not row.batch_padding:
+            continue
+        cls = HOLE_CLASSES[mode]
+        mechanism = HOLE_MECHANISMS[cls]
+
+        def build(mode: str = mode) -> tuple[Any, ...] | None:
+            return holey_replay_inputs(row.draft, row.draft_tokens, prompt, output, q, mode, row.batch_padding or 0)
+
+        found.append(Hypothesis(cls, text, build, mechanism))
+    return found
+
+
+def _holey_inputs(slots: list[tuple[int, bool]], mode: str, padding: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """ids, positions and the visibility [L, L] of a holey sequence (`slots`: token, kept) under `mode`."""
+    ids = [t for t, _ in slots]
+    kept = torch.tensor([k for _, k in slots])  # [L]
+    counted = mode in ("counted", "counted_padding", "visible_counted")
+    if counted:
+        positions = [i + (padding if mode == "counted_padding" else 0) for i in range(len(slots))]
+    elif mode == "stale":  # a rejected token keeps the position it had as a proposal; kept tokens count kept ones
+        positions, last = [], -1
+        for i, (_, keep) in enumerate(slots):
+            last = last + 1 if keep else last
+            positions.append(last if keep else positions[-1] + 1)
+    else:  # "visible" and "clean": numbered by the kept tokens before them
+        positions = (kept.long().cumsum(0) - 1).clamp(min=0).tolist()
+    causal = torch.ones(len(slots), len(slots), dtype=torch.bool).tril()
+    shown = mode.startswith("visible") or mode == "stale"
+    allowed = causal if shown else causal & (kept.unsqueeze(0) | torch.eye(len(slots), dtype=torch.bool))
+    return ids, positions, allowed
+
+
+@torch.no_grad()
+def holey_replay_inputs(draft: Any, k: int, prompt: list[int], output: list[int], end: int, mode: str,
+                        padding: int) -> tuple[Any, ...] | None:
+    """(ids, positions, allowed, rows) of the holey sequence through the query of new token `end`; `rows`
+    are the query slots of new tokens 0..end (each the slot of the kept token before it)."""
+    slots: list[tuple[int, bool]] = [(t, True) for t in prompt] + [(output[0], True)]
+    done, rejected = 1, 0
+    while done < end:
+        proposals: list[int] = []
+        for _ in range(k):
+            # the draft under the target's numbering and mask; beside a stale target cache, a clean draft
+            ids, positions, allowed = _holey_inputs(slots + [(t, True) for t in proposals],
+                                                    "clean" if mode == "stale" else mode, padding)
+            logits = replay_all(draft, ids, positions, allowed)
+            if logits is None:
+                return None
+            proposals.append(int(logits[-1].argmax()))
+        accepted = 0
+        while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
+            accepted += 1
+        slots += [(t, True) for t in proposals[:accepted]] + [(t, False) for t in proposals[accepted:]]
+        rejected += k - accepted
+        done += accepted
+        if done < len(output):
+            slots.append((output[done], True))
+            done += 1
+    if not rejected:
+        return None  # no hole before the query: the plain replay already says it
+    kept_at = [i for i, (_, kept) in enumerate(slots) if kept]  # slot of each kept token, in order
+    n = len(prompt)
+    rows = [kept_at[n - 1 + j] for j in range(end + 1)]
+    cut = rows[-1] + 1
+    ids, positions, allowed = _holey_inputs(slots[:cut], mode, padding)
+    return ids, positions, allowed, rows
+
+
+CHUNK_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesis]:
+    """How a prefill can number or mask the prompt wrong, the new tokens then right: positions reset at
+    every chunk of a chunked prefill; a causal mask one column off (each query also sees the next token,
+    or misses its own), in the prompt only (a cached prefill) or everywhere (a recomputing engine)."""
+    n, total = len(prompt), len(sequence)
+    found: list[Hypothesis] = []
+    for chunk in CHUNK_SIZES:
+        if chunk >= n:
+            break
+
+        def reset(chunk: int = chunk) -> tuple[list[int], list[int]] | None:
+            return sequence, [i % chunk for i in range(n)] + list(range(n, total))
+
+        found.append(Hypothesis("position_ids", f"the prompt's positions reset every {chunk} tokens (a chunked "
+                                "prefill numbering each chunk from 0)", reset, "position ids reset per prefill chunk"))
+    for offset, what in ((1, "also sees the next token"), (-1, "misses its own token")):
+        for where in ("prompt", "sequence"):
+            def shifted(offset: int = offset, where: str = where) -> tuple[Any, ...] | None:
+                rows = torch.arange(total).unsqueeze(1)  # [L, 1]
+                cols = torch.arange(total).unsqueeze(0)  # [1, L]
+                allowed = cols <= rows + offset  # [L, L]
+                if offset < 0:
+                    allowed[0, 0] = True  # the first query must see something
+                if where == "prompt":
+                    allowed[n:] = cols.expand(total - n, total) <= rows[n:]
+                return sequence, list(range(total)), allowed
+
+            found.append(Hypothesis("attention_mask", f"a causal mask one column off: each query {what} "
+                                    f"({'in the prefill' if where == 'prompt' else 'in every pass'})", shifted,
+                                    "a causal mask off by one column"))
+    return found
+
+
+def padding_scan(sequence: list[int], row: RowContext, pad_id: int | None) -> list[Hypothesis]:
+    """For an engine without a trace: the row numbered over, or attending to, a left padding of each width
+    its batch neighbours' lengths allow (an engine that re-pads the batch as rows grow at different rates)."""
+    found: list[Hypothesis] = []
+    total = len(sequence)
+    widths = [p for p in row.neighbour_paddings if p > 0 and p != row.batch_padding]
+    for pad in widths:
+        def counted(pad: int = pad) -> tuple[list[int], list[int]] | None:
+            return sequence, [p + pad for p in range(total)]
+
+        found.append(Hypothesis("position_ids", f"every position shifted by a left padding of {pad} (a neighbour's "
+                                "length in its batch)", counted, "position ids counted over the row's padding"))
+    if pad_id is not None:
+        for pad in ([row.batch_padding] if row.batch_padding else []) + widths:
+            for at_zero in (True, False):
+                def visible(pad: int = pad, at_zero: bool = at_zero) -> tuple[list[int], list[int]] | None:
+                    ids = [pad_id] * pad + sequence
+                    return ids, ([0] * pad + list(range(total))) if at_zero else list(range(len(ids)))
+
+                found.append(Hypothesis("attention_mask", f"a left padding of {pad} visible to the row's queries "
+                                        f"({'pad positions at 0' if at_zero else 'counted in its positions'})",
+                                        visible, "the row's padding visible to its queries"))
     return found
 
 
 @torch.no_grad()
-def replay_last(target: Any, ids: list[int], positions: list[int]) -> torch.Tensor | None:
+def replay_last(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None
+                ) -> torch.Tensor | None:
     """The target's logits [V] after `ids` at `positions`, batch size 1, no cache; None when the
     model refuses those positions (beyond its position table)."""
+    logits = replay_all(target, ids, positions, allowed)
+    return None if logits is None else logits[-1]
+
+
+@torch.no_grad()
+def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
+    """The target's logits [L, V] at every token of `ids` at `positions`, batch size 1, no cache, under
+    the causal mask or `allowed` [L, L] (key j visible to query i); None when the model refuses them."""
     limit = None
     for key in ("max_position_embeddings", "n_positions"):
         value = getattr(target.config, key, None)
@@ -269,11 +444,17 @@ def replay_last(target: Any, ids: list[int], positions: list[int]) -> torch.Tens
     device = target.device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+    if allowed is None:
+        mask = torch.ones_like(input_ids)
+    else:  # an additive [1, 1, L, L] mask, taken by the model as it is
+        dtype = target.dtype
+        mask = torch.zeros(1, 1, len(ids), len(ids), dtype=dtype, device=device)
+        mask.masked_fill_(~allowed.to(device).view(1, 1, len(ids), len(ids)), torch.finfo(dtype).min)
     try:
-        out = target(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), position_ids=position_ids)
+        out = target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
     except (IndexError, RuntimeError, ValueError):
         return None
-    return out.logits[0, -1]
+    return out.logits[0]
 
 
 @torch.no_grad()
@@ -327,35 +508,117 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
             noise: float = 0.0) -> tuple[Hypothesis | None, list[str]]:
     """The first hypothesis that explains the engine at new token `q`, and what each one showed.
     Hypotheses named in `prefer` (those that explained other divergences of the run) go first;
-    `noise` is the precision's own logit error (0 in float64, see `explains`)."""
+    `noise` is the precision's own logit error (0 in float64, see `explains`). Without the engine's
+    logits, see `explain_tokens`."""
     tried: list[str] = []
+    matched_at_q.clear()
+    passed_at_q.clear()
     if target is None:
         return None, tried
+    if engine_logits is None:
+        return explain_tokens(target, prompt, output, q, trace, index, pad_id, prefer, row)
     if plain is None:
         plain = replay_last(target, list(prompt) + list(output[:q]), list(range(len(prompt) + q)))
     if plain is None:
         return None, tried
-    engine_token = output[q] if q < len(output) else None
-    base = _error(engine_logits, plain) if engine_logits is not None else None
-    ordered = sorted(hypotheses(prompt, output, q, trace, index, pad_id, row),
-                     key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
-    for hypothesis in ordered:
+    base = _error(engine_logits, plain)
+    if base <= 0:
+        return None, tried
+    for hypothesis in _ordered(hypotheses(prompt, output, q, trace, index, pad_id, row), prefer):
         if hypothesis.replay is not None:
             logits = hypothesis.replay(target)
         else:
             built = hypothesis.build()
-            logits = replay_last(target, *built) if built is not None else None
+            logits = replay_last(target, *built) if built is not None and len(built) < 4 else None
         if logits is None:
             continue
-        if engine_logits is not None and base is not None and base > 0:
-            error = _error(engine_logits, logits)
-            within = f", precision noise {noise:.3g}" if noise > 0 else ""
-            tried.append(f"{hypothesis.name}: logit error {error:.3g} (plain replay {base:.3g}{within})")
-            if explains(error, base, noise):
-                return hypothesis, tried
-        elif engine_token is not None:
-            token = int(logits.argmax())
-            tried.append(f"{hypothesis.name}: chooses {token} (engine {engine_token}, plain replay {int(plain.argmax())})")
-            if token == engine_token and int(plain.argmax()) != engine_token:
-                return hypothesis, tried
+        error = _error(engine_logits, logits)
+        within = f", precision noise {noise:.3g}" if noise > 0 else ""
+        tried.append(f"{hypothesis.name}: logit error {error:.3g} (plain replay {base:.3g}{within})")
+        if explains(error, base, noise):
+            return hypothesis, tried
     return None, tried
+
+
+def _ordered(found: list[Hypothesis], prefer: tuple[str, ...]) -> list[Hypothesis]:
+    return sorted(found, key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
+
+
+TOKEN_WINDOW = 8  # new tokens from the divergence on that a replay without the engine's logits must reproduce
+
+
+def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
+                   pad_id: int | None, prefer: tuple[str, ...] = (), row: RowContext | None = None
+                   ) -> tuple[Hypothesis | None, list[str]]:
+    """Without the engine's logits a hypothesis is judged on tokens, teacher-forced along the engine's own
+    output: it must choose the engine's token at `q` where the plain replay does not, and agree with the
+    engine on more of the next new tokens (up to TOKEN_WINDOW in all) than the plain replay does, or on as
+    many when the draft model's own choice is not the engine's token. One token
+    alone can agree by chance (a small vocabulary, a draft close to its target); a wrong numbering or
+    mask that the engine really applied goes on agreeing after it."""
+    tried: list[str] = []
+    if q >= len(output):
+        return None, tried
+    end = min(len(output) - 1, q + TOKEN_WINDOW - 1)  # the window: new tokens q..end
+    width = end - q + 1
+    plain_logits = replay_all(target, list(prompt) + list(output[:end]), list(range(len(prompt) + end)))
+    if plain_logits is None:
+        return None, tried
+    plain = plain_logits[-width:].argmax(-1).tolist()
+    engine = [int(t) for t in output[q:end + 1]]
+    if plain[0] == engine[0]:
+        return None, tried
+    plain_agree = sum(a == b for a, b in zip(plain[1:], engine[1:]))
+    draft_choice = None  # a tie on the window is no evidence when the draft itself chose the engine's token
+    kept_agree = -1  # along the window: the engine's tokens that are the target's or the draft's own choice
+    if row is not None and row.draft is not None:
+        drafted = replay_all(row.draft, list(prompt) + list(output[:end]), list(range(len(prompt) + end)))
+        if drafted is not None:
+            by_draft = drafted[-width:].argmax(-1).tolist()
+            draft_choice = by_draft[0]
+            kept_agree = sum(e in (t, d) for e, t, d in zip(engine[1:], plain[1:], by_draft[1:]))
+    matched_at_q.clear()
+    passing: list[tuple[int, Hypothesis]] = []
+    for hypothesis in _ordered(hypotheses(prompt, output, end, trace, index, pad_id, row), prefer):
+        if hypothesis.replay is not None:
+            continue  # a single-query replay: no window
+        built = hypothesis.build()
+        logits = replay_all(target, *built[:3]) if built is not None else None
+        if logits is None:
+            continue
+        if len(built) == 4:  # the replay names the rows of new tokens 0..end (a sequence with holes)
+            logits = logits[built[3]]
+        chosen = logits[-width:].argmax(-1).tolist()
+        agree = sum(a == b for a, b in zip(chosen[1:], engine[1:]))
+        tried.append(f"{hypothesis.name}: chooses {chosen[0]} at new token {q} (engine {engine[0]}, plain replay "
+                     f"{plain[0]}); the next {width - 1} new token(s): {agree} agree (plain replay {plain_agree})")
+        if chosen[0] != engine[0]:
+            continue
+        matched_at_q.append(hypothesis)
+        if len(built) == 4 and agree * 2 < width - 1:
+            continue  # holes rebuilt from the draft's proposals: more freedom, so most of the window must agree
+        if width == 1 or agree > plain_agree or (agree == plain_agree and draft_choice != engine[0]):
+            passing.append((agree, hypothesis))
+            if agree == width - 1:
+                break  # the whole window reproduced: nothing can do better
+    passed_at_q[:] = [h for _, h in passing]
+    if not passing:
+        return None, tried
+    if draft_choice == engine[0] and kept_agree >= max(agree for agree, _ in passing):
+        # the engine's tokens are the target's or the draft's own choices at least as often as any replay's:
+        # kept draft tokens explain them as well (the acceptance checks decide)
+        tried.append(f"the engine's tokens are the target's or the draft's own choices on {kept_agree} of the next "
+                     f"{width - 1} new token(s), as many as the best replay reproduces: no replay decides")
+        passed_at_q.clear()
+        return None, tried
+    # of the hypotheses that pass, the one that reproduces most of the window (the first of those)
+    best = max(passing, key=lambda item: item[0])[1]
+    if best is not passing[-1][1] or len(passing) > 1:
+        tried.append(f"chosen: {best.name} (reproduces the most of the window)")
+    return best, tried
+
+
+# the hypotheses that chose the engine's token at the divergence in the last `explain_tokens` call,
+# whatever the window showed: evidence for a re-run that has ruled the neighbours out
+matched_at_q: list[Hypothesis] = []
+passed_at_q: list[Hypothesis] = []  # those that also passed the window

@@ -1,8 +1,9 @@
 """What the reports lead with: the diagnosis of the structural divergences, one line per class.
 
-Each line has the class, how many structural divergences it names, the first example (run,
-prompt, position, and why that prompt is in the audit when it is an adversarial one), the
-evidence of that example and the fix in one sentence. Shared by `report.md`, `report.html` and
+Each line has the class, how many structural divergences it names and their share of all of
+them, what decided it (the experiments that named that class, with how many each), the first
+example (run, prompt, position, and why that prompt is in the audit when it is an adversarial
+one), the evidence of that example and the fix in one sentence. Shared by `report.md`, `report.html` and
 the pytest plugin's failure message, so all three say the same.
 """
 
@@ -19,6 +20,8 @@ from specaudit.equivalence.diagnosis.core import CLASSES, FIXES
 class ClassLine:
     cls: str
     count: int
+    share: float  # of all structural divergences of the audit
+    decided_by: str  # the experiments that decided this class, with their counts; for unknown, what would
     example: str  # where the first one is
     evidence: str  # what showed its class
     fix: str
@@ -45,22 +48,29 @@ def example_text(run: dict[str, Any], divergence: dict[str, Any]) -> str:
 def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
     """One line per diagnosed class, most frequent first (`unknown` last)."""
     counts: dict[str, int] = {}
+    deciders: dict[str, dict[str, int]] = {}
     first: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     for run in audit.get("runs") or []:
         for divergence in run.get("divergences") or []:
             if divergence.get("kind") != "structural":
                 continue
-            cls = (divergence.get("diagnosis") or {}).get("class") or "unknown"
+            found = divergence.get("diagnosis") or {}
+            cls = found.get("class") or "unknown"
             counts[cls] = counts.get(cls, 0) + 1
+            decider = (f"would decide: {found['would_decide']}" if cls == "unknown" and found.get("would_decide")
+                       else str(found.get("decided_by") or "not recorded"))
+            deciders.setdefault(cls, {})[decider] = deciders.setdefault(cls, {}).get(decider, 0) + 1
             first.setdefault(cls, (run, divergence))
+    total = sum(counts.values())
     known = list(CLASSES) + [c for c in REQUEST_CLASSES if c not in CLASSES]
     order = sorted(counts, key=lambda c: (c == "unknown", -counts[c], known.index(c) if c in known else 99))
     lines = []
     for cls in order:
         run, divergence = first[cls]
         evidence = str((divergence.get("diagnosis") or {}).get("evidence") or "not diagnosed")
-        lines.append(ClassLine(cls, counts[cls], example_text(run, divergence), evidence,
-                               FIXES.get(cls) or REQUEST_FIXES.get(cls) or FIXES["unknown"]))
+        decided = "; ".join(f"{name} ({n})" for name, n in sorted(deciders[cls].items(), key=lambda kv: -kv[1]))
+        lines.append(ClassLine(cls, counts[cls], counts[cls] / total, decided, example_text(run, divergence),
+                               evidence, FIXES.get(cls) or REQUEST_FIXES.get(cls) or FIXES["unknown"]))
     return lines
 
 

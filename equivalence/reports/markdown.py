@@ -143,11 +143,11 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     lines = ["# specaudit report", "", f"**{sentence}**", ""]
     diagnosed = class_lines(audit)
     if diagnosed:
-        lines += ["## Diagnosis", "", "One line per class of structural divergence: how many, the first example "
-                  "and what showed it, and the fix.", ""]
-        lines += _markdown_table(["class", "count", "first example", "evidence", "fix"],
-                                 [[f"**{line.cls}**", str(line.count), line.example, line.evidence, line.fix]
-                                  for line in diagnosed])
+        lines += ["## Diagnosis", "", "One line per class of structural divergence: how many and their share, what "
+                  "decided it, the first example and what showed it, and the fix.", ""]
+        lines += _markdown_table(["class", "count", "share", "decided by", "first example", "evidence", "fix"],
+                                 [[f"**{line.cls}**", str(line.count), f"{line.share:.0%}", line.decided_by,
+                                   line.example, line.evidence, line.fix] for line in diagnosed])
         lines.append("")
     stamp = [f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
              f"created {audit['created']}" if audit.get("created") else ""]

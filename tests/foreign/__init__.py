@@ -1,0 +1,13 @@
+"""Small batched engines written the way people outside this project write them, to audit code
+the diagnosis was not written against. Each module is one style; each has a correct variant and
+buggy ones, every one a `factory(target, draft, *, batch_size, draft_tokens, **options)`.
+
+- `padded_loop`: plain greedy, one left-padded batch, a DynamicCache and explicit 4-D masks;
+- `generate_spec`: speculative, drafts from `draft.generate(...)` on a left-padded batch, then one
+  target pass over the whole padded sequence (no target cache);
+- `recompute_spec`: speculative with holes: rejected draft slots stay in the sequence, masked;
+  no cache, the whole padded sequence recomputed every step;
+- `row_cache_spec`: speculative, one DynamicCache per row kept in a list, rows stepped one by one;
+- `server_batcher`: a continuous batcher (a request queue, slots, rows admitted and retired
+  between steps) that recomputes the active rows as one left-padded batch.
+"""
