@@ -65,10 +65,10 @@ def test_plain_run_rules_its_own_flip_numerical_and_leaves_the_speculative_one_s
     run = _run(tmp_path / "beside")
     by_prompt = {d["prompt_index"]: d for d in run["divergences"]}
     a, b = by_prompt[flip_a], by_prompt[flip_b]
-    assert a["position"] == position_a and a["kind"] == "numerical" and a["ruled_by"] == "plain-engine"
+    assert a["position"] == position_a and a["kind"] == "numerical" and a["decided_by"] == "plain-control"
     assert a["plain_token"] == a["engine_token"] != a["reference_token"]
     assert a["evidence"]["band_kind"] == "structural"  # what the band alone said, kept
-    assert b["position"] == 2 and b["kind"] == "structural" and b["ruled_by"] == "noise-band"
+    assert b["position"] == 2 and b["kind"] == "structural" and b["decided_by"] == "float64-replay"
     assert b["plain_token"] == b["reference_token"] and b["plain_first_divergence"] is None
     c = by_prompt[flip_c]  # same position, another token: the speculative run's own
     assert c["position"] == 3 and c["plain_first_divergence"] == 3 and c["kind"] == "structural"
@@ -77,7 +77,7 @@ def test_plain_run_rules_its_own_flip_numerical_and_leaves_the_speculative_one_s
     assert summary["exact_matches"] == 2 and summary["same_as_plain"] == 1 and summary["ruled_numerical_by_plain"] == 1
     for report in ("report.md", "report.html"):
         text = (tmp_path / "beside" / report).read_text()
-        assert "Three-way rulings" in text and "plain-engine" in text, report
+        assert "Three-way rulings" in text and "plain-control" in text, report
     assert "exactly as the plain run does" in beside.stdout
 
 
@@ -98,7 +98,7 @@ def test_only_plain_flips_pass_and_a_recording_of_the_plain_run_rules_the_same(t
     assert result.returncode == 0, result.stdout + result.stderr
     divergences = _run(tmp_path / "out")["divergences"]
     assert sorted(d["prompt_index"] for d in divergences) == sorted([flip_a, flip_c])
-    assert all(d["kind"] == "numerical" and d["ruled_by"] == "plain-engine" for d in divergences)
+    assert all(d["kind"] == "numerical" and d["decided_by"] == "plain-control" for d in divergences)
 
 
 def test_a_plain_run_that_fails_leaves_the_rulings_alone(tmp_path, planted):
@@ -109,3 +109,12 @@ def test_a_plain_run_that_fails_leaves_the_rulings_alone(tmp_path, planted):
     assert result.returncode == 1
     run = _run(tmp_path / "out")
     assert run["plain_engine"]["error"] and all(d["kind"] == "structural" for d in run["divergences"])
+
+
+def test_a_divergence_carries_one_field_for_what_ruled_it(tmp_path, planted):
+    """`decided_by` alone: no second name for the same field."""
+    pair, prompts, _, plain, speculative, _, _ = planted
+    with llamacpp_server(pair, prompts, speculative, None) as spec, llamacpp_server(pair, prompts, plain, None) as base:
+        audit("--engine", f"llamacpp:{spec.url}", "--plain-engine", f"llamacpp:{base.url}", *ARGS, out=tmp_path)
+    divergences = _run(tmp_path)["divergences"]
+    assert divergences and all("ruled_by" not in d and d["decided_by"] for d in divergences)

@@ -10,9 +10,9 @@ For each token divergence of the speculative run from the reference, at position
 
 - the plain run also diverges first at p, with the same t (or ends at p exactly as the speculative run
   does): the difference is the engine's precision, not speculation or batching. It is ruled
-  `numerical`, `ruled_by: "plain-engine"`, whatever the noise band said (kept as `band_kind`);
-- otherwise it is ruled as before (`ruled_by: "noise-band"` for a black-box engine, `"reference"` for
-  one that gives its logits), with the plain run's token at p beside it (`plain_token`).
+  `numerical`, `decided_by: "plain-control"`, whatever the noise band said (kept as `band_kind`);
+- otherwise it is ruled as before (its `decided_by` is the control that ruled it), with the plain run's
+  token at p beside it (`plain_token`).
 
 Every divergence of such a run carries `plain_token` (None where the plain output ended before p)
 and `plain_first_divergence` (None where the plain output equals the reference's).
@@ -50,10 +50,9 @@ def rule(divergence: dict[str, Any], reference: list[int], plain: list[int], bla
         evidence["reason"] = (f"the plain engine (no speculation) also diverges first here and {shown} at position "
                               f"{position}, as the speculative run does: the engine's precision, not speculation "
                               "or batching")
-        divergence["kind"], divergence["ruled_by"] = "numerical", "plain-engine"
+        divergence["kind"] = "numerical"
         divergence["decided_by"] = evidence["decided_by"] = "plain-control"
         return
-    divergence["ruled_by"] = "noise-band" if black_box else "reference"
     where = ("equals the reference" if plain_first is None
              else f"diverges first at position {plain_first}")
     evidence["plain_engine"] = (f"the plain engine makes {'no token' if plain_token is None else f'token {plain_token}'} "
@@ -79,7 +78,7 @@ def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[l
         "num_prompts": len(plain_outputs),
         "speculative_divergences": len(diverging),
         "same_as_plain": len(same),
-        "ruled_numerical_by_plain": sum(d.get("ruled_by") == "plain-engine" for d in divergences),
+        "ruled_numerical_by_plain": sum(d.get("decided_by") == "plain-control" for d in divergences),
         "outputs": plain_outputs,
     })
     return record

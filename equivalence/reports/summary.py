@@ -328,7 +328,7 @@ def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, lis
                  format_token(d.get("engine_token")), format_token(d.get("plain_token")) if "plain_token" in d else "—",
                  format_number(d.get("plain_first_divergence")) if d.get("plain_first_divergence") is not None
                  else ("equal to the reference" if "plain_token" in d else "—"),
-                 str(d.get("kind")), str(d.get("ruled_by") or "—")]
+                 str(d.get("kind")), str(d.get("decided_by") or "—")]
                 for d in run.get("divergences") or [] if d.get("detected_by", "tokens") == "tokens"]
         result.append((run, sentence, rows))
     return result
