@@ -313,12 +313,14 @@ def test_reports_lead_with_the_diagnosis(audit: dict[str, Any], tmp_path: Path) 
                           "cases": [{"prompt_index": 3, "case": "pad-inside", "length": 10, "why": "pad id inside"}]}
     markdown = render_markdown(diagnosed)
     lines = markdown.splitlines()
-    # right after the verdict: one line per class, most frequent first, with count, example and fix
+    # right after the verdict: one line per class, most frequent first, with count, share of the structural
+    # divergences, what decided them, example and fix
     assert lines[4] == "## Diagnosis"
     rows = [line for line in lines if line.startswith("| **")]
-    assert rows[0].startswith("| **pad_as_content** | 2 | eqspec · tiny-llama · batch 4 · float64: prompt 3, new token 17")
+    assert rows[0].startswith("| **pad_as_content** | 2 | 67% | not recorded (2) | eqspec · tiny-llama · batch 4 · "
+                              "float64: prompt 3, new token 17")
     assert "adversarial prompt `pad-inside`: pad id inside" in rows[0] and "never by token value" in rows[0]
-    assert rows[1].startswith("| **stop_eos** | 1 |")
+    assert rows[1].startswith("| **stop_eos** | 1 | 33% |")
     assert "**diagnosis: pad_as_content**: re-run with pad id 7" in markdown
     html = write_reports(diagnosed, tmp_path)["html"].read_text()
     assert html.index('<table class="diagnosis">') < html.index('<table class="runs">')

@@ -6,23 +6,24 @@ from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
 class FirstRejectedDraftAccepted(FaultEngine):
-    """The first rejected draft token accepted: `speculative_step` counts one draft token more
+    """The first rejected draft token accepted: the acceptance rule counts one draft token more
     than the matching prefix (up to k), so the rejected token's keys and values stay in the cache
     and the target's choice after it is emitted."""
 
     changes = (
-        LineChange("specaudit.engines.eqspec", "accepted_counts = matches.cumprod(dim=1).sum(dim=1)  # [B]",
-                   "accepted_counts = (matches.cumprod(dim=1).sum(dim=1) + 1).clamp(max=k)  # [B]"),
+        LineChange("specaudit.engines.acceptance", "return matches.long().cumprod(dim=1).sum(dim=1)  # [B]",
+                   "return (matches.long().cumprod(dim=1).sum(dim=1) + 1).clamp(max=k)  # [B]"),
     )
 
 
 class BonusTokenDropped(FaultEngine):
-    """Bonus token dropped: `speculative_step` offers only the accepted draft tokens, not the
+    """Bonus token dropped: the acceptance rule offers only the accepted draft tokens, not the
     target's own next token; a row that accepts nothing makes no progress at all."""
 
     changes = (
-        LineChange("specaudit.engines.eqspec", "offered = accepted_counts + 1  # accepted + bonus",
-                   "offered = accepted_counts"),
+        LineChange("specaudit.engines.acceptance",
+                   "emitted = torch.minimum(accepted + 1, torch.as_tensor(room, device=accepted.device))  # [B]",
+                   "emitted = torch.minimum(accepted, torch.as_tensor(room, device=accepted.device))  # [B]"),
     )
 
 

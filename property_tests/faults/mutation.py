@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_MODULES = ("specaudit.engines.ops.recurrent", "specaudit.engines.ops.ragged", "specaudit.engines.batch", "specaudit.engines.drafters",
-                  "specaudit.engines.eqspec", "specaudit.engines.exspec", "specaudit.engines.inplace")
+                  "specaudit.engines.acceptance", "specaudit.engines.eqspec", "specaudit.engines.exspec", "specaudit.engines.inplace")
 MUTANT_PACKAGE = "specaudit.testing.faults.mutants"
 
 

@@ -48,8 +48,9 @@ class LeadingEosFinished(FaultEngine):
     (the published code marks a row done when any of its tokens, padding included, is EOS)."""
 
     changes = (
-        LineChange("specaudit.engines.eqspec", "done = torch.zeros_like(lengths, dtype=torch.bool) | (max_new_tokens <= 1)",
-                   "done = torch.zeros_like(lengths, dtype=torch.bool) | (max_new_tokens <= 1) | "
+        LineChange("specaudit.engines.eqspec",
+                   "done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id)  # [B]",
+                   "done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id) | "
                    "(tokens[:, 0] == (-1 if eos_token_id is None else eos_token_id))"),
     )
 
