@@ -5,6 +5,7 @@ parameter; with each bug that shipped planted, the bug is caught and named by it
 from __future__ import annotations
 
 import pytest
+from hex_tokenizer import hex_pair
 from fake_server import FakeServer
 from request_server import vllm_answer
 
@@ -19,21 +20,9 @@ N = 10
 EOS = 258
 
 
-class HexTokenizer:
-    """Each token as its hex digits and a dot: printable, several characters a token."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f"{i:x}." for i in ids)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    pair = zoo.load_pair("tiny-llama", dtype="float64")
-    pair.tokenizer = HexTokenizer()
-    return pair
+    return hex_pair()
 
 
 @pytest.fixture(scope="module")

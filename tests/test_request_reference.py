@@ -5,10 +5,10 @@ processors applied, and the stopping rules written out plainly here."""
 from __future__ import annotations
 
 import pytest
+from hex_tokenizer import hex_pair
 import torch
 
 from specaudit.engines import requests as rq
-from specaudit.engines.models import zoo
 from specaudit.engines.reference import greedy_decode
 from specaudit.engines.requests.reference import decode_text, decode_with_params
 from specaudit.engines.requests import RequestParams
@@ -16,23 +16,9 @@ from specaudit.engines.requests import RequestParams
 N = 12
 
 
-class HexTokenizer:
-    """Each token id as its hex digits and a dot ("9d."): printable, several characters a token, so a stop
-    string can start inside one token and end inside the next (the byte tokenizer makes U+FFFD of the tiny
-    model's random bytes)."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f"{i:x}." for i in ids)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    pair = zoo.load_pair("tiny-llama", dtype="float64")
-    pair.tokenizer = HexTokenizer()
-    return pair
+    return hex_pair()
 
 
 @pytest.fixture(scope="module")

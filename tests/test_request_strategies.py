@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from fake_server import FakeServer
+from hex_tokenizer import HexTokenizer
 from hypothesis import HealthCheck, example, find, given, settings
 from request_server import vllm_answer
 
@@ -16,14 +17,6 @@ from specaudit.equivalence.blackbox.requests_run import audit_requests
 from specaudit.testing.request_strategies import request_params
 
 EOS = 258
-
-
-class HexTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(f"{i:x}." for i in ids)
 
 
 @settings(max_examples=60, deadline=None)
