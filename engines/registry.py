@@ -90,6 +90,17 @@ def takes_option(spec: str, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def takes_request_params(spec: str) -> bool:
+    """Whether the engine named `spec` takes request parameters (engines/requests/): its factory (a class)
+    declares a `request_params` attribute, which the audit sets to one `RequestParams` per prompt before
+    `generate`. False when the name does not resolve."""
+    try:
+        factory = resolve(spec)
+    except EngineSpecError:
+        return False
+    return hasattr(factory, "request_params")
+
+
 def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_tokens: int, **options: Any) -> Any:
     """Build an engine. Options the factory does not accept (it has no **kwargs and no such
     parameter) are left out, so a minimal user factory need only take the four contract arguments."""

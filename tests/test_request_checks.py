@@ -198,8 +198,8 @@ def test_min_tokens_applied_past_its_end_is_logits_processor(pair, prompts):
 def test_request_params_for_an_in_process_engine_or_a_bad_params_line_are_usage_errors(tmp_path):
     from cli_run import audit as cli_audit
 
-    result = cli_audit("--engine", "eqspec", "--pair", "tiny-llama", "--stop", "ab", out=tmp_path / "a")
-    assert result.returncode == 2 and "live servers only" in result.stderr
+    result = cli_audit("--engine", "hf-batched", "--pair", "tiny-llama", "--stop", "ab", out=tmp_path / "a")
+    assert result.returncode == 2 and "hf-batched takes token ids and limits alone" in result.stderr
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"input_ids": [1, 2], "params": {"stopp": ["x"]}}\n')
     result = cli_audit("--engine", "vllm:http://127.0.0.1:9", "--pair", "tiny-llama", "--prompts", str(prompts),

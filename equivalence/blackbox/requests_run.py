@@ -167,11 +167,12 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
 def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: Any, dtype: str, engine_name: str,
                     batch_size: int, black_box: bool) -> dict[str, Any]:
     """The runner's run of one engine when the audit sends request parameters (equivalence/runner.py).
-    Only live servers take them: an in-process engine's contract carries token ids and limits alone."""
+    An engine takes them when it has a `request_params` attribute (every live server; an in-process
+    engine that declares it, `engines/registry.takes_request_params`)."""
     inner = getattr(engine, "engine", engine)
-    if not black_box or not hasattr(inner, "request_params"):
-        raise ValueError(f"engine {engine_name} takes no request parameters: they are sent to live servers "
-                         "(llamacpp:, vllm:, sglang:, trtllm:) only")
+    if not hasattr(inner, "request_params"):
+        raise ValueError(f"engine {engine_name} takes no request parameters (its class declares no `request_params`): "
+                         "they are sent to live servers (llamacpp:, vllm:, sglang:, trtllm:) and to engines that take them")
     eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
     file_prompts = config.num_prompts
     params = prompt_params(config.prompts, len(prompts), config.request_params, file_prompts)
@@ -199,10 +200,14 @@ def preflight(config: Any) -> None:
 
 
 def _check_usage(config: Any, black_box_prefix: Any) -> None:
-    others = [name for name in config.engines if black_box_prefix(name) not in SERVER_PREFIXES]
+    from specaudit.engines.registry import takes_request_params
+
+    others = [name for name in config.engines
+              if black_box_prefix(name) not in SERVER_PREFIXES and not takes_request_params(name)]
     if others:
-        raise ValueError(f"request parameters are sent to live servers only ({', '.join(p + ':URL' for p in SERVER_PREFIXES)}); "
-                         f"{', '.join(others)} takes token ids and limits alone")
+        raise ValueError(f"request parameters are sent to live servers ({', '.join(p + ':URL' for p in SERVER_PREFIXES)}) "
+                         f"and to engines whose class declares `request_params`; {', '.join(others)} takes token ids "
+                         "and limits alone")
     if config.plain_engine:
         raise ValueError("--plain-engine is not combined with request parameters")
     prompt_params(config.prompts, 0, config.request_params)  # parses every line's params
