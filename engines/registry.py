@@ -20,6 +20,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "batched": "specaudit.engines.batched:BatchedGreedy",
     "fixedshape": "specaudit.engines.static.engine:FixedShapeEngine",
     "hf-assisted": "specaudit.engines.adapters.hf_assisted:HFAssisted",
+    "hf-prompt-lookup": "specaudit.engines.adapters.hf_assisted:HFPromptLookup",
     "hf-batched": "specaudit.engines.adapters.hf_batched:HFBatched",
     "hf-continuous": "specaudit.engines.adapters.hf_continuous:HFContinuous",
     "bsp": "specaudit.engines.adapters.bsp:BSPEngine",
