@@ -9,6 +9,11 @@ specaudit's docs and tests use, prints the address it listens on, and serves unt
         --spec-draft-n-max 4 --spec-draft-n-min 0 -np 4 -c 16384 -ctk f32 -ctv f32 -fa off \\
         -t 1 -tb 1 -td 1 -tbd 1 --metrics --host 127.0.0.1 --port 8080
 
+Older wheels (llama.cpp builds before the speculative options were regrouped, e.g. 2026.4.8672 = b8672)
+name the same settings differently: one `speculative.type` (`..._DRAFT` for draft-simple; no
+ngram-simple), `speculative.mparams_dft`, `speculative.n_max` / `n_min` / `cpuparams`, one `hostname`;
+`build_params` takes whichever the installed wheel has.
+
 Run it with the Python of a venv that has `xllamacpp` (scripts/llamacpp.sh makes one and wraps this
 script as `bin/llama-server`). It imports nothing from specaudit. An unknown flag is an error, never
 ignored: a flag that silently does nothing would make an audit of the wrong server.
@@ -51,6 +56,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def spec_type(xlc, name: str):
+    """The wheel's enum value for `--spec-type NAME` (older wheels: `..._DRAFT`, and NONE is 0)."""
+    kinds = xlc.common_speculative_type
+    wanted = SPEC_TYPES[name]
+    if hasattr(kinds, wanted):
+        return getattr(kinds, wanted)
+    if name == "draft-simple" and hasattr(kinds, "COMMON_SPECULATIVE_TYPE_DRAFT"):
+        return kinds.COMMON_SPECULATIVE_TYPE_DRAFT
+    if name == "none":
+        return 0
+    raise SystemExit(f"--spec-type {name}: xllamacpp {xlc.__version__} has no {wanted}")
+
+
 def build_params(args: argparse.Namespace):
     import xllamacpp as xlc
 
@@ -58,13 +76,19 @@ def build_params(args: argparse.Namespace):
     # 1. models and speculation
     params.model.path = args.model
     speculative = params.speculative
-    speculative.types = [getattr(xlc.common_speculative_type, SPEC_TYPES[args.spec_type])]
+    grouped = hasattr(speculative, "types")  # newer wheels: speculative.types and speculative.draft
+    draft = speculative.draft if grouped else speculative
+    kind = spec_type(xlc, args.spec_type)
+    if grouped:
+        speculative.types = [kind]
+    else:
+        speculative.type = kind
     if args.model_draft:
-        speculative.draft.mparams.path = args.model_draft
+        (draft.mparams if grouped else speculative.mparams_dft).path = args.model_draft
     if args.spec_draft_n_max is not None:
-        speculative.draft.n_max = args.spec_draft_n_max
+        draft.n_max = args.spec_draft_n_max
     if args.spec_draft_n_min is not None:
-        speculative.draft.n_min = args.spec_draft_n_min
+        draft.n_min = args.spec_draft_n_min
     # 2. slots, context, caches, attention
     params.n_parallel = args.parallel
     params.n_ctx = args.ctx_size
@@ -73,12 +97,15 @@ def build_params(args: argparse.Namespace):
     params.flash_attn_type = getattr(xlc.llama_flash_attn_type, FLASH_ATTENTION[args.flash_attn])
     # 3. threads: target decode, target batch, draft decode, draft batch
     for value, cpu in ((args.t, params.cpuparams), (args.tb, params.cpuparams_batch),
-                       (args.td, speculative.draft.cpuparams), (args.tbd, speculative.draft.cpuparams_batch)):
+                       (args.td, draft.cpuparams), (args.tbd, draft.cpuparams_batch)):
         if value is not None:
             cpu.n_threads = value
     # 4. HTTP
     params.endpoint_metrics = args.metrics
-    params.hostnames = [args.host]
+    if hasattr(params, "hostnames"):
+        params.hostnames = [args.host]
+    else:
+        params.hostname = args.host
     params.port = args.port
     return params
 
