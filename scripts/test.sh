@@ -19,7 +19,8 @@ PYTHON="${PYTHON:-python3}" bash scripts/llamacpp.sh >/dev/null \
 # venv (about 2 minutes and 3.4 GB; 7 minutes measured on a busy 2-core machine), then cached in ~/.cache/specaudit
 PYTHON="${PYTHON:-python3}" bash scripts/vllm.sh >/dev/null \
     || echo "could not install vLLM: the vLLM end-to-end tests will fail" >&2
-# transformers at the oldest version pyproject allows, for tests/test_transformers_oldest.py: its own cached
+# transformers at the oldest version pyproject allows, for tests/test_transformers_oldest.py and
+# tests/test_wild_transformers.py (5.17.0, the release before PR #48981): its own cached
 # venv of transformers alone (about 15 s and 300 MB once), torch and specaudit taken from this environment
 PYTHON="${PYTHON:-python3}" bash scripts/transformers_oldest.sh >/dev/null \
     || echo "could not install the oldest transformers: its tests will fail" >&2
