@@ -15,6 +15,9 @@ fi
 # then cached in ~/.cache/specaudit); SPECAUDIT_LLAMACPP=source compiles llama-server instead (7 to 26 minutes)
 PYTHON="${PYTHON:-python3}" bash scripts/llamacpp.sh >/dev/null \
     || echo "could not set up llama.cpp: the llama.cpp end-to-end test will fail" >&2
+# llama.cpp b8672 (xllamacpp 2026.4.8672.1) beside it, for tests/test_wild_llamacpp_b8672.py (about 1 to 2 minutes once)
+XLLAMACPP_VERSION=2026.4.8672.1 PYTHON="${PYTHON:-python3}" bash scripts/llamacpp.sh >/dev/null \
+    || echo "could not set up llama.cpp b8672: tests/test_wild_llamacpp_b8672.py will fail" >&2
 # vLLM's CPU build for the vLLM end-to-end tests (tests/test_vllm_e2e.py): installed once into its own
 # venv (about 2 minutes and 3.4 GB; 7 minutes measured on a busy 2-core machine), then cached in ~/.cache/specaudit
 PYTHON="${PYTHON:-python3}" bash scripts/vllm.sh >/dev/null \

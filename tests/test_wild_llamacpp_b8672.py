@@ -1,0 +1,99 @@
+"""An older llama.cpp release (PyPI `xllamacpp` 2026.4.8672.1 = llama.cpp b8672, the oldest 2026 wheel;
+2026.4.8672 itself dies with SIGILL on this machine) against the pinned b11549.
+
+On b8672, draft-model speculation returns fewer tokens than it generated when the length limit falls
+inside an accepted block: `n_predict` 16 on the table model's alphabet cycle comes back as 15 tokens
+(`klmnopqrstuvwxy`) while `tokens_predicted` and `timings` say 16 were produced; with `n_probs` 2, 12.
+The server charges the whole accepted block to the slot's count before it emits the tokens and stops
+emitting when the count reaches the limit (the same mechanism as ik_llama.cpp PR #2358, "responses
+truncated below max_tokens with speculative decoding"). b11549 returns all 16 (tests/test_wild_llamacpp.py
+runs the same prompt there). #27972 (log-probability 0.0 after the first token) is on b8672 as on b11549.
+
+b8672 enables speculation whenever a draft model is loaded (`--spec-type` has no "none" there), so
+the plain server here is started without `-md`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import cli_run
+import llamacpp_models as lm
+import wild_models as wm
+import wild_requests as wr
+
+VERSION = "2026.4.8672.1"
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    done = subprocess.run(["bash", str(lm.REPO / "scripts" / "llamacpp.sh")], check=True, stdout=subprocess.PIPE,
+                          text=True, env={**os.environ, "XLLAMACPP_VERSION": VERSION})
+    llama_dir = Path(done.stdout.strip().splitlines()[-1])
+    pair = wm.table_pair()
+    target, draft = wm.gguf_files(lm.llama_cpp_dir())  # converted once, by the pinned build's converter
+    gguf = lm.GGUFPair(pair.folder, pair.target, pair.draft, target, draft)
+    logs = tmp_path_factory.mktemp("b8672")
+    plain = lm.LlamaServer(llama_dir, gguf, lm.EXACT_ARGS + ["--spec-type", "none"], logs / "plain.log")
+    at = plain.command.index("-md")
+    del plain.command[at:at + 2]
+    speculative = lm.LlamaServer(llama_dir, gguf, lm.EXACT_ARGS + ["--spec-type", "draft-simple"], logs / "draft.log")
+    with plain, speculative:
+        yield llama_dir, plain, speculative
+
+
+def _completion(server: lm.LlamaServer, n_probs: int) -> dict:
+    body = {"prompt": wr.CYCLE_PROMPT, "n_predict": NEW_TOKENS, "temperature": 0, "n_probs": n_probs,
+            "return_tokens": True, "cache_prompt": False}
+    answer = wr.post(server.url + "/completion", body)
+    assert "http_error" not in answer, answer
+    return answer
+
+
+def test_b8672_drops_the_tokens_of_a_block_that_crosses_the_limit(servers):
+    llama_dir, plain, speculative = servers
+    assert "b8672" in lm.build_info(llama_dir) or VERSION in lm.build_info(llama_dir)
+    expected = _completion(plain, 0)
+    assert expected["content"] == "klmnopqrstuvwxyz" and len(expected["tokens"]) == NEW_TOKENS
+    assert expected.get("timings", {}).get("draft_n") is None  # no draft model: nothing drafted
+    for n_probs, kept in ((0, 15), (2, 12)):
+        actual = _completion(speculative, n_probs)
+        assert actual["timings"]["draft_n"] > 0 and actual["timings"]["draft_n_accepted"] > 0
+        assert actual["tokens_predicted"] == NEW_TOKENS  # it generated them all ...
+        assert actual["tokens"] == expected["tokens"][:kept], (n_probs, actual["tokens"])  # ... and returned fewer
+        assert actual["content"] == expected["content"][:kept]
+    # #27972 on this build too: every token after the first reported at p = 1
+    report = actual["completion_probabilities"]
+    assert report[0]["logprob"] < -0.1 and all(entry["logprob"] == 0.0 for entry in report[1:]), report
+
+
+def test_audit_rules_the_dropped_tokens_structural(servers, tmp_path):
+    _llama_dir, plain, speculative = servers
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": wr.CYCLE_PROMPT}) + "\n")
+    args = ("--target", str(wm.table_pair().target), "--prompts", str(prompts), "--no-adversarial",
+            "--batch-size", "1", "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--stop", "QQ")
+    result = cli_run.audit("--engine", f"llamacpp:{speculative.url}", *args, out=tmp_path / "draft")
+    assert result.returncode == 1 and "NOT equivalent" in result.stdout, result.stdout
+    (run,) = cli_run.runs(tmp_path / "draft")
+    assert run["exact_matches"] == 0 and run["structural_divergences"] >= 1, result.stdout
+    by_class = {d["diagnosis"]["class"]: d for d in run["divergences"] if d["kind"] == "structural"}
+    # the audit's client asks for log-probabilities (n_probs), so the answer keeps 12 of the 16 tokens
+    tokens = by_class.get("stop_length") or by_class.get("unknown")
+    assert tokens is not None and tokens["position"] == 12 and tokens["engine_token"] is None, by_class
+    assert tokens["reference_token"] == ord("w")
+    usage = by_class["usage_report"]
+    assert "completion_tokens 16" in usage["diagnosis"]["evidence"] and "12 returned" in usage["diagnosis"]["evidence"]
+    assert by_class["logprob_report"]["evidence"]["reported"] == 0.0  # #27972
+    print(result.stdout)
+
+    result = cli_run.audit("--engine", f"llamacpp:{plain.url}", *args, out=tmp_path / "plain")
+    assert result.returncode == 0, result.stdout
+    (run,) = cli_run.runs(tmp_path / "plain")
+    assert run["exact_matches"] == 1 and run["divergences"] == [], result.stdout
