@@ -78,13 +78,13 @@ def test_audit_rules_the_dropped_tokens_structural(servers, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": wr.CYCLE_PROMPT}) + "\n")
     args = ("--target", str(wm.table_pair().target), "--prompts", str(prompts), "--no-adversarial",
-            "--batch-size", "1", "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--stop", "QQ")
+            "--batch-size", "1", "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--logprobs", "2")
     result = cli_run.audit("--engine", f"llamacpp:{speculative.url}", *args, out=tmp_path / "draft")
     assert result.returncode == 1 and "NOT equivalent" in result.stdout, result.stdout
     (run,) = cli_run.runs(tmp_path / "draft")
     assert run["exact_matches"] == 0 and run["structural_divergences"] >= 1, result.stdout
     by_class = {d["diagnosis"]["class"]: d for d in run["divergences"] if d["kind"] == "structural"}
-    # the audit's client asks for log-probabilities (n_probs), so the answer keeps 12 of the 16 tokens
+    # with log-probabilities asked for (n_probs), the answer keeps 12 of the 16 tokens
     tokens = by_class.get("stop_length") or by_class.get("unknown")
     assert tokens is not None and tokens["position"] == 12 and tokens["engine_token"] is None, by_class
     assert tokens["reference_token"] == ord("w")

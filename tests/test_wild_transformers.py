@@ -40,6 +40,7 @@ import wild_models as wm
 
 ROOT = Path(__file__).resolve().parents[1]
 OLDEST = "5.17.0"  # before PR #48981: the stop string on the last draft is still caught
+NEWEST_CHECKED = "5.24.0"  # the newest release this module's expectations were measured on
 PREFIX = wm.CYCLE + "abcdef"  # continues "ghijk...": prompt lookup drafts "ghij" from the prompt's cycle
 ROWS = [
     {"stop": ["hi"]},  # completes on the 2nd draft: missed on every release
@@ -87,6 +88,9 @@ def _check_stop_rows(run: dict, version: str) -> None:
 
 
 def test_stop_strings_missed_inside_a_prompt_lookup_block(prompts, tmp_path):
+    if Version(transformers.__version__) > Version(NEWEST_CHECKED):
+        pytest.skip(f"transformers {transformers.__version__} is newer than {NEWEST_CHECKED}: #48039 may be fixed "
+                    "there; measure it again (reports/wild/README.md) and update the expectations")
     pair, path = prompts
     result = cli_run.audit("--engine", "hf-prompt-lookup", "--engine", "hf-assisted", "--target", str(pair.target),
                            "--draft", str(pair.draft), "--prompts", str(path), *ARGS, out=tmp_path)
