@@ -73,27 +73,39 @@ def test_b8672_drops_the_tokens_of_a_block_that_crosses_the_limit(servers):
     assert report[0]["logprob"] < -0.1 and all(entry["logprob"] == 0.0 for entry in report[1:]), report
 
 
-def test_audit_rules_the_dropped_tokens_structural(servers, tmp_path):
+def test_audit_rules_the_dropped_and_overcounted_tokens_structural(servers, tmp_path):
+    """One audit, three prompts: the cycle (16 tokens asked for: the block that crosses the limit is
+    dropped), the digits (`789` EOS: one accepted token past EOS counted and kept in the slot, #28049's
+    mechanism) and the cycle with stop string `mn` (the two accepted tokens past it counted). Every
+    answer's log-probabilities are 0.0 after the first token (#27972)."""
     _llama_dir, plain, speculative = servers
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"input_ids": wr.CYCLE_PROMPT}) + "\n")
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in (
+        {"input_ids": wr.CYCLE_PROMPT}, {"input_ids": wr.DIGITS_PROMPT},
+        {"input_ids": wr.CYCLE_PROMPT, "params": {"stop": ["mn"]}})))
     args = ("--target", str(wm.table_pair().target), "--prompts", str(prompts), "--no-adversarial",
             "--batch-size", "1", "--dtype", "float32", "--max-new-tokens", str(NEW_TOKENS), "--logprobs", "2")
     result = cli_run.audit("--engine", f"llamacpp:{speculative.url}", *args, out=tmp_path / "draft")
     assert result.returncode == 1 and "NOT equivalent" in result.stdout, result.stdout
     (run,) = cli_run.runs(tmp_path / "draft")
-    assert run["exact_matches"] == 0 and run["structural_divergences"] >= 1, result.stdout
-    by_class = {d["diagnosis"]["class"]: d for d in run["divergences"] if d["kind"] == "structural"}
-    # with log-probabilities asked for (n_probs), the answer keeps 12 of the 16 tokens
-    tokens = by_class.get("stop_length") or by_class.get("unknown")
-    assert tokens is not None and tokens["position"] == 12 and tokens["engine_token"] is None, by_class
+    assert [p["exact"] for p in run["prompts"]] == [False, True, True], result.stdout
+    found = {(d["prompt_index"], d["diagnosis"]["class"]): d for d in run["divergences"]}
+    assert all(d["kind"] == "structural" for d in run["divergences"]), run["divergences"]
+    # 1. the cycle: the answer keeps 12 of the 16 tokens (n_probs asked), where the reference goes on with `w`
+    tokens = found.get((0, "stop_length")) or found.get((0, "unknown"))
+    assert tokens is not None and tokens["position"] == 12 and tokens["engine_token"] is None, found
     assert tokens["reference_token"] == ord("w")
-    usage = by_class["usage_report"]
-    assert "completion_tokens 16" in usage["diagnosis"]["evidence"] and "12 returned" in usage["diagnosis"]["evidence"]
-    assert by_class["logprob_report"]["evidence"]["reported"] == 0.0  # #27972
+    assert "completion_tokens 16" in found[(0, "usage_report")]["diagnosis"]["evidence"]
+    assert "12 returned" in found[(0, "usage_report")]["diagnosis"]["evidence"]
+    # 2. the digits: `789` EOS exact, but 5 tokens counted for the 4 returned
+    assert "completion_tokens 5" in found[(1, "usage_report")]["diagnosis"]["evidence"], found
+    # 3. the stop string: `kl` exact, 6 tokens counted for the 4 generated up to the stop
+    assert (2, "usage_report") in found, found
+    for index in range(3):
+        assert found[(index, "logprob_report")]["evidence"]["reported"] == 0.0  # #27972
     print(result.stdout)
 
     result = cli_run.audit("--engine", f"llamacpp:{plain.url}", *args, out=tmp_path / "plain")
     assert result.returncode == 0, result.stdout
     (run,) = cli_run.runs(tmp_path / "plain")
-    assert run["exact_matches"] == 1 and run["divergences"] == [], result.stdout
+    assert run["exact_matches"] == 3 and run["divergences"] == [], result.stdout
