@@ -9,10 +9,10 @@ specaudit's docs and tests use, prints the address it listens on, and serves unt
         --spec-draft-n-max 4 --spec-draft-n-min 0 -np 4 -c 16384 -ctk f32 -ctv f32 -fa off \\
         -t 1 -tb 1 -td 1 -tbd 1 --metrics --host 127.0.0.1 --port 8080
 
-Older wheels (llama.cpp builds before the speculative options were regrouped, e.g. 2026.4.8672 = b8672)
-name the same settings differently: one `speculative.type` (`..._DRAFT` for draft-simple; no
-ngram-simple), `speculative.mparams_dft`, `speculative.n_max` / `n_min` / `cpuparams`, one `hostname`;
-`build_params` takes whichever the installed wheel has.
+Older wheels name the same settings differently: one `speculative.type` instead of a list (`..._DRAFT`
+for draft-simple), and before b9093 no `speculative.draft` group (`speculative.mparams_dft`,
+`speculative.n_max` / `n_min` / `cpuparams`) and one `hostname` (2026.4.8672 = b8672, 2026.5.9093 =
+b9093); `build_params` takes whichever the installed wheel has.
 
 Run it with the Python of a venv that has `xllamacpp` (scripts/llamacpp.sh makes one and wraps this
 script as `bin/llama-server`). It imports nothing from specaudit. An unknown flag is an error, never
@@ -76,15 +76,14 @@ def build_params(args: argparse.Namespace):
     # 1. models and speculation
     params.model.path = args.model
     speculative = params.speculative
-    grouped = hasattr(speculative, "types")  # newer wheels: speculative.types and speculative.draft
-    draft = speculative.draft if grouped else speculative
+    draft = getattr(speculative, "draft", speculative)  # the draft's settings: grouped from b9093 on
     kind = spec_type(xlc, args.spec_type)
-    if grouped:
+    if hasattr(speculative, "types"):  # a list of types in newer wheels, one type before
         speculative.types = [kind]
     else:
         speculative.type = kind
     if args.model_draft:
-        (draft.mparams if grouped else speculative.mparams_dft).path = args.model_draft
+        (draft.mparams if hasattr(draft, "mparams") else speculative.mparams_dft).path = args.model_draft
     if args.spec_draft_n_max is not None:
         draft.n_max = args.spec_draft_n_max
     if args.spec_draft_n_min is not None:
