@@ -99,6 +99,9 @@ def test_stop_strings_missed_inside_a_prompt_lookup_block(prompts, tmp_path):
     lookup, assisted = cli_run.runs(tmp_path)
     assert (lookup["engine"], assisted["engine"]) == ("hf-prompt-lookup", "hf-assisted")
     _check_stop_rows(lookup, transformers.__version__)
+    # the prompts' drafts were scored and accepted: the findings come from the speculative path
+    for run in (lookup, assisted):
+        assert run["speculation"]["drafted_tokens"] > 0 and run["speculation"]["accepted_tokens"] > 0, run["speculation"]
     # with a draft model, generate rejects stop_strings (#48039 (A)): refused, never judged
     assert not _findings(assisted) and assisted["equivalent"]
     refused = [(r["prompt_index"], r["parameter"]) for r in assisted["refused_parameters"]]

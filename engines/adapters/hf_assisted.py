@@ -99,6 +99,7 @@ class HFAssisted:
         self.last_generate_logits: list[torch.Tensor | None] = []
         self.request_params = None
         self.last_refused: list[tuple[int, ParameterRefused]] = []  # (prompt index, refusal) of the last generate
+        self.last_speculation: dict[str, Any] | None = None  # the counts of the last generate (`_speculation`)
         self.last_logprobs: list[None] = []  # `generate` reports none here
         self._tokenizer: Any = None
 
@@ -178,7 +179,7 @@ class HFAssisted:
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k)
         outputs: list[list[int]] = [[] for _ in prompts]
         self.last_generate_logits = [None] * len(prompts)
-        self.last_refused, self.last_logprobs = [], [None] * len(prompts)
+        self.last_refused, self.last_logprobs, self.last_speculation = [], [None] * len(prompts), None
         if max_new_tokens <= 0:
             self.last_trace = trace
             return outputs
@@ -199,6 +200,7 @@ class HFAssisted:
                         raise
                     self.last_refused.append((index, ParameterRefused(refused, f"transformers' generate raised: {exc}")))
         self.last_trace = trace
+        self.last_speculation = _speculation(trace)
         return outputs
 
     def _run_prompt(self, index: int, prompt: list[int], options: dict[str, Any], trace: Trace) -> list[int]:
@@ -219,11 +221,11 @@ class HFAssisted:
         new = out.sequences[0, len(prompt):].tolist()
         kept = cut_at_eos(new, options["eos_token_id"], options["max_new_tokens"])
         chosen = torch.cat(out.logits, dim=0)[:kept]  # [n, V] float32, one row per emitted token
-        computed, per_pass = _align_passes(tap.calls, chosen)
-        for count in per_pass:
+        computed, per_pass, drafted = _align_passes(tap.calls, chosen, len(prompt), self.k)
+        for count, proposed in zip(per_pass, drafted):
             trace.record(StepRecord(
                 step=len(trace.steps), kind="assisted", rows=[index], pad_lengths=[0],
-                accepted_counts=[max(count - 1, 0)], emitted_counts=[count],
+                accepted_counts=[max(count - 1, 0)], emitted_counts=[count], drafted_counts=[proposed],
             ))
         if self.record_logits:
             trace.logits[index] = computed
@@ -240,6 +242,16 @@ class HFPromptLookup(HFAssisted):
 
     def candidate_options(self) -> dict[str, Any]:
         return {"prompt_lookup_num_tokens": self.k}
+
+
+def _speculation(trace: Trace) -> dict[str, Any]:
+    """The run's speculation counts from its trace, in the audit's record (equivalence/speculation.py): the
+    candidates each verification pass scored and the ones it accepted."""
+    drafted = sum(step.drafted(trace.draft_tokens) for step in trace.steps)
+    accepted = sum(sum(step.accepted_counts) for step in trace.steps)
+    return {"drafted_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None, "preemptions": None,
+            "source": f"the engine's trace: the candidates each of its {len(trace.steps)} verification passes scored"}
 
 
 # what `generate` names in the ValueError it raises for a parameter it rejects -> the RequestParams field
@@ -263,19 +275,22 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def _align_passes(calls: list[torch.Tensor], chosen: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+def _align_passes(calls: list[torch.Tensor], chosen: torch.Tensor, prompt_length: int,
+                  k: int) -> tuple[torch.Tensor | None, list[int], list[int]]:
     """Match the target's forward passes to the emitted tokens.
 
     Each verification pass returns logits for [last token, candidates] (`logits_to_keep`); the
     tokens it emits are a run of those rows (accepted candidates, then the bonus token), and
     each emitted row, cast to float32, is exactly the row `generate` returned. Returns the emitted
-    rows in the model's dtype [n, V] (None if the passes cannot be matched) and the number of
-    tokens each pass emitted.
+    rows in the model's dtype [n, V] (None if the passes cannot be matched), the number of tokens each
+    pass emitted and the number of candidates it scored (its rows less one; the first pass's rows cover
+    the prompt too where `logits_to_keep` is unsupported).
     """
     rows: list[torch.Tensor] = []
     per_pass: list[int] = []
+    drafted: list[int] = []
     t = 0
-    for logits in calls:  # [1, q, V]; q covers the prompt too where `logits_to_keep` is unsupported
+    for number, logits in enumerate(calls):  # [1, q, V]; q covers the prompt too where `logits_to_keep` is unsupported
         count = 0
         for row in logits[0]:
             if t < chosen.shape[0] and torch.equal(row.to(torch.float32), chosen[t]):
@@ -286,6 +301,8 @@ def _align_passes(calls: list[torch.Tensor], chosen: torch.Tensor) -> tuple[torc
                 break  # the rows after the bonus token follow a rejected candidate
         if count:
             per_pass.append(count)
+            scored = logits.shape[1]
+            drafted.append(scored - prompt_length if number == 0 and scored - 1 > k else scored - 1)
     if t != chosen.shape[0]:
-        return None, []
-    return as_float(torch.stack(rows)) if rows else None, per_pass
+        return None, [], []
+    return as_float(torch.stack(rows)) if rows else None, per_pass, drafted
