@@ -44,6 +44,10 @@ the start of a stop string (`StopStringCriteria` matches across the prompt, vLLM
 and any parameter `generate` itself rejects with a ValueError that names it (with `assistant_model`,
 every 5.x release up to 5.24 rejects `stop_strings`: the assistant's own `generate` gets no tokenizer,
 transformers issue #48039).
+
+With request parameters the audit rules on the tokens alone (no logits are compared), and `generate`
+applies the processors to float32 casts of the logits: a float64 near-tie closer than float32 can
+resolve would read as a token divergence (`--engine-dtype float32` declares that band).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class HFAssisted:
     """`target.generate(assistant_model=draft)` one prompt at a time."""
 
     name = "hf-assisted"
+    needs_draft = True
     # one RequestParams per prompt, set by the audit before `generate` (engines/registry.takes_request_params)
     request_params: list[RequestParams] | RequestParams | None = None
 
@@ -87,7 +92,7 @@ class HFAssisted:
             raise ValueError("draft_tokens must be at least 1")
         if "recurrent" in layout.attention_layer_kinds(target):
             raise layout.UnsupportedModel(
-                f"hf-assisted: {layout.architecture_name(target)} keeps recurrent state, and transformers' assisted "
+                f"{self.name}: {layout.architecture_name(target)} keeps recurrent state, and transformers' assisted "
                 "generation refuses stateful models (audit eqspec, exspec or inplace on it instead)")
         self.target = target
         self.draft = draft
@@ -102,8 +107,6 @@ class HFAssisted:
         self.last_speculation: dict[str, Any] | None = None  # the counts of the last generate (`_speculation`)
         self.last_logprobs: list[None] = []  # `generate` reports none here
         self._tokenizer: Any = None
-
-    needs_draft = True
 
     def candidate_options(self) -> dict[str, Any]:
         """The `generate` options that choose the candidates: the draft model."""
