@@ -13,7 +13,8 @@ truncated below max_tokens with speculative decoding"). b11549 returns all 16 (t
 runs the same prompt there); of the wheels between, b8929 still drops them and b9294 no longer does. #27972 (log-probability 0.0 after the first token) is on b8672 as on b11549.
 
 b8672 enables speculation whenever a draft model is loaded (`--spec-type` has no "none" there), so
-the plain server here is started without `-md`.
+the plain server here is started without `-md`. The same audit of the pinned b11549 with the same
+speculation finds the answers whole and counted right, and #27972 alone.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def servers(tmp_path_factory):
     at = plain.command.index("-md")
     del plain.command[at:at + 2]
     speculative = lm.LlamaServer(llama_dir, gguf, lm.EXACT_ARGS + ["--spec-type", "draft-simple"], logs / "draft.log")
-    with plain, speculative:
-        yield llama_dir, plain, speculative
+    # the pinned build, where the dropped block and the counts past EOS and stop strings are fixed
+    pinned = lm.LlamaServer(lm.llama_cpp_dir(), gguf, lm.EXACT_ARGS + ["--spec-type", "draft-simple"],
+                            logs / "pinned.log")
+    with plain, speculative, pinned:
+        yield llama_dir, plain, speculative, pinned
 
 
 def _counted(finding: dict) -> int:
@@ -68,7 +72,7 @@ def _completion(server: lm.LlamaServer, n_probs: int) -> dict:
 
 
 def test_b8672_drops_the_tokens_of_a_block_that_crosses_the_limit(servers):
-    llama_dir, plain, speculative = servers
+    llama_dir, plain, speculative, _pinned = servers
     assert "b8672" in lm.build_info(llama_dir) or VERSION in lm.build_info(llama_dir)
     expected = _completion(plain, 0)
     assert expected["content"] == "klmnopqrstuvwxyz" and len(expected["tokens"]) == NEW_TOKENS
@@ -92,7 +96,7 @@ def test_audit_rules_the_dropped_and_overcounted_tokens_structural(servers, tmp_
     dropped), the digits (`789` EOS: one accepted token past EOS counted and kept in the slot, #28049's
     mechanism) and the cycle with stop string `mn` (the two accepted tokens past it counted). Every
     answer's log-probabilities are 0.0 after the first token (#27972)."""
-    _llama_dir, plain, speculative = servers
+    _llama_dir, plain, speculative, pinned = servers
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(line) + "\n" for line in (
         {"input_ids": wr.CYCLE_PROMPT}, {"input_ids": wr.DIGITS_PROMPT},
@@ -123,3 +127,12 @@ def test_audit_rules_the_dropped_and_overcounted_tokens_structural(servers, tmp_
     assert result.returncode == 0, result.stdout
     (run,) = cli_run.runs(tmp_path / "plain")
     assert run["exact_matches"] == 3 and run["divergences"] == [], result.stdout
+
+    # b11549 with the same speculation: every answer whole and counted right; #27972 alone remains
+    result = cli_run.audit("--engine", f"llamacpp:{pinned.url}", *args, out=tmp_path / "pinned")
+    assert result.returncode == 1, result.stdout
+    (run,) = cli_run.runs(tmp_path / "pinned")
+    assert run["exact_matches"] == 3, result.stdout
+    assert sorted((d["prompt_index"], d["diagnosis"]["class"]) for d in run["divergences"]) == [
+        (0, "logprob_report"), (1, "logprob_report"), (2, "logprob_report")], run["divergences"]
+    assert run["speculation"]["accepted_tokens"] > 0
