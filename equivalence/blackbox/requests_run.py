@@ -81,19 +81,23 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     inner = getattr(engine, "engine", engine)  # through GuardedEngine
     dialect = getattr(inner, "dialect", "vllm")
     scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
+    scope = getattr(inner, "penalty_scope", None) or scope  # an own engine says what its penalties count
     started = time.perf_counter()
     references = [decode_with_params(pair.target, prompt, p, max_new_tokens, eos_token_id, pair.tokenizer,
                                      penalty_scope=scope) for prompt, p in zip(prompts, params)]
     reference_seconds = time.perf_counter() - started
     inner.request_params = list(params)
+    if hasattr(inner, "request_tokenizer"):  # an in-process engine (engines/requests/rows.py): for stop strings
+        inner.request_tokenizer = pair.tokenizer
     started = time.perf_counter()
     outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
     seconds = time.perf_counter() - started
     refused = {index: exc for index, exc in getattr(inner, "last_refused", [])}
-    completions = getattr(inner, "last_completions", [None] * len(prompts))
+    completions = getattr(inner, "last_completions", None) or [None] * len(prompts)  # an own engine reports nothing
+    reported_logprobs = getattr(inner, "last_logprobs", None) or [None] * len(prompts)
     judged = [i for i in range(len(prompts)) if i not in refused]
     band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
-                              [inner.last_logprobs[i] if i in judged else None for i in range(len(prompts))],
+                              [reported_logprobs[i] if i in judged else None for i in range(len(prompts))],
                               outputs, [r.tokens for r in references], [r.logits for r in references])
     divergences: list[dict[str, Any]] = []
     prompt_records: list[dict[str, Any]] = []
