@@ -26,6 +26,7 @@ from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALT
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
+from specaudit.equivalence import speculation
 from specaudit.equivalence.blackbox import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 
@@ -75,8 +76,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
                    max_new_tokens: int, eos_token_id: Any, dtype: str, engine_name: str, batch_size: int | None,
                    device: str | None = None, engine_dtype: str | None = None,
                    logit_tolerance: float | None = None) -> dict[str, Any]:
-    """Run the server `engine` (engines/adapters/servers.py) on `prompts` with `params` (one per prompt)
-    and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
+    """Run `engine` (a live server, engines/adapters/servers.py, or an in-process engine that takes request
+    parameters, engines/requests/rows.py) on `prompts` with `params` (one per prompt) and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
     `refused_parameters` and `reported`)."""
     inner = getattr(engine, "engine", engine)  # through GuardedEngine
     dialect = getattr(inner, "dialect", "vllm")
@@ -138,7 +139,7 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         "numerical_divergences": len(divergences) - structural, "max_logit_error": None,
         "logit_tolerance": logit_tolerance, "seconds": seconds, "tokens_generated": sum(len(o) for o in outputs),
         "error": None, "trace": None, "prompts": prompt_records, "divergences": divergences,
-        "noise_band": band.to_dict(), "speculation": getattr(inner, "last_speculation", None),
+        "noise_band": band.to_dict(), "speculation": speculation.of_run(inner, getattr(inner, "last_trace", None)),
         "engine_description": describe() if callable(describe) else None, "failures": [],
         "request_params": [p.to_dict() for p in params], "penalty_scope": scope, "logprob_definition": definition,
         "refused_parameters": [{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
