@@ -22,6 +22,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.eqspec import Clock, start_batch
 from specaudit.engines.limits import is_eos
 from specaudit.engines.trace import StepRecord, Trace
@@ -34,7 +35,7 @@ class _NoDraft:
         state.draft_cache = None
 
 
-class BatchedGreedy(ConsecutiveBatches):
+class BatchedGreedy(ConsecutiveBatches, TakesRequestParams):
     """Plain batched greedy decoding; the draft model, if given, is unused."""
 
     name = "batched"

@@ -22,13 +22,14 @@ from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import Trace
 
 
-class ConsecutiveBatches(TakesRequestParams):
+class ConsecutiveBatches:
     """`generate` for engines that decode prompts in consecutive batches of `batch_size`.
 
     A subclass sets `batch_size`, `k`, `record_logits` and implements `_run_batch`, which appends
     each row's new tokens to `outputs[row]`, its logits [n, V] to `logits[row]` when recorded, and
-    its steps to `trace`. `active_requests` holds the call's request parameters (None: plain greedy
-    requests), which `_run_batch` hands to the acceptance rule.
+    its steps to `trace`. A subclass that also derives from `TakesRequestParams` takes request
+    parameters: `active_requests` holds the call's (None: plain greedy requests), which `_run_batch`
+    hands to the acceptance rule.
     """
 
     batch_size: int
@@ -59,7 +60,8 @@ class ConsecutiveBatches(TakesRequestParams):
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
         if not isinstance(max_new_tokens, int):
             max_new_tokens = request_limits(max_new_tokens, len(prompts))
-        self.active_requests = self.row_requests(prompts, eos_token_id)
+        if isinstance(self, TakesRequestParams):
+            self.active_requests = self.row_requests(prompts, eos_token_id)
         if self.active_requests is not None:  # each request's own max_tokens
             max_new_tokens = self.active_requests.budgets(max_new_tokens)
         if not isinstance(max_new_tokens, int) or max_new_tokens > 0:

@@ -34,7 +34,7 @@ from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, verify_drafts
-from specaudit.engines.requests.rows import RowRequests
+from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -178,7 +178,7 @@ def speculative_step(
     return StepResult(record, new_tokens, row_logits, finished)
 
 
-class EQSpec(ConsecutiveBatches):
+class EQSpec(ConsecutiveBatches, TakesRequestParams):
     """EQSPEC engine: consecutive fixed batches of `batch_size` prompts."""
 
     name = "eqspec"

@@ -46,6 +46,7 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
                                          shared_vocab_size, verify_drafts)
 from specaudit.engines.eqspec import Clock, StepResult
@@ -203,7 +204,7 @@ class InplaceDrafter:
         self._proposed = None
 
 
-class InplaceEngine(ConsecutiveBatches):
+class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
     """INPLACE engine: holes instead of realignment; freed rows take the next prompts (`refill`,
     default), or consecutive fixed batches (`refill=False`)."""
 
