@@ -108,8 +108,8 @@ def accept(target_logits: torch.Tensor | None, drafts: torch.Tensor, room: torch
     k = drafts.shape[1]
     emitted = torch.minimum(accepted + 1, torch.as_tensor(room, device=accepted.device))  # [B]
     position = torch.arange(k + 1, device=tokens.device).unsqueeze(0)  # [1, k+1]
-    stop_ids = is_eos(tokens, eos_token_id) if requests is None else requests.stops(tokens)  # [B, k+1]
-    eos = stop_ids & (position < emitted.unsqueeze(1))  # [B, k+1] EOS among the offered tokens
+    is_stop = is_eos(tokens, eos_token_id) if requests is None else requests.stops(tokens)  # [B, k+1]
+    eos = is_stop & (position < emitted.unsqueeze(1))  # [B, k+1] EOS (a row's stop id) among the offered tokens
     ended = eos.any(1)  # [B]
     first_eos = eos.float().argmax(1)  # [B] (0 where there is none; used only where `ended`)
     emitted = torch.where(ended, first_eos + 1, emitted)
