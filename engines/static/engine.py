@@ -21,8 +21,9 @@ bucket, shortest first, so a long prompt sizes only the slots of its own bucket.
 layer full attention, no experts: their routing reads the host): anything else is refused with the reason.
 
 Request parameters (`request_params`, engines/requests/rows.py): the acceptance rule processes the verify
-pass's logits of the rows that have them, on the host side of the step (Python per row and position); the
-passes and their shapes are those of the plain path, which runs unchanged when no request asks anything.
+pass's logits of the rows that have them row by row and position by position, driven from the host outside
+the captured passes (which reads each step's tokens and which slots run); the passes and their shapes are the
+plain path's, and that path runs unchanged when no request asks anything.
 """
 
 from __future__ import annotations
