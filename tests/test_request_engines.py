@@ -126,3 +126,22 @@ def test_cli_audits_an_own_engine_with_request_flags(tmp_path):
     (run,) = runs(tmp_path / "planted")
     classes = {d["diagnosis"]["class"] for d in run["divergences"] if d["kind"] == "structural"}
     assert classes == {"logits_processor"}, run["divergences"]
+
+
+@pytest.mark.parametrize("pair_name", ["tiny-lfm2", "tiny-gemma3"])
+def test_request_params_on_recurrent_and_sliding_pairs(pair_name):
+    """Rows rolled back to their last accepted token (short convolutions) and sliding windows: the same."""
+    from specaudit.engines.models import zoo
+
+    other = zoo.load_pair(pair_name, dtype="float64")
+    eos = other.eos_token_id
+    prompts = [list(b"The cat sat"), list(b"Hello there, my friend"), list(b"ab")]
+    params = [RequestParams(repetition_penalty=1.5, min_tokens=4),
+              RequestParams(frequency_penalty=0.5, presence_penalty=0.5, stop=["e"]),
+              RequestParams(logit_bias={prompts[2][0]: 5.0}, bad_words=[[prompts[0][1]]], max_tokens=7)]
+    expected = [decode_with_params(other.target, p, q, 10, eos, other.tokenizer).tokens for p, q in zip(prompts, params)]
+    assert expected != [greedy_decode(other.target, p, 10, eos)[0] for p in prompts]  # the parameters act
+    for name in ("eqspec", "exspec"):
+        engine = make_engine(name, other.target, other.draft, batch_size=3, draft_tokens=3)
+        engine.request_params, engine.request_tokenizer = params, other.tokenizer
+        assert engine.generate([list(p) for p in prompts], 10, eos) == expected, name
