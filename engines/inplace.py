@@ -282,8 +282,8 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         tokens, prompt_lengths = ragged.left_pad([prompts[r] for r in rows], self.pad_id, self.target.device)
         target_cache, last_logits = batch_ops.prefill(self.target, tokens, prompt_lengths)  # [B, V]
         requests = self.active_requests.step(rows) if self.active_requests is not None else None
-        first_tokens, done = acceptance.first_tokens(last_logits, max_new_tokens, eos_token_id, requests)  # [B], [B]
-        first = first_tokens.unsqueeze(1)  # [B, 1]
+        first_new, done = acceptance.first_tokens(last_logits, max_new_tokens, eos_token_id, requests)  # [B], [B]
+        first = first_new.unsqueeze(1)  # [B, 1]
         state = InplaceState(list(rows), first, prompt_lengths + 1, prompt_lengths.clone(), target_cache,
                              ragged.padding_mask(prompt_lengths, tokens.shape[1]), prompt_tokens=tokens)
         verify_seconds = clock.lap()
