@@ -17,18 +17,28 @@ position, which makes speculative decoding exactly greedy decoding. A sampled ru
 top-k/top-p, rejection sampling with a generator per row) is another `Sampler` with the same call, the
 draft's logits passed in `draft_logits`; nothing outside this module changes.
 
-EQSPEC (and EXSPEC, which steps through EQSPEC's `speculative_step`), INPLACE and the fixed-shape engine
-(`static/loop.py`) call `accept` through this module (`acceptance.accept`), so changing it changes all.
+Request parameters (`engines/requests/rows.py`): given a request context (`requests`, the rows'
+`StepRequests`), `accept` first processes each row's logits at each verify position with the row's
+history there (prompt, committed output, the draft tokens before that position), ends a row at its own
+stop ids (EOS and its `stop_token_ids`) instead of the EOS set, and cuts the emitted tokens at a
+completed stop string, committing them as the rows' output. Without it (plain greedy) none of that runs.
+
+EQSPEC (and EXSPEC, which steps through EQSPEC's `speculative_step`), INPLACE, the fixed-shape engine
+(`static/loop.py`) and, with request parameters, `batched` call `accept` through this module
+(`acceptance.accept`), so changing it changes all.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from specaudit.engines.limits import is_eos
+
+if TYPE_CHECKING:
+    from specaudit.engines.requests.rows import StepRequests
 
 
 class Sampler(Protocol):
@@ -69,21 +79,26 @@ class Verdict:
     accepted: torch.Tensor  # [B] draft tokens accepted
     emitted: torch.Tensor  # [B] new tokens of the step: tokens[b, :emitted[b]] (accepted + 1, cut at EOS and room)
     done: torch.Tensor  # [B] bool: the row emitted an EOS id or reached its budget
-    ended_by_eos: torch.Tensor  # [B] bool: the row's last emitted token is an EOS id
+    ended_by_eos: torch.Tensor  # [B] bool: the row's last emitted token is an EOS id (with requests: a stop id)
 
 
 def accept(target_logits: torch.Tensor | None, drafts: torch.Tensor, room: torch.Tensor | int,
            eos_token_id: int | Sequence[int] | None, *, own: torch.Tensor | None = None,
            target_tokens: torch.Tensor | None = None, sampler: Sampler = GREEDY,
-           draft_logits: torch.Tensor | None = None) -> Verdict:
+           draft_logits: torch.Tensor | None = None, requests: StepRequests | None = None) -> Verdict:
     """The rule on one verify pass.
 
     `target_logits` [B, k+1, V] (or, for the greedy rule only, `target_tokens` [B, k+1] instead); `drafts`
     [B, k] the verified draft tokens; `room` [B] (or one int) the new tokens each row may still emit, at
     least 1 for a running row; `eos_token_id` the EOS id set; `own` [B, k] True on a row's own draft tokens
-    (all of them when None)."""
+    (all of them when None); `requests` the rows' request parameters (module docstring; they need
+    `target_logits`)."""
     if own is None:
         own = torch.ones_like(drafts, dtype=torch.bool)
+    if requests is not None:
+        if target_logits is None:
+            raise ValueError("request parameters process the target's logits: pass target_logits")
+        target_logits = requests.process(target_logits, drafts, own)  # [B, k+1, V]
     if target_logits is None:
         if sampler is not GREEDY or target_tokens is None:
             raise ValueError("without target logits only the greedy rule can decide, from target_tokens")
@@ -93,12 +108,30 @@ def accept(target_logits: torch.Tensor | None, drafts: torch.Tensor, room: torch
     k = drafts.shape[1]
     emitted = torch.minimum(accepted + 1, torch.as_tensor(room, device=accepted.device))  # [B]
     position = torch.arange(k + 1, device=tokens.device).unsqueeze(0)  # [1, k+1]
-    eos = is_eos(tokens, eos_token_id) & (position < emitted.unsqueeze(1))  # [B, k+1] EOS among the offered tokens
+    is_stop = is_eos(tokens, eos_token_id) if requests is None else requests.stops(tokens)  # [B, k+1]
+    eos = is_stop & (position < emitted.unsqueeze(1))  # [B, k+1] EOS (a row's stop id) among the offered tokens
     ended = eos.any(1)  # [B]
     first_eos = eos.float().argmax(1)  # [B] (0 where there is none; used only where `ended`)
     emitted = torch.where(ended, first_eos + 1, emitted)
+    ended_by_eos = ended
+    if requests is not None:  # a stop string completed inside the burst ends the row at the completing token
+        emitted, ended = requests.commit(tokens, emitted, ended)
+        ended_by_eos = ended_by_eos & (first_eos + 1 == emitted)
     done = (emitted >= torch.as_tensor(room, device=accepted.device)) | ended
-    return Verdict(tokens=tokens, accepted=accepted, emitted=emitted, done=done, ended_by_eos=ended)
+    return Verdict(tokens=tokens, accepted=accepted, emitted=emitted, done=done, ended_by_eos=ended_by_eos)
+
+
+def first_tokens(last_logits: torch.Tensor, budget: torch.Tensor | int, eos_token_id: int | Sequence[int] | None,
+                 requests: StepRequests | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill's first new token of each row [B] from the logits after its prompt `last_logits` [B, V],
+    and whether the row is already done [B] (`first_token_done`); with `requests`, position 0 of `accept`
+    (processed with an empty output, committed)."""
+    if requests is None:
+        first = last_logits.argmax(-1)  # [B]
+        return first, first_token_done(first, budget, eos_token_id)
+    no_drafts = torch.zeros(last_logits.shape[0], 0, dtype=torch.long, device=last_logits.device)  # [B, 0]
+    verdict = accept(last_logits.unsqueeze(1), no_drafts, budget, eos_token_id, requests=requests)
+    return verdict.tokens[:, 0], verdict.done
 
 
 def first_token_done(first: torch.Tensor, budget: torch.Tensor | int, eos_token_id: int | Sequence[int] | None) -> torch.Tensor:

@@ -6,7 +6,8 @@ per-row position ids and masks from `lengths[B]`. Every running row appends one 
 so the cache stays right-aligned with no realignment; a finished row leaves the batch with one
 row-selecting gather (`BatchState.keep_rows`), timed as `realign`. The target pass is the
 `verify` stage (there is nothing to verify: it is the decoding pass), so stage shares compare
-with the speculative engines'.
+with the speculative engines'. With request parameters (engines/requests/rows.py) each pass's token
+is decided by the acceptance rule with no draft tokens (`acceptance.accept`, k = 0), which applies them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines import acceptance
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged, recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.eqspec import Clock, start_batch
 from specaudit.engines.limits import is_eos
 from specaudit.engines.trace import StepRecord, Trace
@@ -32,7 +35,7 @@ class _NoDraft:
         state.draft_cache = None
 
 
-class BatchedGreedy(ConsecutiveBatches):
+class BatchedGreedy(ConsecutiveBatches, TakesRequestParams):
     """Plain batched greedy decoding; the draft model, if given, is unused."""
 
     name = "batched"
@@ -52,7 +55,8 @@ class BatchedGreedy(ConsecutiveBatches):
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         device = self.target.device
         state, result = start_batch(self.target, _NoDraft(), prompts, rows, self.pad_id, eos_token_id,  # type: ignore[arg-type]
-                                    row_limits(max_new_tokens, rows, device), self.record_logits)
+                                    row_limits(max_new_tokens, rows, device), self.record_logits,
+                                    requests=self.active_requests)
         self._collect(trace, result.record, result.emitted, result.logits, outputs, logits)
         while state.rows:
             record, emitted, row_logits = self._step(state, len(trace.steps), row_limits(max_new_tokens, state.rows, device),
@@ -70,7 +74,13 @@ class BatchedGreedy(ConsecutiveBatches):
         verify_seconds = clock.lap()
 
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        done = (room <= 1) | is_eos(tokens, eos_token_id)
+        if self.active_requests is None:
+            done = (room <= 1) | is_eos(tokens, eos_token_id)
+        else:  # the request parameters, through the acceptance rule with no draft tokens
+            no_drafts = state.tokens.new_zeros(len(rows), 0)  # [B, 0]
+            verdict = acceptance.accept(step_logits.unsqueeze(1), no_drafts, room, eos_token_id,
+                                        requests=self.active_requests.step(rows))
+            tokens, done = verdict.tokens[:, 0], verdict.done  # [B], [B]
         ones = torch.ones_like(state.lengths)
         state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, tokens.unsqueeze(1), ones, self.pad_id)
         token_list, done_list = torch.stack([tokens, done.long()]).tolist()

@@ -6,7 +6,9 @@ the new tokens: the first EOS kept and nothing after it, never more than `max_ne
 that is any of them.
 The built-in engines (reference, batched, EQSPEC, EXSPEC, INPLACE, fixedshape) also take `max_new_tokens` as
 one budget per prompt (`request_limits`), so that rows of a batch end at different steps, as
-requests of a server do; a row's budget is read by its prompt index (`row_limits`).
+requests of a server do; a row's budget is read by its prompt index (`row_limits`). They take request
+parameters too (`requests.rows.TakesRequestParams`): set `request_params`, one per prompt, before
+`generate`, and each row is decoded under its own (engines/requests/rows.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Sequence
 import torch
 
 from specaudit.engines.limits import request_limits, row_limits  # noqa: F401 (re-exported)
+from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import Trace
 
 
@@ -24,13 +27,16 @@ class ConsecutiveBatches:
 
     A subclass sets `batch_size`, `k`, `record_logits` and implements `_run_batch`, which appends
     each row's new tokens to `outputs[row]`, its logits [n, V] to `logits[row]` when recorded, and
-    its steps to `trace`.
+    its steps to `trace`. A subclass that also derives from `TakesRequestParams` takes request
+    parameters: `active_requests` holds the call's (None: plain greedy requests), which `_run_batch`
+    hands to the acceptance rule.
     """
 
     batch_size: int
     k: int
     record_logits: bool
     last_trace: Trace | None
+    active_requests: RowRequests | None = None
 
     def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
@@ -54,6 +60,10 @@ class ConsecutiveBatches:
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
         if not isinstance(max_new_tokens, int):
             max_new_tokens = request_limits(max_new_tokens, len(prompts))
+        if isinstance(self, TakesRequestParams):
+            self.active_requests = self.row_requests(prompts, eos_token_id)
+        if self.active_requests is not None:  # each request's own max_tokens
+            max_new_tokens = self.active_requests.budgets(max_new_tokens)
         if not isinstance(max_new_tokens, int) or max_new_tokens > 0:
             self._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
         if self.record_logits:

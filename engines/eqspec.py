@@ -34,6 +34,7 @@ from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, verify_drafts
+from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import StepRecord, Trace
 
 
@@ -70,21 +71,23 @@ def start_batch(
     max_new_tokens: int | torch.Tensor,  # one budget, or [B] per row
     record_logits: bool,
     grouped_prefill: bool = True,
+    requests: RowRequests | None = None,
 ) -> tuple[BatchState, StepResult]:
     """Prefill target and draft; the target's choice after each prompt is the row's first new token.
-    `grouped_prefill=False`: the target prefills the whole batch in one padded pass."""
+    `grouped_prefill=False`: the target prefills the whole batch in one padded pass. `requests`: the
+    call's request parameters (engines/requests/rows.py), None for plain greedy requests."""
     clock = Clock(target.device)
     tokens, lengths = ragged.left_pad([prompts[r] for r in rows], pad_id, target.device)
     target_cache, last_logits = batch_ops.prefill(target, tokens, lengths, grouped_prefill)  # [B, V]
-    first = last_logits.argmax(-1, keepdim=True)  # [B, 1]
+    first, done = acceptance.first_tokens(last_logits, max_new_tokens, eos_token_id,
+                                          requests.step(rows) if requests is not None else None)  # [B], [B]
     ones = torch.ones_like(lengths)
-    tokens, new_lengths = ragged.append_and_repad(tokens, lengths, first, ones, pad_id)
+    tokens, new_lengths = ragged.append_and_repad(tokens, lengths, first.unsqueeze(1), ones, pad_id)
     state = BatchState(list(rows), tokens, new_lengths, lengths.clone(), target_cache)
     verify_seconds = clock.lap()
     drafter.prefill(state)
     draft_seconds = clock.lap()
-    done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id)  # [B]
-    first_list, done_list = first[:, 0].tolist(), done.tolist()
+    first_list, done_list = first.tolist(), done.tolist()
     record = StepRecord(
         step=0, kind="prefill", rows=list(rows), pad_lengths=(tokens.shape[1] - new_lengths).tolist(),
         accepted_counts=[0] * len(rows), emitted_counts=[1] * len(rows),
@@ -108,13 +111,15 @@ def speculative_step(
     record_logits: bool,
     kind: str = "batch",
     realign: bool = True,
+    requests: RowRequests | None = None,
 ) -> StepResult:
     """One speculative step on every row of `state` (all running); updates `state` in place.
 
     With `realign=False` the caches are left as the verify pass (and the drafter's fill pass)
     made them: every row of the step, finished ones included, keeps its old columns followed by
     the new ones; a row's real columns end at `old width + accepted + 1`. EXSPEC cuts each row
-    out of them instead of realigning; the tokens, lengths and rows of `state` are updated as usual."""
+    out of them instead of realigning; the tokens, lengths and rows of `state` are updated as usual.
+    `requests`: the call's request parameters, handed to the acceptance rule for the rows of `state`."""
     clock = Clock(target.device)
     pad_lengths = state.pad_lengths().tolist()
     rows = list(state.rows)
@@ -135,7 +140,8 @@ def speculative_step(
     # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
     #    cut at the first EOS id or at exactly the row's budget, never later
     room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1 for running rows
-    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own)
+    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own,
+                                requests=requests.step(rows) if requests is not None else None)
     target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
     # the step's one read of per-row results (the other host syncs are a fixed few per step, for
     # batch widths and row selection; none is per row)
@@ -172,7 +178,7 @@ def speculative_step(
     return StepResult(record, new_tokens, row_logits, finished)
 
 
-class EQSpec(ConsecutiveBatches):
+class EQSpec(ConsecutiveBatches, TakesRequestParams):
     """EQSPEC engine: consecutive fixed batches of `batch_size` prompts."""
 
     name = "eqspec"
@@ -206,11 +212,13 @@ class EQSpec(ConsecutiveBatches):
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         device = self.target.device
         state, result = start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id,
-                                    row_limits(max_new_tokens, rows, device), self.record_logits)
+                                    row_limits(max_new_tokens, rows, device), self.record_logits,
+                                    requests=self.active_requests)
         self._collect(trace, result, outputs, logits)
         while state.rows:
             result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
-                                      row_limits(max_new_tokens, state.rows, device), self.pad_id, self.record_logits)
+                                      row_limits(max_new_tokens, state.rows, device), self.pad_id, self.record_logits,
+                                      requests=self.active_requests)
             self._collect(trace, result, outputs, logits)
 
     @property

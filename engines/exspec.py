@@ -55,6 +55,7 @@ from specaudit.engines.contract import request_limits
 from specaudit.engines.limits import EosIds
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
 from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
+from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.exspec_cache import RowKV, Sequence, held_spans, join_rows, joinable, stack_cache, unstack_cache
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -83,6 +84,7 @@ class ExspecPool:
         fallback: str = DEFAULT_FALLBACK,
         wait_steps: int = 0,
         hold: bool = DEFAULT_HOLD,
+        requests: RowRequests | None = None,
     ) -> None:
         if batch_size < 1 or draft_tokens < 1 or window_size < 1 or max_new_tokens < 1:
             raise ValueError("batch_size, draft_tokens, window_size and max_new_tokens must be at least 1")
@@ -97,6 +99,7 @@ class ExspecPool:
         self.batch_size, self.k, self.window_size = batch_size, draft_tokens, window_size
         self.max_new_tokens, self.eos_token_id, self.pad_id = max_new_tokens, eos_token_id, pad_id
         self.record_logits = record_logits
+        self.requests = requests  # request parameters by request id (engines/requests/rows.py), None: plain greedy
         self.min_group = min_group if min_group is not None else batch_size
         default_refill = batch_size if window_size >= 2 * batch_size else math.ceil(batch_size / 2)
         self.refill_at = refill_at if refill_at is not None else default_refill
@@ -185,7 +188,7 @@ class ExspecPool:
         """Prefill the `count` oldest waiting requests together; they enter the window."""
         ids = [self.waiting.popleft() for _ in range(count)]
         state, result = start_batch(self.target, self.drafter, self.prompts, ids, self.pad_id, self.eos_token_id,
-                                    self._budgets(ids), self.record_logits)
+                                    self._budgets(ids), self.record_logits, requests=self.requests)
         clock = Clock(self.target.device)
         entered = [Sequence(rid, self.prompts[rid] + result.emitted[b], len(self.prompts[rid]), None, None)
                    for b, rid in enumerate(ids)]
@@ -260,7 +263,8 @@ class ExspecPool:
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
                                   self._budgets(state.rows), self.pad_id, self.record_logits,
                                   kind="group" if same_length else "fallback",
-                                  realign=hold or (not same_length and self.fallback == "realign"))
+                                  realign=hold or (not same_length and self.fallback == "realign"),
+                                  requests=self.requests)
         clock.lap()
 
         # 3. unstack: append the new tokens; hold the batch, or cut each running sequence's caches out of it
@@ -324,7 +328,7 @@ class ExspecPool:
         return result.record
 
 
-class EXSpec:
+class EXSpec(TakesRequestParams):
     """EXSPEC engine: all prompts go through one `ExspecPool` with a window of `window_size`."""
 
     name = "exspec"
@@ -372,6 +376,9 @@ class EXSpec:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         limits = None if isinstance(max_new_tokens, int) else request_limits(max_new_tokens, len(prompts))
+        requests = self.row_requests(prompts, eos_token_id)
+        if requests is not None:  # each request's own max_tokens
+            limits = requests.budgets(max_new_tokens)
         if limits is not None:
             max_new_tokens = max(limits, default=1)
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
@@ -383,7 +390,7 @@ class EXSpec:
             self.target, self.drafter, batch_size=self.batch_size, draft_tokens=self.k,
             window_size=self.window_size, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_id=self.pad_id, record_logits=self.record_logits, min_group=self.min_group, refill_at=self.refill_at,
-            fallback=self.fallback, wait_steps=self.wait_steps, hold=self.hold,
+            fallback=self.fallback, wait_steps=self.wait_steps, hold=self.hold, requests=requests,
         )
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else range(len(prompts))
         for i in order:

@@ -46,6 +46,7 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
                                          shared_vocab_size, verify_drafts)
 from specaudit.engines.eqspec import Clock, StepResult
@@ -203,7 +204,7 @@ class InplaceDrafter:
         self._proposed = None
 
 
-class InplaceEngine(ConsecutiveBatches):
+class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
     """INPLACE engine: holes instead of realignment; freed rows take the next prompts (`refill`,
     default), or consecutive fixed batches (`refill=False`)."""
 
@@ -280,14 +281,15 @@ class InplaceEngine(ConsecutiveBatches):
         clock = Clock(self.target.device)
         tokens, prompt_lengths = ragged.left_pad([prompts[r] for r in rows], self.pad_id, self.target.device)
         target_cache, last_logits = batch_ops.prefill(self.target, tokens, prompt_lengths)  # [B, V]
-        first = last_logits.argmax(-1, keepdim=True)  # [B, 1]
+        requests = self.active_requests.step(rows) if self.active_requests is not None else None
+        first_new, done = acceptance.first_tokens(last_logits, max_new_tokens, eos_token_id, requests)  # [B], [B]
+        first = first_new.unsqueeze(1)  # [B, 1]
         state = InplaceState(list(rows), first, prompt_lengths + 1, prompt_lengths.clone(), target_cache,
                              ragged.padding_mask(prompt_lengths, tokens.shape[1]), prompt_tokens=tokens)
         verify_seconds = clock.lap()
         self.drafter.prefill(state)
         state.prompt_tokens = None
         draft_seconds = clock.lap()
-        done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id)  # [B]
         first_list, done_list = first[:, 0].tolist(), done.tolist()
         keep = (~done).nonzero().flatten()
         if keep.numel() < len(rows):
@@ -324,7 +326,8 @@ class InplaceEngine(ConsecutiveBatches):
         # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
         #    cut at the first EOS id or at exactly the row's budget
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own)
+        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own,
+                                    requests=self.active_requests.step(rows) if self.active_requests is not None else None)
         target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
         accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
         keep = (~done).nonzero().flatten()

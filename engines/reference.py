@@ -1,7 +1,9 @@
 """The ground truth: greedy autoregressive decoding of one prompt at a time, with a KV cache.
 
 Contract (every engine): token ids in, token ids out. `generate` returns, per prompt, only the
-new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_tokens`.
+new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_tokens`. With request
+parameters (`request_params`, one per prompt) each prompt is decoded by `decode_with_params`
+(engines/requests/reference.py), the processors applied at every step.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from specaudit.engines.contract import request_limits
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.ops.layout import last_logits_only
+from specaudit.engines.requests.reference import decode_with_params
+from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.trace import Trace
 
 
@@ -56,7 +60,7 @@ def greedy_decode(
     return new_tokens, recorded
 
 
-class ReferenceDecoder:
+class ReferenceDecoder(TakesRequestParams):
     """Engine wrapper around `greedy_decode`, one prompt at a time. The draft is unused."""
 
     name = "reference"
@@ -75,8 +79,15 @@ class ReferenceDecoder:
         trace = Trace(num_prompts=len(prompts))
         outputs = []
         limits = request_limits(max_new_tokens, len(prompts))
+        requests = self.row_requests(prompts, eos_token_id)
         for i, prompt in enumerate(prompts):
-            tokens, logits = greedy_decode(self.target, prompt, limits[i], eos_token_id, self.record_logits)
+            if requests is None:
+                tokens, logits = greedy_decode(self.target, prompt, limits[i], eos_token_id, self.record_logits)
+            else:
+                result = decode_with_params(self.target, prompt, requests.rows[i].params, limits[i], eos_token_id,
+                                            requests.tokenizer, penalty_scope=requests.penalty_scope,
+                                            record_logits=self.record_logits)
+                tokens, logits = result.tokens, result.logits
             outputs.append(tokens)
             trace.logits[i] = logits
         self.last_trace = trace

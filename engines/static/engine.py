@@ -19,6 +19,11 @@ timed calls only replay (`captures` counts them). A request's slot length is its
 one verify pass) rounded up to a power of two (`length_bucket`): requests of a call are decoded bucket by
 bucket, shortest first, so a long prompt sizes only the slots of its own bucket. Dense models only (every
 layer full attention, no experts: their routing reads the host): anything else is refused with the reason.
+
+Request parameters (`request_params`, engines/requests/rows.py): the acceptance rule processes the verify
+pass's logits of the rows that have them row by row and position by position, driven from the host outside
+the captured passes (which reads each step's tokens and which slots run); the passes and their shapes are the
+plain path's, and that path runs unchanged when no request asks anything.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines.limits import EosIds, request_limits
+from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.static import loop
 from specaudit.engines.static.cache import static_supported
 from specaudit.engines.static.capture import Capture, default_capture
@@ -60,7 +66,7 @@ def drafter_parts(drafter: Any, draft: PreTrainedModel | None) -> tuple[PreTrain
     return model, chooser
 
 
-class FixedShapeEngine:
+class FixedShapeEngine(TakesRequestParams):
     """Speculative decoding on fixed-shape passes (see the module docstring)."""
 
     name = "fixedshape"
@@ -114,6 +120,9 @@ class FixedShapeEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         limits = request_limits(max_new_tokens, len(prompts))
+        row_requests = self.row_requests(prompts, eos_token_id)
+        if row_requests is not None:  # each request's own max_tokens
+            limits = row_requests.budgets(limits)
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k, proposals_from_draft_model=self.chooser is None)
         outputs: list[list[int]] = [[] for _ in prompts]
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -124,7 +133,7 @@ class FixedShapeEngine:
         for bucket in sorted(buckets):
             requests = buckets[bucket]
             batch = self._loop(min(self.batch_size, len(requests)), bucket)
-            batch.reset(eos_token_id, self.record_logits, self.chooser)
+            batch.reset(eos_token_id, self.record_logits, self.chooser, row_requests)
             loop.run(batch, prompts, limits, requests, trace, outputs, logits, refill=self.refill)
         if self.record_logits:
             trace.logits = [torch.cat(parts) if parts else None for parts in logits]

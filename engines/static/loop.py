@@ -35,6 +35,7 @@ from transformers import PreTrainedModel
 from specaudit.engines import acceptance
 from specaudit.engines.drafters import DraftVocabularyError, shared_vocab_size
 from specaudit.engines.limits import EosIds
+from specaudit.engines.requests.rows import RowRequests, StepRequests
 from specaudit.engines.static.cache import StaticCache
 from specaudit.engines.static.capture import Capture, PassRunner, eager
 from specaudit.engines.trace import StepRecord, Trace
@@ -85,6 +86,7 @@ class StaticLoop:
         self.k, self.columns = k, columns
         self.eos: EosIds = None
         self.record_logits, self.chooser = False, None
+        self.row_requests: RowRequests | None = None  # the call's request parameters (None: plain greedy)
         self.device = target.device
         self.target = StaticCache(target, batch_size, columns)
         self.target_pass = PassRunner(self.target, "target", capture, pool)
@@ -98,9 +100,11 @@ class StaticLoop:
         self.request_ids = torch.full((batch_size,), -1, dtype=torch.long, device=self.device)  # the same, on the device
         self.clock = StageClock(self.device)
 
-    def reset(self, eos_token_id: EosIds, record_logits: bool, chooser: Any = None) -> None:
+    def reset(self, eos_token_id: EosIds, record_logits: bool, chooser: Any = None,
+              row_requests: RowRequests | None = None) -> None:
         """Start a `generate` call: every slot free and empty; the buffers and prepared passes stay."""
         self.eos, self.record_logits, self.chooser = eos_token_id, record_logits, chooser
+        self.row_requests = row_requests
         for tensor in (self.slots.pending, self.slots.previous, self.slots.generated, self.slots.budget,
                        self.target.lengths, *([self.draft.lengths] if self.draft is not None else [])):
             tensor.zero_()
@@ -126,9 +130,9 @@ class StaticLoop:
         last = self.target.prefill(rows, tokens, lengths)  # [n, V]
         if self.draft is not None:
             self.draft.prefill(rows, tokens, lengths)
-        first = last.argmax(-1)  # [n]
         budget = torch.tensor(budgets, dtype=torch.long, device=self.device)
-        done = acceptance.first_token_done(first, budget, self.eos)  # [n]
+        first, done = acceptance.first_tokens(last, budget, self.eos,
+                                              self.row_requests.step(requests) if self.row_requests is not None else None)  # [n], [n]
         s = self.slots
         s.pending[rows], s.previous[rows] = first, tokens[torch.arange(len(slots), device=self.device), lengths - 1]
         s.generated[rows], s.budget[rows], s.running[rows] = 1, budget, ~done
@@ -163,7 +167,7 @@ class StaticLoop:
         verify_logits = self.target_pass.run(inputs, c)  # [B, k+1, V]
         self.clock.mark()
         # 3. accept (engines/acceptance.py); an idle slot's room is <= 0, and its verdict is never used
-        verdict = acceptance.accept(verify_logits, drafts, s.budget - s.generated, self.eos)
+        verdict = acceptance.accept(verify_logits, drafts, s.budget - s.generated, self.eos, requests=self._step_requests())
         targets, accepted, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
         outside = (drafts >= self.shared).any(1)  # [B] padded vocabularies: a draft error, or a target token the
         if self.draft is not None:  # draft cannot read
@@ -197,6 +201,13 @@ class StaticLoop:
         draft_s, verify_s, accept_s = self.clock.seconds()
         return (slots, tokens, counts, finished, proposed, kept if self.record_logits else None,
                 {"draft": draft_s, "verify": verify_s, "realign": accept_s})
+
+    def _step_requests(self) -> StepRequests | None:
+        """The request parameters of the running slots (an idle slot: none), read on the host; None without."""
+        if self.row_requests is None:
+            return None
+        running = self.slots.running.tolist()
+        return self.row_requests.step([r if on else None for r, on in zip(self.requests, running)])
 
     def _choose(self, i: int, logits: torch.Tensor) -> torch.Tensor:
         greedy = logits.argmax(-1)  # [B]

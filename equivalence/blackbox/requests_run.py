@@ -26,6 +26,8 @@ from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALT
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
+from specaudit.equivalence import speculation
+from specaudit.equivalence.audit import trace_summary
 from specaudit.equivalence.blackbox import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 
@@ -75,25 +77,29 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
                    max_new_tokens: int, eos_token_id: Any, dtype: str, engine_name: str, batch_size: int | None,
                    device: str | None = None, engine_dtype: str | None = None,
                    logit_tolerance: float | None = None) -> dict[str, Any]:
-    """Run the server `engine` (engines/adapters/servers.py) on `prompts` with `params` (one per prompt)
-    and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
+    """Run `engine` (a live server, engines/adapters/servers.py, or an in-process engine that takes request
+    parameters, engines/requests/rows.py) on `prompts` with `params` (one per prompt) and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
     `refused_parameters` and `reported`)."""
     inner = getattr(engine, "engine", engine)  # through GuardedEngine
     dialect = getattr(inner, "dialect", "vllm")
     scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
+    scope = getattr(inner, "penalty_scope", None) or scope  # an own engine says what its penalties count
     started = time.perf_counter()
     references = [decode_with_params(pair.target, prompt, p, max_new_tokens, eos_token_id, pair.tokenizer,
                                      penalty_scope=scope) for prompt, p in zip(prompts, params)]
     reference_seconds = time.perf_counter() - started
     inner.request_params = list(params)
+    if hasattr(inner, "request_tokenizer"):  # an in-process engine (engines/requests/rows.py): for stop strings
+        inner.request_tokenizer = pair.tokenizer
     started = time.perf_counter()
     outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
     seconds = time.perf_counter() - started
     refused = {index: exc for index, exc in getattr(inner, "last_refused", [])}
-    completions = getattr(inner, "last_completions", [None] * len(prompts))
+    completions = getattr(inner, "last_completions", None) or [None] * len(prompts)  # an own engine reports nothing
+    reported_logprobs = getattr(inner, "last_logprobs", None) or [None] * len(prompts)
     judged = [i for i in range(len(prompts)) if i not in refused]
     band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
-                              [inner.last_logprobs[i] if i in judged else None for i in range(len(prompts))],
+                              [reported_logprobs[i] if i in judged else None for i in range(len(prompts))],
                               outputs, [r.tokens for r in references], [r.logits for r in references])
     divergences: list[dict[str, Any]] = []
     prompt_records: list[dict[str, Any]] = []
@@ -126,6 +132,7 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         divergences += row_findings
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = getattr(engine, "describe", None)
+    trace = None if getattr(inner, "black_box", False) else getattr(inner, "last_trace", None)  # an own engine's steps
     return {
         "engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
         "device": device or str(pair.target.device), "num_prompts": len(prompts),
@@ -133,8 +140,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         "equivalent": structural == 0, "structural_divergences": structural,
         "numerical_divergences": len(divergences) - structural, "max_logit_error": None,
         "logit_tolerance": logit_tolerance, "seconds": seconds, "tokens_generated": sum(len(o) for o in outputs),
-        "error": None, "trace": None, "prompts": prompt_records, "divergences": divergences,
-        "noise_band": band.to_dict(), "speculation": getattr(inner, "last_speculation", None),
+        "error": None, "trace": trace_summary(trace), "prompts": prompt_records, "divergences": divergences,
+        "noise_band": band.to_dict(), "speculation": speculation.of_run(inner, trace),
         "engine_description": describe() if callable(describe) else None, "failures": [],
         "request_params": [p.to_dict() for p in params], "penalty_scope": scope, "logprob_definition": definition,
         "refused_parameters": [{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}

@@ -1,7 +1,12 @@
-"""Acceptance faults: the wrong number of tokens taken from a verified step."""
+"""Acceptance faults: the wrong number of tokens taken from a verified step; and, under request
+parameters, a verified step's positions processed with the wrong history (`VerifyWithCommittedHistory`)."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from specaudit.engines.eqspec import EQSpec
+from specaudit.engines.requests.rows import RowRequest, RowRequests
 from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
 
@@ -35,3 +40,24 @@ class BonusTokenDoubled(FaultEngine):
         LineChange("specaudit.engines.eqspec", "new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]",
                    "new_tokens = [[p] + row[:n] for p, row, n in zip(inputs[:, 0].tolist(), target_tokens.tolist(), emitted_list)]"),
     )
+
+
+class CommittedHistoryRequests(RowRequests):
+    """Request state whose verify positions all see the committed output only (the drafts before a
+    position left out of its history)."""
+
+    def history(self, row: RowRequest, drafts: Sequence[int]) -> list[int]:
+        return list(row.output)
+
+
+class VerifyWithCommittedHistory(EQSpec):
+    """Request processors applied at every verify position with the row's committed output alone: the
+    draft tokens accepted before a position are left out of its history, so `min_tokens` still bans the
+    stop ids where the drafts have carried the row past it (vLLM 0.32.0 at the bonus position,
+    reports/wild/vllm-min-tokens-bonus.md) and penalties and banned words miss the burst's own tokens.
+
+    Not a line edit (`mutation`): EQSPEC itself with request state whose `history` leaves the drafts out
+    (engines/requests/rows.py). Audited with request parameters as
+    `--engine specaudit.testing.faults.acceptance:VerifyWithCommittedHistory`; class `logits_processor`."""
+
+    row_requests_class = CommittedHistoryRequests

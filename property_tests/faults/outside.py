@@ -49,9 +49,9 @@ class LeadingEosFinished(FaultEngine):
 
     changes = (
         LineChange("specaudit.engines.eqspec",
-                   "done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id)  # [B]",
-                   "done = acceptance.first_token_done(first[:, 0], max_new_tokens, eos_token_id) | "
-                   "(tokens[:, 0] == (-1 if eos_token_id is None else eos_token_id))"),
+                   "first_list, done_list = first.tolist(), done.tolist()",
+                   "done = done | (tokens[:, 0] == (-1 if eos_token_id is None else eos_token_id))\n"
+                   "first_list, done_list = first.tolist(), done.tolist()"),
     )
 
 
