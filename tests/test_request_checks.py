@@ -85,7 +85,8 @@ def test_a_later_stop_string_taken_over_the_earliest_is_stop_string_and_says_so(
     [found] = run["divergences"]
     assert (found["position"], found["evidence"]["stop"], found["evidence"]["tokens_after_stop"]) == (2, "b.6", 2)
     assert found["evidence"]["server_stop"] == "21.6" and found["evidence"]["server_stop_completed_by"] == 3
-    assert found["evidence"]["earliest_stop_not_taken"] and "did not take the earliest" in found["diagnosis"]["evidence"]
+    assert found["evidence"]["earliest_stop_not_taken"]
+    assert "did not take the earliest" in found["diagnosis"]["evidence"]
     # a stop string completed inside the burst alone: tokens kept after it, the server names the right one
     run, _ = audit(pair, prompts[:1], [RequestParams(stop=("b.6",))], bug="stop_list_order")
     [found] = run["divergences"]
