@@ -23,7 +23,7 @@ burst `qrstu` (2 tokens kept after it), `["op", "mn"]` has `mn` complete before 
 holds a plain row and a `logit_bias` row, which 0.21.0 refuses under speculation (HTTP 400, the guard
 of vllm #42744's report): refused, not a divergence.
 
-One server start (about 104 s on 2 shared cores) and one audit run (about 20 s); the install, once,
+One server start (72 to 104 s on 2 shared cores) and one audit run (15 to 20 s); the install, once,
 is scripts/vllm.sh's. The audit's reference is greedy decoding of the same weights under the same
 parameters (engines/requests/reference.py).
 """
