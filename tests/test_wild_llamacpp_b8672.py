@@ -109,8 +109,8 @@ def test_audit_rules_the_dropped_and_overcounted_tokens_structural(servers, tmp_
     assert [p["exact"] for p in run["prompts"]] == [False, True, True], result.stdout
     found = {(d["prompt_index"], d["diagnosis"]["class"]): d for d in run["divergences"]}
     assert all(d["kind"] == "structural" for d in run["divergences"]), run["divergences"]
-    # 1. the cycle: the answer ends after `kept` of the 16 tokens, where the reference goes on
-    tokens = found.get((0, "stop_length")) or found.get((0, "unknown"))
+    # 1. the cycle: the answer ends after `kept` of the 16 tokens, short of its budget, where the reference goes on
+    tokens = found.get((0, "stop_length"))
     assert tokens is not None and tokens["engine_token"] is None, found
     kept = tokens["position"]
     assert 0 < kept < NEW_TOKENS and tokens["reference_token"] == ord("klmnopqrstuvwxyz"[kept]), tokens

@@ -68,8 +68,8 @@ def _ending_class(reference: RequestResult, tokens: list[int], position: int, li
     """The class of a structural divergence no parameter explains, from how the rows ended."""
     if position >= len(reference.tokens):  # the engine went on past the reference's end
         return "stop_length" if reference.finish_reason == "length" else "stop_eos"
-    if position >= len(tokens):  # the engine ended early
-        return "stop_eos" if tokens and tokens[-1] in stop_ids else ("stop_length" if len(tokens) >= limit else "unknown")
+    if position >= len(tokens):  # the engine ended early: at a stop id, or short of its budget without one
+        return "stop_eos" if tokens and tokens[-1] in stop_ids else "stop_length"
     return "unknown"
 
 
