@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OLDEST = os.environ.get("TRANSFORMERS_OLDEST", "5.17.0")
-SITE = str(Path(torch.__file__).resolve().parents[1])  # this environment's site-packages
+# this environment's site-packages (a venv's own, where specaudit is installed, and the one torch comes from)
+SITES = [d for d in (*site.getsitepackages(), str(Path(torch.__file__).resolve().parents[1])) if Path(d).is_dir()]
 PAIRS = ["tiny-llama", "tiny-gpt2", "tiny-opt", "tiny-qwen3-next", "tiny-lfm2", "tiny-bamba", "tiny-gemma3",
          "tiny-qwen3-moe"]
 
@@ -36,7 +38,7 @@ def oldest_python() -> str:
 
 
 def run_there(python: str, code: str, *args: str, warnings: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    prelude = f"import site, sys; site.addsitedir({SITE!r}); "
+    prelude = f"import site, sys; [site.addsitedir(d) for d in {SITES!r}]; "
     return subprocess.run([python, *[f"-W{w}" for w in warnings], "-c", prelude + code, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800,
                           env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")})
