@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import site
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from transformers_venv import ROOT, run_there, venv_python
+
 OLDEST = os.environ.get("TRANSFORMERS_OLDEST", "5.17.0")
-# this environment's site-packages (a venv's own, where specaudit is installed, and the one torch comes from)
-SITES = [d for d in (*site.getsitepackages(), str(Path(torch.__file__).resolve().parents[1])) if Path(d).is_dir()]
 PAIRS = ["tiny-llama", "tiny-gpt2", "tiny-opt", "tiny-qwen3-next", "tiny-lfm2", "tiny-bamba", "tiny-gemma3",
          "tiny-qwen3-moe"]
 
@@ -31,17 +26,7 @@ PAIRS = ["tiny-llama", "tiny-gpt2", "tiny-opt", "tiny-qwen3-next", "tiny-lfm2", 
 @pytest.fixture(scope="module")
 def oldest_python() -> str:
     """The cached venv's python (built on the first run); the test fails when it cannot be built."""
-    built = subprocess.run(["bash", str(ROOT / "scripts" / "transformers_oldest.sh")], capture_output=True, text=True,
-                           env={**os.environ, "PYTHON": sys.executable, "TRANSFORMERS_OLDEST": OLDEST})
-    assert built.returncode == 0, f"could not build the transformers {OLDEST} venv:\n{built.stderr[-3000:]}"
-    return built.stdout.strip().splitlines()[-1]
-
-
-def run_there(python: str, code: str, *args: str, warnings: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    prelude = f"import site, sys; [site.addsitedir(d) for d in {SITES!r}]; "
-    return subprocess.run([python, *[f"-W{w}" for w in warnings], "-c", prelude + code, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1800,
-                          env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")})
+    return venv_python(OLDEST)
 
 
 def test_the_oldest_transformers_is_the_one_that_runs(oldest_python: str) -> None:

@@ -24,21 +24,16 @@ tests/test_transformers_oldest.py (scripts/transformers_oldest.sh).
 from __future__ import annotations
 
 import json
-import os
-import site
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 from packaging.version import Version
 
 import cli_run
+from transformers_venv import run_there, venv_python
 import wild_models as wm
 
-ROOT = Path(__file__).resolve().parents[1]
 OLDEST = "5.17.0"  # before PR #48981: the stop string on the last draft is still caught
 NEWEST_CHECKED = "5.24.0"  # the newest release this module's expectations were measured on
 PREFIX = wm.CYCLE + "abcdef"  # continues "ghijk...": prompt lookup drafts "ghij" from the prompt's cycle
@@ -112,23 +107,14 @@ def test_stop_strings_missed_inside_a_prompt_lookup_block(prompts, tmp_path):
 
 @pytest.fixture(scope="module")
 def oldest_python() -> str:
-    built = subprocess.run(["bash", str(ROOT / "scripts" / "transformers_oldest.sh")], capture_output=True, text=True,
-                           env={**os.environ, "PYTHON": sys.executable, "TRANSFORMERS_OLDEST": OLDEST})
-    assert built.returncode == 0, f"could not build the transformers {OLDEST} venv:\n{built.stderr[-3000:]}"
-    return built.stdout.strip().splitlines()[-1]
+    return venv_python(OLDEST)
 
 
 def test_the_release_before_pr_48981_catches_the_stop_on_the_last_draft(prompts, oldest_python, tmp_path):
     pair, path = prompts
-    # this environment's site-packages after the venv's own: its transformers first, torch and specaudit from here
-    sites = [d for d in (*site.getsitepackages(), str(Path(torch.__file__).resolve().parents[1])) if Path(d).is_dir()]
-    prelude = "import site, sys; [site.addsitedir(d) for d in %r]; " % (sites,)
-    result = subprocess.run(
-        [oldest_python, "-c", prelude + "from specaudit.cli import main; sys.exit(main(sys.argv[1:]))", "audit",
-         "--no-progress", "--engine", "hf-prompt-lookup", "--target", str(pair.target), "--draft", str(pair.draft),
-         "--prompts", str(path), *ARGS, "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")})
+    result = run_there(oldest_python, "from specaudit.cli import main; sys.exit(main(sys.argv[1:]))", "audit",
+                       "--no-progress", "--engine", "hf-prompt-lookup", "--target", str(pair.target), "--draft",
+                       str(pair.draft), "--prompts", str(path), *ARGS, "--out", str(tmp_path), timeout=600)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     audit = json.loads((tmp_path / "audit.json").read_text())
     assert audit["machine"]["transformers"] == OLDEST
