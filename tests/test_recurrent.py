@@ -187,3 +187,24 @@ def test_silencing_one_kind_of_layer_zeroes_its_output_and_keeps_its_cache(name:
         written = _states(cache) if kind == "recurrent" else [layer.keys for layer in ragged.cache_layers(cache)]
         assert written and all(float(t.abs().max()) > 0 for t in written), kind
     assert torch.equal(model(input_ids=ids).logits, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_convolutions_give_torch_cpu_kernel_values_bit_for_bit(dtype: torch.dtype) -> None:
+    """Below float64 on the CPU the depthwise convolutions are explicit sums in float32 rounded once
+    (`float64_recurrent.depthwise_conv1d`, 1000x faster); they must be the values torch's kernel gives."""
+    from specaudit.engines.models.float64_recurrent import depthwise_conv1d
+
+    generator = torch.Generator().manual_seed(0)
+    for channels, length, kernel, padding in [(80, 12, 4, 3), (32, 4, 4, 0), (48, 7, 3, 2)]:
+        x = torch.randn(3, channels, length, generator=generator).to(dtype)
+        weight = torch.randn(channels, 1, kernel, generator=generator).to(dtype)
+        bias = torch.randn(channels, generator=generator).to(dtype)
+        for b in (bias, None):
+            expected = torch.nn.functional.conv1d(x, weight, b, 1, padding, 1, channels)
+            assert torch.equal(depthwise_conv1d(x, weight, b, 1, padding, 1, channels), expected)
+
+
+def test_a_hybrid_pair_in_bfloat16_on_the_cpu_says_its_convolutions_are_switched() -> None:
+    bf16 = pair("tiny-lfm2", "bfloat16")
+    assert "cpu_switches" in bf16.info and "Conv1d" in bf16.info["cpu_switches"]["target"][0]

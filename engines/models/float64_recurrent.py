@@ -59,13 +59,20 @@ def _as_float64(source: str) -> str:
 
 
 _CONV = "_specaudit_depthwise_conv1d"
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: int = 1,
                      padding: int | tuple = 0, dilation: int = 1, groups: int = 1) -> torch.Tensor:
     """`F.conv1d` for a depthwise convolution (`groups` = channels) as one explicit sum over the kernel;
     anything else goes to `F.conv1d`. torch's CPU conv1d takes tens of milliseconds per call on these
-    shapes (measured 45 ms for [4, 80, 4] in float64, the explicit sum 0.04 ms)."""
+    shapes (measured 45 ms for [4, 80, 4] in float64, the explicit sum 0.04 ms), and in bfloat16 about
+    200 ms. Half-precision inputs are summed in float32 and rounded once, as torch's CPU kernel does
+    (`tests/test_recurrent.py` checks the two bit for bit)."""
+    if x.dtype in HALF_DTYPES:
+        out = depthwise_conv1d(x.float(), weight.float(), None if bias is None else bias.float(), stride, padding,
+                               dilation, groups)
+        return out.to(x.dtype)
     pad = padding[0] if isinstance(padding, tuple) else padding
     channels = x.shape[1]
     if not (groups == channels == weight.shape[0] and weight.shape[1] == 1 and stride in (1, (1,))
@@ -78,9 +85,18 @@ def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out + bias[None, :, None]
 
 
-def _compile(function: Callable[..., Any], module: types.ModuleType) -> Callable[..., Any]:
-    """The float64 copy of `function`, its globals the live module (so it calls the switched functions)."""
-    source = _as_float64(inspect.getsource(function))
+def _convolutions_only(source: str) -> str:
+    source = textwrap.dedent(source)
+    lines = source.splitlines()
+    while lines and lines[0].lstrip().startswith("@"):
+        lines.pop(0)
+    return "\n".join(lines).replace("F.conv1d(", f"{_CONV}(").replace("nn.functional.conv1d(", f"{_CONV}(")
+
+
+def _compile(function: Callable[..., Any], module: types.ModuleType, *, float64: bool = True) -> Callable[..., Any]:
+    """The float64 copy of `function` (or, with `float64=False`, the copy with only its depthwise
+    convolutions as explicit sums), its globals the live module (so it calls the switched functions)."""
+    source = (_as_float64 if float64 else _convolutions_only)(inspect.getsource(function))
     scope = dict(vars(module))
     exec(compile(source, f"<float64 {function.__qualname__}>", "exec"), scope)
     compiled = scope[function.__name__]
@@ -101,10 +117,22 @@ def _any_float64(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in (*args, *kwargs.values()))
 
 
-def _dispatcher(original: Callable[..., Any], float64_copy: Callable[..., Any]) -> Callable[..., Any]:
+def _half_on_cpu(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.dtype in HALF_DTYPES and a.device.type == "cpu"
+               for a in (*args, *kwargs.values()))
+
+
+def _dispatcher(original: Callable[..., Any], float64_copy: Callable[..., Any],
+                half_copy: Callable[..., Any]) -> Callable[..., Any]:
+    """float64 tensors: the float64 copy; half precision on the CPU: the copy with explicit-sum
+    convolutions (same values, `depthwise_conv1d`); anything else (float32, any GPU): the original."""
     @functools.wraps(original)
     def dispatch(*args: Any, **kwargs: Any) -> Any:
-        return float64_copy(*args, **kwargs) if _any_float64(args, kwargs) else original(*args, **kwargs)
+        if _any_float64(args, kwargs):
+            return float64_copy(*args, **kwargs)
+        if _half_on_cpu(args, kwargs):
+            return half_copy(*args, **kwargs)
+        return original(*args, **kwargs)
 
     setattr(dispatch, _MARK, original)
     return dispatch
@@ -120,7 +148,7 @@ def _switch_functions(module: types.ModuleType) -> list[str]:
             continue
         if value.__module__ != module.__name__ or not _uses_float32(value):
             continue
-        setattr(module, name, _dispatcher(value, _compile(value, module)))
+        setattr(module, name, _dispatcher(value, _compile(value, module), _compile(value, module, float64=False)))
         switched.append(name)
     return switched
 
@@ -156,3 +184,24 @@ def prepare_recurrent_float64(model: PreTrainedModel) -> list[str]:
 
 def _conv_module_forward(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return depthwise_conv1d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+
+def prepare_half_convolutions(model: PreTrainedModel) -> list[str]:
+    """On the CPU below float64: `model`'s depthwise convolutions (its `Conv1d` modules and its family's
+    conv functions) as explicit sums in float32 rounded to the model's dtype, the values torch's CPU
+    kernel gives at a thousandth of its cost; nothing else changes. Notes on what was switched."""
+    if model.device.type != "cpu" or model.dtype not in HALF_DTYPES:
+        return []
+    module = sys.modules.get(type(model).__module__)
+    functions = [name for name in (_switch_functions(module) if module is not None else [])
+                 if "conv" in name]
+    convolutions = 0
+    for submodule in model.modules():
+        if isinstance(submodule, torch.nn.Conv1d) and submodule.groups == submodule.in_channels > 1:
+            submodule.forward = functools.partial(_conv_module_forward, submodule)
+            convolutions += 1
+    if not functions and not convolutions:
+        return []
+    switched = ([f"{convolutions} Conv1d"] if convolutions else []) + [f"{name}()" for name in functions]
+    return [f"depthwise convolutions as explicit sums in float32, rounded to {str(model.dtype).removeprefix('torch.')} "
+            f"as torch's CPU kernel rounds them ({', '.join(switched)})"]

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.models.float64 import prepare_float64
+from specaudit.engines.models.float64_recurrent import prepare_half_convolutions
 from specaudit.engines.ops.layout import check_supported, layout_info
 from specaudit.engines.models.model_files import check_model_folder, check_same_vocabulary, has_tokenizer_files
 from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
@@ -133,9 +134,14 @@ def _architecture_info(target: PreTrainedModel, draft: PreTrainedModel, dtype: t
             switched = prepare_float64(model) if model is not None else None
             if switched:
                 notes[role] = switched
+    else:  # bfloat16/float16 on the CPU: torch's depthwise conv1d costs ~200 ms a call there
+        for role, model in (("target", target), ("draft", draft)):
+            switched = prepare_half_convolutions(model) if model is not None else None
+            if switched:
+                notes[role] = switched
     info: dict[str, Any] = {"target_layout": layout_info(target), "draft_layout": layout_info(draft) if draft is not None else None}
     if notes:
-        info["float64_switches"] = notes
+        info["float64_switches" if dtype == torch.float64 else "cpu_switches"] = notes
     return info
 
 

@@ -229,3 +229,29 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
     finding.examples, finding.crashes = calls, crashes
     finding.seconds = time.perf_counter() - started
     return finding
+
+
+def hunt_below_float64(fault: type[FaultEngine], pair: str, exact: Finding, *, dtype: str = "bfloat16",
+                       max_examples: int = MAX_EXAMPLES) -> Finding:
+    """The hunt in `dtype`, started from the float64 hunt's minimal counterexample (`exact`): that case,
+    run and ruled in `dtype`, is the finding when the audit rules it structural there; otherwise
+    (rounding can hide what exact arithmetic shows) a search in `dtype` as `hunt` does it."""
+    if exact.case is None or exact.dtype != "float64":
+        return hunt(fault, pair, max_examples=max_examples, dtype=dtype)
+    started = time.perf_counter()
+    case = dataclasses.replace(exact.case, dtype=dtype)
+    finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "",
+                      planted=[change.describe() for change in fault.changes], dtype=dtype, examples=1)
+    try:
+        check_fault(fault, case)
+    except AssertionError as failure:
+        if getattr(failure, "through", None) in DETECTIONS:
+            finding.case, finding.detected_by, finding.message = case, failure.through, str(failure)
+            finding.message += "\n(the float64 minimal counterexample, run in " + dtype + ")"
+    except Exception as exc:  # a crash is not a detection: search as usual
+        finding.crashes.append(f"{type(exc).__name__}: {exc}".splitlines()[0])
+    if finding.case is None:
+        return hunt(fault, pair, max_examples=max_examples, dtype=dtype)
+    finding.divergences = audit_case(fault, case)
+    finding.seconds = time.perf_counter() - started
+    return finding

@@ -99,7 +99,9 @@ The same hunts with `--dtype bfloat16` on the CPU. Below float64 a correct engin
 no exact property holds; the property a hunt searches with is the audit's own verdict: the fault
 engine, run in bfloat16 on the case, gets a structural ruling (the float64 replay, the same-dtype replay
 and the plain batched control all fail to explain a flip; for a model drafter, a proposal beyond the
-draft's own precision: docs/reports.md, "Below float64"). The minimal case is then audited in bfloat16
+draft's own precision: docs/reports.md, "Below float64"). Each hunt first runs the float64 hunt's
+minimal counterexample in bfloat16 and takes it when the audit rules it structural there (1 property
+run); only where rounding hides it does it search in bfloat16. The case is then audited in bfloat16
 and diagnosed. A fault that changes no output in exact arithmetic on a pair must get no structural
 ruling in any case searched (`INVISIBLE_BELOW_FLOAT64` in `property_tests/faults/classes.py`); the
 correct engine and model drafter are hunted the same way as controls (`tests/property/test_faults.py`).
