@@ -62,6 +62,11 @@ class RequestParams:
     min_p: float = 0.0
     top_k: int = 0  # 0 (or -1): off
     logprobs: int | None = None  # how many top log-probabilities to ask for (None: the client's default)
+    # sampling (engines/sampling/): temperature 0 is greedy decoding; top_p 1 is off; a seed makes a
+    # sampled request reproducible (None: a fresh seed per call)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -91,6 +96,18 @@ class RequestParams:
             raise ValueError("logit_bias: each bias must lie in [-100, 100] (OpenAI's range; vLLM clamps to it)")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be at least 0, got {self.logprobs}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be at least 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1] (1: off), got {self.top_p}")
+        if self.min_p > 0 and self.temperature > 0:
+            # vLLM cuts min_p after the temperature; the processors here cut it before: refused, not redefined
+            raise ValueError("min_p with temperature > 0 is not supported by the project's engines")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the request samples (temperature > 0); else it is decoded greedily."""
+        return self.temperature > 0
 
     @property
     def bias_map(self) -> dict[int, float]:
