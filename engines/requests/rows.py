@@ -84,7 +84,8 @@ class RowRequests:
         self.rows: list[RowRequest] = []
         for prompt, p in zip(prompts, params):
             p = with_bad_words_resolved(p, tokenizer)
-            changes = any(name in LOGIT_FIELDS for name in p.sent())
+            # a sampled request's top-k is its sampler's cut (engines/sampling/process.py), not a processor's
+            changes = any(name in LOGIT_FIELDS and not (p.sampled and name == "top_k") for name in p.sent())
             self.rows.append(RowRequest(list(prompt), p, tuple(sorted(eos | set(p.stop_token_ids))), changes,
                                         sampling=row_sampling(p)))
 
@@ -137,8 +138,9 @@ class StepRequests:
             assert row is not None
             for i in range(min(own_counts[b], drafts.shape[1]) + 1):
                 output = self.requests.history(row, draft_lists[b][:i])
-                processed[b, i] = process(processed[b, i], row.prompt, output, row.params, row.stop_ids,
-                                          scope).post_sampling
+                rows = process(processed[b, i], row.prompt, output, row.params, row.stop_ids, scope)
+                # a sampled row's cuts (top-k, top-p) and temperature are its sampling rule's to apply
+                processed[b, i] = rows.greedy if row.sampling is not None else rows.post_sampling
         return processed
 
     def stops(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,10 @@ def _null_binned_tv(n: int, bins: int, generator: torch.Generator) -> float:
 TOWARD_DRAFT = "ordered by the draft's q/p, "  # the scope's prefix of the tests on draft-ordered u's
 
 
+def _offset_scope(offset: int) -> str:
+    return "prefill tokens" if offset < 0 else f"step offset {offset}"
+
+
 def _draft_distributions(draft: PreTrainedModel, samples: list[Sample], params: SamplingParams,
                          target_probs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per sample [n, V]: the draft's processed distribution before each sampled token (teacher forced on
@@ -107,7 +111,7 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
             at = u[possible & (offset_ids == offset)]
             bins = min(PIT_BINS, at.numel() // 5)
             if bins >= 2:
-                tests.append({**stats.chi_square_uniform(at, bins), "scope": f"step offset {offset}"})
+                tests.append({**stats.chi_square_uniform(at, bins), "scope": _offset_scope(offset)})
     if draft_probs is not None:
         # the same jitter: only the order changes, so under the target each u is uniform as before
         u_draft = stats.randomized_pit(all_probs, token_ids, jitter,
@@ -117,7 +121,7 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
             at = u_draft[possible & (offset_ids == offset)]
             bins = min(PIT_BINS, at.numel() // 5)
             if bins >= 2:
-                tests.append({**stats.chi_square_uniform(at, bins), "scope": TOWARD_DRAFT + f"step offset {offset}"})
+                tests.append({**stats.chi_square_uniform(at, bins), "scope": TOWARD_DRAFT + _offset_scope(offset)})
     big = sorted((key for key, rows in contexts.items() if len(rows) >= min_context),
                  key=lambda key: -len(contexts[key]))[:max_context_tests]
     for key in big:
