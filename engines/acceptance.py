@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 
 from specaudit.engines.limits import is_eos
+from specaudit.engines.sampling.rules import greedy_accepted
 
 if TYPE_CHECKING:
     from specaudit.engines.requests.rows import StepRequests
@@ -66,16 +67,6 @@ class GreedySampler:
                  draft_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = target_logits.argmax(-1)  # [B, k+1]
         return tokens, greedy_accepted(tokens, drafts, own)
-
-
-def greedy_accepted(target_tokens: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] accepted draft tokens: the longest prefix of `drafts` [B, k] equal to `target_tokens[:, :k]`
-    (a column where `own` [B, k] is False, a pad slot of a shorter proposal, is never accepted)."""
-    k = drafts.shape[1]
-    matches = drafts == target_tokens[:, :k]  # [B, k]
-    if own is not None:
-        matches &= own
-    return matches.long().cumprod(dim=1).sum(dim=1)  # [B]
 
 
 GREEDY = GreedySampler()

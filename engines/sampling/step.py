@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from specaudit.engines.sampling.process import SamplingParams
-from specaudit.engines.sampling.rules import Draws, SpeculativeRule
+from specaudit.engines.sampling.rules import Draws, SpeculativeRule, greedy_accepted
 
 
 @dataclass
@@ -62,8 +62,6 @@ class StepSampler:
         """target_logits [B, k+1, V] (processed by the rows' request parameters), drafts [B, k], own [B, k],
         draft_logits [B, k, V] or None (one-hot q) -> tokens [B, k+1] (a row's accepted drafts, then its
         recovered or bonus token; the columns after them are never emitted) and accepted [B]."""
-        from specaudit.engines.acceptance import greedy_accepted
-
         tokens = target_logits.argmax(-1)  # [B, k+1]: the greedy rows' tokens
         accepted = greedy_accepted(tokens, drafts, own)  # [B]
         own_counts = own.long().sum(1).tolist()
