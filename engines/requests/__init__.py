@@ -27,6 +27,12 @@ server reports when it reports log-probabilities after its sampling chain (llama
 (`logprobs_mode` raw_logprobs) and llama.cpp's default (`post_sampling_probs` false) report the raw
 model's log-softmax, before any processor.
 
+Sampling (`temperature`, `top_p`, `seed`, with `top_k`): a request with temperature > 0 is sampled on the
+built-in engines (engines/sampling/step.py): its tokens are drawn from the processed row (the processors
+above, then temperature, top-k and top-p: `engines/sampling/process.py`) with its own seeded stream.
+Temperature 0 (the default) is greedy decoding. `min_p` with a temperature is refused (vLLM cuts `min_p`
+after the temperature; here it would be cut before).
+
 llama.cpp names: `repeat_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `n_probs`,
 `stop`, `n_predict`; it has no `min_tokens` or `bad_words` (see engines/adapters/servers.py).
 """
