@@ -7,10 +7,13 @@ Cost (2 loaded cores): the exact check about 10 s; the engines' audits about 5-1
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from specaudit.cli import main
 from specaudit.engines import acceptance
 from specaudit.engines.models.zoo import builtin_prompts, load_pair
 from specaudit.engines.registry import make_engine as make_project_engine
@@ -159,3 +162,14 @@ def test_greedy_requests_beside_sampled_ones_stay_greedy(pair) -> None:
 def test_a_sampled_request_with_min_p_is_refused() -> None:
     with pytest.raises(ValueError, match="min_p"):
         RequestParams(temperature=0.7, min_p=0.1)
+
+
+def test_the_command_line_audits_a_sampled_eqspec(tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["audit", "--pair", "tiny-llama", "--engine", "eqspec", "--temperature", "0.7", "--top-k", "8",
+                 "--samples", "60", "--num-prompts", "1", "--max-new-tokens", "3", "--draft-tokens", "2",
+                 "--batch-size", "16", "--seed", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "sampling.json").read_text())["engines"]["eqspec"]
+    assert report["seeds"]["checked"] and report["seeds"]["alone_equals_batch"]
+    assert any(t["scope"].startswith("ordered by the draft") for t in report["tests"])
+    assert "eqspec: no departure found" in capsys.readouterr().out
