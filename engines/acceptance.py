@@ -13,9 +13,19 @@ Either way a row offers `accepted + 1` tokens, `tokens[b, :accepted[b] + 1]`; `a
 after the first EOS id (any id of the set: `limits.eos_ids`) and at the row's room (its budget of new
 tokens left), and says which rows are done. Which draft tokens are accepted and what the recovered or
 bonus token is belongs to a `Sampler`: `GREEDY` (the default) takes the target's greedy choice at every
-position, which makes speculative decoding exactly greedy decoding. A sampled rule (temperature,
-top-k/top-p, rejection sampling with a generator per row) is another `Sampler` with the same call, the
-draft's logits passed in `draft_logits`; nothing outside this module changes.
+position, which makes speculative decoding exactly greedy decoding. The sampled rule is another `Sampler`
+with the same call (`engines/sampling/step.StepSampler`): per sampled row, with p_j the target's
+processed distribution at position j (temperature, top-k, top-p) and q_j the draft's, from which the
+draft drew x_j (the draft's logits are passed in `draft_logits` [B, k, V]; None: a deterministic drafter,
+q_j the one-hot of x_j), draw u_j ~ U[0, 1):
+
+- x_j is accepted while u_j < min(1, p_j(x_j) / q_j(x_j));
+- at the first rejection the recovered token is drawn from max(0, p_j - q_j) / sum(max(0, p_j - q_j));
+- after every draft token is accepted the bonus token is drawn from p_{k+1};
+
+so each emitted token is distributed as p_j exactly. Each row draws from its own request's generator.
+A pass whose request context has sampled rows (`requests.sampler`) takes that sampler; greedy rows in
+it are decided by the greedy rule as before, and a pass without sampled rows never reaches it.
 
 Request parameters (`engines/requests/rows.py`): given a request context (`requests`, the rows'
 `StepRequests`), `accept` first processes each row's logits at each verify position with the row's
@@ -36,6 +46,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import torch
 
 from specaudit.engines.limits import is_eos
+from specaudit.engines.sampling.rules import greedy_accepted
 
 if TYPE_CHECKING:
     from specaudit.engines.requests.rows import StepRequests
@@ -56,16 +67,6 @@ class GreedySampler:
                  draft_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = target_logits.argmax(-1)  # [B, k+1]
         return tokens, greedy_accepted(tokens, drafts, own)
-
-
-def greedy_accepted(target_tokens: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
-    """[B] accepted draft tokens: the longest prefix of `drafts` [B, k] equal to `target_tokens[:, :k]`
-    (a column where `own` [B, k] is False, a pad slot of a shorter proposal, is never accepted)."""
-    k = drafts.shape[1]
-    matches = drafts == target_tokens[:, :k]  # [B, k]
-    if own is not None:
-        matches &= own
-    return matches.long().cumprod(dim=1).sum(dim=1)  # [B]
 
 
 GREEDY = GreedySampler()
@@ -99,6 +100,8 @@ def accept(target_logits: torch.Tensor | None, drafts: torch.Tensor, room: torch
         if target_logits is None:
             raise ValueError("request parameters process the target's logits: pass target_logits")
         target_logits = requests.process(target_logits, drafts, own)  # [B, k+1, V]
+        if requests.sampler is not None and sampler is GREEDY:  # some row samples: the rows' own rule and streams
+            sampler = requests.sampler
     if target_logits is None:
         if sampler is not GREEDY or target_tokens is None:
             raise ValueError("without target logits only the greedy rule can decide, from target_tokens")
@@ -129,6 +132,7 @@ def first_tokens(last_logits: torch.Tensor, budget: torch.Tensor | int, eos_toke
     if requests is None:
         first = last_logits.argmax(-1)  # [B]
         return first, first_token_done(first, budget, eos_token_id)
+    # a sampled row's first token: the bonus of a step with no drafts, drawn from p_1 with the row's stream
     no_drafts = torch.zeros(last_logits.shape[0], 0, dtype=torch.long, device=last_logits.device)  # [B, 0]
     verdict = accept(last_logits.unsqueeze(1), no_drafts, budget, eos_token_id, requests=requests)
     return verdict.tokens[:, 0], verdict.done

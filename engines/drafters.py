@@ -16,6 +16,7 @@ no row drafted anything is a one-token decoding pass.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Callable, Protocol
 
@@ -27,6 +28,7 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
+from specaudit.engines.sampling.step import StepSampler
 
 
 class DraftVocabularyError(ValueError):
@@ -85,6 +87,11 @@ def own_proposals(proposals: torch.Tensor, lengths: torch.Tensor) -> list[list[i
 
 
 class Drafter(Protocol):
+    """A drafter's calls. Under sampling (a pass with sampled rows) the engine calls
+    `propose(state, k, sampling=...)` on a drafter whose `propose` takes `sampling` and reads its
+    `draft_logits` [B, k, V] after it; any other drafter proposes as it always does, and its proposals
+    count as certain (q the one-hot of each token: engines/sampling/step.py)."""
+
     def prefill(self, state: BatchState) -> None: ...
 
     def propose(self, state: BatchState, k: int) -> torch.Tensor:  # [B, k]
@@ -107,26 +114,37 @@ class ModelDrafter:
         self.chooser = chooser
         self.fill_seconds = 0.0
         self._proposed: torch.Tensor | None = None  # [B, k] last proposal, for the fill pass
+        self.draft_logits: torch.Tensor | None = None  # [B, k, V] what a sampled proposal was drawn from
         self._old_width = 0
 
     def prefill(self, state: BatchState) -> None:
         # every row holds its prompt and one new token; the pending last column is not cached
         state.draft_cache, _ = batch_ops.prefill(self.draft, state.tokens[:, :-1], state.cache_lengths)
 
-    def propose(self, state: BatchState, k: int) -> torch.Tensor:
+    def propose(self, state: BatchState, k: int, sampling: StepSampler | None = None) -> torch.Tensor:
+        """[B, k] draft tokens: greedy, or with `sampling` (a pass with sampled rows) each sampled row's
+        token drawn from its processed q with its own stream; then `draft_logits` [B, k, V] holds the
+        logits each was drawn from, for the acceptance (None when greedy)."""
         cache = state.draft_cache
         self._old_width = ragged.cache_width(cache)
         token = state.tokens[:, -1:]  # [B, 1] pending token
         check_draft_inputs(token, self.draft)
         cache_lengths = state.cache_lengths
         if self.chooser is not None:
+            if sampling is not None:
+                raise ValueError("a calibrated chooser proposes greedy drafts only; sampled requests need the draft model's own")
             self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
-        proposed = []
+        proposed, rows = [], []
         for i in range(k):
             logits = batch_ops.forward(self.draft, cache, token, cache_lengths + i)  # [B, 1, V]
-            greedy = logits[:, -1].argmax(-1)  # [B]
-            token = (greedy if self.chooser is None else self.chooser.choose(i, greedy)).unsqueeze(1)  # [B, 1]
+            if sampling is not None:
+                rows.append(logits[:, -1])
+                token = sampling.draft_tokens(logits[:, -1]).unsqueeze(1)  # [B, 1]
+            else:
+                greedy = logits[:, -1].argmax(-1)  # [B]
+                token = (greedy if self.chooser is None else self.chooser.choose(i, greedy)).unsqueeze(1)  # [B, 1]
             proposed.append(token)
+        self.draft_logits = torch.stack(rows, dim=1) if rows else None  # [B, k, V]
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
         check_proposals(self._proposed, self.shared_vocab_size)
         return self._proposed
@@ -240,6 +258,15 @@ class PromptLookupDrafter:
 
     def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
         return None
+
+
+def propose(drafter: Drafter, state: object, k: int, sampling: StepSampler | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The drafter's [B, k] proposals and, under sampling, the draft logits [B, k, V] they were drawn from
+    (None: greedy, or a drafter that proposes deterministically, whose q is the one-hot of its tokens)."""
+    if sampling is None or "sampling" not in inspect.signature(drafter.propose).parameters:
+        return drafter.propose(state, k), None  # type: ignore[arg-type]
+    proposals = drafter.propose(state, k, sampling=sampling)  # type: ignore[call-arg, arg-type]
+    return proposals, getattr(drafter, "draft_logits", None)
 
 
 def make_drafter(drafter: Drafter | str | None, target: PreTrainedModel, draft: PreTrainedModel | None) -> Drafter:

@@ -9,7 +9,10 @@ still running:
 3. accept:  each row keeps its longest draft prefix equal to the target's
             greedy choices (accepted tokens), then the target's own next
             token (the bonus token); cut at the first EOS or at exactly
-            max_new_tokens, never later
+            max_new_tokens, never later. A sampled request (request
+            parameters with temperature > 0) is decided by the rejection
+            sampler instead (engines/acceptance.py), its drafts drawn from
+            the draft's processed q, every decision from its own stream
 4. realign: unpad-append-repad the tokens, drop finished rows, and gather
             both caches so each row holds exactly its accepted tokens
 
@@ -33,7 +36,8 @@ from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
-from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, verify_drafts
+from specaudit.engines.drafters import (Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, propose,
+                                        verify_drafts)
 from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -124,8 +128,11 @@ def speculative_step(
     pad_lengths = state.pad_lengths().tolist()
     rows = list(state.rows)
 
-    # 1. draft: up to k tokens per row (a drafter may propose fewer, or none: `drafters.verify_drafts`)
-    proposals = drafter.propose(state, k)  # [B, k]
+    # 1. draft: up to k tokens per row (a drafter may propose fewer, or none: `drafters.verify_drafts`);
+    #    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)
+    step_requests = requests.step(rows) if requests is not None else None
+    sampling = step_requests.sampler if step_requests is not None else None
+    proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
     drafted = proposal_lengths(drafter, proposals)  # [B]
     draft_tokens, own = verify_drafts(proposals, drafted, pad_id)  # [B, m]: the row's drafts, then pad ids
     k = draft_tokens.shape[1]  # this step's width m: the longest proposal (0: a plain decoding pass)
@@ -140,8 +147,10 @@ def speculative_step(
     # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
     #    cut at the first EOS id or at exactly the row's budget, never later
     room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1 for running rows
-    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own,
-                                requests=requests.step(rows) if requests is not None else None)
+    if draft_logits is not None:
+        draft_logits = draft_logits[:, :k]  # [B, m, V]: the verified draft columns
+    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own, requests=step_requests,
+                                draft_logits=draft_logits)
     target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
     # the step's one read of per-row results (the other host syncs are a fixed few per step, for
     # batch widths and row selection; none is per row)

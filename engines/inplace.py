@@ -27,6 +27,10 @@ holes, and keeps a validity mask per cache:
   (`engines/ops/layout.py`), and a hole would count against it. For a model with such layers the cache
   is compacted after every step that leaves a hole, so INPLACE realigns like EQSPEC there.
 
+Sampled requests (request parameters with temperature > 0) are decided by the rejection sampler of
+`engines/acceptance.py`, their drafts drawn by `InplaceDrafter` from the draft's processed q with each
+request's own stream, as in EQSPEC.
+
 Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
 target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (row selection and
 compaction). `pad_lengths` of a record holds each row's holes (width - real columns).
@@ -48,7 +52,8 @@ from specaudit.engines.ops import recurrent
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
-                                         shared_vocab_size, verify_drafts)
+                                         propose, shared_vocab_size, verify_drafts)
+from specaudit.engines.sampling.step import StepSampler
 from specaudit.engines.eqspec import Clock, StepResult
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
@@ -156,6 +161,7 @@ class InplaceDrafter:
         self.chooser = chooser
         self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
         self._proposed: torch.Tensor | None = None  # [B, k]
+        self.draft_logits: torch.Tensor | None = None  # [B, k, V] what a sampled proposal was drawn from
         self._filled = False
 
     def prefill(self, state: InplaceState) -> None:
@@ -163,20 +169,29 @@ class InplaceDrafter:
         state.draft_cache, _ = batch_ops.prefill(self.draft, state.prompt_tokens, state.prompt_lengths)
         state.draft_valid = ragged.padding_mask(state.prompt_lengths, state.prompt_tokens.shape[1])
 
-    def propose(self, state: InplaceState, k: int) -> torch.Tensor:
+    def propose(self, state: InplaceState, k: int, sampling: StepSampler | None = None) -> torch.Tensor:
+        """[B, k] draft tokens: greedy, or with `sampling` each sampled row's token drawn from its
+        processed q with its own stream (`draft_logits` [B, k, V] then holds what they were drawn from)."""
         assert state.draft_cache is not None and state.draft_valid is not None
         token = state.pending  # [B, 1]
         check_draft_inputs(token, self.draft)
         if self.chooser is not None:
+            if sampling is not None:
+                raise ValueError("a calibrated chooser proposes greedy drafts only; sampled requests need the draft model's own")
             self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
         valid = state.draft_valid
-        proposed = []
+        proposed, rows = [], []
         for i in range(k):
             logits = masked_forward(self.draft, state.draft_cache, valid, token, state.cache_lengths + i)  # [B, 1, V]
-            greedy = logits[:, -1].argmax(-1)  # [B]
-            token = (self.chooser.choose(i, greedy) if self.chooser is not None else greedy).unsqueeze(1)
+            if sampling is not None:
+                rows.append(logits[:, -1])
+                token = sampling.draft_tokens(logits[:, -1]).unsqueeze(1)  # [B, 1]
+            else:
+                greedy = logits[:, -1].argmax(-1)  # [B]
+                token = (self.chooser.choose(i, greedy) if self.chooser is not None else greedy).unsqueeze(1)
             proposed.append(token)
             valid = append_valid(valid, 1, torch.ones_like(state.lengths))  # this pass's input column
+        self.draft_logits = torch.stack(rows, dim=1) if rows else None  # [B, k, V]
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
         check_proposals(self._proposed, self.shared_vocab_size)
         self._filled = False
@@ -310,8 +325,11 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         rows = list(state.rows)
         holes = (state.target_valid.shape[1] - state.cache_lengths).tolist()
 
-        # 1. draft: up to k tokens per row (fewer, or none, from a drafter that finds nothing to propose)
-        proposals = self.drafter.propose(state, k)  # [B, k]
+        # 1. draft: up to k tokens per row (fewer, or none, from a drafter that finds nothing to propose);
+        #    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)
+        step_requests = self.active_requests.step(rows) if self.active_requests is not None else None
+        sampling = step_requests.sampler if step_requests is not None else None
+        proposals, draft_logits = propose(self.drafter, state, k, sampling)  # [B, k], [B, k, V] or None
         drafted = proposal_lengths(self.drafter, proposals)  # [B]
         draft_tokens, own = verify_drafts(proposals, drafted, self.pad_id)  # [B, m]: own drafts, then pad ids
         k = draft_tokens.shape[1]  # this step's width: the longest proposal
@@ -326,8 +344,10 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
         #    cut at the first EOS id or at exactly the row's budget
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own,
-                                    requests=self.active_requests.step(rows) if self.active_requests is not None else None)
+        if draft_logits is not None:
+            draft_logits = draft_logits[:, :k]  # [B, m, V]: the verified draft columns
+        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own, requests=step_requests,
+                                    draft_logits=draft_logits)
         target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
         accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
         keep = (~done).nonzero().flatten()

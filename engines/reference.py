@@ -3,7 +3,8 @@
 Contract (every engine): token ids in, token ids out. `generate` returns, per prompt, only the
 new tokens: it stops after the first EOS (which is kept) or at exactly `max_new_tokens`. With request
 parameters (`request_params`, one per prompt) each prompt is decoded by `decode_with_params`
-(engines/requests/reference.py), the processors applied at every step.
+(engines/requests/reference.py), the processors applied at every step; a sampled request (temperature
+> 0) draws each token from the target's processed distribution with its own seeded stream.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ class ReferenceDecoder(TakesRequestParams):
             else:
                 result = decode_with_params(self.target, prompt, requests.rows[i].params, limits[i], eos_token_id,
                                             requests.tokenizer, penalty_scope=requests.penalty_scope,
-                                            record_logits=self.record_logits)
+                                            record_logits=self.record_logits, sampling=requests.rows[i].sampling)
                 tokens, logits = result.tokens, result.logits
             outputs.append(tokens)
             trace.logits[i] = logits

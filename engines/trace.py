@@ -52,6 +52,17 @@ class Trace:
         if not self.emitted_at:
             self.emitted_at = [[] for _ in range(self.num_prompts)]
 
+    def step_offsets(self) -> list[list[int]]:
+        """Per prompt, each new token's offset in the step that emitted it: how many of that step's draft
+        tokens were accepted before it (a step's first token: 0; the bonus token after k accepted drafts: k);
+        -1 for a prefill's token, which no verify step decides. The sampled audit stratifies by it
+        (equivalence/sampling/audit.py)."""
+        offsets: list[list[int]] = [[] for _ in range(self.num_prompts)]
+        for step in self.steps:
+            for row, count in zip(step.rows, step.emitted_counts):
+                offsets[row].extend([-1] * count if step.kind == "prefill" else range(count))
+        return offsets
+
     def record(self, step: StepRecord) -> None:
         index = len(self.steps)
         self.steps.append(step)

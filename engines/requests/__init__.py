@@ -27,6 +27,12 @@ server reports when it reports log-probabilities after its sampling chain (llama
 (`logprobs_mode` raw_logprobs) and llama.cpp's default (`post_sampling_probs` false) report the raw
 model's log-softmax, before any processor.
 
+Sampling (`temperature`, `top_p`, `seed`, with `top_k`): a request with temperature > 0 is sampled on the
+built-in engines (engines/sampling/step.py): its tokens are drawn from the processed row (the processors
+above, then temperature, top-k and top-p: `engines/sampling/process.py`) with its own seeded stream.
+Temperature 0 (the default) is greedy decoding. `min_p` with a temperature is refused (vLLM cuts `min_p`
+after the temperature; here it would be cut before).
+
 llama.cpp names: `repeat_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `n_probs`,
 `stop`, `n_predict`; it has no `min_tokens` or `bad_words` (see engines/adapters/servers.py).
 """
@@ -62,6 +68,11 @@ class RequestParams:
     min_p: float = 0.0
     top_k: int = 0  # 0 (or -1): off
     logprobs: int | None = None  # how many top log-probabilities to ask for (None: the client's default)
+    # sampling (engines/sampling/): temperature 0 is greedy decoding; top_p 1 is off; a seed makes a
+    # sampled request reproducible (None: a fresh seed per call)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -91,6 +102,18 @@ class RequestParams:
             raise ValueError("logit_bias: each bias must lie in [-100, 100] (OpenAI's range; vLLM clamps to it)")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be at least 0, got {self.logprobs}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be at least 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1] (1: off), got {self.top_p}")
+        if self.min_p > 0 and self.temperature > 0:
+            # vLLM cuts min_p after the temperature; the processors here cut it before: refused, not redefined
+            raise ValueError("min_p with temperature > 0 is not supported by the project's engines")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the request samples (temperature > 0); else it is decoded greedily."""
+        return self.temperature > 0
 
     @property
     def bias_map(self) -> dict[int, float]:

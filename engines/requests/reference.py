@@ -36,6 +36,8 @@ from specaudit.engines.limits import eos_ids
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.ops.layout import last_logits_only
 from specaudit.engines.requests import LOGPROB_DEFINITIONS, RequestParams, log_softmax, process
+from specaudit.engines.sampling.process import process_logits
+from specaudit.engines.sampling.step import RowSampling
 
 
 @dataclass
@@ -85,9 +87,13 @@ def text_for(tokenizer: Any, tokens: list[int]) -> str:
 @torch.no_grad()
 def decode_with_params(model: PreTrainedModel, prompt: list[int], params: RequestParams, max_new_tokens: int,
                        eos_token_id: int | list[int] | None, tokenizer: Any = None, *,
-                       penalty_scope: str = "output", record_logits: bool = True) -> RequestResult:
+                       penalty_scope: str = "output", record_logits: bool = True,
+                       sampling: RowSampling | None = None) -> RequestResult:
     """Greedy decoding of one prompt under `params` (see the module docstring). `max_new_tokens` is the
-    audit's budget; `params.max_tokens`, when set, replaces it. Stop strings need `tokenizer`."""
+    audit's budget; `params.max_tokens`, when set, replaces it. Stop strings need `tokenizer`.
+    With `sampling` (a sampled request: engines/requests/rows.py `row_sampling`) each token is drawn
+    instead from process_logits(the processed row, sampling.params) with the request's own stream: the
+    target alone, one draw per token, the distribution every sampled engine must reproduce."""
     if not prompt:
         raise ValueError("a prompt needs at least one token")
     if params.stop and tokenizer is None:
@@ -111,7 +117,10 @@ def decode_with_params(model: PreTrainedModel, prompt: list[int], params: Reques
         out = cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=position, **keep)
         raw = out.logits[0, -1].to(torch.float64)  # [V]
         processed = process(raw, prompt, output, params, stop_ids, penalty_scope)
-        token = int(processed.greedy.argmax())
+        if sampling is None:
+            token = int(processed.greedy.argmax())
+        else:
+            token = sampling.draws.categorical(process_logits(processed.post_sampling, sampling.params))
         for definition, row in (("raw", raw), ("processed", processed.greedy), ("post_sampling", processed.post_sampling)):
             result.logprobs[definition].append(float(log_softmax(row)[token]))
         raw_lp = log_softmax(raw)

@@ -19,6 +19,13 @@ rule (`engines/acceptance.py`), which then, per row `b` and verify position `i`:
   where the string ends in the text the token added), and commits the emitted tokens as the rows'
   output (`StepRequests.commit`).
 
+A sampled request (`RequestParams.temperature` > 0; `top_k`, `top_p`, `seed`) gets its own random stream
+here (`RowRequest.sampling`: its `SamplingParams` and a generator seeded with its `seed`, a fresh seed
+when it has none), made anew by every `generate`, so the same seed gives the same tokens; a step whose
+rows sample hands the acceptance rule a `StepSampler` (`StepRequests.sampler`, engines/sampling/step.py)
+that decides those rows with the engine's `SpeculativeRule` (the standard one unless a test plants
+another) and the drafter draws their draft tokens through it.
+
 A row whose parameters change no logit (stop strings, stop ids, `max_tokens` alone) skips the
 processing; a step none of whose rows changes a logit returns the logits as they are. Drafts are
 proposals: nothing here touches the drafter.
@@ -34,6 +41,9 @@ import torch
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import PENALTY_SCOPES, RequestParams, process, with_bad_words_resolved
 from specaudit.engines.requests.reference import find_stop, text_for
+from specaudit.engines.sampling.process import SamplingParams
+from specaudit.engines.sampling.rules import SpeculativeRule, seeded_draws
+from specaudit.engines.sampling.step import RowSampling, StepSampler
 
 # the fields whose processors can change a logit row (the others only stop a row or size it)
 LOGIT_FIELDS = ("bad_words", "min_tokens", "logit_bias", "repetition_penalty", "presence_penalty",
@@ -49,6 +59,7 @@ class RowRequest:
     stop_ids: tuple[int, ...]  # sorted: the EOS ids and the request's stop_token_ids
     changes_logits: bool  # some processor can change a logit row
     output: list[int] = field(default_factory=list)  # the new tokens committed so far
+    sampling: RowSampling | None = None  # a sampled request's parameters and stream (None: greedy)
     previous_text: str = ""  # stop strings: the output's text before its last token (the search window's start)
 
 
@@ -56,7 +67,8 @@ class RowRequests:
     """Every request of one `generate` call, by request id (the prompt's index)."""
 
     def __init__(self, prompts: Sequence[Sequence[int]], params: Sequence[RequestParams],
-                 eos_token_id: int | Sequence[int] | None, tokenizer: Any = None, penalty_scope: str = "output") -> None:
+                 eos_token_id: int | Sequence[int] | None, tokenizer: Any = None, penalty_scope: str = "output",
+                 rule: SpeculativeRule | None = None) -> None:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} request parameter sets for {len(prompts)} prompts: give one per prompt")
         if penalty_scope not in PENALTY_SCOPES:
@@ -65,11 +77,17 @@ class RowRequests:
             raise ValueError("stop strings need the target's tokenizer to detokenize the output (request_tokenizer)")
         eos = set(eos_ids(eos_token_id))
         self.tokenizer, self.penalty_scope = tokenizer, penalty_scope
+        self.rule = rule if rule is not None else SpeculativeRule()
+        if getattr(self.rule, "needs_last_draft_row", False):
+            raise ValueError(f"the sampling rule {self.rule.name!r} reads the draft's distribution after its last "
+                             "token, which the project's drafters do not compute")
         self.rows: list[RowRequest] = []
         for prompt, p in zip(prompts, params):
             p = with_bad_words_resolved(p, tokenizer)
-            changes = any(name in LOGIT_FIELDS for name in p.sent())
-            self.rows.append(RowRequest(list(prompt), p, tuple(sorted(eos | set(p.stop_token_ids))), changes))
+            # a sampled request's top-k is its sampler's cut (engines/sampling/process.py), not a processor's
+            changes = any(name in LOGIT_FIELDS and not (p.sampled and name == "top_k") for name in p.sent())
+            self.rows.append(RowRequest(list(prompt), p, tuple(sorted(eos | set(p.stop_token_ids))), changes,
+                                        sampling=row_sampling(p)))
 
     def budgets(self, max_new_tokens: int | Sequence[int]) -> list[int]:
         """Each request's budget of new tokens: its `max_tokens`, else the call's (one for all, or per prompt)."""
@@ -86,11 +104,23 @@ class RowRequests:
         return StepRequests(self, [self.rows[i] if i is not None else None for i in request_ids])
 
 
+def row_sampling(params: RequestParams) -> RowSampling | None:
+    """A sampled request's `RowSampling`: its parameters, and a generator seeded with its seed (a seed
+    drawn from torch's global generator when it has none); None for a greedy request."""
+    if not params.sampled:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, ()))
+    return RowSampling(SamplingParams(params.temperature, max(params.top_k, 0), params.top_p), seeded_draws(seed))
+
+
 class StepRequests:
     """The rows of one verify pass (or prefill), in batch order; what `acceptance.accept` calls."""
 
     def __init__(self, requests: RowRequests, rows: list[RowRequest | None]) -> None:
         self.requests, self.rows = requests, rows
+        sampled = [row.sampling if row is not None else None for row in rows]
+        # the pass's sampler when some row samples (None: every row greedy, the greedy rule decides)
+        self.sampler = StepSampler(sampled, requests.rule) if any(s is not None for s in sampled) else None
 
     def process(self, target_logits: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
         """`target_logits` [B, k+1, V] processed per row and position with the row's history there (float64
@@ -108,8 +138,9 @@ class StepRequests:
             assert row is not None
             for i in range(min(own_counts[b], drafts.shape[1]) + 1):
                 output = self.requests.history(row, draft_lists[b][:i])
-                processed[b, i] = process(processed[b, i], row.prompt, output, row.params, row.stop_ids,
-                                          scope).post_sampling
+                rows = process(processed[b, i], row.prompt, output, row.params, row.stop_ids, scope)
+                # a sampled row's cuts (top-k, top-p) and temperature are its sampling rule's to apply
+                processed[b, i] = rows.greedy if row.sampling is not None else rows.post_sampling
         return processed
 
     def stops(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -156,6 +187,7 @@ class TakesRequestParams:
     request_tokenizer: Any = None
     penalty_scope: str = "output"
     row_requests_class: type[RowRequests] = RowRequests
+    sampling_rule: SpeculativeRule | None = None  # the rule a sampled request is decided by (None: the standard one)
 
     def row_requests(self, prompts: Sequence[Sequence[int]], eos_token_id: int | Sequence[int] | None) -> RowRequests | None:
         """This call's requests, or None when no prompt asks anything of a plain greedy request (the
@@ -163,4 +195,7 @@ class TakesRequestParams:
         params = self.request_params
         if params is None or all(p.is_plain() for p in params):
             return None
+        if self.sampling_rule is not None:
+            return self.row_requests_class(prompts, params, eos_token_id, self.request_tokenizer, self.penalty_scope,
+                                           rule=self.sampling_rule)
         return self.row_requests_class(prompts, params, eos_token_id, self.request_tokenizer, self.penalty_scope)

@@ -62,6 +62,9 @@ class _SampledEngine:
                  seeds: list[int] | None = None) -> list[list[int]]:
         limits = request_limits(max_new_tokens, len(prompts))
         seeds = request_seeds(self.seed, len(prompts)) if seeds is None else list(seeds)
+        # per request, each token's offset in the step that emitted it: the drafts accepted before it in
+        # that step (k: the bonus token); what the sampled audit stratifies by
+        self.last_step_offsets: list[list[int]] = []
         outputs: list[list[int]] = []
         for start in range(0, len(prompts), self.batch_size):
             chunk = slice(start, start + self.batch_size)
@@ -71,15 +74,18 @@ class _SampledEngine:
     def _generate_batch(self, prompts: list[list[int]], limits: list[int], eos_token_id, draws: list[Draws]
                         ) -> list[list[int]]:
         outputs: list[list[int]] = [[] for _ in prompts]
+        offsets: list[list[int]] = [[] for _ in prompts]
         live = [b for b in range(len(prompts)) if limits[b] > 0]
         while live:
             steps = self.step([prompts[b] + outputs[b] for b in live], [draws[b] for b in live])
             still = []
             for b, emitted in zip(live, steps):
                 outputs[b], done = _finish(outputs[b] + emitted, limits[b], eos_token_id)
+                offsets[b] = (offsets[b] + list(range(len(emitted))))[: len(outputs[b])]
                 if not done:
                     still.append(b)
             live = still
+        self.last_step_offsets += offsets
         return outputs
 
     def step(self, rows: list[list[int]], draws: list[Draws]) -> list[list[int]]:

@@ -67,6 +67,17 @@ def seeded_draws(seed: int) -> GeneratorDraws:
     return GeneratorDraws(torch.Generator().manual_seed(int(seed)))
 
 
+def greedy_accepted(target_tokens: torch.Tensor, drafts: torch.Tensor, own: torch.Tensor | None = None) -> torch.Tensor:
+    """The greedy rule (`engines/acceptance.py`'s default; the standard rule at temperature 0): [B] accepted
+    draft tokens, the longest prefix of `drafts` [B, k] equal to `target_tokens[:, :k]` (a column where
+    `own` [B, k] is False, a pad slot of a shorter proposal, is never accepted)."""
+    k = drafts.shape[1]
+    matches = drafts == target_tokens[:, :k]  # [B, k]
+    if own is not None:
+        matches &= own
+    return matches.long().cumprod(dim=1).sum(dim=1)  # [B]
+
+
 def rejection_sample_row(p: torch.Tensor, q: torch.Tensor, drafts: list[int], draws: Draws) -> list[int]:
     """One row's step. p [k+1, V] target, q [k, V] draft (both processed, float64), drafts [k].
     Returns the emitted tokens: the accepted drafts, then one recovered or bonus token."""

@@ -6,7 +6,15 @@ the engine's own prefix (`teacher`). The family of tests, corrected together by 
 - all u's pooled (chi-square on 20 bins, and Kolmogorov-Smirnov);
 - the u's at each output position (the first sampled token, the second, ...), where there are enough;
 - each context (prompt and prefix) with at least `min_context` samples: its tokens counted against
-  its distribution (the first position of every prompt is one context for all its samples).
+  its distribution (the first position of every prompt is one context for all its samples);
+- with `offsets` (an engine that says, per token, how many of its step's drafts were accepted before
+  it): the u's at each step offset j. Whether a token sits at offset j is settled before it is drawn,
+  so under a correct sampler each stratum is uniform too; offset k holds the bonus tokens alone, where
+  a fault of the bonus token is not diluted by the other tokens;
+- with `draft` (the draft model, float64): the u's again with the tokens ordered by the draft's ratio
+  q/p on the same prefix (`stats.draft_ratio_order`), pooled and per offset: a sampler that leans
+  toward the draft's distribution (bonus from q, the uniform stuck at 0) piles these near 0 in every
+  context, where the p-ordered u's of different contexts cancel.
 
 A token the target gives probability 0 (outside top-k/top-p, or not the argmax at temperature 0) is
 a departure on its own: p-value 0.
@@ -32,6 +40,25 @@ def _null_binned_tv(n: int, bins: int, generator: torch.Generator) -> float:
     return stats.null_tv(torch.full((bins,), 1.0 / bins, dtype=stats.F64), n, generator)
 
 
+TOWARD_DRAFT = "ordered by the draft's q/p, "  # the scope's prefix of the tests on draft-ordered u's
+
+
+def _offset_scope(offset: int) -> str:
+    return "prefill tokens" if offset < 0 else f"step offset {offset}"
+
+
+def _draft_distributions(draft: PreTrainedModel, samples: list[Sample], params: SamplingParams,
+                         target_probs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per sample [n, V]: the draft's processed distribution before each sampled token (teacher forced on
+    the same prefix), on the target's vocabulary (ids the draft lacks: 0; ids past the target's: dropped)."""
+    out = []
+    for q, p in zip(target_distributions(draft, samples, params), target_probs):
+        vocab = p.shape[-1]
+        q = q[:, :vocab] if q.shape[-1] >= vocab else torch.nn.functional.pad(q, (0, vocab - q.shape[-1]))
+        out.append(q)
+    return out
+
+
 def _direction(u: torch.Tensor) -> str:
     mean = float(u.mean())
     return ("sharper than the target (too much mass on its likely tokens)" if mean < 0.5
@@ -39,11 +66,15 @@ def _direction(u: torch.Tensor) -> str:
 
 
 def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = 0.01,
-                  seed: int = 0, min_context: int = 50, max_context_tests: int = 64) -> dict[str, Any]:
-    """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict."""
+                  seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
+                  offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None) -> dict[str, Any]:
+    """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict.
+    `offsets`: per sample, each token's offset in the step that emitted it; `draft`: the draft model
+    (module docstring)."""
     # the PIT's own stream, apart from every request's ((seed << 20) + i, engines/sampling/engine.py)
     generator = torch.Generator().manual_seed((1 << 62) + seed)
     probs = target_distributions(model, samples, params)
+    draft_probs = _draft_distributions(draft, samples, params, probs) if draft is not None else None
     tokens, positions, table, contexts = [], [], [], defaultdict(list)
     impossible = []
     for index, ((prompt, sampled), p) in enumerate(zip(samples, probs)):
@@ -58,9 +89,13 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
         raise ValueError("no sampled tokens to audit")
     all_probs = torch.stack(table)  # [N, V]
     token_ids = torch.tensor(tokens)
-    u = stats.randomized_pit(all_probs, token_ids, torch.rand(len(tokens), generator=generator, dtype=stats.F64))
+    jitter = torch.rand(len(tokens), generator=generator, dtype=stats.F64)  # [N]
+    u = stats.randomized_pit(all_probs, token_ids, jitter)
     possible = ~torch.isnan(u)
     position_ids = torch.tensor(positions)
+    offset_ids = torch.tensor([o for sample_offsets in offsets for o in sample_offsets]) if offsets is not None else None
+    if offset_ids is not None and offset_ids.numel() != len(tokens):
+        raise ValueError(f"{offset_ids.numel()} step offsets for {len(tokens)} sampled tokens: give one per token")
 
     tests: list[dict[str, Any]] = []
     pooled = u[possible]
@@ -71,6 +106,22 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
         bins = min(PIT_BINS, at.numel() // 5)
         if bins >= 2:
             tests.append({**stats.chi_square_uniform(at, bins), "scope": f"output position {position}"})
+    if offset_ids is not None:
+        for offset in sorted(set(offset_ids.tolist())):
+            at = u[possible & (offset_ids == offset)]
+            bins = min(PIT_BINS, at.numel() // 5)
+            if bins >= 2:
+                tests.append({**stats.chi_square_uniform(at, bins), "scope": _offset_scope(offset)})
+    if draft_probs is not None:
+        # the same jitter: only the order changes, so under the target each u is uniform as before
+        u_draft = stats.randomized_pit(all_probs, token_ids, jitter,
+                                       order=stats.draft_ratio_order(all_probs, torch.cat(draft_probs)))
+        tests.append({**stats.chi_square_uniform(u_draft[possible], PIT_BINS), "scope": TOWARD_DRAFT + "all tokens"})
+        for offset in sorted(set(offset_ids.tolist())) if offset_ids is not None else []:
+            at = u_draft[possible & (offset_ids == offset)]
+            bins = min(PIT_BINS, at.numel() // 5)
+            if bins >= 2:
+                tests.append({**stats.chi_square_uniform(at, bins), "scope": TOWARD_DRAFT + _offset_scope(offset)})
     big = sorted((key for key, rows in contexts.items() if len(rows) >= min_context),
                  key=lambda key: -len(contexts[key]))[:max_context_tests]
     for key in big:
@@ -108,6 +159,8 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
         "power": POWER,
     }
     if departs:
+        scope = tests[worst]["scope"]
         report["finding"] = ("tokens the target never gives (probability 0 after the processing)" if impossible
-                             else f"{tests[worst]['scope']}: {_direction(pooled)}")
+                             else f"{scope}: leaning toward the draft's distribution" if scope.startswith(TOWARD_DRAFT)
+                             else f"{scope}: {_direction(pooled)}")
     return report

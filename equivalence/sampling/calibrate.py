@@ -19,7 +19,7 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from specaudit.engines.models.zoo import builtin_prompts, load_pair
     from specaudit.engines.sampling.process import SamplingParams
-    from specaudit.equivalence.sampling.run import make_engine, sampled_audit
+    from specaudit.equivalence.sampling.run import REQUEST_ENGINES, make_engine, sampled_audit
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="sampled-spec")
@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     p_values, started = [], time.perf_counter()
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         engine = make_engine(args.engine, pair.target, pair.draft, params, seed=seed, draft_tokens=args.draft_tokens,
-                             options={})
+                             options={"batch_size": 64} if args.engine in REQUEST_ENGINES else {})
         report = sampled_audit(engine, pair.target, prompts, params, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, eos_token_id=pair.eos_token_id, seed=seed,
-                               seed_checks=False)
+                               seed_checks=False, draft=pair.draft)
         p_values.append(report["p_value"])
         print(f"seed {seed}: p = {report['p_value']:.4f} {report['worst_test']}", flush=True)
     rates = {level: sum(p < level for p in p_values) / len(p_values) for level in (0.01, 0.05, 0.1)}

@@ -1,8 +1,9 @@
 """`specaudit audit --temperature T [--top-p P] [--top-k K] --samples N [--seed S]`: the sampled audit.
 
 With `--temperature`, `specaudit audit` tests sampled outputs instead of comparing greedy ones: each
-`--engine` (sampled-spec, sampled-reference, package.module:factory, or recorded:FILE: one line per
-sample, the prompt repeated) against the target of `--pair` (or `--target`) in float64, by teacher
+`--engine` (sampled-spec, sampled-reference, the project's eqspec, exspec, inplace, batched or
+reference sampled through their request parameters, package.module:factory, or recorded:FILE: one line
+per sample, the prompt repeated) against the target of `--pair` (or `--target`) in float64, by teacher
 forcing. Writes OUT/sampling.json; exit 0 when no departure is found, 1 on a departure (or a broken
 seed), 2 on bad usage.
 """
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.equivalence.cli.args import engine_options
     from specaudit.equivalence.prompts import load_prompts
-    from specaudit.equivalence.sampling.run import make_engine, sampled_audit
+    from specaudit.equivalence.sampling.run import REQUEST_ENGINES, make_engine, sampled_audit
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -89,13 +90,14 @@ def run(args: argparse.Namespace) -> int:
             recorded = _recorded_samples(spec[len("recorded:"):]) if spec.startswith("recorded:") else None
             engine = None if recorded is not None else make_engine(
                 spec, pair.target, pair.draft, params, seed=args.seed, draft_tokens=args.draft_tokens,
-                options=engine_options(args))
+                options={"batch_size": args.batch_size[0], **engine_options(args)} if spec in REQUEST_ENGINES
+                else engine_options(args))
         except (ValueError, ImportError, AttributeError) as exc:  # a bad name or file: one line, exit 2
             print(f"specaudit audit: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         report = sampled_audit(engine, pair.target, prompts, params, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
-                               alpha=args.alpha, recorded=recorded)
+                               alpha=args.alpha, recorded=recorded, draft=pair.draft)
         reports[spec] = report
         print(_summary(spec, report), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -23,11 +23,12 @@ marginal is the case j = 1. The departure is the largest total variation over po
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from specaudit.engines.sampling.process import SamplingParams, process_logits
-from specaudit.engines.sampling.rules import SpeculativeRule
+from specaudit.engines.sampling.rules import Draws, SpeculativeRule
 
 
 class _ScriptedDraws:
@@ -60,13 +61,19 @@ class _ScriptedDraws:
 def step_outcomes(rule: SpeculativeRule, target_logits: torch.Tensor, draft_logits: torch.Tensor,
                   params: SamplingParams) -> dict[tuple[int, ...], float]:
     """Every emitted sequence of one step and its exact probability (they sum to 1)."""
-    outcomes: dict[tuple[int, ...], float] = {}
     tables = rule.tables(target_logits, draft_logits, params)
+    return outcomes_of(lambda draws: rule.run(tables, draws))
+
+
+def outcomes_of(run: Callable[[Draws], Sequence[int]]) -> dict[tuple[int, ...], float]:
+    """Every emitted sequence of `run` (one step of any sampler, its drafts included, taking all its
+    randomness from the `Draws` it is given) and its exact probability: one run per branch of every decision."""
+    outcomes: dict[tuple[int, ...], float] = {}
     pending: list[list[int]] = [[]]
     while pending:
         script = pending.pop()
         draws = _ScriptedDraws(script)
-        emitted = tuple(int(t) for t in rule.run(tables, draws))
+        emitted = tuple(int(t) for t in run(draws))
         outcomes[emitted] = outcomes.get(emitted, 0.0) + draws.probability
         for depth in range(len(script), len(draws.path)):  # siblings of every new decision
             pending += [draws.path[:depth] + [other] for other in range(1, draws.counts[depth])]

@@ -16,20 +16,61 @@ from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
 
 BUILTIN_SAMPLED = {"sampled-spec": SampledSpeculative, "sampled-reference": SampledReference}
+# the project's engines, sampled through their request parameters (engines/requests/rows.py)
+REQUEST_ENGINES = ("eqspec", "exspec", "inplace", "batched", "reference")
+
+
+class RequestSampled:
+    """One of the project's engines (`REQUEST_ENGINES`) asked for sampled tokens the way any request asks:
+    each prompt's `RequestParams` carries the temperature, top-k, top-p and its own seed. `generate`
+    takes a seed per request like the small sampled engines; `last_step_offsets` comes from the engine's
+    trace (each token's offset in the step that emitted it)."""
+
+    def __init__(self, engine: Any, params: SamplingParams, seed: int) -> None:
+        self.engine, self.params, self.seed = engine, params, seed
+        self.name = engine.name
+        self.last_step_offsets: list[list[int]] | None = None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: Any,
+                 seeds: list[int] | None = None) -> list[list[int]]:
+        from specaudit.engines.requests import RequestParams
+
+        seeds = request_seeds(self.seed, len(prompts)) if seeds is None else list(seeds)
+        self.engine.request_params = [RequestParams(temperature=self.params.temperature, top_k=self.params.top_k,
+                                                    top_p=self.params.top_p, seed=s) for s in seeds]
+        try:
+            outputs = self.engine.generate(prompts, max_new_tokens, eos_token_id)
+        finally:
+            self.engine.request_params = None
+        trace = self.engine.last_trace
+        self.last_step_offsets = trace.step_offsets() if trace is not None and trace.steps else [[0] * len(o) for o in outputs]
+        return outputs
 
 
 def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, seed: int, draft_tokens: int,
-                options: dict[str, Any]) -> Any:
-    """A built-in sampled engine by name, or `package.module:factory` called as
+                options: dict[str, Any], rule: Any = None) -> Any:
+    """A built-in sampled engine by name (`sampled-spec`, `sampled-reference`, or one of the project's
+    engines, `REQUEST_ENGINES`, sampled through its request parameters; `rule` a `SpeculativeRule` they
+    decide sampled rows by, for planting a fault), or `package.module:factory` called as
     factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)."""
+    if spec in REQUEST_ENGINES:
+        from specaudit.engines.registry import make_engine as make_project_engine
+
+        options = dict(options)
+        engine = make_project_engine(spec, target, draft, batch_size=int(options.pop("batch_size", 8)),
+                                     draft_tokens=draft_tokens, **options)
+        engine.sampling_rule = rule
+        return RequestSampled(engine, params, seed)
     if spec in BUILTIN_SAMPLED:
         factory = BUILTIN_SAMPLED[spec]
     elif ":" in spec:
         module, _, name = spec.partition(":")
         factory = getattr(importlib.import_module(module), name)
     else:
-        raise ValueError(f"unknown sampled engine {spec!r}: give {', '.join(BUILTIN_SAMPLED)}, recorded:FILE "
-                         "or package.module:factory")
+        raise ValueError(f"unknown sampled engine {spec!r}: give {', '.join([*BUILTIN_SAMPLED, *REQUEST_ENGINES])}, "
+                         "recorded:FILE or package.module:factory")
+    if rule is not None:
+        options = {**options, "rule": rule}
     return factory(target, draft, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                    seed=seed, draft_tokens=draft_tokens, **options)
 
@@ -55,17 +96,21 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
-                  recorded: list[Sample] | None = None, seed_checks: bool = True) -> dict[str, Any]:
-    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict."""
+                  recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None) -> dict[str, Any]:
+    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `draft`: the
+    draft model, for the tests ordered toward the draft's distribution (equivalence/sampling/audit.py);
+    an engine's `last_step_offsets` (each token's offset in its step) stratifies the tests."""
     started = time.perf_counter()
+    offsets = None
     if recorded is None:
         requests = spread(prompts, samples)
         outputs = engine.generate(requests, max_new_tokens, eos_token_id)
         drawn: list[Sample] = list(zip(requests, outputs))
+        offsets = getattr(engine, "last_step_offsets", None)
     else:
         drawn = recorded
     sampling_seconds = time.perf_counter() - started
-    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed)
+    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft)
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
     report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed) if recorded is None and seed_checks

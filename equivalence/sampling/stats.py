@@ -5,7 +5,10 @@
   sequence where each token is drawn from its own conditional P given the tokens before, the u's are
   independent U[0, 1). The order puts likely tokens near 0, so a sampler too sharp (temperature too
   low, argmax, a cut too tight) piles u's near 0 and one too flat near 1, in every context alike.
-  The departure of u from uniform in total variation equals TV(Q, P), the sampler's own departure.
+  The departure of u from uniform in total variation equals TV(Q, P), the sampler's own departure;
+  binned u's keep of it only what has the same direction across contexts. Ordering instead by the
+  draft's ratio q/p (`draft_ratio_order`; still uniform under P) gives a departure toward the draft
+  the same direction in every context, so binning keeps it.
 - `chi_square_uniform` (binned u's), `ks_uniform` (Kolmogorov-Smirnov), `chi_square_counts` (tokens
   counted in one context against P, tokens of expected count below 5 merged into one bin).
 - `holm`: Holm's step-down correction of a family of p-values (family-wise error at most alpha).
@@ -24,13 +27,26 @@ import torch
 F64 = torch.float64
 
 
-def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, jitter: torch.Tensor) -> torch.Tensor:
-    """probs [n, V], tokens [n], jitter [n] U[0, 1) -> u [n] (NaN where the token has probability 0)."""
+def randomized_pit(probs: torch.Tensor, tokens: torch.Tensor, jitter: torch.Tensor,
+                   order: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [n, V], tokens [n], jitter [n] U[0, 1) -> u [n] (NaN where the token has probability 0).
+    Tokens are ordered by descending `order` [n, V] (default: `probs`), ties by id. Any order fixed by the
+    context before the token is drawn keeps u uniform under `probs`; ordering by a suspected alternative
+    Q's ratio Q/P puts every context's departure toward Q at the same end (`draft_ratio_order`)."""
     p_t = probs.gather(-1, tokens[:, None])  # [n, 1]
+    key = probs if order is None else order  # [n, V]
+    key_t = key.gather(-1, tokens[:, None])  # [n, 1]
     ids = torch.arange(probs.shape[-1])[None, :]  # [1, V]
-    before = (probs > p_t) | ((probs == p_t) & (ids < tokens[:, None]))  # [n, V]
+    before = (key > key_t) | ((key == key_t) & (ids < tokens[:, None]))  # [n, V]
     u = (probs * before).sum(-1) + jitter * p_t[:, 0]
     return torch.where(p_t[:, 0] > 0, u, torch.full_like(u, float("nan")))
+
+
+def draft_ratio_order(probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """[n, V] the order key q/p (q the draft's processed distribution on the same prefix, p the target's):
+    a sampler whose tokens lean toward the draft's (a bonus token from q, drafts accepted too often)
+    puts its PIT values near 0 in every context alike. Tokens with p = 0 come last (they carry no mass)."""
+    return torch.where(probs > 0, draft_probs / probs.clamp_min(1e-300), torch.full_like(probs, -1.0))
 
 
 def chi_square_survival(statistic: float, df: int) -> float:

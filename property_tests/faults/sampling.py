@@ -189,10 +189,24 @@ class SharedStream(SampledSpeculative):
         return [shared] * len(seeds)
 
 
-def make_fault_engine(target: Any, draft: Any = None, *, fault: str, **options: Any) -> SampledSpeculative:
-    """`specaudit.testing.faults.sampling:make_fault_engine` with `fault=NAME`: a sampled engine with one fault."""
+def make_fault_engine(target: Any, draft: Any = None, *, fault: str, engine: str = "sampled-spec",
+                      **options: Any) -> Any:
+    """`specaudit.testing.faults.sampling:make_fault_engine` with `fault=NAME`: a sampled engine with one fault.
+    `engine`: `sampled-spec` (default), or one of the project's engines (eqspec, exspec, inplace, batched,
+    reference; equivalence/sampling/run.py `REQUEST_ENGINES`), the fault's rule then planted in the
+    acceptance rule every one of them calls (engines/acceptance.py, engines/sampling/step.py)."""
+    if fault not in SAMPLING_FAULTS and fault != SharedStream.name:
+        raise ValueError(f"unknown sampling fault {fault!r}; known: {', '.join([*SAMPLING_FAULTS, SharedStream.name])}")
+    if engine != "sampled-spec":
+        from specaudit.engines.sampling.process import SamplingParams
+        from specaudit.equivalence.sampling.run import make_engine
+
+        if fault == SharedStream.name:
+            raise ValueError("the shared stream is a fault of sampled-spec's streams; the project's engines keep one per request")
+        params = SamplingParams(float(options.pop("temperature", 1.0)), int(options.pop("top_k", 0)),
+                                float(options.pop("top_p", 1.0)))
+        return make_engine(engine, target, draft, params, seed=int(options.pop("seed", 0)),
+                           draft_tokens=int(options.pop("draft_tokens", 4)), options=options, rule=SAMPLING_FAULTS[fault]())
     if fault == SharedStream.name:
         return SharedStream(target, draft, **options)
-    if fault not in SAMPLING_FAULTS:
-        raise ValueError(f"unknown sampling fault {fault!r}; known: {', '.join([*SAMPLING_FAULTS, SharedStream.name])}")
     return SampledSpeculative(target, draft, rule=SAMPLING_FAULTS[fault](), **options)
