@@ -67,6 +67,8 @@ def _summary(engine: str, report: dict[str, Any]) -> str:
 def _speculation_summary(speculation: dict[str, Any] | None) -> str:
     if not speculation:
         return ""
+    if speculation.get("drafted_tokens") is None:
+        return "; no speculation counters"
     rate = speculation.get("acceptance_rate")
     return (f"; speculation: {speculation.get('accepted_tokens')} of {speculation.get('drafted_tokens')} drafted "
             f"tokens accepted" + (f" ({rate:.2f})" if rate is not None else ""))
