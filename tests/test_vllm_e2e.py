@@ -254,7 +254,9 @@ def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, t
     prompt, too rarely for 200 samples: the report has it at 1000). Unseeded: on this server, whose prefills
     are split into chunks of 128 tokens, a seeded request whose prefill is split kills vLLM's engine
     (`gpu_model_runner._bookkeeping_sync` rewinds the request's generator with `set_offset`, which a CPU
-    torch.Generator refuses), which the report shows. vllm-cpu 0.32.0 samples the tokens after the first from another distribution than the target's
+    torch.Generator refuses), which the report shows.
+
+    vllm-cpu 0.32.0 samples the tokens after the first from another distribution than the target's
     (reports/sampling/README.md, real engines): its CPU replacement of the Triton `expand_kernel` never writes
     a float32 or int32 output, so the temperature, top-k and top-p of the verified draft positions are
     uninitialized memory. The first token (vLLM's plain sampler, from the prefill) is right; the positions
