@@ -4,8 +4,8 @@ With `--temperature`, `specaudit audit` tests sampled outputs instead of compari
 `--engine` (sampled-spec, sampled-reference, hf-assisted, package.module:factory, recorded:FILE: one
 line per sample, the prompt repeated, or a live server vllm:URL, llamacpp:URL, sglang:URL, trtllm:URL
 with `--batch-size N` requests in flight) against the target of `--pair` (or `--target`: for a server,
-the folder of the weights it serves) in float64, by teacher forcing. Writes OUT/sampling.json; exit 0 when no departure is found, 1 on a departure (or a broken
-seed), 2 on bad usage.
+the folder of the weights it serves) in float64, by teacher forcing. Writes OUT/sampling.json; exit 0 when
+no departure is found, 1 on a departure (or a broken seed), 2 on bad usage.
 """
 
 from __future__ import annotations
