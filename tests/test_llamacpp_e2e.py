@@ -16,6 +16,10 @@ of the same weights:
 Both check in the server's own counters that speculation ran (draft tokens accepted > 0) and that
 the 4 concurrent requests were batched (more than one busy slot per decode on average).
 
+Sampled (`specaudit audit --temperature 0.7 --top-k 8 --engine llamacpp:URL`): llama.cpp's speculative
+mode with sampling, each request seeded, its tokens tested against the float64 target by teacher
+forcing (equivalence/sampling/): no departure, drafts accepted, the same seed the same tokens.
+
 The first run fetches the server and the converter (scripts/llamacpp.sh; test.sh runs it before
 pytest starts): about 4 minutes for the prebuilt server, 7 to 26 minutes more to compile from
 source. Later runs take the cached server and models.
@@ -112,3 +116,27 @@ def test_llamacpp_defaults_diverge_only_numerically(llama, tmp_path):
     print(f"{lm.build_info(llama_dir)}; defaults (f16 cache, flash attention auto): {run['exact_matches']}/{run['num_prompts']} exact, "
           f"{len(run['divergences'])} divergence(s), all numerical; margins "
           f"{sorted(round(d['evidence']['reference_margin'], 4) for d in run['divergences'])}; {_drafts(metrics)}")
+
+
+SAMPLED_PROMPT = list(b"the cat sat on the mat and the dog sat on the log; the cat sat on the")
+
+
+def test_llamacpp_sampled_speculation_passes_the_sampled_audit(llama, tmp_path):
+    """300 samples of one prompt, 6 new tokens each, 4 requests in flight (about 15 s of requests and
+    10 s of teacher forcing on a quiet core); reports/sampling/README.md has 2000-sample runs."""
+    llama_dir, models = llama
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": SAMPLED_PROMPT}) + "\n")
+    with lm.LlamaServer(llama_dir, models, lm.EXACT_ARGS, tmp_path / "server.log") as server:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            status = cli.main(["audit", "--engine", f"llamacpp:{server.url}", "--target", str(models.hf_target),
+                               "--prompts", str(prompts), "--num-prompts", "1", "--temperature", "0.7", "--top-k", "8",
+                               "--samples", "300", "--max-new-tokens", "6", "--batch-size", str(BATCH_SIZE),
+                               "--seed", "5", "--out", str(tmp_path / "audit")])
+    (report,) = json.loads((tmp_path / "audit" / "sampling.json").read_text())["engines"].values()
+    print(f"{lm.build_info(llama_dir)}; {printed.getvalue()}")
+    assert status == 0 and report["verdict"] == "no departure found", printed.getvalue()
+    assert report["impossible_count"] == 0  # nothing outside the top-k: the cut and its order reached the server
+    assert report["speculation"]["drafted_tokens"] > 0 and report["speculation"]["accepted_tokens"] > 0, report
+    assert report["seeds"]["same_seed_same_output"], report["seeds"]

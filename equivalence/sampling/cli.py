@@ -2,10 +2,11 @@
 
 With `--temperature`, `specaudit audit` tests sampled outputs instead of comparing greedy ones: each
 `--engine` (sampled-spec, sampled-reference, the project's eqspec, exspec, inplace, batched or
-reference sampled through their request parameters, package.module:factory, or recorded:FILE: one line
-per sample, the prompt repeated) against the target of `--pair` (or `--target`) in float64, by teacher
-forcing. Writes OUT/sampling.json; exit 0 when no departure is found, 1 on a departure (or a broken
-seed), 2 on bad usage.
+reference sampled through their request parameters, hf-assisted, package.module:factory, recorded:FILE:
+one line per sample, the prompt repeated, or a live server vllm:URL, llamacpp:URL, sglang:URL,
+trtllm:URL with `--batch-size N` requests in flight) against the target of `--pair` (or `--target`: for
+a server, the folder of the weights it serves) in float64, by teacher forcing. Writes OUT/sampling.json;
+exit 0 when no departure is found, 1 on a departure (or a broken seed), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -60,7 +61,18 @@ def _summary(engine: str, report: dict[str, Any]) -> str:
             f"effect TV {report['effect_tv'] if report['effect_tv'] is None else round(report['effect_tv'], 3)}; {report['samples']} samples, {report['tokens']} tokens; "
             f"smallest detectable TV {report['detectable_tv_pooled']:.3f} pooled"
             + (f", {first:.3f} at the first token" if first is not None else "")
-            + (f"; {report['finding']}" if report.get("finding") else ""))
+            + (f"; {report['finding']}" if report.get("finding") else "")
+            + _speculation_summary(report.get("speculation")))
+
+
+def _speculation_summary(speculation: dict[str, Any] | None) -> str:
+    if not speculation:
+        return ""
+    if speculation.get("drafted_tokens") is None:
+        return "; no speculation counters"
+    rate = speculation.get("acceptance_rate")
+    return (f"; speculation: {speculation.get('accepted_tokens')} of {speculation.get('drafted_tokens')} drafted "
+            f"tokens accepted" + (f" ({rate:.2f})" if rate is not None else ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.equivalence.cli.args import engine_options
     from specaudit.equivalence.prompts import load_prompts
-    from specaudit.equivalence.sampling.run import REQUEST_ENGINES, make_engine, sampled_audit
+    from specaudit.equivalence.sampling.engines import make_sampled_engine
+    from specaudit.equivalence.sampling.run import sampled_audit
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -88,16 +101,17 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.engine:
         try:
             recorded = _recorded_samples(spec[len("recorded:"):]) if spec.startswith("recorded:") else None
-            engine = None if recorded is not None else make_engine(
+            engine = None if recorded is not None else make_sampled_engine(
                 spec, pair.target, pair.draft, params, seed=args.seed, draft_tokens=args.draft_tokens,
-                options={"batch_size": args.batch_size[0], **engine_options(args)} if spec in REQUEST_ENGINES
-                else engine_options(args))
+                options=engine_options(args), batch_size=args.batch_size[0])
         except (ValueError, ImportError, AttributeError) as exc:  # a bad name or file: one line, exit 2
             print(f"specaudit audit: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         report = sampled_audit(engine, pair.target, prompts, params, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
                                alpha=args.alpha, recorded=recorded, draft=pair.draft)
+        if engine is not None and hasattr(engine, "describe"):
+            report["engine"] = engine.describe()
         reports[spec] = report
         print(_summary(spec, report), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -107,12 +107,14 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
         outputs = engine.generate(requests, max_new_tokens, eos_token_id)
         drawn: list[Sample] = list(zip(requests, outputs))
         offsets = getattr(engine, "last_step_offsets", None)
+        speculation = getattr(engine, "last_speculation", None)  # the draw's own counters, before the seed checks
     else:
-        drawn = recorded
+        drawn, speculation = recorded, None
     sampling_seconds = time.perf_counter() - started
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft)
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
+    report["speculation"] = speculation
     report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed) if recorded is None and seed_checks
                        else {"checked": False, "why": "a recording cannot be re-run" if recorded is not None
                              else "not asked"})
