@@ -44,6 +44,9 @@ import pytest
 import vllm_models as vm
 from specaudit import cli
 
+# one process runs this module's tests, so its module-scoped server (or build) starts once (scripts/test.sh: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_vllm_e2e")
+
 MAX_NEW_TOKENS = 32
 IN_FLIGHT = 8  # --batch-size: concurrent requests
 MAX_NUM_SEQS = 4

@@ -37,6 +37,9 @@ import vllm_models as vm
 import wild_models as wm
 import wild_requests as wr
 
+# one process runs this module's tests, so its module-scoped server (or build) starts once (scripts/test.sh: --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("test_wild_vllm")
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "table",
                "--speculative-config", json.dumps(NGRAM)]
