@@ -4,11 +4,15 @@ Invariant between steps, for every row `b`: `tokens[b]` holds the row's prompt a
 (right-aligned, `lengths[b]` of them); the target cache, and the draft cache when there is one,
 hold the keys and values of all but the last token (`lengths[b] - 1` real columns, right-aligned);
 the last token is pending: it is the first input of the next step.
+
+An engine may keep the batch's bookkeeping on the host (`HostBook`: each row's length, and within a
+step its accepted counts and the rows that go on, from the step's one read of its results): the
+widths, pad lengths and realignment plans are then computed there, with no further device read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -20,6 +24,17 @@ from specaudit.engines.ops.hf_call import cached_forward
 
 
 @dataclass
+class HostBook:
+    """What the host knows of a batch without reading the device: `lengths` mirrors `BatchState.lengths`;
+    within a step, after its one read, `accepted` [B] holds the rows' accepted counts and `keep` the rows
+    (indices, ascending) that go on. Kept by the engine that sets it, at every change of the lengths."""
+
+    lengths: list[int]
+    accepted: list[int] | None = None
+    keep: list[int] | None = None
+
+
+@dataclass
 class BatchState:
     rows: list[int]  # prompt index of each row
     tokens: torch.Tensor  # [B, W] right-aligned, pad placeholder on the left
@@ -27,6 +42,7 @@ class BatchState:
     prompt_lengths: torch.Tensor  # [B]
     target_cache: DynamicCache
     draft_cache: DynamicCache | None = None
+    host: HostBook | None = field(default=None)  # the host's mirror of the lengths, where the engine keeps one
 
     @property
     def cache_lengths(self) -> torch.Tensor:  # [B]
@@ -34,6 +50,13 @@ class BatchState:
 
     def pad_lengths(self) -> torch.Tensor:  # [B] left padding of the target cache
         return ragged.cache_width(self.target_cache) - self.cache_lengths
+
+    def pad_length_list(self) -> list[int]:
+        """`pad_lengths()` on the host: from the host's lengths where it keeps them, else one read."""
+        if self.host is None:
+            return self.pad_lengths().tolist()
+        width = ragged.cache_width(self.target_cache)
+        return [width - (n - 1) for n in self.host.lengths]
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` (indices, ascending), caches included, between steps."""
@@ -54,12 +77,18 @@ class BatchState:
 
     def select(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` (indices, ascending) of the tokens; trims surplus padding.
-        The caches are left to the caller (`realign_cache` takes the same `keep`)."""
-        keep_list = keep.tolist()
+        The caches are left to the caller (`realign_cache` takes the same `keep`). With a `HostBook`,
+        `keep` is its `keep` and the lengths are selected on the host too (no device read)."""
+        keep_list = self.host.keep if self.host is not None and self.host.keep is not None else keep.tolist()
         self.rows = [self.rows[i] for i in keep_list]
         self.lengths = self.lengths.index_select(0, keep)
         self.prompt_lengths = self.prompt_lengths.index_select(0, keep)
-        width = int(self.lengths.max().item()) if keep_list else 0
+        if self.host is not None:
+            self.host.lengths = [self.host.lengths[i] for i in keep_list]
+            self.host.accepted = self.host.keep = None
+            width = max(self.host.lengths, default=0)
+        else:
+            width = int(self.lengths.max().item()) if keep_list else 0
         self.tokens = self.tokens.index_select(0, keep)[:, self.tokens.shape[1] - width:]
 
 
@@ -214,21 +243,33 @@ def _prefill_groups(model: PreTrainedModel, tokens: torch.Tensor, lengths: torch
     return cache, last_logits
 
 
-def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, cache_lengths: torch.Tensor, keep: torch.Tensor) -> None:
+def realign(cache: DynamicCache, old_width: int, accepted_counts: torch.Tensor, cache_lengths: torch.Tensor,
+            keep: torch.Tensor, host: HostBook | None = None) -> None:
     """After a step that appended columns from `old_width` on: keep, for each kept row, its old
-    cache plus its pending token and accepted draft tokens (`accepted_counts + 1` columns)."""
+    cache plus its pending token and accepted draft tokens (`accepted_counts + 1` columns). With the
+    step's `HostBook` (its accepted counts and kept rows read), the plan is made on the host."""
     if layout.is_row_ends(cache):  # rejected columns lie past each row's new end: nothing moves
         layout.settle_rows(cache, (cache_lengths + accepted_counts + 1).index_select(0, keep), keep)
         return
     recurrent.commit(cache, accepted_counts, keep)  # each kept row's state after its accepted tokens
+    if host is not None and host.accepted is not None and host.keep is not None:  # the same plan, on the host
+        accepted, rows = host.accepted, host.keep
+        keep_end = [old_width + accepted[i] + 1 for i in rows]
+        new_lengths = [host.lengths[i] - 1 + accepted[i] + 1 for i in rows]  # cached + pending + accepted
+        realign_with_room(cache, keep_end, new_lengths, rows=rows)
+        return
     keep_end = (old_width + accepted_counts + 1).index_select(0, keep)
     new_lengths = (cache_lengths + accepted_counts + 1).index_select(0, keep)
     realign_with_room(cache, keep_end, new_lengths, rows=keep)
 
 
-def realign_with_room(cache: DynamicCache, keep_end: torch.Tensor, new_lengths: torch.Tensor,
-                      rows: torch.Tensor | None = None) -> None:
+def realign_with_room(cache: DynamicCache, keep_end: torch.Tensor | list[int], new_lengths: torch.Tensor | list[int],
+                      rows: torch.Tensor | list[int] | None = None) -> None:
     """`ragged.realign_cache` into buffers with spare columns that the next passes write into (one
-    copy of the cache per step, not a second one into a roomier buffer at the next pass)."""
-    spare = layout.spare_width(int(new_lengths.max())) if new_lengths.numel() else 0
+    copy of the cache per step, not a second one into a roomier buffer at the next pass). The plan
+    as lists (an engine that keeps its lengths on the host) costs no device read."""
+    if isinstance(new_lengths, torch.Tensor):
+        spare = layout.spare_width(int(new_lengths.max())) if new_lengths.numel() else 0
+    else:
+        spare = layout.spare_width(max(new_lengths)) if new_lengths else 0
     ragged.realign_cache(cache, keep_end, new_lengths, rows=rows, spare=spare, hold=layout.hold_columns)

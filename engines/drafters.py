@@ -43,9 +43,10 @@ def shared_vocab_size(target: PreTrainedModel | None, draft: PreTrainedModel | N
     return min(sizes) if all(isinstance(size, int) for size in sizes) else None
 
 
-def check_proposals(proposed: torch.Tensor, shared: int | None) -> None:
-    """Raise `DraftVocabularyError` when a proposal [B, k] lies outside the shared ids."""
-    if shared is None:
+def check_proposals(proposed: torch.Tensor, shared: int | None, proposer_vocab_size: int | None = None) -> None:
+    """Raise `DraftVocabularyError` when a proposal [B, k] lies outside the shared ids. A proposer whose
+    own vocabulary lies inside them (`proposer_vocab_size`) cannot: no device read then."""
+    if shared is None or (proposer_vocab_size is not None and proposer_vocab_size <= shared):
         return
     outside = proposed >= shared  # [B, k]
     if bool(outside.any()):
@@ -56,9 +57,13 @@ def check_proposals(proposed: torch.Tensor, shared: int | None) -> None:
             "padded vocabulary must never choose a padding id")
 
 
-def check_draft_inputs(tokens: torch.Tensor, draft: PreTrainedModel) -> None:
-    """Raise `DraftVocabularyError` when a token the draft must read lies outside its vocabulary."""
+def check_draft_inputs(tokens: torch.Tensor, draft: PreTrainedModel, target_vocab_size: int | None = None) -> None:
+    """Raise `DraftVocabularyError` when a token the draft must read lies outside its vocabulary. Tokens
+    the target chose cannot when the target's vocabulary (`target_vocab_size`) lies inside the draft's: no
+    device read then."""
     size = getattr(getattr(draft, "config", None), "vocab_size", None)
+    if isinstance(size, int) and target_vocab_size is not None and target_vocab_size <= size:
+        return
     if isinstance(size, int) and tokens.numel() and int(tokens.max()) >= size:
         raise DraftVocabularyError(
             f"the target chose token {int(tokens.max())}, which the draft's vocabulary ({size} ids) does not have: "
@@ -73,10 +78,12 @@ def proposal_lengths(drafter: object, proposals: torch.Tensor) -> torch.Tensor:
     return lengths.to(proposals.device)
 
 
-def verify_drafts(proposals: torch.Tensor, lengths: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_drafts(proposals: torch.Tensor, lengths: torch.Tensor, pad_id: int,
+                  longest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft columns of a verify pass: [B, m] (m the longest proposal), each row's own draft tokens
-    then pad ids, and [B, m] True on a row's own draft tokens."""
-    m = int(lengths.max()) if lengths.numel() else 0
+    then pad ids, and [B, m] True on a row's own draft tokens. `longest`: m where the host knows it (a
+    drafter that always proposes k), else one read."""
+    m = longest if longest is not None else (int(lengths.max()) if lengths.numel() else 0)
     own = torch.arange(m, device=proposals.device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, m]
     return torch.where(own, proposals[:, :m], torch.full_like(proposals[:, :m], pad_id)), own
 
@@ -107,10 +114,12 @@ class ModelDrafter:
     row accepted. `fill_seconds` adds up the fill passes, which the ragged engines time inside their realign
     stage (the bench moves them to the draft stage), when a chooser is set."""
 
-    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None, chooser: object = None) -> None:
+    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None, chooser: object = None,
+                 target_vocab_size: int | None = None) -> None:
         layout.check_supported(draft, "draft")
         self.draft = draft
         self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
+        self.target_vocab_size = target_vocab_size  # the target's ids: inside the draft's, its tokens need no check
         self.chooser = chooser
         self.fill_seconds = 0.0
         self._proposed: torch.Tensor | None = None  # [B, k] last proposal, for the fill pass
@@ -128,7 +137,7 @@ class ModelDrafter:
         cache = state.draft_cache
         self._old_width = ragged.cache_width(cache)
         token = state.tokens[:, -1:]  # [B, 1] pending token
-        check_draft_inputs(token, self.draft)
+        check_draft_inputs(token, self.draft, self.target_vocab_size)
         cache_lengths = state.cache_lengths
         if self.chooser is not None:
             if sampling is not None:
@@ -146,7 +155,9 @@ class ModelDrafter:
             proposed.append(token)
         self.draft_logits = torch.stack(rows, dim=1) if rows else None  # [B, k, V]
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
-        check_proposals(self._proposed, self.shared_vocab_size)
+        # the draft model's own proposals lie inside its vocabulary; a chooser's may not
+        own_vocab = getattr(getattr(self.draft, "config", None), "vocab_size", None) if self.chooser is None else None
+        check_proposals(self._proposed, self.shared_vocab_size, own_vocab if isinstance(own_vocab, int) else None)
         return self._proposed
 
     def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
@@ -158,14 +169,19 @@ class ModelDrafter:
         assert self._proposed is not None
         k = self._proposed.shape[1]
         cache = state.draft_cache
-        if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):
+        host = state.host if state.host is not None and state.host.accepted is not None else None
+        if host is not None:  # the step's accepted counts, already read (engines/batch.py's HostBook)
+            needs_fill = any(host.accepted[i] == k for i in host.keep or [])
+        else:
+            needs_fill = bool(keep.numel()) and bool((accepted_counts.index_select(0, keep) == k).any())
+        if needs_fill:
             timed = self.chooser is not None  # the bench's drafter: its fill passes timed (a GPU waited for)
             started = _now(self.draft.device) if timed else 0.0
             batch_ops.forward(self.draft, cache, self._proposed[:, -1:], state.cache_lengths + k)
             if timed:
                 self.fill_seconds += _now(self.draft.device) - started
         if realign:
-            batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)
+            batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep, host)
         else:
             recurrent.commit(cache, accepted_counts)  # recurrent states: every row, in batch order
         self._proposed = None
@@ -275,4 +291,12 @@ def make_drafter(drafter: Drafter | str | None, target: PreTrainedModel, draft: 
         return PromptLookupDrafter()
     if isinstance(drafter, str):
         raise ValueError(f"unknown drafter {drafter!r}: use prompt-lookup, or give a draft model")
-    return drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft))
+    return drafter if drafter is not None else ModelDrafter(draft, shared_vocab_size(target, draft),
+                                                            target_vocab_size=output_ids(target))
+
+
+def output_ids(model: PreTrainedModel | None) -> int | None:
+    """How many ids `model` can choose: the rows of its output embedding (its logits' width), None when unknown."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None

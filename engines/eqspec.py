@@ -34,7 +34,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
-from specaudit.engines.batch import BatchState
+from specaudit.engines.batch import BatchState, HostBook
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.drafters import (Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, propose,
                                         verify_drafts)
@@ -125,7 +125,7 @@ def speculative_step(
     out of them instead of realigning; the tokens, lengths and rows of `state` are updated as usual.
     `requests`: the call's request parameters, handed to the acceptance rule for the rows of `state`."""
     clock = Clock(target.device)
-    pad_lengths = state.pad_lengths().tolist()
+    pad_lengths = state.pad_length_list()  # from the host's lengths where the engine keeps them (EQSPEC)
     rows = list(state.rows)
 
     # 1. draft: up to k tokens per row (a drafter may propose fewer, or none: `drafters.verify_drafts`);
@@ -134,7 +134,8 @@ def speculative_step(
     sampling = step_requests.sampler if step_requests is not None else None
     proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
     drafted = proposal_lengths(drafter, proposals)  # [B]
-    draft_tokens, own = verify_drafts(proposals, drafted, pad_id)  # [B, m]: the row's drafts, then pad ids
+    longest = proposals.shape[1] if getattr(drafter, "proposal_lengths", None) is None else None  # all k: no read
+    draft_tokens, own = verify_drafts(proposals, drafted, pad_id, longest)  # [B, m]: the row's drafts, then pad ids
     k = draft_tokens.shape[1]  # this step's width m: the longest proposal (0: a plain decoding pass)
     draft_seconds = clock.lap()
 
@@ -152,25 +153,35 @@ def speculative_step(
     verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own, requests=step_requests,
                                 draft_logits=draft_logits)
     target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
-    # the step's one read of per-row results (the other host syncs are a fixed few per step, for
-    # batch widths and row selection; none is per row)
-    accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
+    # the step's one read of per-row results: the tokens, accepted and emitted counts and stops [B, m+4];
+    # with the host's lengths (`state.host`) every width and plan below is made from it, no other read
+    counts = torch.stack([accepted_counts, emitted, done.long()], dim=1).to(target_tokens.dtype)  # [B, 3]
+    read = torch.cat([target_tokens, counts], dim=1).tolist()
+    new_rows = [row[:-3] for row in read]
+    accepted_list, emitted_list, done_list = ([row[j] for row in read] for j in (-3, -2, -1))
 
     # 4. realign: both caches keep [old cache, pending token, accepted tokens] of each running
     #    row; the tokens get the accepted and bonus tokens; finished rows leave the batch
-    keep = (~done).nonzero().flatten()
+    keep_list = [b for b, finished in enumerate(done_list) if not finished]
+    keep = torch.tensor(keep_list, dtype=torch.long).to(done.device, non_blocking=True)  # no device read
     if layout.is_row_ends(state.target_cache):  # rows fill the holes the leaving rows make (fewest copies)
         keep = layout.fill_order(keep)
-    new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]
+    if state.host is not None:
+        state.host.accepted, state.host.keep = accepted_list, keep_list
+    new_tokens = [row[:n] for row, n in zip(new_rows, emitted_list)]
     row_logits = [logits[b, :n] for b, n in enumerate(emitted_list)] if record_logits else None
     if keep.numel():
         if realign:
             drafter.commit(state, accepted_counts, keep)
-            batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)
+            batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep, state.host)
         else:
             drafter.commit(state, accepted_counts, keep, realign=False)
             recurrent.commit(state.target_cache, accepted_counts)  # every row of the step, in batch order
-        state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, target_tokens, emitted, pad_id)
+        grown = [n + e for n, e in zip(state.host.lengths, emitted_list)] if state.host is not None else None
+        state.tokens, state.lengths = ragged.append_and_repad(state.tokens, state.lengths, target_tokens, emitted, pad_id,
+                                                              max(grown) if grown else None)
+        if state.host is not None:
+            state.host.lengths = grown
         state.select(keep)
     else:
         state.rows = []
@@ -224,6 +235,8 @@ class EQSpec(ConsecutiveBatches, TakesRequestParams):
                                     row_limits(max_new_tokens, rows, device), self.record_logits,
                                     requests=self.active_requests)
         self._collect(trace, result, outputs, logits)
+        if state.rows and not layout.is_row_ends(state.target_cache):  # the lengths kept on the host from here
+            state.host = HostBook(state.lengths.tolist())
         while state.rows:
             result = speculative_step(self.target, self.drafter, state, self.k, len(trace.steps), eos_token_id,
                                       row_limits(max_new_tokens, state.rows, device), self.pad_id, self.record_logits,

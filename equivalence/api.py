@@ -102,10 +102,10 @@ def audit(
     `eos_token_id`: "pair" (every EOS id the pair's target declares), an id, a set of ids (any of them
     ends a row) or None (never stop early).
     Recordings and servers (`recorded:FILE`, `llamacpp:URL`, ...) need only `target` (or a pair);
-    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/blackbox/rulings.py);
+    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/rulings/band.py);
     `require_speculation=True` makes a run whose engine shows no drafted token a failure
     (equivalence/speculation.py); `plain_engine` names the same engine without speculation, whose
-    identical divergences are ruled numerical (equivalence/blackbox/plain_engine.py)."""
+    identical divergences are ruled numerical (equivalence/rulings/plain.py)."""
     engine_names = [engines] if isinstance(engines, str) else list(engines)
     pair_specs: list[str | UserPair] = list(pairs)
     from specaudit.engines.registry import black_box_prefix

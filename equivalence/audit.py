@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -17,14 +17,13 @@ from specaudit.engines.limits import eos_ids
 from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
-from specaudit.equivalence import attribute, speculation
-from specaudit.equivalence.blackbox import plain_engine
-from specaudit.equivalence.blackbox import rulings as blackbox
+from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.draft_fidelity import departure_floor, draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
-from specaudit.equivalence.precision import Ruler
+from specaudit.equivalence.rulings import Ruler
+from specaudit.equivalence.run_context import Reruns, RunContext
 
 
 class Reference:
@@ -58,46 +57,6 @@ def trace_summary(trace: Trace | None) -> dict[str, Any] | None:
     return summary
 
 
-def _divergence(
-    index: int, position: int, reference_out: list[int], engine_out: list[int], reference_logits: torch.Tensor | None,
-    trace: Trace | None, dtype: str, replay_target: PreTrainedModel | None, ruler: Ruler | None, prompt: list[int],
-    tokenizer: Any,
-    detected_by: str, logit_error_value: float | None, logit_error_so_far: float | None = None,
-    band: blackbox.NoiseBand | None = None, engine_entry: dict[int, float] | None = None,
-    same_dtype: torch.Tensor | None = None,
-) -> dict[str, Any]:
-    """One divergence record. `ruler` rules token divergences below float64 and black-box ones
-    (`equivalence/precision.py`); an in-process engine in float64 is ruled here: every mismatch is a bug.
-    `reference_logits` [n, V]: the logits that chose `reference_out` (for the margin)."""
-    reference_token = reference_out[position] if position < len(reference_out) else None
-    engine_token = engine_out[position] if position < len(engine_out) else None
-    margin, top_logit = attribute.reference_margin_at(reference_logits, position)
-    if detected_by == "logits":
-        kind, evidence = "structural", {"decided_by": "logits", "reason": (
-            f"tokens agree but logits differ by {logit_error_value:.3g} "
-            f"(> {LOGIT_TOLERANCE.get(dtype, float('nan')):.0e} in {dtype})")}
-    elif ruler is None:
-        replay = (replay_logits(replay_target, prompt, list(reference_out[:position]) + [0])[-1]
-                  if replay_target is not None else None)
-        kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
-        evidence["decided_by"] = "float64" if reference_token is not None and engine_token is not None else "length"
-    else:
-        kind, evidence = ruler.rule(prompt, reference_out, engine_out, position, same_dtype)
-        if band is not None:  # a black-box engine: its band and what its log-probabilities said, beside the ruling
-            evidence.update(blackbox.band_evidence(band, evidence, engine_token, reference_token, engine_entry))
-    if logit_error_so_far is not None:
-        evidence["logit_error_so_far"] = logit_error_so_far
-    ids, text = attribute.context(engine_out[:position], reference_out, engine_out, position, tokenizer)
-    record: dict[str, Any] = {
-        "prompt_index": index, "position": position, "reference_token": reference_token,
-        "engine_token": engine_token, "margin": margin, "kind": kind, "decided_by": evidence.get("decided_by"),
-        "detected_by": detected_by, "logit_error": logit_error_value, "evidence": evidence, "context": ids,
-        "text": text,
-    }
-    record.update(attribute.step_context(trace, index, position))
-    return record
-
-
 MAX_CONTINUATIONS = 16  # numerical flips judged past, per prompt
 
 
@@ -128,45 +87,6 @@ def next_difference(choices: list[int], engine_out: list[int], after: int, max_n
     return None
 
 
-def _same_engine_rerun(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None):
-    """Re-runs on the audited engine object itself; None when its drafter is scripted per prompt
-    index (its proposals would follow the wrong prompts)."""
-    from specaudit.engines.drafters import ScriptedDrafter
-
-    if isinstance(getattr(engine, "drafter", None), ScriptedDrafter):
-        return None
-    if getattr(engine, "recorded_prompts", None) is not None:  # a recording answers the same whatever its batch
-        return None
-
-    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-        if pad_token_id is not None:
-            raise ValueError("this engine object cannot change its pad id; audit it through a factory")
-        return engine.generate([list(prompts[i]) for i in indices], max_new_tokens, eos_token_id)
-
-    return rerun
-
-
-def plain_control(pair: ModelPair, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
-                  eos_token_id: int | None, pad_token_id: int | None = None) -> dict[str, Any]:
-    """The plain control of an in-process engine below float64: batched greedy decoding, no speculation,
-    of the same prompts in consecutive batches of `batch_size`, in the pair's dtype and device. Its
-    outputs, or the error that stopped it (the rulings then go without it), and its seconds."""
-    from specaudit.engines.batched import BatchedGreedy
-
-    started = time.perf_counter()
-    record: dict[str, Any] = {"engine": "batched", "outputs": None, "description": None, "speculation": None,
-                              "error": None}
-    try:
-        engine = BatchedGreedy(pair.target, batch_size=batch_size,
-                               pad_token_id=pad_token_id if pad_token_id is not None else pair.pad_token_id)
-        record["outputs"] = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
-    except Exception as exc:  # the audited run goes on, ruled without the plain control
-        record["error"] = (f"the plain control (batched) failed ({type(exc).__name__}: {exc}); the divergences are "
-                           "ruled without it").splitlines()[0]
-    record["seconds"] = time.perf_counter() - started
-    return record
-
-
 def audit_engine(
     engine: Any,
     pair: ModelPair,
@@ -183,10 +103,9 @@ def audit_engine(
     engine_dtype: str | None = None,
     logit_tolerance: float | None = None,
     bundle_dir: Any = None,
-    rerun: Callable[[list[int], int | None], list[list[int]]] | None = None,
+    context: RunContext | None = None,
+    rerun: Reruns | None = None,
     pad_token_id: int | None = None,
-    plain: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
-    run_subset: Callable[[list[int]], list[list[int]]] | None = None,
     draft_tokens: int | None = None,
     diagnosis: str = "full",
     diagnosis_budget: float | None = None,
@@ -194,22 +113,22 @@ def audit_engine(
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record.
 
-    A black-box engine (`engine.black_box`: recordings, live servers) is ruled against a noise band
-    declared by `engine_dtype` / `logit_tolerance` or measured from its log-probabilities
-    (`equivalence/blackbox/rulings.py`). With `bundle_dir`, every divergence is also written there as a
-    self-contained repro bundle (`equivalence/blackbox/bundles.py`).
+    Every divergence is ruled by `equivalence/rulings/` (one `Ruler` for every dtype; a black-box engine,
+    `engine.black_box`: recordings, live servers, with a noise band declared by `engine_dtype` /
+    `logit_tolerance` or measured from its log-probabilities). With `bundle_dir`, every divergence is
+    also written there as a self-contained repro bundle (`equivalence/blackbox/bundles.py`).
 
-    `plain` is a plain run of the same engine on the same prompts (`{"engine": name, "outputs":
-    [...] or None, "description", "speculation", "error"}`, or a callable that makes it when a flip
-    needs it): a divergence it makes identically is ruled numerical (`equivalence/blackbox/plain_engine.py`).
-    Below float64 an in-process engine with a `batch_size` gets one by default (`plain_control`).
+    `context` (`equivalence/run_context.py`) runs the engine again for the crash isolation and the
+    diagnosis and makes the plain run of the three-way rulings: the configured plain engine, or below
+    float64, for an in-process engine with a `batch_size`, the plain control (`batched`) when a flip
+    needs it. Without one, the audited engine object itself is run again, or `rerun(indices,
+    pad_token_id)` gives the diagnosis fresh engines.
 
     `replay_target` is the target in float64 (for the near-tie replay); in a float64 audit the
     pair's own target serves. `reference` may be shared between engines of the same pair/dtype.
 
     When `generate` raises, the prompts that make it fail are found by bisection
-    (`equivalence/isolate.py`) with `run_subset(indices)` (default: this engine on those prompts):
-    each is a failure finding in `failures`, and every other prompt is judged as usual.
+    (`equivalence/isolate.py`) with `context.run_subset(indices)`: each is a failure finding in `failures`, and every other prompt is judged as usual.
 
     `diagnosis`: "full" (checks, replays and re-runs of the engine), "quick" (no re-runs: a class
     the checks and replays decide, else `unknown` with what a re-run would have tried) or "off" (none:
@@ -219,6 +138,10 @@ def audit_engine(
     says how its time split between the engine, the shared reference, the precision controls, the
     diagnosis's replays and its re-runs.
     """
+    if context is None:
+        context = RunContext(pair, [list(p) for p in prompts], max_new_tokens, eos_token_id, dtype, batch_size,
+                             engine=engine, reruns=rerun,
+                             options={} if pad_token_id is None else {"pad_token_id": pad_token_id})
     if reference is None:
         reference = Reference(pair, prompts, max_new_tokens, eos_token_id)
     if replay_target is None:
@@ -233,10 +156,7 @@ def audit_engine(
     except Exception as exc:
         if not isolatable(exc) or len(prompts) < 1:
             raise
-        if run_subset is None:
-            def run_subset(indices: list[int]) -> list[list[int]]:
-                return engine.generate([list(prompts[i]) for i in indices], max_new_tokens, eos_token_id)
-        isolation = isolate_failures(run_subset, len(prompts), exc)
+        isolation = isolate_failures(context.run_subset, len(prompts), exc)
         if not any(out is not None for out in isolation.outputs):
             raise  # every prompt fails: the run failed
         outputs, trace = [out if out is not None else [] for out in isolation.outputs], None
@@ -252,11 +172,11 @@ def audit_engine(
     band, engine_logprobs = None, None
     if getattr(engine, "black_box", False):
         engine_logprobs = getattr(engine, "last_logprobs", None) or None
-        band = blackbox.noise_band(dtype, engine_dtype, logit_tolerance, engine_logprobs,
+        band = rulings.noise_band(dtype, engine_dtype, logit_tolerance, engine_logprobs,
                                    [[int(t) for t in o] for o in outputs], reference.outputs, reference.logits)
-    # below float64, and for black-box engines in any dtype, precision is measured on the run (precision.py)
-    ruler = None if dtype == "float64" and band is None else Ruler(dtype, pair.target, replay_target,
-                                                                   band.at if band is not None else None)
+    # in float64 every mismatch is a bug; below it, and for black-box engines in any dtype, precision is
+    # measured on the run (rulings/ruler.py)
+    ruler = Ruler(dtype, pair.target, replay_target, band)
 
     comparisons, divergences = [], []
     continued_references: dict[int, list[int]] = {}  # id(divergence) -> the reference it was judged against
@@ -286,16 +206,15 @@ def audit_engine(
             entry = None
             if engine_logprobs and engine_logprobs[index] and comparison.first_divergence < len(engine_logprobs[index]):
                 entry = engine_logprobs[index][comparison.first_divergence]
-            record = _divergence(
-                index, comparison.first_divergence, ref_out, eng_out, reference.logits[index], trace, dtype,
-                replay_target, ruler, prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band,
-                entry, same_dtype)
+            record = rulings.divergence(
+                index, comparison.first_divergence, ref_out, eng_out, reference.logits[index], trace, dtype, ruler,
+                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band, entry, same_dtype)
             divergences.append(record)
             # past a numerical flip, judge on: a correct decoder continued on the engine's own prefix says
             # what it chooses from there, so a bug that shows after a rounding flip is still seen
             along = None  # [n + 1, V] audit-dtype logits after each prefix of the engine's output
             for _ in range(MAX_CONTINUATIONS):
-                if ruler is None or record["kind"] != "numerical" or record["engine_token"] is None:
+                if record["kind"] != "numerical" or record["engine_token"] is None:
                     break
                 if along is None:
                     along = replay_logits(pair.target, prompt, eng_out + [0])
@@ -306,29 +225,26 @@ def audit_engine(
                 position = continued.position
                 entry = (engine_logprobs[index][position] if engine_logprobs and engine_logprobs[index]
                          and position < len(engine_logprobs[index]) else None)
-                record = _divergence(
-                    index, position, continued.tokens, eng_out, along, trace, dtype, replay_target, ruler, prompt,
-                    pair.tokenizer, "tokens", comparison.max_logit_error, None, band, entry,
+                record = rulings.divergence(
+                    index, position, continued.tokens, eng_out, along, trace, dtype, ruler, prompt, pair.tokenizer,
+                    "tokens", comparison.max_logit_error, None, band, entry,
                     along[position] if position < along.shape[0] else None)
                 record["continued_after"] = continued.after  # judged against a correct decoder from that prefix
                 continued_references[id(record)] = continued.tokens
                 divergences.append(record)
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
-            divergences.append(_divergence(
+            divergences.append(rulings.divergence(
                 index, comparison.worst_logit_position, ref_out, eng_out, reference.logits[index], trace, dtype,
-                replay_target, ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+                ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
 
-    if callable(plain) or (plain is None and band is None and dtype != "float64" and batch_size):
-        # the plain control, made only when a flip needs it (and then shared by all the run's flips)
-        needed = any(d["kind"] == "structural" for d in divergences)
-        plain = (plain() if callable(plain) else plain_control(pair, prompts, int(batch_size), max_new_tokens,
-                                                               eos_token_id, pad_token_id)) if needed else None
+    # the plain run: a configured plain engine, or the plain control made only when a flip needs it
+    plain = context.plain(any(d["kind"] == "structural" for d in divergences), band is not None)
     plain_outputs = plain.get("outputs") if plain is not None else None
     if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
         for divergence in divergences:
             index = divergence["prompt_index"]
             judged_against = continued_references.get(id(divergence), reference.outputs[index])
-            plain_engine.rule(divergence, judged_against, plain_outputs[index], band is not None)
+            rulings.plain_rule(divergence, judged_against, plain_outputs[index])
 
     if (trace is not None and getattr(trace, "proposals_from_draft_model", False)
             and getattr(pair, "draft", None) is not None):
@@ -350,14 +266,14 @@ def audit_engine(
     diagnosed_at = time.perf_counter()
     diagnoser = None
     if diagnosis != "off" and any(d["kind"] == "structural" for d in divergences):
-        # name the bug of every structural divergence (equivalence/diagnosis/core.py); `rerun(indices,
-        # pad_token_id)` runs a fresh engine for its experiments (default: this engine again)
+        # name the bug of every structural divergence (equivalence/diagnosis/core.py); the run context
+        # runs a fresh engine for its experiments
         diagnoser = Diagnoser(
             prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs],
             outputs=[[int(t) for t in o] for o in outputs], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
             trace=trace, engine_logits=list(engine_logits), target=pair.target, draft=getattr(pair, "draft", None),
-            rerun=rerun if rerun is not None else _same_engine_rerun(engine, prompts, max_new_tokens, eos_token_id),
+            run=context if context.can_rerun else None,
             batch_size=batch_size, draft_tokens=draft_tokens or getattr(trace, "draft_tokens", 0) or 0,
             ruler=ruler if dtype != "float64" else None,
             replay_target=replay_target if dtype != "float64" else None,
@@ -380,7 +296,7 @@ def audit_engine(
     timing = {
         "engine": seconds,
         "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
-        "controls": ruler.seconds if ruler is not None else 0.0,  # the rulings' float64 and same-dtype replays
+        "controls": ruler.seconds,  # the rulings' float64 and same-dtype replays
         "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
         # the diagnosis's checks and replays: everything it did but re-run the engine
         "replays": diagnosis_seconds - diagnoser.rerun_seconds if diagnoser is not None else 0.0,
@@ -414,7 +330,7 @@ def audit_engine(
         "noise_band": band.to_dict() if band is not None else None,
         "speculation": evidence,
         "speculation_observed": speculation.observed(evidence),
-        "plain_engine": None if plain is None else plain_engine.summary(
+        "plain_engine": None if plain is None else rulings.plain_summary(
             plain["engine"], reference.outputs, plain_outputs, [[int(t) for t in o] for o in outputs], divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),
         "engine_description": describe() if callable(describe) else None,

@@ -8,7 +8,7 @@ all of those choices come from one uncached draft pass over the row's final sequ
 
 Checked only for engines whose trace says the proposals come from greedy decoding with the draft
 model (`Trace.proposals_from_draft_model`). Below float64 the choices come from the draft in float64
-and a proposal that differs is kept only when `accept` (the rulings of `equivalence/precision.py`, on
+and a proposal that differs is kept only when `accept` (the rulings of `equivalence/rulings/`, on
 the draft) does not put it within the precision's reach.
 """
 
@@ -60,7 +60,7 @@ def first_draft_mismatches(
 
 def draft_divergence(prompt_index: int, mismatch: dict[str, Any], trace: Trace) -> dict[str, Any]:
     """A divergence record (kind structural, detected by the draft check)."""
-    from specaudit.equivalence.attribute import step_context
+    from specaudit.equivalence.rulings import step_context
 
     record: dict[str, Any] = {
         "prompt_index": prompt_index, "position": mismatch["position"],

@@ -28,14 +28,15 @@ from specaudit.engines.limits import eos_ids
 from specaudit.engines.models import zoo
 from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.ops.layout import UnsupportedModel
-from specaudit.engines.registry import black_box_prefix, make_engine, takes_option
+from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.blackbox import requests_run
-from specaudit.equivalence.errors import EngineFailure, RunTimeout, one_line
-from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, raised_inside_engine
+from specaudit.equivalence.errors import EngineFailure, one_line
+from specaudit.equivalence.guard import GuardedEngine, raised_inside_engine
 from specaudit.equivalence.prompts import load_prompts
+from specaudit.equivalence.run_context import RunContext
 from specaudit.equivalence.reports.summary import summary_table  # noqa: F401 (the runner's table, re-exported)
 
 from specaudit import __version__ as VERSION
@@ -64,14 +65,14 @@ class AuditConfig:
     eos_token_id: int | list[int] | None | str = "pair"
     engine_options: dict[str, Any] = field(default_factory=dict)
     timeout: float | None = 3600.0  # seconds per run; a run past it is recorded as failed
-    # black-box engines (recordings, servers): a declared noise band (equivalence/blackbox/rulings.py)
+    # black-box engines (recordings, servers): a declared noise band (equivalence/rulings/band.py)
     engine_dtype: str | None = None
     logit_tolerance: float | None = None
     bundles: bool = True  # write OUT/bundles/*.json, one repro bundle per divergence
     adversarial: bool = True  # add the adversarial prompts (equivalence/adversarial.py) to every pair's prompts
     pad_token_id: int | None = None  # the pad id the pair declares to the engines (None: the pair's own)
     require_speculation: bool = False  # a run whose engine drafted nothing (or exposes no counters) fails
-    plain_engine: str | None = None  # the same engine without speculation: three-way rulings (blackbox/plain_engine.py)
+    plain_engine: str | None = None  # the same engine without speculation: three-way rulings (rulings/plain.py)
     diagnosis: str = "full"  # "quick": checks and replays only; "full": re-runs of the engine too
     diagnosis_budget: float | None = None  # seconds per run for the diagnosis's re-runs (None: --timeout's)
     request_params: Any = None  # RequestParams for every prompt (live servers; blackbox/requests_run.py)
@@ -264,41 +265,6 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
             for engine_name in config.engines for batch_size in config.batch_sizes]
 
 
-# the plain control of in-process engines below float64: batched greedy decoding, no speculation
-PLAIN_CONTROL = "batched"
-
-
-def _plain_run(config: AuditConfig, pair: zoo.ModelPair, prompts: list[list[int]], batch_size: int,
-               eos: int | None, options: dict[str, Any], cache: dict[Any, dict[str, Any]],
-               name: str | None = None) -> dict[str, Any]:
-    """The plain engine (`config.plain_engine`, or `name`) on `prompts`, once per engine, batch size and
-    prompt set, shared by every run and flip it controls: its outputs, or the error that stopped it
-    (the rulings then go without it)."""
-    name = str(name or config.plain_engine)
-    key = (name, batch_size, tuple(tuple(p) for p in prompts))
-    if key in cache:
-        return cache[key]
-    started = time.perf_counter()
-    try:
-        engine = make_engine(name, pair.target, pair.draft, batch_size=batch_size, draft_tokens=config.draft_tokens,
-                             **options)
-        guarded = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
-        outputs = guarded.generate([list(p) for p in prompts], config.max_new_tokens, eos)
-        describe = getattr(engine, "describe", None)
-        result = {"engine": name, "outputs": outputs, "error": None,
-                  "description": describe() if callable(describe) else None,
-                  "speculation": speculation.of_run(engine, getattr(engine, "last_trace", None))}
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # the audited run goes on, ruled without the plain run
-        result = {"engine": name, "outputs": None, "description": None, "speculation": None,
-                  "error": one_line(f"the plain engine {name} failed ({type(exc).__name__}: {exc}); the divergences "
-                                    "are ruled without it")}
-    result["seconds"] = time.perf_counter() - started
-    cache[key] = result
-    return result
-
-
 def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
              bundle_dir: Path | None = None, adversarial: dict[str, Any] | None = None,
              plain_runs: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -317,55 +283,24 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             reference = Reference(pair, prompts, config.max_new_tokens, eos)
             adversarial = None  # a recording's prompts are its own
 
-        rerun_deadline: list[float] = []  # set at the first re-run: all of them share one budget
-
-        def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-            """A fresh engine on the prompts at `indices`, for the diagnosis's experiments. The re-runs
-            of one run together get at most `--diagnosis-budget` seconds, else `--timeout` (a re-run past
-            it is abandoned as the run itself would be, and the diagnosis reports it as not finished)."""
-            left = None
-            budget = config.diagnosis_budget if config.diagnosis_budget is not None else config.timeout
-            if budget is not None:
-                if not rerun_deadline:
-                    rerun_deadline.append(time.monotonic() + budget)
-                left = rerun_deadline[0] - time.monotonic()
-                if left <= 0:
-                    raise RunTimeout(f"the diagnosis re-runs used up their {budget:g} s")
-            fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
-                                draft_tokens=config.draft_tokens,
-                                **{**options, **({} if pad_token_id is None else {"pad_token_id": pad_token_id})})
-            return call_with_timeout(fresh.generate, ([list(prompts[i]) for i in indices], config.max_new_tokens,
-                                                      eos), left)
-
-        rerun.takes_pad_option = takes_option(engine_name, "pad_token_id")  # type: ignore[attr-defined]
-
-        def run_subset(indices: list[int]) -> list[list[int]]:
-            """A fresh engine, guarded like the audited one, on the prompts at `indices` (crash isolation)."""
-            fresh = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
-                                draft_tokens=config.draft_tokens, **options)
-            guarded = GuardedEngine(fresh, timeout=config.timeout,
-                                    vocab_size=getattr(pair.target.config, "vocab_size", None))
-            return guarded.generate([list(prompts[i]) for i in indices], config.max_new_tokens, eos)
-
-        plain = None
         black_box = bool(getattr(engine, "black_box", False))
-        if config.plain_engine:
-            plain = _plain_run(config, pair, prompts, batch_size, eos, options, {} if plain_runs is None else plain_runs)
-        elif dtype != "float64" and not black_box:  # the plain control: the same rows in the same batch shapes,
-            def plain() -> dict[str, Any]:  # made when a flip needs it, once per batch composition
-                return _plain_run(config, pair, prompts, batch_size, eos, options,
-                                  {} if plain_runs is None else plain_runs, PLAIN_CONTROL)
-        if recorded_prompts is not None:
-            rerun = None  # a recording answers the same whatever it is asked beside: nothing to re-run
+        # what the audit may run besides the engine's one call: fresh engines for the crash isolation and
+        # the diagnosis (their re-runs share --diagnosis-budget, else --timeout), and the plain run
+        budget = config.diagnosis_budget if config.diagnosis_budget is not None else config.timeout
+        context = RunContext(pair, [list(p) for p in prompts], config.max_new_tokens, eos, dtype, batch_size,
+                             engine_name=engine_name, engine=engine, draft_tokens=config.draft_tokens, options=options,
+                             timeout=config.timeout, rerun_budget=budget, plain_engine=config.plain_engine,
+                             plain_runs={} if plain_runs is None else plain_runs,
+                             rerunnable=recorded_prompts is None)
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         if requests_run.has_request_params(config.prompts, config.request_params):
             return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size, black_box)}
         run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                            dtype=dtype, reference=reference, replay_target=replay.target, engine_name=engine_name,
                            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
-                           logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, rerun=rerun,
-                           pad_token_id=options.get("pad_token_id", pair.pad_token_id), plain=plain,
-                           run_subset=run_subset, draft_tokens=config.draft_tokens, diagnosis=config.diagnosis,
+                           logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, context=context,
+                           pad_token_id=options.get("pad_token_id", pair.pad_token_id),
+                           draft_tokens=config.draft_tokens, diagnosis=config.diagnosis,
                            diagnosis_budget=config.diagnosis_budget,
                            replay_draft=replay.draft if dtype != "float64" else None)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})

@@ -1,4 +1,4 @@
-"""Rulings for black-box engines of another precision (equivalence/blackbox/rulings.py).
+"""Rulings for black-box engines of another precision (equivalence/rulings/).
 
 A fake llama.cpp server serves tiny-llama's float64 greedy outputs, except that on one prompt it
 takes the reference's runner-up at the position where the reference's top-2 margin is smallest (a
@@ -17,7 +17,7 @@ from fake_server import FakeServer
 from specaudit.engines.models import zoo
 from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.registry import make_engine
-from specaudit.equivalence.blackbox import rulings as blackbox
+from specaudit.equivalence.rulings import band as blackbox
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.compare import replay_logits
 
@@ -130,8 +130,8 @@ def test_flip_far_from_a_tie_is_structural_in_any_declared_dtype(setting):
 
 def test_length_mismatch_is_never_a_near_tie():
     band = blackbox.NoiseBand("declared-tolerance", "test", tolerance=1e9)
-    kind, evidence = blackbox.classify(band, torch.zeros(8), reference_token=3, engine_token=None)
-    assert kind == "structural" and "length" in evidence["reason"]
+    kind, evidence = blackbox.rule_on_band(band, torch.zeros(8), reference_token=3, engine_token=None)
+    assert kind == "structural" and evidence["decided_by"] == "length"
 
 
 def test_measure_ignores_positions_after_the_split():

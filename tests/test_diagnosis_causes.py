@@ -103,11 +103,11 @@ def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -
     assert _classes(run)["unknown"] == 0, found
 
 
-def _diagnose(prompts, references, outputs, index, position, *, pad, eos, rerun=None):
+def _diagnose(prompts, references, outputs, index, position, *, pad, eos, run=None):
     from specaudit.equivalence.diagnosis.core import Diagnoser
 
     diagnoser = Diagnoser(prompts=prompts, references=references, outputs=outputs, max_new_tokens=8,
-                          eos_token_id=eos, pad_token_id=pad, rerun=rerun)
+                          eos_token_id=eos, pad_token_id=pad, run=run)
     return diagnoser.diagnose({"prompt_index": index, "position": position, "kind": "structural",
                                "detected_by": "tokens"})
 
@@ -125,8 +125,11 @@ def test_pad_equal_to_eos_row_exact_alone_up_to_its_eos_is_padding_read_as_eos()
     # in its batch the row stops at once (its left padding is the EOS id); alone it gives the reference and
     # then more tokens past its EOS (another bug of the same engine): the early stop is still the padding's
     reference = [4, 5, 9]
-    rerun = lambda indices, pad_token_id: [reference + [6, 7] for _ in indices]  # noqa: E731
-    rerun.takes_pad_option = False
-    found = _diagnose([[3, 4], [5, 6, 7, 8]], [reference, [1, 2]], [[], [1, 2]], 0, 0, pad=9, eos=9, rerun=rerun)
+    from specaudit.equivalence.run_context import RunContext
+
+    prompts = [[3, 4], [5, 6, 7, 8]]
+    run = RunContext(None, prompts, 8, 9, "float64", reruns=lambda indices, pad_token_id: [reference + [6, 7] for _ in indices],
+                     pad_option=False)
+    found = _diagnose(prompts, [reference, [1, 2]], [[], [1, 2]], 0, 0, pad=9, eos=9, run=run)
     assert found["class"] == "pad_as_content", found
     assert found["decided_by"] == "a re-run alone, without padding", found

@@ -1,5 +1,5 @@
 """Outputs recorded on a GPU in bfloat16, audited on the CPU: correct engines get no structural ruling,
-buggy ones are still structural and named (equivalence/precision.py).
+buggy ones are still structural and named (equivalence/rulings/ruler.py).
 
 Each folder under tests/data/ with a `prompts_ids.jsonl` holds recordings named
 `{pair}-{engine}-b{B}-{dtype}-{device}.jsonl` (`scripts/record_engines.py` makes them; see the

@@ -1,5 +1,6 @@
-"""Rulings below float64 (`equivalence/precision.py`): what each control decides, on models whose logits
-are set by hand (each position's logits depend on the token there alone)."""
+"""The one ruler (`equivalence/rulings/ruler.py`): what each control decides in float64 and below it, with
+and without a black-box engine's band, on models whose logits are set by hand (each position's logits
+depend on the token there alone)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specaudit.equivalence.attribute import dtype_noise
-from specaudit.equivalence.precision import Ruler
+from specaudit.equivalence.rulings import NoiseBand, Ruler, dtype_noise
 
 V = 6
 
@@ -83,3 +83,25 @@ def test_a_rerun_is_equivalent_when_exact_or_its_flip_is_numerical() -> None:
     assert judge.equivalent([1], [1, 1], [1, 1])
     assert judge.equivalent([1], [1, 1], [1, 2])
     assert not judge.equivalent([2], [1, 1], [1, 3])
+
+
+def test_in_float64_every_mismatch_is_structural_even_a_tie() -> None:
+    """float64 without a band: a tie in the float64 logits is still a bug (decided by `float64`), and a
+    re-run is equivalent only when exact; a length mismatch is decided by `length`."""
+    tie = {1: [0, 4.0, 4.0, 0, 0, 0]}
+    exact = Ruler("float64", TableModel(tie, torch.float64), TableModel(tie, torch.float64))
+    kind, evidence = exact.rule([1], [1, 1], [1, 2], 1)
+    assert kind == "structural" and evidence["decided_by"] == "float64"
+    assert evidence["replay_float64_margin"] == 0.0
+    assert exact.rule([1], [1, 1], [1], 1)[1]["decided_by"] == "length"
+    assert exact.equivalent([1], [1, 1], [1, 1]) and not exact.equivalent([1], [1, 1], [1, 2])
+
+
+def test_a_black_box_band_rules_a_float64_audit_against_the_band() -> None:
+    """A black-box engine's declared band makes a float64 audit measure precision: a flip inside the band
+    is numerical, one beyond it structural."""
+    table = {1: [0, 4.0, 3.9, 1.0, 0, 0]}
+    model = TableModel(table, torch.float64)
+    band = NoiseBand("declared-tolerance", "declared", tolerance=0.5)
+    assert Ruler("float64", model, model, band).rule([1], [1, 1], [1, 2], 1)[0] == "numerical"
+    assert Ruler("float64", model, model, band).rule([1], [1, 1], [1, 3], 1)[0] == "structural"

@@ -1,4 +1,4 @@
-"""Three-way rulings (equivalence/blackbox/plain_engine.py): the reference, a plain run of the same engine,
+"""Three-way rulings (equivalence/rulings/plain.py): the reference, a plain run of the same engine,
 and the speculative run.
 
 Two fake llama.cpp servers serve tiny-llama's float64 greedy outputs with planted flips: the

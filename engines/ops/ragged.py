@@ -43,15 +43,17 @@ def padding_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return columns.unsqueeze(0) >= (width - lengths).unsqueeze(1)
 
 
-def realign_index(keep_end: torch.Tensor, new_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def realign_index(keep_end: torch.Tensor, new_lengths: torch.Tensor,
+                  width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather plan that right-aligns, for each row, the `new_lengths[b]` source columns ending
     (exclusively) at `keep_end[b]`.
 
     Returns `source` [B, W'] (column to read, clamped to be a valid index) and `valid` [B, W']
     (False on padding), with `W' = max(new_lengths)`: the batch never keeps more padding than
-    its longest row needs.
+    its longest row needs. `width`: that longest length where the host knows it (no device read).
     """
-    width = int(new_lengths.max().item()) if new_lengths.numel() else 0
+    if width is None:
+        width = int(new_lengths.max().item()) if new_lengths.numel() else 0
     columns = torch.arange(width, device=keep_end.device).unsqueeze(0)  # [1, W']
     source = columns + (keep_end - width).unsqueeze(1)  # [B, W']
     valid = columns >= (width - new_lengths).unsqueeze(1)
@@ -64,12 +66,13 @@ def append_and_repad(
     new_tokens: torch.Tensor,  # [B, K]
     new_counts: torch.Tensor,  # [B], 0..K
     pad_id: int,
+    new_width: int | None = None,  # the new longest row, where the host knows it (no device read)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unpad, append each row's first `new_counts[b]` new tokens, and repad to the new longest row."""
     width = tokens.shape[1]
     combined = torch.cat([tokens, new_tokens], dim=1)  # [B, W + K]
     new_lengths = lengths + new_counts
-    source, valid = realign_index(width + new_counts, new_lengths)
+    source, valid = realign_index(width + new_counts, new_lengths, new_width)
     out = torch.gather(combined, 1, source.clamp(max=combined.shape[1] - 1))
     return torch.where(valid, out, torch.full_like(out, pad_id)), new_lengths
 
@@ -122,17 +125,18 @@ def realign_columns(x: torch.Tensor, keep_end: list[int], new_lengths: list[int]
     return out
 
 
-def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows: torch.Tensor | None = None,
-                  spare: int = 0, hold=None) -> None:
+def realign_cache(cache, keep_end: torch.Tensor | list[int], new_lengths: torch.Tensor | list[int],
+                  rows: torch.Tensor | list[int] | None = None, spare: int = 0, hold=None) -> None:
     """Keep, for each row, the `new_lengths[b]` cached positions ending (exclusively) at column
     `keep_end[b]`, right-aligned, padding zeroed; optionally first select the batch `rows`.
 
     One slice copy per row, layer and tensor (`realign_columns`), the same plan for every layer;
     modifies `cache` in place (new tensors per layer; the old ones are not written). With `spare`
     columns, `hold(layer, key_buffer, value_buffer, width)` hands each layer its new buffers
-    (`layout.hold_columns`: the next pass writes into the room left instead of copying again)."""
-    ends, lengths = keep_end.tolist(), new_lengths.tolist()
-    selected = rows.tolist() if rows is not None else None
+    (`layout.hold_columns`: the next pass writes into the room left instead of copying again). The plan
+    is read to the host once, unless it comes as lists (an engine that keeps its lengths on the host)."""
+    ends, lengths = _host_list(keep_end), _host_list(new_lengths)
+    selected = _host_list(rows) if rows is not None else None
     width = max(lengths, default=0)
     for layer in cache_layers(cache):
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
@@ -143,6 +147,10 @@ def realign_cache(cache, keep_end: torch.Tensor, new_lengths: torch.Tensor, rows
             hold(layer, keys, values, width)
         else:
             layer.keys, layer.values = keys[:, :, :width], values[:, :, :width]
+
+
+def _host_list(values: torch.Tensor | list[int]) -> list[int]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
 def widen_left(x: torch.Tensor, width: int, dim: int, fill: float | bool = 0) -> torch.Tensor:

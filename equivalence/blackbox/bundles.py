@@ -90,17 +90,16 @@ def replay_bundle(bundle: dict[str, Any], target: Any, replay_target: Any | None
                   dtype: str | None = None) -> dict[str, Any]:
     """Re-check one bundle against `target` (a loaded model; `replay_target` its float64 copy when
     `target` is not float64). Returns `{"kind", "exit_status", "message", ...}`."""
+    from specaudit.engines.models.zoo import float64_copy
     from specaudit.engines.reference import ReferenceDecoder
-    from specaudit.equivalence import attribute
-    from specaudit.equivalence.blackbox import rulings as blackbox
-    from specaudit.equivalence.compare import compare_tokens, replay_logits
+    from specaudit.equivalence.compare import compare_tokens
+    from specaudit.equivalence.rulings import NoiseBand, Ruler, band_evidence
 
     settings = bundle["settings"]
     dtype = dtype or settings["dtype"]
     prompt, engine_out = bundle["prompt_ids"], bundle["engine_output"]
     decoder = ReferenceDecoder(target, record_logits=True)
     reference_out = decoder.generate([prompt], settings["max_new_tokens"], settings["eos_token_id"])[0]
-    reference_logits = decoder.last_trace.logits[0]
     result: dict[str, Any] = {"reference_output": reference_out,
                               "reference_matches_bundle": reference_out == bundle["reference_output"]}
     comparison = compare_tokens(0, reference_out, engine_out)
@@ -117,20 +116,13 @@ def replay_bundle(bundle: dict[str, Any], target: Any, replay_target: Any | None
     reference_token = reference_out[position] if position < len(reference_out) else None
     engine_token = engine_out[position] if position < len(engine_out) else None
     band_record = bundle.get("noise_band")
-    if band_record or dtype != "float64":  # ruled as the audit rules: precision measured on the run (precision.py)
-        from specaudit.engines.models.zoo import float64_copy
-        from specaudit.equivalence.precision import Ruler
-
-        exact = replay_target if replay_target is not None else (target if dtype == "float64" else float64_copy(target))
-        band = blackbox.NoiseBand(**band_record) if band_record else None
-        kind, evidence = Ruler(dtype, target, exact, band.at if band is not None else None).rule(
-            prompt, reference_out, engine_out, position)
-        if band is not None:
-            evidence.update(blackbox.band_evidence(band, evidence, engine_token, reference_token))
-    else:
-        replay = replay_logits(target, prompt, list(reference_out[:position]) + [0])[-1]
-        margin, top_logit = attribute.reference_margin_at(reference_logits, position)
-        kind, evidence = attribute.classify(dtype, margin, top_logit, reference_token, engine_token, replay)
+    # ruled as the audit rules (equivalence/rulings/): in float64 every mismatch is a bug, below it (or
+    # with a black-box engine's band) precision is measured on the run
+    exact = replay_target if replay_target is not None else (target if dtype == "float64" else float64_copy(target))
+    band = NoiseBand(**band_record) if band_record else None
+    kind, evidence = Ruler(dtype, target, exact, band).rule(prompt, reference_out, engine_out, position)
+    if band is not None:
+        evidence.update(band_evidence(band, evidence, engine_token, reference_token))
     return {**result, "kind": kind, "position": position, "reference_token": reference_token,
             "engine_token": engine_token, "evidence": evidence, "exit_status": 1 if kind == "structural" else 0,
             "message": f"the divergence reproduces at position {position} and is ruled {kind}: {evidence['reason']}"}

@@ -6,7 +6,7 @@ prompt that appears more than once); a prompt found in only one of them is repor
 
 With a target (`--pair P` or `--target PATH`), each prompt where A and B differ is also decoded by
 the reference, and each recording's first divergence from it is ruled as the audit rules a
-black-box engine (`equivalence/blackbox/rulings.py`): the band declared with `--engine-dtype` /
+black-box engine (`equivalence/rulings/`): the band declared with `--engine-dtype` /
 `--logit-tolerance`, else measured from that recording's own log-probabilities, else the reference
 dtype's own noise.
 """
@@ -73,8 +73,7 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
     from it. Returns the bands used, per recording."""
     from specaudit.engines.models.zoo import float64_copy
     from specaudit.engines.reference import ReferenceDecoder
-    from specaudit.equivalence.blackbox import rulings as blackbox
-    from specaudit.equivalence.precision import Ruler
+    from specaudit.equivalence.rulings import Ruler, band_evidence, noise_band
 
     differing = [d for d in diffs if d.position is not None and d.missing_from is None]
     matched = {index: (line_a, line_b) for index, line_a, line_b in pair_lines(a, b)[0]}
@@ -90,10 +89,10 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
         lines = [matched[d.index][pick] for d in differing]
         outputs = [line.output_ids for line in lines]
         logprobs = [line.logprobs for line in lines]
-        band = blackbox.noise_band(dtype, engine_dtype, logit_tolerance, logprobs if any(logprobs) else None,
+        band = noise_band(dtype, engine_dtype, logit_tolerance, logprobs if any(logprobs) else None,
                                    outputs, reference_outputs, reference_logits)
         bands[side] = band.to_dict()
-        ruler = Ruler(dtype, target, exact, band.at)
+        ruler = Ruler(dtype, target, exact, band)
         for d, output, per_token, ref_out, logits in zip(differing, outputs, logprobs, reference_outputs,
                                                          reference_logits):
             if output == ref_out:
@@ -105,7 +104,7 @@ def rule_against_reference(diffs: list[PromptDiff], a: list[RecordedLine], b: li
             entry = per_token[position] if per_token and position < len(per_token) else None
             prompt = matched[d.index][pick].prompt_ids
             kind, evidence = ruler.rule(prompt, ref_out, output, position)
-            evidence.update(blackbox.band_evidence(band, evidence, eng_token, ref_token, entry))
+            evidence.update(band_evidence(band, evidence, eng_token, ref_token, entry))
             d.rulings[side] = {"kind": kind, "position": position, "reference_token": ref_token,
                                "engine_token": eng_token, "evidence": evidence, "reason": evidence["reason"]}
     return bands

@@ -31,7 +31,7 @@ import torch
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_text, find_stop
 from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
-from specaudit.equivalence.attribute import dtype_noise
+from specaudit.equivalence.rulings.noise import dtype_noise
 
 REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report")
 REQUEST_FIXES = {

@@ -28,7 +28,7 @@ from specaudit.engines.requests.reference import RequestResult, decode_with_para
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
 from specaudit.equivalence import speculation
 from specaudit.equivalence.audit import trace_summary
-from specaudit.equivalence.blackbox import rulings
+from specaudit.equivalence import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 
 
@@ -162,9 +162,9 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
     if reference.logits is not None and position < reference.logits.shape[0]:
         row = process(reference.logits[position].to(torch.float64), prompt, reference.tokens[:position], params,
                       stop_ids, scope).greedy
-    kind, evidence = rulings.classify(band, row, reference_token, engine_token)
+    kind, evidence = rulings.rule_on_band(band, row, reference_token, engine_token)
     record = {"prompt_index": index, "position": position, "reference_token": reference_token,
-              "engine_token": engine_token, "kind": kind, "decided_by": "noise-band", "detected_by": "tokens",
+              "engine_token": engine_token, "kind": kind, "decided_by": evidence["decided_by"], "detected_by": "tokens",
               "evidence": evidence}
     if kind == "structural":
         cls = _ending_class(reference, tokens, position, limit, stop_ids)

@@ -29,15 +29,15 @@ choice) and the length symptom; last, re-runs alone and beside a copy of itself.
 what was tried and what it showed, and `decided_by` which evidence decided. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
 
-Re-runs go through `Diagnoser.rerun(indices, pad_token_id)`, which builds a fresh engine and runs it
-on the prompts at `indices` (repeats allowed); without one, the experiments that need it are
-reported as not run.
+Re-runs go through the run's context (`equivalence/run_context.py`): `run.rerun(indices, pad_token_id)`
+builds a fresh engine and runs it on the prompts at `indices` (repeats allowed); without one, the
+experiments that need it are reported as not run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -124,12 +124,12 @@ class Diagnoser(Experiments):
     engine_logits: list[torch.Tensor | None] = field(default_factory=list)
     target: Any = None  # the target in the audit dtype, for replays
     draft: Any = None
-    rerun: Callable[[list[int], int | None], list[list[int]]] | None = None
+    run: Any = None  # the run's context (equivalence/run_context.py): `rerun(indices, pad_token_id)`, `takes_pad_option`
     batch_size: int | None = None  # the run's; with draft_tokens, for replays of an engine without a trace
     draft_tokens: int = 0
     reruns_left: int = RERUN_BUDGET
     pad_reruns_left: int = PAD_RERUN_BUDGET
-    # below float64: the run's ruler judges re-runs as the audit judged the run (precision.py); the
+    # below float64: the run's ruler judges re-runs as the audit judged the run (rulings/ruler.py); the
     # float64 target replays the hypotheses; `reference_logits` measure the dtype's own error per prompt
     ruler: Any = None
     replay_target: Any = None

@@ -1,10 +1,10 @@
 """The diagnosis's experiments on the engine itself: re-runs, and how their outputs are judged.
 
-`Experiments` is the part of `Diagnoser` (core.py) that re-runs the audited engine through
-`rerun(indices, pad_token_id)` within its budgets (re-runs per run, pad-id re-runs, a time budget,
-none at all in a quick diagnosis) and judges what comes back. In float64 a re-run is equivalent
-only when exact; below float64 it differs from the run by rounding alone, so its first divergence is
-ruled as the audit rules the run's (`equivalence/precision.py`).
+`Experiments` is the part of `Diagnoser` (core.py) that re-runs the audited engine through the run's
+context (`run.rerun(indices, pad_token_id)`, equivalence/run_context.py) within its budgets (re-runs
+per run, pad-id re-runs, a time budget, none at all in a quick diagnosis) and judges what comes back.
+In float64 a re-run is equivalent only when exact; below float64 it differs from the run by rounding
+alone, so its first divergence is ruled as the audit rules the run's (`equivalence/rulings/ruler.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Experiments:
     eos_token_id: int | tuple[int, ...] | list[int] | None  # the EOS set: any of its ids ends a row
     target: Any
     draft: Any
-    rerun: Any
+    run: Any
     reruns_left: int
     pad_reruns_left: int
     ruler: Any
@@ -40,11 +40,11 @@ class Experiments:
     def _run(self, indices: list[int], pad_token_id: int | None = None) -> list[list[int]] | str:
         if self.mode == "quick":
             return "quick diagnosis: no re-runs (--diagnosis full runs them)"
-        if self.rerun is None:
+        if self.run is None:
             return "no re-run available for this engine"
         if self.deadline is not None and time.monotonic() >= self.deadline:
             return "the diagnosis time budget is spent"
-        if pad_token_id is not None and getattr(self.rerun, "takes_pad_option", True) is False:
+        if pad_token_id is not None and not self.run.takes_pad_option:
             return "the engine takes no pad option"
         if pad_token_id is not None:
             if self.pad_reruns_left <= 0:
@@ -56,7 +56,7 @@ class Experiments:
             self.reruns_left -= 1
         started = time.perf_counter()
         try:
-            return [[int(t) for t in out] for out in self.rerun(indices, pad_token_id)]
+            return [[int(t) for t in out] for out in self.run.rerun(indices, pad_token_id)]
         except Exception as exc:  # an experiment that fails tells that, not more
             return f"the re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
         finally:

@@ -86,9 +86,9 @@ def silenced(target: Any, kind: str) -> Iterator[str | None]:
 def _diverges(diagnoser: Any, index: int, batch: list[int], kind: str) -> bool | str:
     """Re-run `batch` with the target's `kind` layers silenced: does row `index` still diverge from
     greedy decoding of the silenced target? (Or why the experiment was not run.) Below float64 the
-    float64 target is silenced too and the re-run is judged as the audit judges a run (precision.py)."""
+    float64 target is silenced too and the re-run is judged as the audit judges a run (rulings/ruler.py)."""
     from specaudit.engines.reference import greedy_decode
-    from specaudit.equivalence.precision import Ruler
+    from specaudit.equivalence.rulings import Ruler
 
     targets = [diagnoser.target]
     if diagnoser.ruler is not None and diagnoser.replay_target not in (None, diagnoser.target):

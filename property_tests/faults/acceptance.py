@@ -37,8 +37,8 @@ class BonusTokenDoubled(FaultEngine):
     step's bonus token, already emitted) again before the step's own tokens."""
 
     changes = (
-        LineChange("specaudit.engines.eqspec", "new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]",
-                   "new_tokens = [[p] + row[:n] for p, row, n in zip(inputs[:, 0].tolist(), target_tokens.tolist(), emitted_list)]"),
+        LineChange("specaudit.engines.eqspec", "new_tokens = [row[:n] for row, n in zip(new_rows, emitted_list)]",
+                   "new_tokens = [[p] + row[:n] for p, row, n in zip(inputs[:, 0].tolist(), new_rows, emitted_list)]"),
     )
 
 

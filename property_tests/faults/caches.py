@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
-TARGET_REALIGN = "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep)"
+# EQSPEC's realign call; a fault's replacement leaves out the host's bookkeeping (`state.host`), so the
+# planted counts or rows are the ones the cache is realigned by
+TARGET_REALIGN = "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep, state.host)"
 
 
 class TargetCacheNotTrimmed(FaultEngine):
@@ -34,6 +36,8 @@ class AttentionCacheCutAtPassEnd(FaultEngine):
     changes = (
         LineChange("specaudit.engines.batch", "keep_end = (old_width + accepted_counts + 1).index_select(0, keep)",
                    "keep_end = torch.full_like(accepted_counts, ragged.cache_width(cache)).index_select(0, keep)"),
+        LineChange("specaudit.engines.batch", "keep_end = [old_width + accepted[i] + 1 for i in rows]",
+                   "keep_end = [ragged.cache_width(cache)] * len(rows)"),  # the same plan kept on the host
     )
 
 
@@ -65,7 +69,7 @@ class DraftCacheNotTrimmed(FaultEngine):
 
     drafter_kind = "model"
     changes = (
-        LineChange("specaudit.engines.drafters", "batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep)",
+        LineChange("specaudit.engines.drafters", "batch_ops.realign(cache, self._old_width, accepted_counts, state.cache_lengths, keep, host)",
                    "batch_ops.realign(cache, self._old_width, torch.full_like(accepted_counts, k), state.cache_lengths, keep)"),
     )
 
@@ -76,6 +80,5 @@ class DraftFillPassSkipped(FaultEngine):
 
     drafter_kind = "model"
     changes = (
-        LineChange("specaudit.engines.drafters", "if keep.numel() and bool((accepted_counts.index_select(0, keep) == k).any()):",
-                   "if False:"),
+        LineChange("specaudit.engines.drafters", "if needs_fill:", "if False:"),
     )

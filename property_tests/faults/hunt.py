@@ -9,7 +9,7 @@ derandomized with no example database, so a hunt gives the same counterexample o
 
 Below float64 (`hunt(..., dtype="bfloat16")`) no exact property holds: a correct engine flips
 near-ties. There the property is the audit's own verdict: the fault engine, run in that dtype on
-the case, gets a structural ruling (`equivalence/precision.py`: the float64 replay, the same-dtype
+the case, gets a structural ruling (`equivalence/rulings/ruler.py`: the float64 replay, the same-dtype
 replay and the plain control all fail to explain a flip; for the model drafter, a proposal beyond
 the draft's own precision). That is what a user auditing in bfloat16 relies on.
 """

@@ -23,7 +23,7 @@ class RepadWithoutUnpad(FaultEngine):
     changes = (
         LineChange(
             "specaudit.engines.ops.ragged",
-            "source, valid = realign_index(width + new_counts, new_lengths)\n"
+            "source, valid = realign_index(width + new_counts, new_lengths, new_width)\n"
             "out = torch.gather(combined, 1, source.clamp(max=combined.shape[1] - 1))\n"
             "return torch.where(valid, out, torch.full_like(out, pad_id)), new_lengths",
             "unused = torch.arange(new_tokens.shape[1], device=tokens.device).unsqueeze(0) >= new_counts.unsqueeze(1)\n"

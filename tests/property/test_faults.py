@@ -91,7 +91,7 @@ def test_planted_fault_is_caught(fault: type[FaultEngine], pair: str, fault_summ
 def test_planted_fault_is_caught_in_bfloat16(fault: type[FaultEngine], pair: str, fault_summary: FaultSummary,
                                              record_property) -> None:
     """The same hunt below float64, where a correct engine flips near-ties: the audit in bfloat16 (its
-    rulings with controls, `equivalence/precision.py`) still rules the fault structural and names it,
+    rulings with controls, `equivalence/rulings/ruler.py`) still rules the fault structural and names it,
     on the float64 minimal counterexample where rounding leaves it visible, else on a bfloat16 search.
     A fault that rounding hides on every case searches 100 cases and must find none."""
     if (fault.slug(), pair) in INVISIBLE_BELOW_FLOAT64:

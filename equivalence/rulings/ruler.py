@@ -1,6 +1,7 @@
-"""Rulings below float64: is a token divergence the precision's doing (`numerical`) or a bug (`structural`)?
+"""The ruling of one token divergence: the precision's doing (`numerical`) or a bug (`structural`)?
 
-In float64 every token mismatch is a bug. Below it, two correct computations of the same logits
+In float64 (an in-process engine, or a black-box one without a band) every token mismatch is a bug:
+`decided_by` "float64", or "length" where one output ends. Below it, two correct computations of the same logits
 differ by rounding, and how much is a property of the model, the kernels and the device, not of
 the dtype alone: a tiny Llama in bfloat16 moves the gap between two tokens by 0.5 on an H100, where
 16 unit roundoffs of its top logit are 0.25. So the ruling measures precision on the run itself
@@ -21,10 +22,10 @@ first divergent position p of a prompt, the reference's token r and the engine's
    chooses the engine's token, or nearly.
 4. Otherwise `structural`, decided by the float64 replay, with every control's numbers as evidence.
 
-A plain, non-speculative run of the same rows in the same batch shapes (`blackbox/plain_engine.py`:
-the built-in `batched` engine for in-process engines, `--plain-engine` for servers) overrules a
-structural ruling when it makes the same divergence (`plain-control`). Each divergence records
-`decided_by`, and the diagnosis judges its own re-runs with `Ruler.equivalent`, the same logic.
+A plain, non-speculative run of the same rows in the same batch shapes (plain.py: the built-in
+`batched` engine for in-process engines, `--plain-engine` for servers) overrules a structural ruling
+when it makes the same divergence (`plain-control`). Each divergence records `decided_by`, and the
+diagnosis judges its own re-runs with `Ruler.equivalent`, the same logic.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.equivalence.attribute import dtype_noise
 from specaudit.equivalence.compare import matched_prefix, replay_logits, top2
+from specaudit.equivalence.rulings.noise import dtype_noise
 
-Band = Callable[[float], float]  # top logit -> the band's width there
+Band = Callable[[float], float]  # top logit -> the band's width there (or a NoiseBand, band.py)
 
 
 @dataclass
@@ -45,7 +46,8 @@ class Ruler:
     """Rules token divergences of one run below float64, measuring precision on the way.
 
     `target` computes in the audit dtype, `replay_target` in float64 (the same model when the audit
-    runs in float64); `band` gives the declared or dtype band at a top logit."""
+    runs in float64); `band` gives the declared or dtype band at a top logit (a `NoiseBand`, or a
+    function of the top logit). In float64 without a band every mismatch is structural."""
 
     dtype: str
     target: Any
@@ -55,7 +57,15 @@ class Ruler:
     _paths: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
 
     def width(self, top_logit: float) -> float:
-        return self.band(top_logit) if self.band is not None else dtype_noise(self.dtype, top_logit)
+        if self.band is None:
+            return dtype_noise(self.dtype, top_logit)
+        at = getattr(self.band, "at", None)  # a NoiseBand
+        return at(top_logit) if at is not None else self.band(top_logit)
+
+    @property
+    def exact_only(self) -> bool:
+        """float64 and no band: every token mismatch is a bug."""
+        return self.dtype == "float64" and self.band is None
 
     def _reference_path(self, prompt: list[int], reference: list[int]) -> torch.Tensor:
         """float64 logits [n, V] choosing each token of `reference` after `prompt` (one pass, cached)."""
@@ -94,6 +104,11 @@ class Ruler:
         if reference_token is None or engine_token is None:
             evidence.update(decided_by="length", reason="length mismatch (one output stops where the other goes on): "
                             "a stop decision, not a near-tie")
+            return "structural", evidence
+        if self.exact_only:  # the float64 target's top two on the common prefix, as evidence
+            exact = replay_logits(self.replay_target, prompt, list(reference[:position]) + [0])[-1]
+            evidence["replay_float64_top2"], evidence["replay_float64_margin"] = top2(exact)
+            evidence.update(decided_by="float64", reason="float64: every token mismatch is a bug")
             return "structural", evidence
         exact = self._reference_path(prompt, reference)[position]  # [V] float64 on the common prefix
         evidence["replay_float64_top2"], evidence["replay_float64_margin"] = top2(exact)
@@ -138,10 +153,8 @@ class Ruler:
         output = [int(t) for t in output]
         if output == list(reference):
             return True
+        if self.exact_only:
+            return False
         position = matched_prefix(reference, output)
         return self.rule(prompt, reference, output, position)[0] == "numerical"
 
-
-def exact_judge(prompt: list[int], reference: list[int], output: list[int]) -> bool:
-    """float64: a re-run is equivalent only when exact."""
-    return [int(t) for t in output] == list(reference)

@@ -1,4 +1,4 @@
-"""Three-way rulings: the reference, a plain run of the same engine, and the speculative run.
+"""The plain control: the reference, a plain run of the same engine, and the speculative run.
 
 A server in bfloat16 flips near-ties against the float32 reference whether it speculates or not: its
 kernels round differently. A noise band measured or declared from the outside cannot always tell
@@ -32,7 +32,7 @@ def first_divergence(reference: list[int], output: list[int]) -> int | None:
     return None if agree == len(reference) == len(output) else agree
 
 
-def rule(divergence: dict[str, Any], reference: list[int], plain: list[int], black_box: bool) -> None:
+def rule(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> None:
     """Add the plain run's evidence to one divergence (in place) and overrule its kind when the
     plain run makes the same divergence (see the module docstring)."""
     position = int(divergence["position"])

@@ -1,8 +1,11 @@
-"""Rulings for black-box engines (recordings, live servers), which may run in another precision.
+"""The noise band of black-box engines (recordings, live servers), which may run in another precision.
 
 A server's numbers are not the reference's: llama.cpp, for one, keeps an f16 KV cache and uses
 flash attention by default, and then flips near-ties. A black-box divergence is therefore ruled
-against a noise band, in logit units (differences of log-probabilities are differences of logits):
+against a noise band, in logit units (differences of log-probabilities are differences of logits).
+`Ruler` (ruler.py) rules a black-box divergence with the band as its noise; where the reference's
+logits are processed by request parameters (penalties, bias: `blackbox/requests_run.py`) and no
+float64 replay applies, `rule_on_band` rules on the band alone:
 
 - `numerical` when, at the split, the reference's top-2 margin AND the gap between the reference's
   top logit and its logit for the engine's token both lie within the band: the engine chose a token
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from specaudit.equivalence.attribute import EPS, dtype_noise
+from specaudit.equivalence.rulings.noise import EPS, dtype_noise
 from specaudit.equivalence.compare import matched_prefix, top2
 
 Logprobs = list[dict[int, float]]  # per output token: {token id: log-probability}
@@ -123,7 +126,7 @@ def noise_band(audit_dtype: str, engine_dtype: str | None = None, logit_toleranc
 
 def band_evidence(band: NoiseBand, ruling: dict[str, Any], engine_token: int | None, reference_token: int | None,
                   engine_entry: dict[int, float] | None = None) -> dict[str, Any]:
-    """A black-box engine's band beside a ruling of `equivalence/precision.py` (its evidence dict):
+    """A black-box engine's band beside a ruling of `Ruler` (ruler.py; its evidence dict):
     where the band came from, its width at the split, the float64 margin and the engine token's gap,
     and the engine's own log-probabilities there when it gave them."""
     extra: dict[str, Any] = {"noise_band_source": band.source, "noise_band": ruling.get("measured_band"),
@@ -137,17 +140,15 @@ def band_evidence(band: NoiseBand, ruling: dict[str, Any], engine_token: int | N
     return extra
 
 
-def classify(band: NoiseBand, logits_at_split: torch.Tensor | None, reference_token: int | None,
-             engine_token: int | None, engine_entry: dict[int, float] | None = None) -> tuple[str, dict[str, Any]]:
-    """The kind of one black-box token divergence and its evidence. `logits_at_split` is the
-    reference's (float64 replay's, where there is one) logits [V] on the common prefix."""
+def rule_on_band(band: NoiseBand, logits_at_split: torch.Tensor | None, reference_token: int | None,
+                 engine_token: int | None) -> tuple[str, dict[str, Any]]:
+    """The kind of one black-box token divergence on the band alone, and its evidence (`decided_by`
+    "noise-band", or "length"). `logits_at_split` is the reference's processed logits [V] on the
+    common prefix."""
     evidence: dict[str, Any] = {"noise_band_source": band.source, "noise_band": None,
-                                "reference_margin": None, "engine_token_gap": None}
-    if engine_entry:
-        evidence["engine_logprobs"] = {str(k): v for k, v in sorted(engine_entry.items(), key=lambda kv: -kv[1])}
-        if reference_token in engine_entry and engine_token in engine_entry:
-            evidence["engine_margin"] = engine_entry[engine_token] - engine_entry[reference_token]
+                                "reference_margin": None, "engine_token_gap": None, "decided_by": "noise-band"}
     if engine_token is None or reference_token is None:
+        evidence["decided_by"] = "length"
         evidence["reason"] = "length mismatch (one output stops where the other goes on): not a near-tie"
         return "structural", evidence
     if logits_at_split is None:

@@ -1,0 +1,30 @@
+"""The ruling of a divergence, in one place: is it a bug (`structural`) or the precision's doing (`numerical`)?
+
+Every ruling the audit makes comes from this package, for every dtype and every kind of engine, and
+each records what decided it in one field, `decided_by`:
+
+- `ruler.Ruler`: one token divergence of any engine, in-process or black-box. float64 without a band:
+  every mismatch is a bug (`float64`; `length` where one output ends); below float64, or with a
+  black-box engine's band: the float64 replay within the band measured on the run (`float64-replay`),
+  a same-dtype replay (`same-dtype-replay`), else structural. The diagnosis judges its re-runs with
+  `Ruler.equivalent`, the same logic.
+- `band`: the noise band of a black-box engine (declared, measured from its log-probabilities or
+  assumed), the evidence it adds beside a ruling, and `rule_on_band` where the reference's logits are
+  processed by request parameters (`noise-band`).
+- `plain`: a plain run of the same rows (the built-in `batched` engine for in-process engines,
+  `--plain-engine` for servers) overrules a structural ruling it makes identically (`plain-control`).
+- `record.divergence`: the divergence record of `audit.json` around a ruling (`logits` where tokens
+  agree but logits do not): the step, the batch, the margin, the context.
+- `noise`: the dtype noise all of them start from.
+"""
+
+from __future__ import annotations
+
+from specaudit.equivalence.rulings.band import NoiseBand, band_evidence, noise_band, rule_on_band
+from specaudit.equivalence.rulings.noise import EPS, dtype_noise
+from specaudit.equivalence.rulings.plain import first_divergence, rule as plain_rule, summary as plain_summary
+from specaudit.equivalence.rulings.record import divergence, step_context
+from specaudit.equivalence.rulings.ruler import Ruler
+
+__all__ = ["EPS", "NoiseBand", "Ruler", "band_evidence", "divergence", "dtype_noise", "first_divergence",
+           "noise_band", "plain_rule", "plain_summary", "rule_on_band", "step_context"]
