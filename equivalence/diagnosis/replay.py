@@ -259,6 +259,9 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
     if (trace is None or not getattr(trace, "steps", None)) and row is not None:
         found += padding_scan(sequence, row, pad_id)
         found += holes_hypotheses(prompt, output, q, row)
+        from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses  # (it builds on this module)
+
+        found += doubled_bonus_hypotheses(prompt, output, q, row)
     return found
 
 
