@@ -80,12 +80,18 @@ class _Cache:
         return self.tokens[:upto], self.positions[:upto], allowed
 
 
-@torch.no_grad()
 def doubled_bonus_inputs(draft: Any, k: int, prompt: list[int], output: list[int], end: int,
                          mode: str) -> tuple[Any, ...] | None:
     """(ids, positions, allowed, rows) of the target's slots under `mode` through the query of new token
     `end`; `rows[j]` is the slot whose logits chose new token j. None when no step up to `end` keeps every
     draft token (nothing doubled: the plain replay says it) or the draft refuses the positions."""
+    return _rebuild(draft, k, prompt, output, end, mode)[0]
+
+
+@torch.no_grad()
+def _rebuild(draft: Any, k: int, prompt: list[int], output: list[int], end: int,
+             mode: str) -> tuple[tuple[Any, ...] | None, bool]:
+    """`doubled_bonus_inputs`, and whether a step up to `end` doubled its bonus."""
     n = len(prompt)
     target, drafted = _Cache(), _Cache()
     target.feed(list(prompt), 0)
@@ -96,10 +102,13 @@ def doubled_bonus_inputs(draft: Any, k: int, prompt: list[int], output: list[int
         length = n + done  # the row's length as the engine counts it, the pending token(s) included
         proposals: list[int] = []
         for j in range(k):  # the draft fed the pending token(s), then each proposal but the last
-            drafted.feed(pending if j == 0 else [proposals[-1]], position if j == 0 else position + len(pending) + j - 1)
+            if j == 0:
+                drafted.feed(pending, position)
+            else:
+                drafted.feed([proposals[-1]], position + len(pending) + j - 1)
             logits = replay_all(draft, *drafted.inputs(len(drafted.tokens)))
             if logits is None:
-                return None
+                return None, doubled
             proposals.append(int(logits[-1].argmax()))
         entries = len(target.alive)
         fed = target.feed(pending + proposals, position)
@@ -123,20 +132,29 @@ def doubled_bonus_inputs(draft: Any, k: int, prompt: list[int], output: list[int
         position += len(pending) + accepted + (1 if copy and mode in ("hole", "count") else 0)
         pending = [bonus, bonus] if copy and mode == "kept" else [bonus]
     if not doubled or len(rows) <= end:
-        return None
+        return None, doubled
     rows = rows[:end + 1]
     ids, positions, allowed = target.inputs(max(rows) + 1)
-    return ids, positions, allowed, rows
+    return (ids, positions, allowed, rows), True
 
 
 def doubled_bonus_hypotheses(prompt: list[int], output: list[int], q: int, row: RowContext) -> list[Hypothesis]:
-    """The ways a doubled bonus can go on (see the module), for the logits of new tokens up to `q`."""
+    """The ways a doubled bonus can go on (see the module), for the logits of new tokens up to `q`. None
+    where the output repeats no token up to `q`: a doubled bonus before the divergence shows as one (the
+    output equals the reference before it, and the divergence itself is a copy or comes after one)."""
     if row.draft is None or not row.draft_tokens or q == 0:
         return []
-    found = []
-    for mode, text in MODES.items():
-        def build(mode: str = mode) -> tuple[Any, ...] | None:
-            return doubled_bonus_inputs(row.draft, row.draft_tokens, prompt, output, q, mode)
+    if not any(output[j] == output[j - 1] for j in range(1, min(q + 1, len(output)))):
+        return []
+    none_doubled: list[bool] = []  # the modes agree until the first doubled step: none in one, none in any
 
-        found.append(Hypothesis("acceptance_rule", text, build, MECHANISM))
-    return found
+    def build(mode: str) -> tuple[Any, ...] | None:
+        if none_doubled:
+            return None
+        built, doubled = _rebuild(row.draft, row.draft_tokens, prompt, output, q, mode)
+        if not doubled:
+            none_doubled.append(True)
+        return built
+
+    return [Hypothesis("acceptance_rule", text, lambda mode=mode: build(mode), MECHANISM)
+            for mode, text in MODES.items()]
