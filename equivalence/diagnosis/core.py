@@ -46,8 +46,9 @@ from specaudit.equivalence.diagnosis import causes, checks
 from specaudit.equivalence.diagnosis.layers import recurrent_or_attention
 from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
 from specaudit.equivalence.diagnosis.checks import Finding
+from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
-from specaudit.equivalence.diagnosis.replay import RowContext, explain
+from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -204,7 +205,7 @@ class Diagnoser(Experiments):
         hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
                                       self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
-                                      noise=self.precision_noise(index))
+                                      noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None:
             hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
@@ -255,6 +256,13 @@ class Diagnoser(Experiments):
                     widths.add(len(self.prompts[j]) + t - own)
         ordered = sorted((w for w in widths if w > 0), key=lambda w: (abs(w - (padding or 0)), w))[:24]
         return RowContext(padding, self.draft, self.draft_tokens, tuple(ordered))
+
+    def _doubled_bonus(self, index: int, q: int) -> MoreHypotheses | None:
+        """For an engine without a trace: the doubled-bonus token replays (`doubled.py`) beside the others."""
+        if getattr(self.trace, "steps", None):
+            return None
+        row = self._row_context(index, q)
+        return lambda prompt, output, end: doubled_bonus_hypotheses(prompt, output, end, row)
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
         if self.target is None:

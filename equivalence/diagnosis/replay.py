@@ -505,18 +505,18 @@ def explains(error: float, base: float, noise: float) -> bool:
 def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
             pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None,
             prefer: tuple[str, ...] = (), row: RowContext | None = None,
-            noise: float = 0.0) -> tuple[Hypothesis | None, list[str]]:
+            noise: float = 0.0, more: MoreHypotheses | None = None) -> tuple[Hypothesis | None, list[str]]:
     """The first hypothesis that explains the engine at new token `q`, and what each one showed.
     Hypotheses named in `prefer` (those that explained other divergences of the run) go first;
     `noise` is the precision's own logit error (0 in float64, see `explains`). Without the engine's
-    logits, see `explain_tokens`."""
+    logits, see `explain_tokens` (`more` adds token replays of its own there)."""
     tried: list[str] = []
     matched_at_q.clear()
     passed_at_q.clear()
     if target is None:
         return None, tried
     if engine_logits is None:
-        return explain_tokens(target, prompt, output, q, trace, index, pad_id, prefer, row)
+        return explain_tokens(target, prompt, output, q, trace, index, pad_id, prefer, row, more)
     if plain is None:
         plain = replay_last(target, list(prompt) + list(output[:q]), list(range(len(prompt) + q)))
     if plain is None:
@@ -544,12 +544,15 @@ def _ordered(found: list[Hypothesis], prefer: tuple[str, ...]) -> list[Hypothesi
     return sorted(found, key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
 
 
+# further token replays for the new tokens up to a query: (prompt, output, q) -> hypotheses whose build
+# gives (ids, positions, allowed, rows), as `doubled.doubled_bonus_hypotheses` does
+MoreHypotheses = Callable[[list[int], list[int], int], list[Hypothesis]]
 TOKEN_WINDOW = 8  # new tokens from the divergence on that a replay without the engine's logits must reproduce
 
 
 def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
-                   pad_id: int | None, prefer: tuple[str, ...] = (), row: RowContext | None = None
-                   ) -> tuple[Hypothesis | None, list[str]]:
+                   pad_id: int | None, prefer: tuple[str, ...] = (), row: RowContext | None = None,
+                   more: MoreHypotheses | None = None) -> tuple[Hypothesis | None, list[str]]:
     """Without the engine's logits a hypothesis is judged on tokens, teacher-forced along the engine's own
     output: it must choose the engine's token at `q` where the plain replay does not, and agree with the
     engine on more of the next new tokens (up to TOKEN_WINDOW in all) than the plain replay does, or on as
@@ -579,7 +582,8 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
             kept_agree = sum(e in (t, d) for e, t, d in zip(engine[1:], plain[1:], by_draft[1:]))
     matched_at_q.clear()
     passing: list[tuple[int, Hypothesis]] = []
-    for hypothesis in _ordered(hypotheses(prompt, output, end, trace, index, pad_id, row), prefer):
+    found = hypotheses(prompt, output, end, trace, index, pad_id, row) + (more(prompt, output, end) if more else [])
+    for hypothesis in _ordered(found, prefer):
         if hypothesis.replay is not None:
             continue  # a single-query replay: no window
         built = hypothesis.build()

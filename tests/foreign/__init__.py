@@ -9,5 +9,9 @@ buggy ones, every one a `factory(target, draft, *, batch_size, draft_tokens, **o
   no cache, the whole padded sequence recomputed every step;
 - `row_cache_spec`: speculative, one DynamicCache per row kept in a list, rows stepped one by one;
 - `server_batcher`: a continuous batcher (a request queue, slots, rows admitted and retired
-  between steps) that recomputes the active rows as one left-padded batch.
+  between steps) that recomputes the active rows as one left-padded batch;
+- `generate_chunks`: plain greedy as a loop over `model.generate` calls of a few tokens each, the
+  unfinished rows re-padded between calls, explicit position ids;
+- `static_cache_spec`: speculative on preallocated `StaticCache`s written at a shared cache position,
+  rejected proposals left in their columns as masked holes.
 """
