@@ -16,7 +16,7 @@ class FirstRejectedDraftAccepted(FaultEngine):
     and the target's choice after it is emitted."""
 
     changes = (
-        LineChange("specaudit.engines.acceptance", "return matches.long().cumprod(dim=1).sum(dim=1)  # [B]",
+        LineChange("specaudit.engines.sampling.rules", "return matches.long().cumprod(dim=1).sum(dim=1)  # [B]",
                    "return (matches.long().cumprod(dim=1).sum(dim=1) + 1).clamp(max=k)  # [B]"),
     )
 

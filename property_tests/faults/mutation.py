@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENGINE_MODULES = ("specaudit.engines.ops.recurrent", "specaudit.engines.ops.ragged", "specaudit.engines.batch", "specaudit.engines.drafters",
-                  "specaudit.engines.acceptance", "specaudit.engines.eqspec", "specaudit.engines.exspec", "specaudit.engines.inplace")
+ENGINE_MODULES = ("specaudit.engines.sampling.rules", "specaudit.engines.ops.recurrent", "specaudit.engines.ops.ragged",
+                  "specaudit.engines.batch", "specaudit.engines.drafters", "specaudit.engines.acceptance", "specaudit.engines.eqspec", "specaudit.engines.exspec", "specaudit.engines.inplace")
 MUTANT_PACKAGE = "specaudit.testing.faults.mutants"
 
 
@@ -70,7 +70,7 @@ class LineChange:
         return "\n".join(lines) + "\n"
 
     def describe(self) -> str:
-        path = "engines/" + self.module.rsplit(".", 1)[-1] + ".py"
+        path = self.module.removeprefix("specaudit.").replace(".", "/") + ".py"
         old = "; ".join(line.strip() for line in self.old.strip().splitlines())
         new = "; ".join(line.strip() for line in self.new.strip().splitlines()) or "pass"
         return f"{path}: `{old}` -> `{new}`"
