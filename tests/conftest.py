@@ -17,10 +17,10 @@ attribute_to_module_callers()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The vLLM modules (one xdist group, see tests/test_vllm_e2e.py) first, in their own order: the
-    longest work of the run starts at once beside the CPU-bound tests instead of at the tail."""
+    """The vLLM modules first, in their own order: the longest work of the run (server starts on 2 cores)
+    starts at once beside the CPU-bound tests instead of at the tail (scripts/test.sh: `--dist loadfile`,
+    one process a module)."""
     def first(item: pytest.Item) -> bool:
-        mark = item.get_closest_marker("xdist_group")
-        return mark is not None and (mark.args[:1] or [mark.kwargs.get("name")])[0] == "vllm"
+        return item.path.name.startswith(("test_vllm", "test_wild_vllm"))
 
     items[:] = [item for item in items if first(item)] + [item for item in items if not first(item)]

@@ -37,8 +37,6 @@ import pytest
 import llamacpp_models as lm
 from specaudit import cli
 
-# one process runs this module's tests, so its module-scoped server (or build) starts once (scripts/test.sh: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_llamacpp_e2e")
 
 NUM_PROMPTS = 8  # built-in prompts; the audit adds its adversarial ones (up to 2100 tokens)
 MAX_NEW_TOKENS = 32

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# one process runs this module's tests, so its module-scoped server (or build) starts once (scripts/test.sh: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_packaging")
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC_NAMES = ("engines", "equivalence", "property_tests", "fixtures")

@@ -44,9 +44,6 @@ import pytest
 import vllm_models as vm
 from specaudit import cli
 
-# every vLLM module in one process, one server set at a time (vLLM servers side by side on 2 cores slowed
-# everything beside them), and first (tests/conftest.py), so they overlap the CPU-bound tests (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("vllm")
 
 MAX_NEW_TOKENS = 32
 IN_FLIGHT = 8  # --batch-size: concurrent requests

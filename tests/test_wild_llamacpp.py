@@ -29,8 +29,6 @@ import wild_models as wm
 import wild_requests as wr
 from specaudit.engines.adapters.request_fields import llamacpp_chosen_logprobs
 
-# one process runs this module's tests, so its module-scoped server (or build) starts once (scripts/test.sh: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_wild_llamacpp")
 
 NEW_TOKENS = 16
 # ngram-simple drafts after a 12-token match (its default size_n), so its prompt holds the cycle twice

@@ -32,8 +32,6 @@ import llamacpp_models as lm
 import wild_models as wm
 import wild_requests as wr
 
-# one process runs this module's tests, so its module-scoped server (or build) starts once (scripts/test.sh: --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_wild_llamacpp_b8672")
 
 VERSION = "2026.4.8672.1"
 NEW_TOKENS = 16

@@ -37,9 +37,6 @@ import vllm_models as vm
 import wild_models as wm
 import wild_requests as wr
 
-# every vLLM module in one process, one server set at a time (vLLM servers side by side on 2 cores slowed
-# everything beside them), and first (tests/conftest.py), so they overlap the CPU-bound tests (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("vllm")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--served-model-name", "table",

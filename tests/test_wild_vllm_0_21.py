@@ -40,8 +40,6 @@ import vllm_models as vm
 import wild_models as wm
 import wild_requests as wr
 
-# with the other vLLM modules, in one process (tests/test_vllm_e2e.py)
-pytestmark = pytest.mark.xdist_group("vllm")
 
 VERSION = "0.21.0"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
