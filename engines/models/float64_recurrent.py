@@ -47,15 +47,18 @@ _BARE_FLOAT = re.compile(r"torch\.float\b")  # `dtype=torch.float` (float32), no
 _MARK = "_specaudit_float64"
 
 
-def _as_float64(source: str) -> str:
-    source = textwrap.dedent(source)
-    lines = source.splitlines()
-    while lines and lines[0].lstrip().startswith("@"):  # decorators (kernel hub, accelerate hooks)
+def _explicit_convolutions(source: str) -> str:
+    """`source` without its decorators (kernel hub, accelerate hooks), its conv1d calls as explicit sums."""
+    lines = textwrap.dedent(source).splitlines()
+    while lines and lines[0].lstrip().startswith("@"):
         lines.pop(0)
-    source = "\n".join(lines)
+    return "\n".join(lines).replace("F.conv1d(", f"{_CONV}(").replace("nn.functional.conv1d(", f"{_CONV}(")
+
+
+def _as_float64(source: str) -> str:
+    source = _explicit_convolutions(source)
     source = source.replace("torch.float32", "torch.float64").replace(".float()", ".double()")
-    source = _BARE_FLOAT.sub("torch.float64", source)
-    return source.replace("F.conv1d(", f"{_CONV}(").replace("nn.functional.conv1d(", f"{_CONV}(")
+    return _BARE_FLOAT.sub("torch.float64", source)
 
 
 _CONV = "_specaudit_depthwise_conv1d"
@@ -85,18 +88,10 @@ def depthwise_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out + bias[None, :, None]
 
 
-def _convolutions_only(source: str) -> str:
-    source = textwrap.dedent(source)
-    lines = source.splitlines()
-    while lines and lines[0].lstrip().startswith("@"):
-        lines.pop(0)
-    return "\n".join(lines).replace("F.conv1d(", f"{_CONV}(").replace("nn.functional.conv1d(", f"{_CONV}(")
-
-
 def _compile(function: Callable[..., Any], module: types.ModuleType, *, float64: bool = True) -> Callable[..., Any]:
     """The float64 copy of `function` (or, with `float64=False`, the copy with only its depthwise
     convolutions as explicit sums), its globals the live module (so it calls the switched functions)."""
-    source = (_as_float64 if float64 else _convolutions_only)(inspect.getsource(function))
+    source = (_as_float64 if float64 else _explicit_convolutions)(inspect.getsource(function))
     scope = dict(vars(module))
     exec(compile(source, f"<float64 {function.__qualname__}>", "exec"), scope)
     compiled = scope[function.__name__]
@@ -162,8 +157,7 @@ def prepare_recurrent_float64(model: PreTrainedModel) -> list[str]:
     functions = _switch_functions(module)
     for submodule in model.modules():
         cls = type(submodule)
-        if isinstance(submodule, torch.nn.Conv1d) and submodule.groups == submodule.in_channels > 1:
-            submodule.forward = functools.partial(_conv_module_forward, submodule)
+        if _switch_depthwise_conv(submodule):
             methods.add("Conv1d (depthwise)")
             continue
         if cls.__module__ != module.__name__ or not _CLASS_NAME.search(cls.__name__):
@@ -182,6 +176,14 @@ def prepare_recurrent_float64(model: PreTrainedModel) -> list[str]:
     return notes + ([f"RMS norms and routers: float64 ({', '.join(plain)})"] if plain else [])
 
 
+def _switch_depthwise_conv(submodule: torch.nn.Module) -> bool:
+    """A depthwise `Conv1d` computes through `depthwise_conv1d` from now on; whether `submodule` is one."""
+    if not (isinstance(submodule, torch.nn.Conv1d) and submodule.groups == submodule.in_channels > 1):
+        return False
+    submodule.forward = functools.partial(_conv_module_forward, submodule)
+    return True
+
+
 def _conv_module_forward(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     return depthwise_conv1d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
@@ -195,11 +197,7 @@ def prepare_half_convolutions(model: PreTrainedModel) -> list[str]:
     module = sys.modules.get(type(model).__module__)
     functions = [name for name in (_switch_functions(module) if module is not None else [])
                  if "conv" in name]
-    convolutions = 0
-    for submodule in model.modules():
-        if isinstance(submodule, torch.nn.Conv1d) and submodule.groups == submodule.in_channels > 1:
-            submodule.forward = functools.partial(_conv_module_forward, submodule)
-            convolutions += 1
+    convolutions = sum(_switch_depthwise_conv(submodule) for submodule in model.modules())
     if not functions and not convolutions:
         return []
     switched = ([f"{convolutions} Conv1d"] if convolutions else []) + [f"{name}()" for name in functions]
