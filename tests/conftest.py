@@ -1,3 +1,6 @@
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,11 +19,34 @@ from warning_scope import attribute_to_module_callers
 attribute_to_module_callers()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The vLLM modules first, in their own order: the longest work of the run (server starts on 2 cores)
-    starts at once beside the CPU-bound tests instead of at the tail (scripts/test.sh: `--dist loadfile`,
-    one process a module)."""
-    def first(item: pytest.Item) -> bool:
-        return item.path.name.startswith(("test_vllm", "test_wild_vllm"))
+VLLM_SCOPE = "vLLM servers"
 
-    items[:] = [item for item in items if first(item)] + [item for item in items if not first(item)]
+
+def runs_vllm_servers(nodeid: str) -> bool:
+    """A test of a module that starts vLLM servers (each start imports vLLM and torch in two processes:
+    minutes of the 2 cores)."""
+    return Path(nodeid.split("::")[0]).name.startswith(("test_vllm", "test_wild_vllm"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (scripts/test.sh), with every vLLM module in one unit of work: one worker runs them one
+    after the other, so one vLLM server set is up at a time while the other worker runs the CPU-bound modules.
+    (`--dist loadgroup` with `xdist_group` marks split a group across both workers with pytest-xdist 3.8.0.)"""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class VLLMModulesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return VLLM_SCOPE if runs_vllm_servers(nodeid) else super()._split_scope(nodeid)
+
+    return VLLMModulesTogether(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The vLLM modules first (the longest unit of work starts at once beside the CPU-bound modules, not at
+    the tail), then the other modules by their number of tests, most first (pytest-xdist's own order, which
+    scripts/test.sh turns off with `--no-loadscope-reorder` so that this one holds)."""
+    tests_per_module = Counter(item.path for item in items)
+    items.sort(key=lambda item: (not runs_vllm_servers(item.nodeid), -tests_per_module[item.path], str(item.path)))
