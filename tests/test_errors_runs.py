@@ -209,7 +209,11 @@ def test_real_ctrl_c_while_an_engine_runs_keeps_the_finished_runs(tmp_path: Path
     process = subprocess.Popen(
         [sys.executable, "-m", "specaudit.cli", "audit", "--no-progress", "--engine", "eqspec",
          "--engine", "failing_engines:make_hanging", "--pair", "tiny-gpt2", "--batch-size", "2", *SMALL,
-         "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as a terminal's shell starts it: SIGINT at its default, whatever this process inherited (a job started
+        # with `&` by a non-interactive shell ignores SIGINT, and so would the audit: Python then installs no
+        # KeyboardInterrupt handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and process.poll() is None:
