@@ -24,7 +24,8 @@ prompt cut to a common limit (`prompt_truncated`); the pad id in the row (or equ
 row that stopped early), decided by a re-run with another pad id or, when the engine takes no pad
 option, by a replay with the pad-id tokens masked and where the divergence starts
 (`diagnosis/causes.py`); the EOS and the trace's own record; logit replays with shifted positions or a
-widened mask (`diagnosis/replay.py`); only then the heuristics (the engine's token is the draft's own
+widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
+bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
 choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
 what was tried and what it showed, and `decided_by` which evidence decided. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
