@@ -24,7 +24,8 @@ prompt cut to a common limit (`prompt_truncated`); the pad id in the row (or equ
 row that stopped early), decided by a re-run with another pad id or, when the engine takes no pad
 option, by a replay with the pad-id tokens masked and where the divergence starts
 (`diagnosis/causes.py`); the EOS and the trace's own record; logit replays with shifted positions or a
-widened mask (`diagnosis/replay.py`); only then the heuristics (the engine's token is the draft's own
+widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
+bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
 choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
 what was tried and what it showed, and `decided_by` which evidence decided. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
@@ -207,13 +208,17 @@ class Diagnoser(Experiments):
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
                                       noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
+        if hypothesis is not None and logits is None:
+            hypothesis = self._shows_alone(index, hypothesis, tried)
         if hypothesis is not None:
             hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
+        if hypothesis is not None:
             if hypothesis.name in self._explained_by:
                 self._explained_by.remove(hypothesis.name)
             self._explained_by.insert(0, hypothesis.name)
+            shown = next((line for line in replays if line.startswith(hypothesis.name + ": ")), replays[-1])
             return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
-                         f"new token {q} ({replays[-1].split(': ', 1)[1]})", "a reproducing replay",
+                         f"new token {q} ({shown.split(': ', 1)[1]})", "a reproducing replay",
                          hypothesis.mechanism)
 
         tried.append("the output with a repeated token dropped against the reference")
@@ -412,14 +417,33 @@ class Diagnoser(Experiments):
         return Finding("cross_row", "alone the prompt is exact and in its batch it diverges, and neither shifted "
                        f"positions nor visible padding explain its logits: its output depends on the other rows{detail}")
 
+    def _shows_alone(self, index: int, hypothesis: Any, tried: list[str]) -> Any:
+        """A replay judged on tokens can agree by chance. One that stands for a bug the row shows alone too
+        (`Hypothesis.alone`: a constant offset, a prefill numbered or masked wrong) is tested by the re-run
+        alone: exact there, the bug is not that one, and a passing rival that needs the batch (padding) is
+        taken instead, or none (the re-runs that follow decide)."""
+        from specaudit.equivalence.diagnosis.replay import passed_at_q
+
+        if not hypothesis.alone:
+            return hypothesis
+        alone = self.alone(index)
+        if not isinstance(alone, list) or not self.equivalent(index, alone):
+            return hypothesis
+        rivals = [h for h in passed_at_q if not h.alone]
+        tried.append(f"re-run alone (batch of 1): exact, so not {hypothesis.name} (a bug the row would show alone "
+                     f"too); {'taken instead: ' + rivals[0].name if rivals else 'no passing replay needs the batch'}")
+        return rivals[0] if rivals else None
+
     def _padding_read_or_numbered(self, index: int, hypothesis: Any, tried: list[str]) -> Any:
         """Without the engine's logits, padding counted in the positions and padding attended can both
-        reproduce its tokens. The pad id decides: re-run the row's batch with another pad id; attended
-        padding is read, so its tokens change; padding only counted in the positions is never read."""
+        reproduce its tokens, and a replay of attended padding can agree with them by chance. The pad id
+        decides: re-run the row's batch with another pad id; attended padding is read, so its tokens change;
+        padding only counted in the positions is never read. Padding shown not read rules out the attended
+        padding: a passing rival that counts it is taken instead, or none (the re-runs that follow decide)."""
         from specaudit.equivalence.diagnosis.replay import passed_at_q
 
         rivals = [h for h in passed_at_q if "padding" in h.name and h.cls in ("position_ids", "attention_mask")]
-        if hypothesis not in rivals or len({h.cls for h in rivals}) < 2:
+        if hypothesis not in rivals or (hypothesis.cls != "attention_mask" and len({h.cls for h in rivals}) < 2):
             return hypothesis
         batch = self._batch_rows(index)
         key = tuple(batch)
@@ -435,7 +459,9 @@ class Diagnoser(Experiments):
         cls = "attention_mask" if read else "position_ids"
         tried.append(f"re-run of its batch with pad id {other} instead of {self.pad_token_id}: the row's tokens "
                      f"{'change' if read else 'stay the same'}: the padding is {'read' if read else 'not read'}")
-        return next(h for h in rivals if h.cls == cls) if any(h.cls == cls for h in rivals) else hypothesis
+        if any(h.cls == cls for h in rivals):
+            return next(h for h in rivals if h.cls == cls)
+        return hypothesis if read else None
 
     def _padding_replay(self, index: int, pad: int, position: int, shown: str) -> Cause | None:
         """The row's own padding is shown to change its tokens: the replays that chose the engine's token

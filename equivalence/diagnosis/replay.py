@@ -42,6 +42,9 @@ class Hypothesis:
     mechanism: str = ""  # the bug it stands for, shared by hypotheses that differ only in how they count
     # a replay of its own (the target -> logits [V] or None), for a hypothesis no (ids, positions) can state
     replay: Callable[[Any], torch.Tensor | None] | None = None
+    # the bug it stands for shows on the row run alone too (a constant offset, a prefill numbered or masked
+    # wrong): it needs no padding, no neighbour and no speculation state, so a row exact alone rules it out
+    alone: bool = False
 
     def __post_init__(self) -> None:
         if not self.mechanism:
@@ -254,7 +257,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
             positions = [p + shift for p in true_positions]
             return (sequence, positions) if min(positions) >= 0 else None
 
-        found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant))
+        found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant, alone=True))
     found += prefill_hypotheses(prompt, sequence)
     if (trace is None or not getattr(trace, "steps", None)) and row is not None:
         found += padding_scan(sequence, row, pad_id)
@@ -375,7 +378,8 @@ def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesi
             return sequence, [i % chunk for i in range(n)] + list(range(n, total))
 
         found.append(Hypothesis("position_ids", f"the prompt's positions reset every {chunk} tokens (a chunked "
-                                "prefill numbering each chunk from 0)", reset, "position ids reset per prefill chunk"))
+                                "prefill numbering each chunk from 0)", reset, "position ids reset per prefill chunk",
+                                alone=True))
     for offset, what in ((1, "also sees the next token"), (-1, "misses its own token")):
         for where in ("prompt", "sequence"):
             def shifted(offset: int = offset, where: str = where) -> tuple[Any, ...] | None:
@@ -390,7 +394,7 @@ def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesi
 
             found.append(Hypothesis("attention_mask", f"a causal mask one column off: each query {what} "
                                     f"({'in the prefill' if where == 'prompt' else 'in every pass'})", shifted,
-                                    "a causal mask off by one column"))
+                                    "a causal mask off by one column", alone=True))
     return found
 
 
