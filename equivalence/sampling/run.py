@@ -67,7 +67,11 @@ def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, s
         module, _, name = spec.partition(":")
         factory = getattr(importlib.import_module(module), name)
     else:
-        raise ValueError(f"unknown sampled engine {spec!r}: give {', '.join([*BUILTIN_SAMPLED, *REQUEST_ENGINES])}, "
+        from specaudit.engines.registry import BUILTIN_ENGINES
+
+        what = ("decodes greedily only, it takes no sampled requests" if spec in BUILTIN_ENGINES
+                else "is no sampled engine")
+        raise ValueError(f"{spec!r} {what}: give {', '.join([*BUILTIN_SAMPLED, *REQUEST_ENGINES])}, "
                          "recorded:FILE or package.module:factory")
     if rule is not None:
         options = {**options, "rule": rule}
