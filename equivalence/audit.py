@@ -277,6 +277,7 @@ def audit_engine(
             batch_size=batch_size, draft_tokens=draft_tokens or getattr(trace, "draft_tokens", 0) or 0,
             ruler=ruler if dtype != "float64" else None,
             replay_target=replay_target if dtype != "float64" else None,
+            replay_draft=replay_draft if dtype != "float64" else None,
             reference_logits=list(reference.logits), mode=diagnosis,
             deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
         originals = diagnoser.references

@@ -135,6 +135,7 @@ class Diagnoser(Experiments):
     # float64 target replays the hypotheses; `reference_logits` measure the dtype's own error per prompt
     ruler: Any = None
     replay_target: Any = None
+    replay_draft: Any = None  # the draft in float64 (below float64; made from `draft` when not given)
     reference_logits: list[torch.Tensor | None] = field(default_factory=list)
     mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
     deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
@@ -226,7 +227,7 @@ class Diagnoser(Experiments):
         if found:  # a heuristic: a repeated token can be a coincidence, so it ranks after the replays
             return _cause(found, "the output with its repeated token dropped (no replay reproduced it)")
         tried.append("the engine's token against the draft model's own choice")
-        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits)
+        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits, self._draft_chose)
         if found:
             return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)")
         found = checks.length_stop(reference, output, position, self.max_new_tokens, eos, None)
@@ -236,6 +237,23 @@ class Diagnoser(Experiments):
         if isinstance(found, Cause):
             return found
         return _cause(found, "re-runs alone and in its batch") if found else None
+
+    def _draft_chose(self, prefix: list[int], choice: int, token: int) -> bool:
+        """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`
+        in the engine's own rounding. Ruled as the draft-fidelity check rules a proposal (`audit.py`): the
+        float64 draft puts both within the band widened to the audit-dtype draft's own largest departure
+        from it on this prefix, or an audit-dtype draft replay puts `token` within the dtype's noise."""
+        if self.ruler is None or self.draft is None:
+            return False  # float64: the draft's choice is exact
+        from specaudit.engines.models.zoo import float64_copy
+        from specaudit.equivalence.draft_fidelity import departure_floor
+        from specaudit.equivalence.rulings import Ruler
+
+        if self.replay_draft is None:
+            self.replay_draft = float64_copy(self.draft)
+        floor = departure_floor(self.draft, self.replay_draft, prefix)
+        ruler = Ruler(self.ruler.dtype, self.draft, self.replay_draft)
+        return ruler.rule(prefix, [choice], [token], 0, floor=floor)[0] == "numerical"
 
     def _batch_rows(self, index: int) -> list[int]:
         """The rows of prompt `index`'s batch: consecutive batches of the run's batch size."""
