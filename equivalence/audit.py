@@ -19,7 +19,7 @@ from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
-from specaudit.equivalence.draft_fidelity import departure_floor, draft_divergence, first_draft_mismatches
+from specaudit.equivalence.draft_fidelity import DraftPrecision, departure_floor, draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 from specaudit.equivalence.rulings import Ruler
@@ -252,13 +252,13 @@ def audit_engine(
         draft, accept = pair.draft, None
         if dtype != "float64":  # the float64 draft chooses; a proposal within the precision's reach passes
             draft = replay_draft if replay_draft is not None else float64_copy(pair.draft)
-            draft_ruler, floors = Ruler(dtype, pair.draft, draft), {}
+            draft_precision, floors = DraftPrecision(dtype, pair.draft, draft), {}
 
             def accept(row: int, start: int, choice: int, proposal: int) -> bool:
                 sequence = list(prompts[row]) + [int(t) for t in outputs[row]]
                 if row not in floors:  # how far the draft in this dtype strays from float64 on this row
                     floors[row] = departure_floor(pair.draft, draft, sequence)
-                return draft_ruler.rule(sequence[:start], [choice], [proposal], 0, floor=floors[row])[0] == "numerical"
+                return draft_precision.admits(sequence[:start], choice, proposal, floors[row])
 
         for index, mismatch in sorted(first_draft_mismatches(trace, draft, prompts, outputs, diverged, accept).items()):
             divergences.append(draft_divergence(index, mismatch, trace))

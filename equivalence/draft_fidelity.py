@@ -87,3 +87,23 @@ def departure_floor(draft: PreTrainedModel, exact_draft: PreTrainedModel, sequen
                         attention_mask=torch.ones_like(ids).to(exact_draft.device)).logits[0].to(torch.float64)
     gaps = exact.max(-1).values - exact.gather(1, chosen.to(exact.device).unsqueeze(1)).squeeze(1)  # [n]
     return float(gaps.max())
+
+
+class DraftPrecision:
+    """Below float64: may the draft in its own dtype, which chooses `choice` on a prefix, have chosen
+    `token` in another rounding? Ruled on the draft as the target's divergences are ruled
+    (`equivalence/rulings/`): the float64 draft puts both within the band widened to the `dtype` draft's
+    own largest departure from it (`departure_floor`). The draft-fidelity check rules a proposal with it,
+    the diagnosis a kept draft token."""
+
+    def __init__(self, dtype: str, draft: PreTrainedModel, exact_draft: PreTrainedModel) -> None:
+        from specaudit.equivalence.rulings import Ruler
+
+        self.draft, self.exact_draft = draft, exact_draft
+        self.ruler = Ruler(dtype, draft, exact_draft)
+
+    def admits(self, prefix: list[int], choice: int, token: int, floor: float | None = None) -> bool:
+        """`floor`: the measured departure to widen the band by; measured along `prefix` when not given."""
+        if floor is None:
+            floor = departure_floor(self.draft, self.exact_draft, prefix)
+        return self.ruler.rule(prefix, [choice], [token], 0, floor=floor)[0] == "numerical"

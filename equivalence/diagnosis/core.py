@@ -144,6 +144,7 @@ class Diagnoser(Experiments):
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
     # per batch: the other pad id and the batch's re-run with it (or why none ran)
     _pad_read: dict[tuple[int, ...], tuple[int | None, Any]] = field(default_factory=dict)
+    _draft_precision: Any = None  # draft_fidelity.DraftPrecision, made on the first draft check below float64
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -240,20 +241,18 @@ class Diagnoser(Experiments):
 
     def _draft_chose(self, prefix: list[int], choice: int, token: int) -> bool:
         """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`
-        in the engine's own rounding. Ruled as the draft-fidelity check rules a proposal (`audit.py`): the
-        float64 draft puts both within the band widened to the audit-dtype draft's own largest departure
-        from it on this prefix, or an audit-dtype draft replay puts `token` within the dtype's noise."""
+        in the engine's own rounding, ruled as the draft-fidelity check rules a proposal
+        (`draft_fidelity.DraftPrecision`, its floor measured along this prefix)."""
         if self.ruler is None or self.draft is None:
             return False  # float64: the draft's choice is exact
-        from specaudit.engines.models.zoo import float64_copy
-        from specaudit.equivalence.draft_fidelity import departure_floor
-        from specaudit.equivalence.rulings import Ruler
+        if self._draft_precision is None:
+            from specaudit.engines.models.zoo import float64_copy
+            from specaudit.equivalence.draft_fidelity import DraftPrecision
 
-        if self.replay_draft is None:
-            self.replay_draft = float64_copy(self.draft)
-        floor = departure_floor(self.draft, self.replay_draft, prefix)
-        ruler = Ruler(self.ruler.dtype, self.draft, self.replay_draft)
-        return ruler.rule(prefix, [choice], [token], 0, floor=floor)[0] == "numerical"
+            if self.replay_draft is None:
+                self.replay_draft = float64_copy(self.draft)
+            self._draft_precision = DraftPrecision(self.ruler.dtype, self.draft, self.replay_draft)
+        return self._draft_precision.admits(prefix, choice, token)
 
     def _batch_rows(self, index: int) -> list[int]:
         """The rows of prompt `index`'s batch: consecutive batches of the run's batch size."""
