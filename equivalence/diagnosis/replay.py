@@ -331,10 +331,13 @@ def holey_replay_inputs(draft: Any, k: int, prompt: list[int], output: list[int]
     """(ids, positions, allowed, rows) of the holey sequence through the query of new token `end`; `rows`
     are the query slots of new tokens 0..end (each the slot of the kept token before it)."""
     slots: list[tuple[int, bool]] = [(t, True) for t in prompt] + [(output[0], True)]
+    # where the holes are masked from every later query (the draft's and the target's), a rejected proposal's
+    # id never reaches a kept token: after a step's first rejection its remaining proposals are only counted
+    hidden_holes = mode in ("counted", "counted_padding")
     done, rejected = 1, 0
     while done < end:
         proposals: list[int] = []
-        for _ in range(k):
+        for i in range(k):
             # the draft under the target's numbering and mask; beside a stale target cache, a clean draft
             ids, positions, allowed = _holey_inputs(slots + [(t, True) for t in proposals],
                                                     "clean" if mode == "stale" else mode, padding)
@@ -342,6 +345,9 @@ def holey_replay_inputs(draft: Any, k: int, prompt: list[int], output: list[int]
             if logits is None:
                 return None
             proposals.append(int(logits[-1].argmax()))
+            if hidden_holes and (done + i >= len(output) or proposals[i] != output[done + i]):
+                proposals += [proposals[i]] * (k - i - 1)  # rejected whatever they are; never seen
+                break
         accepted = 0
         while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
             accepted += 1
