@@ -1,3 +1,6 @@
+import os
+import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -5,6 +8,7 @@ import pytest
 import torch
 
 from specaudit.engines.models import zoo
+from specaudit.testing import models
 
 # tiny models: one thread per process is fastest, and xdist runs one process per core
 torch.set_num_threads(1)
@@ -17,6 +21,16 @@ def pair_name(request) -> str:
 from warning_scope import attribute_to_module_callers
 
 attribute_to_module_callers()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One folder for the run's reference outputs (property_tests/models.py), made by the main process before
+    the xdist workers start, so each built-in pair's reference is computed once, not once per worker."""
+    if hasattr(config, "workerinput") or os.environ.get(models.REFERENCE_MEMO):
+        return
+    folder = tempfile.mkdtemp(prefix="specaudit-references-")
+    os.environ[models.REFERENCE_MEMO] = folder
+    config.add_cleanup(lambda: (shutil.rmtree(folder, ignore_errors=True), os.environ.pop(models.REFERENCE_MEMO, None)))
 
 
 VLLM_SCOPE = "vLLM servers"
