@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,4 +24,4 @@ def test_a_reference_is_written_once_and_read_back_the_same(tmp_path: Path, monk
 
 
 def test_the_test_session_shares_one_folder() -> None:
-    assert Path(models.os.environ[models.REFERENCE_MEMO]).is_dir()
+    assert Path(os.environ[models.REFERENCE_MEMO]).is_dir()
