@@ -3,13 +3,16 @@
 `SPECAUDIT_TEST_DEVICE` (default `cpu`) puts the pairs on another torch device, e.g. `cuda` to run the
 property tests or the planted-fault hunts (`python -m specaudit.testing.faults.table`) on a GPU.
 `SPECAUDIT_REFERENCE_MEMO` names a folder where the reference outputs one process computed are kept for the
-others of the same run (tests/conftest.py: the test session's worker processes); the pairs are built from
-seeded configs, the same in every process.
+other processes and later runs (tests/conftest.py: `$SPECAUDIT_CACHE/references`, shared by the test session's
+worker processes). Each file is named by what determines its contents (`reference_key`: the target's weights
+and config, the prompts, the torch and transformers versions and the engines' source), so an output is read
+back only where computing it again would give the same one; a changed input names another file.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -37,18 +40,44 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in zoo.builtin_prompts())
 
 
+def reference_key(target: torch.nn.Module) -> str:
+    """A digest of everything the reference outputs of `target` on the built-in prompts depend on: its config
+    and weights (bytes), the prompts, the torch and transformers versions and the source of specaudit's
+    engines (the reference decoder and what it calls)."""
+    import transformers
+
+    import specaudit.engines
+
+    digest = hashlib.sha256()
+    digest.update(f"{torch.__version__}|{transformers.__version__}|{target.config.to_json_string()}".encode())
+    digest.update(repr(prompts()).encode())
+    for key, tensor in sorted(target.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    engines = Path(specaudit.engines.__file__).parent
+    for source in sorted(engines.rglob("*.py")):
+        digest.update(str(source.relative_to(engines)).encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def reference(name: str, max_new_tokens: int = MAX_NEW_TOKENS, dtype: str = "float64"):
     """Reference outputs and logits for every built-in prompt, with no EOS: (outputs, logits)."""
+    p = pair(name, dtype)
     memo = os.environ.get(REFERENCE_MEMO)
-    kept = Path(memo) / f"{name}-{max_new_tokens}-{dtype}-{pairs_device().replace(':', '_')}.pt" if memo else None
+    stem = f"{name}-{max_new_tokens}-{dtype}-{pairs_device().replace(':', '_')}"
+    kept = Path(memo) / f"{stem}-{reference_key(p.target)}.pt" if memo else None
     if kept is not None and kept.is_file():
         return torch.load(kept, map_location=pairs_device())
-    p = pair(name, dtype)
     decoder = ReferenceDecoder(p.target, record_logits=True)
     outputs = decoder.generate([list(x) for x in prompts()], max_new_tokens, None)
     if kept is not None:  # written whole, then renamed: a reader sees all of it or nothing
+        kept.parent.mkdir(parents=True, exist_ok=True)
         partial = kept.with_suffix(f".{os.getpid()}.partial")
         torch.save((outputs, decoder.last_trace.logits), partial)
         os.replace(partial, kept)
+        for stale in kept.parent.glob(f"{stem}-*.pt"):  # the same pair's outputs under inputs that changed since
+            if stale != kept and len(stale.name) == len(kept.name):
+                stale.unlink(missing_ok=True)
     return outputs, decoder.last_trace.logits

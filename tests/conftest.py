@@ -1,6 +1,4 @@
 import os
-import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -24,13 +22,14 @@ attribute_to_module_callers()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One folder for the run's reference outputs (property_tests/models.py), made by the main process before
-    the xdist workers start, so each built-in pair's reference is computed once, not once per worker."""
+    """The folder of the reference outputs (property_tests/models.py), named before the xdist workers start, so
+    each built-in pair's reference is computed once, not once per worker, and kept for later runs under
+    `$SPECAUDIT_CACHE/references` (each file named by a digest of what its outputs depend on)."""
     if hasattr(config, "workerinput") or os.environ.get(models.REFERENCE_MEMO):
         return
-    folder = tempfile.mkdtemp(prefix="specaudit-references-")
-    os.environ[models.REFERENCE_MEMO] = folder
-    config.add_cleanup(lambda: (shutil.rmtree(folder, ignore_errors=True), os.environ.pop(models.REFERENCE_MEMO, None)))
+    cache = Path(os.environ.get("SPECAUDIT_CACHE", Path.home() / ".cache" / "specaudit"))
+    os.environ[models.REFERENCE_MEMO] = str(cache / "references")
+    config.add_cleanup(lambda: os.environ.pop(models.REFERENCE_MEMO, None))
 
 
 VLLM_SCOPE = "vLLM servers"
