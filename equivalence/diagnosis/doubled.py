@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from specaudit.equivalence.diagnosis.replay import Hypothesis, RowContext, replay_all
+from specaudit.equivalence.diagnosis.forward import GrowingReplay
+from specaudit.equivalence.diagnosis.replay import Hypothesis, RowContext
 
 MODES = {
     "hole": "the bonus token emitted twice when a step keeps every draft token (steps rebuilt from the draft "
@@ -98,6 +99,7 @@ def _rebuild(draft: Any, k: int, prompt: list[int], output: list[int], end: int,
     drafted.feed(list(prompt), 0)
     rows = [n - 1]  # token 0: the prefill's choice
     pending, position, done, doubled = [output[0]], n, 1, False
+    drafting = GrowingReplay(draft)  # the draft's slots only grow: each pass feeds the new ones
     while done <= end and done < len(output):
         length = n + done  # the row's length as the engine counts it, the pending token(s) included
         proposals: list[int] = []
@@ -106,10 +108,10 @@ def _rebuild(draft: Any, k: int, prompt: list[int], output: list[int], end: int,
                 drafted.feed(pending, position)
             else:
                 drafted.feed([proposals[-1]], position + len(pending) + j - 1)
-            logits = replay_all(draft, *drafted.inputs(len(drafted.tokens)))
+            logits = drafting.last(*drafted.inputs(len(drafted.tokens)))
             if logits is None:
                 return None, doubled
-            proposals.append(int(logits[-1].argmax()))
+            proposals.append(int(logits.argmax()))
         entries = len(target.alive)
         fed = target.feed(pending + proposals, position)
         accepted = 0

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from specaudit.equivalence.diagnosis.forward import GrowingReplay, replay_all, replay_last
+
 EXPLAIN_RATIO = 0.01  # a hypothesis explains when its error is at most this share of the plain replay's
 NOISY_EXPLAIN_RATIO = 0.25  # below float64: and at least 4 times closer than the plain replay
 CONSTANT_SHIFTS = (1, -1, 2)
@@ -105,11 +107,15 @@ class RowContext:
 
 
 @torch.no_grad()
-def _draft_greedy(draft: Any, ids: list[int], k: int) -> list[int]:
+def _draft_greedy(draft: GrowingReplay, ids: list[int], k: int) -> list[int] | None:
+    """The draft's k greedy proposals after `ids`; None where it refuses the positions."""
     out: list[int] = []
     for _ in range(k):
-        x = torch.tensor([ids + out], dtype=torch.long, device=draft.device)
-        out.append(int(draft(input_ids=x, attention_mask=torch.ones_like(x)).logits[0, -1].argmax()))
+        sequence = ids + out
+        logits = draft.last(sequence, list(range(len(sequence))))
+        if logits is None:
+            return None
+        out.append(int(logits.argmax()))
     return out
 
 
@@ -122,10 +128,13 @@ def rebuilt_rejections(draft: Any, k: int, prompt: list[int], output: list[int],
         return None
     emitted_at, rejected_before = [0], {}
     rejected, done, step = 0, 1, 0
+    drafting = GrowingReplay(draft)
     while done <= q and done < len(output):
         step += 1
         rejected_before[step] = rejected
-        proposals = _draft_greedy(draft, list(prompt) + list(output[:done]), k)
+        proposals = _draft_greedy(drafting, list(prompt) + list(output[:done]), k)
+        if proposals is None:
+            return None
         accepted = 0
         while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
             accepted += 1
@@ -335,16 +344,17 @@ def holey_replay_inputs(draft: Any, k: int, prompt: list[int], output: list[int]
     # id never reaches a kept token: after a step's first rejection its remaining proposals are only counted
     hidden_holes = mode in ("counted", "counted_padding")
     done, rejected = 1, 0
+    drafting = GrowingReplay(draft)  # each proposal's sequence extends the one before
     while done < end:
         proposals: list[int] = []
         for i in range(k):
             # the draft under the target's numbering and mask; beside a stale target cache, a clean draft
             ids, positions, allowed = _holey_inputs(slots + [(t, True) for t in proposals],
                                                     "clean" if mode == "stale" else mode, padding)
-            logits = replay_all(draft, ids, positions, allowed)
+            logits = drafting.last(ids, positions, allowed)
             if logits is None:
                 return None
-            proposals.append(int(logits[-1].argmax()))
+            proposals.append(int(logits.argmax()))
             if hidden_holes and (done + i >= len(output) or proposals[i] != output[done + i]):
                 proposals += [proposals[i]] * (k - i - 1)  # rejected whatever they are; never seen
                 break
@@ -427,44 +437,6 @@ def padding_scan(sequence: list[int], row: RowContext, pad_id: int | None) -> li
                                         f"({'pad positions at 0' if at_zero else 'counted in its positions'})",
                                         visible, "the row's padding visible to its queries"))
     return found
-
-
-@torch.no_grad()
-def replay_last(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None
-                ) -> torch.Tensor | None:
-    """The target's logits [V] after `ids` at `positions`, batch size 1, no cache; None when the
-    model refuses those positions (beyond its position table)."""
-    logits = replay_all(target, ids, positions, allowed)
-    return None if logits is None else logits[-1]
-
-
-@torch.no_grad()
-def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None
-               ) -> torch.Tensor | None:
-    """The target's logits [L, V] at every token of `ids` at `positions`, batch size 1, no cache, under
-    the causal mask or `allowed` [L, L] (key j visible to query i); None when the model refuses them."""
-    limit = None
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(target.config, key, None)
-        if isinstance(value, int):
-            limit = value
-            break
-    if limit is not None and max(positions) >= limit:
-        return None
-    device = target.device
-    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-    if allowed is None:
-        mask = torch.ones_like(input_ids)
-    else:  # an additive [1, 1, L, L] mask, taken by the model as it is
-        dtype = target.dtype
-        mask = torch.zeros(1, 1, len(ids), len(ids), dtype=dtype, device=device)
-        mask.masked_fill_(~allowed.to(device).view(1, 1, len(ids), len(ids)), torch.finfo(dtype).min)
-    try:
-        out = target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
-    except (IndexError, RuntimeError, ValueError):
-        return None
-    return out.logits[0]
 
 
 @torch.no_grad()
