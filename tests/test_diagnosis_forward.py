@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specaudit.engines.models import zoo
-from specaudit.equivalence.diagnosis.forward import GrowingReplay, plain_attention_cache, replay_last
+from specaudit.equivalence.diagnosis.forward import GrowingReplay, PrefixReplay, plain_attention_cache, replay_all, replay_last
 from specaudit.testing import models
 
 
@@ -64,3 +64,55 @@ def test_only_the_changed_slots_are_fed() -> None:
     finally:
         handle.remove()
     assert fed == [30, 1, 2, 4]
+
+
+def hypothesis_inputs(sequence: list[int], prompt_length: int):
+    """Replays the diagnosis makes of one row: the plain sequence, new tokens numbered past 3 slots, every
+    position shifted by one, a left padding of 2 visible, a hole in the new tokens masked and counted, each
+    query of the new tokens also seeing the next token."""
+    total = len(sequence)
+    yield "plain", sequence, list(range(total)), None
+    yield "shifted new tokens", sequence, list(range(prompt_length)) + [p + 3 for p in range(prompt_length, total)], None
+    yield "constant shift", sequence, [p + 1 for p in range(total)], None
+    yield "visible padding", [0, 0] + sequence, list(range(total + 2)), None
+    holey = sequence[:prompt_length + 2] + [99] + sequence[prompt_length + 2:]
+    allowed = torch.ones(total + 1, total + 1, dtype=torch.bool).tril()
+    allowed[prompt_length + 3:, prompt_length + 2] = False  # the hole, seen by none after it
+    yield "hole", holey, list(range(total + 1)), allowed
+    ahead = torch.ones(total, total, dtype=torch.bool).tril(diagonal=1)
+    ahead[:prompt_length] = torch.ones(prompt_length, total, dtype=torch.bool).tril()[:prompt_length]
+    yield "one column ahead", sequence, list(range(total)), ahead
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-opt", "tiny-lfm2", "tiny-gemma3"])
+def test_a_prefix_replay_gives_the_rows_a_whole_replay_gives(name: str) -> None:
+    target = models.pair(name).target
+    prompt, output = list(models.prompts()[9]), models.reference(name)[0][9][:8]
+    sequence = prompt + output
+    shared = PrefixReplay(target, sequence, list(range(len(sequence))))
+    for what, ids, positions, allowed in hypothesis_inputs(sequence, len(prompt)):
+        first = len(ids) - 6
+        rows, whole = shared.rows(ids, positions, allowed, first=first), replay_all(target, ids, positions, allowed)
+        assert rows.shape == whole[first:].shape, what
+        assert torch.equal(rows.argmax(-1), whole[first:].argmax(-1)), what
+        assert float((rows - whole[first:]).abs().max()) < 1e-10, what
+
+
+def test_a_prefix_replay_feeds_from_the_first_slot_that_differs() -> None:
+    target = models.pair("tiny-llama").target
+    prompt, output = list(models.prompts()[9]), models.reference("tiny-llama")[0][9][:8]
+    sequence = prompt + output
+    fed: list[int] = []
+    handle = target.register_forward_pre_hook(lambda _module, _args, kwargs: fed.append(kwargs["input_ids"].shape[1]),
+                                              with_kwargs=True)
+    try:
+        shared = PrefixReplay(target, sequence, list(range(len(sequence))))
+        for _what, ids, positions, allowed in hypothesis_inputs(sequence, len(prompt)):
+            shared.rows(ids, positions, allowed, first=len(ids) - 6)
+    finally:
+        handle.remove()
+    n, total = len(prompt), len(sequence)
+    # the sequence once; the plain replay from its first asked row; shifted new tokens from the prompt's end; the
+    # constant shift and the visible padding whole; the hole from where it is; the mask one column ahead from the
+    # first query that sees otherwise (the first new token's: it sees the second)
+    assert fed == [total, 6, total - n, total, total + 2, total + 1 - (n + 2), total - n]

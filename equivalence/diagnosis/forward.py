@@ -135,3 +135,80 @@ class GrowingReplay:
             return replay_last(self.model, ids, positions, allowed)
         self.ids, self.positions, self.allowed = list(ids), list(positions), allowed.clone()
         return out.logits[0, -1]
+
+
+class PrefixReplay:
+    """Replays of one model under hypotheses that share a prefix with one causal sequence (the plain replay's
+    prompt and new tokens): that sequence's key/value cache is computed once, and each replay feeds its slots
+    from the first whose token, position or visible slots differ from it (or from the first row asked for)."""
+
+    def __init__(self, model: Any, ids: list[int], positions: list[int]) -> None:
+        self.model = model
+        self.ids, self.positions = list(ids), list(positions)
+        self.cacheable = plain_attention_cache(model) and len(ids) > 1
+        self.cache: Any = None
+        self.pinned: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: the sequence's keys, values [1, H, P, D]
+
+    def _shared(self, ids: list[int], positions: list[int], allowed: torch.Tensor | None, first: int) -> int:
+        """How many leading slots this replay shares with the pinned sequence (at most `first`)."""
+        limit = min(len(self.ids), first)
+        same = 0
+        while same < limit and self.ids[same] == ids[same] and self.positions[same] == positions[same]:
+            same += 1
+        if same and allowed is not None:
+            causal = torch.ones(same, same, dtype=torch.bool).tril()
+            changed = (~(allowed[:same, :same] == causal).all(dim=1)).nonzero()  # rows that see otherwise
+            if changed.numel():
+                same = int(changed[0])
+        return same
+
+    def _pin(self) -> bool:
+        """The pinned sequence's cache, computed on first use; False where the model refuses it."""
+        if self.pinned:
+            return True
+        from transformers import DynamicCache
+
+        from specaudit.engines.ops.hf_call import cached_forward
+
+        device = self.model.device
+        self.cache = DynamicCache(config=self.model.config)
+        try:
+            cached_forward(self.model, self.cache, input_ids=torch.tensor([self.ids], dtype=torch.long, device=device),
+                           position_ids=torch.tensor([self.positions], dtype=torch.long, device=device),
+                           attention_mask=torch.ones(1, len(self.ids), dtype=torch.long, device=device))
+        except (IndexError, RuntimeError, ValueError):
+            self.cacheable = False
+            return False
+        self.pinned = [(layer.keys, layer.values) for layer in self.cache.layers]
+        return True
+
+    @torch.no_grad()
+    def rows(self, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None,
+             first: int = 0) -> torch.Tensor | None:
+        """The model's logits [L - first, V] at rows first.. of `ids` at `positions` under `allowed` [L, L]
+        (causal when None), as `replay_all(...)[first:]` computes them; None when the model refuses them."""
+        limit = position_limit(self.model)
+        if limit is not None and max(positions) >= limit:
+            return None
+        shared = self._shared(ids, positions, allowed, first) if self.cacheable else 0
+        if shared == 0 or not self._pin():
+            logits = replay_all(self.model, ids, positions, allowed)
+            return None if logits is None else logits[first:]
+        from specaudit.engines.ops.hf_call import cached_forward
+
+        for layer, (keys, values) in zip(self.cache.layers, self.pinned):  # the shared slots' entries, as views
+            layer.keys, layer.values = keys[..., :shared, :], values[..., :shared, :]
+        total = len(ids)
+        if allowed is None:
+            allowed = torch.ones(total, total, dtype=torch.bool).tril()
+        device = self.model.device
+        try:
+            out = cached_forward(
+                self.model, self.cache,
+                input_ids=torch.tensor([ids[shared:]], dtype=torch.long, device=device),  # [1, L - shared]
+                position_ids=torch.tensor([positions[shared:]], dtype=torch.long, device=device),
+                attention_mask=additive_mask(allowed[shared:], self.model.dtype, device))  # [1, 1, L - shared, L]
+        except (IndexError, RuntimeError, ValueError):
+            logits = replay_all(self.model, ids, positions, allowed)
+            return None if logits is None else logits[first:]
+        return out.logits[0, first - shared:]

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.equivalence.diagnosis.forward import GrowingReplay, replay_all, replay_last
+from specaudit.equivalence.diagnosis.forward import GrowingReplay, PrefixReplay, replay_all, replay_last
 
 EXPLAIN_RATIO = 0.01  # a hypothesis explains when its error is at most this share of the plain replay's
 NOISY_EXPLAIN_RATIO = 0.25  # below float64: and at least 4 times closer than the plain replay
@@ -506,12 +506,15 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: An
     base = _error(engine_logits, plain)
     if base <= 0:
         return None, tried
+    sequence = list(prompt) + list(output[:q])
+    shared = PrefixReplay(target, sequence, list(range(len(sequence))))  # most hypotheses keep the prompt as it is
     for hypothesis in _ordered(hypotheses(prompt, output, q, trace, index, pad_id, row), prefer):
         if hypothesis.replay is not None:
             logits = hypothesis.replay(target)
         else:
             built = hypothesis.build()
-            logits = replay_last(target, *built) if built is not None and len(built) < 4 else None
+            rows = shared.rows(*built, first=len(built[0]) - 1) if built is not None and len(built) < 4 else None
+            logits = None if rows is None else rows[-1]
         if logits is None:
             continue
         error = _error(engine_logits, logits)
@@ -565,16 +568,21 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
     matched_at_q.clear()
     passing: list[tuple[int, Hypothesis]] = []
     found = hypotheses(prompt, output, end, trace, index, pad_id, row) + (more(prompt, output, end) if more else [])
+    sequence = list(prompt) + list(output[:end])
+    shared = PrefixReplay(target, sequence, list(range(len(sequence))))  # most hypotheses keep the prompt as it is
     for hypothesis in _ordered(found, prefer):
         if hypothesis.replay is not None:
             continue  # a single-query replay: no window
         built = hypothesis.build()
-        logits = replay_all(target, *built[:3]) if built is not None else None
+        if built is None:
+            continue
+        # the rows of the window's new tokens: the last `width`, or where a sequence with holes names them
+        window_rows = built[3][-width:] if len(built) == 4 else list(range(len(built[0]) - width, len(built[0])))
+        first = min(window_rows)
+        logits = shared.rows(*built[:3], first=first)
         if logits is None:
             continue
-        if len(built) == 4:  # the replay names the rows of new tokens 0..end (a sequence with holes)
-            logits = logits[built[3]]
-        chosen = logits[-width:].argmax(-1).tolist()
+        chosen = logits[[r - first for r in window_rows]].argmax(-1).tolist()
         agree = sum(a == b for a, b in zip(chosen[1:], engine[1:]))
         tried.append(f"{hypothesis.name}: chooses {chosen[0]} at new token {q} (engine {engine[0]}, plain replay "
                      f"{plain[0]}); the next {width - 1} new token(s): {agree} agree (plain replay {plain_agree})")
