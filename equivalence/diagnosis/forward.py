@@ -74,6 +74,24 @@ def plain_attention_cache(model: Any) -> bool:
     return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
+def feed_after(model: Any, cache: Any, ids: list[int], positions: list[int], allowed: torch.Tensor,
+               start: int) -> torch.Tensor | None:
+    """The logits [L - start, V] of slots start.. of `ids`, fed after `cache` (holding slots ..start) under
+    `allowed` [L, L]; None when the model raises."""
+    from specaudit.engines.ops.hf_call import cached_forward
+
+    device = model.device
+    try:
+        out = cached_forward(
+            model, cache,
+            input_ids=torch.tensor([ids[start:]], dtype=torch.long, device=device),  # [1, L - start]
+            position_ids=torch.tensor([positions[start:]], dtype=torch.long, device=device),
+            attention_mask=additive_mask(allowed[start:], model.dtype, device))  # [1, 1, L - start, L]
+    except (IndexError, RuntimeError, ValueError):
+        return None
+    return out.logits[0]
+
+
 class GrowingReplay:
     """`replay_last` of one model over a sequence of slots that mostly grows at its end, reusing the key/value
     cache of the longest unchanged prefix (see the module)."""
@@ -111,8 +129,6 @@ class GrowingReplay:
             return None
         from transformers import DynamicCache
 
-        from specaudit.engines.ops.hf_call import cached_forward
-
         total = len(ids)
         if allowed is None:
             allowed = torch.ones(total, total, dtype=torch.bool).tril()
@@ -123,18 +139,12 @@ class GrowingReplay:
         elif start < len(self.ids):
             for layer in self.cache.layers:  # [1, H, n, D] -> [1, H, start, D] (`crop`'s argument differs across releases)
                 layer.keys, layer.values = layer.keys[..., :start, :], layer.values[..., :start, :]
-        device = self.model.device
-        try:
-            out = cached_forward(
-                self.model, self.cache,
-                input_ids=torch.tensor([ids[start:]], dtype=torch.long, device=device),  # [1, L - start]
-                position_ids=torch.tensor([positions[start:]], dtype=torch.long, device=device),
-                attention_mask=additive_mask(allowed[start:], self.model.dtype, device))  # [1, 1, L - start, L]
-        except (IndexError, RuntimeError, ValueError):
+        logits = feed_after(self.model, self.cache, ids, positions, allowed, start)
+        if logits is None:
             self.cache = None
             return replay_last(self.model, ids, positions, allowed)
         self.ids, self.positions, self.allowed = list(ids), list(positions), allowed.clone()
-        return out.logits[0, -1]
+        return logits[-1]
 
 
 class PrefixReplay:
@@ -194,21 +204,13 @@ class PrefixReplay:
         if shared == 0 or not self._pin():
             logits = replay_all(self.model, ids, positions, allowed)
             return None if logits is None else logits[first:]
-        from specaudit.engines.ops.hf_call import cached_forward
-
         for layer, (keys, values) in zip(self.cache.layers, self.pinned):  # the shared slots' entries, as views
             layer.keys, layer.values = keys[..., :shared, :], values[..., :shared, :]
         total = len(ids)
         if allowed is None:
             allowed = torch.ones(total, total, dtype=torch.bool).tril()
-        device = self.model.device
-        try:
-            out = cached_forward(
-                self.model, self.cache,
-                input_ids=torch.tensor([ids[shared:]], dtype=torch.long, device=device),  # [1, L - shared]
-                position_ids=torch.tensor([positions[shared:]], dtype=torch.long, device=device),
-                attention_mask=additive_mask(allowed[shared:], self.model.dtype, device))  # [1, 1, L - shared, L]
-        except (IndexError, RuntimeError, ValueError):
+        logits = feed_after(self.model, self.cache, ids, positions, allowed, shared)
+        if logits is None:
             logits = replay_all(self.model, ids, positions, allowed)
             return None if logits is None else logits[first:]
-        return out.logits[0, first - shared:]
+        return logits[first - shared:]
