@@ -1,7 +1,8 @@
 """Logit replays under hypotheses: which wrong batching explains what the engine computed?
 
-The target is replayed on one row alone, uncached, along the engine's own output, with the
-position ids or the visible context that a suspected bug would give that row:
+The target is replayed on one row alone, batch size 1, along the engine's own output (`forward.py`: whole, or
+after the cache of the prefix a replay shares with the plain sequence), with the position ids or the visible
+context that a suspected bug would give that row:
 
 - positions shifted by the row's padding (or masked columns) at the step that fed each token,
   counted as the trace records it (`StepRecord.pad_lengths`): positions counted over padding or
