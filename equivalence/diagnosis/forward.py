@@ -92,6 +92,23 @@ def feed_after(model: Any, cache: Any, ids: list[int], positions: list[int], all
     return out.logits[0]
 
 
+def unchanged_slots(cached: tuple[list[int], list[int], torch.Tensor], ids: list[int], positions: list[int],
+                    allowed: torch.Tensor | None, limit: int) -> int:
+    """How many leading slots (at most `limit`) have the token, position and visible slots they have in `cached`
+    (ids, positions, allowed [n, n]); `allowed` None: causal, as `cached` is where it is left unchecked."""
+    cached_ids, cached_positions, cached_allowed = cached
+    limit = min(len(cached_ids), limit)
+    same = 0
+    while same < limit and cached_ids[same] == ids[same] and cached_positions[same] == positions[same]:
+        same += 1
+    if same and allowed is not None:
+        rows_equal = (allowed[:same, :same] == cached_allowed[:same, :same]).all(dim=1)  # [same]
+        changed = (~rows_equal).nonzero()  # rows whose query sees otherwise
+        if changed.numel():
+            same = int(changed[0])
+    return same
+
+
 class GrowingReplay:
     """`replay_last` of one model over a sequence of slots that mostly grows at its end, reusing the key/value
     cache of the longest unchanged prefix (see the module)."""
@@ -103,20 +120,6 @@ class GrowingReplay:
         self.ids: list[int] = []  # the slots in the cache: their tokens,
         self.positions: list[int] = []  # positions
         self.allowed = torch.zeros(0, 0, dtype=torch.bool)  # and what each query saw [n, n]
-
-    def _reusable(self, ids: list[int], positions: list[int], allowed: torch.Tensor) -> int:
-        """How many leading slots have the token, position and visible slots they had when cached (the last
-        slot is always fed: its logits are the answer)."""
-        limit = min(len(self.ids), len(ids) - 1)
-        same = 0
-        while same < limit and self.ids[same] == ids[same] and self.positions[same] == positions[same]:
-            same += 1
-        if same:
-            rows_equal = (allowed[:same, :same] == self.allowed[:same, :same]).all(dim=1)  # [same]
-            changed = (~rows_equal).nonzero()
-            if changed.numel():
-                same = int(changed[0])
-        return same
 
     @torch.no_grad()
     def last(self, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -132,7 +135,9 @@ class GrowingReplay:
         total = len(ids)
         if allowed is None:
             allowed = torch.ones(total, total, dtype=torch.bool).tril()
-        start = self._reusable(ids, positions, allowed) if self.cache is not None else 0
+        # the last slot is always fed: its logits are the answer
+        start = (unchanged_slots((self.ids, self.positions, self.allowed), ids, positions, allowed, total - 1)
+                 if self.cache is not None else 0)
         if self.cache is None or start == 0:
             self.cache = DynamicCache(config=self.model.config)
             start = 0
@@ -155,22 +160,10 @@ class PrefixReplay:
     def __init__(self, model: Any, ids: list[int], positions: list[int]) -> None:
         self.model = model
         self.ids, self.positions = list(ids), list(positions)
+        self.causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()  # [P, P]
         self.cacheable = plain_attention_cache(model) and len(ids) > 1
         self.cache: Any = None
         self.pinned: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: the sequence's keys, values [1, H, P, D]
-
-    def _shared(self, ids: list[int], positions: list[int], allowed: torch.Tensor | None, first: int) -> int:
-        """How many leading slots this replay shares with the pinned sequence (at most `first`)."""
-        limit = min(len(self.ids), first)
-        same = 0
-        while same < limit and self.ids[same] == ids[same] and self.positions[same] == positions[same]:
-            same += 1
-        if same and allowed is not None:
-            causal = torch.ones(same, same, dtype=torch.bool).tril()
-            changed = (~(allowed[:same, :same] == causal).all(dim=1)).nonzero()  # rows that see otherwise
-            if changed.numel():
-                same = int(changed[0])
-        return same
 
     def _pin(self) -> bool:
         """The pinned sequence's cache, computed on first use; False where the model refuses it."""
@@ -200,7 +193,7 @@ class PrefixReplay:
         limit = position_limit(self.model)
         if limit is not None and max(positions) >= limit:
             return None
-        shared = self._shared(ids, positions, allowed, first) if self.cacheable else 0
+        shared = unchanged_slots((self.ids, self.positions, self.causal), ids, positions, allowed, first) if self.cacheable else 0
         if shared == 0 or not self._pin():
             logits = replay_all(self.model, ids, positions, allowed)
             return None if logits is None else logits[first:]
