@@ -278,7 +278,7 @@ def audit_engine(
             ruler=ruler if dtype != "float64" else None,
             replay_target=replay_target if dtype != "float64" else None,
             replay_draft=replay_draft if dtype != "float64" else None,
-            reference_logits=list(reference.logits), mode=diagnosis,
+            reference_logits=list(reference.logits), logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
             deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
         originals = diagnoser.references
         for divergence in divergences:

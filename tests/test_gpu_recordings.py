@@ -80,4 +80,8 @@ def test_recordings_are_ruled_by_what_they_are(path: Path, tmp_path: Path) -> No
     assert structural and len(structural) >= len(run["divergences"]) / 4, (engine, run["numerical_divergences"])
     classes = Counter(d["diagnosis"]["class"] for d in structural)
     assert classes.most_common(1)[0][0] == BUGGY_CLASS[engine], (engine, classes)
+    # no diagnosis broke off (one judged past a numerical flip once compared logits of two different paths)
+    broken = [(d["prompt_index"], step) for d in structural for step in d["diagnosis"].get("tried", [])
+              if step.startswith("diagnosis failed")]
+    assert not broken, broken
     assert all(d["decided_by"] for d in run["divergences"])

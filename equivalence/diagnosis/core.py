@@ -137,6 +137,9 @@ class Diagnoser(Experiments):
     replay_target: Any = None
     replay_draft: Any = None  # the draft in float64 (below float64; made from `draft` when not given)
     reference_logits: list[torch.Tensor | None] = field(default_factory=list)
+    # the outputs `reference_logits` were computed along (the audit's references; `references` may be swapped for
+    # a divergence judged past a numerical flip, whose reference then goes another way); default `references`
+    logit_paths: list[list[int]] = field(default_factory=list)
     mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
     deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
     rerun_seconds: float = 0.0

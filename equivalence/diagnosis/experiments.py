@@ -32,6 +32,7 @@ class Experiments:
     pad_reruns_left: int
     ruler: Any
     reference_logits: list[torch.Tensor | None]
+    logit_paths: list[list[int]]
     mode: str
     deadline: float | None
     rerun_seconds: float
@@ -77,12 +78,15 @@ class Experiments:
 
     def precision_noise(self, index: int) -> float:
         """The largest logit error of the audit-dtype reference against the float64 target along its own
-        output on this prompt (0 in float64): how closely a replay can reproduce an engine's logits."""
+        output on this prompt (0 in float64): how closely a replay can reproduce an engine's logits. Measured
+        along the output those logits were computed for (`logit_paths`), not a reference continued past a flip."""
         logits = self.reference_logits[index] if index < len(self.reference_logits) else None
-        if self.ruler is None or logits is None or not self.references[index]:
+        path = self.logit_paths[index] if index < len(self.logit_paths) else self.references[index]
+        if self.ruler is None or logits is None or not path:
             return 0.0
-        exact = self.ruler._reference_path(self.prompts[index], self.references[index])[: logits.shape[0]]
-        return float((logits.to(torch.float64).cpu() - exact).abs().max())
+        rows = min(logits.shape[0], len(path))  # [rows, V] each
+        exact = self.ruler._reference_path(self.prompts[index], path)[:rows]
+        return float((logits[:rows].to(torch.float64).cpu() - exact).abs().max())
 
     def alone(self, index: int) -> list[int] | str:
         if index not in self._alone:
