@@ -160,8 +160,9 @@ class PrefixReplay:
     def __init__(self, model: Any, ids: list[int], positions: list[int]) -> None:
         self.model = model
         self.ids, self.positions = list(ids), list(positions)
-        self.causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()  # [P, P]
         self.cacheable = plain_attention_cache(model) and len(ids) > 1
+        # what each of the sequence's queries sees [P, P], for the models whose replays can share its cache
+        self.causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril() if self.cacheable else None
         self.cache: Any = None
         self.pinned: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: the sequence's keys, values [1, H, P, D]
 
