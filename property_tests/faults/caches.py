@@ -59,7 +59,7 @@ class FinishedRowsDroppedByPosition(FaultEngine):
 
     changes = (
         LineChange("specaudit.engines.eqspec", TARGET_REALIGN,
-                   "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, torch.arange(keep.numel()))"),
+                   "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, torch.arange(keep.numel(), device=keep.device))"),
     )
 
 

@@ -51,7 +51,7 @@ def _unclipped(p_j: torch.Tensor, q_j: torch.Tensor) -> torch.Tensor:
     cumulative = (p_j - q_j).cumsum(-1)  # [V], not monotone
     total = float((p_j - q_j).clamp_min(0).sum())
     reach = cumulative.clamp(0, total).cummax(-1).values  # [V]
-    weights = torch.diff(reach, prepend=torch.zeros(1, dtype=reach.dtype))
+    weights = torch.diff(reach, prepend=reach.new_zeros(1))
     weights[-1] += total - float(reach[-1])  # points past every cumulative sum: the last token
     return weights
 
