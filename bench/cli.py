@@ -91,7 +91,8 @@ def add_parser(commands: Any, formatter: type[argparse.HelpFormatter]) -> argpar
                           "(default: every request gets --max-new-tokens)")
     how.add_argument("--repeats", type=_positive, default=3, metavar="R", help="timed runs per engine and batch size")
     how.add_argument("--warmup", type=_count, default=1, metavar="W",
-                     help="untimed runs first (on the first batch, at most 8 tokens)")
+                     help="untimed runs first, on the first batch: at most 8 new tokens on the CPU, "
+                          "the whole budget on a GPU (every shape the timed runs meet)")
     how.add_argument("--dtype", type=_dtype, default="float32", metavar="DTYPE", help=f"model dtype ({', '.join(DTYPE_CHOICES)})")
     how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     how.add_argument("--seed", type=int, default=0, help="seed of the calibrated drafter's generator")

@@ -158,6 +158,44 @@ def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_leng
     return costs
 
 
+@torch.no_grad()
+def fixed_shape_pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_length: int, repeats: int,
+                           device: str, cuda_graphs: bool = True, use_cpu_clock: bool = False) -> dict[str, Any]:
+    """The same passes as `pass_costs`, run as the fixed-shape engine runs them: on a `StaticCache` of B rows in
+    the length bucket of the context, each shape prepared once by `capture.PassRunner` (a CUDA graph on CUDA
+    unless `cuda_graphs` is off, the eager twin elsewhere) and then replayed. Its ideal time is built from
+    these: a captured pass skips the host's dispatch that an eager one pays."""
+    from specaudit.engines.static.cache import StaticCache
+    from specaudit.engines.static.capture import PassRunner, default_capture
+    from specaudit.engines.static.engine import length_bucket
+
+    columns = length_bucket(context_length + max(ks, default=0) + 2)
+    capture = default_capture(torch.device(device), cuda_graphs)
+    captured = cuda_graphs and device.startswith("cuda")
+    pool = torch.cuda.graph_pool_handle() if captured else None
+    clock = time.process_time if use_cpu_clock else time.perf_counter
+    write_at = torch.full((batch_size,), context_length, dtype=torch.long, device=device)  # [B]
+
+    def timed(model, q: int) -> float:
+        runner = PassRunner(StaticCache(model, batch_size, columns), "pass", capture, pool)
+        inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)  # [B, q]
+        runner.run(inputs, write_at)  # prepares the shape (captures it on CUDA): untimed
+        seconds = []
+        for _ in range(repeats + 1):  # the first replay warms up
+            sync(device)
+            start = clock()
+            runner.run(inputs, write_at)
+            sync(device)
+            seconds.append(clock() - start)
+        return statistics.median(seconds[1:])
+
+    costs: dict[str, Any] = {"captured": captured, "columns": columns, "target_1": timed(pair.target, 1),
+                             "draft_1": timed(pair.draft, 1), "target_k1": {}}
+    for k in ks:
+        costs["target_k1"][str(k)] = timed(pair.target, k + 1)
+    return costs
+
+
 def ceiling(costs: dict[str, Any], k: int, tokens_per_step: float) -> float:
     """Best speedup over plain decoding: tokens per step x plain pass / (verify pass + k draft passes)."""
     return tokens_per_step * costs["target_1"] / (costs["target_k1"][str(k)] + k * costs["draft_1"])

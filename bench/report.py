@@ -91,6 +91,14 @@ def _request_tokens(run: dict[str, Any], requests: int) -> list[int]:
     return run.get("request_tokens") or [round(run["tokens"] / requests)] * requests
 
 
+def engine_pass_costs(run: dict[str, Any], cost: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The pass costs the run's ideal engine pays: the fixed-shape engine's own prepared (on CUDA, captured)
+    passes where they were timed, the eager passes for every other engine."""
+    if cost is not None and run["engine"] == "fixedshape" and cost.get("fixed_shape"):
+        return {**cost, **cost["fixed_shape"]}
+    return cost
+
+
 def summarise(bench: dict[str, Any]) -> None:
     runs = _finished(bench)
     costs = {c["batch_size"]: c for c in bench.get("pass_costs") or []}
@@ -104,7 +112,7 @@ def summarise(bench: dict[str, Any]) -> None:
         run["plain_engine"] = f"{plain['engine']} (batch {b})" if plain else None
         run["ratio_to_plain"] = run["tokens_per_second"] / plain["tokens_per_second"] if plain else None
         run["ratio_to_reference"] = run["tokens_per_second"] / reference["tokens_per_second"] if reference else None
-        cost, prefill = costs.get(b), _prefill_at(bench, b)
+        cost, prefill = engine_pass_costs(run, costs.get(b)), _prefill_at(bench, b)
         if cost is None or (k is not None and str(k) not in cost["target_k1"]):
             continue
         measured = run.get("mean_tokens_per_step")
@@ -210,7 +218,8 @@ def findings(bench: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
     batched = _find(runs, "batched", largest)
     if speculative and batched:
         best = max(speculative, key=lambda r: r["tokens_per_second"])
-        cost = next((c for c in bench.get("pass_costs") or [] if c["batch_size"] == largest), None)
+        cost = engine_pass_costs(best, next((c for c in bench.get("pass_costs") or [] if c["batch_size"] == largest),
+                                            None))
         out["best_speculative"] = best["engine"]
         out["best_over_batched"] = best["tokens_per_second"] / batched["tokens_per_second"]
         if cost is not None:
@@ -223,6 +232,7 @@ def findings(bench: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any
             nan = float("nan")
             out["reason"] = (
                 f"at batch size {largest} a target pass over k+1 = {k + 1} tokens per row costs {verify_ratio:.2f}x a "
+                + ("(captured) " if cost.get("captured") else "") +
                 f"1-token pass and the k draft passes add {k * cost['draft_1'] / cost['target_1']:.2f}x, so the "
                 f"pass-only ceiling is {best.get('decode_ceiling') or nan:.2f}x; with every prompt's prefill counted a "
                 f"perfect speculative engine would be {best.get('speculation_ceiling') or nan:.2f}x a perfect plain one, "
@@ -320,6 +330,17 @@ def markdown(bench: dict[str, Any]) -> str:
             verify = ", ".join(f"k={k}: {v * 1000:.1f}" for k, v in c["target_k1"].items())
             lines.append(f"| {c['batch_size']} | {c['context_length']} | {c['target_1'] * 1000:.1f} | {verify} "
                          f"| {c['draft_1'] * 1000:.1f} |")
+        fixed = [c for c in costs if c.get("fixed_shape")]
+        if fixed:
+            kind = "captured as CUDA graphs" if any(c["fixed_shape"]["captured"] for c in fixed) else "eager, on fixed shapes"
+            lines += ["", f"The fixed-shape engine's passes ({kind}, slots of {fixed[0]['fixed_shape']['columns']} "
+                          "columns; its ideal time and ceiling use these):", "",
+                      "| B | context | target, 1 token | target, k+1 tokens | draft, 1 token |", "|---|---|---|---|---|"]
+            for c in fixed:
+                f = c["fixed_shape"]
+                verify = ", ".join(f"k={k}: {v * 1000:.2f}" for k, v in f["target_k1"].items())
+                lines.append(f"| {c['batch_size']} | {c['context_length']} | {f['target_1'] * 1000:.2f} | {verify} "
+                             f"| {f['draft_1'] * 1000:.2f} |")
     lines += server_markdown(bench)
     found = bench.get("findings") or {}
     if found.get("reason"):

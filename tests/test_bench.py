@@ -21,7 +21,7 @@ from specaudit.engines.exspec import EXSpec
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
 from specaudit.bench.run import BenchConfig, run_bench, run_plan
 from specaudit.bench.costs import expected_row_steps, ideal_seconds, speculation_ceiling
-from specaudit.bench.report import _ceiling
+from specaudit.bench.report import _ceiling, markdown
 from specaudit.bench.workload import draw_output_lengths, parse_output_lengths, row_utilisation, serving_prompts
 from specaudit.cli import main
 from specaudit.testing import models
@@ -194,6 +194,31 @@ def test_the_fixed_shape_engine_captures_in_its_warm_up_and_never_in_a_timed_cal
     assert runs[1]["captures_in_timed_calls"] == 0
     assert runs[0]["captures_in_timed_calls"] == 3  # the target's verify pass and the draft's two shapes
     assert runs[1]["calibrated_drafter"] and runs[1]["tokens_per_second_repeats"][0] > 0
+
+
+def test_the_fixed_shape_engine_is_held_to_its_own_passes_and_the_others_to_eager_ones(tmp_path) -> None:
+    """A captured pass skips the host's dispatch that an eager one pays (on an H200 the bench pair's eager
+    target pass took 20.9 ms, host-bound), so a ceiling built from eager passes is no bound for the fixed-shape
+    engine: its ideal time is priced with its own prepared passes, timed as it runs them (here the eager twin);
+    every other engine's with the eager ones."""
+    engines = ["batched", "eqspec", "fixedshape"]
+    bench = run_bench(_config(batch_sizes=[2], num_prompts=2, engines=engines), tmp_path)
+    (cost,) = bench["pass_costs"]
+    fixed = cost["fixed_shape"]
+    assert fixed["captured"] is False and fixed["columns"] >= cost["context_length"] + 4
+    assert all(fixed[key] > 0 for key in ("target_1", "draft_1")) and set(fixed["target_k1"]) == set(cost["target_k1"])
+    (prefill,) = bench["prefill_costs"]
+    runs = {r["engine"]: r for r in bench["runs"]}
+    for engine, priced in (("fixedshape", {**cost, **fixed}), ("eqspec", cost)):
+        run = runs[engine]
+        requests = run["request_tokens"]
+        row_steps = sum(expected_row_steps(max(0, n - 1), 3, 0.8) for n in requests)
+        assert run["ideal_seconds"] == pytest.approx(ideal_seconds(priced, prefill, len(requests), row_steps, 3)), engine
+        assert run["decode_ceiling"] == pytest.approx(_ceiling(priced, 3, expected_tokens_per_step(0.8, 3))), engine
+    assert "The fixed-shape engine's passes (eager, on fixed shapes" in markdown(bench)
+    # a bench without the fixed-shape engine times no such passes
+    plain = run_bench(_config(batch_sizes=[2], num_prompts=2, engines=["batched", "eqspec"]), tmp_path / "eager")
+    assert "fixed_shape" not in plain["pass_costs"][0]
 
 
 def test_cli_writes_bench_files_and_refuses_bad_usage(tmp_path, capsys) -> None:
