@@ -105,9 +105,10 @@ def forward(
     q = inputs.shape[1]
     positions = ragged.position_ids(cache_lengths, q)  # [B, q]
     if layout.is_row_ends(cache):  # each row writes at its own end; a per-query mask
+        end = int(cache_lengths.max()) + q  # the pass's one host read, for every layer and the mask
         for layer in cache.layers:
-            layer.write_at = cache_lengths
-        mask = layout.row_ends_mask(model, cache_lengths, q)  # [B, 1, q, max(c) + q]
+            layer.write_at, layer.write_end = cache_lengths, end
+        mask = layout.row_ends_mask(model, cache_lengths, q, end)  # [B, 1, q, max(c) + q]
         return cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=positions).logits
     mask = ragged.attention_mask(cache_lengths, width, q)  # [B, W + q]
     layout.spare_columns(cache)  # new columns written in place, not the cache copied

@@ -53,6 +53,23 @@ def test_a_step_on_row_ends_equals_the_right_aligned_step() -> None:
     assert float((batch_ops.forward(model, right, nxt, lengths) - batch_ops.forward(model, left, nxt, lengths)).abs().max()) < 1e-12
 
 
+@torch.no_grad()
+def test_a_pass_on_row_ends_reads_the_host_once_whatever_its_layers() -> None:
+    """The pass's end (max(c) + q) sizes every layer's view and the mask: read from the device once per pass.
+    A read per layer made EXSPEC's held batch wait for the device once a layer (24 times a pass on the bench
+    pair's target)."""
+    from specaudit.engines.ops.dispatch import HostSyncs
+
+    model = models.pair("tiny-llama").target
+    kvs = [_own_cache(model, p) for p in PROMPTS]
+    left = stack_cache(model, kvs, row_ends=True, rows=4)
+    assert len(left.layers) > 1
+    cache_lengths = torch.tensor([len(p) for p in PROMPTS])
+    with HostSyncs() as syncs:
+        batch_ops.forward(model, left, torch.tensor([[3, 1], [5, 9], [5, 3]]), cache_lengths)
+    assert syncs.count == 1, syncs.calls
+
+
 def _blocks(seed: int, lengths: list[int], layers: int = 2) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     g = torch.Generator().manual_seed(seed)
     return [[(torch.randn(2, n, 3, generator=g, dtype=torch.float64), torch.randn(2, n, 3, generator=g, dtype=torch.float64))
@@ -90,8 +107,8 @@ def test_a_row_longer_than_the_room_grows_the_buffers_and_keeps_every_row() -> N
     layer = cache.layers[1]
     assert layer._buffers[0].shape[0] == 3 and layer._buffers[0].shape[-2] >= 200
     assert torch.equal(layer._buffers[0][:2, :, :5], kept[0]) and torch.equal(layer.keys[2], joining[1][0][0])
-    layer.write_at = torch.tensor([3, 5, 200])
     new = torch.ones(3, 2, 400, 3, dtype=torch.float64)  # a pass past the room: grows again
+    layer.write_at, layer.write_end = torch.tensor([3, 5, 200]), 200 + 400  # as `batch.forward` sets them
     keys, _ = layer.update(new, new)
     assert keys.shape[-2] == 600 and float(keys[0, :, 3:403].min()) == 1.0 and torch.equal(keys[0, :, :3], kept[0][0, :, :3])
 

@@ -246,14 +246,19 @@ def _room(width: int) -> int:
 
 class RowEndsLayer(DynamicLayer):
     """Keys and values in buffers `[B_cap, H, C, D]`; rows `0 .. n - 1` are the batch. `write_at` [n]
-    (each row's cached length, set before every pass by `batch.forward`) says where a pass writes."""
+    (each row's cached length) says where a pass writes and `write_end` (max(write_at) + q, on the host)
+    how many columns it shows: both set before every pass by `batch.forward`, which reads the host once per
+    pass for every layer (a read per layer made EXSPEC's held batch wait for the device 24 times a pass on
+    a 24-layer model)."""
 
     write_at: torch.Tensor | None = None
+    write_end: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        assert self.write_at is not None, "a row-ends layer needs each row's length before a pass"
+        assert self.write_at is not None and self.write_end is not None, \
+            "a row-ends layer needs each row's length and the pass's end before a pass"
         rows, q = key_states.shape[0], key_states.shape[-2]
-        end = int(self.write_at.max()) + q
+        end = self.write_end
         if end > self._buffers[0].shape[-2]:
             self.grow(self._buffers[0].shape[0], _room(end))
         columns = self.write_at.unsqueeze(1) + torch.arange(q, device=key_states.device)  # [n, q]
@@ -294,10 +299,12 @@ def _mask_kind(model: PreTrainedModel) -> str | None:
     return "bool" if function is sdpa_mask else "additive" if function is eager_mask else None
 
 
-def row_ends_mask(model: PreTrainedModel, cache_lengths: torch.Tensor, q: int) -> torch.Tensor:
-    """`[B, 1, q, max(c) + q]`: query i of row b sees columns 0 .. c_b + i, in the form the model's
-    attention takes (True = attend for SDPA; 0 / the dtype's minimum, added to the scores, for eager)."""
-    columns = torch.arange(int(cache_lengths.max()) + q, device=cache_lengths.device)  # [S]
+def row_ends_mask(model: PreTrainedModel, cache_lengths: torch.Tensor, q: int, end: int | None = None) -> torch.Tensor:
+    """`[B, 1, q, S]`, S = `end` (max(c) + q, read from the device when not given): query i of row b sees
+    columns 0 .. c_b + i, in the form the model's attention takes (True = attend for SDPA; 0 / the dtype's
+    minimum, added to the scores, for eager)."""
+    end = int(cache_lengths.max()) + q if end is None else end
+    columns = torch.arange(end, device=cache_lengths.device)  # [S]
     last = cache_lengths.unsqueeze(1) + torch.arange(q, device=cache_lengths.device)  # [B, q]
     mask = (columns.view(1, 1, -1) <= last.unsqueeze(2)).unsqueeze(1)  # [B, 1, q, S]
     return additive_mask(mask, model.dtype) if _mask_kind(model) == "additive" else mask
