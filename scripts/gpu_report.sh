@@ -23,14 +23,15 @@
 # BENCH_LIMIT, EAGER_BENCH_LIMIT, AUDIT_LIMIT; a lease's add up to ~10 minutes); a step past it is interrupted
 # and keeps what it finished. Each step has its own folder, so a step that fails or is cut leaves the others'
 # results. steps.txt gives each step's exit status and seconds
-# (rc=124: cut at its limit); commands.txt the commands; device.txt the device line.
+# (rc=124: cut at its limit); commands.txt the commands; device.txt the device line; summary.md the goals
+# beside what was measured and every audit's and hunt's outcome (scripts/gpu_summary.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=lease
 case "${1:-}" in
     --dry-run) mode=dry; shift ;;
     --full) mode=full; shift ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
 esac
 dense_pairs=(--pair tiny-llama --pair tiny-qwen3 --pair tiny-gpt2)
 case $mode in
@@ -107,5 +108,6 @@ step faults "$audit_limit" env SPECAUDIT_TEST_DEVICE="$device" python3 -m pytest
     tests/property/test_faults.py -k "$fault_filter" -n "$workers" --junitxml="$out/faults.xml" &
 pids+=($!)
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-echo "wrote $out (steps.txt: each step's exit status)"
+python3 scripts/gpu_summary.py "$out" >/dev/null || status=1
+echo "wrote $out (summary.md: the goals beside what was measured; steps.txt: each step's exit status)"
 exit $status
