@@ -156,10 +156,12 @@ class InplaceDrafter:
     With a `chooser` (see `engines.models.bench_pair.CalibratedChooser`) each proposal is the chooser's
     token instead of the draft model's own greedy one; the draft model still runs on it."""
 
-    def __init__(self, draft: PreTrainedModel, chooser=None, shared_vocab_size: int | None = None) -> None:
+    def __init__(self, draft: PreTrainedModel, chooser=None, shared_vocab_size: int | None = None,
+                 target_vocab_size: int | None = None) -> None:
         self.draft = draft
         self.chooser = chooser
         self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
+        self.target_vocab_size = target_vocab_size  # the target's ids: inside the draft's, its tokens need no check
         self._proposed: torch.Tensor | None = None  # [B, k]
         self.draft_logits: torch.Tensor | None = None  # [B, k, V] what a sampled proposal was drawn from
         self._filled = False
@@ -174,7 +176,7 @@ class InplaceDrafter:
         processed q with its own stream (`draft_logits` [B, k, V] then holds what they were drawn from)."""
         assert state.draft_cache is not None and state.draft_valid is not None
         token = state.pending  # [B, 1]
-        check_draft_inputs(token, self.draft)
+        check_draft_inputs(token, self.draft, self.target_vocab_size)
         if self.chooser is not None:
             if sampling is not None:
                 raise ValueError("a calibrated chooser proposes greedy drafts only; sampled requests need the draft model's own")
@@ -193,7 +195,9 @@ class InplaceDrafter:
             valid = append_valid(valid, 1, torch.ones_like(state.lengths))  # this pass's input column
         self.draft_logits = torch.stack(rows, dim=1) if rows else None  # [B, k, V]
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
-        check_proposals(self._proposed, self.shared_vocab_size)
+        # the draft model's own proposals lie inside its vocabulary; a chooser's may not
+        own_vocab = getattr(getattr(self.draft, "config", None), "vocab_size", None) if self.chooser is None else None
+        check_proposals(self._proposed, self.shared_vocab_size, own_vocab if isinstance(own_vocab, int) else None)
         self._filled = False
         return self._proposed
 
@@ -252,7 +256,8 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
             raise ValueError("refill_at must be at least 1")
         self.target = target
         self.drafter = drafter if drafter is not None else InplaceDrafter(
-            draft, shared_vocab_size=shared_vocab_size(target, draft))
+            draft, shared_vocab_size=shared_vocab_size(target, draft),
+            target_vocab_size=getattr(target.config, "vocab_size", None))
         self.batch_size = batch_size
         self.k = draft_tokens
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
@@ -331,7 +336,8 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         sampling = step_requests.sampler if step_requests is not None else None
         proposals, draft_logits = propose(self.drafter, state, k, sampling)  # [B, k], [B, k, V] or None
         drafted = proposal_lengths(self.drafter, proposals)  # [B]
-        draft_tokens, own = verify_drafts(proposals, drafted, self.pad_id)  # [B, m]: own drafts, then pad ids
+        longest = proposals.shape[1] if getattr(self.drafter, "proposal_lengths", None) is None else None  # all k: no read
+        draft_tokens, own = verify_drafts(proposals, drafted, self.pad_id, longest)  # [B, m]: own drafts, then pad ids
         k = draft_tokens.shape[1]  # this step's width: the longest proposal
         draft_seconds = clock.lap()
 
