@@ -23,6 +23,7 @@ from specaudit.engines.reference import ReferenceDecoder
 
 MAX_NEW_TOKENS = 24
 REFERENCE_MEMO = "SPECAUDIT_REFERENCE_MEMO"
+HUNT_MEMO = "SPECAUDIT_HUNT_MEMO"  # the planted-fault hunts' kept outcomes (property_tests/faults/hunt.py)
 
 
 def pairs_device() -> str:

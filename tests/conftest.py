@@ -1,3 +1,4 @@
+import functools
 import os
 from collections import Counter
 from pathlib import Path
@@ -25,11 +26,15 @@ def pytest_configure(config: pytest.Config) -> None:
     """The folder of the reference outputs (property_tests/models.py), named before the xdist workers start, so
     each built-in pair's reference is computed once, not once per worker, and kept for later runs under
     `$SPECAUDIT_CACHE/references` (each file named by a digest of what its outputs depend on)."""
-    if hasattr(config, "workerinput") or os.environ.get(models.REFERENCE_MEMO):
+    if hasattr(config, "workerinput"):
         return
     cache = Path(os.environ.get("SPECAUDIT_CACHE", Path.home() / ".cache" / "specaudit"))
-    os.environ[models.REFERENCE_MEMO] = str(cache / "references")
-    config.add_cleanup(lambda: os.environ.pop(models.REFERENCE_MEMO, None))
+    # and the planted-fault hunts' outcomes (property_tests/faults/hunt.py), each file named by a digest of
+    # what the derandomized search depends on
+    for variable, folder in ((models.REFERENCE_MEMO, "references"), (models.HUNT_MEMO, "hunts")):
+        if not os.environ.get(variable):
+            os.environ[variable] = str(cache / folder)
+            config.add_cleanup(functools.partial(os.environ.pop, variable, None))
 
 
 VLLM_SCOPE = "vLLM servers"

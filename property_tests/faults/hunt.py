@@ -2,6 +2,13 @@
 engine breaks its property, shrinks it to a minimal counterexample, and the audit classifies
 what that counterexample shows.
 
+A hunt's outcome is kept where `SPECAUDIT_HUNT_MEMO` names a folder (tests/conftest.py:
+`$SPECAUDIT_CACHE/hunts`), in a file named by a digest of everything the derandomized search depends on
+(`hunt_key`): the fault, the pair's weights, the dtype, the search budget, the source of the engines, the
+audit and the property tests, and the Hypothesis, torch and transformers versions. A later hunt with the same
+key replays the kept minimal counterexample (it must still break the property, else the hunt searches again)
+and audits it, instead of searching and shrinking again to the same case: the search is 90-98% of a hunt.
+
 The property is output equivalence (`specaudit.testing.properties.check_equivalence`: tokens, then
 float64 logits) for every fault that can change an output, and the draft-proposal property
 (`draft_check`) for the faults that live in the model drafter's cache. The search is
@@ -17,10 +24,18 @@ the draft's own precision). That is what a user auditing in bfloat16 relies on.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import os
+import pickle
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import hypothesis
+import torch
+import transformers
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
@@ -35,6 +50,7 @@ from specaudit.testing.properties import DEFAULT_ORACLE, build_engine, check_equ
 from specaudit.testing.strategies import DecodingCase, decoding_cases
 
 DETECTIONS = ("tokens", "logits", "draft tokens")  # the `through` of a property failure that counts
+HUNT_MEMO = models.HUNT_MEMO
 MAX_EXAMPLES = 300  # generation budget per hunt; the hunt stops at the first failure, then shrinks
 
 CASE_BOUNDS: dict[str, Any] = dict(
@@ -95,6 +111,7 @@ class Finding:
     seconds: float = 0.0
     planted: list[str] = field(default_factory=list)  # the line edits that plant the fault
     dtype: str = "float64"  # the precision the hunt searched and audited in
+    kept: bool = False  # the search's outcome read back from an earlier hunt of the same key (`hunt_key`)
 
     @property
     def kinds(self) -> set[str]:
@@ -129,7 +146,8 @@ class Finding:
         lines = [
             head,
             f"  detected through {self.detected_by}; minimal example: {self.size_text()}; "
-            f"{self.examples} property runs, {self.seconds:.1f} s",
+            f"{self.examples} property runs, {self.seconds:.1f} s"
+            + (" (the search kept from an earlier hunt of the same code, replayed)" if self.kept else ""),
             *([f"  {len(self.crashes)} runs crashed or failed otherwise, first: {self.crashes[0]}"] if self.crashes else []),
             "  " + repr(self.case).replace("\n", "\n  "),
             "  " + self.message.replace("\n", "\n  "),
@@ -189,10 +207,86 @@ def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int
     return rerun
 
 
+@functools.lru_cache(maxsize=None)
+def _sources_digest() -> str:
+    """The source of what a hunt runs: the engines, the audit and the property tests (faults included)."""
+    import specaudit.engines
+    import specaudit.equivalence
+    import specaudit.testing
+
+    digest = hashlib.sha256()
+    for package in (specaudit.engines, specaudit.equivalence, specaudit.testing):
+        folder = Path(package.__file__).parent
+        for source in sorted(folder.rglob("*.py")):
+            digest.update(f"{package.__name__}/{source.relative_to(folder)}".encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
+
+
+def hunt_key(fault: type[FaultEngine], pair: str, dtype: str, max_examples: int) -> str:
+    """A digest of everything the derandomized search of `hunt` depends on (see the module docstring)."""
+    digest = hashlib.sha256()
+    digest.update(f"{fault.slug()}|{pair}|{dtype}|{max_examples}|{CASE_BOUNDS}|{models.pairs_device()}|"
+                  f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{_sources_digest()}".encode())
+    loaded = models.pair(pair)
+    for model in (loaded.target, loaded.draft):
+        digest.update(model.config.to_json_string().encode())
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _kept_path(fault: type[FaultEngine], pair: str, dtype: str, max_examples: int) -> Path | None:
+    memo = os.environ.get(HUNT_MEMO)
+    if not memo:
+        return None
+    return Path(memo) / f"{fault.slug()}-{pair}-{dtype}-{hunt_key(fault, pair, dtype, max_examples)}.pkl"
+
+
+def _keep(path: Path, case: DecodingCase, calls: int, crashes: list[str]) -> None:
+    """Written whole, then renamed: a reader sees all of it or nothing; the same hunt's files of other keys go."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_bytes(pickle.dumps({"case": case, "calls": calls, "crashes": crashes}))
+    os.replace(partial, path)
+    stem = path.name.rsplit("-", 1)[0]
+    for stale in path.parent.glob(f"{stem}-*.pkl"):
+        if stale != path and len(stale.name) == len(path.name):
+            stale.unlink(missing_ok=True)
+
+
+def _replay_kept(fault: type[FaultEngine], path: Path, finding: Finding) -> bool:
+    """Take the kept outcome at `path` when its case still breaks the property; False to search again."""
+    try:
+        kept = pickle.loads(path.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        return False
+    try:
+        check_fault(fault, kept["case"])
+        return False
+    except AssertionError as failure:
+        if getattr(failure, "through", None) not in DETECTIONS:
+            return False
+        finding.detected_by, finding.message = failure.through, str(failure)
+    except Exception:
+        return False
+    finding.case, finding.examples, finding.crashes, finding.kept = kept["case"], kept["calls"], kept["crashes"], True
+    return True
+
+
 def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLES, dtype: str = "float64") -> Finding:
-    """Search, shrink and audit; never raises for a fault that escapes (the Finding says so)."""
+    """Search, shrink and audit (or replay a kept search: the module docstring); never raises for a fault that
+    escapes (the Finding says so)."""
     started = time.perf_counter()
     calls, crashes = 0, []
+    kept = _kept_path(fault, pair, dtype, max_examples)
+    finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "",
+                      planted=[change.describe() for change in fault.changes], dtype=dtype)
+    if kept is not None and kept.is_file() and _replay_kept(fault, kept, finding):
+        finding.divergences = audit_case(fault, finding.case)
+        finding.seconds = time.perf_counter() - started
+        return finding
 
     def breaks_property(case: DecodingCase) -> bool:
         nonlocal calls
@@ -211,8 +305,6 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
         max_examples=max_examples, derandomize=True, database=None, deadline=None,
         phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck),
     )
-    finding = Finding(fault.slug(), fault.summary(), fault.engine, pair, None, None, "",
-                      planted=[change.describe() for change in fault.changes], dtype=dtype)
     try:
         minimal = find(fault_cases(fault, pair, dtype), breaks_property, settings=search)
     except NoSuchExample:
@@ -225,6 +317,8 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
         except AssertionError as failure:
             finding.detected_by = getattr(failure, "through", "other")
             finding.message = str(failure)
+            if kept is not None and finding.detected_by in DETECTIONS:
+                _keep(kept, minimal, calls, crashes)
         finding.divergences = audit_case(fault, minimal)
     finding.examples, finding.crashes = calls, crashes
     finding.seconds = time.perf_counter() - started

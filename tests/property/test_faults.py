@@ -5,7 +5,8 @@ For each fault engine (`property_tests/faults/`) and each pair it is hunted on, 
 searches for a decoding case where the fault breaks its property, shrinks it, and the audit
 classifies the minimal case. The terminal summary of the run prints every minimal
 counterexample and the table of `reports/faults.md` (`python -m specaudit.testing.faults.table`),
-whether or not output capture is on.
+whether or not output capture is on. A hunt whose outcome was kept by an earlier run of the same code replays
+its minimal counterexample instead of searching again (`property_tests/faults/hunt.py`, `SPECAUDIT_HUNT_MEMO`).
 """
 
 from __future__ import annotations
