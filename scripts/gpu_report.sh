@@ -33,6 +33,10 @@ case "${1:-}" in
     --full) mode=full; shift ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
 esac
+if [ $# -gt 1 ] || [[ "${1:-}" == -* ]]; then
+    echo "usage: scripts/gpu_report.sh [--full | --dry-run] [OUT]   (--help says more)" >&2
+    exit 2
+fi
 dense_pairs=(--pair tiny-llama --pair tiny-qwen3 --pair tiny-gpt2)
 case $mode in
     dry)
