@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
 from pathlib import Path
 
@@ -41,6 +42,28 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in zoo.builtin_prompts())
 
 
+def update_with_model(digest: "hashlib._Hash", model: torch.nn.Module) -> None:
+    """Feed `model`'s config and weights (their bytes) into `digest`."""
+    digest.update(model.config.to_json_string().encode())
+    for key, tensor in sorted(model.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
+
+
+def keep_file(path: Path, contents: bytes) -> None:
+    """Write `path` whole, then rename (a reader sees all of it or nothing), and remove the files beside it that
+    differ only in their key (the last `-`-separated part of the name): the same thing kept under inputs that
+    changed since."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_bytes(contents)
+    os.replace(partial, path)
+    stem = path.name.rsplit("-", 1)[0]
+    for stale in path.parent.glob(f"{stem}-*{path.suffix}"):
+        if stale != path and len(stale.name) == len(path.name):
+            stale.unlink(missing_ok=True)
+
+
 def reference_key(target: torch.nn.Module) -> str:
     """A digest of everything the reference outputs of `target` on the built-in prompts depend on: its config
     and weights (bytes), the prompts, the torch and transformers versions and the source of specaudit's
@@ -50,11 +73,9 @@ def reference_key(target: torch.nn.Module) -> str:
     import specaudit.engines
 
     digest = hashlib.sha256()
-    digest.update(f"{torch.__version__}|{transformers.__version__}|{target.config.to_json_string()}".encode())
+    digest.update(f"{torch.__version__}|{transformers.__version__}|".encode())
+    update_with_model(digest, target)
     digest.update(repr(prompts()).encode())
-    for key, tensor in sorted(target.state_dict().items()):
-        digest.update(key.encode())
-        digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
     engines = Path(specaudit.engines.__file__).parent
     for source in sorted(engines.rglob("*.py")):
         digest.update(str(source.relative_to(engines)).encode())
@@ -73,12 +94,8 @@ def reference(name: str, max_new_tokens: int = MAX_NEW_TOKENS, dtype: str = "flo
         return torch.load(kept, map_location=pairs_device())
     decoder = ReferenceDecoder(p.target, record_logits=True)
     outputs = decoder.generate([list(x) for x in prompts()], max_new_tokens, None)
-    if kept is not None:  # written whole, then renamed: a reader sees all of it or nothing
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_suffix(f".{os.getpid()}.partial")
-        torch.save((outputs, decoder.last_trace.logits), partial)
-        os.replace(partial, kept)
-        for stale in kept.parent.glob(f"{stem}-*.pt"):  # the same pair's outputs under inputs that changed since
-            if stale != kept and len(stale.name) == len(kept.name):
-                stale.unlink(missing_ok=True)
+    if kept is not None:
+        buffer = io.BytesIO()
+        torch.save((outputs, decoder.last_trace.logits), buffer)
+        keep_file(kept, buffer.getvalue())
     return outputs, decoder.last_trace.logits

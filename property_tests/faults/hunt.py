@@ -230,10 +230,7 @@ def hunt_key(fault: type[FaultEngine], pair: str, dtype: str, max_examples: int)
                   f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{_sources_digest()}".encode())
     loaded = models.pair(pair)
     for model in (loaded.target, loaded.draft):
-        digest.update(model.config.to_json_string().encode())
-        for name, tensor in sorted(model.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        models.update_with_model(digest, model)
     return digest.hexdigest()[:16]
 
 
@@ -242,18 +239,6 @@ def _kept_path(fault: type[FaultEngine], pair: str, dtype: str, max_examples: in
     if not memo:
         return None
     return Path(memo) / f"{fault.slug()}-{pair}-{dtype}-{hunt_key(fault, pair, dtype, max_examples)}.pkl"
-
-
-def _keep(path: Path, case: DecodingCase, calls: int, crashes: list[str]) -> None:
-    """Written whole, then renamed: a reader sees all of it or nothing; the same hunt's files of other keys go."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_bytes(pickle.dumps({"case": case, "calls": calls, "crashes": crashes}))
-    os.replace(partial, path)
-    stem = path.name.rsplit("-", 1)[0]
-    for stale in path.parent.glob(f"{stem}-*.pkl"):
-        if stale != path and len(stale.name) == len(path.name):
-            stale.unlink(missing_ok=True)
 
 
 def _replay_kept(fault: type[FaultEngine], path: Path, finding: Finding) -> bool:
@@ -318,7 +303,7 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
             finding.detected_by = getattr(failure, "through", "other")
             finding.message = str(failure)
             if kept is not None and finding.detected_by in DETECTIONS:
-                _keep(kept, minimal, calls, crashes)
+                models.keep_file(kept, pickle.dumps({"case": minimal, "calls": calls, "crashes": crashes}))
         finding.divergences = audit_case(fault, minimal)
     finding.examples, finding.crashes = calls, crashes
     finding.seconds = time.perf_counter() - started
