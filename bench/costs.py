@@ -9,7 +9,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -125,6 +125,23 @@ def sync(device: str) -> None:
 
 # ---- pass costs and the ceiling ----------------------------------------------------------------
 
+def median_seconds(call: Callable[[], Any], repeats: int, device: str, use_cpu_clock: bool = False,
+                   after: Callable[[], None] | None = None) -> float:
+    """Median seconds of `repeats` calls of `call` after one that warms up, the device synchronised around each;
+    `after` runs after each call, untimed."""
+    clock = time.process_time if use_cpu_clock else time.perf_counter
+    seconds = []
+    for _ in range(repeats + 1):
+        sync(device)
+        start = clock()
+        call()
+        sync(device)
+        seconds.append(clock() - start)
+        if after is not None:
+            after()
+    return statistics.median(seconds[1:])
+
+
 @torch.no_grad()
 def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_length: int, repeats: int,
                device: str, use_cpu_clock: bool = False) -> dict[str, Any]:
@@ -132,24 +149,19 @@ def pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], context_leng
     tokens = (torch.arange(context_length) % 256).unsqueeze(0).repeat(batch_size, 1).to(device)  # [B, L]
     lengths = torch.full((batch_size,), context_length, dtype=torch.long, device=device)
 
-    clock = time.process_time if use_cpu_clock else time.perf_counter
-
     def timed(model, q: int) -> float:
         cache, _ = batch_ops.prefill(model, tokens, lengths)
         inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)
         # the prefilled layers have spare columns (`layout.SpareColumnsLayer`), as in the engines: each timed
-        # pass writes its columns in place, and restoring the views below drops them again
+        # pass writes its columns in place, and restoring the views after it drops them again
         saved = [(layer.keys, layer.values) for layer in ragged.cache_layers(cache)]
-        seconds = []
-        for _ in range(repeats + 1):  # the first call warms up
-            sync(device)
-            start = clock()
-            batch_ops.forward(model, cache, inputs, lengths)
-            sync(device)
-            seconds.append(clock() - start)
+
+        def restore() -> None:
             for layer, (keys, values) in zip(ragged.cache_layers(cache), saved):
                 layer.keys, layer.values = keys, values
-        return statistics.median(seconds[1:])
+
+        return median_seconds(lambda: batch_ops.forward(model, cache, inputs, lengths), repeats, device,
+                              use_cpu_clock, after=restore)
 
     costs: dict[str, Any] = {"batch_size": batch_size, "context_length": context_length,
                              "target_1": timed(pair.target, 1), "draft_1": timed(pair.draft, 1), "target_k1": {}}
@@ -173,21 +185,13 @@ def fixed_shape_pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], 
     capture = default_capture(torch.device(device), cuda_graphs)
     captured = cuda_graphs and device.startswith("cuda")
     pool = torch.cuda.graph_pool_handle() if captured else None
-    clock = time.process_time if use_cpu_clock else time.perf_counter
     write_at = torch.full((batch_size,), context_length, dtype=torch.long, device=device)  # [B]
 
     def timed(model, q: int) -> float:
         runner = PassRunner(StaticCache(model, batch_size, columns), "pass", capture, pool)
         inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)  # [B, q]
         runner.run(inputs, write_at)  # prepares the shape (captures it on CUDA): untimed
-        seconds = []
-        for _ in range(repeats + 1):  # the first replay warms up
-            sync(device)
-            start = clock()
-            runner.run(inputs, write_at)
-            sync(device)
-            seconds.append(clock() - start)
-        return statistics.median(seconds[1:])
+        return median_seconds(lambda: runner.run(inputs, write_at), repeats, device, use_cpu_clock)
 
     costs: dict[str, Any] = {"captured": captured, "columns": columns, "target_1": timed(pair.target, 1),
                              "draft_1": timed(pair.draft, 1), "target_k1": {}}
@@ -207,19 +211,10 @@ def prefill_costs(pair: zoo.ModelPair, prompt_length: int, batch_size: int, repe
     """Median seconds to prefill one prompt of `prompt_length` tokens alone and `batch_size` of them in
     one pass (equal lengths: no padding), target and draft. `target_prefill` and `draft_prefill`, the
     per-prompt costs the ideal engine pays, are the cheaper of the two per prompt."""
-    clock = time.process_time if use_cpu_clock else time.perf_counter
-
     def timed(model, rows: int) -> float:
         tokens = (torch.arange(prompt_length) % 256).unsqueeze(0).repeat(rows, 1).to(device)  # [rows, P]
         lengths = torch.full((rows,), prompt_length, dtype=torch.long, device=device)
-        seconds = []
-        for _ in range(repeats + 1):  # the first call warms up
-            sync(device)
-            start = clock()
-            batch_ops.prefill(model, tokens, lengths)
-            sync(device)
-            seconds.append(clock() - start)
-        return statistics.median(seconds[1:])
+        return median_seconds(lambda: batch_ops.prefill(model, tokens, lengths), repeats, device, use_cpu_clock)
 
     out: dict[str, Any] = {"batch_size": batch_size, "prompt_length": prompt_length}
     for name, model in (("target", pair.target), ("draft", pair.draft)):
