@@ -186,17 +186,22 @@ def fixed_shape_pass_costs(pair: zoo.ModelPair, batch_size: int, ks: list[int], 
     captured = cuda_graphs and device.startswith("cuda")
     pool = torch.cuda.graph_pool_handle() if captured else None
     write_at = torch.full((batch_size,), context_length, dtype=torch.long, device=device)  # [B]
+    # every runner lives until the end, as an engine's do: a graph freed while its pool still holds blocks
+    # leaves the pool unowned, and the next capture into it fails (CUDACachingAllocator asserts use_count > 0)
+    runners: list[PassRunner] = []
 
-    def timed(model, q: int) -> float:
-        runner = PassRunner(StaticCache(model, batch_size, columns), "pass", capture, pool)
+    def timed(model, role: str, q: int) -> float:
+        runner = PassRunner(StaticCache(model, batch_size, columns), role, capture, pool)
+        runners.append(runner)
         inputs = torch.zeros(batch_size, q, dtype=torch.long, device=device)  # [B, q]
         runner.run(inputs, write_at)  # prepares the shape (captures it on CUDA): untimed
         return median_seconds(lambda: runner.run(inputs, write_at), repeats, device, use_cpu_clock)
 
-    costs: dict[str, Any] = {"captured": captured, "columns": columns, "target_1": timed(pair.target, 1),
-                             "draft_1": timed(pair.draft, 1), "target_k1": {}}
+    costs: dict[str, Any] = {"captured": captured, "columns": columns, "target_1": timed(pair.target, "target", 1),
+                             "draft_1": timed(pair.draft, "draft", 1), "target_k1": {}}
     for k in ks:
-        costs["target_k1"][str(k)] = timed(pair.target, k + 1)
+        costs["target_k1"][str(k)] = timed(pair.target, "target", k + 1)
+    runners.clear()  # the graphs go before their pool
     return costs
 
 

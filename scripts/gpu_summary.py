@@ -11,6 +11,7 @@ cut shows as such: nothing here is filled in from elsewhere.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -103,9 +104,16 @@ def fault_lines(folder: Path) -> list[str]:
         suite = ET.parse(folder / "faults.xml").getroot()
     except (OSError, ET.ParseError):
         return ["No faults.xml: the hunts did not finish (faults.log has what ran)."]
-    cases = list(suite.iter("testcase"))
+    # a run cut at its limit leaves a nameless case for the interrupted session: not a hunt
+    cases = [c for c in suite.iter("testcase") if c.get("name")]
     failed = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
-    return [f"{len(cases) - len(failed)} of {len(cases)} hunts passed"] + [f"- failed: {name}" for name in failed]
+    log = folder / "faults.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    # selected hunts: xdist's "[N items]", else pytest's "/ N selected", else "collected N items"
+    selected = next((m.group(1) for pattern in (r"\[(\d+) items?\]", r"/ (\d+) selected", r"collected (\d+) items?")
+                     if (m := re.search(pattern, text))), None)
+    of = f" ({len(cases)} of the {selected} selected ran)" if selected else ""
+    return [f"{len(cases) - len(failed)} of {len(cases)} hunts passed{of}"] + [f"- failed: {name}" for name in failed]
 
 
 def summary(folder: Path) -> str:

@@ -36,6 +36,17 @@ def test_the_goals_are_read_off_the_bench_and_the_eager_ceiling_does_not_judge_c
     assert "2 of 2 hunts passed" in text
 
 
+def test_captured_passes_judge_the_fixed_shape_engine_and_a_cut_hunt_run_is_counted_by_what_ran(tmp_path) -> None:
+    folder = tmp_path / "run3"
+    shutil.copytree(RUN.parent / "run3", folder)
+    text = summarise(folder)
+    assert "fixed-shape engine's captured pass 3.47 ms | eager not met, own met |" in text
+    assert "| EQSPEC at B=1 >= 1.5x the reference | 1.64x | met |" in text
+    assert "| best engine at B=8 >= 80% of its ceiling | fixedshape: 82% | met |" in text
+    # the hunts were cut at their limit: the interrupted session's nameless case is no hunt
+    assert "30 of 30 hunts passed (30 of the 32 selected ran)" in text
+
+
 def test_a_step_that_did_not_run_is_said_not_to_have_run(tmp_path) -> None:
     text = summarise(tmp_path)
     assert "No bench.json: the bench did not run." in text and "No faults.xml" in text
