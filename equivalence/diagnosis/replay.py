@@ -312,7 +312,90 @@ def holes_hypotheses(prompt: list[int], output: list[int], q: int, row: RowConte
             return holey_replay_inputs(row.draft, row.draft_tokens, prompt, output, q, mode, row.batch_padding or 0)
 
         found.append(Hypothesis(cls, text, build, mechanism))
+
+    def cropped_by_count() -> tuple[Any, ...] | None:
+        return counter_cropped_inputs(row.draft, row.draft_tokens, prompt, output, q)
+
+    found.append(Hypothesis("position_ids", "each new token numbered past the row's rejected draft slots, and the "
+                            "row's caches cropped to that count (the rejected entries it runs ahead by stay "
+                            "visible)", cropped_by_count, HOLE_MECHANISMS["position_ids"]))
     return found
+
+
+@torch.no_grad()
+def counter_cropped_inputs(draft: Any, k: int, prompt: list[int], output: list[int],
+                           end: int) -> tuple[Any, ...] | None:
+    """(ids, positions, allowed, rows) of a row whose one position counter goes on past its rejected draft
+    slots (k + 1 a step) and whose caches are cropped to `counter + accepted + 1` entries after each
+    verification: the crop is right while the counter is, and once it runs ahead the cropped caches keep
+    some rejected entries. Both caches are simulated as lists of slots; each slot is replayed seeing what
+    its model's cache held when that model computed it (the draft one token a pass, the target the pending
+    token and k proposals in one pass). Slot i sits at position i, `rows` as in `holey_replay_inputs`."""
+    n = len(prompt)
+    ids = list(prompt) + [output[0]]
+    causal = [set(range(i + 1)) for i in range(n)]
+    seen_target, seen_draft = list(causal), list(causal)  # per slot: the slots its query saw [slot -> set]
+    cache_target, cache_draft = list(range(n)), list(range(n))  # the slots each cache holds, in order
+    kept_at = list(range(n + 1))  # slot of each kept token: the prompt, then new token 0
+    done, rejected = 1, 0
+    drafting = GrowingReplay(draft)
+
+    def visibility(seen: list[set[int]], size: int) -> torch.Tensor:
+        allowed = torch.zeros(size, size, dtype=torch.bool)  # [L, L]: key j visible to query i
+        for i, slots in enumerate(seen[:size]):
+            # a slot its model never computed (a last proposal the draft did not feed) sees itself: finite
+            # keys that no query sees (a masked NaN would still poison the attention's sums)
+            allowed[i, sorted(j for j in slots if j < size) or [i]] = True
+        return allowed
+
+    def needed() -> bool:  # the target's query of new token `end` not yet rebuilt
+        return len(kept_at) <= n - 1 + end or len(seen_target) <= kept_at[n - 1 + end]
+
+    while needed() and done < len(output):
+        pending = len(ids) - 1  # the counter: the pending token's slot
+        proposals: list[int] = []
+        written = [pending]
+        for i in range(k):  # the draft: one token a pass, its cache growing by the token fed
+            query = written[-1]
+            while len(seen_draft) <= query:
+                seen_draft.append(set())
+            seen_draft[query] = set(cache_draft) | set(written)
+            logits = drafting.last(ids[:query + 1], list(range(query + 1)), visibility(seen_draft, query + 1))
+            if logits is None:
+                return None
+            proposals.append(int(logits.argmax()))
+            if i < k - 1:
+                written.append(pending + i + 1)
+                ids.append(proposals[-1])
+        ids.append(proposals[-1])
+        step_slots = list(range(pending, pending + k + 1))  # the target's pass: pending + k proposals
+        for slot in step_slots:
+            while len(seen_target) <= slot:
+                seen_target.append(set())
+            seen_target[slot] = set(cache_target) | set(range(pending, slot + 1))
+        accepted = 0
+        while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
+            accepted += 1
+        rejected += k - accepted
+        keep = pending + accepted + 1  # the crop, by the counter
+        cache_target = (cache_target + step_slots)[:keep]
+        cache_draft = (cache_draft + written)[:keep]
+        if accepted == k:  # the draft never saw its own last proposal: fed now
+            while len(seen_draft) <= pending + k:
+                seen_draft.append(set())
+            seen_draft[pending + k] = set(cache_draft) | {pending + k}
+            cache_draft.append(pending + k)
+        kept_at += list(range(pending + 1, pending + accepted + 1))
+        done += accepted
+        if done < len(output):
+            ids.append(output[done])  # the target's token: the next step's pending slot
+            kept_at.append(len(ids) - 1)
+            done += 1
+    if not rejected or needed():
+        return None  # no rejection, or the rebuild ran out of output: nothing to say
+    rows = [kept_at[n - 1 + j] for j in range(end + 1)]
+    cut = rows[-1] + 1
+    return ids[:cut], list(range(cut)), visibility(seen_target, cut), rows
 
 
 def _holey_inputs(slots: list[tuple[int, bool]], mode: str, padding: int) -> tuple[list[int], list[int], torch.Tensor]:
