@@ -106,10 +106,12 @@ def test_each_engine_passes_the_sampled_audit_and_keeps_the_seed(pair, name: str
     assert any(t["scope"] == f"step offset {K}" for t in report["tests"])  # the bonus tokens, tested apart
 
 
-# the uniform stuck at 0 without a cut (caught by the draft-ordered tests: reports/sampling/README.md, seeds 1-3
-# all caught at 300, p at most 2e-5); top-k on the draft only by tokens outside the target's top-k
+# the uniform stuck at 0 (caught by the draft-ordered tests: reports/sampling/README.md; without a cut seeds 1-3
+# all caught at 300, p at most 2e-5; at T 0.7 top-k 8 seeds 1-10 all caught at 600, p at most 3e-7); top-k on
+# the draft only by tokens outside the target's top-k
 @pytest.mark.parametrize("fault, params, samples", [
     ("uniform_stuck_at_zero", SamplingParams(temperature=1.0), 300),
+    ("uniform_stuck_at_zero", PARAMS, 600),
     ("top_k_on_draft_only", PARAMS, 100),
 ])
 def test_a_fault_in_the_shared_acceptance_rule_fails_the_audit_of_eqspec(pair, fault: str, params: SamplingParams,
