@@ -110,7 +110,7 @@ def test_bad_sampling_options_are_one_line_usage_errors(tmp_path, capsys) -> Non
                  "--out", str(tmp_path)]) == 2
     assert "'no-such-engine' is no sampled engine" in capsys.readouterr().err
     # a project engine without a sampler is named as such, with the engines that sample
-    assert main(["audit", "--pair", "tiny-llama", "--engine", "fixedshape", "--temperature", "1",
+    assert main(["audit", "--pair", "tiny-llama", "--engine", "bsp", "--temperature", "1",
                  "--out", str(tmp_path)]) == 2
     error = capsys.readouterr().err
-    assert "'fixedshape' decodes greedily only" in error and "eqspec" in error, error
+    assert "'bsp' decodes greedily only" in error and "eqspec" in error and "fixedshape" in error, error

@@ -97,7 +97,7 @@ def _audit(engine, pair, samples: int, seed: int, params: SamplingParams = PARAM
                          eos_token_id=pair.eos_token_id, seed=seed, draft=pair.draft, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["eqspec", "exspec", "inplace"])
+@pytest.mark.parametrize("name", ["eqspec", "exspec", "inplace", "fixedshape"])
 def test_each_engine_passes_the_sampled_audit_and_keeps_the_seed(pair, name: str) -> None:
     engine = make_engine(name, pair.target, pair.draft, PARAMS, seed=5, draft_tokens=K, options={"batch_size": 64})
     report = _audit(engine, pair, 300, seed=5)

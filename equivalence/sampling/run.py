@@ -17,7 +17,7 @@ from specaudit.equivalence.sampling.teacher import Sample
 
 BUILTIN_SAMPLED = {"sampled-spec": SampledSpeculative, "sampled-reference": SampledReference}
 # the project's engines, sampled through their request parameters (engines/requests/rows.py)
-REQUEST_ENGINES = ("eqspec", "exspec", "inplace", "batched", "reference")
+REQUEST_ENGINES = ("eqspec", "exspec", "inplace", "fixedshape", "batched", "reference")
 
 
 class RequestSampled:
