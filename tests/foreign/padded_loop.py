@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from foreign.cache_arg import cache_arg
+
 
 class PaddedLoop:
     def __init__(self, model: Any, batch_size: int, pad_id: int, bug: str | None) -> None:
@@ -67,7 +69,7 @@ class PaddedLoop:
             logits = self.model(input_ids=step_ids.to(self.model.device),
                                 attention_mask=self._mask(keep, q),
                                 position_ids=self._positions(keep, q).to(self.model.device),
-                                past_key_values=cache, use_cache=True).logits[:, -1]  # [B, V]
+                                **cache_arg(self.model, cache), use_cache=True).logits[:, -1]  # [B, V]
             nxt = logits.argmax(-1).cpu()  # [B]
             for b in range(len(prompts)):
                 if not done[b]:

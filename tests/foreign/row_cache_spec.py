@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from foreign.cache_arg import cache_arg
+
 
 def _crop_to(cache: DynamicCache, length: int) -> None:
     """Keep the first `length` entries (transformers 5 crops by a negative count of entries to drop)."""
@@ -42,7 +44,7 @@ class RowCacheSpec:
         ids = torch.tensor([tokens], device=model.device)
         positions = torch.arange(start, start + len(tokens), device=model.device).unsqueeze(0)
         mask = torch.ones(1, cache.get_seq_length() + len(tokens), dtype=torch.long, device=model.device)
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_arg(model, cache),
                      use_cache=True).logits[0].cpu()  # [len(tokens), V]
 
     @torch.no_grad()

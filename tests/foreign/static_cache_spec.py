@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers import StaticCache
 
+from foreign.cache_arg import cache_arg
+
 
 class StaticCacheSpec:
     def __init__(self, target: Any, draft: Any, batch_size: int, k: int, pad_id: int, bug: str | None) -> None:
@@ -53,7 +55,7 @@ class StaticCacheSpec:
         mask.masked_fill_(~allowed.unsqueeze(1), torch.finfo(model.dtype).min)
         device = model.device
         return model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                     position_ids=self._positions(keep, start, q, pad).to(device), past_key_values=cache,
+                     position_ids=self._positions(keep, start, q, pad).to(device), **cache_arg(model, cache),
                      cache_position=torch.arange(start, start + q, device=device), use_cache=True).logits.cpu()
 
     @torch.no_grad()
