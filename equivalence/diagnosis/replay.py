@@ -270,7 +270,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
         found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant, alone=True))
     found += prefill_hypotheses(prompt, sequence)
     if (trace is None or not getattr(trace, "steps", None)) and row is not None:
-        found += padding_scan(sequence, row, pad_id)
+        found += padding_scan(sequence, row, pad_id, len(prompt))
         found += holes_hypotheses(prompt, output, q, row)
     return found
 
@@ -498,10 +498,11 @@ def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesi
     return found
 
 
-def padding_scan(sequence: list[int], row: RowContext, pad_id: int | None) -> list[Hypothesis]:
+def padding_scan(sequence: list[int], row: RowContext, pad_id: int | None, prompt_length: int) -> list[Hypothesis]:
     """For an engine without a trace: the row numbered over, or attending to, a left padding of each width
-    its batch neighbours' lengths allow (an engine that re-pads the batch as rows grow at different rates)."""
-    found: list[Hypothesis] = []
+    its batch neighbours' lengths allow (an engine that re-pads the batch as rows grow at different rates),
+    and a right padding (pads between the prompt and the new tokens) attended by the new tokens."""
+    found: list[Hypothesis] = right_padding_visible(sequence, row, pad_id, prompt_length)
     total = len(sequence)
     widths = [p for p in row.neighbour_paddings if p > 0 and p != row.batch_padding]
     for pad in widths:
@@ -520,6 +521,37 @@ def padding_scan(sequence: list[int], row: RowContext, pad_id: int | None) -> li
                 found.append(Hypothesis("attention_mask", f"a left padding of {pad} visible to the row's queries "
                                         f"({'pad positions at 0' if at_zero else 'counted in its positions'})",
                                         visible, "the row's padding visible to its queries"))
+    return found
+
+
+def right_padding_visible(sequence: list[int], row: RowContext, pad_id: int | None,
+                          prompt_length: int) -> list[Hypothesis]:
+    """A right-padded batch (prompts from column 0, pads after the shorter ones, every row's new tokens
+    appended at one shared column): the gap of `row.batch_padding` pads between the row's prompt and its
+    new tokens visible to the new tokens. The pads sit at the positions after the prompt and were computed
+    in the prefill seeing the prompt only (a padding mask) or everything before them (no mask at all); the
+    new tokens are numbered by the row's own tokens, or by their column (over the gap)."""
+    gap, n = row.batch_padding, prompt_length
+    if not gap or pad_id is None or len(sequence) <= n:
+        return []
+    found: list[Hypothesis] = []
+    for pads_see_pads in (False, True):
+        for counted in (False, True):
+            def build(pads_see_pads: bool = pads_see_pads, counted: bool = counted) -> tuple[Any, ...]:
+                ids = sequence[:n] + [pad_id] * gap + sequence[n:]
+                new = len(sequence) - n
+                positions = list(range(n + gap)) + [n + (gap if counted else 0) + j for j in range(new)]
+                allowed = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()  # [L, L]
+                if not pads_see_pads:  # a pad's query sees the prompt only
+                    allowed[n:n + gap, n:n + gap] = False
+                return ids, positions, allowed
+
+            what = ("seeing the pads before them in the prefill" if pads_see_pads else
+                    "computed seeing the prompt only")
+            found.append(Hypothesis("attention_mask", f"a right padding of {gap} (pads after the prompt, {what}) "
+                                    "visible to the row's new tokens"
+                                    f"{', the new tokens numbered over it' if counted else ''}", build,
+                                    "the row's padding visible to its queries"))
     return found
 
 

@@ -13,5 +13,7 @@ buggy ones, every one a `factory(target, draft, *, batch_size, draft_tokens, **o
 - `generate_chunks`: plain greedy as a loop over `model.generate` calls of a few tokens each, the
   unfinished rows re-padded between calls, explicit position ids;
 - `static_cache_spec`: speculative on preallocated `StaticCache`s written at a shared cache position,
-  rejected proposals left in their columns as masked holes.
+  rejected proposals left in their columns as masked holes;
+- `right_padded_loop`: plain greedy on a right-padded batch, new tokens appended at one shared column
+  after the widest prompt (a gap of pads between a short prompt and its new tokens).
 """

@@ -27,6 +27,7 @@ EXPECTED: dict[str, dict[str, str | None]] = {
                        "answer_by_slot": "output_order", "stop_on_any_eos": "stop_eos", "one_more": "stop_length"},
     "generate_chunks": {"correct": None, "pos_padded": "position_ids"},
     "static_cache_spec": {"correct": None, "pos_column": "position_ids", "pos_padded": "position_ids"},
+    "right_padded_loop": {"correct": None, "pos_column": "position_ids", "gap_visible": "attention_mask"},
 }
 # variants the diagnosis does not name yet, and why; their divergences must still never be `cross_row`, and
 # each `unknown` must say what would decide it
