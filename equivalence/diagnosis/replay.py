@@ -11,7 +11,10 @@ context that a suspected bug would give that row:
   earlier steps): positions that keep counting past rejected tokens;
 - every position shifted by a constant (an offset applied twice, a 1-based count);
 - the row's left padding visible to its queries, at position 0 or counted (a mask blind to
-  padding).
+  padding);
+- for an engine without a trace: left paddings its neighbours allow, a right padding (pads between the
+  prompt and the new tokens) attended by the new tokens, rejected draft slots rebuilt from the draft's
+  proposals and left as holes, and one row counter that runs past rejected slots and also crops the caches.
 
 A hypothesis explains the engine's logits at a position when it brings them at least 100 times
 closer than the plain replay does (in float64 an exact hypothesis reproduces them to ~1e-13).
