@@ -1,7 +1,8 @@
-"""The two foreign engines written last, in styles the others lack (`tests/foreign/generate_chunks.py`, a
-loop over `model.generate`; `tests/foreign/static_cache_spec.py`, speculation on static caches): every
+"""Foreign engines written after the diagnosis of the others, in styles they lack (`tests/foreign/generate_chunks.py`,
+a loop over `model.generate`; `tests/foreign/static_cache_spec.py`, speculation on static caches;
+`tests/foreign/mask2d_spec.py`, speculation on dynamic caches with 2-D masks and holes): every
 buggy variant named by its cause on at least 90% of its structural divergences, never `cross_row`, the
-correct variants exact. One audit of all five variants on one batch of 4 prompts, 8 new tokens, to keep
+correct variants exact. One audit of all their variants on one batch of 4 prompts, 8 new tokens, to keep
 it cheap; reports/foreign/README.md has them on the corpus's settings."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 from cli_run import audit, runs
 from foreign.expect import EXPECTED, problems
 
-MODULES = ("generate_chunks", "static_cache_spec")
+MODULES = ("generate_chunks", "static_cache_spec", "mask2d_spec")
 
 
 def test_new_styles_are_named_by_their_cause(tmp_path: Path) -> None:

@@ -15,5 +15,7 @@ buggy ones, every one a `factory(target, draft, *, batch_size, draft_tokens, **o
 - `static_cache_spec`: speculative on preallocated `StaticCache`s written at a shared cache position,
   rejected proposals left in their columns as masked holes;
 - `right_padded_loop`: plain greedy on a right-padded batch, new tokens appended at one shared column
-  after the widest prompt (a gap of pads between a short prompt and its new tokens).
+  after the widest prompt (a gap of pads between a short prompt and its new tokens);
+- `mask2d_spec`: speculative on one `DynamicCache` per model with 2-D masks (the library builds the 4-D
+  ones), rejected proposals left as holes hidden by zeros in the 2-D mask.
 """

@@ -28,6 +28,7 @@ EXPECTED: dict[str, dict[str, str | None]] = {
     "generate_chunks": {"correct": None, "pos_padded": "position_ids"},
     "static_cache_spec": {"correct": None, "pos_column": "position_ids", "pos_padded": "position_ids"},
     "right_padded_loop": {"correct": None, "pos_column": "position_ids", "gap_visible": "attention_mask"},
+    "mask2d_spec": {"correct": None, "library_positions": "position_ids", "holes_visible": "attention_mask"},
 }
 # variants the diagnosis does not name yet, and why; their divergences must still never be `cross_row`, and
 # each `unknown` must say what would decide it
