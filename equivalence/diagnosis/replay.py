@@ -336,23 +336,24 @@ def counter_cropped_inputs(draft: Any, k: int, prompt: list[int], output: list[i
     token and k proposals in one pass). Slot i sits at position i, `rows` as in `holey_replay_inputs`."""
     n = len(prompt)
     ids = list(prompt) + [output[0]]
-    causal = [set(range(i + 1)) for i in range(n)]
-    seen_target, seen_draft = list(causal), list(causal)  # per slot: the slots its query saw [slot -> set]
+    # per slot: the slots its query saw when its model computed it
+    seen_target: dict[int, set[int]] = {i: set(range(i + 1)) for i in range(n)}
+    seen_draft = dict(seen_target)
     cache_target, cache_draft = list(range(n)), list(range(n))  # the slots each cache holds, in order
     kept_at = list(range(n + 1))  # slot of each kept token: the prompt, then new token 0
     done, rejected = 1, 0
     drafting = GrowingReplay(draft)
 
-    def visibility(seen: list[set[int]], size: int) -> torch.Tensor:
+    def visibility(seen: dict[int, set[int]], size: int) -> torch.Tensor:
         allowed = torch.zeros(size, size, dtype=torch.bool)  # [L, L]: key j visible to query i
-        for i, slots in enumerate(seen[:size]):
+        for i in range(size):
             # a slot its model never computed (a last proposal the draft did not feed) sees itself: finite
             # keys that no query sees (a masked NaN would still poison the attention's sums)
-            allowed[i, sorted(j for j in slots if j < size) or [i]] = True
+            allowed[i, sorted(j for j in seen.get(i, ()) if j < size) or [i]] = True
         return allowed
 
     def needed() -> bool:  # the target's query of new token `end` not yet rebuilt
-        return len(kept_at) <= n - 1 + end or len(seen_target) <= kept_at[n - 1 + end]
+        return len(kept_at) <= n - 1 + end or kept_at[n - 1 + end] not in seen_target
 
     while needed() and done < len(output):
         pending = len(ids) - 1  # the counter: the pending token's slot
@@ -360,8 +361,6 @@ def counter_cropped_inputs(draft: Any, k: int, prompt: list[int], output: list[i
         written = [pending]
         for i in range(k):  # the draft: one token a pass, its cache growing by the token fed
             query = written[-1]
-            while len(seen_draft) <= query:
-                seen_draft.append(set())
             seen_draft[query] = set(cache_draft) | set(written)
             logits = drafting.last(ids[:query + 1], list(range(query + 1)), visibility(seen_draft, query + 1))
             if logits is None:
@@ -373,8 +372,6 @@ def counter_cropped_inputs(draft: Any, k: int, prompt: list[int], output: list[i
         ids.append(proposals[-1])
         step_slots = list(range(pending, pending + k + 1))  # the target's pass: pending + k proposals
         for slot in step_slots:
-            while len(seen_target) <= slot:
-                seen_target.append(set())
             seen_target[slot] = set(cache_target) | set(range(pending, slot + 1))
         accepted = 0
         while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
@@ -384,8 +381,6 @@ def counter_cropped_inputs(draft: Any, k: int, prompt: list[int], output: list[i
         cache_target = (cache_target + step_slots)[:keep]
         cache_draft = (cache_draft + written)[:keep]
         if accepted == k:  # the draft never saw its own last proposal: fed now
-            while len(seen_draft) <= pending + k:
-                seen_draft.append(set())
             seen_draft[pending + k] = set(cache_draft) | {pending + k}
             cache_draft.append(pending + k)
         kept_at += list(range(pending + 1, pending + accepted + 1))
