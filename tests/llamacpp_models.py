@@ -188,11 +188,15 @@ class LlamaServer:
         self.__exit__()
         raise RuntimeError(f"llama-server not healthy within {self.startup_timeout_s:g} s:\n{self.log_tail()}")
 
+    # a current build exits within a second of SIGTERM; b8672 ignores it (tests/test_wild_llamacpp_b8672.py) and
+    # is killed once this grace is up
+    STOP_GRACE_S = 3.0
+
     def __exit__(self, *_exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=10)
+                self.process.wait(timeout=self.STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)

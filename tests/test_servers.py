@@ -306,11 +306,14 @@ def test_audit_of_a_server_end_to_end(tmp_path):
     from specaudit.engines.models import zoo
 
     pair = zoo.load_pair("tiny-llama")
+    # no adversarial prompts: the fake server decodes in this process, and their 2100-token prompt took 31 of
+    # this test's 36 s (the built-in engines get them in tests/test_adversarial.py, a real llama.cpp server in
+    # tests/test_llamacpp_e2e.py)
     for corrupt, expected in ((False, 0), (True, 1)):
         with FakeServer(reference_llamacpp(pair, corrupt)) as server:
             out = tmp_path / f"out-{corrupt}"
             code = run_cli("audit", "--engine", f"llamacpp:{server.url}", "--pair", "tiny-llama", "--batch-size", "4",
-                           "--num-prompts", "4", "--max-new-tokens", "8", "--no-progress", "--out", str(out))
+                           "--num-prompts", "4", "--max-new-tokens", "8", "--no-progress", "--no-adversarial", "--out", str(out))
         report = json.loads((out / "audit.json").read_text())
         (run,) = report["runs"]
         assert code == expected, run.get("error")

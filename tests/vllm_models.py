@@ -256,13 +256,20 @@ class VLLMServer:
             time.sleep(0.5)
         raise RuntimeError(f"vLLM not healthy within {self.startup_timeout_s:g} s:\n{self.log_tail()}")
 
+    def request_stop(self) -> None:
+        """SIGTERM to the server's process group, without waiting (servers stopped together shut down
+        side by side; `stop` then waits for each)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 30 s; then SIGKILL to whatever of
         the group is left."""
         if self.process is not None:
             group = self.process.pid  # start_new_session: the group id is the leader's pid
             if self.process.poll() is None:
-                os.killpg(group, signal.SIGTERM)
+                self.request_stop()
                 try:
                     self.process.wait(timeout=30)
                 except subprocess.TimeoutExpired:
