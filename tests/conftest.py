@@ -41,8 +41,8 @@ VLLM_SCOPE = "vLLM servers"
 
 
 def runs_vllm_servers(nodeid: str) -> bool:
-    """A test of a module that starts vLLM servers (each start imports vLLM and torch in two or three processes:
-    most of a minute of the 2 cores)."""
+    """A test of a module that starts vLLM servers (each start imports vLLM and torch in three processes:
+    minutes of the 2 cores)."""
     return Path(nodeid.split("::")[0]).name.startswith(("test_vllm", "test_wild_vllm"))
 
 

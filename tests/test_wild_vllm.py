@@ -21,8 +21,8 @@ many tokens were generated).
 `specaudit audit --min-tokens 5` against the same server rules it a structural `logits_processor`
 divergence at new token 5 (min_tokens applied past its end).
 
-The server takes about a minute to start on two shared cores (two Python processes import vLLM and
-torch, tests/vllm_models.py's `server_env`); the requests take seconds.
+The server takes about 3 minutes to start on two shared cores (three Python processes import vLLM
+and torch); the requests take seconds.
 """
 
 from __future__ import annotations

