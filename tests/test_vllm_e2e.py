@@ -17,7 +17,7 @@ each runs every feature below at the same time, with 8 requests in flight:
   chunks of at most 128 tokens; vLLM's scheduler fills a step with the running requests' verify
   tokens first and gives the rest of the 128 to a prefill chunk, so chunks share steps with
   verification);
-- prefix caching on (vLLM's default): the prompts are the 32 built-in ones and then 4 long ones
+- prefix caching on (vLLM's default): the prompts are the first 16 built-in ones and then 4 long ones
   (1000 tokens) each given twice in a row, so the copy finds its twin's blocks cached;
 - `--num-gpu-blocks-override 18` (blocks of 128 tokens; vLLM needs 17 for one 2176-token row;
   checked for the draft-model and n-gram servers):
@@ -51,6 +51,7 @@ MAX_NUM_SEQS = 4
 STEP_TOKENS = 128  # --max-num-batched-tokens
 KV_BLOCKS = 18  # --num-gpu-blocks-override: 128-token blocks (vLLM's CPU block), one max-length row's worth
 LONG_PROMPT = 1000  # 8 blocks; with its new tokens it needs a ninth
+FLOAT32_PROMPTS = 16  # built-in prompts before the long ones: twice the requests in flight, so some wait
 BF16_PROMPTS = 8  # the bfloat16 audit's built-in prompts (no adversarial ones: the float32 audit sends those); 16
 # gave 20 numerical flips on 11 of them, so 8 still give the plain run flips to rule
 MAX_MODEL_LEN = 2176  # 17 blocks: the 2100-token adversarial prompt, its new tokens and one verify pass
@@ -152,14 +153,14 @@ def audit(engines: list[str], target: Path, out: Path, *extra: str,
 
 
 def prompts_file(path: Path) -> Path:
-    """The built-in prompts, then 4 long prompts (1000 tokens: built-in texts joined) each
-    twice in a row, as JSONL `input_ids` (the pairs' tokenizer is bytes)."""
+    """The first `FLOAT32_PROMPTS` built-in prompts, then 4 long prompts (1000 tokens: built-in texts joined)
+    each twice in a row, as JSONL `input_ids` (the pairs' tokenizer is bytes)."""
     from specaudit.engines.models import zoo
 
     texts = zoo.builtin_prompt_texts()
     long_texts = [" ".join(texts[12 + start::4])[:LONG_PROMPT] for start in range(4)]
     with path.open("w") as out:
-        for text in texts + [text for text in long_texts for _copy in range(2)]:
+        for text in texts[:FLOAT32_PROMPTS] + [text for text in long_texts for _copy in range(2)]:
             out.write(json.dumps({"input_ids": list(text.encode("utf-8"))}) + "\n")
     return path
 

@@ -25,7 +25,7 @@ from specaudit.testing.strategies import AcceptanceSchedule, DecodingCase, EosCh
 PAIRS = zoo.builtin_pair_names()
 SWEEP_BATCH_SIZES = (1, 2, 4, 8, 16)
 SWEEP_DRAFT_TOKENS = tuple(range(1, 9))
-SWEEP_MAX_NEW_TOKENS = 16
+SWEEP_MAX_NEW_TOKENS = 12  # 96 runs: k up to 8 still leaves every row two steps or more
 SWEEP_MAX_PROMPT_LENGTH = 200
 
 cases = sst.decoding_cases(max_prompts=16, max_new_tokens=24, max_prompt_length=48, max_pool_length=200)
@@ -59,7 +59,7 @@ def very_skewed_lengths() -> DecodingCase:
                         max_new_tokens=16, schedule=AcceptanceSchedule("alternating", ((0, 4), (4, 0))))
 
 
-@settings(max_examples=examples(1.0))
+@settings(max_examples=examples(0.75))
 @given(case=cases)
 @example(case=full_batch_everything_accepted())
 @example(case=pad_id_inside_the_prompts())
@@ -70,7 +70,7 @@ def test_eqspec_matches_reference_with_scripted_schedules(case: DecodingCase) ->
     check_scripted_acceptance(case, report)
 
 
-@settings(max_examples=examples(1.0))
+@settings(max_examples=examples(0.75))
 @given(case=cases)
 def test_eqspec_matches_reference_with_the_model_drafter(case: DecodingCase) -> None:
     report = check_equivalence(EQSpec, case, drafter="model")
