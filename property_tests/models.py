@@ -32,9 +32,14 @@ def pairs_device() -> str:
     return os.environ.get("SPECAUDIT_TEST_DEVICE", "cpu")
 
 
+_BUILT: dict[int, tuple[str, str]] = {}  # id(target) of each pair `pair` built -> (name, dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def pair(name: str, dtype: str = "float64") -> zoo.ModelPair:
-    return zoo.load_pair(name, dtype=dtype, device=pairs_device())
+    built = zoo.load_pair(name, dtype=dtype, device=pairs_device())
+    _BUILT[id(built.target)] = (name, dtype)
+    return built
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,9 +88,38 @@ def reference_key(target: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
 def reference(name: str, max_new_tokens: int = MAX_NEW_TOKENS, dtype: str = "float64"):
     """Reference outputs and logits for every built-in prompt, with no EOS: (outputs, logits)."""
+    return _reference(name, max_new_tokens, dtype)
+
+
+def builtin_run(target: torch.nn.Module, prompt: tuple[int, ...],
+                max_new_tokens: int) -> tuple[list[int], torch.Tensor] | None:
+    """The reference run of a built-in prompt on the target of a pair that `pair` built (no EOS, the first
+    `max_new_tokens` tokens and their logits), taken from `reference`, where both hold and the budget is within
+    `MAX_NEW_TOKENS`; else None. `reference` decodes each prompt alone with `greedy_decode`, as an oracle does,
+    so a truncation of its run is the run an oracle would compute."""
+    built = _BUILT.get(id(target))
+    index = _builtin_index().get(tuple(prompt))
+    if built is None or index is None or max_new_tokens > MAX_NEW_TOKENS:
+        return None
+    name, dtype = built
+    if pair(name, dtype).target is not target:
+        return None
+    outputs, logits = reference(name, MAX_NEW_TOKENS, dtype)
+    return list(outputs[index][:max_new_tokens]), logits[index][:max_new_tokens]
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_index() -> dict[tuple[int, ...], int]:
+    index: dict[tuple[int, ...], int] = {}
+    for i, prompt in enumerate(prompts()):
+        index.setdefault(prompt, i)
+    return index
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name: str, max_new_tokens: int, dtype: str):
     p = pair(name, dtype)
     memo = os.environ.get(REFERENCE_MEMO)
     stem = f"{name}-{max_new_tokens}-{dtype}-{pairs_device().replace(':', '_')}"
