@@ -6,13 +6,16 @@ error, per-prompt comparisons and a list of divergences, each with its kind and 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines import reference_memo
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.trace import Trace
@@ -27,14 +30,34 @@ from specaudit.equivalence.run_context import Reruns, RunContext
 
 
 class Reference:
-    """Reference outputs and logits for one (pair, dtype, prompts, max_new_tokens, eos), computed once."""
+    """Reference outputs and logits for one (pair, dtype, prompts, max_new_tokens, eos), computed once (and kept
+    where `SPECAUDIT_REFERENCE_MEMO` names a folder: engines/reference_memo.py)."""
 
     def __init__(self, pair: ModelPair, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> None:
         started = time.perf_counter()
-        decoder = ReferenceDecoder(pair.target, record_logits=True)  # the oracle: plain greedy decoding
-        self.outputs = decoder.generate(prompts, max_new_tokens, eos_token_id)
-        self.logits: list[torch.Tensor | None] = decoder.last_trace.logits
+        kept = kept_reference_path(pair, prompts, max_new_tokens, eos_token_id)
+        run = reference_memo.read_run(kept, pair.target.device)
+        self.kept = run is not None  # read back, not decoded here
+        if run is None:
+            decoder = ReferenceDecoder(pair.target, record_logits=True)  # the oracle: plain greedy decoding
+            run = (decoder.generate(prompts, max_new_tokens, eos_token_id), decoder.last_trace.logits)
+            reference_memo.keep_run(kept, run)
+        self.outputs: list[list[int]] = run[0]
+        self.logits: list[torch.Tensor | None] = run[1]
         self.seconds = time.perf_counter() - started  # shared by every run of the pair and dtype
+
+
+def kept_reference_path(pair: ModelPair, prompts: list[list[int]], max_new_tokens: int | list[int],
+                        eos_token_id: Any) -> Path | None:
+    """Where the reference memo keeps this reference (None: no memo)."""
+    folder = reference_memo.memo_folder()
+    if folder is None:
+        return None
+    target = pair.target
+    request = reference_memo.request_digest(prompts, max_new_tokens, eos_ids(eos_token_id), target.device)
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", pair.name)[:60]
+    dtype = str(target.dtype).removeprefix("torch.")
+    return folder / f"audit-{name}-{dtype}-{request}-{reference_memo.environment_key(target)}.pt"
 
 
 def accepted_histogram(trace: Trace | None) -> list[int] | None:

@@ -35,10 +35,11 @@ def test_correct_user_engine_passes(user_repo: pytest.Pytester) -> None:
 
 
 def test_row_position_bug_fails_with_location(user_repo: pytest.Pytester) -> None:
-    # the search is random: 6 examples once drew no case where row 0 rejects a draft and goes on (the
-    # adversarial prompts then caught the bug instead); it stops at the first failure, so 40 cost no more
+    # the search is random: 6 examples once drew no case where row 0 rejects a draft and goes on; it stops at
+    # the first failure, so 40 cost no more. The search's finding is the subject: no adversarial prompts
+    # (a 500-token prompt and its diagnosis; tests/test_adversarial.py and the next test have them)
     result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_row_zero_position_bug", *ARGS,
-                                 "--specaudit-max-examples", "40")
+                                 "--specaudit-max-examples", "40", "--specaudit-no-adversarial")
     result.assert_outcomes(passed=1, failed=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([

