@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
@@ -74,6 +75,11 @@ def request_digest(prompts: Sequence[Sequence[int]], max_new_tokens: int | Seque
     budget = max_new_tokens if isinstance(max_new_tokens, int) else [int(n) for n in max_new_tokens]
     text = repr(([[int(t) for t in p] for p in prompts], budget, sorted(int(i) for i in eos_token_ids), str(device)))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def safe_name(name: str) -> str:
+    """`name` (a pair's) as a part of a file name: letters, digits and `_.+-` kept, at most 60 characters."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)[:60]
 
 
 def keep_file(path: Path, contents: bytes) -> None:

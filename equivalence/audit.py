@@ -6,7 +6,6 @@ error, per-prompt comparisons and a list of divergences, each with its kind and 
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +54,8 @@ def kept_reference_path(pair: ModelPair, prompts: list[list[int]], max_new_token
         return None
     target = pair.target
     request = reference_memo.request_digest(prompts, max_new_tokens, eos_ids(eos_token_id), target.device)
-    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", pair.name)[:60]
     dtype = str(target.dtype).removeprefix("torch.")
-    return folder / f"audit-{name}-{dtype}-{request}-{reference_memo.environment_key(target)}.pt"
+    return folder / f"audit-{reference_memo.safe_name(pair.name)}-{dtype}-{request}-{reference_memo.environment_key(target)}.pt"
 
 
 def accepted_histogram(trace: Trace | None) -> list[int] | None:

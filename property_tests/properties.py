@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-from hypothesis import note
+from hypothesis import note, settings
 from hypothesis.control import currently_in_test_context
 
+from specaudit.engines import reference_memo
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
@@ -33,11 +35,17 @@ DrafterMode = Literal["auto", "scripted", "model"]
 
 class ReferenceOracle:
     """Greedy outputs and logits per (pair, prompt), cached: decoded once without EOS to the
-    longest budget asked for; any EOS and shorter budget is a truncation of that run. A built-in
-    prompt on a built-in pair within 24 new tokens reads the kept run of `models.reference`."""
+    longest budget asked for; any EOS and shorter budget is a truncation of that run.
+
+    A built-in prompt on a built-in pair within 24 new tokens reads the kept run of `models.reference`.
+    Where `SPECAUDIT_REFERENCE_MEMO` names a folder, any other run is read from its `oracle/` folder when kept
+    there (engines/reference_memo.py names each file by what the run depends on), and a run decoded under a
+    derandomized search (the `ci` profile, whose cases are the same from run to run) is kept there; a random
+    search's prompts would only pile up."""
 
     def __init__(self) -> None:
         self._runs: dict[tuple[str, tuple[int, ...]], tuple[list[int], torch.Tensor]] = {}
+        self._environment_keys: dict[int, tuple[torch.nn.Module, str]] = {}  # id(target) -> target, its key
 
     def decode(self, pair: ModelPair, prompt: tuple[int, ...], max_new_tokens: int,
                eos_token_id: int | Sequence[int] | None) -> tuple[list[int], torch.Tensor]:
@@ -45,8 +53,8 @@ class ReferenceOracle:
         run = self._runs.get(key)
         if run is None or len(run[0]) < max_new_tokens:
             # a built-in prompt on a cached built-in pair: its kept reference run (models.builtin_run)
-            run = models.builtin_run(pair.target, tuple(prompt), max_new_tokens) or greedy_decode(
-                pair.target, list(prompt), max_new_tokens, None, record_logits=True)
+            run = models.builtin_run(pair.target, tuple(prompt), max_new_tokens) or self._kept_or_decoded(
+                pair, tuple(prompt), max_new_tokens)
             self._runs[key] = run
         tokens = run[0][:max_new_tokens]
         ends = eos_ids(eos_token_id)  # one id or a set: the first of any of them ends the row
@@ -54,6 +62,28 @@ class ReferenceOracle:
         if first is not None:
             tokens = tokens[: first + 1]
         return tokens, run[1][: len(tokens)]
+
+    def _kept_or_decoded(self, pair: ModelPair, prompt: tuple[int, ...],
+                         max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        path = self._kept_path(pair, prompt, max_new_tokens)
+        run = reference_memo.read_run(path, pair.target.device)
+        if run is None:
+            run = greedy_decode(pair.target, list(prompt), max_new_tokens, None, record_logits=True)
+            if settings.default.derandomize:
+                reference_memo.keep_run(path, run)
+        return run
+
+    def _kept_path(self, pair: ModelPair, prompt: tuple[int, ...], max_new_tokens: int) -> Path | None:
+        folder = reference_memo.memo_folder()
+        if folder is None:
+            return None
+        target = pair.target
+        known = self._environment_keys.get(id(target))
+        if known is None or known[0] is not target:
+            known = self._environment_keys[id(target)] = (target, reference_memo.environment_key(target))
+        request = reference_memo.request_digest([prompt], max_new_tokens, (), target.device)
+        dtype = str(target.dtype).removeprefix("torch.")
+        return folder / "oracle" / f"{reference_memo.safe_name(pair.name)}-{dtype}-{request}-{known[1]}.pt"
 
 
 DEFAULT_ORACLE = ReferenceOracle()

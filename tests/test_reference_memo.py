@@ -101,3 +101,28 @@ def test_the_kept_reference_is_what_the_oracle_decodes() -> None:
     assert models.builtin_run(pair.target, prompt[:-1], 10) is None
     assert models.builtin_run(pair.target, prompt, models.MAX_NEW_TOKENS + 1) is None
     assert models.builtin_run(copy.deepcopy(pair.target), prompt, 10) is None
+
+
+def test_the_oracle_keeps_a_derandomized_search_s_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from specaudit.testing import properties
+    from specaudit.testing.properties import ReferenceOracle
+
+    pair = models.pair("tiny-gpt2")
+    prompt = (5, 9, 77, 3)  # not a built-in prompt
+    monkeypatch.setenv(models.REFERENCE_MEMO, str(tmp_path))
+    monkeypatch.setattr(properties, "settings", SimpleNamespace(default=SimpleNamespace(derandomize=False)))
+    tokens, logits = ReferenceOracle().decode(pair, prompt, 6, None)
+    assert not (tmp_path / "oracle").exists()  # a random search's prompts are not kept
+    monkeypatch.setattr(properties, "settings", SimpleNamespace(default=SimpleNamespace(derandomize=True)))
+    assert ReferenceOracle().decode(pair, prompt, 6, None)[0] == tokens
+    (kept,) = (tmp_path / "oracle").iterdir()
+    assert kept.name.startswith("tiny-gpt2-float64-")
+    # read back: what the file holds (another process's run), truncated at the stop id asked for
+    torch.save(([1, 2, 3, 4, 5, 6], torch.zeros(6, 3)), kept)
+    assert ReferenceOracle().decode(pair, prompt, 6, 3)[0] == [1, 2, 3]
+    # another budget is another run
+    assert ReferenceOracle().decode(pair, prompt, 5, None)[0] == tokens[:5]
+    assert len(list((tmp_path / "oracle").iterdir())) == 2
+    assert torch.equal(ReferenceOracle().decode(pair, prompt, 5, None)[1], logits[:5])
