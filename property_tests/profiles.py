@@ -13,7 +13,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 PROFILES = ("dev", "ci", "thorough")
-BASE_EXAMPLES = {"dev": 10, "ci": 15, "thorough": 200}
+BASE_EXAMPLES = {"dev": 10, "ci": 20, "thorough": 200}
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
