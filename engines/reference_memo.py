@@ -82,6 +82,13 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]", "_", name)[:60]
 
 
+def run_path(folder: Path, name: str, target: torch.nn.Module, request: str, key: str) -> Path:
+    """The file of a kept run in `folder`: `name` (safe), the target's dtype and the request digest in its stem,
+    the environment key last (what `keep_file` replaces)."""
+    dtype = str(target.dtype).removeprefix("torch.")
+    return folder / f"{safe_name(name)}-{dtype}-{request}-{key}.pt"
+
+
 def keep_file(path: Path, contents: bytes) -> None:
     """Write `path` whole, then rename (a reader sees all of it or nothing), and remove the files beside it that
     differ only in their key (the last `-`-separated part of the name): the same thing kept under inputs that

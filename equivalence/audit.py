@@ -54,8 +54,7 @@ def kept_reference_path(pair: ModelPair, prompts: list[list[int]], max_new_token
         return None
     target = pair.target
     request = reference_memo.request_digest(prompts, max_new_tokens, eos_ids(eos_token_id), target.device)
-    dtype = str(target.dtype).removeprefix("torch.")
-    return folder / f"audit-{reference_memo.safe_name(pair.name)}-{dtype}-{request}-{reference_memo.environment_key(target)}.pt"
+    return reference_memo.run_path(folder, f"audit-{pair.name}", target, request, reference_memo.environment_key(target))
 
 
 def accepted_histogram(trace: Trace | None) -> list[int] | None:

@@ -47,10 +47,6 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p) for p in zoo.builtin_prompts())
 
 
-update_with_model = reference_memo.update_with_model
-keep_file = reference_memo.keep_file
-
-
 def reference_key(target: torch.nn.Module) -> str:
     """A digest of everything the reference outputs of `target` on the built-in prompts depend on: its config
     and weights (bytes), the prompts, the torch and transformers versions and the source of specaudit's

@@ -82,8 +82,7 @@ class ReferenceOracle:
         if known is None or known[0] is not target:
             known = self._environment_keys[id(target)] = (target, reference_memo.environment_key(target))
         request = reference_memo.request_digest([prompt], max_new_tokens, (), target.device)
-        dtype = str(target.dtype).removeprefix("torch.")
-        return folder / "oracle" / f"{reference_memo.safe_name(pair.name)}-{dtype}-{request}-{known[1]}.pt"
+        return reference_memo.run_path(folder / "oracle", pair.name, target, request, known[1])
 
 
 DEFAULT_ORACLE = ReferenceOracle()

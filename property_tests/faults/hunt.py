@@ -40,6 +40,7 @@ from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
 from hypothesis.errors import NoSuchExample
 
+from specaudit.engines import reference_memo
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
 from specaudit.equivalence.audit import audit_engine
@@ -230,7 +231,7 @@ def hunt_key(fault: type[FaultEngine], pair: str, dtype: str, max_examples: int)
                   f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{_sources_digest()}".encode())
     loaded = models.pair(pair)
     for model in (loaded.target, loaded.draft):
-        models.update_with_model(digest, model)
+        reference_memo.update_with_model(digest, model)
     return digest.hexdigest()[:16]
 
 
@@ -303,7 +304,7 @@ def hunt(fault: type[FaultEngine], pair: str, *, max_examples: int = MAX_EXAMPLE
             finding.detected_by = getattr(failure, "through", "other")
             finding.message = str(failure)
             if kept is not None and finding.detected_by in DETECTIONS:
-                models.keep_file(kept, pickle.dumps({"case": minimal, "calls": calls, "crashes": crashes}))
+                reference_memo.keep_file(kept, pickle.dumps({"case": minimal, "calls": calls, "crashes": crashes}))
         finding.divergences = audit_case(fault, minimal)
     finding.examples, finding.crashes = calls, crashes
     finding.seconds = time.perf_counter() - started
