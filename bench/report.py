@@ -31,7 +31,6 @@ from specaudit.engines.models.bench_pair import expected_tokens_per_step
 from specaudit.bench.costs import expected_row_steps, ideal_seconds, speculation_ceiling
 from specaudit.bench.server import is_server, server_markdown, summarise_servers
 
-SPECULATIVE_STAGE = "realign"
 CEILING_TEXT = (
     "Ideal time: a lower bound on any engine's time on this workload at this batch size. Every prompt is "
     "prefilled once at the cheapest per-prompt cost measured for a prompt of the mean length ({prefill}; no "

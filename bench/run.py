@@ -62,7 +62,7 @@ import torch
 from specaudit.engines.models import bench_pair, zoo
 from specaudit.engines.ops import recurrent
 from specaudit.engines.inplace import InplaceDrafter, InplaceEngine
-from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
+from specaudit.engines.registry import make_engine, resolve
 from specaudit.bench.costs import (KeptMemory, PeakMemory, dispatch_per_step, fixed_shape_pass_costs, pass_costs,
                                    prefill_costs, sync as _sync)
 from specaudit.bench import server as servers
@@ -76,7 +76,6 @@ PLAIN_ENGINES = ("reference", "batched", "hf-batched", "hf-continuous")  # no dr
 PER_REQUEST_BUDGET_ENGINES = ("reference", "batched", "eqspec", "exspec", "inplace", "fixedshape")  # take max_new_tokens per prompt
 BATCH_ONE_ENGINES = ("reference", "hf-assisted")  # one prompt at a time by construction
 FIXED_SHAPE_ENGINE = "fixedshape"  # its passes are prepared once and replayed: the bench times them so too
-STAGES = ("draft", "verify", "realign", "other")
 CACHE_MOVEMENT_STAGES = ("realign", "stack", "unstack")
 
 
@@ -103,10 +102,6 @@ class BenchConfig:
     threads: int | None = None  # torch threads (None: torch's default)
     engine_options: dict[str, Any] = field(default_factory=dict)
     plain_engines: list[str] = field(default_factory=list)  # plain servers, one per server kind (bench/server.py)
-
-
-def available_engines() -> list[str]:
-    return list(BUILTIN_ENGINES)
 
 
 def run_plan(config: BenchConfig) -> list[tuple[str, int, int | None]]:

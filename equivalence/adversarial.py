@@ -183,12 +183,3 @@ def with_adversarial_prompts(pair: Any, prompts: list[list[int]], *, eos_token_i
     described = [{"prompt_index": first + i, **case.describe()} for i, case in enumerate(cases)]
     return list(prompts) + [list(case.tokens) for case in cases], {
         "first_index": first, "cases": described, "skipped": skipped}
-
-
-def case_of(run: dict[str, Any], prompt_index: int | None) -> dict[str, Any] | None:
-    """The adversarial case of `prompt_index` in a run record, or None for an ordinary prompt."""
-    info = run.get("adversarial") or {}
-    for case in info.get("cases") or []:
-        if case.get("prompt_index") == prompt_index:
-            return case
-    return None

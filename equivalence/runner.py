@@ -15,7 +15,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specaudit.engines.ops import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id

@@ -74,6 +74,7 @@ class ServerEngine:
         self.request_params: RequestParams | list[RequestParams | None] | None = None
         self.last_completions: list[Completion | None] = []  # as the server answered, before the client's cuts
         self.last_refused: list[tuple[int, ParameterRefused]] = []  # (prompt index, refusal) of the last generate
+        self.last_failures: list[tuple[int, ServerError]] = []  # (prompt index, error) of the last generate
         self._lock = threading.Lock()
         self._answers = 0  # HTTP answers this engine has had (any status), the metrics reads included
         self._last_answer: str | None = None  # the latest one: status and the start of its body
@@ -95,7 +96,6 @@ class ServerEngine:
                           f"{self._answers} time(s), its last answer {self._last_answer}; then, at prompt {index} "
                           f"({prompt_length} tokens), no connection could be made ({details['connection_error']}): "
                           "see the server's log", details)
-        self.last_failures: list[tuple[int, ServerError]] = []  # (prompt index, error) of the last generate
 
     def describe(self) -> dict[str, Any]:
         """What was audited, for reports and repro bundles; after `generate`, how often the client

@@ -115,10 +115,6 @@ class RequestParams:
         """Whether the request samples (temperature > 0); else it is decoded greedily."""
         return self.temperature > 0
 
-    @property
-    def bias_map(self) -> dict[int, float]:
-        return dict(self.logit_bias)
-
     def sent(self) -> list[str]:
         """The names of the fields that differ from a plain greedy request (what a server must honour)."""
         plain = RequestParams()
@@ -161,8 +157,6 @@ class RequestParams:
             values[name] = getattr(other, name)
         return RequestParams(**values)
 
-
-PLAIN = RequestParams()
 
 
 # --- the processors: one row of logits [V] in, a new row out ------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.equivalence.cli import blackbox as cli_blackbox
-from specaudit.equivalence.cli.args import DTYPE_CHOICES, EXIT_EQUIVALENT, EXIT_USAGE
+from specaudit.equivalence.cli.args import DTYPE_CHOICES, EXIT_USAGE
 from specaudit.equivalence.cli.args import add_engine_path_options, engine_options
 from specaudit.equivalence.cli.args import dtype as _dtype
 from specaudit.equivalence.cli.args import eos_token_ids

@@ -197,7 +197,7 @@ def masked_replay(target: Any, prompt: list[int], reference: list[int], output: 
         early = output[:s] == prompt[len(prompt) - s:] and _agrees(output[s:], replay)
         late = s > 0 and _agrees(output, replay[s:])
         if s == 0 and _agrees(output, replay) or s and (early or late):
-            tried.append(f"replay with the pad-id tokens masked: reproduces the engine"
+            tried.append("replay with the pad-id tokens masked: reproduces the engine"
                          + (f" with its output slice {s} token(s) {'early' if early else 'late'}" if s else ""))
             slice_text = ""
             if s:

@@ -74,14 +74,6 @@ def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
     return lines
 
 
-def diagnosis_sentence(divergence: dict[str, Any]) -> str:
-    """`class: evidence` of one divergence, or an empty string when it has none."""
-    found = divergence.get("diagnosis") or {}
-    if not found:
-        return ""
-    return f"{found.get('class')}: {found.get('evidence')}"
-
-
 def adversarial_note(audit: dict[str, Any]) -> str | None:
     """One sentence on the adversarial prompts of the audit (how many, what was left out)."""
     seen: dict[str, dict[str, Any]] = {}

@@ -32,11 +32,3 @@ def make_sampled_engine(spec: str, target: Any, draft: Any, params: SamplingPara
     if spec in REQUEST_ENGINES:  # the project's engines batch as many requests as a server keeps in flight
         options = {"batch_size": batch_size, **options}
     return make_engine(spec, target, draft, params, seed=seed, draft_tokens=draft_tokens, options=options)
-
-
-def sampled_engine_names() -> list[str]:
-    """What `--engine` takes in the sampled audit, for messages."""
-    from specaudit.equivalence.sampling.run import REQUEST_ENGINES
-
-    return ["sampled-spec", "sampled-reference", *REQUEST_ENGINES, *IN_PROCESS, "recorded:FILE", "vllm:URL", "llamacpp:URL",
-            "sglang:URL", "trtllm:URL", "package.module:factory"]
