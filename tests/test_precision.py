@@ -4,34 +4,16 @@ depend on the token there alone)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from specaudit.equivalence.rulings import NoiseBand, Ruler, dtype_noise
+from table_models import TableModel
 
 V = 6
 
 
-class TableModel(torch.nn.Module):
-    """logits after token t = table[t]: a model whose every choice is known in advance."""
-
-    def __init__(self, table: dict[int, list[float]], dtype: torch.dtype) -> None:
-        super().__init__()
-        rows = [table.get(t, [0.0] * V) for t in range(V)]
-        self.register_buffer("table", torch.tensor(rows, dtype=dtype))
-        self.config = SimpleNamespace(vocab_size=V)
-
-    @property
-    def device(self) -> torch.device:
-        return self.table.device
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: object):
-        return SimpleNamespace(logits=self.table[input_ids])  # [1, n, V]
-
-
 def ruler(exact: dict[int, list[float]], low: dict[int, list[float]] | None = None) -> Ruler:
-    return Ruler("bfloat16", TableModel(low or exact, torch.bfloat16), TableModel(exact, torch.float64))
+    return Ruler("bfloat16", TableModel(low or exact, torch.bfloat16, V), TableModel(exact, torch.float64, V))
 
 
 NOISE = dtype_noise("bfloat16", 4.0)  # 0.25 at a top logit of 4
@@ -89,7 +71,7 @@ def test_in_float64_every_mismatch_is_structural_even_a_tie() -> None:
     """float64 without a band: a tie in the float64 logits is still a bug (decided by `float64`), and a
     re-run is equivalent only when exact; a length mismatch is decided by `length`."""
     tie = {1: [0, 4.0, 4.0, 0, 0, 0]}
-    exact = Ruler("float64", TableModel(tie, torch.float64), TableModel(tie, torch.float64))
+    exact = Ruler("float64", TableModel(tie, torch.float64, V), TableModel(tie, torch.float64, V))
     kind, evidence = exact.rule([1], [1, 1], [1, 2], 1)
     assert kind == "structural" and evidence["decided_by"] == "float64"
     assert evidence["replay_float64_margin"] == 0.0
@@ -101,7 +83,7 @@ def test_a_black_box_band_rules_a_float64_audit_against_the_band() -> None:
     """A black-box engine's declared band makes a float64 audit measure precision: a flip inside the band
     is numerical, one beyond it structural."""
     table = {1: [0, 4.0, 3.9, 1.0, 0, 0]}
-    model = TableModel(table, torch.float64)
+    model = TableModel(table, torch.float64, V)
     band = NoiseBand("declared-tolerance", "declared", tolerance=0.5)
     assert Ruler("float64", model, model, band).rule([1], [1, 1], [1, 2], 1)[0] == "numerical"
     assert Ruler("float64", model, model, band).rule([1], [1, 1], [1, 3], 1)[0] == "structural"
