@@ -3,8 +3,9 @@
 `SPECAUDIT_REFERENCE_MEMO` names the folder (unset: nothing is kept, every reference is decoded). A file is named
 by what determines its contents: a digest of the request (`request_digest`: prompts, budget, stop ids, device)
 in its stem and a digest of everything else the outputs depend on in its key (`environment_key`: the target's
-config and weights, as bytes; the torch and transformers versions; the source of specaudit's engines, the
-reference decoder and what it calls). A file is read back only where decoding again would give the same tokens
+config and weights, as bytes; the torch and transformers versions; the kernels this process computes with on
+the CPU (`cpu_kernels`: a run under ATen's other vector kernels or another processor rounds differently below
+float64); the source of specaudit's engines, the reference decoder and what it calls). A file is read back only where decoding again would give the same tokens
 and logits; a changed input names another file, and writing that file removes the one it replaces (the same
 stem under an older key).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import platform
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -45,6 +47,25 @@ def update_with_model(digest: "hashlib._Hash", model: torch.nn.Module) -> None:
         digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
 
 
+def cpu_kernels() -> str:
+    """What decides the CPU's rounding in this process: the ATen vector kernels in use (`ATEN_CPU_CAPABILITY`
+    chooses others), oneDNN's instruction-set cap (`ONEDNN_MAX_CPU_ISA`) and the processor's model and
+    instruction-set flags (bfloat16 matmuls take other paths on a processor with AVX512-BF16 or AMX)."""
+    processor = platform.processor() or platform.machine()
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                flags += line.split(":", 1)[-1].strip() + "|"
+                if line.startswith(("flags", "Features")):
+                    break
+    except OSError:  # not Linux: the processor's name stands for it
+        pass
+    flags_digest = hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return (f"{torch.backends.cpu.get_cpu_capability()}|onednn:{os.environ.get('ONEDNN_MAX_CPU_ISA', 'native')}|"
+            f"{processor}|{flags_digest}")
+
+
 @lru_cache(maxsize=1)
 def _engines_source_digest() -> bytes:
     engines = Path(__file__).parent
@@ -60,7 +81,7 @@ def environment_key(target: torch.nn.Module, *extra: bytes) -> str:
     import transformers
 
     digest = hashlib.sha256()
-    digest.update(f"{torch.__version__}|{transformers.__version__}|".encode())
+    digest.update(f"{torch.__version__}|{transformers.__version__}|{cpu_kernels()}|".encode())
     update_with_model(digest, target)
     for part in extra:
         digest.update(part)

@@ -5,7 +5,8 @@ what that counterexample shows.
 A hunt's outcome is kept where `SPECAUDIT_HUNT_MEMO` names a folder (tests/conftest.py:
 `$SPECAUDIT_CACHE/hunts`), in a file named by a digest of everything the derandomized search depends on
 (`hunt_key`): the fault, the pair's weights, the dtype, the search budget, the source of the engines, the
-audit and the property tests, and the Hypothesis, torch and transformers versions. A later hunt with the same
+audit and the property tests, the Hypothesis, torch and transformers versions and the CPU kernels
+(`reference_memo.cpu_kernels`). A later hunt with the same
 key replays the kept minimal counterexample (it must still break the property, else the hunt searches again)
 and audits it, instead of searching and shrinking again to the same case: the search is 90-98% of a hunt.
 
@@ -228,7 +229,8 @@ def hunt_key(fault: type[FaultEngine], pair: str, dtype: str, max_examples: int)
     """A digest of everything the derandomized search of `hunt` depends on (see the module docstring)."""
     digest = hashlib.sha256()
     digest.update(f"{fault.slug()}|{pair}|{dtype}|{max_examples}|{CASE_BOUNDS}|{models.pairs_device()}|"
-                  f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{_sources_digest()}".encode())
+                  f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{reference_memo.cpu_kernels()}|"
+                  f"{_sources_digest()}".encode())
     loaded = models.pair(pair)
     for model in (loaded.target, loaded.draft):
         reference_memo.update_with_model(digest, model)
