@@ -66,6 +66,14 @@ def cpu_kernels() -> str:
             f"{processor}|{flags_digest}")
 
 
+def kernels_tag() -> str:
+    """The chosen kernels in a file name (`avx2`, `default-onednn_avx2`): runs under other kernels on one machine
+    are kept beside each other, not in place of each other."""
+    tag = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    return f"{tag}-onednn_{onednn.lower()}" if onednn else tag
+
+
 @lru_cache(maxsize=1)
 def _engines_source_digest() -> bytes:
     engines = Path(__file__).parent
@@ -104,10 +112,10 @@ def safe_name(name: str) -> str:
 
 
 def run_path(folder: Path, name: str, target: torch.nn.Module, request: str, key: str) -> Path:
-    """The file of a kept run in `folder`: `name` (safe), the target's dtype and the request digest in its stem,
-    the environment key last (what `keep_file` replaces)."""
+    """The file of a kept run in `folder`: `name` (safe), the target's dtype, the CPU kernels and the request
+    digest in its stem, the environment key last (what `keep_file` replaces)."""
     dtype = str(target.dtype).removeprefix("torch.")
-    return folder / f"{safe_name(name)}-{dtype}-{request}-{key}.pt"
+    return folder / f"{safe_name(name)}-{dtype}-{kernels_tag()}-{request}-{key}.pt"
 
 
 def keep_file(path: Path, contents: bytes) -> None:

@@ -59,7 +59,7 @@ def reference(name: str, max_new_tokens: int = MAX_NEW_TOKENS, dtype: str = "flo
     """Reference outputs and logits for every built-in prompt, with no EOS: (outputs, logits)."""
     p = pair(name, dtype)
     memo = reference_memo.memo_folder()
-    stem = f"{name}-{max_new_tokens}-{dtype}-{pairs_device().replace(':', '_')}"
+    stem = f"{name}-{max_new_tokens}-{dtype}-{pairs_device().replace(':', '_')}-{reference_memo.kernels_tag()}"
     kept = memo / f"{stem}-{reference_key(p.target)}.pt" if memo else None
     run = reference_memo.read_run(kept, pairs_device())
     if run is None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specaudit.engines import reference_memo
 from specaudit.testing import models
 
 
@@ -17,14 +18,15 @@ def test_a_reference_is_written_once_and_read_back_the_same(tmp_path: Path, monk
     monkeypatch.setenv(models.REFERENCE_MEMO, str(tmp_path))
     outputs, logits = models.reference.__wrapped__("tiny-gpt2", 3)
     (kept,) = tmp_path.iterdir()
-    assert kept.name == f"tiny-gpt2-3-float64-cpu-{models.reference_key(models.pair('tiny-gpt2').target)}.pt"
+    kernels = reference_memo.kernels_tag()
+    assert kept.name == f"tiny-gpt2-3-float64-cpu-{kernels}-{models.reference_key(models.pair('tiny-gpt2').target)}.pt"
     read_outputs, read_logits = models.reference.__wrapped__("tiny-gpt2", 3)
     assert read_outputs == outputs and all(torch.equal(a, b) for a, b in zip(read_logits, logits))
     # what is read is the file's: another process's computation, not this one's
     torch.save(([[7]], [torch.zeros(1)]), kept)
     assert models.reference.__wrapped__("tiny-gpt2", 3)[0] == [[7]]
     # outputs kept under inputs that have changed since are not read, and go when the new ones are written
-    stale = kept.with_name("tiny-gpt2-3-float64-cpu-0123456789abcdef.pt")
+    stale = kept.with_name(f"tiny-gpt2-3-float64-cpu-{kernels}-0123456789abcdef.pt")
     kept.rename(stale)
     assert models.reference.__wrapped__("tiny-gpt2", 3)[0] == outputs
     assert [path.name for path in tmp_path.iterdir()] == [kept.name]
@@ -126,3 +128,15 @@ def test_the_oracle_keeps_a_derandomized_search_s_runs(tmp_path: Path, monkeypat
     assert ReferenceOracle().decode(pair, prompt, 5, None)[0] == tokens[:5]
     assert len(list((tmp_path / "oracle").iterdir())) == 2
     assert torch.equal(ReferenceOracle().decode(pair, prompt, 5, None)[1], logits[:5])
+
+
+def test_the_key_and_the_name_change_with_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below float64 near-ties round as the kernels do: a run under ATen's other vector kernels, or oneDNN capped
+    to another instruction set, is another run, kept beside this one (its kernels in the file's name)."""
+    target = models.pair("tiny-gpt2").target
+    key, tag = models.reference_key(target), reference_memo.kernels_tag()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert models.reference_key(target) != key and reference_memo.kernels_tag() == f"{tag}-onednn_avx2"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER")
+    assert models.reference_key(target) != key and reference_memo.kernels_tag() == "another"

@@ -5,8 +5,8 @@ what that counterexample shows.
 A hunt's outcome is kept where `SPECAUDIT_HUNT_MEMO` names a folder (tests/conftest.py:
 `$SPECAUDIT_CACHE/hunts`), in a file named by a digest of everything the derandomized search depends on
 (`hunt_key`): the fault, the pair's weights, the dtype, the search budget, the source of the engines, the
-audit and the property tests, the Hypothesis, torch and transformers versions and the CPU kernels
-(`reference_memo.cpu_kernels`). A later hunt with the same
+audit and the property tests, the Hypothesis, torch and transformers versions and, below float64, the CPU
+kernels (`reference_memo.cpu_kernels`; their name is in the file's too). A later hunt with the same
 key replays the kept minimal counterexample (it must still break the property, else the hunt searches again)
 and audits it, instead of searching and shrinking again to the same case: the search is 90-98% of a hunt.
 
@@ -225,11 +225,17 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
+def _kernels(dtype: str) -> str:
+    """The CPU kernels a hunt's outcome depends on: below float64 which way near-ties round; in float64 none (a
+    kept counterexample is replayed, and must break the property again, before it stands)."""
+    return "" if dtype == "float64" else reference_memo.cpu_kernels()
+
+
 def hunt_key(fault: type[FaultEngine], pair: str, dtype: str, max_examples: int) -> str:
     """A digest of everything the derandomized search of `hunt` depends on (see the module docstring)."""
     digest = hashlib.sha256()
     digest.update(f"{fault.slug()}|{pair}|{dtype}|{max_examples}|{CASE_BOUNDS}|{models.pairs_device()}|"
-                  f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{reference_memo.cpu_kernels()}|"
+                  f"{hypothesis.__version__}|{torch.__version__}|{transformers.__version__}|{_kernels(dtype)}|"
                   f"{_sources_digest()}".encode())
     loaded = models.pair(pair)
     for model in (loaded.target, loaded.draft):
@@ -241,7 +247,8 @@ def _kept_path(fault: type[FaultEngine], pair: str, dtype: str, max_examples: in
     memo = os.environ.get(HUNT_MEMO)
     if not memo:
         return None
-    return Path(memo) / f"{fault.slug()}-{pair}-{dtype}-{hunt_key(fault, pair, dtype, max_examples)}.pkl"
+    kernels = "" if dtype == "float64" else f"-{reference_memo.kernels_tag()}"
+    return Path(memo) / f"{fault.slug()}-{pair}-{dtype}{kernels}-{hunt_key(fault, pair, dtype, max_examples)}.pkl"
 
 
 def _replay_kept(fault: type[FaultEngine], path: Path, finding: Finding) -> bool:
