@@ -24,6 +24,8 @@ from specaudit.equivalence.diagnosis.core import Diagnoser
 from specaudit.equivalence.rulings import Ruler
 from table_models import TableModel
 
+pytestmark = pytest.mark.precision  # what it sees rounds below float64: run under other kernels too
+
 V = 8
 PROMPT = [0, 3]
 KEPT, OTHER, TARGET_CHOICE = 2, 1, 5  # the engine's kept draft token, the audit draft's choice, the target's

@@ -28,6 +28,8 @@ import pytest
 
 from cli_run import audit, runs
 
+pytestmark = pytest.mark.precision  # what it sees rounds below float64: run under other kernels too
+
 DATA = Path(__file__).resolve().parent / "data"
 NAME = re.compile(r"^(?P<pair>tiny-[a-z0-9-]+?)-(?P<engine>reference|batched|eqspec|exspec|inplace|bsp|dsd)"
                   r"-b(?P<batch>\d+)-(?P<dtype>bf16|fp16|fp32)-(?P<device>[a-z0-9]+)\.jsonl$")

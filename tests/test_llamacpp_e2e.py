@@ -8,7 +8,8 @@ llama.cpp's own converter (tests/llamacpp_models.py), with draft-model speculati
 --engine llamacpp:URL --target <the HF target folder>` audits it against HF float32 greedy decoding
 of the same weights:
 
-- with an f32 KV cache and flash attention off, every prompt must be token-exact (exit 0);
+- with an f32 KV cache and flash attention off, every prompt must be token-exact but for float32 near-ties
+  (exit 0; which near-tie flips, if any, is the two CPUs' kernels': none on the machines measured so far);
 - with llama.cpp's defaults (f16 KV cache, flash attention auto), the audit rules every divergence
   against the declared f16 noise band: each must be `numerical`, with its evidence (the reference's
   top-2 margin, the engine token's gap, the band, and the float64 replay at the split).
@@ -90,8 +91,7 @@ def test_llamacpp_f32_cache_is_token_exact(llama, tmp_path):
         metrics = _check_speculation_and_batching(server)
     run = _one_run(audit, output)
     assert status == 0, output
-    assert run["exact_matches"] == run["num_prompts"], output
-    assert run["divergences"] == [], output
+    _only_near_ties(run, output)
     print(f"{lm.build_info(llama_dir)}; f32 cache, flash attention off: {run['exact_matches']}/{run['num_prompts']} exact; {_drafts(metrics)}")
 
 
@@ -102,21 +102,28 @@ def test_llamacpp_defaults_diverge_only_numerically(llama, tmp_path):
         metrics = _check_speculation_and_batching(server)
     run = _one_run(audit, output)
     assert status == 0, output
-    assert run["exact_matches"] + len({d["prompt_index"] for d in run["divergences"]}) == run["num_prompts"], output
     assert run["noise_band"]["source"] == "declared-dtype" and run["noise_band"]["dtype"] == "float16"
+    _only_near_ties(run, output)
+    for divergence in run["divergences"]:
+        assert divergence["evidence"]["noise_band_source"] == "declared-dtype", divergence
+    print(f"{lm.build_info(llama_dir)}; defaults (f16 cache, flash attention auto): {run['exact_matches']}/{run['num_prompts']} exact, "
+          f"{len(run['divergences'])} divergence(s), all numerical; margins "
+          f"{sorted(round(d['evidence']['reference_margin'], 4) for d in run['divergences'])}; {_drafts(metrics)}")
+
+
+def _only_near_ties(run: dict, output: str) -> None:
+    """Every prompt exact but for numerical flips at near-ties, each with its evidence: the reference's top-2
+    margin and the engine token's gap within the band, and the float64 replay seeing the same near-tie."""
+    assert run["exact_matches"] + len({d["prompt_index"] for d in run["divergences"]}) == run["num_prompts"], output
     for divergence in run["divergences"]:
         assert divergence["kind"] == "numerical", divergence
         evidence = divergence["evidence"]
-        assert evidence["noise_band_source"] == "declared-dtype", evidence
         assert 0 <= evidence["reference_margin"] <= evidence["noise_band"], divergence
         assert 0 <= evidence["engine_token_gap"] <= evidence["noise_band"], divergence
         # the float64 replay of the target on the common prefix sees the same near-tie
         assert 0 <= evidence["replay_float64_margin"] <= evidence["noise_band"], divergence
         assert {token for token, _ in evidence["replay_float64_top2"]} == {
             divergence["reference_token"], divergence["engine_token"]}, divergence
-    print(f"{lm.build_info(llama_dir)}; defaults (f16 cache, flash attention auto): {run['exact_matches']}/{run['num_prompts']} exact, "
-          f"{len(run['divergences'])} divergence(s), all numerical; margins "
-          f"{sorted(round(d['evidence']['reference_margin'], 4) for d in run['divergences'])}; {_drafts(metrics)}")
 
 
 SAMPLED_PROMPT = list(b"the cat sat on the mat and the dog sat on the log; the cat sat on the")

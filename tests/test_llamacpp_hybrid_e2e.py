@@ -6,7 +6,7 @@ and served by the server of tests/test_llamacpp_e2e.py (prebuilt by default) wit
 `--spec-type draft-simple`, up to 4 draft tokens, 4 parallel slots, f32 KV caches and flash
 attention off. A recurrent layer's state absorbs rejected draft tokens and must be rolled back, so
 this is the case where speculation in a server can break. `specaudit audit --engine llamacpp:URL
---target <LFM2 HF folder> --dtype float32` must find every prompt token-exact, and the server's
+--target <LFM2 HF folder> --dtype float32` must find every prompt token-exact but for float32 near-ties (none measured so far), and the server's
 counters must show that it drafted, accepted and batched.
 """
 
@@ -20,6 +20,7 @@ import pytest
 
 import hybrid_models as hm
 import llamacpp_models as lm
+from near_ties import exact_but_for_near_ties
 from specaudit import cli
 
 FAMILY = "lfm2"
@@ -52,8 +53,7 @@ def test_llamacpp_lfm2_speculation_is_token_exact(lfm2, tmp_path):
     assert run.get("error") is None, f"{run['error']}\n{output}"
     assert status == 0, output
     assert run["num_prompts"] > NUM_PROMPTS  # the built-in prompts and the audit's adversarial ones
-    assert run["exact_matches"] == run["num_prompts"], output
-    assert run["divergences"] == [], output
+    exact_but_for_near_ties(run, output)
     assert metrics["spec_decode_num_draft_tokens_total"] > 0, metrics
     assert metrics["spec_decode_num_accepted_tokens_total"] > 0, metrics
     # some drafts were rejected, so the recurrent state had rejected tokens to roll back

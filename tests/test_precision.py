@@ -4,10 +4,13 @@ depend on the token there alone)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specaudit.equivalence.rulings import NoiseBand, Ruler, dtype_noise
 from table_models import TableModel
+
+pytestmark = pytest.mark.precision  # what it sees rounds below float64: run under other kernels too
 
 V = 6
 
