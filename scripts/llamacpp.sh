@@ -56,7 +56,7 @@ mkdir -p "$stage/bin"
 # (--no-binary for this one package only: with ':all:' pip also builds the sdist's build requirements
 # from source to read its metadata, which ran over 20 minutes with no pip cache and never finished)
 echo "llama.cpp: fetching the llama-cpp-python==$VERSION sdist (76 MB) for the converter" >&2
-"$PYTHON" -m pip download --quiet --disable-pip-version-check --no-binary llama-cpp-python --no-deps \
+"$PYTHON" -m pip download -qq --disable-pip-version-check --no-binary llama-cpp-python --no-deps \
     "llama-cpp-python==$VERSION" -d "$work/sdist" >&2
 tar -xzf "$work"/sdist/llama_cpp_python-"$VERSION".tar.gz -C "$work"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
@@ -71,7 +71,7 @@ if [ "$MODE" = prebuilt ]; then
     # moved with the stage below: only its bin/python is run, which finds its site-packages through
     # the pyvenv.cfg beside it wherever the venv lies (moving breaks console-script shebangs only)
     "$PYTHON" -m venv "$stage/venv"
-    "$stage/venv/bin/python" -m pip install --quiet --disable-pip-version-check "xllamacpp==$XLLAMACPP_VERSION" >&2
+    "$stage/venv/bin/python" -m pip install -qq --disable-pip-version-check "xllamacpp==$XLLAMACPP_VERSION" >&2
     cp "$LAUNCHER" "$stage/xllamacpp_server.py"
     cat >"$stage/bin/llama-server" <<'WRAPPER'
 #!/usr/bin/env bash

