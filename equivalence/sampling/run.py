@@ -1,21 +1,28 @@
 """One sampled audit: draw `samples` outputs from an engine (or read them from a recording), test them
 against the target by teacher forcing (`audit`), and, for an in-process engine, check the seed's
 promises: the same seed gives the same tokens, and a seeded request gives the same tokens alone as
-inside a batch (randomness leaking across rows breaks it)."""
+inside a batch (randomness leaking across rows breaks it).
+
+`guarded_sampled_audit` runs the engine behind the greedy audit's guard (`equivalence/guard.py`): a
+time limit on each `generate` call, and one output per request, each a list of integer ids in the
+vocabulary. An engine that breaks either, or raises, gives a failed run (`failed_report`: a one-line
+`error` and the traceback), never an exception out of the audit."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import time
-from typing import Any
+import traceback
+from typing import Any, Callable
 
-from specaudit.engines.sampling.engine import SampledReference, SampledSpeculative, request_seeds
+from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, SAMPLED_ENGINES, resolve
+from specaudit.engines.sampling.engine import request_seeds
 from specaudit.engines.sampling.process import SamplingParams
+from specaudit.equivalence.errors import one_line
+from specaudit.equivalence.guard import GuardedEngine, failure_message, unguarded
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
 
-BUILTIN_SAMPLED = {"sampled-spec": SampledSpeculative, "sampled-reference": SampledReference}
 # the project's engines, sampled through their request parameters (engines/requests/rows.py)
 REQUEST_ENGINES = ("eqspec", "exspec", "inplace", "fixedshape", "batched", "reference")
 
@@ -49,9 +56,10 @@ class RequestSampled:
 
 def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, seed: int, draft_tokens: int,
                 options: dict[str, Any], rule: Any = None) -> Any:
-    """A built-in sampled engine by name (`sampled-spec`, `sampled-reference`, or one of the project's
-    engines, `REQUEST_ENGINES`, sampled through its request parameters; `rule` a `SpeculativeRule` they
-    decide sampled rows by, for planting a fault), or `package.module:factory` called as
+    """A built-in sampled engine by name (`sampled-spec`, `sampled-reference`, `hf-assisted`: the
+    registry's `SAMPLED_ENGINES`; or one of the project's engines, `REQUEST_ENGINES`, sampled through its
+    request parameters; `rule` a `SpeculativeRule` they decide sampled rows by, for planting a fault),
+    or `package.module:factory` (resolved by the registry, as in the greedy audit) called as
     factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)."""
     if spec in REQUEST_ENGINES:
         from specaudit.engines.registry import make_engine as make_project_engine
@@ -61,22 +69,28 @@ def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, s
                                      draft_tokens=draft_tokens, **options)
         engine.sampling_rule = rule
         return RequestSampled(engine, params, seed)
-    if spec in BUILTIN_SAMPLED:
-        factory = BUILTIN_SAMPLED[spec]
-    elif ":" in spec:
-        module, _, name = spec.partition(":")
-        factory = getattr(importlib.import_module(module), name)
-    else:
-        from specaudit.engines.registry import BUILTIN_ENGINES
-
+    if spec not in SAMPLED_ENGINES and ":" not in spec:
         what = ("decodes greedily only, it takes no sampled requests" if spec in BUILTIN_ENGINES
                 else "is no sampled engine")
-        raise ValueError(f"{spec!r} {what}: give {', '.join([*BUILTIN_SAMPLED, *REQUEST_ENGINES])}, "
-                         "recorded:FILE or package.module:factory")
+        raise EngineSpecError(f"{spec!r} {what}: give {', '.join([*SAMPLED_ENGINES, *REQUEST_ENGINES])}, "
+                              "recorded:FILE or package.module:factory")
+    factory = resolve(spec, sampled=True)
     if rule is not None:
         options = {**options, "rule": rule}
     return factory(target, draft, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                    seed=seed, draft_tokens=draft_tokens, **options)
+
+
+def takes_keyword(factory_spec: str, name: str) -> bool:
+    """Whether the sampled engine named `factory_spec` is built with the keyword `name` (a parameter of
+    that name, or **kwargs); True for the project's engines and when the signature cannot be read."""
+    if factory_spec in REQUEST_ENGINES:
+        return True
+    try:
+        params = inspect.signature(resolve(factory_spec, sampled=True)).parameters
+    except (EngineSpecError, TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
@@ -87,7 +101,7 @@ def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
 def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any, seed: int
                 ) -> dict[str, Any]:
     """Same seed twice, and the first request alone against it inside the batch."""
-    if "seeds" not in inspect.signature(engine.generate).parameters:
+    if "seeds" not in inspect.signature(unguarded(engine).generate).parameters:
         return {"checked": False, "why": "the engine takes no per-request seeds"}
     batch = prompts[:4] if len(prompts) >= 4 else (prompts * 4)[:4]
     seeds = request_seeds(seed + 7919, len(batch))
@@ -100,10 +114,13 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
-                  recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None) -> dict[str, Any]:
-    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `draft`: the
-    draft model, for the tests ordered toward the draft's distribution (equivalence/sampling/audit.py);
-    an engine's `last_step_offsets` (each token's offset in its step) stratifies the tests."""
+                  recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
+                  run_target: Any = None) -> dict[str, Any]:
+    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
+    `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
+    distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
+    device and dtype), for the rounding allowance; an engine's `last_step_offsets` (each token's offset in
+    its step) stratifies the tests. Raises whatever the engine raises: `guarded_sampled_audit` guards it."""
     started = time.perf_counter()
     offsets = None
     if recorded is None:
@@ -115,7 +132,8 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
     else:
         drawn, speculation = recorded, None
     sampling_seconds = time.perf_counter() - started
-    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft)
+    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
+                           run_model=run_target)
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
     report["speculation"] = speculation
@@ -127,4 +145,41 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                          else "seed broken" if seeds.get("checked") and not (seeds["same_seed_same_output"]
                                                                              and seeds["alone_equals_batch"])
                          else "no departure found")
+    return report
+
+
+def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | None, device: str,
+                  seconds: float | None = None) -> dict[str, Any]:
+    """The record of a sampled run that did not finish: `error` in one line (the greedy audit's wording,
+    `guard.failure_message`), `traceback` the whole story, `seconds` until it was given up."""
+    return {"verdict": "run failed", "failed": True, "seconds": seconds,
+            "error": one_line(failure_message(engine_name, exc, batch_size=batch_size, device=device)),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: Any, prompts: list[list[int]],
+                          params: SamplingParams, *, timeout: float | None, vocab_size: int | None,
+                          batch_size: int | None, device: str, recorded: list[Sample] | None = None,
+                          **audit_options: Any) -> dict[str, Any]:
+    """`sampled_audit` of the engine `build()` returns, behind the guard (module docstring): the report,
+    or `failed_report` when building it, one of its `generate` calls or the audit of its output fails.
+    `audit_options`: `sampled_audit`'s keywords. A recording is checked like an engine's outputs."""
+    started = time.perf_counter()
+    try:
+        if recorded is not None:
+            from specaudit.equivalence.guard import check_outputs
+
+            checked = check_outputs([tokens for _, tokens in recorded], len(recorded), vocab_size)
+            recorded = [(prompt, tokens) for (prompt, _), tokens in zip(recorded, checked)]
+            engine = None
+        else:
+            engine = GuardedEngine(build(), timeout=timeout, vocab_size=vocab_size)
+        report = sampled_audit(engine, target, prompts, params, recorded=recorded, **audit_options)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one engine failing must not lose the others' runs
+        return failed_report(engine_name, exc, batch_size=batch_size, device=device,
+                             seconds=time.perf_counter() - started)
+    if engine is not None and callable(getattr(unguarded(engine), "describe", None)):
+        report["engine"] = unguarded(engine).describe()
     return report
