@@ -59,6 +59,15 @@ def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_p
     judged = runs["sampled-spec"]
     assert judged["verdict"] == "no departure found" and judged["samples"] == 20
     assert judged["seeds"]["checked"] and judged["seeds"]["alone_equals_batch"]  # seeds= passes the guard
+    # the reports beside sampling.json: each engine's verdict, the failures' reasons, the judged one's PIT bars
+    markdown, html = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    assert "NOT shown to sample the target's distribution" in markdown
+    for name, reason in failing.items():
+        assert f"sampled_failing_engines:{name}: the run failed: " in markdown and reason in markdown
+    assert "sampled-spec: no departure found in 20 samples (60 tokens)" in markdown
+    drawn = sum(count > 0 for count in judged["pit_histogram"])  # an empty bin has no bar
+    assert sum(judged["pit_histogram"]) == 60 and html.count('id="bar-sampled-spec-') == drawn > 5
+    assert "charts/pit.svg" in markdown and (tmp_path / "charts" / "pit.svg").is_file()
 
 
 def test_a_recording_with_ids_outside_the_vocabulary_is_a_failed_run(tmp_path: Path) -> None:

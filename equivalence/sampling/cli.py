@@ -10,8 +10,9 @@ a server, the folder of the weights it serves), by teacher forcing in float64 on
 Every option of `specaudit audit` is honored or refused: the pair is loaded on `--device` in `--dtype`
 (one of each) for the in-process engines, each engine's `generate` calls are guarded as in the greedy
 audit (`--timeout`, the output contract: a failed run, exit 1), and an option that only the greedy
-audit uses (`REFUSED`) is a usage error. Writes OUT/sampling.json (after each engine); exit 0 when no
-departure is found, 1 on a departure, a broken seed or a failed run, 2 on bad usage (one line).
+audit uses (`REFUSED`) is a usage error. Writes OUT/sampling.json (after each engine), then OUT/report.md,
+OUT/report.html and OUT/charts/pit.svg (equivalence/reports/sampled.py); exit 0 when no departure is
+found, 1 on a departure, a broken seed or a failed run, 2 on bad usage (one line).
 """
 from __future__ import annotations
 
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from specaudit.equivalence.cli.args import engine_options
     from specaudit.equivalence.errors import one_line
     from specaudit.equivalence.prompts import load_prompts
+    from specaudit.equivalence.reports.sampled import write_sampled_reports
     from specaudit.equivalence.runner import machine_info, write_json
     from specaudit.equivalence.sampling.engines import make_sampled_engine
     from specaudit.equivalence.sampling.run import guarded_sampled_audit
@@ -221,5 +223,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"failed: {spec}: {report['error']}", file=sys.stderr, flush=True)
         else:
             print(_summary(spec, report), flush=True)
-    print(f"wrote {out}")
+    reports = write_sampled_reports(written, args.out)
+    print(f"wrote {out}" + "".join(f", {path}" for path in reports.values()))
     return EXIT_DEPARTURE if any(r["verdict"] != "no departure found" for r in written["engines"].values()) else EXIT_PASS
