@@ -8,6 +8,7 @@ false-positive rate where a test without it would not."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ def release_hangs():
 def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_path: Path, release_hangs) -> None:
     failing = {"hangs": "did not return within 2 s (--timeout)",
                "out_of_vocabulary": "token id 262 is outside the vocabulary (0..258)",
-               "one_output": "returned 1 outputs for 20 prompts",
+               "one_output": "returned 1 outputs for 8 prompts",  # the first chunk of the draw (--batch-size)
                "float_tokens": "is not an integer token id"}
     engines = [arg for name in failing for arg in ("--engine", f"sampled_failing_engines:{name}")]
     result = audit(*engines, "--engine", "sampled-spec", "--timeout", "2", *SMALL, out=tmp_path)
@@ -149,3 +150,36 @@ def test_the_rounding_allowance_keeps_the_false_positive_rate(tmp_path: Path) ->
         ks_held += _hold_against_rounding(stats.ks_uniform(u), allowance)["p_value"] < alpha
     assert bare > repeats / 2  # without the allowance, rounding of this size is rejected most of the time
     assert held <= alpha * repeats * 1.5 and ks_held <= alpha * repeats * 1.5, (held, ks_held)
+
+
+class _Counted:
+    def __init__(self) -> None:
+        self.updates: list[int] = []
+
+    def update(self, n: int) -> None:
+        self.updates.append(n)
+
+
+def test_the_draw_in_chunks_gives_the_tokens_of_one_call_and_moves_the_bar() -> None:
+    from specaudit.engines.models.zoo import load_pair
+    from specaudit.engines.sampling.process import SamplingParams
+    from specaudit.equivalence.sampling.run import draw, make_engine, spread
+
+    pair = load_pair("tiny-llama")
+    engine = make_engine("sampled-spec", pair.target, pair.draft, SamplingParams(0.7, 8, 1.0), seed=4, draft_tokens=2,
+                         options={})
+    requests = spread(builtin_prompts()[:2], 13)
+    whole, whole_offsets, _ = draw(engine, requests, 3, pair.eos_token_id, seed=4)
+    bar = _Counted()
+    chunked, chunked_offsets, _ = draw(engine, requests, 3, pair.eos_token_id, seed=4, chunk=5, progress=bar)
+    assert chunked == whole and chunked_offsets == whole_offsets
+    assert bar.updates == [5, 5, 3]
+
+
+def test_the_progress_bar_counts_samples_on_stderr(tmp_path: Path) -> None:
+    from cli_run import cli
+
+    result = cli("audit", "--engine", "sampled-spec", *SMALL, "--out", str(tmp_path))
+    assert result.returncode == 0, result
+    shown = [int(done) for done in re.findall(r"(\d+)/20 \[", result.stderr)]
+    assert shown == [0, 8, 16, 20] and "sample/s" in result.stderr, result.stderr  # chunks of --batch-size 8

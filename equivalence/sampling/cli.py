@@ -145,6 +145,7 @@ def _usage_error(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import datetime
     import torch
+    from tqdm import tqdm
 
     from specaudit import __version__
     from specaudit.engines.sampling.process import SamplingParams
@@ -209,13 +210,22 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine_info(device), "pair": pair.name, "device": device, "dtype": dtype,
         "teacher_forcing": {"device": "cpu", "dtype": "float64"}, "batch_size": batch_size,
         "timeout": args.timeout, "params": params.describe(), "seed": args.seed, "engines": {}}
+    # a bar over the samples (stderr), moved every chunk of the draw where the engine allows it (run.draw)
+    chunk = max(batch_size, -(-args.samples // 20))
     for spec, engine in built.items():
         recorded = engine if spec.startswith("recorded:") else None
-        report = guarded_sampled_audit(
-            spec, lambda engine=engine: engine, oracle.target, prompts, params, timeout=args.timeout,
-            vocab_size=vocab_size, batch_size=batch_size, device=device, recorded=recorded, samples=args.samples,
-            max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed, alpha=args.alpha,
-            draft=oracle.draft, run_target=None if oracle is pair else pair.target)
+        bar = None if args.no_progress or recorded is not None else tqdm(
+            total=args.samples, unit="sample", desc=spec, file=sys.stderr, dynamic_ncols=True, leave=False,
+            mininterval=0, miniters=1)  # at most about 20 chunks: every one is drawn
+        try:
+            report = guarded_sampled_audit(
+                spec, lambda engine=engine: engine, oracle.target, prompts, params, timeout=args.timeout,
+                vocab_size=vocab_size, batch_size=batch_size, device=device, recorded=recorded, samples=args.samples,
+                max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed, alpha=args.alpha,
+                draft=oracle.draft, run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
         written["engines"][spec] = report
         write_json(out, written)  # kept at once: a crash or Ctrl-C loses no finished engine
         if report.get("failed"):

@@ -98,6 +98,36 @@ def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(samples)]
 
 
+def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, seed: int,
+         chunk: int | None = None, progress: Any = None) -> tuple[list[list[int]], list[list[int]] | None, Any]:
+    """The engine's outputs for `requests`, each token's step offset (or None) and its speculation counters
+    (or None). With `chunk`, an engine that takes per-request seeds and keeps no counters of its own
+    (`last_speculation`, which a later call would replace) is called `chunk` requests at a time with the
+    seeds it would give them itself in one call (`request_seeds(seed, n)`), so its tokens are the same
+    (the seed check tests that promise) and `progress` (anything with `update(n)`, e.g. a tqdm bar) moves
+    after each chunk; any other engine is called once."""
+    base = unguarded(engine)
+    whole = (chunk is None or chunk >= len(requests) or hasattr(base, "last_speculation")
+             or "seeds" not in inspect.signature(base.generate).parameters)
+    if whole:
+        outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+        if progress is not None:
+            progress.update(len(requests))
+        # the draw's own counters, read before the seed checks call the engine again
+        return outputs, getattr(engine, "last_step_offsets", None), getattr(engine, "last_speculation", None)
+    seeds = request_seeds(seed, len(requests))
+    outputs: list[list[int]] = []
+    offsets: list[list[int]] | None = []
+    for start in range(0, len(requests), chunk):
+        part = slice(start, start + chunk)
+        outputs += engine.generate(requests[part], max_new_tokens, eos_token_id, seeds=seeds[part])
+        got = getattr(engine, "last_step_offsets", None)
+        offsets = None if offsets is None or got is None else offsets + [list(o) for o in got]
+        if progress is not None:
+            progress.update(len(requests[part]))
+    return outputs, offsets, None
+
+
 def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any, seed: int
                 ) -> dict[str, Any]:
     """Same seed twice, and the first request alone against it inside the batch."""
@@ -115,20 +145,20 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
                   recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
-                  run_target: Any = None) -> dict[str, Any]:
+                  run_target: Any = None, chunk: int | None = None, progress: Any = None) -> dict[str, Any]:
     """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
     `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
     distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
     device and dtype), for the rounding allowance; an engine's `last_step_offsets` (each token's offset in
-    its step) stratifies the tests. Raises whatever the engine raises: `guarded_sampled_audit` guards it."""
+    its step) stratifies the tests; `chunk`, `progress`: see `draw`. Raises whatever the engine raises:
+    `guarded_sampled_audit` guards it."""
     started = time.perf_counter()
     offsets = None
     if recorded is None:
         requests = spread(prompts, samples)
-        outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+        outputs, offsets, speculation = draw(engine, requests, max_new_tokens, eos_token_id, seed=seed,
+                                             chunk=chunk, progress=progress)
         drawn: list[Sample] = list(zip(requests, outputs))
-        offsets = getattr(engine, "last_step_offsets", None)
-        speculation = getattr(engine, "last_speculation", None)  # the draw's own counters, before the seed checks
     else:
         drawn, speculation = recorded, None
     sampling_seconds = time.perf_counter() - started
