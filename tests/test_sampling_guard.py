@@ -183,3 +183,10 @@ def test_the_progress_bar_counts_samples_on_stderr(tmp_path: Path) -> None:
     assert result.returncode == 0, result
     shown = [int(done) for done in re.findall(r"(\d+)/20 \[", result.stderr)]
     assert shown == [0, 8, 16, 20] and "sample/s" in result.stderr, result.stderr  # chunks of --batch-size 8
+
+
+def test_ctrl_c_keeps_the_finished_engines_without_a_traceback(tmp_path: Path) -> None:
+    result = audit("--engine", "sampled-spec", "--engine", "sample_engines:make_interrupting", *SMALL, out=tmp_path)
+    assert result.returncode == 130 and "Traceback" not in result.stdout + result.stderr
+    assert "interrupted: the finished engines are kept in" in result.stderr
+    assert list(_written(tmp_path)["engines"]) == ["sampled-spec"]

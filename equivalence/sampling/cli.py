@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_PASS, EXIT_DEPARTURE, EXIT_USAGE = 0, 1, 2
+EXIT_PASS, EXIT_DEPARTURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # `specaudit audit` options that only the greedy audit uses: (attribute, its default, why), refused when given
 _GREEDY_ONLY = "it rules greedy divergences; the sampled audit tests distributions"
@@ -145,8 +145,6 @@ def _usage_error(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import datetime
     import torch
-    from tqdm import tqdm
-
     from specaudit import __version__
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.equivalence import validate
@@ -210,29 +208,46 @@ def run(args: argparse.Namespace) -> int:
         "machine": machine_info(device), "pair": pair.name, "device": device, "dtype": dtype,
         "teacher_forcing": {"device": "cpu", "dtype": "float64"}, "batch_size": batch_size,
         "timeout": args.timeout, "params": params.describe(), "seed": args.seed, "engines": {}}
-    # a bar over the samples (stderr), moved every chunk of the draw where the engine allows it (run.draw)
+    write_json(out, written)
+    # the draw's chunks (run.draw): a bar over the samples moves after each
     chunk = max(batch_size, -(-args.samples // 20))
+    try:
+        _audit_each(built, written, out, args, chunk, lambda spec, engine, bar: guarded_sampled_audit(
+            spec, lambda: engine, oracle.target, prompts, params, timeout=args.timeout,
+            vocab_size=vocab_size, batch_size=batch_size, device=device,
+            recorded=engine if spec.startswith("recorded:") else None, samples=args.samples,
+            max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed, alpha=args.alpha,
+            draft=oracle.draft, run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the finished engines are kept in {out}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    reports = write_sampled_reports(written, args.out)
+    print(f"wrote {out}" + "".join(f", {path}" for path in reports.values()))
+    return EXIT_DEPARTURE if any(r["verdict"] != "no departure found" for r in written["engines"].values()) else EXIT_PASS
+
+
+def _audit_each(built: dict[str, Any], written: dict[str, Any], out: Path, args: argparse.Namespace, chunk: int,
+                audit_one: Any) -> None:
+    """`audit_one(spec, engine, bar)` for each built engine, its report kept in `written` and on disk at once
+    (a crash or Ctrl-C loses no finished engine), its line printed; a bar over the samples on stderr."""
+    from tqdm import tqdm
+
+    from specaudit.equivalence.runner import write_json
+
     for spec, engine in built.items():
         recorded = engine if spec.startswith("recorded:") else None
         bar = None if args.no_progress or recorded is not None else tqdm(
             total=args.samples, unit="sample", desc=spec, file=sys.stderr, dynamic_ncols=True, leave=False,
             mininterval=0, miniters=1)  # at most about 20 chunks: every one is drawn
         try:
-            report = guarded_sampled_audit(
-                spec, lambda engine=engine: engine, oracle.target, prompts, params, timeout=args.timeout,
-                vocab_size=vocab_size, batch_size=batch_size, device=device, recorded=recorded, samples=args.samples,
-                max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed, alpha=args.alpha,
-                draft=oracle.draft, run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar)
+            report = audit_one(spec, engine, bar)
         finally:
             if bar is not None:
                 bar.close()
         written["engines"][spec] = report
-        write_json(out, written)  # kept at once: a crash or Ctrl-C loses no finished engine
+        write_json(out, written)
         if report.get("failed"):
             print(f"{spec}: run failed", flush=True)
             print(f"failed: {spec}: {report['error']}", file=sys.stderr, flush=True)
         else:
             print(_summary(spec, report), flush=True)
-    reports = write_sampled_reports(written, args.out)
-    print(f"wrote {out}" + "".join(f", {path}" for path in reports.values()))
-    return EXIT_DEPARTURE if any(r["verdict"] != "no departure found" for r in written["engines"].values()) else EXIT_PASS
