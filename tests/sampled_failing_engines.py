@@ -68,3 +68,21 @@ class _SaysWhatItGot(_Sampler):
 
 
 says_what_it_got = _factory(_SaysWhatItGot)
+
+
+class _OneTokenTooMany(_Sampler):
+    def corrupt(self, outputs):
+        return [row + [5] for row in outputs]
+
+
+one_token_too_many = _factory(_OneTokenTooMany)
+
+
+class _GoesOnAfterEos(_Sampler):
+    def generate(self, prompts, max_new_tokens, eos_token_id, seeds=None):
+        outputs = super().generate(prompts, max_new_tokens, eos_token_id, seeds=seeds)
+        eos = eos_token_id if isinstance(eos_token_id, int) else list(eos_token_id)[0]
+        return [[eos] + row[:-1] if len(row) > 1 else row for row in outputs]
+
+
+goes_on_after_eos = _factory(_GoesOnAfterEos)

@@ -41,7 +41,9 @@ def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_p
     failing = {"hangs": "did not return within 2 s (--timeout)",
                "out_of_vocabulary": "token id 262 is outside the vocabulary (0..258)",
                "one_output": "returned 1 outputs for 8 prompts",  # the first chunk of the draw (--batch-size)
-               "float_tokens": "is not an integer token id"}
+               "float_tokens": "is not an integer token id",
+               "one_token_too_many": "output 0 has 4 tokens, more than max_new_tokens 3",
+               "goes_on_after_eos": "output 0 goes on after EOS"}
     engines = [arg for name in failing for arg in ("--engine", f"sampled_failing_engines:{name}")]
     result = audit(*engines, "--engine", "sampled-spec", "--timeout", "2", *SMALL, out=tmp_path)
     assert result.returncode == 1, result
@@ -120,8 +122,9 @@ def test_options_only_the_greedy_audit_uses_are_refused(tmp_path: Path, option: 
 
 
 @pytest.mark.parametrize("option, fragment", [(("--batch-size", "1", "4"), "once per batch size"),
-                                              (("--dtype", "float32", "bfloat16"), "once per dtype")])
-def test_several_batch_sizes_or_dtypes_are_refused(tmp_path: Path, option: tuple[str, ...], fragment: str) -> None:
+                                              (("--dtype", "float32", "bfloat16"), "once per dtype"),
+                                              (("--alpha", "1.5"), "between 0 and 1")])
+def test_several_batch_sizes_or_dtypes_or_a_bad_alpha_are_refused(tmp_path: Path, option: tuple[str, ...], fragment: str) -> None:
     usage_error(audit("--engine", "sampled-spec", *option, *SMALL, out=tmp_path), option[0], fragment)
 
 

@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         if args.samples < 1:
             raise ValueError("--samples must be at least 1")
+        if not 0 < args.alpha < 1:
+            raise ValueError(f"--alpha {args.alpha}: give a family-wise false-positive rate between 0 and 1, e.g. 0.01")
         if len(args.pair) + bool(args.target) != 1:
             raise ValueError("the sampled audit takes one pair: one --pair, or --target (and --draft for a speculative engine)")
         refused = refusal(args)

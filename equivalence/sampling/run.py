@@ -5,7 +5,8 @@ inside a batch (randomness leaking across rows breaks it).
 
 `guarded_sampled_audit` runs the engine behind the greedy audit's guard (`equivalence/guard.py`): a
 time limit on each `generate` call, and one output per request, each a list of integer ids in the
-vocabulary. An engine that breaks either, or raises, gives a failed run (`failed_report`: a one-line
+vocabulary; then no output past the budget or past an EOS id (`check_budget`, which the greedy audit's
+comparison does there). An engine that breaks any of these, or raises, gives a failed run (`failed_report`: a one-line
 `error` and the traceback), never an exception out of the audit."""
 
 from __future__ import annotations
@@ -98,6 +99,23 @@ def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(samples)]
 
 
+def check_budget(outputs: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, recording: bool = False) -> None:
+    """`EngineFailure` for an output past `max_new_tokens` or with tokens after an EOS id: the greedy audit
+    judges these as divergences, but the sampled tests would take them for samples of the target."""
+    from specaudit.engines.limits import eos_ids
+    from specaudit.equivalence.errors import EngineFailure
+
+    stops = set(eos_ids(eos_token_id))
+    for index, tokens in enumerate(outputs):
+        if len(tokens) > max_new_tokens:
+            fix = f": pass --max-new-tokens {max(len(t) for t in outputs)}" if recording else ""
+            raise EngineFailure(f"output {index} has {len(tokens)} tokens, more than max_new_tokens {max_new_tokens}{fix}")
+        ended = next((position for position, token in enumerate(tokens[:-1]) if token in stops), None)
+        if ended is not None:
+            raise EngineFailure(f"output {index} goes on after EOS {tokens[ended]} at position {ended}; the contract "
+                                "is to stop at the first EOS")
+
+
 def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, seed: int,
          chunk: int | None = None, progress: Any = None) -> tuple[list[list[int]], list[list[int]] | None, Any]:
     """The engine's outputs for `requests`, each token's step offset (or None) and its speculation counters
@@ -158,8 +176,10 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
         requests = spread(prompts, samples)
         outputs, offsets, speculation = draw(engine, requests, max_new_tokens, eos_token_id, seed=seed,
                                              chunk=chunk, progress=progress)
+        check_budget(outputs, max_new_tokens, eos_token_id)
         drawn: list[Sample] = list(zip(requests, outputs))
     else:
+        check_budget([tokens for _, tokens in recorded], max_new_tokens, eos_token_id, recording=True)
         drawn, speculation = recorded, None
     sampling_seconds = time.perf_counter() - started
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
