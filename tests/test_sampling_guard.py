@@ -124,7 +124,8 @@ def test_options_only_the_greedy_audit_uses_are_refused(tmp_path: Path, option: 
 @pytest.mark.parametrize("option, fragment", [(("--batch-size", "1", "4"), "once per batch size"),
                                               (("--dtype", "float32", "bfloat16"), "once per dtype"),
                                               (("--alpha", "1.5"), "between 0 and 1")])
-def test_several_batch_sizes_or_dtypes_or_a_bad_alpha_are_refused(tmp_path: Path, option: tuple[str, ...], fragment: str) -> None:
+def test_several_batch_sizes_or_dtypes_or_a_bad_alpha_are_refused(tmp_path: Path, option: tuple[str, ...],
+                                                                   fragment: str) -> None:
     usage_error(audit("--engine", "sampled-spec", *option, *SMALL, out=tmp_path), option[0], fragment)
 
 

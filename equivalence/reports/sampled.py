@@ -84,7 +84,9 @@ def verdict_sentence(sampling: dict[str, Any]) -> tuple[bool, str]:
     reports = sampling.get("engines") or {}
     passed = bool(reports) and all(report["verdict"] == PASS for report in reports.values())
     if passed:
-        return True, f"No departure found: every engine samples the target's distribution within what {sampling.get('dtype', 'float64')} rounding allows"
+        allowed = f" and {sampling['dtype']} rounding" if sampling.get("dtype", "float64") != "float64" else ""
+        return True, ("No departure found: no engine's samples depart from the target's distribution by more than "
+                      f"its tests see{allowed}")
     failed = [spec for spec, report in reports.items() if report["verdict"] != PASS]
     return False, f"NOT shown to sample the target's distribution: {', '.join(failed)}"
 
@@ -118,13 +120,13 @@ def render_sampled_html(sampling: dict[str, Any], chart_svg: str) -> str:
     def pairs(rows: list[tuple[str, str]]) -> str:
         return '<dl class="pairs">' + "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows) + "</dl>"
 
+    cells = ["".join(f"<td>{escape(cell)}</td>" for cell in row) for row in _rows(sampling)]
     table = ("<table><thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in HEADER) + "</tr></thead><tbody>"
-             + "".join("<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>" for row in _rows(sampling))
-             + "</tbody></table>")
+             + "".join(f"<tr>{row}</tr>" for row in cells) + "</tbody></table>")
     findings = "".join(f"<li>{escape(engine_sentence(spec, report))}</li>"
                        for spec, report in (sampling.get("engines") or {}).items())
-    body = [f'<header><h1>specaudit report: sampled audit</h1><p class="stamp">specaudit '
-            f'{escape(str(sampling.get("specaudit_version")))} · created {escape(str(sampling.get("created")))}</p></header>',
+    stamp = f"specaudit {sampling.get('specaudit_version')} · created {sampling.get('created')}"
+    body = [f'<header><h1>specaudit report: sampled audit</h1><p class="stamp">{escape(stamp)}</p></header>',
             f'<section class="verdict verdict-{"pass" if passed else "fail"}">{escape(sentence)}</section>',
             f'<section class="meta"><div><h2>Machine</h2>{pairs(machine_summary(sampling))}</div>'
             f'<div><h2>Setting</h2>{pairs(_setting(sampling))}</div></section>',

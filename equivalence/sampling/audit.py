@@ -174,8 +174,8 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
             mask = possible & (offset_ids == offset)
             bins = min(PIT_BINS, int(mask.sum()) // 5)
             if bins >= 2:
-                tests.append(_hold_against_rounding({**stats.chi_square_uniform(u_draft[mask], bins),
-                                                     "scope": TOWARD_DRAFT + _offset_scope(offset)}, mean_allowance(mask)))
+                test = {**stats.chi_square_uniform(u_draft[mask], bins), "scope": TOWARD_DRAFT + _offset_scope(offset)}
+                tests.append(_hold_against_rounding(test, mean_allowance(mask)))
     big = sorted((key for key, rows in contexts.items() if len(rows) >= min_context),
                  key=lambda key: -len(contexts[key]))[:max_context_tests]
     for key in big:

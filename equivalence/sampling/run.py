@@ -6,8 +6,8 @@ inside a batch (randomness leaking across rows breaks it).
 `guarded_sampled_audit` runs the engine behind the greedy audit's guard (`equivalence/guard.py`): a
 time limit on each `generate` call, and one output per request, each a list of integer ids in the
 vocabulary; then no output past the budget or past an EOS id (`check_budget`, which the greedy audit's
-comparison does there). An engine that breaks any of these, or raises, gives a failed run (`failed_report`: a one-line
-`error` and the traceback), never an exception out of the audit."""
+comparison does there). An engine that breaks any of these, or raises, gives a failed run
+(`failed_report`: a one-line `error` and the traceback), never an exception out of the audit."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def check_budget(outputs: list[list[int]], max_new_tokens: int, eos_token_id: An
     for index, tokens in enumerate(outputs):
         if len(tokens) > max_new_tokens:
             fix = f": pass --max-new-tokens {max(len(t) for t in outputs)}" if recording else ""
-            raise EngineFailure(f"output {index} has {len(tokens)} tokens, more than max_new_tokens {max_new_tokens}{fix}")
+            raise EngineFailure(f"output {index} has {len(tokens)} tokens, more than max_new_tokens "
+                                f"{max_new_tokens}{fix}")
         ended = next((position for position, token in enumerate(tokens[:-1]) if token in stops), None)
         if ended is not None:
             raise EngineFailure(f"output {index} goes on after EOS {tokens[ended]} at position {ended}; the contract "

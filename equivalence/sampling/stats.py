@@ -83,7 +83,8 @@ def noncentral_chi_square_critical(df: int, alpha: float, noncentrality: float) 
     low, high = 0.0, float(df) + noncentrality + 100.0 * math.sqrt(df + 2 * noncentrality) + 200.0
     for _ in range(200):
         middle = (low + high) / 2
-        low, high = (middle, high) if noncentral_chi_square_survival(middle, df, noncentrality) > alpha else (low, middle)
+        above = noncentral_chi_square_survival(middle, df, noncentrality) > alpha
+        low, high = (middle, high) if above else (low, middle)
     return high
 
 
