@@ -17,6 +17,9 @@
   (Python, NumPy or 0-d torch integers; not floats or booleans), and raises `EngineFailure` naming
   the prompt and position otherwise. Ids past `max_new_tokens` or past EOS are left to the comparison,
   which reports them as divergences.
+
+`failure_message` words a failed run's one-line reason (out of memory, a server gone, a broken contract or
+a time-out, an exception from inside or outside `generate`) for the greedy runner and the sampled audit alike.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
+
 from specaudit.engines.sampling.engine import SampledSpeculative
 
 RELEASE = threading.Event()  # set by a test to let a hanging engine finish
@@ -86,3 +88,11 @@ class _GoesOnAfterEos(_Sampler):
 
 
 goes_on_after_eos = _factory(_GoesOnAfterEos)
+
+
+class _OutOfMemory(_Sampler):
+    def generate(self, prompts, max_new_tokens, eos_token_id, seeds=None):
+        raise torch.OutOfMemoryError("planted: tried to allocate too much")
+
+
+out_of_memory = _factory(_OutOfMemory)

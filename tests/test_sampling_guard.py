@@ -43,7 +43,8 @@ def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_p
                "one_output": "returned 1 outputs for 8 prompts",  # the first chunk of the draw (--batch-size)
                "float_tokens": "is not an integer token id",
                "one_token_too_many": "output 0 has 4 tokens, more than max_new_tokens 3",
-               "goes_on_after_eos": "output 0 goes on after EOS"}
+               "goes_on_after_eos": "output 0 goes on after EOS",
+               "out_of_memory": "out of memory at batch size 8 on cpu: try a smaller --batch-size"}
     engines = [arg for name in failing for arg in ("--engine", f"sampled_failing_engines:{name}")]
     result = audit(*engines, "--engine", "sampled-spec", "--timeout", "2", *SMALL, out=tmp_path)
     assert result.returncode == 1, result

@@ -16,11 +16,13 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
+
 from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, SAMPLED_ENGINES, resolve
 from specaudit.engines.sampling.engine import request_seeds
 from specaudit.engines.sampling.process import SamplingParams
 from specaudit.equivalence.errors import one_line
-from specaudit.equivalence.guard import GuardedEngine, failure_message, unguarded
+from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory, unguarded
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
 
@@ -229,6 +231,8 @@ def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: An
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - one engine failing must not lose the others' runs
+        if out_of_memory(exc) and device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # before the next engine
         return failed_report(engine_name, exc, batch_size=batch_size, device=device,
                              seconds=time.perf_counter() - started)
     if engine is not None and callable(getattr(unguarded(engine), "describe", None)):
