@@ -1,5 +1,7 @@
 """Engine names: the built-in ones, a black-box `PREFIX:LOCATION` (`recorded:FILE`,
 `llamacpp:URL`, `vllm:URL`, `sglang:URL`, `trtllm:URL`), or `package.module:factory` for anything else.
+`resolve` is the one place a name becomes a factory, for the greedy and the sampled audit alike
+(`resolve(spec, sampled=True)` looks in `SAMPLED_ENGINES` first).
 
 A factory is called as `factory(target, draft, batch_size=..., draft_tokens=..., **options)` with
 the two loaded models and returns an object with
@@ -28,6 +30,16 @@ BUILTIN_ENGINES: dict[str, str] = {
 }
 
 
+# Engines that only the sampled audit draws from (`--temperature`): called as
+# `factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)`
+# (equivalence/sampling/run.py). `hf-assisted` here is transformers' assisted generation with do_sample=True.
+SAMPLED_ENGINES: dict[str, str] = {
+    "sampled-spec": "specaudit.engines.sampling.engine:SampledSpeculative",
+    "sampled-reference": "specaudit.engines.sampling.engine:SampledReference",
+    "hf-assisted": "specaudit.engines.adapters.hf_assisted_sampled:HFAssistedSampled",
+}
+
+
 # Black-box engines, named `PREFIX:LOCATION`: they take no models, only where to find the outputs.
 # Their factory is called as `factory(location, batch_size=..., **options)`. Dispatched before
 # `module:factory`, since a URL holds colons of its own.
@@ -50,10 +62,12 @@ class EngineSpecError(ValueError):
     """An engine name that is neither built in nor an importable `module:factory`."""
 
 
-def resolve(spec: str) -> Callable[..., Any]:
-    """The factory named by a built-in engine name or by `package.module:factory`."""
+def resolve(spec: str, *, sampled: bool = False) -> Callable[..., Any]:
+    """The factory named by a built-in engine name or by `package.module:factory`; with `sampled`, the
+    sampled audit's own names (`SAMPLED_ENGINES`) come before the greedy ones."""
     prefix = black_box_prefix(spec)
-    path = BLACK_BOX_ENGINES[prefix] if prefix else BUILTIN_ENGINES.get(spec, spec)
+    names = {**BUILTIN_ENGINES, **SAMPLED_ENGINES} if sampled else BUILTIN_ENGINES
+    path = BLACK_BOX_ENGINES[prefix] if prefix else names.get(spec, spec)
     if ":" not in path:
         raise EngineSpecError(
             f"unknown engine {spec!r}: use a built-in name ({', '.join(BUILTIN_ENGINES)}), "

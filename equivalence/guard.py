@@ -1,7 +1,8 @@
 """An engine under audit, behind a guard: a time limit per run and a check of what it returns.
 
 `GuardedEngine(engine, timeout=..., vocab_size=...)` behaves as `engine` (attributes such as
-`last_trace` and `record_logits` pass through), but its `generate`
+`last_trace` and `record_logits` pass through; keywords of `generate` such as a sampled engine's
+`seeds=` too), but its `generate`
 
 - runs the engine's `generate` in a worker thread and waits at most `timeout` seconds; past that
   it raises `RunTimeout` and the audit goes on. Python cannot kill a thread, so a timed-out engine
@@ -16,16 +17,21 @@
   (Python, NumPy or 0-d torch integers; not floats or booleans), and raises `EngineFailure` naming
   the prompt and position otherwise. Ids past `max_new_tokens` or past EOS are left to the comparison,
   which reports them as divergences.
+
+`failure_message` words a failed run's one-line reason (out of memory, a server gone, a broken contract or
+a time-out, an exception from inside or outside `generate`) for the greedy runner and the sampled audit alike.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 import threading
 from typing import Any
 
 import torch
 
+from specaudit.engines.adapters._http import ServerDied
 from specaudit.equivalence.errors import EngineFailure, RunTimeout
 
 
@@ -43,9 +49,17 @@ class GuardedEngine:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._engine, name, value)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
-        outputs = call_with_timeout(self._engine.generate, (prompts, max_new_tokens, eos_token_id), self._timeout)
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None,
+                 **keywords: Any) -> list[list[int]]:
+        function = functools.partial(self._engine.generate, **keywords) if keywords else self._engine.generate
+        outputs = call_with_timeout(function, (prompts, max_new_tokens, eos_token_id), self._timeout)
         return check_outputs(outputs, len(prompts), self._vocab_size)
+
+
+def unguarded(engine: Any) -> Any:
+    """The engine behind a `GuardedEngine` (`engine` itself when it is not guarded): for reading its
+    `generate`'s signature."""
+    return object.__getattribute__(engine, "_engine") if isinstance(engine, GuardedEngine) else engine
 
 
 def call_with_timeout(function: Any, args: tuple, timeout: float | None) -> Any:
@@ -121,3 +135,29 @@ def check_outputs(outputs: Any, num_prompts: int, vocab_size: int | None) -> lis
             tokens.append(token)
         checked.append(tokens)
     return checked
+
+
+# torch.OutOfMemoryError since torch 2.5; torch.cuda's (the same class there) in older releases
+_TORCH_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A host MemoryError or a device allocation failure. On the CPU, Linux may kill the process
+    before Python sees a MemoryError; what the audit wrote before stays on disk."""
+    return isinstance(exc, (MemoryError, _TORCH_OOM))
+
+
+def failure_message(engine_name: str, exc: BaseException, *, batch_size: int | None, device: str) -> str:
+    """Why a guarded run failed, in one sentence (the greedy and the sampled audit's failed runs alike):
+    out of memory, a server gone, a broken contract or time-out, an exception the engine raised, or one
+    raised outside `generate()` (building the engine, or auditing its output)."""
+    if out_of_memory(exc):
+        where = f" at batch size {batch_size}" if batch_size is not None else ""
+        return f"out of memory{where} on {device}: try a smaller --batch-size"
+    if isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
+        return f"engine {engine_name}: {exc}"
+    if isinstance(exc, EngineFailure):
+        return f"engine {engine_name} failed: {exc}"
+    if raised_inside_engine(exc):
+        return f"engine {engine_name} raised {type(exc).__name__}: {exc}"
+    return f"engine {engine_name}: {type(exc).__name__} outside generate(): {exc}"

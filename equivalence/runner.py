@@ -32,8 +32,8 @@ from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.blackbox import requests_run
-from specaudit.equivalence.errors import EngineFailure, one_line
-from specaudit.equivalence.guard import GuardedEngine, raised_inside_engine
+from specaudit.equivalence.errors import one_line
+from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.run_context import RunContext
 from specaudit.equivalence.reports.summary import summary_table  # noqa: F401 (the runner's table, re-exported)
@@ -235,16 +235,6 @@ def _failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
 
 
-# torch.OutOfMemoryError since torch 2.5; torch.cuda's (the same class there) in older releases
-_TORCH_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """A host MemoryError or a device allocation failure. On the CPU, Linux may kill the process
-    before Python sees a MemoryError; audit.json then still holds every finished run."""
-    return isinstance(exc, (MemoryError, _TORCH_OOM))
-
-
 def _free_device_memory(device: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -253,7 +243,7 @@ def _free_device_memory(device: str) -> None:
 def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: Exception) -> list[dict[str, Any]]:
     name = pair_spec if isinstance(pair_spec, str) else "+".join(
         Path(p).name for p in (pair_spec.target, pair_spec.draft) if p is not None)
-    if _out_of_memory(exc):
+    if out_of_memory(exc):
         _free_device_memory(config.device)
         why = f"out of memory on {config.device} during {stage} (batch size 1)"
     else:
@@ -308,21 +298,12 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # one engine failing must not lose the others' runs
-        if _out_of_memory(exc):
+        if out_of_memory(exc):
             _free_device_memory(config.device)
-            message = (f"out of memory at batch size {batch_size} on {config.device}: "
-                       "try a smaller --batch-size")
-        elif isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
-            failed = _failed_run(base, f"engine {engine_name}: {exc}", exc)
+        failed = _failed_run(base, failure_message(engine_name, exc, batch_size=batch_size, device=config.device), exc)
+        if isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
             failed["server_died"] = exc.details
-            return failed
-        elif isinstance(exc, EngineFailure):
-            message = f"engine {engine_name} failed: {exc}"
-        elif raised_inside_engine(exc):
-            message = f"engine {engine_name} raised {type(exc).__name__}: {exc}"
-        else:  # building the engine, or auditing its output (see the traceback)
-            message = f"engine {engine_name}: {type(exc).__name__} outside generate(): {exc}"
-        return _failed_run(base, message, exc)
+        return failed
 
 
 def exit_status(audit: dict[str, Any]) -> int:

@@ -19,6 +19,7 @@ import pytest
 from specaudit.equivalence.reports.summary import summary_table
 from specaudit.equivalence.reports.charts import NUMERICAL_COLOR, STRUCTURAL_COLOR, audit_charts, render_svg, series_color
 from specaudit.equivalence.reports.markdown import render_markdown, write_reports
+from specaudit.equivalence.reports.sampled import write_sampled_reports
 from specaudit.equivalence.reports.summary import run_status, verdict
 
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
@@ -341,3 +342,55 @@ def test_summary_table_keeps_columns_apart_for_long_names() -> None:
         assert rest.startswith(" ") or rest[:1].isalnum(), line  # two spaces at least between engine and pair
         assert len(engine_cell) <= 40
     assert lines[1].startswith("a_rather_long_module") and "…" in lines[1] and ":factory" in lines[1]
+
+
+def _sampled_audit() -> dict[str, Any]:
+    """A sampled audit's `sampling.json` as equivalence/sampling/cli.py writes it: one engine judged, one failed."""
+    histogram = [9, 7, 6, 5, 5, 4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0]  # piled left: too sharp
+    judged = {"verdict": "departure", "p_value": 3.2e-7, "worst_test": "all tokens (chi_square_pit)",
+              "finding": "all tokens: sharper than the target (too much mass on its likely tokens)",
+              "detectable_tv_pooled": 0.125, "detectable_tv_first_token": 0.186, "power": 0.8, "samples": 20,
+              "tokens": sum(histogram), "pit_histogram": histogram,
+              "rounding": {"dtype": "bfloat16", "device": "cuda:0", "factor": 2.0, "allowance_tv_mean": 0.037,
+                           "allowance_tv_max": 0.15, "cut_tokens": 2},
+              "seeds": {"checked": True, "same_seed_same_output": True, "alone_equals_batch": True}}
+    failed = {"verdict": "run failed", "failed": True, "seconds": 2.0, "traceback": "...",
+              "error": f"engine mine:hangs failed: generate() did not return within 2 s (--timeout) {HOSTILE_TEXT}"}
+    return {"specaudit_version": "0.3.0", "created": "2026-01-01T00:00:00+00:00",
+            "machine": {"python": "3.11", "torch": "2.13.0", "transformers": "5.24.0", "device": "cuda:0",
+                        "device_name": "NVIDIA H200", "cuda": True},
+            "pair": "tiny-llama", "device": "cuda:0", "dtype": "bfloat16",
+            "teacher_forcing": {"device": "cpu", "dtype": "float64"}, "batch_size": 8, "timeout": 2.0,
+            "params": {"temperature": 0.7, "top_k": 8, "top_p": 1.0}, "seed": 1,
+            "engines": {"sampled-spec": judged, "mine:hangs": failed}}
+
+
+def test_sampled_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    sampling = _sampled_audit()
+    paths = write_sampled_reports(sampling, tmp_path / "report")
+    markdown = paths["markdown"].read_text(encoding="utf-8")
+    assert "NOT shown to sample the target's distribution: sampled-spec, mine:hangs" in markdown
+    assert "sampled-spec departs from the target's distribution in 20 samples (60 tokens): p = 3.2e-07" in markdown
+    assert "mine:hangs: the run failed: engine mine:hangs failed: generate() did not return within 2 s" in markdown
+    assert "device: cuda:0 · dtype: bfloat16 · teacher forcing: cpu float64" in markdown
+    assert "NVIDIA H200" in markdown and "(charts/pit.svg)" in markdown
+    html = paths["html"].read_text(encoding="utf-8")
+    for external in ("<script", "<link", "src=", "@import"):
+        assert external not in html, f"report.html is not self-contained: found {external!r}"
+    assert html.count("<svg") == 1
+
+    probe_path = tmp_path / "report" / "layout-probe.html"
+    probe_path.write_text(html.replace("</body>", LAYOUT_PROBE + "</body>"), encoding="utf-8")
+    dumped = _run_chromium(tmp_path / "profile", "--dump-dom", probe_path.as_uri()).stdout
+    assert "<script>alert" not in dumped and "&lt;script&gt;alert" in dumped
+    match = re.search(r'<pre id="layout-probe">(.*?)</pre>', dumped, re.S)
+    assert match, "the layout probe did not run"
+    (chart,) = json.loads(unescape_html(match.group(1)))["charts"]
+    assert chart["label"].startswith("PIT histogram of the sampled tokens")
+    assert chart["width"] > 300 and chart["height"] > 100, f"laid out at {chart['width']}x{chart['height']}"
+    assert len(chart["bars"]) == 18 and all(width > 0 and height > 0 for width, height in chart["bars"])
+    screenshot = tmp_path / "report.png"
+    _run_chromium(tmp_path / "profile", f"--screenshot={screenshot}", paths["html"].as_uri(), window="1280,1800")
+    pixels = _png_pixels(screenshot.read_bytes())[..., :3].reshape(-1, 3)
+    painted = int((pixels == np.array(_rgb(series_color(0)), np.uint8)).all(axis=1).sum())
+    assert painted > 200, f"the histogram's bars were not painted ({painted} pixels)"

@@ -18,6 +18,20 @@ the engine's own prefix (`teacher`). The family of tests, corrected together by 
 
 A token the target gives probability 0 (outside top-k/top-p, or not the argmax at temperature 0) is
 a departure on its own: p-value 0.
+
+The target teacher-forces in float64 (the oracle). An engine that runs the target below float64, or on
+another device (`run_model`: the target as the engine runs it), samples from probabilities that carry
+rounding, a real departure that enough samples would reject. The rounding allowance bounds it: the
+target run as the engine runs it teacher-forces the same tokens, and each token's allowance is
+`ROUNDING_FACTOR` times the total variation between its distribution there and in float64 (the
+engine's own rounding, in other batch shapes, is of the same size as this pass's: twice covers both).
+Every test is then held against the largest departure its tokens' mean allowance a can make, not
+against none: a PIT chi-square on n values in B bins against noncentrality 2 n B a^2 (mass a moved
+between two bins), a context's chi-square against 2 n a^2 / (its least likely bin's probability),
+Kolmogorov-Smirnov at its distance less a. A correct engine then passes at the stated false-positive
+rate in every dtype; the power printed is the power against that shifted null. A token the float64
+target cuts (probability 0) but the run's target keeps is a rounding cut, not a departure: counted,
+left out of the PIT. In float64 on the CPU no allowance is taken and nothing changes.
 """
 
 from __future__ import annotations
@@ -34,6 +48,29 @@ from specaudit.equivalence.sampling.teacher import Sample, target_distributions
 
 PIT_BINS = 20
 POWER = 0.8
+ROUNDING_FACTOR = 2.0  # the engine's rounding and the measuring pass's, each about the measured TV
+
+
+def _null_noncentrality(test: dict[str, Any]) -> float:
+    """The noncentrality of the largest departure a test's rounding allowance lets through (module docstring)."""
+    allowance = test.get("rounding_tv", 0.0)
+    if allowance <= 0 or test["test"] == "ks_pit":
+        return 0.0
+    if test["test"] == "chi_square_pit":
+        return 2 * test["n"] * test["bins"] * allowance ** 2
+    return 2 * test["n"] * allowance ** 2 / max(test["min_bin_probability"], 1e-300)
+
+
+def _hold_against_rounding(test: dict[str, Any], allowance: float) -> dict[str, Any]:
+    """`test` with its p-value against the departure `allowance` (a TV) lets through."""
+    test["rounding_tv"] = allowance
+    if allowance <= 0:
+        return test
+    if test["test"] == "ks_pit":
+        test["p_value"] = stats.ks_survival(max(0.0, test["statistic"] - allowance), test["n"])
+    elif test.get("df", 0) >= 1:
+        test["p_value"] = stats.noncentral_chi_square_survival(test["statistic"], test["df"], _null_noncentrality(test))
+    return test
 
 
 def _null_binned_tv(n: int, bins: int, generator: torch.Generator) -> float:
@@ -67,20 +104,28 @@ def _direction(u: torch.Tensor) -> str:
 
 def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = 0.01,
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
-                  offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None) -> dict[str, Any]:
+                  offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None,
+                  run_model: PreTrainedModel | None = None) -> dict[str, Any]:
     """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict.
-    `offsets`: per sample, each token's offset in the step that emitted it; `draft`: the draft model
-    (module docstring)."""
+    `offsets`: per sample, each token's offset in the step that emitted it; `draft`: the draft model;
+    `run_model`: the target as the engine runs it, for the rounding allowance (module docstring)."""
     # the PIT's own stream, apart from every request's ((seed << 20) + i, engines/sampling/engine.py)
     generator = torch.Generator().manual_seed((1 << 62) + seed)
     probs = target_distributions(model, samples, params)
     draft_probs = _draft_distributions(draft, samples, params, probs) if draft is not None else None
+    # [n] per sample: each token's rounding allowance (0 in float64 on the CPU)
+    run_probs = target_distributions(run_model, samples, params) if run_model is not None else None
+    allowances = ([ROUNDING_FACTOR * 0.5 * (r - p).abs().sum(-1) for r, p in zip(run_probs, probs)]
+                  if run_probs is not None else [torch.zeros(len(sampled), dtype=stats.F64) for _, sampled in samples])
     tokens, positions, table, contexts = [], [], [], defaultdict(list)
-    impossible = []
+    impossible, rounding_cuts = [], 0
     for index, ((prompt, sampled), p) in enumerate(zip(samples, probs)):
         for position, token in enumerate(sampled):
             if float(p[position, token]) <= 0:
-                impossible.append({"sample": index, "position": position, "token": token})
+                if run_probs is not None and float(run_probs[index][position, token]) > 0:
+                    rounding_cuts += 1  # cut in float64, kept where the engine rounds: no departure
+                else:
+                    impossible.append({"sample": index, "position": position, "token": token})
             tokens.append(token)
             positions.append(position)
             table.append(p[position])
@@ -88,6 +133,7 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     if not tokens:
         raise ValueError("no sampled tokens to audit")
     all_probs = torch.stack(table)  # [N, V]
+    allow = torch.cat(allowances)  # [N]
     token_ids = torch.tensor(tokens)
     jitter = torch.rand(len(tokens), generator=generator, dtype=stats.F64)  # [N]
     u = stats.randomized_pit(all_probs, token_ids, jitter)
@@ -97,31 +143,39 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     if offset_ids is not None and offset_ids.numel() != len(tokens):
         raise ValueError(f"{offset_ids.numel()} step offsets for {len(tokens)} sampled tokens: give one per token")
 
+    def mean_allowance(mask: torch.Tensor) -> float:
+        return float(allow[mask].mean()) if bool(mask.any()) else 0.0
+
     tests: list[dict[str, Any]] = []
     pooled = u[possible]
-    tests.append({**stats.chi_square_uniform(pooled, PIT_BINS), "scope": "all tokens"})
-    tests.append({**stats.ks_uniform(pooled), "scope": "all tokens"})
+    tests.append(_hold_against_rounding({**stats.chi_square_uniform(pooled, PIT_BINS), "scope": "all tokens"},
+                                        mean_allowance(possible)))
+    tests.append(_hold_against_rounding({**stats.ks_uniform(pooled), "scope": "all tokens"}, mean_allowance(possible)))
     for position in sorted(set(positions)):
-        at = u[possible & (position_ids == position)]
-        bins = min(PIT_BINS, at.numel() // 5)
+        mask = possible & (position_ids == position)
+        bins = min(PIT_BINS, int(mask.sum()) // 5)
         if bins >= 2:
-            tests.append({**stats.chi_square_uniform(at, bins), "scope": f"output position {position}"})
+            tests.append(_hold_against_rounding({**stats.chi_square_uniform(u[mask], bins),
+                                                 "scope": f"output position {position}"}, mean_allowance(mask)))
     if offset_ids is not None:
         for offset in sorted(set(offset_ids.tolist())):
-            at = u[possible & (offset_ids == offset)]
-            bins = min(PIT_BINS, at.numel() // 5)
+            mask = possible & (offset_ids == offset)
+            bins = min(PIT_BINS, int(mask.sum()) // 5)
             if bins >= 2:
-                tests.append({**stats.chi_square_uniform(at, bins), "scope": _offset_scope(offset)})
+                tests.append(_hold_against_rounding({**stats.chi_square_uniform(u[mask], bins),
+                                                     "scope": _offset_scope(offset)}, mean_allowance(mask)))
     if draft_probs is not None:
         # the same jitter: only the order changes, so under the target each u is uniform as before
         u_draft = stats.randomized_pit(all_probs, token_ids, jitter,
                                        order=stats.draft_ratio_order(all_probs, torch.cat(draft_probs)))
-        tests.append({**stats.chi_square_uniform(u_draft[possible], PIT_BINS), "scope": TOWARD_DRAFT + "all tokens"})
+        tests.append(_hold_against_rounding({**stats.chi_square_uniform(u_draft[possible], PIT_BINS),
+                                             "scope": TOWARD_DRAFT + "all tokens"}, mean_allowance(possible)))
         for offset in sorted(set(offset_ids.tolist())) if offset_ids is not None else []:
-            at = u_draft[possible & (offset_ids == offset)]
-            bins = min(PIT_BINS, at.numel() // 5)
+            mask = possible & (offset_ids == offset)
+            bins = min(PIT_BINS, int(mask.sum()) // 5)
             if bins >= 2:
-                tests.append({**stats.chi_square_uniform(at, bins), "scope": TOWARD_DRAFT + _offset_scope(offset)})
+                test = {**stats.chi_square_uniform(u_draft[mask], bins), "scope": TOWARD_DRAFT + _offset_scope(offset)}
+                tests.append(_hold_against_rounding(test, mean_allowance(mask)))
     big = sorted((key for key, rows in contexts.items() if len(rows) >= min_context),
                  key=lambda key: -len(contexts[key]))[:max_context_tests]
     for key in big:
@@ -130,7 +184,8 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
         test = stats.chi_square_counts(counts, all_probs[rows[0]])
         if test["df"] >= 1:
             test["tv_null"] = stats.null_tv(all_probs[rows[0]], len(rows), generator)
-            tests.append({**test, "scope": f"context: prompt of {len(key[0])} tokens, prefix {list(key[1])}"})
+            tests.append(_hold_against_rounding({**test, "scope": f"context: prompt of {len(key[0])} tokens, "
+                                                 f"prefix {list(key[1])}"}, float(allow[rows].max())))
     for test in tests:
         if test["test"] == "chi_square_pit":
             test["tv_null"] = _null_binned_tv(test["n"], test["bins"], generator)
@@ -141,7 +196,8 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     for test, p_adjusted in zip(tests, adjusted):
         test["p_adjusted"] = p_adjusted
         if "df" in test:
-            test["detectable_tv"] = stats.detectable_tv(test["n"], test["df"], family_alpha, POWER)
+            test["detectable_tv"] = stats.detectable_tv(test["n"], test["df"], family_alpha, POWER,
+                                                        null_noncentrality=_null_noncentrality(test))
     worst = min(range(len(tests)), key=lambda i: adjusted[i])
     departs = bool(impossible) or adjusted[worst] < alpha
     pooled_test, contexts_tested = tests[0], [t for t in tests if t["test"] == "chi_square_context"]
@@ -157,6 +213,14 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
         "detectable_tv_pooled": pooled_test["detectable_tv"],
         "detectable_tv_first_token": min((t["detectable_tv"] for t in first_contexts), default=None),
         "power": POWER,
+        # the pooled PIT values in PIT_BINS equal bins (uniform under a correct sampler): the report's chart
+        "pit_histogram": torch.bincount((pooled * PIT_BINS).long().clamp(0, PIT_BINS - 1), minlength=PIT_BINS).tolist(),
+        # below float64 or off the CPU: what the tests allowed for the engine's rounding (module docstring)
+        "rounding": None if run_probs is None else {
+            "dtype": str(next(run_model.parameters()).dtype).removeprefix("torch."),
+            "device": str(next(run_model.parameters()).device), "factor": ROUNDING_FACTOR,
+            "allowance_tv_mean": float(allow.mean()), "allowance_tv_max": float(allow.max()),
+            "cut_tokens": rounding_cuts},
     }
     if departs:
         scope = tests[worst]["scope"]

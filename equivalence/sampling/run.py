@@ -1,21 +1,31 @@
 """One sampled audit: draw `samples` outputs from an engine (or read them from a recording), test them
 against the target by teacher forcing (`audit`), and, for an in-process engine, check the seed's
 promises: the same seed gives the same tokens, and a seeded request gives the same tokens alone as
-inside a batch (randomness leaking across rows breaks it)."""
+inside a batch (randomness leaking across rows breaks it).
+
+`guarded_sampled_audit` runs the engine behind the greedy audit's guard (`equivalence/guard.py`): a
+time limit on each `generate` call, and one output per request, each a list of integer ids in the
+vocabulary; then no output past the budget or past an EOS id (`check_budget`, which the greedy audit's
+comparison does there). An engine that breaks any of these, or raises, gives a failed run
+(`failed_report`: a one-line `error` and the traceback), never an exception out of the audit."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import time
-from typing import Any
+import traceback
+from typing import Any, Callable
 
-from specaudit.engines.sampling.engine import SampledReference, SampledSpeculative, request_seeds
+import torch
+
+from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, SAMPLED_ENGINES, resolve
+from specaudit.engines.sampling.engine import request_seeds
 from specaudit.engines.sampling.process import SamplingParams
+from specaudit.equivalence.errors import one_line
+from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory, unguarded
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
 
-BUILTIN_SAMPLED = {"sampled-spec": SampledSpeculative, "sampled-reference": SampledReference}
 # the project's engines, sampled through their request parameters (engines/requests/rows.py)
 REQUEST_ENGINES = ("eqspec", "exspec", "inplace", "fixedshape", "batched", "reference")
 
@@ -49,9 +59,10 @@ class RequestSampled:
 
 def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, seed: int, draft_tokens: int,
                 options: dict[str, Any], rule: Any = None) -> Any:
-    """A built-in sampled engine by name (`sampled-spec`, `sampled-reference`, or one of the project's
-    engines, `REQUEST_ENGINES`, sampled through its request parameters; `rule` a `SpeculativeRule` they
-    decide sampled rows by, for planting a fault), or `package.module:factory` called as
+    """A built-in sampled engine by name (`sampled-spec`, `sampled-reference`, `hf-assisted`: the
+    registry's `SAMPLED_ENGINES`; or one of the project's engines, `REQUEST_ENGINES`, sampled through its
+    request parameters; `rule` a `SpeculativeRule` they decide sampled rows by, for planting a fault),
+    or `package.module:factory` (resolved by the registry, as in the greedy audit) called as
     factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)."""
     if spec in REQUEST_ENGINES:
         from specaudit.engines.registry import make_engine as make_project_engine
@@ -61,22 +72,28 @@ def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, s
                                      draft_tokens=draft_tokens, **options)
         engine.sampling_rule = rule
         return RequestSampled(engine, params, seed)
-    if spec in BUILTIN_SAMPLED:
-        factory = BUILTIN_SAMPLED[spec]
-    elif ":" in spec:
-        module, _, name = spec.partition(":")
-        factory = getattr(importlib.import_module(module), name)
-    else:
-        from specaudit.engines.registry import BUILTIN_ENGINES
-
+    if spec not in SAMPLED_ENGINES and ":" not in spec:
         what = ("decodes greedily only, it takes no sampled requests" if spec in BUILTIN_ENGINES
                 else "is no sampled engine")
-        raise ValueError(f"{spec!r} {what}: give {', '.join([*BUILTIN_SAMPLED, *REQUEST_ENGINES])}, "
-                         "recorded:FILE or package.module:factory")
+        raise EngineSpecError(f"{spec!r} {what}: give {', '.join([*SAMPLED_ENGINES, *REQUEST_ENGINES])}, "
+                              "recorded:FILE or package.module:factory")
+    factory = resolve(spec, sampled=True)
     if rule is not None:
         options = {**options, "rule": rule}
     return factory(target, draft, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                    seed=seed, draft_tokens=draft_tokens, **options)
+
+
+def takes_keyword(factory_spec: str, name: str) -> bool:
+    """Whether the sampled engine named `factory_spec` is built with the keyword `name` (a parameter of
+    that name, or **kwargs); True for the project's engines and when the signature cannot be read."""
+    if factory_spec in REQUEST_ENGINES:
+        return True
+    try:
+        params = inspect.signature(resolve(factory_spec, sampled=True)).parameters
+    except (EngineSpecError, TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
@@ -84,10 +101,58 @@ def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(samples)]
 
 
+def check_budget(outputs: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, recording: bool = False) -> None:
+    """`EngineFailure` for an output past `max_new_tokens` or with tokens after an EOS id: the greedy audit
+    judges these as divergences, but the sampled tests would take them for samples of the target."""
+    from specaudit.engines.limits import eos_ids
+    from specaudit.equivalence.errors import EngineFailure
+
+    stops = set(eos_ids(eos_token_id))
+    for index, tokens in enumerate(outputs):
+        if len(tokens) > max_new_tokens:
+            fix = f": pass --max-new-tokens {max(len(t) for t in outputs)}" if recording else ""
+            raise EngineFailure(f"output {index} has {len(tokens)} tokens, more than max_new_tokens "
+                                f"{max_new_tokens}{fix}")
+        ended = next((position for position, token in enumerate(tokens[:-1]) if token in stops), None)
+        if ended is not None:
+            raise EngineFailure(f"output {index} goes on after EOS {tokens[ended]} at position {ended}; the contract "
+                                "is to stop at the first EOS")
+
+
+def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, seed: int,
+         chunk: int | None = None, progress: Any = None) -> tuple[list[list[int]], list[list[int]] | None, Any]:
+    """The engine's outputs for `requests`, each token's step offset (or None) and its speculation counters
+    (or None). With `chunk`, an engine that takes per-request seeds and keeps no counters of its own
+    (`last_speculation`, which a later call would replace) is called `chunk` requests at a time with the
+    seeds it would give them itself in one call (`request_seeds(seed, n)`), so its tokens are the same
+    (the seed check tests that promise) and `progress` (anything with `update(n)`, e.g. a tqdm bar) moves
+    after each chunk; any other engine is called once."""
+    base = unguarded(engine)
+    whole = (chunk is None or chunk >= len(requests) or hasattr(base, "last_speculation")
+             or "seeds" not in inspect.signature(base.generate).parameters)
+    if whole:
+        outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+        if progress is not None:
+            progress.update(len(requests))
+        # the draw's own counters, read before the seed checks call the engine again
+        return outputs, getattr(engine, "last_step_offsets", None), getattr(engine, "last_speculation", None)
+    seeds = request_seeds(seed, len(requests))
+    outputs: list[list[int]] = []
+    offsets: list[list[int]] | None = []
+    for start in range(0, len(requests), chunk):
+        part = slice(start, start + chunk)
+        outputs += engine.generate(requests[part], max_new_tokens, eos_token_id, seeds=seeds[part])
+        got = getattr(engine, "last_step_offsets", None)
+        offsets = None if offsets is None or got is None else offsets + [list(o) for o in got]
+        if progress is not None:
+            progress.update(len(requests[part]))
+    return outputs, offsets, None
+
+
 def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any, seed: int
                 ) -> dict[str, Any]:
     """Same seed twice, and the first request alone against it inside the batch."""
-    if "seeds" not in inspect.signature(engine.generate).parameters:
+    if "seeds" not in inspect.signature(unguarded(engine).generate).parameters:
         return {"checked": False, "why": "the engine takes no per-request seeds"}
     batch = prompts[:4] if len(prompts) >= 4 else (prompts * 4)[:4]
     seeds = request_seeds(seed + 7919, len(batch))
@@ -100,22 +165,28 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
-                  recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None) -> dict[str, Any]:
-    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `draft`: the
-    draft model, for the tests ordered toward the draft's distribution (equivalence/sampling/audit.py);
-    an engine's `last_step_offsets` (each token's offset in its step) stratifies the tests."""
+                  recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
+                  run_target: Any = None, chunk: int | None = None, progress: Any = None) -> dict[str, Any]:
+    """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
+    `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
+    distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
+    device and dtype), for the rounding allowance; an engine's `last_step_offsets` (each token's offset in
+    its step) stratifies the tests; `chunk`, `progress`: see `draw`. Raises whatever the engine raises:
+    `guarded_sampled_audit` guards it."""
     started = time.perf_counter()
     offsets = None
     if recorded is None:
         requests = spread(prompts, samples)
-        outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+        outputs, offsets, speculation = draw(engine, requests, max_new_tokens, eos_token_id, seed=seed,
+                                             chunk=chunk, progress=progress)
+        check_budget(outputs, max_new_tokens, eos_token_id)
         drawn: list[Sample] = list(zip(requests, outputs))
-        offsets = getattr(engine, "last_step_offsets", None)
-        speculation = getattr(engine, "last_speculation", None)  # the draw's own counters, before the seed checks
     else:
+        check_budget([tokens for _, tokens in recorded], max_new_tokens, eos_token_id, recording=True)
         drawn, speculation = recorded, None
     sampling_seconds = time.perf_counter() - started
-    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft)
+    report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
+                           run_model=run_target)
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
     report["speculation"] = speculation
@@ -127,4 +198,43 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                          else "seed broken" if seeds.get("checked") and not (seeds["same_seed_same_output"]
                                                                              and seeds["alone_equals_batch"])
                          else "no departure found")
+    return report
+
+
+def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | None, device: str,
+                  seconds: float | None = None) -> dict[str, Any]:
+    """The record of a sampled run that did not finish: `error` in one line (the greedy audit's wording,
+    `guard.failure_message`), `traceback` the whole story, `seconds` until it was given up."""
+    return {"verdict": "run failed", "failed": True, "seconds": seconds,
+            "error": one_line(failure_message(engine_name, exc, batch_size=batch_size, device=device)),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: Any, prompts: list[list[int]],
+                          params: SamplingParams, *, timeout: float | None, vocab_size: int | None,
+                          batch_size: int | None, device: str, recorded: list[Sample] | None = None,
+                          **audit_options: Any) -> dict[str, Any]:
+    """`sampled_audit` of the engine `build()` returns, behind the guard (module docstring): the report,
+    or `failed_report` when building it, one of its `generate` calls or the audit of its output fails.
+    `audit_options`: `sampled_audit`'s keywords. A recording is checked like an engine's outputs."""
+    started = time.perf_counter()
+    try:
+        if recorded is not None:
+            from specaudit.equivalence.guard import check_outputs
+
+            checked = check_outputs([tokens for _, tokens in recorded], len(recorded), vocab_size)
+            recorded = [(prompt, tokens) for (prompt, _), tokens in zip(recorded, checked)]
+            engine = None
+        else:
+            engine = GuardedEngine(build(), timeout=timeout, vocab_size=vocab_size)
+        report = sampled_audit(engine, target, prompts, params, recorded=recorded, **audit_options)
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one engine failing must not lose the others' runs
+        if out_of_memory(exc) and device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # before the next engine
+        return failed_report(engine_name, exc, batch_size=batch_size, device=device,
+                             seconds=time.perf_counter() - started)
+    if engine is not None and callable(getattr(unguarded(engine), "describe", None)):
+        report["engine"] = unguarded(engine).describe()
     return report

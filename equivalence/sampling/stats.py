@@ -16,6 +16,11 @@
   of TV d between its bins with noncentrality at least 4 n d^2 (the least detectable direction: mass
   d moved between two halves of probability 1/2 each). The smallest d whose power reaches `power` at
   level `alpha` is found by bisection on the noncentral chi-square's survival function.
+- Below float64 (`audit.py`'s rounding allowance), a test is held against the largest departure rounding
+  can make instead of none: a chi-square test's p-value is the noncentral chi-square's survival at that
+  departure's noncentrality (`noncentral_chi_square_survival`), Kolmogorov-Smirnov's is taken at the
+  distance less the allowance (`ks_survival`), and the power is computed from the same shifted null
+  (`detectable_tv(..., null_noncentrality=)`).
 """
 
 from __future__ import annotations
@@ -73,11 +78,23 @@ def noncentral_chi_square_survival(threshold: float, df: int, noncentrality: flo
     return float((log_weights.exp() * tails).sum())
 
 
-def detectable_tv(n: int, df: int, alpha: float, power: float = 0.8) -> float:
-    """The smallest total variation between a test's bins that it detects with `power` at level alpha on n draws."""
+def noncentral_chi_square_critical(df: int, alpha: float, noncentrality: float) -> float:
+    """The x with P(X > x) = alpha for X ~ chi^2(df, noncentrality) (bisection)."""
+    low, high = 0.0, float(df) + noncentrality + 100.0 * math.sqrt(df + 2 * noncentrality) + 200.0
+    for _ in range(200):
+        middle = (low + high) / 2
+        above = noncentral_chi_square_survival(middle, df, noncentrality) > alpha
+        low, high = (middle, high) if above else (low, middle)
+    return high
+
+
+def detectable_tv(n: int, df: int, alpha: float, power: float = 0.8, null_noncentrality: float = 0.0) -> float:
+    """The smallest total variation between a test's bins that it detects with `power` at level alpha on n draws;
+    `null_noncentrality`: the test is held against a departure of that noncentrality (rounding), not against none."""
     if n <= 0 or df <= 0:
         return 1.0
-    critical = chi_square_critical(df, alpha)
+    critical = (chi_square_critical(df, alpha) if null_noncentrality <= 0
+                else noncentral_chi_square_critical(df, alpha, null_noncentrality))
     low, high = 0.0, 1.0
     if noncentral_chi_square_survival(critical, df, 4 * n) < power:
         return 1.0
@@ -107,11 +124,16 @@ def ks_uniform(u: torch.Tensor) -> dict[str, float]:
     ordered = u.sort().values
     ranks = torch.arange(1, n + 1, dtype=F64)
     distance = float(torch.maximum(ranks / n - ordered, ordered - (ranks - 1) / n).max())
+    return {"test": "ks_pit", "n": n, "statistic": distance, "p_value": ks_survival(distance, n)}
+
+
+def ks_survival(distance: float, n: int) -> float:
+    """P(D_n >= distance) under uniformity, asymptotic with Stephens' small-n correction."""
     root = math.sqrt(n)
     lam = (root + 0.12 + 0.11 / root) * distance
     j = torch.arange(1, 101, dtype=F64)
     p_value = float((2 * ((-1) ** (j - 1)) * torch.exp(-2 * j ** 2 * lam ** 2)).sum()) if lam > 0 else 1.0
-    return {"test": "ks_pit", "n": n, "statistic": distance, "p_value": min(1.0, max(0.0, p_value))}
+    return min(1.0, max(0.0, p_value))
 
 
 def chi_square_counts(counts: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
@@ -135,6 +157,8 @@ def chi_square_counts(counts: torch.Tensor, probs: torch.Tensor) -> dict[str, fl
     statistic = float(((observed - wanted) ** 2 / wanted).sum()) if df > 0 else 0.0
     return {"test": "chi_square_context", "n": int(n), "df": df, "statistic": statistic,
             "p_value": chi_square_survival(statistic, df),
+            # the least likely bin's probability: what bounds a small departure's noncentrality (audit.py)
+            "min_bin_probability": float(wanted.min()) / n if wanted.numel() else 1.0,
             "tv_observed": 0.5 * float((counts / n - probs).abs().sum())}
 
 
