@@ -394,3 +394,20 @@ def test_sampled_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     pixels = _png_pixels(screenshot.read_bytes())[..., :3].reshape(-1, 3)
     painted = int((pixels == np.array(_rgb(series_color(0)), np.uint8)).all(axis=1).sum())
     assert painted > 200, f"the histogram's bars were not painted ({painted} pixels)"
+
+
+def test_a_chart_whose_labels_outgrow_the_figure_is_drawn_whole_without_a_warning() -> None:
+    """Many long engine and pair names: matplotlib's tight layout gives up (with a warning a user would see on
+    every audit); the saved figure grows to its labels instead."""
+    import warnings
+
+    from specaudit.equivalence.reports.charts import BarChart, Series
+
+    names = tuple(f"package.module_{i}:engine_factory_with_a_long_name tiny-pair-{i} B=16 bfloat16" for i in range(24))
+    chart = BarChart("exact prompts", "run", "share", names, (
+        Series("structural", tuple(0.5 for _ in names), STRUCTURAL_COLOR),
+        Series("numerical", tuple(0.25 for _ in names), NUMERICAL_COLOR)), stacked=True, percent=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        svg = render_svg(chart)
+    assert svg.startswith("<svg") and names[0].split()[0] in svg and names[-1].split()[0] in svg

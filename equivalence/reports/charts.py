@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,13 @@ def render_svg(chart: BarChart) -> str:
                 if len(chart.series) > 1 or chart.stacked:
                     ax.legend(frameon=False, fontsize=8, ncols=min(4, len(chart.series)),
                               loc="upper left", bbox_to_anchor=(0, -0.28 if _rotated(chart) else -0.18))
-            fig.tight_layout()
+            with warnings.catch_warnings(record=True) as refused:
+                warnings.simplefilter("always")
+                fig.tight_layout()  # warns, and leaves the layout, where the labels outgrow the figure
+            # then the saved figure grows to its labels instead of cutting them
+            grown = {"bbox_inches": "tight"} if refused else {}
             buffer = io.StringIO()
-            fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None})
+            fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None}, **grown)
         finally:
             plt.close(fig)
     svg = buffer.getvalue()
