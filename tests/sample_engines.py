@@ -93,3 +93,10 @@ class OvershootsLongPrompts(EQSpec):
 
 def make_overshoots_long_prompts(target, draft, *, batch_size: int, draft_tokens: int, **options: Any) -> EQSpec:
     return OvershootsLongPrompts(target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+
+
+def make_sampled_bonus_from_draft(target, draft, **options: Any):
+    """A sampled user engine whose bonus token is drawn from the draft's distribution, not the target's."""
+    from specaudit.testing.faults.sampling import make_fault_engine
+
+    return make_fault_engine(target, draft, fault="bonus_from_draft", **options)

@@ -154,3 +154,41 @@ def test_a_failure_prints_its_seed_and_a_command_that_replays_it(user_repo: pyte
     replayed = user_repo.runpytest("-p", "no:cacheprovider", *replay.split()[2:])  # after "replay: pytest"
     replayed.assert_outcomes(failed=1)
     assert shrunk in replayed.stdout.lines  # the same minimal example
+
+
+SAMPLED = ["--specaudit-temperature", "0.7", "--specaudit-top-k", "8", "--specaudit-no-adversarial",
+           "--specaudit-max-examples", "2"]
+
+
+def test_a_correct_engine_passes_the_sampled_test_beside_the_greedy_one(user_repo: pytest.Pytester) -> None:
+    args = [arg if arg != "tiny-gpt2" else "tiny-llama" for arg in ARGS]
+    result = user_repo.runpytest("--specaudit-engine", "eqspec", *args, *SAMPLED, "-k", "specaudit-sampled")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*specaudit equivalence*", "*eqspec*sampled 1/1 pairs pass*no departure found*"])
+
+
+def test_a_biased_sampler_fails_the_sampled_test_with_its_finding_and_seed(user_repo: pytest.Pytester) -> None:
+    """The bonus token drawn from the draft: caught at 300 samples (tests/test_sampling_audit.py), the message
+    in words, the seed and the command that draws the same samples again."""
+    args = [arg if arg != "tiny-gpt2" else "tiny-llama" for arg in ARGS]
+    result = user_repo.runpytest("--specaudit-engine", "sample_engines:make_sampled_bonus_from_draft", *args,
+                                 *SAMPLED, "-k", "specaudit-sampled", "--specaudit-seed", "3")
+    result.assert_outcomes(failed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*departs from the target's distribution*p = *",
+                                 "seed: 3 (--specaudit-seed)",
+                                 "replay: pytest -k specaudit-sampled --specaudit-engine "
+                                 "sample_engines:make_sampled_bonus_from_draft*--specaudit-seed 3*--specaudit-temperature 0.7*",
+                                 "*DEPARTS*"])
+
+
+def test_a_greedy_only_engine_fails_the_sampled_test_in_one_line(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--specaudit-engine", "bsp", *ARGS, *SAMPLED, "-k", "specaudit-sampled")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*bsp cannot sample*greedily only*"])
+
+
+def test_a_sampled_setting_out_of_range_is_a_usage_error(user_repo: pytest.Pytester) -> None:
+    result = user_repo.runpytest("--specaudit-engine", "eqspec", *ARGS, "--specaudit-temperature", "0")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--specaudit-temperature 0*above 0*"])

@@ -11,9 +11,13 @@ the shrunk counterexample, the search's seed and the command that replays it; th
 equivalence per engine and batch size. The run's exit status gates CI. Hooks here only hand off to
 the harness modules.
 
+With `--specaudit-temperature T` it also adds one sampled test per (engine, pair): the sampled audit of the
+engine's samples against the target's distribution (`sampled.py`), failing with the finding in words.
+
 Seeds (`seed.py`): `--specaudit-seed N`, else `SPECAUDIT_SEED`, else a fixed seed when `CI` is set
 (the same examples on every run of the same code), else a fresh random seed; whichever it is, the
-terminal summary and every failure print it, so any run can be replayed.
+terminal summary and every failure print it, so any run can be replayed. The sampled tests seed the
+engine's requests with it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Outcome:
 
 
 _results: dict[tuple[str, int], Outcome] = {}  # filled on the controller (the only process with no xdist)
+_sampled_results: dict[str, Outcome] = {}  # engine -> its sampled tests' outcome, likewise
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -61,6 +66,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--specaudit-no-adversarial", action="store_true", default=False,
                     help="skip the adversarial prompts (pad, EOS and BOS ids inside prompts, identical prompts, "
                          "one-token and very long prompts) run after the search (default: run them)")
+    sampled = parser.getgroup("specaudit-sampled", "specaudit: sampled outputs against the target's distribution")
+    sampled.addoption("--specaudit-temperature", type=float, default=None, metavar="T",
+                      help="also test each engine's sampled outputs at temperature T (default: none, greedy only)")
+    sampled.addoption("--specaudit-top-k", type=int, default=0, metavar="K", help="top-k of the sampled test (default: 0, off)")
+    sampled.addoption("--specaudit-top-p", type=float, default=1.0, metavar="P", help="top-p of the sampled test (default: 1.0, off)")
+    sampled.addoption("--specaudit-samples", type=int, default=300, metavar="N",
+                      help="samples of the built-in prompt per (engine, pair) (default: 300)")
+    sampled.addoption("--specaudit-sampled-new-tokens", type=int, default=3, metavar="N",
+                      help="new tokens per sample (default: 3)")
+    sampled.addoption("--specaudit-sampled-draft-tokens", type=int, default=2, metavar="K",
+                      help="draft tokens per step of the sampled test: with a few new tokens, a small k reaches the "
+                           "bonus token often (default: 2)")
+    sampled.addoption("--specaudit-alpha", type=float, default=0.01, metavar="A",
+                      help="family-wise false-positive rate of the sampled tests (default: 0.01)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -99,6 +118,19 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                     session, name=f"specaudit[{engine}|{pair}|B{batch_size}]",
                     engine=engine, pair=pair, batch_size=batch_size,
                 ))
+    from specaudit.equivalence.plugin.sampled import check_setting, setting_from
+
+    setting = setting_from(config)
+    if setting is None:
+        return
+    try:
+        check_setting(setting)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    for engine in engines:
+        for pair in pairs:
+            items.append(SampledItem.from_parent(
+                session, name=f"specaudit-sampled[{engine}|{pair}|T{setting.temperature:g}]", engine=engine, pair=pair))
 
 
 class EquivalenceItem(pytest.Item):
@@ -145,6 +177,32 @@ class EquivalenceItem(pytest.Item):
         return "specaudit", None, self.name
 
 
+class SampledItem(pytest.Item):
+    """The sampled audit of one (engine, pair)."""
+
+    def __init__(self, *, engine: str, pair: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine, self.pair = engine, pair
+
+    def runtest(self) -> None:
+        from specaudit.equivalence.plugin.sampled import run_sampled, setting_from
+
+        self.user_properties.append(("specaudit-sampled", self.engine))
+        run_sampled(self.engine, self.pair, setting_from(self.config), self.config.stash[SEED].value)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
+        from specaudit.equivalence.plugin.sampled import SampledDeparture, SampledRunFailed, replay_command
+
+        if isinstance(excinfo.value, (SampledDeparture, SampledRunFailed)):
+            seed = self.config.stash[SEED]
+            return (f"{excinfo.value}\nseed: {seed.value} ({seed.source})\n"
+                    f"replay: {replay_command(self.config, self.engine, self.pair, seed.value)}")
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return "specaudit", None, self.name
+
+
 def _diagnosis_lines(exc: BaseException) -> str:
     """`diagnosis: <class>: <evidence>` and `fix: <sentence>`: the first lines of a failure."""
     from specaudit.equivalence.diagnosis.core import FIXES
@@ -170,7 +228,14 @@ def _is_divergence(exc: BaseException) -> bool:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    found = dict(report.user_properties).get("specaudit")
+    properties = dict(report.user_properties)
+    if report.when == "call" and "specaudit-sampled" in properties:
+        outcome = _sampled_results.setdefault(properties["specaudit-sampled"], Outcome())
+        outcome.passed += report.passed
+        outcome.failed += not report.passed
+        if not report.passed:
+            outcome.failures.append(str(report.longrepr).splitlines()[0] if report.longrepr else "failed")
+    found = properties.get("specaudit")
     if found is None or report.when != "call":
         return
     engine, pair, batch_size = found
@@ -185,9 +250,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    results = dict(_results)
+    results, sampled = dict(_results), dict(_sampled_results)
     _results.clear()
-    if not results:
+    _sampled_results.clear()
+    if not results and not sampled:
         return
     terminalreporter.section("specaudit equivalence")
     seed = config.stash.get(SEED, None)
@@ -198,5 +264,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         total = outcome.passed + outcome.failed
         verdict = "equivalent" if not outcome.failed else "NOT equivalent"
         terminalreporter.write_line(f"{engine:<32} B={batch_size:<3} {outcome.passed}/{total} pairs pass  {verdict}")
+        for failure in outcome.failures:
+            terminalreporter.write_line(f"    {failure}")
+    for engine, outcome in sorted(sampled.items()):
+        total = outcome.passed + outcome.failed
+        verdict = "no departure found" if not outcome.failed else "DEPARTS (or its run failed)"
+        terminalreporter.write_line(f"{engine:<32} sampled {outcome.passed}/{total} pairs pass  {verdict}")
         for failure in outcome.failures:
             terminalreporter.write_line(f"    {failure}")
