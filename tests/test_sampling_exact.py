@@ -103,3 +103,16 @@ def test_the_batched_sampler_names_accepted_recovered_and_bonus_tokens() -> None
     out = rejection_sample(p, q, torch.tensor([[1], [1]]), [seeded_draws(0), seeded_draws(1)])
     assert out.accepted == [[1], []] and out.final == [2, 0] and out.bonus == [True, False]
     assert out.as_tensor(1).tolist() == [[1, 2], [0, -1]]
+
+
+def test_an_acceptance_rounded_below_one_opens_no_branch() -> None:
+    """A top-p cut that keeps the same tokens in p and q, whose probabilities round apart in the last bit: the
+    acceptance p / q is 1 - 1e-16 there, and the branch that rejection would open (a residual of zeros) is no
+    outcome of any sampler. A random search once drew this case; the enumeration raised on it."""
+    inf = float("inf")
+    target = torch.tensor([[2.0, 0.0, -1.0], [-2.5, 2.0, 0.5], [-1.0, 2.0, -inf], [0.0, -inf, 1.0]], dtype=torch.float64)
+    draft = torch.tensor([[1.75, 0.25, -1.25], [-2.75, 2.25, 0.75], [-0.75, 2.25, -inf], [0.25, -inf, 0.75]],
+                         dtype=torch.float64)
+    params = SamplingParams(temperature=1.0, top_k=3, top_p=0.9)
+    assert step_departure(SAMPLING_FAULTS["residual_not_clipped"](), target, draft, params).total_variation < EXACT
+    assert step_departure(SpeculativeRule(), target, draft, params).total_variation < EXACT

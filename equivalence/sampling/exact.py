@@ -18,6 +18,11 @@ prefix y_1..y_{j-1} that the step continues past, the distribution of the token 
 equal p_j, the target's processed distribution at that position (p_j conditional on the drafts
 accepted before it: one table row per position, the standard check). The first emitted token's
 marginal is the case j = 1. The departure is the largest total variation over positions and prefixes.
+
+An acceptance whose probability is within `ROUNDING` of 0 or 1 is taken as certain: p / q is 1 - 1e-16 where
+float64 rounds two equal probabilities apart (and which ones it does is the CPU kernels' choice), and the
+branch it would open, with a residual of zeros, is no outcome of the sampler. The outcomes still sum to 1
+within 1e-9.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 
 from specaudit.engines.sampling.process import SamplingParams, process_logits
 from specaudit.engines.sampling.rules import Draws, SpeculativeRule
+
+ROUNDING = 1e-12  # an acceptance probability this close to 0 or 1 is rounding's, not the sampler's
 
 
 class _ScriptedDraws:
@@ -48,6 +55,7 @@ class _ScriptedDraws:
 
     def accept(self, probability: float) -> bool:
         a = min(1.0, max(0.0, float(probability)))
+        a = 1.0 if a > 1.0 - ROUNDING else 0.0 if a < ROUNDING else a
         return bool(self._choose([(value, w) for value, w in ((True, a), (False, 1.0 - a)) if w > 0]))
 
     def categorical(self, weights: torch.Tensor) -> int:
