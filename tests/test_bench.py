@@ -384,7 +384,10 @@ def test_serving_workload_refills_rows_and_reports_utilisation(tmp_path) -> None
         assert 0 < run["row_utilisation"] <= 1
     # a static batch runs on with its finished rows gone; refilled rows keep the batch full
     assert runs["inplace"]["row_utilisation"] > runs["eqspec"]["row_utilisation"]
-    assert runs["exspec"]["speculation_ceiling"] < runs["exspec"]["decode_ceiling"]
+    # both ceilings come from the passes timed on this machine: whether speculation pays on the tiny pair is the
+    # machine's (it did not under ATen's default kernels); their relation on given costs: the test above
+    for name in ("speculation_ceiling", "decode_ceiling"):
+        assert 0 < runs["exspec"][name] < float("inf"), (name, runs["exspec"][name])
 
 
 def test_row_utilisation_counts_rows_that_ran() -> None:
