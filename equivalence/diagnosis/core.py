@@ -119,6 +119,14 @@ def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, decided_b
     return found
 
 
+def _observed_mechanism(verdict: Any) -> str:
+    """The bug behind an observed class: padding read is the mechanism the mask replays name; the others are
+    named by what was observed (an offset that equals a count of columns can be a coincidence)."""
+    if verdict.cls == "attention_mask" and "padding column(s) (" in verdict.evidence:
+        return "the row's padding visible to its queries"
+    return OBSERVED_MECHANISMS[verdict.cls]
+
+
 def _cause(found: Finding | Cause, decided_by: str) -> Cause:
     """A check's finding as a cause, with what decided it."""
     if isinstance(found, Cause):
@@ -228,10 +236,10 @@ class Diagnoser(Experiments):
             if found:
                 return _cause(found, "the output's length against max_new_tokens")
 
-        cause = self._observe(index, position, tried)
+        q = self._first_corrupted(index, position)
+        cause = self._observe(index, q, tried)
         if cause:
             return cause
-        q = self._first_corrupted(index, position)
         hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
                                       self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
@@ -293,9 +301,21 @@ class Diagnoser(Experiments):
         if isinstance(observation, str):
             tried.append(f"observation of the engine's inputs: not made ({observation})")
             return None
-        verdict = observation.judge(batch.index(index), position, index)
-        if verdict.producer is not None and verdict.cls is not None:
-            chosen = observation.replay(self.replay_target or self.target, verdict.producer)
+        logits = self._logits(index)
+        engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
+        verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
+        if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
+            # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
+            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+            error = None if replayed is None else float((replayed.to(torch.float64).cpu()
+                                                          - engine_row.to(torch.float64).cpu()).abs().max())
+            verdict.confirmed = error is not None and error <= max(1e-9, self.precision_noise(index))
+            shown = "not made" if error is None else (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} "
+                                                       f"the engine's logits at new token {position} (error {error:.3g})")
+            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
+        elif verdict.producer is not None and verdict.cls is not None:
+            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+            chosen = None if replayed is None else int(replayed.argmax())
             if verdict.cls == "clean":
                 verdict.confirmed = chosen is not None and chosen != verdict.engine_token
                 if chosen == verdict.engine_token:  # right inputs cannot give a wrong token: something unseen
@@ -311,8 +331,9 @@ class Diagnoser(Experiments):
             tried.append(verdict.evidence)
         self._observed = verdict
         if verdict.confirmed and verdict.cls in INPUT_CLASSES:
+            what = "reproduces the engine's logits" if engine_row is not None else "chooses the engine's token"
             return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target with exactly the observed inputs "
-                         "chooses the engine's token", "a reproducing replay", OBSERVED_MECHANISMS[verdict.cls])
+                         f"{what}", "a reproducing replay", _observed_mechanism(verdict))
         return None
 
     def _reconcile(self, found: Cause | Finding | None, tried: list[str]) -> Cause | Finding | None:

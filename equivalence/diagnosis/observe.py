@@ -1,17 +1,21 @@
 """Diagnosis by observation: what an in-process engine fed the target, against what a correct engine feeds.
 
-An in-process engine runs on the models the audit hands it, so its inputs can be seen. `observe_batch`
-re-runs the engine once on a divergent batch (through the run's context: a fresh engine, guarded) with
-forward pre-hooks on the target's and the draft's base model, on the module that consumes the position ids
-(a learned position table, `wpe` or `embed_positions`, or the rotary embedding) and on the first attention
-layer, and records for every target call, per batch row: the tokens fed, the columns of the cache they
-are written to (the cache's length before the call, or the `cache_position` given), the position each
-token was given as the model consumed it, and which columns each query may read, from the mask as the
-attention layer received it (none received: causal over every column). The engine's code is untouched.
+An in-process engine runs on the models the audit hands it, so its inputs can be seen. `observe_batch` re-runs
+the engine once on a divergent batch (through the run's context: a fresh engine, guarded) with forward pre-hooks
+on the module of the target that takes the input ids (its base model, or the decoder the language model calls
+directly, as OPT's does) and on the draft's (its calls are counted), on the module that consumes the position
+ids (a learned position table, `wpe` or `embed_positions`, or the rotary embedding) and on the first attention
+layer, and records for every target call, per batch row: the tokens fed, the columns of the cache they are
+written to (the cache's length before the call, or the `cache_position` given), the position each token was
+given as the model consumed it, and which columns each query may read, from the mask as the attention layer
+received it (none received: causal over every column). The engine's code is untouched.
 
-Each batch row is matched to its prompt by content at the first call on its cache (the prompt as one run of
+Each batch row is matched to its prompt by content once its cache holds the prompt (the prompt as one run of
 its tokens; the columns before it, and columns after it that are the pad id and not the row's next token,
-are padding). Every token fed becomes a slot; a slot reads the slots its query could see.
+are padding). Every token fed becomes a slot; a slot reads the slots its query could see. Each slot's
+first-layer keys, as its call left them in the cache, follow it when the engine moves entries between calls
+(realigned, reordered or dropped rows, a new cache object): a row whose columns no longer hold its slots' keys
+is mapped again by them (a column whose keys no fed slot left is padding never fed), or is no longer followed.
 
 `Observation.judge(prompt, position)` compares the slots that produced the engine's token at the divergence
 (the first slot fed holding the row's token before it whose visible content is exactly the row's sequence
@@ -28,11 +32,15 @@ order fed) that breaks one of these names the class:
     a token fed a position other than its index    position_ids
 
 A replay of the target (float64 where the audit has it) on exactly the observed slots, positions and
-visibility (`forward.replay_all`) that chooses the engine's token confirms it. Inputs observed correct
-(the replay of them chooses the reference's token) rule out the input classes: the divergence comes after
-the logits (acceptance, stops). Models whose cache is not a plain attention cache per layer (recurrent
-layers, sliding windows) are not observed; an engine that never calls the target's forward (its own
-attention over the weights) shows nothing, and the replays decide.
+visibility (`forward.replay_all`) that reproduces the engine's logits (where it records them; the diagnosis
+then judges the first new token whose logits are off) or chooses its token confirms it. Not judged: a token
+the target was never fed after though the row goes on (emitted, not continued from: a doubled bonus), and, in
+an engine that speculates, a token equal to the one before it whose first wrong input is in the pass that fed
+it (a token emitted twice and a token fed one position off look alike there; the engine's logits, where
+recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
+out the input classes: the divergence comes after the logits (acceptance, stops). Models whose cache is not a
+plain attention cache per layer (recurrent layers, sliding windows) are not observed; an engine that never
+calls the target's forward (its own attention over the weights) shows nothing, and the replays decide.
 """
 
 from __future__ import annotations
@@ -220,7 +228,8 @@ class _Recorder:
             bound = _bind(module.forward, args, kwargs)
             positions = bound.get("position_ids")
             if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
-                mask, cut = bound.get("attention_mask"), int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
+                mask = bound.get("attention_mask")
+                cut = int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
                 if isinstance(mask, torch.Tensor) and mask.dim() == 2:
                     positions = ((mask.long().cumsum(1) * mask.long()) - 1)[:, cut:]
             if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
@@ -258,6 +267,7 @@ class Observation:
     slots: list[_Slot] = field(default_factory=list)
     records: list[_CallRow] = field(default_factory=list)
     _streams: dict[int, tuple[Any, _Stream]] = field(default_factory=dict)
+    _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each first-layer key
     _lock: Any = field(default_factory=threading.Lock)
 
     # ---- recording ---------------------------------------------------------------------------
@@ -374,9 +384,15 @@ class Observation:
             row_columns = stream.columns[b]
             if not explicit_columns:
                 del row_columns[length:]  # a cropped cache
-            if stream.rows[b] is not None and not self._unchanged(row_columns, prior_keys, b, length):
-                stream.rows[b] = None  # entries moved or rewritten between calls: the row is not followed on
-                stream.lost[b] = True
+            moved = stream.rows[b] is not None and not self._unchanged(row_columns, prior_keys, b, length)
+            if (moved or (stream.rows[b] is None and not stream.unused)) and length > 0 and not stream.lost[b]:
+                # entries moved or rewritten between calls (rows realigned, reordered or dropped): the row is
+                # followed by the keys its slots left in the cache, or no more
+                found = self._remap(prior_keys, b, length)
+                stream.rows[b] = None if found is None else found[0]
+                stream.lost[b] = found is None
+                if found is not None:
+                    row_columns[:] = found[1]
             row_columns.extend([-1] * (kv - len(row_columns)))
             tokens = ids[b].tolist()
             for i in range(q):
@@ -394,11 +410,51 @@ class Observation:
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
         keys = _first_keys(cache)
-        if keys is not None:  # each new slot's keys as this call left them, to tell moved entries later
+        if keys is not None:  # each new slot's keys as this call left them, to follow moved entries later
             for b in range(batch):
                 for i in range(q):
                     if columns[i] < keys.shape[2]:
-                        self.slots[stream.columns[b][columns[i]]].key = _key_of(keys, b, columns[i])
+                        slot_id = stream.columns[b][columns[i]]
+                        self.slots[slot_id].key = _key_of(keys, b, columns[i])
+                        self._by_key.setdefault(self.slots[slot_id].key, []).append(slot_id)
+
+    def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int) -> tuple[int, list[int]] | None:
+        """The prompt and the slot of each column of row `b` of a cache whose entries moved, found by their keys:
+        the prompt whose fed content left most of the row's columns' keys (at least half of those some content
+        left) and its last one's; a padding column maps to padding with its keys, and a column whose keys no slot
+        left (an entry the engine wrote itself, such as a new pad) becomes padding never fed.
+        None when no prompt's slots hold the row."""
+        if prior_keys is None or b >= prior_keys.shape[0]:
+            return None
+        keys = [_key_of(prior_keys, b, column) for column in range(length)]
+
+        def owners(key: bytes) -> set[int]:  # the prompts whose fed content (not padding) left this key
+            return {local for local in (self.records[self.slots[s].record].local for s in self._by_key.get(key, [])
+                                        if not self.slots[s].pad) if local is not None}
+
+        votes: dict[int, int] = {}
+        content = 0  # columns whose keys some prompt's content left
+        for key in keys:
+            found = owners(key)
+            content += bool(found)
+            for local in found:
+                votes[local] = votes.get(local, 0) + 1
+        if not votes:
+            return None
+        local = max(votes, key=lambda j: votes[j])
+        if votes[local] * 2 < content or local not in owners(keys[-1]):
+            return None
+        columns = []
+        for column, key in enumerate(keys):
+            slots = self._by_key.get(key, [])
+            mine = [s for s in slots if self.records[self.slots[s].record].local == local]
+            padding = [s for s in slots if self.slots[s].pad]
+            if mine or padding:
+                columns.append((mine or padding)[-1])
+            else:
+                columns.append(len(self.slots))
+                self.slots.append(_Slot(-1, -1, True, self.calls, column, -1, -1, key))
+        return local, columns
 
     def _unchanged(self, row_columns: list[int], prior_keys: torch.Tensor | None, b: int, length: int) -> bool:
         """Whether the cache's first columns of row `b` still hold, as the call finds them, the keys of the slots
@@ -418,8 +474,11 @@ class Observation:
 
     # ---- reading ---------------------------------------------------------------------------
     def visible(self, slot_id: int) -> list[int]:
-        """The slots the query of `slot_id` could read, in column order (its own included)."""
+        """The slots the query of `slot_id` could read, in column order (its own included; an entry the engine
+        wrote without feeding it reads nothing that was seen)."""
         slot = self.slots[slot_id]
+        if slot.record < 0:
+            return [slot_id]
         record = self.records[slot.record]
         mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)
         ids = record.columns[mask]
@@ -482,14 +541,15 @@ class Observation:
                 return True
         return False
 
-    def judge(self, local: int, position: int, index: int) -> Verdict:
-        """The verdict on new token `position` of the re-run's prompt `local` (prompt `index` of the run)."""
+    def judge(self, local: int, position: int, index: int, by_logits: bool = False) -> Verdict:
+        """The verdict on new token `position` of the re-run's prompt `local` (prompt `index` of the run);
+        `by_logits`: the engine's logits there will confirm it (a repeated token is then no ambiguity)."""
         speculated = self.draft_calls > 0
-        verdict = self._judge(local, position, index)
+        verdict = self._judge(local, position, index, by_logits)
         verdict.speculated, verdict.target_calls = speculated, self.calls
         return verdict
 
-    def _judge(self, local: int, position: int, index: int) -> Verdict:
+    def _judge(self, local: int, position: int, index: int, by_logits: bool) -> Verdict:
         speculated = self.draft_calls > 0
         if self.failed:
             return Verdict(None, f"the observation failed: {self.failed}", speculated=speculated)
@@ -504,16 +564,18 @@ class Observation:
             return Verdict(None, f"no target call fed prompt {index}'s token {sequence[m]} (index {m} in the row) "
                            "after its own earlier tokens", speculated=speculated)
         producer, how = found
-        if speculated and m + 1 < len(sequence) and sequence[m + 1] == sequence[m]:
-            return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
-                           "the token before it in an engine that speculates: a token emitted twice and a token fed "
-                           "one position off look alike in its inputs (the replays decide)", speculated=speculated)
         if m + 2 < len(sequence) and not self._continued(local, sequence, m):
+            if any(any(stream.lost) for _, stream in self._streams.values()):
+                return Verdict(None, f"observed up to a pass after which rows of the batch were no longer followed "
+                               "(cache entries moved in a way their keys did not tell): prompt "
+                               f"{index}'s new token {position} ({sequence[m + 1]}) was not seen fed after the row's "
+                               "tokens before it", speculated=speculated)
             return Verdict(None, f"observed: the target was never fed prompt {index}'s new token {position} "
                            f"({sequence[m + 1]}) after the row's tokens before it, though the row goes on: the "
                            "engine emitted a token it did not continue from (not a choice of the target's "
                            "query)", speculated=speculated)
         violations: list[tuple[tuple[int, int, int], str, str]] = []  # ((call, column, rank), class, evidence)
+        repeated = speculated and not by_logits and m + 1 < len(sequence) and sequence[m + 1] == sequence[m]
         seen: dict[int, int] = {}
         work = [(producer, m)]
         while work:
@@ -542,7 +604,8 @@ class Observation:
                 if other.position != rank:
                     violations.append(((other.call, other.column, 2), "position_ids",
                                        f"prompt {index}, {self.where(v)}: token {other.token} fed position "
-                                       f"{other.position}; its index in the row is {rank}"))
+                                       f"{other.position}; its index in the row is {rank}"
+                                       + self._counted(v, other.position - rank)))
                 if v != slot_id:
                     work.append((v, rank))
         chosen = sequence[m + 1] if m + 1 < len(sequence) else None
@@ -551,13 +614,32 @@ class Observation:
                            f"{self.where(producer)}, whose query read exactly the row's {m + 1} earlier tokens, each "
                            "at its index in the row", speculated=speculated, producer=producer, engine_token=chosen)
         violations.sort(key=lambda v: v[0])
-        _, cls, evidence = violations[0]
+        (call, _, _), cls, evidence = violations[0]
+        if repeated and call >= self.slots[producer].call:
+            return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
+                           "the token before it in an engine that speculates, and the first input out of order is "
+                           "in the pass that fed it: a token emitted twice and a token fed one position off look "
+                           "alike there (the replays decide)", speculated=speculated)
         if how != "exact":
             evidence += f" (the query that chose new token {position} reads {how} tokens against the row's own)"
         return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen)
 
-    def replay(self, model: Any, producer: int) -> int | None:
-        """The argmax of `model` at the query of slot `producer`, replayed on exactly the slots it depends on
+    def _counted(self, slot_id: int, offset: int) -> str:
+        """Where a position `offset` too high equals a count of the row's columns before the slot (its padding, or
+        its padding and its hidden columns: rejected slots left as holes), that count, as evidence."""
+        slot = self.slots[slot_id]
+        record = self.records[slot.record]
+        before = [int(c) for c in record.columns[:slot.column] if c >= 0]
+        pads = sum(self.slots[c].pad for c in before)
+        holes = self._hidden(slot_id)
+        if offset == pads and pads:
+            return f" (off by {offset}, the number of padding columns before it)"
+        if offset == pads + holes and holes:
+            return f" (off by {offset}, the number of padding and hidden columns before it)"
+        return ""
+
+    def replay(self, model: Any, producer: int) -> torch.Tensor | None:
+        """The logits [V] of `model` at the query of slot `producer`, replayed on exactly the slots it depends on
         (those it reads, recursively) with their observed tokens, positions and visibility; None when the
         model refuses them."""
         from specaudit.equivalence.diagnosis.forward import replay_all
@@ -575,8 +657,10 @@ class Observation:
             for v in self.visible(slot_id):
                 allowed[place[slot_id], place[v]] = True
         positions = [self.slots[s].position for s in order]  # (OPT numbers padding -1: its table starts at -2)
+        if any(self.slots[s].token < 0 for s in order):  # an entry the engine wrote without feeding it
+            return None
         logits = replay_all(model, [self.slots[s].token for s in order], positions, allowed)
-        return None if logits is None else int(logits[place[producer]].argmax())
+        return None if logits is None else logits[place[producer]]
 
     def _content_violation(self, slot_id: int, fed: str, content_ids: list[int], content: list[int],
                            want: list[int], unwritten: list[int], local: int) -> tuple[str, str]:
