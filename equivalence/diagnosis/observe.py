@@ -63,8 +63,8 @@ POSITION_MODULE_NAMES = ("wpe", "embed_positions")
 @dataclass
 class Verdict:
     """What the observation says about one divergence: `cls` (an input class), `CLEAN` (the inputs behind the
-    engine's token were right) or None (nothing judged); `confirmed`: a replay of the observed inputs chose the
-    engine's token (a violation) or the reference's (clean)."""
+    engine's token were right) or None (nothing judged); `confirmed`: a replay of the observed inputs reproduced
+    the engine's logits or chose its token (a violation), or chose the reference's token (clean)."""
 
     cls: str | None
     evidence: str
@@ -126,10 +126,16 @@ def _key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
 
 
 def _bind(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by parameter name, those caught by a `**kwargs` parameter among them."""
     try:
-        return dict(inspect.signature(function).bind_partial(*args, **kwargs).arguments)
-    except TypeError:
+        signature = inspect.signature(function)
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
         return dict(kwargs)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(name), dict):
+            bound = {**bound.pop(name), **bound}
+    return bound
 
 
 def _embedding_owner(model: Any) -> Any:
