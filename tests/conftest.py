@@ -62,9 +62,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return VLLMModulesTogether(config, log)
 
 
+def runs_child_suites(nodeid: str) -> bool:
+    """The module that runs the precision-sensitive tests again under other CPU kernels, in child pytest
+    sessions (tests/test_cpu_kernels.py): minutes in two tests."""
+    return Path(nodeid.split("::")[0]).name == "test_cpu_kernels.py"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The vLLM modules first (the longest unit of work starts at once beside the CPU-bound modules, not at
-    the tail), then the other modules by their number of tests, most first (pytest-xdist's own order, which
-    scripts/test.sh turns off with `--no-loadscope-reorder` so that this one holds)."""
+    """The vLLM modules first, then the child suites under other CPU kernels (the longest units of work start
+    at once beside the CPU-bound modules, not at the tail), then the other modules by their number of tests,
+    most first (pytest-xdist's own order, which scripts/test.sh turns off with `--no-loadscope-reorder` so that
+    this one holds)."""
     tests_per_module = Counter(item.path for item in items)
-    items.sort(key=lambda item: (not runs_vllm_servers(item.nodeid), -tests_per_module[item.path], str(item.path)))
+    items.sort(key=lambda item: (not runs_vllm_servers(item.nodeid), not runs_child_suites(item.nodeid),
+                                 -tests_per_module[item.path], str(item.path)))
