@@ -47,21 +47,29 @@ def update_with_model(digest: "hashlib._Hash", model: torch.nn.Module) -> None:
         digest.update(tensor.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy().tobytes())
 
 
+def cpu_description() -> tuple[str, list[str]]:
+    """The processor's model name and instruction-set flags (x86 `flags`, Arm `Features`) as Linux lists them
+    for its first core; ("", []) where there is no /proc/cpuinfo."""
+    model, flags = "", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[-1].strip()
+            elif line.startswith(("flags", "Features")):
+                flags = line.split(":", 1)[-1].split()
+                break
+    except OSError:  # not Linux
+        pass
+    return model, flags
+
+
 def cpu_kernels() -> str:
     """What decides the CPU's rounding in this process: the ATen vector kernels in use (`ATEN_CPU_CAPABILITY`
     chooses others), oneDNN's instruction-set cap (`ONEDNN_MAX_CPU_ISA`) and the processor's model and
     instruction-set flags (bfloat16 matmuls take other paths on a processor with AVX512-BF16 or AMX)."""
     processor = platform.processor() or platform.machine()
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                flags += line.split(":", 1)[-1].strip() + "|"
-                if line.startswith(("flags", "Features")):
-                    break
-    except OSError:  # not Linux: the processor's name stands for it
-        pass
-    flags_digest = hashlib.sha256(flags.encode()).hexdigest()[:8]
+    model, flags = cpu_description()
+    flags_digest = hashlib.sha256(f"{model}|{' '.join(flags)}".encode()).hexdigest()[:8]
     return (f"{torch.backends.cpu.get_cpu_capability()}|onednn:{os.environ.get('ONEDNN_MAX_CPU_ISA', 'native')}|"
             f"{processor}|{flags_digest}")
 

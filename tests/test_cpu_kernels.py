@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from specaudit.engines import reference_memo
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 MARKER = "precision"
@@ -33,20 +35,11 @@ X86_SETS = [("default", "SSE41"), ("avx2", "AVX2"), ("avx512", "AVX512_CORE")]
 NEEDS = {"default": set(), "avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 def other_kernel_sets() -> list[tuple[str, str]]:
     """The kernel sets this processor runs, but for the one this process uses."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return [("default", "")] if torch.backends.cpu.get_cpu_capability().lower() != "default" else []
-    flags = _cpu_flags()
+    flags = set(reference_memo.cpu_description()[1])
     native = torch.backends.cpu.get_cpu_capability().lower()
     return [(aten, onednn) for aten, onednn in X86_SETS if NEEDS[aten] <= flags and aten != native]
 
