@@ -12,32 +12,50 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
-BUILTIN_ENGINES: dict[str, str] = {
-    "reference": "specaudit.engines.reference:ReferenceDecoder",
-    "eqspec": "specaudit.engines.eqspec:EQSpec",
-    "exspec": "specaudit.engines.exspec:EXSpec",
-    "inplace": "specaudit.engines.inplace:InplaceEngine",
-    "batched": "specaudit.engines.batched:BatchedGreedy",
-    "fixedshape": "specaudit.engines.static.engine:FixedShapeEngine",
-    "hf-assisted": "specaudit.engines.adapters.hf_assisted:HFAssisted",
-    "hf-prompt-lookup": "specaudit.engines.adapters.hf_assisted:HFPromptLookup",
-    "hf-batched": "specaudit.engines.adapters.hf_batched:HFBatched",
-    "hf-continuous": "specaudit.engines.adapters.hf_continuous:HFContinuous",
-    "bsp": "specaudit.engines.adapters.bsp:BSPEngine",
-    "dsd": "specaudit.engines.adapters.dsd:DSDEngine",
-}
+# How an engine takes sampled requests in the sampled audit (`--temperature`):
+REQUESTS = "request parameters"  # one `RequestParams` per prompt (engines/requests/rows.py): the project's engines
 
 
-# Engines that only the sampled audit draws from (`--temperature`): called as
-# `factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)`
-# (equivalence/sampling/run.py). `hf-assisted` here is transformers' assisted generation with do_sample=True.
-SAMPLED_ENGINES: dict[str, str] = {
-    "sampled-spec": "specaudit.engines.sampling.engine:SampledSpeculative",
-    "sampled-reference": "specaudit.engines.sampling.engine:SampledReference",
-    "hf-assisted": "specaudit.engines.adapters.hf_assisted_sampled:HFAssistedSampled",
+@dataclass(frozen=True)
+class EngineEntry:
+    """One named engine and what it can do. `greedy`: its factory for the greedy audit,
+    `factory(target, draft, batch_size=, draft_tokens=, **options)`, or None when it only samples.
+    `sampled`: how the sampled audit draws from it: a factory called as `factory(target, draft,
+    temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)` (equivalence/sampling/run.py),
+    `REQUESTS` (the greedy engine itself, given sampled request parameters), or None (greedy only)."""
+
+    greedy: str | None
+    sampled: str | None = None
+
+
+# The one table of engine names. `hf-assisted` samples as transformers' assisted generation with
+# do_sample=True, a factory of its own.
+ENGINES: dict[str, EngineEntry] = {
+    "reference": EngineEntry("specaudit.engines.reference:ReferenceDecoder", REQUESTS),
+    "eqspec": EngineEntry("specaudit.engines.eqspec:EQSpec", REQUESTS),
+    "exspec": EngineEntry("specaudit.engines.exspec:EXSpec", REQUESTS),
+    "inplace": EngineEntry("specaudit.engines.inplace:InplaceEngine", REQUESTS),
+    "batched": EngineEntry("specaudit.engines.batched:BatchedGreedy", REQUESTS),
+    "fixedshape": EngineEntry("specaudit.engines.static.engine:FixedShapeEngine", REQUESTS),
+    "hf-assisted": EngineEntry("specaudit.engines.adapters.hf_assisted:HFAssisted",
+                               "specaudit.engines.adapters.hf_assisted_sampled:HFAssistedSampled"),
+    "hf-prompt-lookup": EngineEntry("specaudit.engines.adapters.hf_assisted:HFPromptLookup"),
+    "hf-batched": EngineEntry("specaudit.engines.adapters.hf_batched:HFBatched"),
+    "hf-continuous": EngineEntry("specaudit.engines.adapters.hf_continuous:HFContinuous"),
+    "bsp": EngineEntry("specaudit.engines.adapters.bsp:BSPEngine"),
+    "dsd": EngineEntry("specaudit.engines.adapters.dsd:DSDEngine"),
+    "sampled-spec": EngineEntry(None, "specaudit.engines.sampling.engine:SampledSpeculative"),
+    "sampled-reference": EngineEntry(None, "specaudit.engines.sampling.engine:SampledReference"),
 }
+
+# Views of the table: the greedy audit's names, the sampled audit's own factories, and the engines
+# sampled through their request parameters.
+BUILTIN_ENGINES: dict[str, str] = {name: e.greedy for name, e in ENGINES.items() if e.greedy}
+SAMPLED_ENGINES: dict[str, str] = {name: e.sampled for name, e in ENGINES.items() if e.sampled and e.sampled != REQUESTS}
+REQUEST_ENGINES: tuple[str, ...] = tuple(name for name, e in ENGINES.items() if e.sampled == REQUESTS)
 
 
 # Black-box engines, named `PREFIX:LOCATION`: they take no models, only where to find the outputs.

@@ -49,6 +49,14 @@ class AuditReport:
         keys = ("engine", "pair", "batch_size", "dtype")
         return [{**{k: run.get(k) for k in keys}, **d} for run in self.runs for d in run.get("divergences", [])]
 
+    @property
+    def sampled(self) -> dict[str, dict[str, Any]]:
+        """Each sampled run's report by engine (`specaudit audit --temperature`): its verdict, p-value, the
+        test that decided, the power; a failed run's `error` (equivalence/reports/sampled.py)."""
+        from specaudit.equivalence.reports.sampled import sampled_reports
+
+        return sampled_reports(self.data)
+
     def summary(self) -> str:
         """The terminal table `specaudit audit` prints: one line per run."""
         return summary_table(self.data)

@@ -249,7 +249,7 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
     else:
         why = f"{stage} failed: {type(exc).__name__}: {exc}"
     message = f"pair {name} in {dtype}: {why}; no engine was run on it"
-    return [_failed_run({"engine": engine_name, "pair": name, "batch_size": batch_size, "dtype": dtype,
+    return [_failed_run({"engine": engine_name, "mode": "greedy", "pair": name, "batch_size": batch_size, "dtype": dtype,
                          "device": config.device, "num_prompts": config.num_prompts or 0}, message, exc)
             for engine_name in config.engines for batch_size in config.batch_sizes]
 
@@ -257,7 +257,7 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
 def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
              bundle_dir: Path | None = None, adversarial: dict[str, Any] | None = None,
              plain_runs: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
-    base = {"engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
+    base = {"engine": engine_name, "mode": "greedy", "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
             "device": config.device, "num_prompts": len(prompts),
             "eos_token_ids": list(eos_ids(eos)),  # the set the run stopped at (config "pair": the pair's own)
             "pair_info": dict(pair.info)}  # layouts and float64 switches (eager experts, float64 softmax)

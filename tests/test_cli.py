@@ -16,7 +16,7 @@ import pytest
 from specaudit.cli import main
 
 TESTS = Path(__file__).resolve().parent
-RUN_FIELDS = {"engine", "pair", "batch_size", "dtype", "device", "num_prompts", "exact_matches", "max_logit_error", "divergences"}
+RUN_FIELDS = {"engine", "mode", "pair", "batch_size", "dtype", "device", "num_prompts", "exact_matches", "max_logit_error", "divergences"}
 DIVERGENCE_FIELDS = {"prompt_index", "position", "step", "reference_token", "engine_token", "margin", "kind"}
 
 
@@ -162,3 +162,18 @@ def test_no_cuda_graphs_turns_the_fixed_shape_engines_graphs_off_unless_an_engin
     assert options() == {}
     assert options("--no-cuda-graphs") == {"cuda_graphs": False}
     assert options("--no-cuda-graphs", "--engine-option", "cuda_graphs=true") == {"cuda_graphs": True}
+
+
+def test_engines_lists_every_name_with_what_it_can_do(capsys: pytest.CaptureFixture[str]) -> None:
+    """`specaudit engines` prints the registry's one table: each name, whether the greedy audit runs it, and
+    how the sampled audit draws from it (its own factory, or the engine given sampled request parameters)."""
+    from specaudit.engines.registry import ENGINES, REQUESTS
+
+    assert main(["engines"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert set(lines) == set(ENGINES)
+    for name, entry in ENGINES.items():
+        line = lines[name]
+        assert ("greedy" in line) == (entry.greedy is not None), line
+        assert ("sampled (request parameters)" in line) == (entry.sampled == REQUESTS), line
+        assert ("sampled" in line) == (entry.sampled is not None), line

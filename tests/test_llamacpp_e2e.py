@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 import llamacpp_models as lm
+from specaudit import read_report
 from specaudit import cli
 
 
@@ -142,7 +143,7 @@ def test_llamacpp_sampled_speculation_passes_the_sampled_audit(llama, tmp_path):
                                "--prompts", str(prompts), "--num-prompts", "1", "--temperature", "0.7", "--top-k", "8",
                                "--samples", "300", "--max-new-tokens", "6", "--batch-size", str(BATCH_SIZE),
                                "--seed", "5", "--out", str(tmp_path / "audit")])
-    (report,) = json.loads((tmp_path / "audit" / "sampling.json").read_text())["engines"].values()
+    (report,) = read_report(tmp_path / "audit").sampled.values()
     print(f"{lm.build_info(llama_dir)}; {printed.getvalue()}")
     assert status == 0 and report["verdict"] == "no departure found", printed.getvalue()
     assert report["impossible_count"] == 0  # nothing outside the top-k: the cut and its order reached the server

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from specaudit.equivalence.reports.summary import summary_table
+from specaudit.equivalence.runner import exit_status
 from specaudit.equivalence.reports.charts import NUMERICAL_COLOR, STRUCTURAL_COLOR, audit_charts, render_svg, series_color
 from specaudit.equivalence.reports.markdown import render_markdown, write_reports
-from specaudit.equivalence.reports.sampled import write_sampled_reports
 from specaudit.equivalence.reports.summary import run_status, verdict
 
 CHROMIUM_INSTALL = "apt-get update && apt-get install -y chromium"
@@ -345,39 +345,50 @@ def test_summary_table_keeps_columns_apart_for_long_names() -> None:
 
 
 def _sampled_audit() -> dict[str, Any]:
-    """A sampled audit's `sampling.json` as equivalence/sampling/cli.py writes it: one engine judged, one failed."""
+    """A sampled audit's `audit.json` as equivalence/sampling/cli.py writes it: one engine judged, one failed."""
     histogram = [9, 7, 6, 5, 5, 4, 4, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0]  # piled left: too sharp
+    # the per-position tests: the departure grows with the position (a fault of later tokens of a step)
+    positions = [{"test": "chi_square_pit", "scope": f"output position {j}", "p_value": 0.5 / (j + 1), "n": 20,
+                  "bins": 4, "tv_observed": 0.1 + 0.1 * j, "tv_null": 0.1, "tv_excess": 0.1 * j} for j in range(3)]
     judged = {"verdict": "departure", "p_value": 3.2e-7, "worst_test": "all tokens (chi_square_pit)",
               "finding": "all tokens: sharper than the target (too much mass on its likely tokens)",
               "detectable_tv_pooled": 0.125, "detectable_tv_first_token": 0.186, "power": 0.8, "samples": 20,
-              "tokens": sum(histogram), "pit_histogram": histogram,
+              "tokens": sum(histogram), "pit_histogram": histogram, "tests": positions, "effect_tv": 0.2,
               "rounding": {"dtype": "bfloat16", "device": "cuda:0", "factor": 2.0, "allowance_tv_mean": 0.037,
                            "allowance_tv_max": 0.15, "cut_tokens": 2},
               "seeds": {"checked": True, "same_seed_same_output": True, "alone_equals_batch": True}}
-    failed = {"verdict": "run failed", "failed": True, "seconds": 2.0, "traceback": "...",
-              "error": f"engine mine:hangs failed: generate() did not return within 2 s (--timeout) {HOSTILE_TEXT}"}
+    base = {"mode": "sampled", "pair": "tiny-llama", "batch_size": 8, "dtype": "bfloat16", "device": "cuda:0",
+            "num_prompts": 4}
+    runs = [{"engine": "sampled-spec", **base, "verdict": "departure", "equivalent": False, "seconds": 3.0,
+             "sampled": judged},
+            {"engine": "mine:hangs", **base, "verdict": "run failed", "equivalent": False, "failed": True,
+             "seconds": 2.0, "traceback": "...",
+             "error": f"engine mine:hangs failed: generate() did not return within 2 s (--timeout) {HOSTILE_TEXT}"}]
     return {"specaudit_version": "0.3.0", "created": "2026-01-01T00:00:00+00:00",
             "machine": {"python": "3.11", "torch": "2.13.0", "transformers": "5.24.0", "device": "cuda:0",
                         "device_name": "NVIDIA H200", "cuda": True},
-            "pair": "tiny-llama", "device": "cuda:0", "dtype": "bfloat16",
-            "teacher_forcing": {"device": "cpu", "dtype": "float64"}, "batch_size": 8, "timeout": 2.0,
-            "params": {"temperature": 0.7, "top_k": 8, "top_p": 1.0}, "seed": 1,
-            "engines": {"sampled-spec": judged, "mine:hangs": failed}}
+            "config": {"mode": "sampled", "engines": ["sampled-spec", "mine:hangs"], "pairs": ["tiny-llama"],
+                       "batch_sizes": [8], "dtypes": ["bfloat16"], "device": "cuda:0", "max_new_tokens": 3,
+                       "timeout": 2.0, "sampling": {"temperature": 0.7, "top_k": 8, "top_p": 1.0}, "seed": 1,
+                       "samples": 20, "alpha": 0.01, "teacher_forcing": {"device": "cpu", "dtype": "float64"}},
+            "complete": True, "runs": runs}
 
 
+@pytest.mark.browser
 def test_sampled_report_renders_in_headless_chromium(tmp_path: Path) -> None:
-    sampling = _sampled_audit()
-    paths = write_sampled_reports(sampling, tmp_path / "report")
+    sampled = _sampled_audit()
+    paths = write_reports(sampled, tmp_path / "report")
     markdown = paths["markdown"].read_text(encoding="utf-8")
     assert "NOT shown to sample the target's distribution: sampled-spec, mine:hangs" in markdown
     assert "sampled-spec departs from the target's distribution in 20 samples (60 tokens): p = 3.2e-07" in markdown
     assert "mine:hangs: the run failed: engine mine:hangs failed: generate() did not return within 2 s" in markdown
-    assert "device: cuda:0 · dtype: bfloat16 · teacher forcing: cpu float64" in markdown
-    assert "NVIDIA H200" in markdown and "(charts/pit.svg)" in markdown
+    assert "dtypes: bfloat16" in markdown and "teacher forcing: cpu float64" in markdown
+    assert "NVIDIA H200" in markdown and "(charts/sampled-pit.svg)" in markdown
+    assert "(charts/sampled-positions.svg)" in markdown and "## Runs" not in markdown  # no greedy section
     html = paths["html"].read_text(encoding="utf-8")
     for external in ("<script", "<link", "src=", "@import"):
         assert external not in html, f"report.html is not self-contained: found {external!r}"
-    assert html.count("<svg") == 1
+    assert html.count("<svg") == 2
 
     probe_path = tmp_path / "report" / "layout-probe.html"
     probe_path.write_text(html.replace("</body>", LAYOUT_PROBE + "</body>"), encoding="utf-8")
@@ -385,15 +396,37 @@ def test_sampled_report_renders_in_headless_chromium(tmp_path: Path) -> None:
     assert "<script>alert" not in dumped and "&lt;script&gt;alert" in dumped
     match = re.search(r'<pre id="layout-probe">(.*?)</pre>', dumped, re.S)
     assert match, "the layout probe did not run"
-    (chart,) = json.loads(unescape_html(match.group(1)))["charts"]
-    assert chart["label"].startswith("PIT histogram of the sampled tokens")
-    assert chart["width"] > 300 and chart["height"] > 100, f"laid out at {chart['width']}x{chart['height']}"
-    assert len(chart["bars"]) == 18 and all(width > 0 and height > 0 for width, height in chart["bars"])
+    pit, by_position = json.loads(unescape_html(match.group(1)))["charts"]
+    assert pit["label"].startswith("PIT histogram of the sampled tokens")
+    assert by_position["label"].startswith("Departure per output position")
+    for chart in (pit, by_position):
+        assert chart["width"] > 300 and chart["height"] > 100, f"laid out at {chart['width']}x{chart['height']}"
+    assert len(pit["bars"]) == 18 and all(width > 0 and height > 0 for width, height in pit["bars"])
+    assert len(by_position["bars"]) == 2  # positions 1 and 2 depart; position 0 has no excess, no bar
     screenshot = tmp_path / "report.png"
-    _run_chromium(tmp_path / "profile", f"--screenshot={screenshot}", paths["html"].as_uri(), window="1280,1800")
+    _run_chromium(tmp_path / "profile", f"--screenshot={screenshot}", paths["html"].as_uri(), window="1280,2200")
     pixels = _png_pixels(screenshot.read_bytes())[..., :3].reshape(-1, 3)
     painted = int((pixels == np.array(_rgb(series_color(0)), np.uint8)).all(axis=1).sum())
     assert painted > 200, f"the histogram's bars were not painted ({painted} pixels)"
+
+
+def test_greedy_and_sampled_runs_in_one_audit_share_the_report(audit: dict[str, Any], tmp_path: Path) -> None:
+    """One audit.json with greedy and sampled runs: each section reads its own runs, the verdict both, the
+    exit status every run, and the terminal table the greedy runs with a line per sampled one."""
+    sampled = _sampled_audit()
+    mixed = {**audit, "runs": [*audit["runs"], *sampled["runs"]], "config": {**audit["config"], **{
+        k: v for k, v in sampled["config"].items() if k in ("sampling", "samples", "seed", "alpha", "teacher_forcing")}}}
+    paths = write_reports(mixed, tmp_path)
+    markdown = paths["markdown"].read_text(encoding="utf-8")
+    greedy_only = render_markdown(audit)
+    assert "## Runs" in markdown and "## Sampled runs" in markdown
+    assert markdown.count("sampled-spec") >= 2 and "Sampled runs: NOT shown to sample" in markdown
+    assert markdown.split("\n")[2].startswith(greedy_only.split("\n")[2].rstrip("*"))  # greedy verdict, then sampled
+    assert exit_status(mixed) == 1 and exit_status({**mixed, "runs": audit["runs"]}) == exit_status(audit)
+    table = summary_table(mixed)
+    assert table.startswith(summary_table(audit)) and "mine:hangs: run failed" in table.splitlines()[-1]
+    html = paths["html"].read_text(encoding="utf-8")
+    assert html.count("<svg") == len(audit_charts(audit)) + 2
 
 
 def test_a_chart_whose_labels_outgrow_the_figure_is_drawn_whole_without_a_warning() -> None:

@@ -4,11 +4,11 @@ greedy through the sampler is greedy, and recordings of sampled outputs are audi
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
+from specaudit import read_report
 from specaudit.cli import main
 from specaudit.engines.adapters.recorded import write_recording
 from specaudit.engines.models.zoo import builtin_prompts, load_pair
@@ -95,8 +95,7 @@ def test_recordings_are_audited_from_the_command_line(pair, tmp_path, capsys) ->
               "--num-prompts", "1", "--seed", "2"]
     assert main(common + ["--engine", f"recorded:{good}", "--out", str(tmp_path / "a")]) == 0
     assert main(common + ["--engine", f"recorded:{bad}", "--out", str(tmp_path / "b")]) == 1
-    written = json.loads((tmp_path / "b" / "sampling.json").read_text())
-    assert written["engines"][f"recorded:{bad}"]["verdict"] == "departure"
+    assert read_report(tmp_path / "b").sampled[f"recorded:{bad}"]["verdict"] == "departure"
     assert "departure" in capsys.readouterr().out
 
 

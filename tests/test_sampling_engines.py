@@ -7,12 +7,12 @@ Cost (2 loaded cores): the exact check about 10 s; the engines' audits about 5-1
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from specaudit import read_report
 from specaudit.cli import main
 from specaudit.engines import acceptance
 from specaudit.engines.models.zoo import builtin_prompts, load_pair
@@ -171,7 +171,7 @@ def test_the_command_line_audits_a_sampled_eqspec(tmp_path, capsys) -> None:
     assert main(["audit", "--pair", "tiny-llama", "--engine", "eqspec", "--temperature", "0.7", "--top-k", "8",
                  "--samples", "60", "--num-prompts", "1", "--max-new-tokens", "3", "--draft-tokens", "2",
                  "--batch-size", "16", "--seed", "2", "--out", str(out)]) == 0
-    report = json.loads((out / "sampling.json").read_text())["engines"]["eqspec"]
+    report = read_report(out).sampled["eqspec"]
     assert report["seeds"]["checked"] and report["seeds"]["alone_equals_batch"]
     assert any(t["scope"].startswith("ordered by the draft") for t in report["tests"])
     assert "eqspec: no departure found" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import torch
 
 from cli_run import audit, usage_error
 from sampled_failing_engines import RELEASE
+from specaudit import read_report
 from specaudit.engines.adapters.recorded import write_recording
 from specaudit.engines.models.zoo import builtin_prompts
 from specaudit.equivalence.sampling import stats
@@ -27,7 +28,12 @@ SMALL = ("--pair", "tiny-llama", "--temperature", "0.7", "--top-k", "8", "--samp
 
 
 def _written(out: Path) -> dict:
-    return json.loads((out / "sampling.json").read_text())
+    return json.loads((out / "audit.json").read_text())
+
+
+def _reports(out: Path) -> dict:
+    """Each sampled run's report by engine, as `specaudit.read_report(out).sampled` gives it."""
+    return read_report(out).sampled
 
 
 @pytest.fixture
@@ -49,7 +55,10 @@ def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_p
     result = audit(*engines, "--engine", "sampled-spec", "--timeout", "2", *SMALL, out=tmp_path)
     assert result.returncode == 1, result
     assert "Traceback" not in result.stdout + result.stderr
-    runs = _written(tmp_path)["engines"]
+    written = _written(tmp_path)
+    assert written["complete"] and all(run["mode"] == "sampled" for run in written["runs"])
+    assert [run["engine"] for run in written["runs"]] == [*engines[1::2], "sampled-spec"]
+    runs = _reports(tmp_path)
     failed_lines = [line for line in result.stderr.splitlines() if line.startswith("failed: ")]
     assert len(failed_lines) == len(failing), result.stderr
     for name, reason in failing.items():
@@ -63,15 +72,18 @@ def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_p
     judged = runs["sampled-spec"]
     assert judged["verdict"] == "no departure found" and judged["samples"] == 20
     assert judged["seeds"]["checked"] and judged["seeds"]["alone_equals_batch"]  # seeds= passes the guard
-    # the reports beside sampling.json: each engine's verdict, the failures' reasons, the judged one's PIT bars
+    # the reports beside audit.json: each engine's verdict, the failures' reasons, the judged one's PIT bars
     markdown, html = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
     assert "NOT shown to sample the target's distribution" in markdown
     for name, reason in failing.items():
         assert f"sampled_failing_engines:{name}: the run failed: " in markdown and reason in markdown
     assert "sampled-spec: no departure found in 20 samples (60 tokens)" in markdown
     drawn = sum(count > 0 for count in judged["pit_histogram"])  # an empty bin has no bar
-    assert sum(judged["pit_histogram"]) == 60 and html.count('id="bar-sampled-spec-') == drawn > 5
-    assert "charts/pit.svg" in markdown and (tmp_path / "charts" / "pit.svg").is_file()
+    pit = (tmp_path / "charts" / "sampled-pit.svg").read_text()
+    assert sum(judged["pit_histogram"]) == 60 and pit.count('id="bar-sampled-spec-') == drawn > 5
+    assert html.count("<svg") == 2  # the PIT histogram and the departure per position, embedded
+    assert "charts/sampled-pit.svg" in markdown and (tmp_path / "charts" / "sampled-pit.svg").is_file()
+    assert "charts/sampled-positions.svg" in markdown and (tmp_path / "charts" / "sampled-positions.svg").is_file()
 
 
 def test_a_recording_with_ids_outside_the_vocabulary_is_a_failed_run(tmp_path: Path) -> None:
@@ -80,7 +92,7 @@ def test_a_recording_with_ids_outside_the_vocabulary_is_a_failed_run(tmp_path: P
     write_recording(recording, [prompt] * 20, [[5, 7, 300]] * 20)
     result = audit("--engine", f"recorded:{recording}", *SMALL, out=tmp_path / "out")
     assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr
-    run = _written(tmp_path / "out")["engines"][f"recorded:{recording}"]
+    run = _reports(tmp_path / "out")[f"recorded:{recording}"]
     assert run["failed"] and "token id 300 is outside the vocabulary" in run["error"]
 
 
@@ -88,11 +100,12 @@ def test_device_and_dtype_are_honored_and_recorded(tmp_path: Path) -> None:
     result = audit("--engine", "sampled_failing_engines:says_what_it_got", "--dtype", "bfloat16", *SMALL, out=tmp_path)
     assert result.returncode == 0, result
     written = _written(tmp_path)
-    assert (written["device"], written["dtype"]) == ("cpu", "bfloat16")
-    assert written["teacher_forcing"] == {"device": "cpu", "dtype": "float64"}
+    assert (written["config"]["device"], written["config"]["dtypes"]) == ("cpu", ["bfloat16"])
+    assert [(run["device"], run["dtype"]) for run in written["runs"]] == [("cpu", "bfloat16")]
+    assert written["config"]["teacher_forcing"] == {"device": "cpu", "dtype": "float64"}
     assert written["machine"]["torch"] == torch.__version__ and written["machine"]["transformers"]
     assert written["machine"]["device"] == "cpu"
-    run = written["engines"]["sampled_failing_engines:says_what_it_got"]
+    run = _reports(tmp_path)["sampled_failing_engines:says_what_it_got"]
     assert run["engine"] == {"target_dtype": "torch.bfloat16", "target_device": "cpu"}  # the engine got the pair so
     assert run["rounding"]["dtype"] == "bfloat16" and run["rounding"]["allowance_tv_max"] > 0
     assert all(test["rounding_tv"] >= 0 for test in run["tests"])
@@ -100,7 +113,7 @@ def test_device_and_dtype_are_honored_and_recorded(tmp_path: Path) -> None:
 
 def test_float64_on_the_cpu_takes_no_rounding_allowance(tmp_path: Path) -> None:
     assert audit("--engine", "sampled-spec", *SMALL, out=tmp_path).returncode == 0
-    run = _written(tmp_path)["engines"]["sampled-spec"]
+    run = _reports(tmp_path)["sampled-spec"]
     assert run["rounding"] is None and all(test["rounding_tv"] == 0 for test in run["tests"])
 
 
@@ -119,7 +132,7 @@ def test_a_device_that_cannot_run_is_a_usage_error(tmp_path: Path, device: str, 
 def test_options_only_the_greedy_audit_uses_are_refused(tmp_path: Path, option: tuple[str, ...]) -> None:
     line = usage_error(audit("--engine", "sampled-spec", *option, *SMALL, out=tmp_path), option[0], "drop it")
     assert "sampled audit" in line
-    assert not (tmp_path / "sampling.json").exists()
+    assert not (tmp_path / "audit.json").exists()
 
 
 @pytest.mark.parametrize("option, fragment", [(("--batch-size", "1", "4"), "once per batch size"),
@@ -194,4 +207,4 @@ def test_ctrl_c_keeps_the_finished_engines_without_a_traceback(tmp_path: Path) -
     result = audit("--engine", "sampled-spec", "--engine", "sample_engines:make_interrupting", *SMALL, out=tmp_path)
     assert result.returncode == 130 and "Traceback" not in result.stdout + result.stderr
     assert "interrupted: the finished engines are kept in" in result.stderr
-    assert list(_written(tmp_path)["engines"]) == ["sampled-spec"]
+    assert [run["engine"] for run in _written(tmp_path)["runs"]] == ["sampled-spec"]

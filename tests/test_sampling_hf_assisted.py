@@ -6,10 +6,10 @@ Cost: 300 samples, 35 s on the loaded 2-core machine (measured)."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
+from specaudit import read_report
 from specaudit.cli import main
 from specaudit.engines.adapters.hf_assisted_sampled import HFAssistedSampled
 from specaudit.engines.models.zoo import builtin_prompts, load_pair
@@ -24,7 +24,7 @@ def test_hf_assisted_sampled_passes_the_sampled_audit_and_speculated(tmp_path):
     status = main(["audit", "--engine", "hf-assisted", "--pair", "tiny-llama", "--temperature", "0.7", "--top-k", "8",
                    "--samples", "300", "--num-prompts", "1", "--max-new-tokens", "3", "--draft-tokens", "2",
                    "--seed", "4", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "sampling.json").read_text())["engines"]["hf-assisted"]
+    report = read_report(tmp_path).sampled["hf-assisted"]
     assert status == 0 and report["verdict"] == "no departure found", report["worst_test"]
     assert report["impossible_count"] == 0  # nothing outside the top-k: the cut reached transformers
     speculation = report["speculation"]

@@ -6,12 +6,12 @@ tests/test_vllm_e2e.py. Cost: 30 to 36 s per 300-sample audit below on the loade
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from fake_server import FakeServer, SpeculationMetrics
 from sampling_server import sampled_vllm_answer
+from specaudit import read_report
 from specaudit.cli import main
 from specaudit.engines.adapters.sampled_servers import make_sampled_server, sampled_request, sampling_fields
 from specaudit.engines.adapters.servers import LlamaCppEngine, SGLangEngine, TRTLLMEngine, VLLMEngine
@@ -50,7 +50,7 @@ def test_each_dialect_is_sent_the_sampling_fields_and_a_seed():
 
 def _audit(url: str, out, samples: int, *extra: str) -> tuple[int, dict]:
     status = main(["audit", "--engine", f"vllm:{url}", *COMMON, "--samples", str(samples), "--out", str(out), *extra])
-    (report,) = json.loads((out / "sampling.json").read_text())["engines"].values()
+    (report,) = read_report(out).sampled.values()
     return status, report
 
 

@@ -43,6 +43,7 @@ import pytest
 
 import vllm_models as vm
 from near_ties import exact_but_for_near_ties
+from specaudit import read_report
 from specaudit import cli
 
 
@@ -292,7 +293,7 @@ def test_vllm_cpu_sampled_speculation_departs_from_the_target(float32_servers, t
                            "--top-p", top_p, "--samples", "200", "--max-new-tokens", "6",
                            "--batch-size", str(IN_FLIGHT), "--seed", "3", "--engine-option", "seed_requests=false",
                            "--out", str(tmp_path / "audit")])
-    (report,) = json.loads((tmp_path / "audit" / "sampling.json").read_text())["engines"].values()
+    (report,) = read_report(tmp_path / "audit").sampled.values()
     print(printed.getvalue())
     assert report["speculation"]["drafted_tokens"] > 0, report["speculation"]
     assert status == 1 and report["verdict"] == "departure" and report["p_value"] < 0.01, printed.getvalue()

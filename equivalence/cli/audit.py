@@ -250,7 +250,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             rate = zoo.measure_acceptance(pair, zoo.builtin_prompts(), args.max_new_tokens)
             print(f"{name:<16} {pair.info['family']:<10} acceptance {rate:.1%}", flush=True)
         return 0
-    from specaudit.engines.registry import BUILTIN_ENGINES  # "engines"
+    from specaudit.engines.registry import ENGINES, REQUESTS  # "engines"
 
-    print("\n".join(f"{name:<12} {path}" for name, path in BUILTIN_ENGINES.items()))
+    def can(entry: Any) -> str:
+        sampled = ("sampled (request parameters)" if entry.sampled == REQUESTS
+                   else "sampled" if entry.sampled else "")
+        return ", ".join(part for part in ("greedy" if entry.greedy else "", sampled) if part)
+
+    print("\n".join(f"{name:<18} {can(entry):<38} {entry.greedy or entry.sampled}" for name, entry in ENGINES.items()))
     return 0

@@ -7,6 +7,7 @@ from typing import Any
 
 from specaudit.equivalence.reports.charts import audit_charts, render_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
+from specaudit.equivalence.reports.sampled import greedy_view, sampled_charts, sampled_html, sampled_runs
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
@@ -322,16 +323,22 @@ def _figure(svg: str) -> str:
 
 def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT,
                 charts: dict[str, str] | None = None) -> str:
-    """The page; `charts` are the SVGs of `audit_charts` by stem when the caller has drawn them already."""
-    runs = audit.get("runs") or []
+    """The page; `charts` are the SVGs of `audit_charts` (and `sampled_charts`) by stem when the caller has
+    drawn them already. Sampled runs have a section of their own; every other section reads the greedy runs."""
     status, sentence = verdict(audit)
+    greedy = greedy_view(audit)
+    if charts is None:
+        drawn = {**(audit_charts(greedy) if greedy["runs"] or not sampled_runs(audit) else {}), **sampled_charts(audit)}
+        charts = {stem: render_svg(chart) for stem, chart in drawn.items()}
+    sampled_section = sampled_html(audit, [svg for stem, svg in charts.items() if stem in sampled_charts(audit)])
+    charts = {stem: svg for stem, svg in charts.items() if stem not in sampled_charts(audit)}
+    audit = greedy
+    runs = audit["runs"]
     stamp = " · ".join(part for part in (
         f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
         f"created {audit['created']}" if audit.get("created") else "") if part)
     machine = [(name, escape(value)) for name, value in machine_summary(audit)]
     config = [(name, escape(value)) for name, value in config_summary(audit)]
-    if charts is None:
-        charts = {stem: render_svg(chart) for stem, chart in audit_charts(audit).items()}
     figures = "".join(_figure(svg) for svg in charts.values())
     body = [
         f'<header><h1>specaudit report</h1><p class="stamp">{escape(stamp)}</p></header>',
@@ -341,8 +348,9 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         '<section class="meta">'
         + (f"<div><h2>Machine</h2>{_pairs(machine)}</div>" if machine else "")
         + (f"<div><h2>Configuration</h2>{_pairs(config)}</div>" if config else "") + "</section>",
-        f'<section><h2>Plots</h2><div class="charts">{figures}</div></section>',
+        f'<section><h2>Plots</h2><div class="charts">{figures}</div></section>' if figures else "",
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
+        sampled_section,
         f"<section>{_speculation_section(audit)}</section>",
         f"<section>{_three_way_section(audit)}</section>",
         f"<section>{_timing_section(audit)}</section>",

@@ -11,6 +11,7 @@ from typing import Any
 from specaudit.equivalence.reports.charts import audit_charts, render_svg, standalone_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
 from specaudit.equivalence.reports.html import render_html
+from specaudit.equivalence.reports.sampled import greedy_view, sampled_charts, sampled_markdown, sampled_runs
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
@@ -137,9 +138,15 @@ def _float64_switches(runs: list[dict[str, Any]]) -> list[str]:
 
 def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVERGENCE_LIMIT,
                     chart_files: dict[str, str] | None = None) -> str:
-    """The report; `chart_files` (title -> path relative to the report) are linked as images."""
-    runs = audit.get("runs") or []
+    """The report; `chart_files` (title -> path relative to the report) are linked as images. Sampled runs
+    have a section of their own (reports/sampled.py); every other section reads the greedy runs."""
     _, sentence = verdict(audit)
+    sampled_titles = {chart.title for chart in sampled_charts(audit).values()}
+    sampled_section = sampled_markdown(audit, {title: path for title, path in (chart_files or {}).items()
+                                               if title in sampled_titles})
+    chart_files = {title: path for title, path in (chart_files or {}).items() if title not in sampled_titles}
+    audit = greedy_view(audit)
+    runs = audit["runs"]
     lines = ["# specaudit report", "", f"**{sentence}**", ""]
     diagnosed = class_lines(audit)
     if diagnosed:
@@ -163,6 +170,7 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
         lines += ["**Adversarial prompts:** " + note, ""]
     if runs:
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
+    lines += sampled_section
     if chart_files:
         lines += ["## Charts", ""] + [f"![{title}]({path})" for title, path in chart_files.items()] + [""]
     evidence = speculation_lines(audit)
@@ -230,7 +238,8 @@ def write_reports(audit: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     report.html) into `out_dir`; returns the two reports' paths keyed "markdown" and "html"."""
     out_dir = Path(out_dir)
     (out_dir / "charts").mkdir(parents=True, exist_ok=True)
-    charts = audit_charts(audit)
+    greedy = greedy_view(audit)
+    charts = {**(audit_charts(greedy) if greedy["runs"] or not sampled_runs(audit) else {}), **sampled_charts(audit)}
     svgs = {stem: render_svg(chart) for stem, chart in charts.items()}
     for stem, svg in svgs.items():
         (out_dir / "charts" / f"{stem}.svg").write_text(standalone_svg(svg), encoding="utf-8")

@@ -1,32 +1,62 @@
-"""The sampled audit's reports: `report.md` and `report.html` beside `sampling.json`
-(equivalence/sampling/cli.py), with the PIT histogram of each engine's tokens as the chart.
+"""The sampled runs of an audit (`mode: "sampled"` in `audit.json`, equivalence/sampling/cli.py): their
+section of `report.md` and `report.html`, their charts and their lines in the terminal summary.
 
 Per engine: the verdict, the p-value and the test that decided it, the power (the smallest total
 variation the pooled test and the first token's contexts detect with probability 0.8), the rounding
 allowance below float64, the seed checks, and the finding in a sentence; a failed run's one-line reason.
+Two charts: the PIT histogram of each engine's tokens (flat under a correct sampler), and the departure
+per output position (the TV of each position's PIT bins beyond what sampling noise gives).
 """
 
 from __future__ import annotations
 
 from html import escape
-from pathlib import Path
 from typing import Any
 
-from specaudit.equivalence.reports.charts import BarChart, Series, render_svg, series_color, standalone_svg
-from specaudit.equivalence.reports.html import STYLE
-from specaudit.equivalence.reports.summary import machine_summary
+from specaudit.equivalence.reports.charts import BarChart, Series, series_color
 
 PASS = "no departure found"
+SAMPLED = "sampled"  # a run's `mode`; greedy runs say "greedy" (or, before it was recorded, nothing)
 
 
-def _finished(sampling: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {spec: report for spec, report in (sampling.get("engines") or {}).items() if not report.get("failed")}
+def is_sampled(run: dict[str, Any]) -> bool:
+    return run.get("mode") == SAMPLED
 
 
-def pit_chart(sampling: dict[str, Any]) -> BarChart:
+def sampled_runs(audit: dict[str, Any]) -> list[dict[str, Any]]:
+    return [run for run in audit.get("runs") or [] if is_sampled(run)]
+
+
+def greedy_view(audit: dict[str, Any]) -> dict[str, Any]:
+    """The audit with its greedy runs alone: what the greedy report's sections read."""
+    return {**audit, "runs": [run for run in audit.get("runs") or [] if not is_sampled(run)]}
+
+
+def run_report(run: dict[str, Any]) -> dict[str, Any]:
+    """A sampled run's report: the tests' dict (`sampled`) of a finished run; for a failed one its verdict
+    ("run failed"), one-line `error`, traceback and seconds."""
+    if run.get("failed") or run.get("error"):
+        return {"verdict": "run failed", "failed": True, "error": run.get("error"),
+                "traceback": run.get("traceback"), "seconds": run.get("seconds")}
+    return run["sampled"]
+
+
+def sampled_reports(audit: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each sampled run's report (`run_report`) by engine (`engine B=.. dtype` when an engine ran twice)."""
+    runs = sampled_runs(audit)
+    engines = [run.get("engine") for run in runs]
+    return {(str(run.get("engine")) if engines.count(run.get("engine")) == 1
+             else f"{run.get('engine')} B={run.get('batch_size')} {run.get('dtype')}"): run_report(run) for run in runs}
+
+
+def _finished(audit: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {spec: report for spec, report in sampled_reports(audit).items() if not report.get("failed")}
+
+
+def pit_chart(audit: dict[str, Any]) -> BarChart:
     """Each finished engine's pooled PIT values, as shares of 20 equal bins: a correct sampler's are flat at
     5% (up to sampling noise); one too sharp piles them at the left, one too flat at the right."""
-    histograms = {spec: report["pit_histogram"] for spec, report in _finished(sampling).items()
+    histograms = {spec: report["pit_histogram"] for spec, report in _finished(audit).items()
                   if report.get("pit_histogram")}
     bins = len(next(iter(histograms.values()))) if histograms else 0
     series = tuple(Series(spec, tuple(count / max(1, sum(counts)) for count in counts), series_color(index))
@@ -36,6 +66,37 @@ def pit_chart(sampling: dict[str, Any]) -> BarChart:
                     x_title="PIT value (0: the target's likeliest tokens)", y_title="share of tokens",
                     categories=tuple(f"{i / bins:.2f}" for i in range(bins)), series=series, percent=True,
                     empty_message="no engine finished", value_labels=False)
+
+
+POSITION_SCOPE = "output position "  # the scope of the per-position tests (equivalence/sampling/audit.py)
+
+
+def departure_by_position(report: dict[str, Any]) -> dict[int, float]:
+    """Output position -> the TV of its PIT bins beyond sampling noise (`tv_excess` of its chi-square test);
+    positions with too few tokens for a test are absent."""
+    return {int(test["scope"][len(POSITION_SCOPE):]): float(test.get("tv_excess") or 0.0)
+            for test in report.get("tests") or []
+            if test.get("scope", "").startswith(POSITION_SCOPE) and test.get("test") == "chi_square_pit"}
+
+
+def position_chart(audit: dict[str, Any]) -> BarChart:
+    """Per output position and engine, how far its tokens' PIT values depart from uniform beyond noise: a
+    fault of the k-th token of a step, or of a bonus token, shows at the positions it reaches first."""
+    per_engine = {spec: departure_by_position(report) for spec, report in _finished(audit).items()}
+    positions = sorted({position for departures in per_engine.values() for position in departures})
+    series = tuple(Series(spec, tuple(departures.get(position, float("nan")) for position in positions),
+                          series_color(index)) for index, (spec, departures) in enumerate(per_engine.items()))
+    return BarChart(title="Departure per output position (TV of the PIT bins beyond sampling noise)",
+                    x_title="output position", y_title="excess TV", categories=tuple(map(str, positions)),
+                    series=series, empty_message="no departure beyond sampling noise at any position",
+                    value_labels=False)
+
+
+def sampled_charts(audit: dict[str, Any]) -> dict[str, BarChart]:
+    """The sampled section's charts by file stem; none without sampled runs."""
+    if not sampled_runs(audit):
+        return {}
+    return {"sampled-pit": pit_chart(audit), "sampled-positions": position_chart(audit)}
 
 
 def engine_sentence(spec: str, report: dict[str, Any]) -> str:
@@ -58,9 +119,37 @@ def engine_sentence(spec: str, report: dict[str, Any]) -> str:
             f"{report['detectable_tv_pooled']:.3f} pooled with probability {report.get('power', 0.8):.0%}{allowed}")
 
 
-def _rows(sampling: dict[str, Any]) -> list[list[str]]:
+def summary_line(spec: str, report: dict[str, Any]) -> str:
+    """The terminal's line for one sampled run."""
+    if report.get("failed"):
+        return f"{spec}: run failed: {report['error']}"
+    first = report["detectable_tv_first_token"]
+    effect = report["effect_tv"]
+    return (f"{spec}: {report['verdict']}, p = {report['p_value']:.3g} ({report['worst_test']}), "
+            f"effect TV {effect if effect is None else round(effect, 3)}; {report['samples']} samples, "
+            f"{report['tokens']} tokens; smallest detectable TV {report['detectable_tv_pooled']:.3f} pooled"
+            + (f", {first:.3f} at the first token" if first is not None else "")
+            + (f"; {report['finding']}" if report.get("finding") else "")
+            + _speculation_summary(report.get("speculation")))
+
+
+def _speculation_summary(speculation: dict[str, Any] | None) -> str:
+    if not speculation:
+        return ""
+    if speculation.get("drafted_tokens") is None:
+        return "; no speculation counters"
+    rate = speculation.get("acceptance_rate")
+    return (f"; speculation: {speculation.get('accepted_tokens')} of {speculation.get('drafted_tokens')} drafted "
+            f"tokens accepted" + (f" ({rate:.2f})" if rate is not None else ""))
+
+
+def summary_lines(audit: dict[str, Any]) -> list[str]:
+    return [summary_line(spec, report) for spec, report in sampled_reports(audit).items()]
+
+
+def _rows(audit: dict[str, Any]) -> list[list[str]]:
     rows = []
-    for spec, report in (sampling.get("engines") or {}).items():
+    for spec, report in sampled_reports(audit).items():
         if report.get("failed"):
             rows.append([spec, "run failed", "", report["error"], "", "", "", ""])
             continue
@@ -80,71 +169,65 @@ HEADER = ["engine", "verdict", "p-value", "decided by", "detectable TV (pooled /
           "rounding allowance (mean TV)", "samples / tokens", "seed"]
 
 
-def verdict_sentence(sampling: dict[str, Any]) -> tuple[bool, str]:
-    reports = sampling.get("engines") or {}
-    passed = bool(reports) and all(report["verdict"] == PASS for report in reports.values())
-    if passed:
-        allowed = f" and {sampling['dtype']} rounding" if sampling.get("dtype", "float64") != "float64" else ""
-        return True, ("No departure found: no engine's samples depart from the target's distribution by more than "
-                      f"its tests see{allowed}")
+def sampled_verdict(audit: dict[str, Any]) -> tuple[str, str]:
+    """(status, sentence) of the sampled runs: status "pass", "fail" or "empty"."""
+    reports = sampled_reports(audit)
+    if not reports:
+        return "empty", "NO RUNS: the audit recorded no runs."
+    if all(report["verdict"] == PASS for report in reports.values()):
+        dtypes = {run.get("dtype") for run in sampled_runs(audit)} - {"float64"}
+        allowed = f" and {', '.join(sorted(map(str, dtypes)))} rounding" if dtypes else ""
+        return "pass", ("No departure found: no engine's samples depart from the target's distribution by more "
+                        f"than its tests see{allowed}")
     failed = [spec for spec, report in reports.items() if report["verdict"] != PASS]
-    return False, f"NOT shown to sample the target's distribution: {', '.join(failed)}"
+    return "fail", f"NOT shown to sample the target's distribution: {', '.join(failed)}"
 
 
-def _setting(sampling: dict[str, Any]) -> list[tuple[str, str]]:
-    params = sampling.get("params") or {}
-    return [("pair", str(sampling.get("pair"))), ("device", str(sampling.get("device"))),
-            ("dtype", str(sampling.get("dtype"))),
-            ("teacher forcing", " ".join(str(v) for v in (sampling.get("teacher_forcing") or {}).values())),
-            ("sampling", ", ".join(f"{k} {v}" for k, v in params.items())), ("seed", str(sampling.get("seed"))),
-            ("batch size", str(sampling.get("batch_size"))), ("timeout", f"{sampling.get('timeout')} s")]
+def sampled_setting(audit: dict[str, Any]) -> list[tuple[str, str]]:
+    config = audit.get("config") or {}
+    params = config.get("sampling") or {}
+    forcing = config.get("teacher_forcing") or {}
+    rows = [("samples per engine", config.get("samples")), ("sampling", ", ".join(f"{k} {v}" for k, v in params.items())),
+            ("seed", config.get("seed")), ("alpha (family-wise)", config.get("alpha")),
+            ("teacher forcing", " ".join(str(v) for v in forcing.values())),
+            ("timeout", None if config.get("timeout") is None else f"{config['timeout']} s")]
+    return [(name, str(value)) for name, value in rows if value not in (None, "")]
 
 
-def render_sampled_markdown(sampling: dict[str, Any], chart_file: str | None = None) -> str:
-    _, sentence = verdict_sentence(sampling)
-    lines = ["# specaudit report: sampled audit", "", f"**{sentence}**", ""]
-    lines += ["**Machine:** " + " · ".join(f"{k} {v}" for k, v in machine_summary(sampling)), "",
-              "**Setting:** " + " · ".join(f"{k}: {v}" for k, v in _setting(sampling)), "", "## Engines", ""]
+def _markdown_cell(cell: str) -> str:
+    return cell.replace("|", "\\|")
+
+
+def sampled_markdown(audit: dict[str, Any], chart_files: dict[str, str] | None = None) -> list[str]:
+    """The sampled section of report.md; `chart_files`: chart title -> path relative to the report."""
+    if not sampled_runs(audit):
+        return []
+    _, sentence = sampled_verdict(audit)
+    lines = ["## Sampled runs", "", f"**{sentence}**", "",
+             "**Setting:** " + " · ".join(f"{k}: {v}" for k, v in sampled_setting(audit)), ""]
     lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in _rows(sampling)]
-    lines += ["", "## Findings", ""]
-    lines += [f"- {engine_sentence(spec, report)}" for spec, report in (sampling.get("engines") or {}).items()]
-    if chart_file:
-        lines += ["", "## PIT histogram", "", f"![PIT histogram]({chart_file})"]
-    return "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(_markdown_cell(cell) for cell in row) + " |" for row in _rows(audit)]
+    lines += ["", "### Findings", ""]
+    lines += [f"- {engine_sentence(spec, report)}" for spec, report in sampled_reports(audit).items()]
+    for title, path in (chart_files or {}).items():
+        lines += ["", f"![{title}]({path})"]
+    return lines + [""]
 
 
-def render_sampled_html(sampling: dict[str, Any], chart_svg: str) -> str:
-    passed, sentence = verdict_sentence(sampling)
-
-    def pairs(rows: list[tuple[str, str]]) -> str:
-        return '<dl class="pairs">' + "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in rows) + "</dl>"
-
-    cells = ["".join(f"<td>{escape(cell)}</td>" for cell in row) for row in _rows(sampling)]
+def sampled_html(audit: dict[str, Any], chart_svgs: list[str]) -> str:
+    """The sampled section of report.html, its charts' SVGs embedded."""
+    if not sampled_runs(audit):
+        return ""
+    status, sentence = sampled_verdict(audit)
+    setting = '<dl class="pairs">' + "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>"
+                                             for k, v in sampled_setting(audit)) + "</dl>"
+    cells = ["".join(f"<td>{escape(cell)}</td>" for cell in row) for row in _rows(audit)]
     table = ("<table><thead><tr>" + "".join(f"<th>{escape(h)}</th>" for h in HEADER) + "</tr></thead><tbody>"
              + "".join(f"<tr>{row}</tr>" for row in cells) + "</tbody></table>")
     findings = "".join(f"<li>{escape(engine_sentence(spec, report))}</li>"
-                       for spec, report in (sampling.get("engines") or {}).items())
-    stamp = f"specaudit {sampling.get('specaudit_version')} · created {sampling.get('created')}"
-    body = [f'<header><h1>specaudit report: sampled audit</h1><p class="stamp">{escape(stamp)}</p></header>',
-            f'<section class="verdict verdict-{"pass" if passed else "fail"}">{escape(sentence)}</section>',
-            f'<section class="meta"><div><h2>Machine</h2>{pairs(machine_summary(sampling))}</div>'
-            f'<div><h2>Setting</h2>{pairs(_setting(sampling))}</div></section>',
-            f"<section><h2>Engines</h2>{table}</section>", f"<section><h2>Findings</h2><ul>{findings}</ul></section>",
-            f'<section><h2>Plots</h2><div class="charts"><figure>{chart_svg}</figure></div></section>']
-    return ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>specaudit sampled report</title><style>{STYLE}</style></head>"
-            f"<body><main>{''.join(body)}</main></body></html>\n")
-
-
-def write_sampled_reports(sampling: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """`report.md`, `report.html` and `charts/pit.svg` in `out_dir`; the two reports' paths."""
-    out_dir = Path(out_dir)
-    (out_dir / "charts").mkdir(parents=True, exist_ok=True)
-    svg = render_svg(pit_chart(sampling))
-    (out_dir / "charts" / "pit.svg").write_text(standalone_svg(svg), encoding="utf-8")
-    paths = {"markdown": out_dir / "report.md", "html": out_dir / "report.html"}
-    paths["markdown"].write_text(render_sampled_markdown(sampling, "charts/pit.svg"), encoding="utf-8")
-    paths["html"].write_text(render_sampled_html(sampling, svg), encoding="utf-8")
-    return paths
+                       for spec, report in sampled_reports(audit).items())
+    figures = "".join(f"<figure>{svg}</figure>" for svg in chart_svgs)
+    return (f'<section class="sampled"><h2>Sampled runs</h2>'
+            f'<p class="verdict verdict-{"pass" if status == "pass" else "fail"}">{escape(sentence)}</p>'
+            f"{setting}{table}<h3>Findings</h3><ul>{findings}</ul>"
+            f'<div class="charts">{figures}</div></section>')

@@ -92,7 +92,21 @@ def acceptance_rate(run: dict[str, Any]) -> float | None:
 
 def verdict(audit: dict[str, Any]) -> tuple[str, str]:
     """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty". A run whose
-    engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`)."""
+    engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`).
+    Sampled runs (reports/sampled.py) add their own verdict; an audit of sampled runs alone has theirs."""
+    from specaudit.equivalence.reports.sampled import greedy_view, sampled_runs, sampled_verdict
+
+    if not sampled_runs(audit):
+        return _greedy_verdict(audit)
+    sampled_status, sampled_sentence = sampled_verdict(audit)
+    greedy = greedy_view(audit)
+    if not greedy["runs"]:
+        return sampled_status, sampled_sentence
+    status, sentence = _greedy_verdict(greedy)
+    return ("fail" if sampled_status == "fail" else status), f"{sentence} Sampled runs: {sampled_sentence}."
+
+
+def _greedy_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     status, sentence = _equivalence_verdict(audit)
     runs = audit.get("runs") or []
     required = bool((audit.get("config") or {}).get("require_speculation"))
@@ -273,6 +287,12 @@ def text_table(header: list[str], rows: list[list[str]], right_aligned: set[int]
 def summary_table(audit: dict[str, Any]) -> str:
     """The terminal table: one line per run, every column apart however long its names; then one line
     per run on what its speculation counters showed."""
+    from specaudit.equivalence.reports.sampled import greedy_view, summary_lines
+
+    sampled = summary_lines(audit)
+    audit = greedy_view(audit)
+    if sampled and not audit["runs"]:
+        return "\n".join(sampled)
     rows = []
     for run in audit["runs"]:
         err = run.get("max_logit_error")
@@ -293,7 +313,7 @@ def summary_table(audit: dict[str, Any]) -> str:
             lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {speculation.verdict(run)}")
     for run, sentence, _ in three_way_runs(audit):
         lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {sentence}")
-    return "\n".join(lines)
+    return "\n".join(lines + sampled)
 
 
 def speculation_lines(audit: dict[str, Any]) -> list[tuple[str, str, str]]:

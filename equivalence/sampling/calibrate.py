@@ -19,7 +19,8 @@ import torch
 def main(argv: list[str] | None = None) -> None:
     from specaudit.engines.models.zoo import builtin_prompts, load_pair
     from specaudit.engines.sampling.process import SamplingParams
-    from specaudit.equivalence.sampling.run import REQUEST_ENGINES, make_engine, sampled_audit
+    from specaudit.engines.registry import REQUEST_ENGINES
+    from specaudit.equivalence.sampling.run import make_engine, sampled_audit
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="sampled-spec")

@@ -10,9 +10,10 @@ a server, the folder of the weights it serves), by teacher forcing in float64 on
 Every option of `specaudit audit` is honored or refused: the pair is loaded on `--device` in `--dtype`
 (one of each) for the in-process engines, each engine's `generate` calls are guarded as in the greedy
 audit (`--timeout`, the output contract: a failed run, exit 1), and an option that only the greedy
-audit uses (`REFUSED`) is a usage error. Writes OUT/sampling.json (after each engine), then OUT/report.md,
-OUT/report.html and OUT/charts/pit.svg (equivalence/reports/sampled.py); exit 0 when no departure is
-found, 1 on a departure, a broken seed or a failed run, 2 on bad usage (one line).
+audit uses (`REFUSED`) is a usage error. Writes OUT/audit.json (after each engine; the greedy audit's
+schema, each run with `mode` "sampled"), then OUT/report.md and OUT/report.html with their sampled
+section and charts (equivalence/reports/sampled.py); exit 0 when no departure is found, 1 on a
+departure, a broken seed or a failed run, 2 on bad usage (one line).
 """
 from __future__ import annotations
 
@@ -92,26 +93,6 @@ def _recorded_samples(path: str) -> list[tuple[list[int], list[int]]]:
     return [(line.prompt_ids, line.output_ids) for line in read_recording(path)]
 
 
-def _summary(engine: str, report: dict[str, Any]) -> str:
-    first = report["detectable_tv_first_token"]
-    return (f"{engine}: {report['verdict']}, p = {report['p_value']:.3g} ({report['worst_test']}), "
-            f"effect TV {report['effect_tv'] if report['effect_tv'] is None else round(report['effect_tv'], 3)}; {report['samples']} samples, {report['tokens']} tokens; "
-            f"smallest detectable TV {report['detectable_tv_pooled']:.3f} pooled"
-            + (f", {first:.3f} at the first token" if first is not None else "")
-            + (f"; {report['finding']}" if report.get("finding") else "")
-            + _speculation_summary(report.get("speculation")))
-
-
-def _speculation_summary(speculation: dict[str, Any] | None) -> str:
-    if not speculation:
-        return ""
-    if speculation.get("drafted_tokens") is None:
-        return "; no speculation counters"
-    rate = speculation.get("acceptance_rate")
-    return (f"; speculation: {speculation.get('accepted_tokens')} of {speculation.get('drafted_tokens')} drafted "
-            f"tokens accepted" + (f" ({rate:.2f})" if rate is not None else ""))
-
-
 def _float64_copy_fits(pair: Any) -> tuple[bool, float, float | None]:
     """Whether a float64 copy of the pair fits in the host's available memory: (fits, GiB needed, GiB free)."""
     models = [m for m in (pair.target, pair.draft) if m is not None]
@@ -151,10 +132,10 @@ def run(args: argparse.Namespace) -> int:
     from specaudit.equivalence.cli.args import engine_options
     from specaudit.equivalence.errors import one_line
     from specaudit.equivalence.prompts import load_prompts
-    from specaudit.equivalence.reports.sampled import write_sampled_reports
+    from specaudit.equivalence.reports.markdown import write_reports
     from specaudit.equivalence.runner import machine_info, write_json
     from specaudit.equivalence.sampling.engines import make_sampled_engine
-    from specaudit.equivalence.sampling.run import guarded_sampled_audit
+    from specaudit.equivalence.sampling.run import guarded_sampled_audit, run_record
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -203,37 +184,49 @@ def run(args: argparse.Namespace) -> int:
             what = str(exc) if isinstance(exc, (ValueError, ImportError, OSError)) else f"{type(exc).__name__}: {exc}"
             return _usage_error(f"engine {spec}: {what}" if spec not in what else what)
     args.out.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) / "sampling.json"
-    written: dict[str, Any] = {
+    out = Path(args.out) / "audit.json"
+    # the greedy audit's schema (equivalence/runner.py): the config's mode and sampling settings, one run each
+    audit: dict[str, Any] = {
         "specaudit_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(device), "pair": pair.name, "device": device, "dtype": dtype,
-        "teacher_forcing": {"device": "cpu", "dtype": "float64"}, "batch_size": batch_size,
-        "timeout": args.timeout, "params": params.describe(), "seed": args.seed, "engines": {}}
-    write_json(out, written)
+        "machine": machine_info(device),
+        "config": {"mode": "sampled", "engines": list(args.engine), "pairs": [pair.name], "batch_sizes": [batch_size],
+                   "dtypes": [dtype], "device": device, "prompts": args.prompts, "num_prompts": len(prompts),
+                   "max_new_tokens": args.max_new_tokens, "draft_tokens": args.draft_tokens,
+                   "eos_token_id": args.eos_token_id, "engine_options": engine_options(args), "timeout": args.timeout,
+                   "sampling": params.describe(), "seed": args.seed, "samples": args.samples, "alpha": args.alpha,
+                   # the oracle: the target's probabilities the tests hold the tokens against
+                   "teacher_forcing": {"device": "cpu", "dtype": "float64"}},
+        "complete": False, "runs": []}
+    write_json(out, audit)
+    base = {"pair": pair.name, "batch_size": batch_size, "dtype": dtype, "device": device, "num_prompts": len(prompts)}
     # the draw's chunks (run.draw): a bar over the samples moves after each
     chunk = max(batch_size, -(-args.samples // 20))
     try:
-        _audit_each(built, written, out, args, chunk, lambda spec, engine, bar: guarded_sampled_audit(
-            spec, lambda: engine, oracle.target, prompts, params, timeout=args.timeout,
-            vocab_size=vocab_size, batch_size=batch_size, device=device,
-            recorded=engine if spec.startswith("recorded:") else None, samples=args.samples,
-            max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed, alpha=args.alpha,
-            draft=oracle.draft, run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar))
+        _audit_each(built, audit, out, args, chunk, lambda spec, engine, bar: run_record(
+            {"engine": spec, **base}, guarded_sampled_audit(
+                spec, lambda: engine, oracle.target, prompts, params, timeout=args.timeout,
+                vocab_size=vocab_size, batch_size=batch_size, device=device,
+                recorded=engine if spec.startswith("recorded:") else None, samples=args.samples,
+                max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed, alpha=args.alpha,
+                draft=oracle.draft, run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar)))
     except KeyboardInterrupt:
         print(f"\ninterrupted: the finished engines are kept in {out}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    reports = write_sampled_reports(written, args.out)
+    audit["complete"] = True
+    write_json(out, audit)
+    reports = write_reports(audit, args.out)
     print(f"wrote {out}" + "".join(f", {path}" for path in reports.values()))
-    return EXIT_DEPARTURE if any(r["verdict"] != "no departure found" for r in written["engines"].values()) else EXIT_PASS
+    return EXIT_DEPARTURE if any(not run["equivalent"] for run in audit["runs"]) else EXIT_PASS
 
 
-def _audit_each(built: dict[str, Any], written: dict[str, Any], out: Path, args: argparse.Namespace, chunk: int,
+def _audit_each(built: dict[str, Any], audit: dict[str, Any], out: Path, args: argparse.Namespace, chunk: int,
                 audit_one: Any) -> None:
-    """`audit_one(spec, engine, bar)` for each built engine, its report kept in `written` and on disk at once
+    """`audit_one(spec, engine, bar)` for each built engine, its run kept in `audit` and on disk at once
     (a crash or Ctrl-C loses no finished engine), its line printed; a bar over the samples on stderr."""
     from tqdm import tqdm
 
+    from specaudit.equivalence.reports.sampled import run_report, summary_line
     from specaudit.equivalence.runner import write_json
 
     for spec, engine in built.items():
@@ -242,14 +235,14 @@ def _audit_each(built: dict[str, Any], written: dict[str, Any], out: Path, args:
             total=args.samples, unit="sample", desc=spec, file=sys.stderr, dynamic_ncols=True, leave=False,
             mininterval=0, miniters=1)  # at most about 20 chunks: every one is drawn
         try:
-            report = audit_one(spec, engine, bar)
+            run = audit_one(spec, engine, bar)
         finally:
             if bar is not None:
                 bar.close()
-        written["engines"][spec] = report
-        write_json(out, written)
-        if report.get("failed"):
+        audit["runs"].append(run)
+        write_json(out, audit)
+        if run.get("failed"):
             print(f"{spec}: run failed", flush=True)
-            print(f"failed: {spec}: {report['error']}", file=sys.stderr, flush=True)
+            print(f"failed: {spec}: {run['error']}", file=sys.stderr, flush=True)
         else:
-            print(_summary(spec, report), flush=True)
+            print(summary_line(spec, run_report(run)), flush=True)

@@ -18,17 +18,14 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, SAMPLED_ENGINES, resolve
+from specaudit.engines.registry import BUILTIN_ENGINES, REQUEST_ENGINES, SAMPLED_ENGINES, EngineSpecError, resolve
 from specaudit.engines.sampling.engine import request_seeds
 from specaudit.engines.sampling.process import SamplingParams
 from specaudit.equivalence.errors import one_line
 from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory, unguarded
+from specaudit.equivalence.reports.sampled import PASS
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
-
-# the project's engines, sampled through their request parameters (engines/requests/rows.py)
-REQUEST_ENGINES = ("eqspec", "exspec", "inplace", "fixedshape", "batched", "reference")
-
 
 class RequestSampled:
     """One of the project's engines (`REQUEST_ENGINES`) asked for sampled tokens the way any request asks:
@@ -197,7 +194,7 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
     report["verdict"] = ("departure" if report["departs"]
                          else "seed broken" if seeds.get("checked") and not (seeds["same_seed_same_output"]
                                                                              and seeds["alone_equals_batch"])
-                         else "no departure found")
+                         else PASS)
     return report
 
 
@@ -208,6 +205,17 @@ def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | Non
     return {"verdict": "run failed", "failed": True, "seconds": seconds,
             "error": one_line(failure_message(engine_name, exc, batch_size=batch_size, device=device)),
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def run_record(base: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """A sampled run as `audit.json` keeps it beside greedy runs: `base` (engine, pair, batch size, dtype,
+    device, prompts), `mode` "sampled", `equivalent` (no departure found), `verdict`, `seconds`; a finished
+    run's tests in `sampled` (equivalence/sampling/audit.py), a failed run's `failed`, `error`, `traceback`."""
+    run = {**base, "mode": "sampled", "verdict": report["verdict"], "equivalent": report["verdict"] == PASS}
+    if report.get("failed"):
+        return {**run, "failed": True, "error": report["error"], "traceback": report["traceback"],
+                "seconds": report.get("seconds")}
+    return {**run, "seconds": sum((report.get("seconds") or {}).values()), "sampled": report}
 
 
 def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: Any, prompts: list[list[int]],

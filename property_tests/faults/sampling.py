@@ -193,7 +193,7 @@ def make_fault_engine(target: Any, draft: Any = None, *, fault: str, engine: str
                       **options: Any) -> Any:
     """`specaudit.testing.faults.sampling:make_fault_engine` with `fault=NAME`: a sampled engine with one fault.
     `engine`: `sampled-spec` (default), or one of the project's engines (eqspec, exspec, inplace, batched,
-    reference; equivalence/sampling/run.py `REQUEST_ENGINES`), the fault's rule then planted in the
+    reference; `REQUEST_ENGINES` in engines/registry.py), the fault's rule then planted in the
     acceptance rule every one of them calls (engines/acceptance.py, engines/sampling/step.py)."""
     if fault not in SAMPLING_FAULTS and fault != SharedStream.name:
         raise ValueError(f"unknown sampling fault {fault!r}; known: {', '.join([*SAMPLING_FAULTS, SharedStream.name])}")

