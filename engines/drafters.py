@@ -16,9 +16,11 @@ no row drafted anything is a one-token decoding pass.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -93,6 +95,36 @@ def own_proposals(proposals: torch.Tensor, lengths: torch.Tensor) -> list[list[i
     return [row[:n] for row, n in zip(proposals.tolist(), lengths.tolist())]
 
 
+@dataclass
+class Drafts:
+    """One step's drafts for the rows of a batch, as the verify pass and the acceptance rule take them."""
+
+    proposals: torch.Tensor  # [B, k] what the drafter returned (past a row's own count: filler)
+    drafted: torch.Tensor  # [B] how many of them are the row's own
+    tokens: torch.Tensor  # [B, m] the verified draft columns: each row's own drafts, then pad ids
+    own: torch.Tensor  # [B, m] True on a row's own drafts
+    logits: torch.Tensor | None  # [B, m, V] what a sampled row's drafts were drawn from (None: greedy)
+    counted: bool  # the drafter said how many each row proposed (`proposal_lengths`)
+
+    def trace_fields(self, record_logits: bool) -> dict[str, Any]:
+        """The step record's `proposed` (with `record_logits`) and `drafted_counts` (a counting drafter)."""
+        return {"proposed": own_proposals(self.proposals, self.drafted) if record_logits else None,
+                "drafted_counts": self.drafted.tolist() if self.counted else None}
+
+
+def draft_stage(drafter: Drafter, state: object, k: int, sampling: StepSampler | None, pad_id: int) -> Drafts:
+    """Step 1 of every speculative engine: up to k tokens per row (a drafter may propose fewer, or none),
+    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)."""
+    proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
+    drafted = proposal_lengths(drafter, proposals)  # [B]
+    counted = getattr(drafter, "proposal_lengths", None) is not None
+    longest = None if counted else proposals.shape[1]  # a drafter that always proposes k: no read
+    tokens, own = verify_drafts(proposals, drafted, pad_id, longest)  # [B, m]
+    if draft_logits is not None:
+        draft_logits = draft_logits[:, :tokens.shape[1]]  # [B, m, V]: the verified draft columns
+    return Drafts(proposals, drafted, tokens, own, draft_logits, counted)
+
+
 class Drafter(Protocol):
     """A drafter's calls. Under sampling (a pass with sampled rows) the engine calls
     `propose(state, k, sampling=...)` on a drafter whose `propose` takes `sampling` and reads its
@@ -134,18 +166,16 @@ class ModelDrafter:
         """[B, k] draft tokens: greedy, or with `sampling` (a pass with sampled rows) each sampled row's
         token drawn from its processed q with its own stream; then `draft_logits` [B, k, V] holds the
         logits each was drawn from, for the acceptance (None when greedy)."""
-        cache = state.draft_cache
-        self._old_width = ragged.cache_width(cache)
+        self._begin(state)
         token = state.tokens[:, -1:]  # [B, 1] pending token
         check_draft_inputs(token, self.draft, self.target_vocab_size)
-        cache_lengths = state.cache_lengths
         if self.chooser is not None:
             if sampling is not None:
                 raise ValueError("a calibrated chooser proposes greedy drafts only; sampled requests need the draft model's own")
             self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
         proposed, rows = [], []
         for i in range(k):
-            logits = batch_ops.forward(self.draft, cache, token, cache_lengths + i)  # [B, 1, V]
+            logits = self._draft_pass(state, token, i)  # [B, 1, V]
             if sampling is not None:
                 rows.append(logits[:, -1])
                 token = sampling.draft_tokens(logits[:, -1]).unsqueeze(1)  # [B, 1]
@@ -159,6 +189,13 @@ class ModelDrafter:
         own_vocab = getattr(getattr(self.draft, "config", None), "vocab_size", None) if self.chooser is None else None
         check_proposals(self._proposed, self.shared_vocab_size, own_vocab if isinstance(own_vocab, int) else None)
         return self._proposed
+
+    def _begin(self, state: BatchState) -> None:
+        self._old_width = ragged.cache_width(state.draft_cache)  # where the step's columns start, for commit
+
+    def _draft_pass(self, state: BatchState, token: torch.Tensor, i: int) -> torch.Tensor:
+        """The draft's i-th pass of a step on `token` [B, 1]: its logits [B, 1, V]."""
+        return batch_ops.forward(self.draft, state.draft_cache, token, state.cache_lengths + i)
 
     def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
         """Realign the draft cache to the rows' accepted tokens; `state` still describes the batch
@@ -276,10 +313,19 @@ class PromptLookupDrafter:
         return None
 
 
+@functools.lru_cache(maxsize=None)
+def _proposes_sampled(drafter_class: type) -> bool:
+    """Whether a drafter class's `propose` takes `sampling` (read once per class, not every step)."""
+    try:
+        return "sampling" in inspect.signature(drafter_class.propose).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def propose(drafter: Drafter, state: object, k: int, sampling: StepSampler | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The drafter's [B, k] proposals and, under sampling, the draft logits [B, k, V] they were drawn from
     (None: greedy, or a drafter that proposes deterministically, whose q is the one-hot of its tokens)."""
-    if sampling is None or "sampling" not in inspect.signature(drafter.propose).parameters:
+    if sampling is None or not _proposes_sampled(type(drafter)):
         return drafter.propose(state, k), None  # type: ignore[arg-type]
     proposals = drafter.propose(state, k, sampling=sampling)  # type: ignore[call-arg, arg-type]
     return proposals, getattr(drafter, "draft_logits", None)

@@ -36,8 +36,7 @@ from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState, HostBook
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
-from specaudit.engines.drafters import (Drafter, ModelDrafter, make_drafter, own_proposals, proposal_lengths, propose,
-                                        verify_drafts)
+from specaudit.engines.drafters import Drafter, ModelDrafter, draft_stage, make_drafter
 from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -63,6 +62,15 @@ class StepResult:
     emitted: list[list[int]]  # per row of the step, the new tokens it appended
     logits: list[torch.Tensor] | None  # per row, the target logits of those tokens [n, V]
     finished: list[int]  # prompt indices that finished this step
+
+
+def collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+    """A step's record into the trace, its tokens (and logits) onto each row's output."""
+    trace.record(result.record)
+    for i, row in enumerate(result.record.rows):
+        outputs[row].extend(result.emitted[i])
+        if result.logits is not None:
+            logits[row].append(result.logits[i])
 
 
 def start_batch(
@@ -128,30 +136,25 @@ def speculative_step(
     pad_lengths = state.pad_length_list()  # from the host's lengths where the engine keeps them (EQSPEC)
     rows = list(state.rows)
 
-    # 1. draft: up to k tokens per row (a drafter may propose fewer, or none: `drafters.verify_drafts`);
-    #    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)
+    # 1. draft (drafters.draft_stage): up to k tokens per row (a drafter may propose fewer, or none),
+    #    a sampled row's drawn from its processed q with its own stream (engines/sampling/step.py)
     step_requests = requests.step(rows) if requests is not None else None
-    sampling = step_requests.sampler if step_requests is not None else None
-    proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
-    drafted = proposal_lengths(drafter, proposals)  # [B]
-    longest = proposals.shape[1] if getattr(drafter, "proposal_lengths", None) is None else None  # all k: no read
-    draft_tokens, own = verify_drafts(proposals, drafted, pad_id, longest)  # [B, m]: the row's drafts, then pad ids
+    drafts = draft_stage(drafter, state, k, step_requests.sampler if step_requests is not None else None, pad_id)
+    draft_tokens = drafts.tokens  # [B, m]: the row's drafts, then pad ids
     k = draft_tokens.shape[1]  # this step's width m: the longest proposal (0: a plain decoding pass)
     draft_seconds = clock.lap()
 
     # 2. verify: the pending token and the k draft tokens in one target pass
     old_width = ragged.cache_width(state.target_cache)
     inputs = torch.cat([state.tokens[:, -1:], draft_tokens], dim=1)  # [B, k+1]
-    logits = batch_ops.forward(target, state.target_cache, inputs, state.cache_lengths, drafted + 1)  # [B, k+1, V]
+    logits = batch_ops.forward(target, state.target_cache, inputs, state.cache_lengths, drafts.drafted + 1)  # [B, k+1, V]
     verify_seconds = clock.lap()
 
     # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
     #    cut at the first EOS id or at exactly the row's budget, never later
     room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1 for running rows
-    if draft_logits is not None:
-        draft_logits = draft_logits[:, :k]  # [B, m, V]: the verified draft columns
-    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own, requests=step_requests,
-                                draft_logits=draft_logits)
+    verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=drafts.own, requests=step_requests,
+                                draft_logits=drafts.logits)
     target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
     # the step's one read of per-row results: the tokens, accepted and emitted counts and stops [B, m+4];
     # with the host's lengths (`state.host`) every width and plan below is made from it, no other read
@@ -191,8 +194,7 @@ def speculative_step(
         step=step, kind=kind, rows=rows, pad_lengths=pad_lengths, accepted_counts=accepted_list,
         emitted_counts=emitted_list,
         seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": realign_seconds},
-        proposed=own_proposals(proposals, drafted) if record_logits else None,
-        drafted_counts=drafted.tolist() if getattr(drafter, "proposal_lengths", None) is not None else None,
+        **drafts.trace_fields(record_logits),
     )
     finished = [r for r, d in zip(rows, done_list) if d]
     return StepResult(record, new_tokens, row_logits, finished)
@@ -247,10 +249,4 @@ class EQSpec(ConsecutiveBatches, TakesRequestParams):
     def proposals_from_draft_model(self) -> bool:
         return isinstance(self.drafter, ModelDrafter)
 
-    @staticmethod
-    def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
-        trace.record(result.record)
-        for i, row in enumerate(result.record.rows):
-            outputs[row].extend(result.emitted[i])
-            if result.logits is not None:
-                logits[row].append(result.logits[i])
+    _collect = staticmethod(collect)

@@ -51,10 +51,8 @@ from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.contract import ConsecutiveBatches, row_limits
 from specaudit.engines.requests.rows import TakesRequestParams
-from specaudit.engines.drafters import (check_draft_inputs, check_proposals, own_proposals, proposal_lengths,
-                                         propose, shared_vocab_size, verify_drafts)
-from specaudit.engines.sampling.step import StepSampler
-from specaudit.engines.eqspec import Clock, StepResult
+from specaudit.engines.drafters import ModelDrafter, draft_stage, shared_vocab_size
+from specaudit.engines.eqspec import Clock, StepResult, collect
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 
@@ -150,20 +148,17 @@ def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
     return new_valid
 
 
-class InplaceDrafter:
-    """Greedy drafting with a draft model whose cache keeps holes, like the target's.
+class InplaceDrafter(ModelDrafter):
+    """Drafting with a draft model whose cache keeps holes, like the target's: `ModelDrafter`'s proposals
+    (greedy, a chooser's, or sampled), each draft pass reading the cache through its validity mask.
 
     With a `chooser` (see `engines.models.bench_pair.CalibratedChooser`) each proposal is the chooser's
     token instead of the draft model's own greedy one; the draft model still runs on it."""
 
     def __init__(self, draft: PreTrainedModel, chooser=None, shared_vocab_size: int | None = None,
                  target_vocab_size: int | None = None) -> None:
-        self.draft = draft
-        self.chooser = chooser
-        self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
-        self.target_vocab_size = target_vocab_size  # the target's ids: inside the draft's, its tokens need no check
-        self._proposed: torch.Tensor | None = None  # [B, k]
-        self.draft_logits: torch.Tensor | None = None  # [B, k, V] what a sampled proposal was drawn from
+        super().__init__(draft, shared_vocab_size, chooser, target_vocab_size)
+        self._valid: torch.Tensor | None = None  # [B, W'] the draft cache's mask during a step's passes
         self._filled = False
 
     def prefill(self, state: InplaceState) -> None:
@@ -171,35 +166,15 @@ class InplaceDrafter:
         state.draft_cache, _ = batch_ops.prefill(self.draft, state.prompt_tokens, state.prompt_lengths)
         state.draft_valid = ragged.padding_mask(state.prompt_lengths, state.prompt_tokens.shape[1])
 
-    def propose(self, state: InplaceState, k: int, sampling: StepSampler | None = None) -> torch.Tensor:
-        """[B, k] draft tokens: greedy, or with `sampling` each sampled row's token drawn from its
-        processed q with its own stream (`draft_logits` [B, k, V] then holds what they were drawn from)."""
+    def _begin(self, state: InplaceState) -> None:
         assert state.draft_cache is not None and state.draft_valid is not None
-        token = state.pending  # [B, 1]
-        check_draft_inputs(token, self.draft, self.target_vocab_size)
-        if self.chooser is not None:
-            if sampling is not None:
-                raise ValueError("a calibrated chooser proposes greedy drafts only; sampled requests need the draft model's own")
-            self.chooser.begin(list(state.rows), state.lengths - state.prompt_lengths, token[:, 0], k)
-        valid = state.draft_valid
-        proposed, rows = [], []
-        for i in range(k):
-            logits = masked_forward(self.draft, state.draft_cache, valid, token, state.cache_lengths + i)  # [B, 1, V]
-            if sampling is not None:
-                rows.append(logits[:, -1])
-                token = sampling.draft_tokens(logits[:, -1]).unsqueeze(1)  # [B, 1]
-            else:
-                greedy = logits[:, -1].argmax(-1)  # [B]
-                token = (self.chooser.choose(i, greedy) if self.chooser is not None else greedy).unsqueeze(1)
-            proposed.append(token)
-            valid = append_valid(valid, 1, torch.ones_like(state.lengths))  # this pass's input column
-        self.draft_logits = torch.stack(rows, dim=1) if rows else None  # [B, k, V]
-        self._proposed = torch.cat(proposed, dim=1)  # [B, k]
-        # the draft model's own proposals lie inside its vocabulary; a chooser's may not
-        own_vocab = getattr(getattr(self.draft, "config", None), "vocab_size", None) if self.chooser is None else None
-        check_proposals(self._proposed, self.shared_vocab_size, own_vocab if isinstance(own_vocab, int) else None)
+        self._valid = state.draft_valid
         self._filled = False
-        return self._proposed
+
+    def _draft_pass(self, state: InplaceState, token: torch.Tensor, i: int) -> torch.Tensor:
+        logits = masked_forward(self.draft, state.draft_cache, self._valid, token, state.cache_lengths + i)  # [B, 1, V]
+        self._valid = append_valid(self._valid, 1, torch.ones_like(state.lengths))  # this pass's input column
+        return logits
 
     def fill(self, state: InplaceState, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
         """A row that accepted all k needs the k-th draft token's keys and values: one more pass."""
@@ -330,30 +305,25 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         rows = list(state.rows)
         holes = (state.target_valid.shape[1] - state.cache_lengths).tolist()
 
-        # 1. draft: up to k tokens per row (fewer, or none, from a drafter that finds nothing to propose);
-        #    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)
+        # 1. draft (drafters.draft_stage): up to k tokens per row, a sampled row's drawn from its processed q
         step_requests = self.active_requests.step(rows) if self.active_requests is not None else None
-        sampling = step_requests.sampler if step_requests is not None else None
-        proposals, draft_logits = propose(self.drafter, state, k, sampling)  # [B, k], [B, k, V] or None
-        drafted = proposal_lengths(self.drafter, proposals)  # [B]
-        longest = proposals.shape[1] if getattr(self.drafter, "proposal_lengths", None) is None else None  # all k: no read
-        draft_tokens, own = verify_drafts(proposals, drafted, self.pad_id, longest)  # [B, m]: own drafts, then pad ids
+        drafts = draft_stage(self.drafter, state, k, step_requests.sampler if step_requests is not None else None,
+                             self.pad_id)
+        draft_tokens = drafts.tokens  # [B, m]: own drafts, then pad ids
         k = draft_tokens.shape[1]  # this step's width: the longest proposal
         draft_seconds = clock.lap()
 
         # 2. verify: the pending token and the k draft tokens after the cache with its holes
         inputs = torch.cat([state.pending, draft_tokens], dim=1)  # [B, k+1]
         logits = masked_forward(self.target, state.target_cache, state.target_valid, inputs, state.cache_lengths,
-                                drafted + 1)  # [B, k+1, V]
+                                drafts.drafted + 1)  # [B, k+1, V]
         verify_seconds = clock.lap()
 
         # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
         #    cut at the first EOS id or at exactly the row's budget
         room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        if draft_logits is not None:
-            draft_logits = draft_logits[:, :k]  # [B, m, V]: the verified draft columns
-        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=own, requests=step_requests,
-                                    draft_logits=draft_logits)
+        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=drafts.own, requests=step_requests,
+                                    draft_logits=drafts.logits)
         target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
         accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
         keep = (~done).nonzero().flatten()
@@ -390,8 +360,7 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
             emitted_counts=emitted_list,
             seconds={"draft": draft_seconds, "verify": verify_seconds, "accept": accept_seconds,
                      "realign": realign_seconds},
-            proposed=own_proposals(proposals, drafted) if self.record_logits else None,
-            drafted_counts=drafted.tolist() if getattr(self.drafter, "proposal_lengths", None) is not None else None,
+            **drafts.trace_fields(self.record_logits),
         )
         finished = [r for r, d in zip(rows, done_list) if d]
         return StepResult(record, new_tokens, row_logits, finished)
@@ -408,10 +377,4 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
                 state.draft_valid = compact(state.draft_cache, state.draft_valid)
                 self.compactions += 1
 
-    @staticmethod
-    def _collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
-        trace.record(result.record)
-        for i, row in enumerate(result.record.rows):
-            outputs[row].extend(result.emitted[i])
-            if result.logits is not None:
-                logits[row].append(result.logits[i])
+    _collect = staticmethod(collect)
