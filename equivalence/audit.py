@@ -26,6 +26,7 @@ from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
 from specaudit.equivalence.rulings import Ruler
 from specaudit.equivalence.run_context import Reruns, RunContext
+from specaudit.equivalence.run_record import run_record
 
 
 class Reference:
@@ -131,7 +132,9 @@ def audit_engine(
     diagnosis_budget: float | None = None,
     replay_draft: PreTrainedModel | None = None,
 ) -> dict[str, Any]:
-    """Run `engine` on `prompts` and return its run record.
+    """Run `engine` on `prompts` and return its run record, in numbered stages: 1. run the engine,
+    2. compare and rule, 3. the plain run's three-way rulings, 4. the draft's proposals, 5. the diagnosis,
+    6. the record (`equivalence/run_record.py`).
 
     Every divergence is ruled by `equivalence/rulings/` (one `Ruler` for every dtype; a black-box engine,
     `engine.black_box`: recordings, live servers, with a noise band declared by `engine_dtype` /
@@ -166,6 +169,98 @@ def audit_engine(
         reference = Reference(pair, prompts, max_new_tokens, eos_token_id)
     if replay_target is None:
         replay_target = pair.target if dtype == "float64" else float64_copy(pair.target)
+
+    # 1. run the engine (the prompts that make it fail found by bisection)
+    run = run_engine(engine, prompts, max_new_tokens, eos_token_id, context)
+    # 2. compare with the reference and rule each divergence: in float64 every mismatch is a bug; below it,
+    #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py)
+    band = None
+    if getattr(engine, "black_box", False):
+        band = rulings.noise_band(dtype, engine_dtype, logit_tolerance, run.logprobs, run.outputs, reference.outputs,
+                                  reference.logits)
+    ruler = Ruler(dtype, pair.target, replay_target, band)
+    judged = compare_and_rule(run, pair, prompts, reference, ruler, band, dtype, max_new_tokens, eos_token_id)
+    # 3. the plain run: a configured plain engine, or the plain control made only when a flip needs it
+    plain = context.plain(any(d["kind"] == "structural" for d in judged.divergences), band is not None)
+    plain_outputs = plain.get("outputs") if plain is not None else None
+    if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
+        for divergence in judged.divergences:
+            index = divergence["prompt_index"]
+            rulings.plain_rule(divergence, judged.continued.get(id(divergence), reference.outputs[index]),
+                               plain_outputs[index])
+    # 4. the draft's own proposals against the draft model's choices
+    judged.divergences += draft_findings(run, pair, prompts, judged.divergences, dtype, replay_draft)
+    # 5. name the cause of every structural divergence
+    diagnosed_at = time.perf_counter()
+    diagnoser = None
+    if diagnosis != "off" and any(d["kind"] == "structural" for d in judged.divergences):
+        diagnoser = diagnose(judged, run, pair, prompts, reference, context, ruler, dtype, replay_target, replay_draft,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                             batch_size=batch_size, draft_tokens=draft_tokens, mode=diagnosis,
+                             budget=diagnosis_budget)
+    diagnosis_seconds = time.perf_counter() - diagnosed_at
+    timing = {
+        "engine": run.seconds,
+        "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
+        "controls": ruler.seconds,  # the rulings' float64 and same-dtype replays
+        "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
+        # the diagnosis's checks and replays: everything it did but re-run the engine
+        "replays": diagnosis_seconds - diagnoser.rerun_seconds if diagnoser is not None else 0.0,
+        "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
+        "diagnosis": diagnosis_seconds,  # replays and re-runs included
+        "diagnosis_mode": diagnosis,
+    }
+    # 6. the run record
+    divergences = judged.divergences
+    structural = sum(d["kind"] == "structural" for d in divergences)
+    describe = getattr(engine, "describe", None)
+    evidence = speculation.of_run(engine, run.trace)
+    record = run_record(
+        engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
+        device=device or str(pair.target.device), num_prompts=len(prompts),
+        exact_matches=sum(c.exact for c in judged.comparisons), equivalent=structural == 0 and not run.failed,
+        structural_divergences=structural, numerical_divergences=len(divergences) - structural,
+        max_logit_error=judged.worst_error, logit_tolerance=LOGIT_TOLERANCE.get(dtype), seconds=run.seconds,
+        tokens_generated=sum(len(o) for o in run.outputs), trace=trace_summary(run.trace),
+        prompts=[c.to_dict() for c in judged.comparisons], divergences=divergences,
+        noise_band=band.to_dict() if band is not None else None, speculation=evidence,
+        speculation_observed=speculation.observed(evidence),
+        plain_engine=None if plain is None else rulings.plain_summary(
+            plain["engine"], reference.outputs, plain_outputs, run.outputs, divergences,
+            plain.get("description"), plain.get("speculation"), plain.get("error")),
+        engine_description=describe() if callable(describe) else None,
+        failures=run.isolation.failures if run.isolation is not None else [],
+        isolation=None if run.isolation is None else {"reruns": run.isolation.reruns, "notes": run.isolation.notes},
+        timing=timing)
+    if bundle_dir is not None and divergences:
+        from specaudit.equivalence.blackbox.bundles import write_bundles
+
+        write_bundles(bundle_dir, record, prompts, reference.outputs, run.outputs, run.logprobs,
+                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+    return record
+
+
+@dataclass
+class EngineRun:
+    """What one call of the engine gave: its outputs, trace and time, and the prompts that made it fail."""
+
+    outputs: list[list[int]]  # per prompt (a failing prompt's: empty)
+    trace: Trace | None
+    seconds: float
+    isolation: Isolation | None  # the failure findings, when a prompt made the engine fail
+    logits: list[torch.Tensor | None]  # per prompt, the engine's logits of its tokens [n, V] (None: not recorded)
+    logprobs: list[Any] | None  # a black-box engine's reported log-probabilities, per prompt and position
+
+    @property
+    def failed(self) -> set[int]:
+        return {f["prompt_index"] for f in self.isolation.failures} if self.isolation is not None else set()
+
+
+def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any,
+               context: RunContext) -> EngineRun:
+    """Stage 1: the engine's one call on every prompt. When `generate` raises, the prompts that make it fail
+    are found by bisection (`equivalence/isolate.py`, `context.run_subset`); a server's requests that errored
+    (`last_failures`) are failure findings too."""
     if hasattr(engine, "record_logits"):
         engine.record_logits = True
     started = time.perf_counter()
@@ -186,50 +281,60 @@ def audit_engine(
     refused = getattr(engine, "last_failures", None) or []  # a server's requests that errored, per prompt
     if refused and isolation is None:
         isolation = Isolation(list(outputs), [failure_finding(int(i), exc) for i, exc in refused], 0)
-    failed = {f["prompt_index"] for f in isolation.failures} if isolation is not None else set()
-    engine_logits = getattr(trace, "logits", None) or [None] * len(prompts)
-    tolerance = LOGIT_TOLERANCE.get(dtype)
-    band, engine_logprobs = None, None
-    if getattr(engine, "black_box", False):
-        engine_logprobs = getattr(engine, "last_logprobs", None) or None
-        band = rulings.noise_band(dtype, engine_dtype, logit_tolerance, engine_logprobs,
-                                   [[int(t) for t in o] for o in outputs], reference.outputs, reference.logits)
-    # in float64 every mismatch is a bug; below it, and for black-box engines in any dtype, precision is
-    # measured on the run (rulings/ruler.py)
-    ruler = Ruler(dtype, pair.target, replay_target, band)
+    logprobs = (getattr(engine, "last_logprobs", None) or None) if getattr(engine, "black_box", False) else None
+    return EngineRun([[int(t) for t in o] for o in outputs], trace, seconds, isolation,
+                     getattr(trace, "logits", None) or [None] * len(prompts), logprobs)
 
-    comparisons, divergences = [], []
-    continued_references: dict[int, list[int]] = {}  # id(divergence) -> the reference it was judged against
-    worst_error: float | None = None
-    for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, outputs)):
-        eng_out = [int(t) for t in eng_out]
+
+@dataclass
+class Judged:
+    """Stage 2's result: each prompt's comparison and every divergence, ruled."""
+
+    comparisons: list[Any]
+    divergences: list[dict[str, Any]]
+    continued: dict[int, list[int]]  # id(divergence) -> the reference it was judged against, past a numerical flip
+    worst_error: float | None  # the largest logit error over every prompt
+
+
+def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], reference: Reference, ruler: Ruler,
+                     band: Any, dtype: str, max_new_tokens: int, eos_token_id: Any) -> Judged:
+    """Stage 2: each prompt's tokens against the reference, each first difference ruled (`rulings.divergence`);
+    past a numerical flip the engine is judged on against a correct decoder continued on its own prefix;
+    an exact prompt whose logits stray past the dtype's tolerance is a logit divergence."""
+    tolerance = LOGIT_TOLERANCE.get(dtype)
+    logprobs = run.logprobs
+
+    def reported(index: int, position: int) -> Any:
+        return (logprobs[index][position] if logprobs and logprobs[index] and position < len(logprobs[index])
+                else None)
+
+    judged = Judged([], [], {}, None)
+    for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, run.outputs)):
         comparison = compare_tokens(index, ref_out, eng_out)
-        if index in failed:  # a failure finding, not a comparison
+        if index in run.failed:  # a failure finding, not a comparison
             comparison.exact, comparison.first_divergence, comparison.failed = False, None, True
-            comparisons.append(comparison)
+            judged.comparisons.append(comparison)
             continue
-        error_so_far, same_dtype, replay = None, None, None
-        if engine_logits[index] is not None:
+        error_so_far, same_dtype = None, None
+        if run.logits[index] is not None:
             # replay along the engine's own output, in the audit dtype: what its step should have seen
             replay = replay_logits(pair.target, prompt, eng_out)
-            error, where = logit_error(engine_logits[index], replay)
+            error, where = logit_error(run.logits[index], replay)
             if not comparison.exact:
                 upto = comparison.first_divergence + 1
-                error_so_far, _ = logit_error(engine_logits[index][:upto], replay[:upto])
+                error_so_far, _ = logit_error(run.logits[index][:upto], replay[:upto])
                 if comparison.first_divergence < replay.shape[0]:  # the audit dtype on the common prefix
                     same_dtype = replay[comparison.first_divergence]
             comparison.max_logit_error, comparison.worst_logit_position = error, where
             if error is not None:
-                worst_error = error if worst_error is None else max(worst_error, error)
-        comparisons.append(comparison)
+                judged.worst_error = error if judged.worst_error is None else max(judged.worst_error, error)
+        judged.comparisons.append(comparison)
         if not comparison.exact:
-            entry = None
-            if engine_logprobs and engine_logprobs[index] and comparison.first_divergence < len(engine_logprobs[index]):
-                entry = engine_logprobs[index][comparison.first_divergence]
             record = rulings.divergence(
-                index, comparison.first_divergence, ref_out, eng_out, reference.logits[index], trace, dtype, ruler,
-                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band, entry, same_dtype)
-            divergences.append(record)
+                index, comparison.first_divergence, ref_out, eng_out, reference.logits[index], run.trace, dtype, ruler,
+                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band,
+                reported(index, comparison.first_divergence), same_dtype)
+            judged.divergences.append(record)
             # past a numerical flip, judge on: a correct decoder continued on the engine's own prefix says
             # what it chooses from there, so a bug that shows after a rounding flip is still seen
             along = None  # [n + 1, V] audit-dtype logits after each prefix of the engine's output
@@ -243,125 +348,75 @@ def audit_engine(
                 if continued is None:
                     break
                 position = continued.position
-                entry = (engine_logprobs[index][position] if engine_logprobs and engine_logprobs[index]
-                         and position < len(engine_logprobs[index]) else None)
                 record = rulings.divergence(
-                    index, position, continued.tokens, eng_out, along, trace, dtype, ruler, prompt, pair.tokenizer,
-                    "tokens", comparison.max_logit_error, None, band, entry,
+                    index, position, continued.tokens, eng_out, along, run.trace, dtype, ruler, prompt, pair.tokenizer,
+                    "tokens", comparison.max_logit_error, None, band, reported(index, position),
                     along[position] if position < along.shape[0] else None)
                 record["continued_after"] = continued.after  # judged against a correct decoder from that prefix
-                continued_references[id(record)] = continued.tokens
-                divergences.append(record)
+                judged.continued[id(record)] = continued.tokens
+                judged.divergences.append(record)
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
-            divergences.append(rulings.divergence(
-                index, comparison.worst_logit_position, ref_out, eng_out, reference.logits[index], trace, dtype,
+            judged.divergences.append(rulings.divergence(
+                index, comparison.worst_logit_position, ref_out, eng_out, reference.logits[index], run.trace, dtype,
                 ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+    return judged
 
-    # the plain run: a configured plain engine, or the plain control made only when a flip needs it
-    plain = context.plain(any(d["kind"] == "structural" for d in divergences), band is not None)
-    plain_outputs = plain.get("outputs") if plain is not None else None
-    if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
-        for divergence in divergences:
-            index = divergence["prompt_index"]
-            judged_against = continued_references.get(id(divergence), reference.outputs[index])
-            rulings.plain_rule(divergence, judged_against, plain_outputs[index])
 
-    if (trace is not None and getattr(trace, "proposals_from_draft_model", False)
-            and getattr(pair, "draft", None) is not None):
-        diverged = {d["prompt_index"] for d in divergences}
-        draft, accept = pair.draft, None
-        if dtype != "float64":  # the float64 draft chooses; a proposal within the precision's reach passes
-            draft = replay_draft if replay_draft is not None else float64_copy(pair.draft)
-            draft_precision, floors = DraftPrecision(dtype, pair.draft, draft), {}
+def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], divergences: list[dict[str, Any]],
+                   dtype: str, replay_draft: PreTrainedModel | None) -> list[dict[str, Any]]:
+    """Stage 4: for an engine whose proposals come from the draft model, each row's first proposal the draft
+    would not have made (rows that diverged left out); below float64 a proposal within the draft's precision
+    of its float64 choice passes."""
+    trace = run.trace
+    if trace is None or not getattr(trace, "proposals_from_draft_model", False) or getattr(pair, "draft", None) is None:
+        return []
+    diverged = {d["prompt_index"] for d in divergences}
+    draft, accept = pair.draft, None
+    if dtype != "float64":  # the float64 draft chooses; a proposal within the precision's reach passes
+        draft = replay_draft if replay_draft is not None else float64_copy(pair.draft)
+        draft_precision, floors = DraftPrecision(dtype, pair.draft, draft), {}
 
-            def accept(row: int, start: int, choice: int, proposal: int) -> bool:
-                sequence = list(prompts[row]) + [int(t) for t in outputs[row]]
-                if row not in floors:  # how far the draft in this dtype strays from float64 on this row
-                    floors[row] = departure_floor(pair.draft, draft, sequence)
-                return draft_precision.admits(sequence[:start], choice, proposal, floors[row])
+        def accept(row: int, start: int, choice: int, proposal: int) -> bool:
+            sequence = list(prompts[row]) + run.outputs[row]
+            if row not in floors:  # how far the draft in this dtype strays from float64 on this row
+                floors[row] = departure_floor(pair.draft, draft, sequence)
+            return draft_precision.admits(sequence[:start], choice, proposal, floors[row])
 
-        for index, mismatch in sorted(first_draft_mismatches(trace, draft, prompts, outputs, diverged, accept).items()):
-            divergences.append(draft_divergence(index, mismatch, trace))
+    mismatches = first_draft_mismatches(trace, draft, prompts, run.outputs, diverged, accept)
+    return [draft_divergence(index, mismatch, trace) for index, mismatch in sorted(mismatches.items())]
 
-    diagnosed_at = time.perf_counter()
-    diagnoser = None
-    if diagnosis != "off" and any(d["kind"] == "structural" for d in divergences):
-        # name the bug of every structural divergence (equivalence/diagnosis/core.py); the run context
-        # runs a fresh engine for its experiments
-        diagnoser = Diagnoser(
-            prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs],
-            outputs=[[int(t) for t in o] for o in outputs], max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
-            trace=trace, engine_logits=list(engine_logits), target=pair.target, draft=getattr(pair, "draft", None),
-            run=context if context.can_rerun else None,
-            batch_size=batch_size, draft_tokens=draft_tokens or getattr(trace, "draft_tokens", 0) or 0,
-            ruler=ruler if dtype != "float64" else None,
-            replay_target=replay_target if dtype != "float64" else None,
-            replay_draft=replay_draft if dtype != "float64" else None,
-            reference_logits=list(reference.logits), logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
-            deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
-        originals = diagnoser.references
-        for divergence in divergences:
-            if divergence["kind"] == "structural":
-                index = divergence["prompt_index"]
-                if id(divergence) in continued_references:  # diagnosed against the reference it was judged by,
-                    head = continued_references[id(divergence)]  # decoded on to the end of the budget
-                    left = max_new_tokens - len(head)
-                    whole = head if left <= 0 or not head or head[-1] in eos_ids(eos_token_id) else head + greedy_decode(
-                        pair.target, list(prompts[index]) + head, left, eos_token_id)[0]
-                    diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
-                divergence["diagnosis"] = diagnoser.diagnose(divergence)
-                diagnoser.references = originals
-        note_shared_mechanisms(divergences)
-    diagnosis_seconds = time.perf_counter() - diagnosed_at
-    timing = {
-        "engine": seconds,
-        "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
-        "controls": ruler.seconds,  # the rulings' float64 and same-dtype replays
-        "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
-        # the diagnosis's checks and replays: everything it did but re-run the engine
-        "replays": diagnosis_seconds - diagnoser.rerun_seconds if diagnoser is not None else 0.0,
-        "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
-        "diagnosis": diagnosis_seconds,  # replays and re-runs included
-        "diagnosis_mode": diagnosis,
-    }
 
-    structural = sum(d["kind"] == "structural" for d in divergences)
-    describe = getattr(engine, "describe", None)
-    evidence = speculation.of_run(engine, trace)
-    run_record = {
-        "engine": engine_name,
-        "pair": pair.name,
-        "batch_size": batch_size,
-        "dtype": dtype,
-        "device": device or str(pair.target.device),
-        "num_prompts": len(prompts),
-        "exact_matches": sum(c.exact for c in comparisons),
-        "equivalent": structural == 0 and not failed,
-        "structural_divergences": structural,
-        "numerical_divergences": len(divergences) - structural,
-        "max_logit_error": worst_error,
-        "logit_tolerance": tolerance,
-        "seconds": seconds,
-        "tokens_generated": sum(len(o) for o in outputs),
-        "error": None,
-        "trace": trace_summary(trace),
-        "prompts": [c.to_dict() for c in comparisons],
-        "divergences": divergences,
-        "noise_band": band.to_dict() if band is not None else None,
-        "speculation": evidence,
-        "speculation_observed": speculation.observed(evidence),
-        "plain_engine": None if plain is None else rulings.plain_summary(
-            plain["engine"], reference.outputs, plain_outputs, [[int(t) for t in o] for o in outputs], divergences,
-            plain.get("description"), plain.get("speculation"), plain.get("error")),
-        "engine_description": describe() if callable(describe) else None,
-        "failures": isolation.failures if isolation is not None else [],
-        "isolation": None if isolation is None else {"reruns": isolation.reruns, "notes": isolation.notes},
-        "timing": timing,
-    }
-    if bundle_dir is not None and divergences:
-        from specaudit.equivalence.blackbox.bundles import write_bundles
-
-        write_bundles(bundle_dir, run_record, prompts, reference.outputs, outputs, engine_logprobs,
-                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-    return run_record
+def diagnose(judged: Judged, run: EngineRun, pair: ModelPair, prompts: list[list[int]], reference: Reference,
+             context: RunContext, ruler: Ruler, dtype: str, replay_target: PreTrainedModel,
+             replay_draft: PreTrainedModel | None, *, max_new_tokens: int, eos_token_id: Any, pad_token_id: int | None,
+             batch_size: int | None, draft_tokens: int | None, mode: str, budget: float | None) -> Diagnoser:
+    """Stage 5: name the bug of every structural divergence (equivalence/diagnosis/core.py); the run context
+    runs a fresh engine for its experiments. Each divergence judged past a numerical flip is diagnosed
+    against the reference it was judged by, decoded on to the end of the budget."""
+    below = dtype != "float64"
+    diagnoser = Diagnoser(
+        prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs],
+        outputs=run.outputs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
+        trace=run.trace, engine_logits=list(run.logits), target=pair.target, draft=getattr(pair, "draft", None),
+        run=context if context.can_rerun else None,
+        batch_size=batch_size, draft_tokens=draft_tokens or getattr(run.trace, "draft_tokens", 0) or 0,
+        ruler=ruler if below else None, replay_target=replay_target if below else None,
+        replay_draft=replay_draft if below else None,
+        reference_logits=list(reference.logits), logit_paths=[list(r) for r in reference.outputs], mode=mode,
+        deadline=None if budget is None else time.monotonic() + budget)
+    originals = diagnoser.references
+    for divergence in judged.divergences:
+        if divergence["kind"] != "structural":
+            continue
+        index = divergence["prompt_index"]
+        if id(divergence) in judged.continued:
+            head = judged.continued[id(divergence)]
+            left = max_new_tokens - len(head)
+            whole = head if left <= 0 or not head or head[-1] in eos_ids(eos_token_id) else head + greedy_decode(
+                pair.target, list(prompts[index]) + head, left, eos_token_id)[0]
+            diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
+        divergence["diagnosis"] = diagnoser.diagnose(divergence)
+        diagnoser.references = originals
+    note_shared_mechanisms(judged.divergences)
+    return diagnoser

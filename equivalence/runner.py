@@ -15,7 +15,6 @@ import datetime as _dt
 import json
 import os
 import platform
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +31,7 @@ from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, audit_engine
 from specaudit.equivalence.blackbox import requests_run
-from specaudit.equivalence.errors import one_line
+from specaudit.equivalence.run_record import all_passed, failed_run
 from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory
 from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.run_context import RunContext
@@ -226,15 +225,6 @@ def run_audit(
     return audit
 
 
-def _failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[str, Any]:
-    """A run record for a run that did not finish: `error` is one line, `traceback` the whole story."""
-    return {**base, "exact_matches": 0, "equivalent": False, "structural_divergences": 0,
-            "numerical_divergences": 0, "max_logit_error": None, "logit_tolerance": None, "seconds": None,
-            "tokens_generated": 0, "trace": None, "prompts": [], "divergences": [], "failed": True,
-            "error": one_line(message),
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
-
-
 def _free_device_memory(device: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -249,7 +239,7 @@ def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: E
     else:
         why = f"{stage} failed: {type(exc).__name__}: {exc}"
     message = f"pair {name} in {dtype}: {why}; no engine was run on it"
-    return [_failed_run({"engine": engine_name, "mode": "greedy", "pair": name, "batch_size": batch_size, "dtype": dtype,
+    return [failed_run({"engine": engine_name, "pair": name, "batch_size": batch_size, "dtype": dtype,
                          "device": config.device, "num_prompts": config.num_prompts or 0}, message, exc)
             for engine_name in config.engines for batch_size in config.batch_sizes]
 
@@ -300,7 +290,7 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
     except Exception as exc:  # one engine failing must not lose the others' runs
         if out_of_memory(exc):
             _free_device_memory(config.device)
-        failed = _failed_run(base, failure_message(engine_name, exc, batch_size=batch_size, device=config.device), exc)
+        failed = failed_run(base, failure_message(engine_name, exc, batch_size=batch_size, device=config.device), exc)
         if isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
             failed["server_died"] = exc.details
         return failed
@@ -309,7 +299,7 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
 def exit_status(audit: dict[str, Any]) -> int:
     """0 when every run is equivalent, 1 when any has a structural divergence or failed, or, with
     `require_speculation`, when any run's engine did not show that it drafted."""
-    if not all(r.get("equivalent") and not r.get("error") for r in audit["runs"]):
+    if not all_passed(audit):
         return 1
     if (audit.get("config") or {}).get("require_speculation") and any(speculation.unmet(r) for r in audit["runs"]):
         return 1

@@ -28,6 +28,7 @@ from specaudit.engines.requests.reference import RequestResult, decode_with_para
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
 from specaudit.equivalence import speculation
 from specaudit.equivalence.audit import trace_summary
+from specaudit.equivalence.run_record import run_record
 from specaudit.equivalence import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 
@@ -134,21 +135,19 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = getattr(engine, "describe", None)
     trace = None if getattr(inner, "black_box", False) else getattr(inner, "last_trace", None)  # an own engine's steps
-    return {
-        "engine": engine_name, "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
-        "device": device or str(pair.target.device), "num_prompts": len(prompts),
-        "exact_matches": sum(1 for r in prompt_records if r["exact"]),
-        "equivalent": structural == 0, "structural_divergences": structural,
-        "numerical_divergences": len(divergences) - structural, "max_logit_error": None,
-        "logit_tolerance": logit_tolerance, "seconds": seconds, "tokens_generated": sum(len(o) for o in outputs),
-        "error": None, "trace": trace_summary(trace), "prompts": prompt_records, "divergences": divergences,
-        "noise_band": band.to_dict(), "speculation": speculation.of_run(inner, trace),
-        "engine_description": describe() if callable(describe) else None, "failures": [],
-        "request_params": [p.to_dict() for p in params], "penalty_scope": scope, "logprob_definition": definition,
-        "refused_parameters": [{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
-                               for i, exc in sorted(refused.items())],
-        "timing": {"engine": seconds, "reference": reference_seconds},
-    }
+    return run_record(
+        engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
+        device=device or str(pair.target.device), num_prompts=len(prompts),
+        exact_matches=sum(1 for r in prompt_records if r["exact"]),
+        equivalent=structural == 0, structural_divergences=structural,
+        numerical_divergences=len(divergences) - structural, logit_tolerance=logit_tolerance, seconds=seconds,
+        tokens_generated=sum(len(o) for o in outputs), trace=trace_summary(trace), prompts=prompt_records,
+        divergences=divergences, noise_band=band.to_dict(), speculation=speculation.of_run(inner, trace),
+        engine_description=describe() if callable(describe) else None,
+        request_params=[p.to_dict() for p in params], penalty_scope=scope, logprob_definition=definition,
+        refused_parameters=[{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
+                            for i, exc in sorted(refused.items())],
+        timing={"engine": seconds, "reference": reference_seconds})
 
 
 def _ruled(index: int, prompt: list[int], params: RequestParams, reference: RequestResult, tokens: list[int],

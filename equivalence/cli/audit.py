@@ -174,6 +174,7 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
     from specaudit.equivalence import speculation
+    from specaudit.equivalence.run_record import all_passed
     from specaudit.equivalence.runner import exit_status, run_audit, summary_table
 
     config = _config(args, parser)
@@ -204,8 +205,7 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     status = exit_status(audit)
     failed = [run for run in audit["runs"] if run.get("error")]
     unseen = speculation.audit_note(audit["runs"], config.require_speculation)
-    equivalent = all(run.get("equivalent") and not run.get("error") for run in audit["runs"])
-    print("verdict: " + ("every audited engine is equivalent" if equivalent
+    print("verdict: " + ("every audited engine is equivalent" if all_passed(audit)
                          else "NOT equivalent: see the divergences in the report" if not failed
                          else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
                               "and the report)")

@@ -14,9 +14,9 @@ from html import escape
 from typing import Any
 
 from specaudit.equivalence.reports.charts import BarChart, Series, series_color
+from specaudit.equivalence.run_record import SAMPLED  # a run's `mode`; greedy runs: "greedy" (nothing before it was kept)
 
 PASS = "no departure found"
-SAMPLED = "sampled"  # a run's `mode`; greedy runs say "greedy" (or, before it was recorded, nothing)
 
 
 def is_sampled(run: dict[str, Any]) -> bool:

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from specaudit.equivalence.reports.markdown import write_reports
     from specaudit.equivalence.runner import machine_info, write_json
     from specaudit.equivalence.sampling.engines import make_sampled_engine
-    from specaudit.equivalence.sampling.run import guarded_sampled_audit, run_record
+    from specaudit.equivalence.sampling.run import guarded_sampled_audit, sampled_run
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     # the draw's chunks (run.draw): a bar over the samples moves after each
     chunk = max(batch_size, -(-args.samples // 20))
     try:
-        _audit_each(built, audit, out, args, chunk, lambda spec, engine, bar: run_record(
+        _audit_each(built, audit, out, args, chunk, lambda spec, engine, bar: sampled_run(
             {"engine": spec, **base}, guarded_sampled_audit(
                 spec, lambda: engine, oracle.target, prompts, params, timeout=args.timeout,
                 vocab_size=vocab_size, batch_size=batch_size, device=device,

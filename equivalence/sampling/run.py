@@ -24,6 +24,7 @@ from specaudit.engines.sampling.process import SamplingParams
 from specaudit.equivalence.errors import one_line
 from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory, unguarded
 from specaudit.equivalence.reports.sampled import PASS
+from specaudit.equivalence.run_record import SAMPLED, run_record
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
 
@@ -207,15 +208,16 @@ def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | Non
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
 
 
-def run_record(base: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
-    """A sampled run as `audit.json` keeps it beside greedy runs: `base` (engine, pair, batch size, dtype,
-    device, prompts), `mode` "sampled", `equivalent` (no departure found), `verdict`, `seconds`; a finished
+def sampled_run(base: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """A sampled run as `audit.json` keeps it beside greedy runs (equivalence/run_record.py): `base` (engine,
+    pair, batch size, dtype, device, prompts), `mode` "sampled", `equivalent` (no departure found), `verdict`, `seconds`; a finished
     run's tests in `sampled` (equivalence/sampling/audit.py), a failed run's `failed`, `error`, `traceback`."""
-    run = {**base, "mode": "sampled", "verdict": report["verdict"], "equivalent": report["verdict"] == PASS}
+    verdict = {"verdict": report["verdict"], "equivalent": report["verdict"] == PASS}
     if report.get("failed"):
-        return {**run, "failed": True, "error": report["error"], "traceback": report["traceback"],
-                "seconds": report.get("seconds")}
-    return {**run, "seconds": sum((report.get("seconds") or {}).values()), "sampled": report}
+        return run_record(**base, mode=SAMPLED, **verdict, failed=True, error=report["error"],
+                          traceback=report["traceback"], seconds=report.get("seconds"))
+    return run_record(**base, mode=SAMPLED, **verdict, seconds=sum((report.get("seconds") or {}).values()),
+                      sampled=report)
 
 
 def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: Any, prompts: list[list[int]],
