@@ -17,6 +17,7 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines.static.loop import STEP_KIND as FIXED_SHAPE_STEP
 from specaudit.engines.ops import ragged
 from specaudit.engines.models import zoo
+from specaudit.engines.contract import capability
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -274,7 +275,7 @@ def dispatch_per_step(engine: Any, prompts: list[list[int]], max_new_tokens: int
 
     with torch.no_grad(), HostSyncs() as syncs, AtenOps() as ops:
         outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
-    steps = list(getattr(getattr(engine, "last_trace", None), "steps", None) or [])
+    steps = list(getattr(capability(engine, "last_trace"), "steps", None) or [])
     count = len(steps) or sum(len(o) for o in outputs) or 1
     return {"aten_ops": ops.count, "host_syncs": syncs.count, "steps": count,
             "aten_ops_per_step": ops.count / count, "host_syncs_per_step": syncs.count / count,

@@ -71,6 +71,7 @@ from specaudit.equivalence.prompts import load_prompts
 from specaudit.equivalence.runner import machine_info, write_json
 
 from specaudit import __version__ as VERSION
+from specaudit.engines.contract import capability
 
 PLAIN_ENGINES = ("reference", "batched", "hf-batched", "hf-continuous")  # no draft: k does not apply
 PER_REQUEST_BUDGET_ENGINES = ("reference", "batched", "eqspec", "exspec", "inplace", "fixedshape")  # take max_new_tokens per prompt
@@ -223,7 +224,7 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
     state = recurrent.STATE_CLOCK.stop()
     _sync(config.device)
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
-    trace = getattr(engine, "last_trace", None)
+    trace = capability(engine, "last_trace")
     stages, raw = stage_seconds(trace, wall, getattr(drafter, "fill_seconds", 0.0) if drafter is not None else 0.0)
     tokens = sum(len(o) for o in outputs)
     return {"wall_seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "request_tokens": [len(o) for o in outputs],

@@ -13,7 +13,7 @@ parameters too (`requests.rows.TakesRequestParams`): set `request_params`, one p
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -22,7 +22,57 @@ from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import Trace
 
 
-class ConsecutiveBatches:
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine must have: one call from prompts to each prompt's new tokens (module docstring)."""
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]: ...
+
+
+class Capabilities:
+    """What an engine may have beyond `generate`, each declared here once with its default. The project's
+    engines derive from this class; an engine written elsewhere need not, and is read through `capability`
+    with the same defaults. The audit reads these and nothing else of an engine."""
+
+    black_box: bool = False  # recordings and live servers: no models in process; ruled by a noise band
+    record_logits: bool = False  # the audit sets it where an engine declares it: logits into `last_trace`
+    last_trace: Trace | None = None  # the last `generate` call's steps (and logits)
+    proposals_from_draft_model: bool = False  # its drafts are the draft model's own choices (checked as such)
+    last_logprobs: list[Any] | None = None  # a black-box engine's reported log-probabilities, per prompt
+    last_failures: Sequence[tuple[int, BaseException]] = ()  # requests that errored in the last call
+    last_speculation: dict[str, Any] | None = None  # a server's speculation counters over the last call
+    last_step_offsets: list[list[int]] | None = None  # per token its offset in the step that emitted it
+    recorded_prompts: list[list[int]] | None = None  # a recording's own prompts (the audit decodes those)
+    describe: Callable[[], dict[str, Any]] | None = None  # what the engine is (versions, settings)
+    close: Callable[[], None] | None = None  # frees what it holds (a server's session)
+
+
+DEFAULTS: dict[str, Any] = {name: value for name, value in vars(Capabilities).items()
+                            if not name.startswith("_")}
+
+
+def capability(engine: object, name: str) -> Any:
+    """The engine's capability `name` (one of `Capabilities`), or its declared default."""
+    return getattr(engine, name, DEFAULTS[name])
+
+
+def declares(engine: object, name: str) -> bool:
+    """Whether the engine itself has capability `name` (an attribute the audit may set, or counters of its
+    own), not only the default `Capabilities` gives it."""
+    if name not in DEFAULTS:
+        raise KeyError(f"{name!r} is no engine capability: {', '.join(DEFAULTS)}")
+    if name in getattr(engine, "__dict__", {}):
+        return True
+    for cls in type(engine).__mro__:
+        if cls is Capabilities:
+            return False
+        if name in vars(cls):
+            return True
+    return hasattr(engine, name)  # a wrapper that hands attributes on (the guard): what it wraps has it
+
+
+class ConsecutiveBatches(Capabilities):
     """`generate` for engines that decode prompts in consecutive batches of `batch_size`.
 
     A subclass sets `batch_size`, `k`, `record_logits` and implements `_run_batch`, which appends
@@ -55,7 +105,7 @@ class ConsecutiveBatches:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
-                      proposals_from_draft_model=getattr(self, "proposals_from_draft_model", False))
+                      proposals_from_draft_model=self.proposals_from_draft_model)
         outputs: list[list[int]] = [[] for _ in prompts]
         logits: list[list[torch.Tensor]] = [[] for _ in prompts]
         if not isinstance(max_new_tokens, int):

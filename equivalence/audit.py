@@ -27,6 +27,7 @@ from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit
 from specaudit.equivalence.rulings import Ruler
 from specaudit.equivalence.run_context import Reruns, RunContext
 from specaudit.equivalence.run_record import run_record
+from specaudit.engines.contract import capability, declares
 
 
 class Reference:
@@ -175,7 +176,7 @@ def audit_engine(
     # 2. compare with the reference and rule each divergence: in float64 every mismatch is a bug; below it,
     #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py)
     band = None
-    if getattr(engine, "black_box", False):
+    if capability(engine, "black_box"):
         band = rulings.noise_band(dtype, engine_dtype, logit_tolerance, run.logprobs, run.outputs, reference.outputs,
                                   reference.logits)
     ruler = Ruler(dtype, pair.target, replay_target, band)
@@ -213,7 +214,7 @@ def audit_engine(
     # 6. the run record
     divergences = judged.divergences
     structural = sum(d["kind"] == "structural" for d in divergences)
-    describe = getattr(engine, "describe", None)
+    describe = capability(engine, "describe")
     evidence = speculation.of_run(engine, run.trace)
     record = run_record(
         engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
@@ -261,13 +262,13 @@ def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_t
     """Stage 1: the engine's one call on every prompt. When `generate` raises, the prompts that make it fail
     are found by bisection (`equivalence/isolate.py`, `context.run_subset`); a server's requests that errored
     (`last_failures`) are failure findings too."""
-    if hasattr(engine, "record_logits"):
+    if declares(engine, "record_logits"):
         engine.record_logits = True
     started = time.perf_counter()
     isolation = None
     try:
         outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
-        trace = getattr(engine, "last_trace", None)
+        trace = capability(engine, "last_trace")
     except Exception as exc:
         if not isolatable(exc) or len(prompts) < 1:
             raise
@@ -278,10 +279,10 @@ def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_t
     seconds = time.perf_counter() - started
     if len(outputs) != len(prompts):
         raise ValueError(f"engine returned {len(outputs)} outputs for {len(prompts)} prompts")
-    refused = getattr(engine, "last_failures", None) or []  # a server's requests that errored, per prompt
+    refused = capability(engine, "last_failures") or []  # a server's requests that errored, per prompt
     if refused and isolation is None:
         isolation = Isolation(list(outputs), [failure_finding(int(i), exc) for i, exc in refused], 0)
-    logprobs = (getattr(engine, "last_logprobs", None) or None) if getattr(engine, "black_box", False) else None
+    logprobs = (capability(engine, "last_logprobs") or None) if capability(engine, "black_box") else None
     return EngineRun([[int(t) for t in o] for o in outputs], trace, seconds, isolation,
                      getattr(trace, "logits", None) or [None] * len(prompts), logprobs)
 

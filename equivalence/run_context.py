@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+from specaudit.engines.contract import capability
 
 # the plain control of in-process engines below float64: batched greedy decoding, no speculation
 PLAIN_CONTROL = "batched"
@@ -51,7 +52,7 @@ class RunContext:
     @property
     def can_rerun(self) -> bool:
         # a recording answers the same whatever its batch
-        if not self.rerunnable or getattr(self.engine, "recorded_prompts", None) is not None:
+        if not self.rerunnable or capability(self.engine, "recorded_prompts") is not None:
             return False
         if self.engine_name is not None or self.reruns is not None:
             return True
@@ -127,10 +128,10 @@ class RunContext:
             engine = self._build(name)
             outputs = self._guarded(engine).generate([list(p) for p in self.prompts], self.max_new_tokens,
                                                      self.eos_token_id)
-            describe = getattr(engine, "describe", None)
+            describe = capability(engine, "describe")
             result = {"engine": name, "outputs": outputs, "error": None,
                       "description": describe() if callable(describe) else None,
-                      "speculation": speculation.of_run(engine, getattr(engine, "last_trace", None))}
+                      "speculation": speculation.of_run(engine, capability(engine, "last_trace"))}
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # the audited run goes on, ruled without the plain run

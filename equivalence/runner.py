@@ -38,6 +38,7 @@ from specaudit.equivalence.run_context import RunContext
 from specaudit.equivalence.reports.summary import summary_table  # noqa: F401 (the runner's table, re-exported)
 
 from specaudit import __version__ as VERSION
+from specaudit.engines.contract import capability
 
 
 @dataclass
@@ -255,14 +256,14 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
         options = {"pad_token_id": pair.pad_token_id, "record_logits": True, **config.engine_options}
         engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
                              draft_tokens=config.draft_tokens, **options)
-        recorded_prompts = getattr(engine, "recorded_prompts", None)
+        recorded_prompts = capability(engine, "recorded_prompts")
         if recorded_prompts is not None:  # a recording brings its own prompts: the reference decodes those
             prompts = recorded_prompts[: config.num_prompts] if config.num_prompts else recorded_prompts
             base["num_prompts"] = len(prompts)
             reference = Reference(pair, prompts, config.max_new_tokens, eos)
             adversarial = None  # a recording's prompts are its own
 
-        black_box = bool(getattr(engine, "black_box", False))
+        black_box = bool(capability(engine, "black_box"))
         # what the audit may run besides the engine's one call: fresh engines for the crash isolation and
         # the diagnosis (their re-runs share --diagnosis-budget, else --timeout), and the plain run
         budget = config.diagnosis_budget if config.diagnosis_budget is not None else config.timeout

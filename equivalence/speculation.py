@@ -17,6 +17,7 @@ speculation), None when nothing was exposed. With `--require-speculation` a run 
 from __future__ import annotations
 
 from typing import Any
+from specaudit.engines.contract import capability
 
 
 def from_trace(trace: Any) -> dict[str, Any] | None:
@@ -35,8 +36,8 @@ def from_trace(trace: Any) -> dict[str, Any] | None:
 
 def of_run(engine: Any, trace: Any) -> dict[str, Any] | None:
     """The speculation record of one run of `engine`."""
-    if getattr(engine, "black_box", False):
-        return getattr(engine, "last_speculation", None)
+    if capability(engine, "black_box"):
+        return capability(engine, "last_speculation")
     return from_trace(trace)
 
 

@@ -34,6 +34,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, black_box_prefix, make_engine, resolve
 from specaudit.equivalence.errors import ModelError, UsageError, one_line
 from specaudit.equivalence.prompts import check_ids, load_prompts
+from specaudit.engines.contract import capability
 
 
 @dataclass
@@ -221,9 +222,9 @@ def check_factories(config: Any, pair: zoo.ModelPair) -> None:
             raise UsageError(f"engine {name!r} could not be built: {type(exc).__name__}: {one_line(str(exc))}: "
                              "fix the factory or its --engine-option values") from None
         url = getattr(engine, "url", None)
-        if isinstance(url, str) and getattr(engine, "black_box", False):
+        if isinstance(url, str) and capability(engine, "black_box"):
             check_reachable(name, url)
-        recorded = getattr(engine, "recorded_prompts", None)
+        recorded = capability(engine, "recorded_prompts")
         if recorded is not None:  # a recording brings its own prompts: they must fit this pair's model
             source = getattr(engine, "path", name)
             positions = [getattr(model.config, "max_position_embeddings", None)
@@ -232,7 +233,7 @@ def check_factories(config: Any, pair: zoo.ModelPair) -> None:
             for number, ids in enumerate(recorded[: config.num_prompts] if config.num_prompts else recorded, 1):
                 check_ids(f"{source}, prompt {number}", list(ids), getattr(pair.target.config, "vocab_size", None),
                           min(positions) if positions else None, config.max_new_tokens)
-        close = getattr(engine, "close", None)
+        close = capability(engine, "close")
         if callable(close):
             close()
 

@@ -31,6 +31,7 @@ from specaudit.equivalence.audit import trace_summary
 from specaudit.equivalence.run_record import run_record
 from specaudit.equivalence import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
+from specaudit.engines.contract import capability
 
 
 def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
@@ -97,7 +98,7 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     seconds = time.perf_counter() - started
     refused = {index: exc for index, exc in getattr(inner, "last_refused", [])}
     completions = getattr(inner, "last_completions", None) or [None] * len(prompts)  # an own engine reports nothing
-    reported_logprobs = getattr(inner, "last_logprobs", None) or [None] * len(prompts)
+    reported_logprobs = capability(inner, "last_logprobs") or [None] * len(prompts)
     judged = [i for i in range(len(prompts)) if i not in refused]
     band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
                               [reported_logprobs[i] if i in judged else None for i in range(len(prompts))],
@@ -133,8 +134,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
                          if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
         divergences += row_findings
     structural = sum(d["kind"] == "structural" for d in divergences)
-    describe = getattr(engine, "describe", None)
-    trace = None if getattr(inner, "black_box", False) else getattr(inner, "last_trace", None)  # an own engine's steps
+    describe = capability(engine, "describe")
+    trace = None if capability(inner, "black_box") else capability(inner, "last_trace")  # an own engine's steps
     return run_record(
         engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=device or str(pair.target.device), num_prompts=len(prompts),

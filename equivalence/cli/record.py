@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+from specaudit.engines.contract import capability
 
 
 def add_parser(commands: Any, formatter: type) -> None:
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     except ServerError as exc:
         print(f"specaudit record: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
-    write_recording(args.out, prompts, outputs, getattr(engine, "last_logprobs", None),
+    write_recording(args.out, prompts, outputs, capability(engine, "last_logprobs"),
                     metadata={"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "engine": args.engine})
     print(f"wrote {len(prompts)} prompts' outputs ({sum(map(len, outputs))} tokens) to {args.out}")
     return 0

@@ -27,6 +27,7 @@ from specaudit.equivalence.reports.sampled import PASS
 from specaudit.equivalence.run_record import SAMPLED, run_record
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
+from specaudit.engines.contract import capability, declares
 
 class RequestSampled:
     """One of the project's engines (`REQUEST_ENGINES`) asked for sampled tokens the way any request asks:
@@ -126,21 +127,21 @@ def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_
     (the seed check tests that promise) and `progress` (anything with `update(n)`, e.g. a tqdm bar) moves
     after each chunk; any other engine is called once."""
     base = unguarded(engine)
-    whole = (chunk is None or chunk >= len(requests) or hasattr(base, "last_speculation")
+    whole = (chunk is None or chunk >= len(requests) or declares(base, "last_speculation")
              or "seeds" not in inspect.signature(base.generate).parameters)
     if whole:
         outputs = engine.generate(requests, max_new_tokens, eos_token_id)
         if progress is not None:
             progress.update(len(requests))
         # the draw's own counters, read before the seed checks call the engine again
-        return outputs, getattr(engine, "last_step_offsets", None), getattr(engine, "last_speculation", None)
+        return outputs, capability(engine, "last_step_offsets"), capability(engine, "last_speculation")
     seeds = request_seeds(seed, len(requests))
     outputs: list[list[int]] = []
     offsets: list[list[int]] | None = []
     for start in range(0, len(requests), chunk):
         part = slice(start, start + chunk)
         outputs += engine.generate(requests[part], max_new_tokens, eos_token_id, seeds=seeds[part])
-        got = getattr(engine, "last_step_offsets", None)
+        got = capability(engine, "last_step_offsets")
         offsets = None if offsets is None or got is None else offsets + [list(o) for o in got]
         if progress is not None:
             progress.update(len(requests[part]))
