@@ -21,10 +21,10 @@ from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
-from specaudit.equivalence.draft_fidelity import DraftPrecision, departure_floor, draft_divergence, first_draft_mismatches
+from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
-from specaudit.equivalence.rulings import Ruler
+from specaudit.equivalence.rulings import DraftPrecision, Ruler, departure_floor
 from specaudit.equivalence.run_context import Reruns, RunContext
 from specaudit.equivalence.run_record import run_record
 from specaudit.engines.contract import capability, declares

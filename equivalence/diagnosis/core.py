@@ -250,7 +250,7 @@ class Diagnoser(Experiments):
             return False  # float64: the draft's choice is exact
         if self._draft_precision is None:
             from specaudit.engines.models.zoo import float64_copy
-            from specaudit.equivalence.draft_fidelity import DraftPrecision
+            from specaudit.equivalence.rulings import DraftPrecision
 
             if self.replay_draft is None:
                 self.replay_draft = float64_copy(self.draft)

@@ -84,9 +84,7 @@ class Experiments:
         path = self.logit_paths[index] if index < len(self.logit_paths) else self.references[index]
         if self.ruler is None or logits is None or not path:
             return 0.0
-        rows = min(logits.shape[0], len(path))  # [rows, V] each
-        exact = self.ruler._reference_path(self.prompts[index], path)[:rows]
-        return float((logits[:rows].to(torch.float64).cpu() - exact).abs().max())
+        return self.ruler.precision_noise(self.prompts[index], path, logits)
 
     def alone(self, index: int) -> list[int] | str:
         if index not in self._alone:

@@ -13,6 +13,8 @@ each records what decided it in one field, `decided_by`:
   processed by request parameters (`noise-band`).
 - `plain`: a plain run of the same rows (the built-in `batched` engine for in-process engines,
   `--plain-engine` for servers) overrules a structural ruling it makes identically (`plain-control`).
+- `draft.DraftPrecision`: below float64, whether a draft proposal that differs from the float64 draft's
+  choice lies within the draft's precision (the draft-fidelity check, the diagnosis's kept draft tokens).
 - `record.divergence`: the divergence record of `audit.json` around a ruling (`logits` where tokens
   agree but logits do not): the step, the batch, the margin, the context.
 - `noise`: the dtype noise all of them start from.
@@ -21,10 +23,11 @@ each records what decided it in one field, `decided_by`:
 from __future__ import annotations
 
 from specaudit.equivalence.rulings.band import NoiseBand, band_evidence, noise_band, rule_on_band
+from specaudit.equivalence.rulings.draft import DraftPrecision, departure_floor
 from specaudit.equivalence.rulings.noise import EPS, dtype_noise
 from specaudit.equivalence.rulings.plain import first_divergence, rule as plain_rule, summary as plain_summary
 from specaudit.equivalence.rulings.record import divergence, step_context
 from specaudit.equivalence.rulings.ruler import Ruler
 
-__all__ = ["EPS", "NoiseBand", "Ruler", "band_evidence", "divergence", "dtype_noise", "first_divergence",
+__all__ = ["EPS", "DraftPrecision", "NoiseBand", "Ruler", "departure_floor", "band_evidence", "divergence", "dtype_noise", "first_divergence",
            "noise_band", "plain_rule", "plain_summary", "rule_on_band", "step_context"]

@@ -74,6 +74,14 @@ class Ruler:
             self._paths[key] = replay_logits(self.replay_target, prompt, list(reference) + [0]).to(torch.float64).cpu()
         return self._paths[key]
 
+    def precision_noise(self, prompt: list[int], path: list[int], logits: torch.Tensor) -> float:
+        """The largest error of `logits` [n, V] (the audit dtype's, choosing each token of `path` after
+        `prompt`) against the float64 target's along the same path (0 in float64): how closely a replay
+        in the audit dtype can reproduce an engine's logits."""
+        rows = min(logits.shape[0], len(path))  # [rows, V] each
+        exact = self._reference_path(prompt, path)[:rows]
+        return float((logits[:rows].to(torch.float64).cpu() - exact).abs().max())
+
     def floor(self, prompt: list[int], reference: list[int]) -> float:
         """The reference's largest departure from the float64 choice along its own output: the
         float64 gap below the top of each token it chose, at most over its whole output."""
