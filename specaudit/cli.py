@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "audit" and args.temperature is not None and args.reference is not None:
+        parser.error(audit_cli.served_refusal(args) or "--reference with --temperature")
     if args.command == "audit" and args.temperature is not None:
         from specaudit.equivalence.sampling import cli as sampling_cli
 
