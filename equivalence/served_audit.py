@@ -312,23 +312,17 @@ def _one_run(spec: str, batch_size: int, config: ServedConfig, prompts: list[lis
     outputs, reference = answered["outputs"], first["outputs"]
     run.update(seconds=answered["seconds"], seconds_per_request=answered["seconds"] / max(1, len(prompts)),
                description=answered["description"], speculation=answered["speculation"], outputs=outputs)
-    # reports first, with the band the engine's own log-probabilities do not widen
-    base_band = served.measure_band(determinism, None, logit_tolerance=config.logit_tolerance,
-                                    engine_dtype=config.engine_dtype)
+    gap = served.engine_logprob_gap(reference, outputs, first["logprobs"], answered["logprobs"])
+    band = served.measure_band(determinism, gap, logit_tolerance=config.logit_tolerance,
+                               engine_dtype=config.engine_dtype)
     findings = []
     for index, (prompt, ref, out) in enumerate(zip(prompts, reference, outputs)):
         if index in answered["failures"]:
             continue
         ref_report = first["reports"][index] if index < len(first["reports"]) else {}
         findings += served.report_findings(index, prompt, ref, out, answered["reports"][index] or {},
-                                           first["logprobs"][index], base_band, eos,
+                                           first["logprobs"][index], band, eos,
                                            reference_finish=(ref_report or {}).get("finish_reason"))
-    misreported = any(f["class"] == "logprob_report" for f in findings)
-    gap = None if misreported else served.engine_logprob_gap(reference, outputs, first["logprobs"], answered["logprobs"])
-    band = served.measure_band(determinism, gap, logit_tolerance=config.logit_tolerance,
-                               engine_dtype=config.engine_dtype,
-                               engine_gap_note=("the engine's reported log-probabilities are findings "
-                                                "(logprob_report): left out of the band") if misreported else None)
     divergences = []
     for index, (prompt, ref, out) in enumerate(zip(prompts, reference, outputs)):
         if index in answered["failures"]:

@@ -21,8 +21,8 @@ The band (`measure_band`) is the largest of: the reference's own re-run disagree
 largest difference of a token's log-probability between the two runs on their common prefix, and the
 reference's margin at every position where the two runs flip), the audited engine's reported
 log-probabilities against the reference's at the same prefix (twice the largest difference, over the
-tokens both report, on the positions where their tokens agree; left out for an engine whose reports are
-findings), and a declared floor (`--logit-tolerance`, or `--engine-dtype`'s noise at log-probability 0).
+alternatives both report beside the engine's chosen token, on the positions where their tokens agree: the
+chosen token's own report is what the `logprob_report` check judges against the band), and a declared floor (`--logit-tolerance`, or `--engine-dtype`'s noise at log-probability 0).
 
 A structural token divergence gets a class only where outputs alone support one: `stop_eos` (an EOS on
 one side), `output_order`, `stop_length`; the report checks add `logprob_report`, `finish_reason` and
@@ -78,12 +78,14 @@ def margin_in(top: dict[int, float] | None, reference_token: int, engine_token: 
 
 
 def _logprob_gap(a: Sequence[dict[int, float] | None] | None, b: Sequence[dict[int, float] | None] | None,
-                 upto: int) -> float | None:
-    """The largest |log p_a(t) - log p_b(t)| over positions < upto and tokens both report."""
+                 upto: int, skip: Sequence[int] | None = None) -> float | None:
+    """The largest |log p_a(t) - log p_b(t)| over positions < upto and tokens both report (leaving out
+    `skip[position]`, b's own chosen token there, when given)."""
     if not a or not b:
         return None
-    gaps = [abs(x[t] - y[t]) for x, y in zip(a[:upto], b[:upto]) if x and y for t in x.keys() & y.keys()
-            if math.isfinite(x[t]) and math.isfinite(y[t])]
+    gaps = [abs(x[t] - y[t]) for p, (x, y) in enumerate(zip(a[:upto], b[:upto])) if x and y
+            for t in x.keys() & y.keys()
+            if math.isfinite(x[t]) and math.isfinite(y[t]) and not (skip is not None and p < len(skip) and skip[p] == t)]
     return max(gaps) if gaps else None
 
 
@@ -132,13 +134,15 @@ def measure_band(rerun: dict[str, Any], engine_gap: float | None, *, logit_toler
 def engine_logprob_gap(reference: list[list[int]], outputs: list[list[int]], reference_lps: list[Any],
                        engine_lps: list[Any]) -> float | None:
     """The largest difference of a token's log-probability, audited engine against reference, at the
-    same prefix (the positions before each prompt's first divergence, and that position itself)."""
+    same prefix (the positions before each prompt's first divergence, and that position itself), over the
+    alternatives the engine reports beside its chosen token: its report of the chosen token is what the
+    `logprob_report` check judges against this band, so it does not widen it."""
     gaps = []
     for index, (r, o) in enumerate(zip(reference, outputs)):
         at = first_divergence(r, o)
         upto = len(r) if at is None else at + 1
         g = _logprob_gap(reference_lps[index] if index < len(reference_lps) else None,
-                         engine_lps[index] if index < len(engine_lps) else None, upto)
+                         engine_lps[index] if index < len(engine_lps) else None, upto, skip=o)
         if g is not None:
             gaps.append(g)
     return max(gaps) if gaps else None
