@@ -86,7 +86,10 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     how.add_argument("--batch-size", nargs="+", type=_positive, default=[8], metavar="N", help="batch sizes")
     how.add_argument("--dtype", nargs="+", type=_dtype, default=["float64"], metavar="DTYPE",
                      help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
-    how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    how.add_argument("--device", default="cpu",
+                     help="torch device: cpu, cuda[:N], or auto: the target (and draft) split over this machine's "
+                          "devices by accelerate's device_map=\"auto\" (pip install accelerate), for a target larger "
+                          "than one device; the reference and the plain control run so placed")
     add_engine_path_options(how)
     how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
                      help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
