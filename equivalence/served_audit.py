@@ -149,35 +149,13 @@ def ask(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos: Any,
 
 
 def teacher_forcer(engine: Any, eos: Any, top: int = TEACHER_FORCE_TOP):
-    """(prompt + prefix, token) -> {token id: log-probability} at the prefix, the token's included where
-    the engine can say it: vLLM's `prompt_logprobs` (exact for any token); other servers' top
-    `top` at the prefix (one new token); None for a recording."""
-    dialect = getattr(engine, "dialect", None)
-    if dialect is None:
+    """(prompt + prefix, token) -> {token id: log-probability} at the prefix, through the engine's own
+    teacher forcing (`logprobs_at`: vLLM's `prompt_logprobs`, exact for any token; other servers' top `top`
+    at the prefix); None for an engine without it (a recording)."""
+    at = getattr(engine, "logprobs_at", None)
+    if not callable(at):
         return None
-    from specaudit.engines.adapters._http import ServerError, join_url, post_json
-    from specaudit.engines.adapters.servers import vllm_request
-
-    def force(prefix: list[int], token: int) -> dict[int, float] | None:
-        try:
-            if dialect == "vllm":
-                body = vllm_request(list(prefix) + [int(token)], 1, eos, 1, engine.model)
-                body["prompt_logprobs"] = top
-                answer = post_json(join_url(engine.url, engine.path), body, timeout=engine.timeout,
-                                   retries=engine.retries, what="the reference's vLLM server")
-                entry = (answer["choices"][0].get("prompt_logprobs") or [])[-1] or {}
-                return {int(k): float(v["logprob"]) for k, v in entry.items()}
-            saved = engine.top_logprobs
-            engine.top_logprobs = top
-            try:
-                completion = engine.complete(list(prefix), 1, eos)
-            finally:
-                engine.top_logprobs = saved
-            return completion.logprobs[0] if completion.logprobs else None
-        except (ServerError, KeyError, IndexError, TypeError, ValueError):
-            return None
-
-    return force
+    return lambda prefix, token: at(list(prefix), int(token), eos, top)
 
 
 # ---- the audit -------------------------------------------------------------------------------------

@@ -182,6 +182,22 @@ class VLLMEngine(ServerEngine):
     def parse(self, answer: Any) -> Completion:
         return vllm_parse(answer)
 
+    def logprobs_at(self, prefix: list[int], token: int, eos_token_id: int | Sequence[int] | None,
+                    top: int = 20) -> dict[int, float] | None:
+        """`prompt_logprobs`: the prefix and `token` sent as a prompt; the last prompt position's entry holds
+        `token`'s log-probability at the prefix (exact, whatever its rank) and the top `top` beside it."""
+        from specaudit.engines.adapters._http import ServerError, join_url, post_json
+
+        body = vllm_request(list(prefix) + [int(token)], 1, eos_token_id, 1, self.model)
+        body["prompt_logprobs"] = top
+        try:
+            answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
+                               what=f"{self.server_name} server", observe=self._observe)
+            entry = (answer["choices"][0].get("prompt_logprobs") or [None])[-1] or {}
+            return {int(k): float(v["logprob"]) for k, v in entry.items()} or None
+        except (ServerError, KeyError, IndexError, TypeError, ValueError):
+            return None
+
 
 def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None,

@@ -99,7 +99,8 @@ def run_case(python: Path, name: str, dtype: str, out: Path) -> dict:
         spec.wait_healthy()
         recording = folder / "spec.jsonl"
         status, text = _main(["record", "--engine", f"vllm:{spec.url}", "--prompts", str(prompts), "--max-new-tokens",
-                              str(MAX_NEW), "--batch-size", "4", "--out", str(recording)])
+                              str(MAX_NEW), "--batch-size", "4", "--tokenizer", str(models.target), "--out",
+                              str(recording)])
         assert status == 0, text
         altered = _altered(recording, folder / "spec-altered.jsonl")
         for label, engine in (("recorded", recording), ("altered", altered)):
