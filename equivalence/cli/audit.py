@@ -205,16 +205,18 @@ def run_served_command(args: argparse.Namespace, parser: argparse.ArgumentParser
     from specaudit.equivalence.errors import UsageError, one_line
     from specaudit.equivalence import served_audit
 
-    if request_params_from_args(args, parser) is not None:
-        parser.error("--reference audits plain greedy requests: request parameters (--stop, penalties, "
-                     "--logit-bias, --logprobs, ...) need the in-process reference; drop them or give --target")
+    params = request_params_from_args(args, parser)
+    if params is not None and params.stop:
+        parser.error("--reference with --stop: stop strings are judged on text by the in-process reference; drop "
+                     "--stop, or give --target")
     config = served_audit.ServedConfig(
         engines=args.engine, reference=args.reference, tokenizer=args.tokenizer, batch_sizes=args.batch_size,
         prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=engine_options(args),
         engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance, adversarial=not args.no_adversarial,
         reference_batch_invariant=args.reference_batch_invariant,
-        reference_top_logprobs=args.reference_top_logprobs, require_speculation=args.require_speculation)
+        reference_top_logprobs=args.reference_top_logprobs, require_speculation=args.require_speculation,
+        request_params=params)
     try:
         audit = served_audit.run_served_audit(config, args.out)
     except (UsageError, EngineSpecError) as exc:

@@ -7,6 +7,8 @@ is. For the first divergent position p of a prompt, the reference's token r and 
 
 1. `output-match`: the engine's whole output is the reference's output for another prompt (and not its
    own): structural, `output_order`.
+   `min-tokens` (both sent `min_tokens`): a stop id the reference takes at or past it where the engine goes
+   on, or the engine takes inside it: structural, `logits_processor`.
 2. `length`: one output ends where the other goes on, without a token to compare: structural,
    `stop_eos` where an EOS is involved, else `stop_length`.
 3. `reference-rerun`: the reference itself, asked again at another batch mix, diverges first at p with
@@ -150,12 +152,15 @@ def engine_logprob_gap(reference: list[list[int]], outputs: list[list[int]], ref
 
 def rule(index: int, prompt: list[int], reference: list[int], output: list[int], *, eos_token_id: Any,
          reference_lps: Any, band: ServedBand, all_references: list[list[int]] | None = None,
-         second_reference: list[int] | None = None, teacher_force: TeacherForce | None = None) -> dict[str, Any] | None:
-    """The divergence record of prompt `index` (None when the output equals the reference's)."""
+         second_reference: list[int] | None = None, teacher_force: TeacherForce | None = None,
+         params: Any = None) -> dict[str, Any] | None:
+    """The divergence record of prompt `index` (None when the output equals the reference's). `params`: the
+    request parameters both were sent (their stop ids stop a row; `min_tokens` names `logits_processor`)."""
     position = first_divergence(reference, output)
     if position is None:
         return None
-    ends = set(eos_ids(eos_token_id))
+    ends = set(eos_ids(eos_token_id)) | set(getattr(params, "stop_token_ids", ()) or ())
+    min_tokens = int(getattr(params, "min_tokens", 0) or 0)
     r = reference[position] if position < len(reference) else None
     e = output[position] if position < len(output) else None
     record: dict[str, Any] = {"prompt_index": index, "position": position, "reference_token": r,
@@ -168,6 +173,15 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
             record.update({"class": "output_order", "decided_by": "output-match", "reason": (
                 f"the output is the reference's output for prompt {others[0]}, not this prompt's")})
             return record
+    # 1b. min_tokens: a stop id the reference takes at or past min_tokens, or the engine takes before it
+    if min_tokens and ((r in ends and e not in ends and position >= min_tokens)
+                       or (e in ends and position < min_tokens)):
+        who = (f"the reference stops with {r} at new token {position}, past min_tokens {min_tokens}, where the engine "
+               f"goes on with {e}" if r in ends else
+               f"the engine stops with {e} at new token {position}, inside min_tokens {min_tokens}")
+        record.update({"class": "logits_processor", "decided_by": "min-tokens", "reason": (
+            f"{who}: min_tokens applied past its end or not at all (both were sent the same request)")})
+        return record
     # 2. one side ends
     if r is None or e is None:
         ended, other = ("reference", e) if r is None else ("engine", r)
