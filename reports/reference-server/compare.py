@@ -8,7 +8,7 @@ recording is audited twice: `--reference vllm:PLAIN --tokenizer TARGET` (no weig
 with one token altered (prompt 0, new token 5: the planted bug) the same two ways. Writes
 `OUT/results.json` and prints the markdown table.
 
-    python reports/reference-server/compare.py --out /tmp/reference-server   # about 10 minutes on 2 cores
+    python reports/reference-server/compare.py --out /tmp/reference-server   # about 5 minutes on 2 cores
 """
 
 from __future__ import annotations
