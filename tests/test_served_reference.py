@@ -258,3 +258,15 @@ def test_request_parameters_go_to_both_and_min_tokens_past_its_end_is_logits_pro
     assert (divergence["prompt_index"], divergence["position"], divergence["reference_token"]) == (0, 3, EOS)
     assert (divergence["class"], divergence["decided_by"], divergence["needs_weights"]) == (
         "logits_processor", "min-tokens", False)
+
+
+def test_a_reference_that_cannot_be_reached_fails_the_audit_in_one_line(tmp_path, prompts_file):
+    from fake_server import free_port_with_nothing_listening
+
+    with FakeServer(server_answer(ToyLM())) as spec:
+        result = _audit(f"vllm:{spec.url}", f"vllm:http://127.0.0.1:{free_port_with_nothing_listening()}",
+                        prompts_file, tmp_path / "out")
+    assert result.returncode == 1
+    data = _audit_json(tmp_path / "out")
+    assert "cannot reach" in data["reference"]["error"] and data["runs"] == []
+    assert "FAILED" in result.stdout and "**failed**" in (tmp_path / "out" / "report.md").read_text()
