@@ -5,7 +5,8 @@ tests of the audit against a served reference (`--reference`).
 tie: its second token 0.01 below its first. `vllm_answer(lm, body, choose=...)` answers one request as vLLM
 0.32.0 does with `return_token_ids`, `return_tokens_as_token_ids` and `prompt_logprobs`: greedy tokens
 (or what `choose(prompt, position, logprobs)` picks: a planted bug), per-token top log-probabilities,
-the prompt's log-probabilities, usage and finish reason. `noise` perturbs the logits by +-noise (even
+the prompt's log-probabilities, usage and finish reason; a request with a temperature is sampled with its
+`seed`. `noise` perturbs the logits by +-noise (even
 ids up, odd ids down): a server of another precision, which flips only near ties.
 """
 
@@ -56,16 +57,22 @@ def _top(lps: list[float], n: int) -> list[int]:
 
 
 def vllm_answer(lm: ToyLM, body: dict[str, Any], choose: Choose | None = None,
-                chosen_logprob: Callable[[float], float] | None = None) -> dict[str, Any]:
+                chosen_logprob: Callable[[float], float] | None = None, sampled_scale: float = 1.0) -> dict[str, Any]:
     prompt = [int(t) for t in body["prompt"]]
     n = int(body.get("logprobs") or 0)
     stops = set(body.get("stop_token_ids") or [])
     tokens: list[int] = []
     tops, chosen = [], []
     finish = "length"
+    temperature = float(body.get("temperature") or 0.0) * sampled_scale
+    rng = random.Random(body.get("seed"))
     for position in range(int(body["max_tokens"])):
         lps = lm.logprobs(prompt + tokens)
-        token = max(range(VOCAB), key=lambda t: lps[t]) if choose is None else choose(prompt, position, lps)
+        if temperature > 0:  # a sampled request: softmax(log p / T), drawn with the request's seed
+            weights = [math.exp((v - max(lps)) / temperature) for v in lps]
+            token = rng.choices(range(VOCAB), weights=weights)[0]
+        else:
+            token = max(range(VOCAB), key=lambda t: lps[t]) if choose is None else choose(prompt, position, lps)
         tokens.append(token)
         own = lps[token] if chosen_logprob is None else chosen_logprob(lps[token])
         chosen.append(own)
@@ -93,12 +100,14 @@ def vllm_answer(lm: ToyLM, body: dict[str, Any], choose: Choose | None = None,
                       "total_tokens": len(prompt) + len(tokens)}}
 
 
-def server_answer(lm: ToyLM, choose: Choose | None = None, chosen_logprob: Callable[[float], float] | None = None):
-    """A `FakeServer` answer function: `/v1/completions` in vLLM's dialect, anything else 404."""
+def server_answer(lm: ToyLM, choose: Choose | None = None, chosen_logprob: Callable[[float], float] | None = None,
+                  sampled_scale: float = 1.0):
+    """A `FakeServer` answer function: `/v1/completions` in vLLM's dialect, anything else 404. Sampled requests
+    are drawn at `sampled_scale` times their temperature (1: a correct sampler)."""
 
     def answer(path: str, body: dict[str, Any]) -> tuple[int, Any]:
         if path != "/v1/completions":
             return 404, {"detail": "Not Found"}
-        return 200, vllm_answer(lm, body, choose, chosen_logprob)
+        return 200, vllm_answer(lm, body, choose, chosen_logprob, sampled_scale)
 
     return answer

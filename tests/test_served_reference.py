@@ -201,7 +201,7 @@ def test_recordings_as_reference_and_engine_one_token_altered_is_structural(tmp_
     (("--dtype", "bfloat16"), ("--dtype needs the weights",)),
     (("--device", "cuda"), ("--device needs the weights",)),
     (("--plain-engine", "vllm:http://127.0.0.1:1"), ("--plain-engine is the plain engine already",)),
-    (("--temperature", "0.7"), ("--temperature is not built for a served reference yet",)),
+    (("--temperature", "0.7"), ("the reference's prompt log-probabilities describe temperature 1",)),
     (("--stop", "x"), ("--reference with --stop",)),
 ])
 def test_options_that_need_the_weights_are_refused_in_one_line(tmp_path, prompts_file, extra, fragments):
@@ -270,3 +270,25 @@ def test_a_reference_that_cannot_be_reached_fails_the_audit_in_one_line(tmp_path
     data = _audit_json(tmp_path / "out")
     assert "cannot reach" in data["reference"]["error"] and data["runs"] == []
     assert "FAILED" in result.stdout and "**failed**" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("scale, verdict, status", [(1.0, "consistent with the reference", 0),
+                                                    (0.7, "departs from the reference's distribution", 1)])
+def test_sampled_audit_teacher_forced_through_the_reference_passes_a_correct_sampler_and_rejects_a_sharp_one(
+        tmp_path, prompts_file, scale, verdict, status):
+    """`--temperature 1 --reference vllm:URL`: the samples of a server teacher-forced through the reference's
+    prompt_logprobs (top 20 and the rest as one bin). A server that samples at 0.7 times the asked temperature
+    (too sharp) is rejected; a correct one passes; the power is stated."""
+    lm = ToyLM()
+    with FakeServer(server_answer(lm)) as plain, FakeServer(server_answer(lm, sampled_scale=scale)) as spec:
+        result = audit("--engine", f"vllm:{spec.url}", "--reference", f"vllm:{plain.url}", "--prompts",
+                       str(prompts_file), "--eos-token-id", str(EOS), "--max-new-tokens", str(MAX_NEW),
+                       "--temperature", "1", "--samples", "200", "--batch-size", "4", out=tmp_path / "out")
+    assert result.returncode == status, result.stdout + result.stderr
+    data = json.loads((tmp_path / "out" / "sampling.json").read_text())
+    [report] = data["engines"].values()
+    assert report["verdict"] == verdict and report["tokens"] > 1000
+    assert "with power 0.8" in report["power"] and report["detectable_tv_pooled"] < 0.1
+    # every teacher-forcing request asked for the top 20 at every position of prompt + sample
+    forced = [body for _, body in plain.requests if body.get("prompt_logprobs")]
+    assert len(forced) == 200 and all(body["prompt_logprobs"] == 20 for body in forced)

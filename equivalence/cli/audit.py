@@ -185,12 +185,10 @@ def served_refusal(args: argparse.Namespace) -> str | None:
         ("--target", args.target), ("--pair", args.pair), ("--draft", args.draft),
         ("--dtype", args.dtype != ["float64"]), ("--device", args.device != "cpu"),
         ("--plain-engine", args.plain_engine), ("--trust-remote-code", args.trust_remote_code),
-        ("--allow-pickle-weights", args.allow_pickle_weights), ("--pad-token-id", args.pad_token_id is not None),
-        ("--temperature", getattr(args, "temperature", None) is not None)) if given]
+        ("--allow-pickle-weights", args.allow_pickle_weights), ("--pad-token-id", args.pad_token_id is not None))
+        if given]
     if needs_weights:
-        what = ("is the plain engine already" if needs_weights[0] == "--plain-engine" else
-                "is not built for a served reference yet" if needs_weights[0] == "--temperature" else
-                "needs the weights in this process")
+        what = "is the plain engine already" if needs_weights[0] == "--plain-engine" else "needs the weights in this process"
         return (f"--reference replaces the in-process reference, and {needs_weights[0]} {what}: drop "
                 f"{needs_weights[0]}, or drop --reference and give --target")
     if args.reference_top_logprobs < 1:
