@@ -72,7 +72,9 @@ def add_audit_options(audit: argparse.ArgumentParser) -> None:
                              "for this deployment (its re-run, the engine's log-probabilities against its own); "
                              "structural otherwise. Classes that need the weights are reported as such. Every "
                              "--engine must be a server or recording; no --target, --pair, --draft, "
-                             "--plain-engine, --dtype or --device (see docs/reference-server.md)")
+                             "--plain-engine, --dtype or --device. With --temperature 1 (vllm:URL reference): "
+                             "the sampled audit, each sample teacher-forced through the reference's "
+                             "prompt_logprobs (see docs/reference-server.md)")
     served.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="with --reference: the served model's folder for its tokenizer and config files "
                              "(the weights are not read); needed for the built-in prompts")
