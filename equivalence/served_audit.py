@@ -319,7 +319,8 @@ def _one_run(spec: str, batch_size: int, config: ServedConfig, prompts: list[lis
             continue
         record = served.rule(index, prompt, ref, out, eos_token_id=eos, reference_lps=first["logprobs"][index],
                              band=band, all_references=reference, second_reference=second["outputs"][index],
-                             teacher_force=force, params=config.request_params)
+                             teacher_force=force, params=config.request_params,
+                             reference_report=first["reports"][index] if index < len(first["reports"]) else None)
         if record is not None:
             divergences.append(record)
     run.update(band=band.to_dict(), divergences=divergences, findings=findings,

@@ -6,7 +6,8 @@ tie: its second token 0.01 below its first. `vllm_answer(lm, body, choose=...)` 
 0.32.0 does with `return_token_ids`, `return_tokens_as_token_ids` and `prompt_logprobs`: greedy tokens
 (or what `choose(prompt, position, logprobs)` picks: a planted bug), per-token top log-probabilities,
 the prompt's log-probabilities, usage and finish reason; a request with a temperature is sampled with its
-`seed`. `noise` perturbs the logits by +-noise (even
+`seed`; a stop string ends the answer at the token that completes it (token texts: `text_of`), or
+`tokens_after_stop` tokens later (the bug of a server that checks stop strings once per speculative burst). `noise` perturbs the logits by +-noise (even
 ids up, odd ids down): a server of another precision, which flips only near ties.
 """
 
@@ -52,18 +53,26 @@ class ToyLM:
         return [v - total for v in values]
 
 
+def text_of(token: int) -> str:
+    """A token's text: one letter (stop strings are matched on the concatenation)."""
+    return chr(ord("a") + token % 26)
+
+
 def _top(lps: list[float], n: int) -> list[int]:
     return sorted(range(len(lps)), key=lambda t: -lps[t])[:n]
 
 
 def vllm_answer(lm: ToyLM, body: dict[str, Any], choose: Choose | None = None,
-                chosen_logprob: Callable[[float], float] | None = None, sampled_scale: float = 1.0) -> dict[str, Any]:
+                chosen_logprob: Callable[[float], float] | None = None, sampled_scale: float = 1.0,
+                tokens_after_stop: int = 0) -> dict[str, Any]:
     prompt = [int(t) for t in body["prompt"]]
     n = int(body.get("logprobs") or 0)
     stops = set(body.get("stop_token_ids") or [])
     tokens: list[int] = []
     tops, chosen = [], []
-    finish = "length"
+    finish, stop_reason = "length", None
+    stop_strings = list(body.get("stop") or [])
+    past_stop = None  # tokens still to return after a stop string completes (0: stop there)
     temperature = float(body.get("temperature") or 0.0) * sampled_scale
     rng = random.Random(body.get("seed"))
     for position in range(int(body["max_tokens"])):
@@ -82,8 +91,17 @@ def vllm_answer(lm: ToyLM, body: dict[str, Any], choose: Choose | None = None,
         if token in stops:
             finish = "stop"
             break
+        text = "".join(text_of(t) for t in tokens)
+        if past_stop is None and any(text.endswith(stop) for stop in stop_strings):
+            stop_reason = next(stop for stop in stop_strings if text.endswith(stop))
+            past_stop = tokens_after_stop
+        if past_stop is not None:
+            if past_stop == 0:
+                finish = "stop"
+                break
+            past_stop -= 1
     choice: dict[str, Any] = {
-        "index": 0, "text": "", "token_ids": tokens, "finish_reason": finish, "stop_reason": None,
+        "index": 0, "text": "", "token_ids": tokens, "finish_reason": finish, "stop_reason": stop_reason,
         "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": chosen, "top_logprobs": tops}
         if n else None}
     k = body.get("prompt_logprobs")
@@ -101,13 +119,13 @@ def vllm_answer(lm: ToyLM, body: dict[str, Any], choose: Choose | None = None,
 
 
 def server_answer(lm: ToyLM, choose: Choose | None = None, chosen_logprob: Callable[[float], float] | None = None,
-                  sampled_scale: float = 1.0):
+                  sampled_scale: float = 1.0, tokens_after_stop: int = 0):
     """A `FakeServer` answer function: `/v1/completions` in vLLM's dialect, anything else 404. Sampled requests
     are drawn at `sampled_scale` times their temperature (1: a correct sampler)."""
 
     def answer(path: str, body: dict[str, Any]) -> tuple[int, Any]:
         if path != "/v1/completions":
             return 404, {"detail": "Not Found"}
-        return 200, vllm_answer(lm, body, choose, chosen_logprob, sampled_scale)
+        return 200, vllm_answer(lm, body, choose, chosen_logprob, sampled_scale, tokens_after_stop)
 
     return answer

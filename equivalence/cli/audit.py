@@ -204,9 +204,6 @@ def run_served_command(args: argparse.Namespace, parser: argparse.ArgumentParser
     from specaudit.equivalence import served_audit
 
     params = request_params_from_args(args, parser)
-    if params is not None and params.stop:
-        parser.error("--reference with --stop: stop strings are judged on text by the in-process reference; drop "
-                     "--stop, or give --target")
     config = served_audit.ServedConfig(
         engines=args.engine, reference=args.reference, tokenizer=args.tokenizer, batch_sizes=args.batch_size,
         prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

@@ -9,6 +9,7 @@ is. For the first divergent position p of a prompt, the reference's token r and 
    own): structural, `output_order`.
    `min-tokens` (both sent `min_tokens`): a stop id the reference takes at or past it where the engine goes
    on, or the engine takes inside it: structural, `logits_processor`.
+   `stop-string` (both sent stop strings): the reference ends on one and the engine goes on: `stop_string`.
 2. `length`: one output ends where the other goes on, without a token to compare: structural,
    `stop_eos` where an EOS is involved, else `stop_length`.
 3. `reference-rerun`: the reference itself, asked again at another batch mix, diverges first at p with
@@ -153,7 +154,7 @@ def engine_logprob_gap(reference: list[list[int]], outputs: list[list[int]], ref
 def rule(index: int, prompt: list[int], reference: list[int], output: list[int], *, eos_token_id: Any,
          reference_lps: Any, band: ServedBand, all_references: list[list[int]] | None = None,
          second_reference: list[int] | None = None, teacher_force: TeacherForce | None = None,
-         params: Any = None) -> dict[str, Any] | None:
+         params: Any = None, reference_report: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The divergence record of prompt `index` (None when the output equals the reference's). `params`: the
     request parameters both were sent (their stop ids stop a row; `min_tokens` names `logits_processor`)."""
     position = first_divergence(reference, output)
@@ -183,6 +184,12 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
             f"{who}: min_tokens applied past its end or not at all (both were sent the same request)")})
         return record
     # 2. one side ends
+    stopped_on = (reference_report or {}).get("stop_reason")
+    if r is None and isinstance(stopped_on, str) and stopped_on in (getattr(params, "stop", ()) or ()):
+        record.update({"class": "stop_string", "decided_by": "stop-string", "reason": (
+            f"the reference stops at stop string {stopped_on!r} after {len(reference)} token(s); the engine, sent the "
+            f"same stop strings, returns {len(output) - len(reference)} token(s) after it")})
+        return record
     if r is None or e is None:
         ended, other = ("reference", e) if r is None else ("engine", r)
         stop_eos = (reference and reference[-1] in ends) or (output and output[-1] in ends)
