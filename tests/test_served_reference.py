@@ -201,6 +201,7 @@ def test_recordings_as_reference_and_engine_one_token_altered_is_structural(tmp_
     (("--dtype", "bfloat16"), ("--dtype needs the weights",)),
     (("--device", "cuda"), ("--device needs the weights",)),
     (("--plain-engine", "vllm:http://127.0.0.1:1"), ("--plain-engine is the plain engine already",)),
+    (("--diagnosis-budget", "60"), ("--diagnosis-budget needs the weights",)),
     (("--temperature", "0.7"), ("the reference's prompt log-probabilities describe temperature 1",)),
 ])
 def test_options_that_need_the_weights_are_refused_in_one_line(tmp_path, prompts_file, extra, fragments):

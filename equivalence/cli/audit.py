@@ -185,7 +185,8 @@ def served_refusal(args: argparse.Namespace) -> str | None:
         ("--target", args.target), ("--pair", args.pair), ("--draft", args.draft),
         ("--dtype", args.dtype != ["float64"]), ("--device", args.device != "cpu"),
         ("--plain-engine", args.plain_engine), ("--trust-remote-code", args.trust_remote_code),
-        ("--allow-pickle-weights", args.allow_pickle_weights), ("--pad-token-id", args.pad_token_id is not None))
+        ("--allow-pickle-weights", args.allow_pickle_weights), ("--pad-token-id", args.pad_token_id is not None),
+        ("--diagnosis-budget", args.diagnosis_budget is not None))
         if given]
     if needs_weights:
         what = "is the plain engine already" if needs_weights[0] == "--plain-engine" else "needs the weights in this process"
