@@ -218,6 +218,10 @@ def run_served_command(args: argparse.Namespace, parser: argparse.ArgumentParser
     except (UsageError, EngineSpecError) as exc:
         print(f"specaudit audit: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted: the finished runs are kept in audit.json" if (args.out / "audit.json").is_file()
+              else "\ninterrupted before the audit started: nothing was written", file=sys.stderr)
+        return 130
     report = served_audit.write_report(audit, args.out)
     print("\n".join(served_audit.summary_lines(audit)))
     print(f"\nwrote {args.out / 'audit.json'}, {report}")
