@@ -310,3 +310,14 @@ def test_stop_strings_go_to_both_and_tokens_kept_past_one_are_stop_string(tmp_pa
         clean = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "clean",
                        *[arg for stop in stops for arg in ("--stop", stop)])
     assert clean.returncode == 0, clean.stdout
+
+
+def test_a_batch_invariant_reference_is_asked_batch_size_at_a_time(tmp_path, prompts_file):
+    with FakeServer(server_answer(ToyLM()), delay_s=0.05) as plain, FakeServer(server_answer(ToyLM())) as spec:
+        result = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "out",
+                        "--reference-batch-invariant")
+    assert result.returncode == 0, result.stdout + result.stderr
+    reference = _audit_json(tmp_path / "out")["reference"]
+    assert reference["asked"] == "4 prompts in flight (declared batch-invariant)"
+    assert [r["in_flight"] for r in reference["runs"]] == [4, N_PROMPTS]
+    assert 1 < plain.max_in_flight <= N_PROMPTS
