@@ -109,11 +109,19 @@ def check_dtypes(dtypes: list[str]) -> None:
 
 
 def check_device(device: str, dtypes: list[str]) -> None:
-    """The device exists here and runs each dtype's basic operations."""
+    """The device exists here and runs each dtype's basic operations (`auto`: accelerate installed, and the
+    first device its device map would use)."""
+    if device == "auto":
+        from specaudit.engines.models.pair import accelerate_missing
+
+        missing = accelerate_missing()
+        if missing is not None:
+            raise UsageError(missing)
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
     try:
         where = torch.device(device)
     except (RuntimeError, ValueError, TypeError):
-        raise UsageError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+        raise UsageError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto") from None
     if where.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA GPU is available on this machine: use --device cpu")

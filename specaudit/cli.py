@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "audit" and args.temperature is not None and args.reference is not None:
+        refusal = audit_cli.served_refusal(args)
+        if refusal is not None:
+            parser.error(refusal)
+        from specaudit.equivalence.sampling import served as served_sampling
+
+        return served_sampling.run(args)
     if args.command == "audit" and args.temperature is not None:
         from specaudit.equivalence.sampling import cli as sampling_cli
 

@@ -198,3 +198,21 @@ def test_audit_rules_the_zero_logprobs_structural_logprob_report(draft_server, p
     assert result.returncode == 0, result.stdout
     assert run["exact_matches"] == run["num_prompts"] == 1 and run["divergences"] == [], result.stdout
     print(result.stdout)
+
+
+def test_served_reference_rules_the_zero_logprobs_logprob_report_without_weights(draft_server, plain_server, tmp_path):
+    """The same bug with no weights in the audit: the plain server of the same build is the reference
+    (`--reference llamacpp:URL`); the speculative server's tokens equal its own, and its report of their
+    log-probabilities (0.0 after the first) is a structural `logprob_report` against the plain server's."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": wr.CYCLE_PROMPT}) + "\n")
+    result = cli_run.audit("--engine", f"llamacpp:{draft_server.url}", "--reference", f"llamacpp:{plain_server.url}",
+                           "--tokenizer", str(wm.table_pair().target), "--prompts", str(prompts), "--no-adversarial",
+                           "--batch-size", "1", "--max-new-tokens", str(NEW_TOKENS), out=tmp_path / "audit")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = cli_run.runs(tmp_path / "audit")
+    assert run["exact_matches"] == run["num_prompts"] == 1 and run["divergences"] == [], run
+    (finding,) = run["findings"]
+    assert (finding["class"], finding["decided_by"], finding["kind"]) == ("logprob_report", "logprob-compare", "structural")
+    assert finding["evidence"]["positions_off"] == list(range(1, NEW_TOKENS)), finding
+    print(result.stdout)

@@ -170,3 +170,33 @@ def test_audit_rules_min_tokens_at_the_bonus_position_structural_logits_processo
     _is_min_tokens_at_bonus(by_prompt[2], 5, wm.EOS, ord("0"))
     _is_min_tokens_at_bonus(by_prompt[3], 5, ord("9"), ord(" "))
     print(result.stdout, by_prompt[3]["diagnosis"]["evidence"])
+
+
+@pytest.fixture(scope="module")
+def plain_table_server(tmp_path_factory):
+    """The same model and build without speculation: the reference of `--reference` (no weights in the audit)."""
+    python = vm.vllm_python()
+    args = [arg for arg in SERVER_ARGS if arg != "--speculative-config" and arg != json.dumps(NGRAM)]
+    log = tmp_path_factory.mktemp("vllm") / "plain.log"
+    with vm.VLLMServer(python, wm.table_pair().target, args, log) as server:
+        yield server
+
+
+def test_served_reference_rules_min_tokens_at_the_bonus_position_without_weights(ngram_server, plain_table_server,
+                                                                                 tmp_path):
+    """The bug caught with a plain vLLM server of the same build as the reference (`--reference vllm:URL`):
+    both servers are sent `min_tokens` 5; the plain server stops with EOS at new token 5, the speculative one
+    goes on with `0`: a structural `logits_processor` divergence decided by `min-tokens`, no weights loaded."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": EOS_PROMPT}) + "\n")
+    result = cli_run.audit("--engine", f"vllm:{ngram_server.url}", "--reference", f"vllm:{plain_table_server.url}",
+                           "--tokenizer", str(wm.table_pair().target), "--prompts", str(prompts), "--no-adversarial",
+                           "--batch-size", "1", "--max-new-tokens", str(MAX_TOKENS), "--min-tokens", "5",
+                           out=tmp_path / "audit")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = cli_run.runs(tmp_path / "audit")
+    (divergence,) = run["divergences"]
+    assert (divergence["position"], divergence["reference_token"], divergence["engine_token"]) == (5, wm.EOS, ord("0"))
+    assert (divergence["kind"], divergence["class"], divergence["decided_by"]) == (
+        "structural", "logits_processor", "min-tokens"), divergence
+    print(result.stdout)

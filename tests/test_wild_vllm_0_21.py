@@ -106,3 +106,34 @@ def test_audit_rules_both_stop_string_bugs_structural_stop_string(server, tmp_pa
     assert order["evidence"]["server_stop"] == "op" and order["evidence"]["server_stop_completed_by"] == 5, order
     assert order["evidence"]["earliest_stop_not_taken"], order
     assert run["prompts"][1]["reported_finish"] == ["stop", "op"]
+
+
+@pytest.fixture(scope="module")
+def plain_server(tmp_path_factory):
+    """The same build and model without speculation: the reference of `--reference` (no weights in the audit)."""
+    python = vm.vllm_python(VERSION)
+    args = SERVER_ARGS[: SERVER_ARGS.index("--speculative-config")]
+    log = tmp_path_factory.mktemp("vllm-old") / f"plain-{VERSION}.log"
+    with vm.VLLMServer(python, wm.table_pair().target, args, log) as live:
+        yield live
+
+
+@pytest.mark.parametrize("stops, position, engine_token", [(["qrs"], 9, ord("t")), (["op", "mn"], 4, ord("o"))])
+def test_served_reference_rules_both_stop_string_bugs_without_weights(server, plain_server, tmp_path, stops,
+                                                                      position, engine_token):
+    """Both bugs with a plain 0.21.0 server as the reference: both servers are sent the same stop strings; the
+    plain one stops where greedy decoding does (at `s` on "qrs"; at `n` on "mn"), the speculative one returns
+    tokens past it: a structural `stop_string` decided by `stop-string`."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": CYCLE}) + "\n")
+    result = cli_run.audit("--engine", f"vllm:{server.url}", "--reference", f"vllm:{plain_server.url}",
+                           "--tokenizer", str(wm.table_pair().target), "--prompts", str(prompts), "--no-adversarial",
+                           "--batch-size", "1", "--max-new-tokens", str(MAX_TOKENS),
+                           *[arg for stop in stops for arg in ("--stop", stop)], out=tmp_path / "audit")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = cli_run.runs(tmp_path / "audit")
+    (divergence,) = run["divergences"]
+    assert (divergence["position"], divergence["engine_token"]) == (position, engine_token), divergence
+    assert (divergence["kind"], divergence["class"], divergence["decided_by"]) == (
+        "structural", "stop_string", "stop-string"), divergence
+    print(result.stdout)

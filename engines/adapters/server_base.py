@@ -153,6 +153,21 @@ class ServerEngine:
             raise ServerError(f"{self.server_name} server at {self.url}: unexpected answer shape "
                               f"({type(exc).__name__}: {exc}); is this a {self.server_name} server?") from None
 
+    def logprobs_at(self, prefix: list[int], token: int, eos_token_id: int | Sequence[int] | None,
+                    top: int = 20) -> dict[int, float] | None:
+        """Teacher forcing: {token id: log-probability} of the next token after `prefix`, `token` included
+        where the server can say it (None where it answers nothing usable). Here: the server's top `top`
+        at the prefix (one new token); a dialect that scores a given token (vLLM) overrides it."""
+        saved = self.top_logprobs
+        self.top_logprobs = top
+        try:
+            completion = self.complete(list(prefix), 1, eos_token_id)
+        except ServerError:
+            return None
+        finally:
+            self.top_logprobs = saved
+        return completion.logprobs[0] if completion.logprobs else None
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
         if any(len(p) == 0 for p in prompts):

@@ -182,6 +182,30 @@ class VLLMEngine(ServerEngine):
     def parse(self, answer: Any) -> Completion:
         return vllm_parse(answer)
 
+    def logprobs_at(self, prefix: list[int], token: int, eos_token_id: int | Sequence[int] | None,
+                    top: int = 20) -> dict[int, float] | None:
+        """`prompt_logprobs`: the prefix and `token` sent as a prompt; the last prompt position's entry holds
+        `token`'s log-probability at the prefix (exact, whatever its rank) and the top `top` beside it."""
+        from specaudit.engines.adapters._http import ServerError
+
+        try:
+            return self.prompt_logprobs(list(prefix) + [int(token)], eos_token_id, top)[-1]
+        except (ServerError, KeyError, IndexError, TypeError, ValueError):
+            return None
+
+    def prompt_logprobs(self, sequence: list[int], eos_token_id: int | Sequence[int] | None,
+                        top: int = 20) -> list[dict[int, float] | None]:
+        """Teacher forcing of a whole sequence: per position i, {token id: log-probability} of the token after
+        `sequence[:i]` (the top `top` and `sequence[i]` itself; None at position 0), from `prompt_logprobs`."""
+        from specaudit.engines.adapters._http import join_url, post_json
+
+        body = vllm_request(list(sequence), 1, eos_token_id, 1, self.model)
+        body["prompt_logprobs"] = top
+        answer = post_json(join_url(self.url, self.path), body, timeout=self.timeout, retries=self.retries,
+                           what=f"{self.server_name} server", observe=self._observe)
+        entries = answer["choices"][0].get("prompt_logprobs") or []
+        return [None if not entry else {int(k): float(v["logprob"]) for k, v in entry.items()} for entry in entries]
+
 
 def trtllm_request(prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                    top_logprobs: int = DEFAULT_TOP_LOGPROBS, model: str | None = None,

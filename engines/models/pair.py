@@ -65,8 +65,42 @@ class ModelPair:
         return eos_ids(self.eos_token_id)
 
 
+AUTO = "auto"  # `--device auto`: accelerate's device_map="auto" over the machine's devices
+
+
 def prepare_model(model: PreTrainedModel, dtype: torch.dtype, device: str) -> PreTrainedModel:
-    model = model.to(device=device, dtype=dtype)
+    if device == AUTO:
+        model = dispatch_auto(model.to(dtype=dtype) if getattr(model, "hf_device_map", None) is None else model)
+    else:
+        model = model.to(device=device, dtype=dtype)
     model.eval()
     model.requires_grad_(False)
+    return model
+
+
+def accelerate_missing() -> str | None:
+    """Why `--device auto` cannot run here (accelerate not installed), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        return ("--device auto splits the target over this machine's devices with accelerate's device_map=\"auto\", "
+                "and accelerate is not installed: pip install accelerate (or specaudit[gguf]), or give --device cpu "
+                "or cuda[:N]")
+    return None
+
+
+def dispatch_auto(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` placed by accelerate over the machine's devices (its layers split over the GPUs in order, the
+    rest on the CPU); a model loaded with device_map="auto" is already placed and is returned as it is."""
+    if getattr(model, "hf_device_map", None) is not None:
+        return model
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    no_split = getattr(model, "_no_split_modules", None) or []
+    device_map = infer_auto_device_map(model, no_split_module_classes=list(no_split), dtype=next(model.parameters()).dtype)
+    if set(device_map.values()) <= {"cpu"}:
+        model.hf_device_map = {"": "cpu"}
+        return model
+    model = dispatch_model(model, device_map=device_map)
+    model.hf_device_map = device_map
     return model

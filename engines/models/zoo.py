@@ -172,7 +172,8 @@ def load_pair(
             pad_token_id=tok.pad_token_id,
             info={"family": spec["target"]["model_type"], "seed": spec["seed"],
                   **({"draft_family": spec["draft"]["model_type"]} if "draft" in spec else {}),
-                  **_architecture_info(pair_target, pair_draft, torch_dtype)},
+                  **_architecture_info(pair_target, pair_draft, torch_dtype),
+                  **_device_map_info(device, pair_target, pair_draft)},
         )
     if not target_path:
         raise ValueError("give a built-in pair name, or a target path (and a draft path for engines that draft)")
@@ -183,7 +184,7 @@ def load_pair(
                                          trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, use_safetensors=safetensors, trust_remote_code=trust_remote_code,
-            local_files_only=True,
+            local_files_only=True, **({"device_map": "auto"} if device == "auto" else {}),
         )
         models.append(prepare_model(model, torch_dtype, device))
     target, draft = models if len(models) == 2 else (models[0], None)
@@ -213,8 +214,16 @@ def load_pair(
               **({"vocab_sizes": {"target": target.config.vocab_size, "draft": draft.config.vocab_size,
                                   "shared": min(target.config.vocab_size, draft.config.vocab_size)}}
                  if draft is not None and target.config.vocab_size != draft.config.vocab_size else {}),
-              **_architecture_info(target, draft, torch_dtype)},
+              **_architecture_info(target, draft, torch_dtype), **_device_map_info(device, target, draft)},
     )
+
+
+def _device_map_info(device: str, target: Any, draft: Any) -> dict[str, Any]:
+    """`--device auto`: where accelerate placed each model's modules ({module: device}), for the run record."""
+    if device != "auto":
+        return {}
+    return {"device_map": {role: {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
+                           for role, model in (("target", target), ("draft", draft)) if model is not None}}
 
 
 def declared_eos(model: PreTrainedModel) -> int | tuple[int, ...] | None:

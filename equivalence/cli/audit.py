@@ -86,7 +86,10 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     how.add_argument("--batch-size", nargs="+", type=_positive, default=[8], metavar="N", help="batch sizes")
     how.add_argument("--dtype", nargs="+", type=_dtype, default=["float64"], metavar="DTYPE",
                      help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
-    how.add_argument("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    how.add_argument("--device", default="cpu",
+                     help="torch device: cpu, cuda[:N], or auto: the target (and draft) split over this machine's "
+                          "devices by accelerate's device_map=\"auto\" (pip install accelerate), for a target larger "
+                          "than one device; the reference and the plain control run so placed")
     add_engine_path_options(how)
     how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
                      help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
@@ -170,6 +173,64 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
     )
 
 
+def served_refusal(args: argparse.Namespace) -> str | None:
+    """Why the options cannot go together with `--reference` (or its own options without it), or None."""
+    if args.reference is None:
+        for flag, given in (("--tokenizer", args.tokenizer is not None),
+                            ("--reference-batch-invariant", args.reference_batch_invariant)):
+            if given:
+                return f"{flag} is an option of --reference: give --reference ENGINE, or drop {flag}"
+        return None
+    needs_weights = [flag for flag, given in (
+        ("--target", args.target), ("--pair", args.pair), ("--draft", args.draft),
+        ("--dtype", args.dtype != ["float64"]), ("--device", args.device != "cpu"),
+        ("--plain-engine", args.plain_engine), ("--trust-remote-code", args.trust_remote_code),
+        ("--allow-pickle-weights", args.allow_pickle_weights), ("--pad-token-id", args.pad_token_id is not None),
+        ("--diagnosis-budget", args.diagnosis_budget is not None))
+        if given]
+    if needs_weights:
+        what = "is the plain engine already" if needs_weights[0] == "--plain-engine" else "needs the weights in this process"
+        return (f"--reference replaces the in-process reference, and {needs_weights[0]} {what}: drop "
+                f"{needs_weights[0]}, or drop --reference and give --target")
+    if args.reference_top_logprobs < 1:
+        return "--reference-top-logprobs must be at least 1"
+    return None
+
+
+def run_served_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`specaudit audit ... --reference ENGINE`: equivalence/served_audit.py."""
+    from specaudit.engines.registry import EngineSpecError
+    from specaudit.equivalence.cli.request_args import request_params_from_args
+    from specaudit.equivalence.errors import UsageError, one_line
+    from specaudit.equivalence import served_audit
+
+    params = request_params_from_args(args, parser)
+    config = served_audit.ServedConfig(
+        engines=args.engine, reference=args.reference, tokenizer=args.tokenizer, batch_sizes=args.batch_size,
+        prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=engine_options(args),
+        engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance, adversarial=not args.no_adversarial,
+        reference_batch_invariant=args.reference_batch_invariant,
+        reference_top_logprobs=args.reference_top_logprobs, require_speculation=args.require_speculation,
+        request_params=params)
+    try:
+        audit = served_audit.run_served_audit(config, args.out)
+    except (UsageError, EngineSpecError) as exc:
+        print(f"specaudit audit: error: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted: the finished runs are kept in audit.json" if (args.out / "audit.json").is_file()
+              else "\ninterrupted before the audit started: nothing was written", file=sys.stderr)
+        return 130
+    report = served_audit.write_report(audit, args.out)
+    print("\n".join(served_audit.summary_lines(audit)))
+    print(f"\nwrote {args.out / 'audit.json'}, {report}")
+    status = served_audit.exit_status(audit)
+    print("verdict: " + ("every audited engine answers as the reference does (exact or numerical)" if status == 0
+                         else "NOT equivalent: see the divergences in the report"))
+    return status
+
+
 def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
@@ -177,6 +238,11 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from specaudit.equivalence.run_record import all_passed
     from specaudit.equivalence.runner import exit_status, run_audit, summary_table
 
+    refusal = served_refusal(args)
+    if refusal is not None:
+        parser.error(refusal)
+    if args.reference is not None:
+        return run_served_command(args, parser)
     config = _config(args, parser)
     progress = None
     if not args.no_progress:

@@ -59,6 +59,30 @@ def add_audit_options(audit: argparse.ArgumentParser) -> None:
                             "vllm:URL, or recorded:FILE recorded from one), run on the same prompts at each batch "
                             "size: a divergence it makes identically (same position, same token) is ruled "
                             "numerical whatever the noise band says; the reports show the three-way table")
+    served = audit.add_argument_group(
+        "a served reference (no weights in this process: the reference is a plain server of the same model)")
+    served.add_argument("--reference", default=None, metavar="ENGINE",
+                        help="the reference is this engine instead of the target in process: a plain (non-"
+                             "speculative) server of the same model, vllm:URL, sglang:URL, llamacpp:URL, trtllm:URL, "
+                             "or recorded:FILE recorded from one. It is asked one prompt at a time (unless "
+                             "--reference-batch-invariant), then again with every prompt in flight in reverse "
+                             "order to measure its own determinism. A divergence is numerical where the "
+                             "reference's margin there (its log-probability of its token minus the engine's, "
+                             "teacher-forced through prompt_logprobs where needed) lies within the band measured "
+                             "for this deployment (its re-run, the engine's log-probabilities against its own); "
+                             "structural otherwise. Classes that need the weights are reported as such. Every "
+                             "--engine must be a server or recording; no --target, --pair, --draft, "
+                             "--plain-engine, --dtype or --device. With --temperature 1 (vllm:URL reference): "
+                             "the sampled audit, each sample teacher-forced through the reference's "
+                             "prompt_logprobs (see docs/reference-server.md)")
+    served.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="with --reference: the served model's folder for its tokenizer and config files "
+                             "(the weights are not read); needed for the built-in prompts")
+    served.add_argument("--reference-batch-invariant", action="store_true",
+                        help="with --reference: the reference answers alike at any batch (e.g. vLLM with "
+                             "VLLM_BATCH_INVARIANT=1): ask it --batch-size prompts at a time instead of one")
+    served.add_argument("--reference-top-logprobs", type=int, default=5, metavar="N",
+                        help="with --reference: top log-probabilities asked of the reference per token")
     audit.add_argument("--no-bundles", action="store_true",
                        help="do not write OUT/bundles/*.json (one self-contained repro bundle per divergence, "
                             "for any engine; re-check one with specaudit replay)")

