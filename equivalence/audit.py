@@ -299,6 +299,7 @@ def audit_engine(
             replay_target=replay_target if dtype != "float64" else None,
             replay_draft=replay_draft if dtype != "float64" else None,
             reference_logits=list(reference.logits), logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
+            observe_inputs=not getattr(engine, "black_box", False),
             deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
         originals = diagnoser.references
         for divergence in divergences:
@@ -320,9 +321,11 @@ def audit_engine(
         "controls": ruler.seconds,  # the rulings' float64 and same-dtype replays
         "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
         # the diagnosis's checks and replays: everything it did but re-run the engine
-        "replays": diagnosis_seconds - diagnoser.rerun_seconds if diagnoser is not None else 0.0,
+        "replays": (diagnosis_seconds - diagnoser.rerun_seconds - diagnoser.observe_seconds
+                    if diagnoser is not None else 0.0),
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
-        "diagnosis": diagnosis_seconds,  # replays and re-runs included
+        "observation": diagnoser.observe_seconds if diagnoser is not None else 0.0,  # the hooked re-runs
+        "diagnosis": diagnosis_seconds,  # replays, re-runs and observation included
         "diagnosis_mode": diagnosis,
     }
 

@@ -1,0 +1,92 @@
+"""The diagnosis by observation (`equivalence/diagnosis/observe.py`) on engines written for it
+(`tests/observed_engines.py`): a left-padded loop numbering the padded width, a speculative engine leaving
+rejected slots as masked holes and numbering every column, an uncached loop whose mask shows the padding,
+`model.generate` on left-padded chunks with an all-ones mask. On learned positions (tiny-gpt2), positions
+from the mask (tiny-opt) and rotary positions (tiny-qwen3, where a constant offset per row changes no token,
+so only the holes engine's positions show), at least 90% of each buggy engine's structural divergences are
+named by their cause, none `cross_row`, the observation decides and says what it saw; the correct twins are
+exact. A class the observation contradicts becomes `unknown`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli_run import audit, runs
+from specaudit.equivalence.diagnosis.causes import Cause
+from specaudit.equivalence.diagnosis.core import Diagnoser
+from specaudit.equivalence.diagnosis.observe import CLEAN, Verdict
+
+EXPECTED = {"loop_padded_positions": "position_ids", "holes_all_slots": "position_ids",
+            "recompute_sees_padding": "attention_mask", "generate_all_ones": "attention_mask",
+            "loop": None, "holes": None, "recompute": None, "generate": None}
+# rotary positions: a whole row numbered from its padding is a constant offset, which changes no attention score
+SHOWS = {"tiny-gpt2": set(EXPECTED), "tiny-opt": set(EXPECTED),
+         "tiny-qwen3": set(EXPECTED) - {"loop_padded_positions", "loop"}}
+SETTINGS = ("--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12", "--no-adversarial")
+
+
+@pytest.mark.parametrize("pair", sorted(SHOWS))
+def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> None:
+    engines = sorted(SHOWS[pair])
+    args = [arg for engine in engines for arg in ("--engine", f"observed_engines:{engine}")]
+    result = audit(*args, "--pair", pair, *SETTINGS, out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    wrong = []
+    for run in runs(tmp_path):
+        variant = run["engine"].split(":")[1]
+        expected = EXPECTED[variant]
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        if expected is None:
+            assert run["equivalent"] and not run["divergences"] and not run["failures"], variant
+            continue
+        assert structural, f"{variant}: no structural divergence"
+        named = [d for d in structural if d["diagnosis"]["class"] == expected]
+        if len(named) < 0.9 * len(structural) or any(d["diagnosis"]["class"] == "cross_row" for d in structural):
+            wrong.append(f"{variant}: " + "; ".join(f"prompt {d['prompt_index']}: {d['diagnosis']['class']}"
+                                                   for d in structural))
+        observed = [d for d in named if d["diagnosis"]["evidence"].startswith("observed: ")]
+        assert observed, f"{variant}: the observation decided none"
+        evidence = observed[0]["diagnosis"]["evidence"]
+        if expected == "position_ids":  # what it saw, checkable: the token, the position fed, its index
+            assert " fed position " in evidence and "its index in the row is" in evidence, evidence
+        else:
+            assert "padding column(s)" in evidence, evidence
+        assert "a replay of the target with exactly the observed inputs chooses the engine's token" in evidence
+        assert run["timing"]["observation"] > 0, run["timing"]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:
+    result = audit("--engine", "observed_engines:loop_padded_positions", "--pair", "tiny-gpt2", *SETTINGS,
+                   "--diagnosis", "quick", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = runs(tmp_path)
+    assert run["timing"]["observation"] == 0.0
+    tried = [line for d in run["divergences"] for line in d["diagnosis"]["tried"]]
+    assert any("observation of the engine's inputs: not made (quick diagnosis" in line for line in tried)
+
+
+def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:
+    diagnoser = Diagnoser(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1, eos_token_id=None,
+                          pad_token_id=None)
+    diagnoser._observed = verdict
+    return diagnoser._reconcile(found, [])
+
+
+def test_a_class_the_observation_contradicts_becomes_unknown() -> None:
+    clean = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3)
+    named = Cause("position_ids", "a replay with shifted positions", "a reproducing replay", "")
+    assert _reconciled(clean, named).cls == "unknown"
+    assert "the observation contradicts it" in _reconciled(clean, named).evidence
+    other = Verdict("attention_mask", "observed: padding read", confirmed=False, speculated=True, target_calls=3)
+    assert _reconciled(other, named).cls == "unknown"
+    same = Verdict("position_ids", "observed: position 13", confirmed=False, speculated=True, target_calls=3)
+    assert _reconciled(same, named).cls == "position_ids"
+    kept = Cause("acceptance_rule", "the engine's token is the draft's own choice", "a heuristic", "")
+    plain = Verdict(CLEAN, "observed: inputs right", confirmed=False, speculated=False, target_calls=3)
+    assert _reconciled(plain, kept).cls == "unknown"  # an engine that never called its draft did not speculate
+    speculating = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3)
+    assert _reconciled(speculating, kept).cls == "acceptance_rule"
+    assert _reconciled(Verdict(None, "nothing seen"), named).cls == "position_ids"
