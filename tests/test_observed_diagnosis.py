@@ -76,11 +76,12 @@ def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:
 
 
 def test_a_class_the_observation_contradicts_becomes_unknown() -> None:
-    clean = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3)
+    clean = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3, batched=True)
     named = Cause("position_ids", "a replay with shifted positions", "a reproducing replay", "")
     assert _reconciled(clean, named).cls == "unknown"
     assert "the observation contradicts it" in _reconciled(clean, named).evidence
-    other = Verdict("attention_mask", "observed: padding read", confirmed=False, speculated=True, target_calls=3)
+    other = Verdict("attention_mask", "observed: padding read", confirmed=False, speculated=True, target_calls=3,
+                    batched=True)
     assert _reconciled(other, named).cls == "unknown"
     same = Verdict("position_ids", "observed: position 13", confirmed=False, speculated=True, target_calls=3)
     assert _reconciled(same, named).cls == "position_ids"
@@ -90,3 +91,54 @@ def test_a_class_the_observation_contradicts_becomes_unknown() -> None:
     speculating = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3)
     assert _reconciled(speculating, kept).cls == "acceptance_rule"
     assert _reconciled(Verdict(None, "nothing seen"), named).cls == "position_ids"
+
+
+def test_only_the_batch_calls_contradict_a_class() -> None:
+    """Inputs seen right in a call that decoded the row alone (not the engine's batched pass) overrule nothing,
+    and neither does a violation seen there: the class the replays named stands."""
+    named = Cause("kv_cache", "a replay with the rejected slots kept", "a reproducing replay", "")
+    alone = Verdict(CLEAN, "observed: inputs right (batch row 0 of 1)", confirmed=True, speculated=True,
+                    target_calls=3, batched=False)
+    assert _reconciled(alone, named).cls == "kv_cache"
+    other = Verdict("attention_mask", "observed: padding read", speculated=True, target_calls=3, batched=False)
+    assert _reconciled(other, named).cls == "kv_cache"
+
+
+def test_the_hooks_cover_the_engines_own_call_alone() -> None:
+    """`RunContext.rerun(..., around=)` enters the context around the engine's generate call only: a caller's
+    reference decoding for a scripted drafter, before it, is not observed; a callable without `around` is
+    refused one, and the observation says it was not made."""
+    import contextlib
+
+    from specaudit.equivalence.diagnosis.observe import observe_batch
+    from specaudit.equivalence.run_context import RunContext, wrapped
+
+    events: list[str] = []
+
+    class Engine:
+        def generate(self, prompts, max_new_tokens, eos_token_id):
+            events.append("generate")
+            return [[5] for _ in prompts]
+
+    def reruns(indices, pad_token_id, around=None):
+        events.append("reference decoding")
+        return wrapped(Engine().generate, around)([[1]] * len(indices), 1, None)
+
+    @contextlib.contextmanager
+    def around():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    run = RunContext(None, [[1], [2]], 1, None, "float64", reruns=reruns)
+    assert run.confines_reruns
+    assert run.rerun([0, 1], None, around=around) == [[5], [5]]
+    assert events == ["reference decoding", "enter", "generate", "exit"]
+    plain = RunContext(None, [[1]], 1, None, "float64", reruns=lambda indices, pad_token_id: [[5] for _ in indices])
+    assert not plain.confines_reruns
+    with pytest.raises(ValueError):
+        plain.rerun([0], None, around=around)
+    from specaudit.testing import models
+
+    plain.pair = models.pair("tiny-gpt2")
+    assert "takes no `around`" in observe_batch(plain, [0], [[5]], None)

@@ -30,8 +30,9 @@ shifted positions or a widened mask (`diagnosis/replay.py`), one judged on token
 bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
 choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
 what was tried and what it showed, and `decided_by` which evidence decided. A class that the observation
-contradicts (inputs seen right, or wrong in another way than the class says) becomes `unknown` with what was
-seen, and so does `acceptance_rule` for an engine that never called its draft model. Divergences of one run
+positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
+class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not
+speculate; an observation that judged nothing leaves the class to the replays. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
 
 Re-runs go through the run's context (`equivalence/run_context.py`): `run.rerun(indices, pad_token_id)`
@@ -337,29 +338,41 @@ class Diagnoser(Experiments):
         return None
 
     def _reconcile(self, found: Cause | Finding | None, tried: list[str]) -> Cause | Finding | None:
-        """A class from the guessing replays, heuristics or re-runs checked against what was observed: one
-        the observation contradicts (inputs seen right, or wrong in another way) becomes `unknown`, with what
-        was seen; `acceptance_rule` needs an engine that called its draft model."""
+        """A class from the guessing replays, heuristics or re-runs checked against what was observed. Only a
+        positive contradiction overrules it: the inputs of a call of the row's batch (not a row decoded alone)
+        seen right and a replay of them choosing the reference's token, or a violation of another class seen
+        there; `acceptance_rule` needs an engine that speculated (called its draft model, verified several
+        tokens of a row in one pass, or drafted in its trace). An observation that judged nothing leaves the
+        class as the replays and re-runs named it."""
         from specaudit.equivalence.diagnosis.observe import CLEAN, INPUT_CLASSES
 
         verdict, self._observed = self._observed, None
         if verdict is None or (found is not None and found.cls == "unknown"):
             return found
         cls = found.cls if found is not None else None
-        if verdict.cls == CLEAN and verdict.confirmed and (cls is None or cls in INPUT_CLASSES):
+        if verdict.cls == CLEAN and verdict.confirmed and verdict.batched and (cls is None or cls in INPUT_CLASSES):
             named = f" ({cls} was suggested: the observation contradicts it)" if cls else ""
             return Cause("unknown", f"{verdict.evidence}, and a replay of them chooses the reference's token: the "
                          f"target's inputs were right, the engine's token came after its logits{named}",
                          "the engine's step after the target's logits (acceptance, stops, its own trace)", "")
-        if verdict.cls in INPUT_CLASSES and cls != verdict.cls and (cls is None or cls in INPUT_CLASSES):
+        if (verdict.cls in INPUT_CLASSES and verdict.batched and cls != verdict.cls
+                and (cls is None or cls in INPUT_CLASSES)):
             named = f"; {cls} was suggested, which the observation does not show" if cls else ""
             return Cause("unknown", f"{verdict.evidence}; no replay of the observed inputs reproduced the engine's "
                          f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
-        if cls == "acceptance_rule" and not verdict.speculated and verdict.target_calls:
-            return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine never called "
-                         f"its draft model in the re-run: it did not speculate; {verdict.evidence}",
+        if cls == "acceptance_rule" and verdict.target_calls and not (verdict.speculated or self._drafted()):
+            return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine did not "
+                         f"speculate in the re-run (no draft model call, no pass verifying several tokens of a "
+                         f"row, no draft token in its trace); {verdict.evidence}",
                          "the engine's trace of its proposals and counts", "")
         return found
+
+    def _drafted(self) -> bool:
+        """The engine's trace records draft tokens (a drafter that is not a model: scripted, n-gram)."""
+        from specaudit.equivalence import speculation
+
+        counted = speculation.from_trace(self.trace)
+        return bool(counted and counted.get("drafted_tokens"))
 
     def _draft_chose(self, prefix: list[int], choice: int, token: int) -> bool:
         """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`

@@ -45,6 +45,7 @@ calls the target's forward (its own attention over the weights) shows nothing, a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import weakref
@@ -69,7 +70,8 @@ class Verdict:
     cls: str | None
     evidence: str
     confirmed: bool = False
-    speculated: bool = False  # the engine called the draft model in the re-run
+    speculated: bool = False  # the engine called the draft model, or fed a row several new tokens in one cached pass
+    batched: bool = False  # the producer's call fed every row of the re-run's batch that was still running
     target_calls: int = 0  # the target calls the re-run made (0: nothing was seen)
     producer: int | None = None  # the slot whose query chose the engine's token
     engine_token: int | None = None  # the token it chose in the re-run
@@ -269,7 +271,9 @@ class Observation:
     pad_token_id: int | None = None
     calls: int = 0  # target calls seen
     draft_calls: int = 0
+    verified: int = 0  # cached target calls that fed a row more than one new token (a verification of proposals)
     failed: str | None = None
+    entered: int = 0  # how many times the hooks were installed (once: around the engine's own generate call)
     slots: list[_Slot] = field(default_factory=list)
     records: list[_CallRow] = field(default_factory=list)
     _streams: dict[int, tuple[Any, _Stream]] = field(default_factory=dict)
@@ -311,6 +315,8 @@ class Observation:
             query_columns = torch.tensor(columns).view(q, 1)  # [q, 1]; none received: causal over every column
             allowed = (torch.arange(kv).view(1, kv) <= query_columns).expand(batch, q, kv)
         with self._lock:
+            if length > 0 and q > 1:
+                self.verified += 1
             self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
                        call["prior_keys"])
             self.calls += 1
@@ -550,13 +556,18 @@ class Observation:
     def judge(self, local: int, position: int, index: int, by_logits: bool = False) -> Verdict:
         """The verdict on new token `position` of the re-run's prompt `local` (prompt `index` of the run);
         `by_logits`: the engine's logits there will confirm it (a repeated token is then no ambiguity)."""
-        speculated = self.draft_calls > 0
+        speculated = self.speculated
         verdict = self._judge(local, position, index, by_logits)
         verdict.speculated, verdict.target_calls = speculated, self.calls
         return verdict
 
+    @property
+    def speculated(self) -> bool:
+        """The engine called the draft model, or verified several tokens of a row in one cached pass."""
+        return self.draft_calls > 0 or self.verified > 0
+
     def _judge(self, local: int, position: int, index: int, by_logits: bool) -> Verdict:
-        speculated = self.draft_calls > 0
+        speculated = self.speculated
         if self.failed:
             return Verdict(None, f"the observation failed: {self.failed}", speculated=speculated)
         if not self.calls:
@@ -615,10 +626,13 @@ class Observation:
                 if v != slot_id:
                     work.append((v, rank))
         chosen = sequence[m + 1] if m + 1 < len(sequence) else None
+        record = self.records[self.slots[producer].record]
+        batched = record.batch > 1 or len(self.prompts) == 1  # a call of the batch, not one row decoded alone
         if not violations:
             return Verdict(CLEAN, f"observed: prompt {index}'s new token {position} was chosen at "
                            f"{self.where(producer)}, whose query read exactly the row's {m + 1} earlier tokens, each "
-                           "at its index in the row", speculated=speculated, producer=producer, engine_token=chosen)
+                           "at its index in the row", speculated=speculated, producer=producer, engine_token=chosen,
+                           batched=batched)
         violations.sort(key=lambda v: v[0])
         (call, _, _), cls, evidence = violations[0]
         if repeated and call >= self.slots[producer].call:
@@ -628,7 +642,8 @@ class Observation:
                            "alike there (the replays decide)", speculated=speculated)
         if how != "exact":
             evidence += f" (the query that chose new token {position} reads {how} tokens against the row's own)"
-        return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen)
+        return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen,
+                       batched=batched)
 
     def _counted(self, slot_id: int, offset: int) -> str:
         """Where a position `offset` too high equals a count of the row's columns before the slot (its padding, or
@@ -736,19 +751,34 @@ def observe_batch(run: Any, batch: list[int], outputs: list[list[int]], pad_toke
     refused = observable(target)
     if refused:
         return refused
+    if not getattr(run, "confines_reruns", False):
+        return ("the re-runs come from a callable that takes no `around`: the hooks could not be held to the "
+                "engine's own generate call (a caller's reference decoding would be observed with it)")
     observation = Observation([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id)
     recorders = [_Recorder(observation, target, "target")]
     if draft is not None and draft is not target:
         recorders.append(_Recorder(observation, draft, "draft"))
+
+    @contextlib.contextmanager
+    def hooked() -> Any:  # entered around the engine's own generate call alone (RunContext.rerun)
+        observation.entered += 1
+        try:
+            for recorder in recorders:
+                recorder.install()
+            yield
+        finally:
+            for recorder in recorders:
+                recorder.remove()
+
     try:
-        for recorder in recorders:
-            recorder.install()
-        rerun = run.rerun(list(batch), None)
+        rerun = run.rerun(list(batch), None, around=hooked)
     except Exception as exc:  # an observation that fails tells that, not more
         return f"the hooked re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
         for recorder in recorders:
             recorder.remove()
+    if observation.entered != 1:
+        return f"the engine's generate was entered {observation.entered} times in the re-run: nothing is judged"
     rerun = [[int(t) for t in out] for out in rerun]
     if rerun != observation.outputs:
         changed = [batch[k] for k, (a, b) in enumerate(zip(rerun, observation.outputs)) if a != b]
