@@ -11,7 +11,11 @@ Each factory takes `(target, draft, *, batch_size, draft_tokens, pad_token_id)` 
 - `recompute_sees_padding` / `recompute`: greedy decoding without a cache, the whole padded batch fed every
   step under a 4-D additive mask; the bug hides only the future, so queries read the left padding;
 - `generate_all_ones` / `generate`: `model.generate` on left-padded chunks of the batch; the bug hands it an
-  all-ones mask (the padding is content to the model).
+  all-ones mask (the padding is content to the model);
+- `rows_not_cropped` / `rows`: speculative decoding one row at a time with its own caches, right positions; the
+  bug never crops the target cache at a rejection, so later queries read the rejected proposals (`kv_cache`);
+- `pad_id_masked` (twin `loop`): the padded loop, right positions, whose mask hides every pad id, a prompt's own
+  tokens equal to the pad id among them (`pad_as_content`).
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.T
 class Batched:
     """Runs `_batch` on consecutive chunks of `batch_size` prompts."""
 
-    def __init__(self, target: Any, draft: Any, batch_size: int, k: int, pad: int, buggy: bool) -> None:
+    def __init__(self, target: Any, draft: Any, batch_size: int, k: int, pad: int, buggy: bool,
+                 bug: str | None = None) -> None:
         self.target, self.draft, self.batch_size, self.k, self.pad, self.buggy = target, draft, batch_size, k, pad, buggy
+        self.bug = bug  # another bug than the class's own (`buggy`): "pad_mask" (Loop)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
         out: list[list[int]] = []
@@ -73,6 +79,9 @@ class Loop(Batched):
     def _batch(self, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
         model = self.target
         ids, keep = _left_pad(prompts, self.pad)
+        # the mask handed to the model: the padding hidden, or (bug "pad_mask") every pad id hidden, a prompt's
+        # own tokens equal to the pad id among them; the positions still count each row's real tokens
+        mask = keep * (ids != self.pad).long() if self.bug == "pad_mask" else keep
         cache = DynamicCache(config=model.config)
         rows: list[list[int]] = [[] for _ in prompts]
         step = ids
@@ -82,7 +91,7 @@ class Loop(Batched):
                 positions = torch.arange(width - q, width).expand(len(prompts), q)
             else:
                 positions = (keep.cumsum(-1) - 1).clamp(min=0)[:, -q:]
-            logits = model(input_ids=step, attention_mask=keep, position_ids=positions, use_cache=True,
+            logits = model(input_ids=step, attention_mask=mask, position_ids=positions, use_cache=True,
                            **_cache_kwarg(model, cache)).logits[:, -1]  # [B, V]
             chosen = logits.argmax(-1)  # [B]
             for b, token in enumerate(chosen.tolist()):
@@ -91,6 +100,7 @@ class Loop(Batched):
                 break
             step = chosen.unsqueeze(1)
             keep = torch.cat([keep, torch.ones(len(prompts), 1, dtype=keep.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
         return [_finish(r, max_new_tokens, eos) for r in rows]
 
 
@@ -150,6 +160,48 @@ class Holes(Batched):
         return [_finish(r, max_new_tokens, eos) for r in rows]
 
 
+class RowSpec(Batched):
+    """Speculative decoding one row at a time, each with its own caches (no padding, no mask: causal over the
+    cache), positions counted by the row's accepted tokens; the bug (`buggy`) never crops the target cache, so the
+    rejected proposals' entries stay in it, visible to every later query."""
+
+    def _call(self, model: Any, cache: DynamicCache, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [q, V] of `tokens` at positions start.. after `cache`."""
+        positions = torch.arange(start, start + len(tokens)).unsqueeze(0)
+        return model(input_ids=torch.tensor([tokens]), position_ids=positions, use_cache=True,
+                     **_cache_kwarg(model, cache)).logits[0]
+
+    @torch.no_grad()
+    def _batch(self, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:
+        return [self._row(list(p), max_new_tokens, eos) for p in prompts]
+
+    def _row(self, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+        k = max(1, self.k)
+        target_cache, draft_cache = DynamicCache(config=self.target.config), DynamicCache(config=self.draft.config)
+        if len(prompt) > 1:  # every prompt token but the last, the row's first pending token
+            self._call(self.target, target_cache, prompt[:-1], 0)
+            self._call(self.draft, draft_cache, prompt[:-1], 0)
+        length, pending, out = len(prompt) - 1, prompt[-1], []  # length: the row's tokens both caches hold
+        while len(out) < max_new_tokens and not (eos is not None and eos in out):
+            _crop(draft_cache, length)
+            if draft_cache.get_seq_length() < length:  # all k proposals were accepted: the last one is not cached
+                self._call(self.draft, draft_cache, (prompt + out)[draft_cache.get_seq_length():length],
+                           draft_cache.get_seq_length())
+            proposals, fed = [], pending
+            for i in range(k):
+                fed = int(self._call(self.draft, draft_cache, [fed], length + i)[-1].argmax())
+                proposals.append(fed)
+            if not self.buggy:
+                _crop(target_cache, length)
+            choices = self._call(self.target, target_cache, [pending] + proposals, length).argmax(-1).tolist()
+            accepted = 0
+            while accepted < k and proposals[accepted] == choices[accepted]:
+                accepted += 1
+            out += proposals[:accepted] + [int(choices[accepted])]
+            pending, length = int(choices[accepted]), length + accepted + 1
+        return _finish(out, max_new_tokens, eos)
+
+
 class Recompute(Batched):
     """No cache: the whole padded batch every step, under a 4-D additive mask [B, 1, W, W]."""
 
@@ -186,11 +238,11 @@ class Generate(Batched):
         return [_finish([int(t) for t in row[ids.shape[1]:]], max_new_tokens, eos) for row in out]
 
 
-def _factory(kind: type[Batched], buggy: bool):
+def _factory(kind: type[Batched], buggy: bool, bug: str | None = None):
     def make(target: Any, draft: Any, *, batch_size: int, draft_tokens: int = 4, pad_token_id: int | None = None,
              **_: Any) -> Batched:
         return kind(target, draft, batch_size, int(draft_tokens or 4), 0 if pad_token_id is None else int(pad_token_id),
-                    buggy)
+                    buggy, bug)
     return make
 
 
@@ -198,3 +250,5 @@ loop_padded_positions, loop = _factory(Loop, True), _factory(Loop, False)
 holes_all_slots, holes = _factory(Holes, True), _factory(Holes, False)
 recompute_sees_padding, recompute = _factory(Recompute, True), _factory(Recompute, False)
 generate_all_ones, generate = _factory(Generate, True), _factory(Generate, False)
+rows_not_cropped, rows = _factory(RowSpec, True), _factory(RowSpec, False)
+pad_id_masked = _factory(Loop, False, "pad_mask")  # its correct twin: `loop`

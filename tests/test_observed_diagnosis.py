@@ -5,7 +5,8 @@ rejected slots as masked holes and numbering every column, an uncached loop whos
 from the mask (tiny-opt) and rotary positions (tiny-qwen3, where a constant offset per row changes no token,
 so only the holes engine's positions show), at least 90% of each buggy engine's structural divergences are
 named by their cause, none `cross_row`, the observation decides and says what it saw; the correct twins are
-exact. A class the observation contradicts becomes `unknown`."""
+exact. A class the observation contradicts becomes `unknown`. A cache not cropped at a rejection and a mask
+that hides the pad id in content are named `kv_cache` and `pad_as_content`."""
 
 from __future__ import annotations
 
@@ -56,6 +57,32 @@ def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> No
         assert "a replay of the target with exactly the observed inputs chooses the engine's token" in evidence
         assert run["timing"]["observation"] > 0, run["timing"]
     assert not wrong, "\n".join(wrong)
+
+
+CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "rows": None, "loop": None}
+
+
+def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> None:
+    """A speculative engine with one cache per row that never crops the target's at a rejection (later queries
+    read the rejected proposals) is `kv_cache`, seen in the observation; a loop whose mask hides every pad id,
+    the prompts' own among them (the adversarial prompts hold some), is `pad_as_content`; their twins exact."""
+    args = [arg for engine in CACHE_AND_PAD for arg in ("--engine", f"observed_engines:{engine}")]
+    result = audit(*args, "--pair", "tiny-gpt2", "--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12",
+                   out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for run in runs(tmp_path):
+        expected = CACHE_AND_PAD[run["engine"].split(":")[1]]
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        if expected is None:
+            assert run["equivalent"] and not run["divergences"] and not run["failures"], run["engine"]
+            continue
+        classes = [d["diagnosis"]["class"] for d in structural]
+        assert structural and classes.count(expected) >= 0.9 * len(structural), (run["engine"], classes)
+        assert "cross_row" not in classes, (run["engine"], classes)
+        if expected == "kv_cache":
+            observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["class"] == expected
+                        and d["diagnosis"]["evidence"].startswith("observed: ")]
+            assert observed and "cached column(s) not in the row's sequence" in observed[0], observed[:1]
 
 
 def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:

@@ -36,8 +36,8 @@ visibility (`forward.replay_all`) that reproduces the engine's logits (where it 
 then judges the first new token whose logits are off) or chooses its token confirms it. Not judged: a token
 the target was never fed after though the row goes on (emitted, not continued from: a doubled bonus), and, in
 an engine that speculates, a token equal to the one before it whose first wrong input is in the pass that fed
-it (a token emitted twice and a token fed one position off look alike there; the engine's logits, where
-recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
+it, unless that input is a stale column read (a token emitted twice and a token fed one position off look alike
+there; the engine's logits, where recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
 out the input classes: the divergence comes after the logits (acceptance, stops). Models whose cache is not a
 plain attention cache per layer (recurrent layers, sliding windows) are not observed; an engine that never
 calls the target's forward (its own attention over the weights) shows nothing, and the replays decide.
@@ -348,8 +348,11 @@ class Observation:
         slot_ids = [s for s in stream.columns[b] if s >= 0]
         tokens = [self.slots[s].token for s in slot_ids]
         for local in sorted(stream.unused, key=lambda j: -len(self.prompts[j])):
-            if self._offset(tokens, self.prompts[local]) is None:
+            start = self._offset(tokens, self.prompts[local])
+            if start is None:
                 continue
+            if start != len(tokens) - len(self.prompts[local]) and self._partial(tokens, stream.unused, local):
+                return  # the row so far may be part of a longer prompt (a prefill of all but its last token)
             stream.unused.remove(local)
             stream.rows[b] = local
             for slot_id, pad in zip(slot_ids, self._labels(tokens, local)):
@@ -357,6 +360,20 @@ class Observation:
             for record in stream.records[b]:
                 self.records[record].local = local
             return
+
+    def _partial(self, row: list[int], unused: list[int], local: int) -> bool:
+        """Whether the row's tokens, after some of its leading pad ids, begin a longer unused prompt than the one
+        found in it (`local`, found away from the row's end): then the row is matched once more is fed."""
+        leading = 0
+        while leading < len(row) and row[leading] == self.pad_token_id:
+            leading += 1
+        for other in unused:
+            prompt = self.prompts[other]
+            if other == local or len(prompt) <= len(self.prompts[local]):
+                continue
+            if any(len(row) - s < len(prompt) and prompt[:len(row) - s] == row[s:] for s in range(leading + 1)):
+                return True
+        return False
 
     def _offset(self, row: list[int], prompt: list[int]) -> int | None:
         n = len(prompt)
@@ -635,7 +652,8 @@ class Observation:
                            batched=batched)
         violations.sort(key=lambda v: v[0])
         (call, _, _), cls, evidence = violations[0]
-        if repeated and call >= self.slots[producer].call:
+        # a stale column read (entries not in the row's sequence) is no look-alike of a token emitted twice
+        if repeated and call >= self.slots[producer].call and "not in the row's sequence" not in evidence:
             return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
                            "the token before it in an engine that speculates, and the first input out of order is "
                            "in the pass that fed it: a token emitted twice and a token fed one position off look "
