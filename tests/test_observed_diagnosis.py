@@ -64,8 +64,9 @@ CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_conten
 
 def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> None:
     """A speculative engine with one cache per row that never crops the target's at a rejection (later queries
-    read the rejected proposals) is `kv_cache`, seen in the observation; a loop whose mask hides every pad id,
-    the prompts' own among them (the adversarial prompts hold some), is `pad_as_content`; their twins exact."""
+    read the rejected proposals) is `kv_cache`, seen in the observation, or `unknown`; a loop whose mask hides
+    every pad id, the prompts' own among them (the adversarial prompts hold some), is `pad_as_content`; their
+    twins exact."""
     args = [arg for engine in CACHE_AND_PAD for arg in ("--engine", f"observed_engines:{engine}")]
     result = audit(*args, "--pair", "tiny-gpt2", "--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12",
                    out=tmp_path)
@@ -77,8 +78,10 @@ def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> No
             assert run["equivalent"] and not run["divergences"] and not run["failures"], run["engine"]
             continue
         classes = [d["diagnosis"]["class"] for d in structural]
-        assert structural and classes.count(expected) >= 0.9 * len(structural), (run["engine"], classes)
-        assert "cross_row" not in classes, (run["engine"], classes)
+        # a token equal to the one before it, in a speculating engine that records no logits, is left `unknown`
+        # (a doubled token looks alike): never another class
+        assert structural and classes.count(expected) >= 0.8 * len(structural), (run["engine"], classes)
+        assert set(classes) <= {expected, "unknown"}, (run["engine"], classes)
         if expected == "kv_cache":
             observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["class"] == expected
                         and d["diagnosis"]["evidence"].startswith("observed: ")]
@@ -169,3 +172,14 @@ def test_the_hooks_cover_the_engines_own_call_alone() -> None:
 
     plain.pair = models.pair("tiny-gpt2")
     assert "takes no `around`" in observe_batch(plain, [0], [[5]], None)
+
+
+def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
+    """A repeated token left unjudged, whose pass was seen feeding a wrong input, is not `acceptance_rule` on the
+    draft-choice coincidence alone; a reproducing replay of a doubled token still names it."""
+    seen = Verdict(None, "observed, not judged: a repeated token", speculated=True, target_calls=3, seen="kv_cache")
+    chance = Cause("acceptance_rule", "the draft's own choice",
+                   "the engine's token is the draft's own choice (no replay reproduced it)", "")
+    assert _reconciled(seen, chance).cls == "unknown"
+    replayed = Cause("acceptance_rule", "the bonus token emitted twice", "a reproducing replay", "")
+    assert _reconciled(seen, replayed).cls == "acceptance_rule"

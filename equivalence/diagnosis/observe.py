@@ -36,8 +36,8 @@ visibility (`forward.replay_all`) that reproduces the engine's logits (where it 
 then judges the first new token whose logits are off) or chooses its token confirms it. Not judged: a token
 the target was never fed after though the row goes on (emitted, not continued from: a doubled bonus), and, in
 an engine that speculates, a token equal to the one before it whose first wrong input is in the pass that fed
-it, unless that input is a stale column read (a token emitted twice and a token fed one position off look alike
-there; the engine's logits, where recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
+it (a token emitted twice and a token fed one position off look alike there; the engine's logits, where
+recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
 out the input classes: the divergence comes after the logits (acceptance, stops). Models whose cache is not a
 plain attention cache per layer (recurrent layers, sliding windows) are not observed; an engine that never
 calls the target's forward (its own attention over the weights) shows nothing, and the replays decide.
@@ -71,7 +71,8 @@ class Verdict:
     evidence: str
     confirmed: bool = False
     speculated: bool = False  # the engine called the draft model, or fed a row several new tokens in one cached pass
-    batched: bool = False  # the producer's call fed every row of the re-run's batch that was still running
+    batched: bool = False  # the producer's call was a call of the batch, not one row decoded alone
+    seen: str | None = None  # not judged (a repeated token): the class of the wrong input seen in its pass
     target_calls: int = 0  # the target calls the re-run made (0: nothing was seen)
     producer: int | None = None  # the slot whose query chose the engine's token
     engine_token: int | None = None  # the token it chose in the re-run
@@ -652,12 +653,12 @@ class Observation:
                            batched=batched)
         violations.sort(key=lambda v: v[0])
         (call, _, _), cls, evidence = violations[0]
-        # a stale column read (entries not in the row's sequence) is no look-alike of a token emitted twice
-        if repeated and call >= self.slots[producer].call and "not in the row's sequence" not in evidence:
+        if repeated and call >= self.slots[producer].call:
             return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
                            "the token before it in an engine that speculates, and the first input out of order is "
                            "in the pass that fed it: a token emitted twice and a token fed one position off look "
-                           "alike there (the replays decide)", speculated=speculated)
+                           f"alike there (the replays decide); that input: {evidence}", speculated=speculated,
+                           seen=cls)
         if how != "exact":
             evidence += f" (the query that chose new token {position} reads {how} tokens against the row's own)"
         return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen,
