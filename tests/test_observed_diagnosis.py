@@ -183,3 +183,18 @@ def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
     assert _reconciled(seen, chance).cls == "unknown"
     replayed = Cause("acceptance_rule", "the bonus token emitted twice", "a reproducing replay", "")
     assert _reconciled(seen, replayed).cls == "acceptance_rule"
+    unconfirmed = Verdict("kv_cache", "observed: stale columns read", speculated=True, target_calls=3)
+    assert _reconciled(unconfirmed, chance).cls == "unknown"
+
+
+@pytest.mark.parametrize("pair", ["tiny-gemma3", "tiny-lfm2", "tiny-qwen3-next"])
+def test_sliding_windows_and_recurrent_states_are_not_judged_by_observation(pair: str) -> None:
+    """A target with sliding-window or recurrent layers reads more than tokens and masks: the observation says it
+    is not made (the diagnosis's `tried` shows the reason) and the replays and re-runs decide."""
+    from specaudit.equivalence.diagnosis.observe import observable
+    from specaudit.testing import models
+
+    loaded = models.pair(pair)
+    reason = observable(loaded.target)
+    assert reason and "not one plain attention cache per layer" in reason
+    assert observable(models.pair("tiny-gpt2").target) is None

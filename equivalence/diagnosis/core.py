@@ -343,7 +343,8 @@ class Diagnoser(Experiments):
         seen right and a replay of them choosing the reference's token, or a violation of another class seen
         there; `acceptance_rule` needs an engine that speculated (called its draft model, verified several
         tokens of a row in one pass, or drafted in its trace), and is not taken from the draft-choice coincidence
-        where a wrong input was seen in the pass that fed the token. An observation that judged nothing leaves the
+        where the engine was seen feeding a wrong input (a violation no replay confirmed, or one in the pass that
+        fed a repeated token left unjudged). An observation that judged nothing leaves the
         class as the replays and re-runs named it."""
         from specaudit.equivalence.diagnosis.observe import CLEAN, INPUT_CLASSES
 
@@ -361,10 +362,11 @@ class Diagnoser(Experiments):
             named = f"; {cls} was suggested, which the observation does not show" if cls else ""
             return Cause("unknown", f"{verdict.evidence}; no replay of the observed inputs reproduced the engine's "
                          f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
-        if (cls == "acceptance_rule" and verdict.seen in INPUT_CLASSES
+        wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
+        if (cls == "acceptance_rule" and wrong
                 and str(getattr(found, "decided_by", "")).startswith("the engine's token is the draft's own choice")):
             return Cause("unknown", f"acceptance_rule was suggested by a coincidence ({found.evidence}), but the "
-                         f"engine's inputs were seen wrong in the pass that fed the token ({verdict.evidence})",
+                         f"engine's inputs were seen wrong ({verdict.evidence})",
                          "a replay that reproduces the engine's token", "")
         if cls == "acceptance_rule" and verdict.target_calls and not (verdict.speculated or self._drafted()):
             return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine did not "
