@@ -198,7 +198,7 @@ def audit_engine(
         diagnoser = diagnose(judged, run, pair, prompts, reference, context, ruler, dtype, replay_target, replay_draft,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                              batch_size=batch_size, draft_tokens=draft_tokens, mode=diagnosis,
-                             budget=diagnosis_budget)
+                             budget=diagnosis_budget, observe_inputs=not capability(engine, "black_box"))
     diagnosis_seconds = time.perf_counter() - diagnosed_at
     timing = {
         "engine": run.seconds,
@@ -206,9 +206,11 @@ def audit_engine(
         "controls": ruler.seconds,  # the rulings' float64 and same-dtype replays
         "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
         # the diagnosis's checks and replays: everything it did but re-run the engine
-        "replays": diagnosis_seconds - diagnoser.rerun_seconds if diagnoser is not None else 0.0,
+        "replays": (diagnosis_seconds - diagnoser.rerun_seconds - diagnoser.observe_seconds
+                    if diagnoser is not None else 0.0),
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
-        "diagnosis": diagnosis_seconds,  # replays and re-runs included
+        "observation": diagnoser.observe_seconds if diagnoser is not None else 0.0,  # the hooked re-runs
+        "diagnosis": diagnosis_seconds,  # replays, re-runs and observation included
         "diagnosis_mode": diagnosis,
     }
     # 6. the run record
@@ -390,9 +392,11 @@ def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], di
 def diagnose(judged: Judged, run: EngineRun, pair: ModelPair, prompts: list[list[int]], reference: Reference,
              context: RunContext, ruler: Ruler, dtype: str, replay_target: PreTrainedModel,
              replay_draft: PreTrainedModel | None, *, max_new_tokens: int, eos_token_id: Any, pad_token_id: int | None,
-             batch_size: int | None, draft_tokens: int | None, mode: str, budget: float | None) -> Diagnoser:
+             batch_size: int | None, draft_tokens: int | None, mode: str, budget: float | None,
+             observe_inputs: bool = True) -> Diagnoser:
     """Stage 5: name the bug of every structural divergence (equivalence/diagnosis/core.py); the run context
-    runs a fresh engine for its experiments. Each divergence judged past a numerical flip is diagnosed
+    runs a fresh engine for its experiments, and one hooked re-run of it observes what an in-process engine
+    fed the target (`observe_inputs`; equivalence/diagnosis/observe.py). Each divergence judged past a numerical flip is diagnosed
     against the reference it was judged by, decoded on to the end of the budget."""
     below = dtype != "float64"
     diagnoser = Diagnoser(
@@ -405,7 +409,7 @@ def diagnose(judged: Judged, run: EngineRun, pair: ModelPair, prompts: list[list
         ruler=ruler if below else None, replay_target=replay_target if below else None,
         replay_draft=replay_draft if below else None,
         reference_logits=list(reference.logits), logit_paths=[list(r) for r in reference.outputs], mode=mode,
-        deadline=None if budget is None else time.monotonic() + budget)
+        observe_inputs=observe_inputs, deadline=None if budget is None else time.monotonic() + budget)
     originals = diagnoser.references
     for divergence in judged.divergences:
         if divergence["kind"] != "structural":

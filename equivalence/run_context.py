@@ -9,15 +9,39 @@ engine object audited on its own (the pytest plugin, the API) gets one around it
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
+
 from specaudit.engines.contract import capability
 
 # the plain control of in-process engines below float64: batched greedy decoding, no speculation
 PLAIN_CONTROL = "batched"
 
-Reruns = Callable[[list[int], "int | None"], list[list[int]]]  # (prompt indices, pad id or None) -> outputs
+# (prompt indices, pad id or None) -> outputs; one that takes `around=` (a context factory) enters it around its
+# engine's own `generate` call alone, so that the diagnosis may observe that call (diagnosis/observe.py)
+Reruns = Callable[..., list[list[int]]]
+
+
+def takes_around(reruns: Callable[..., Any]) -> bool:
+    """Whether a caller's re-run callable takes the `around` keyword."""
+    try:
+        parameters = inspect.signature(reruns).parameters
+    except (TypeError, ValueError):
+        return False
+    return "around" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def wrapped(generate: Callable[..., Any], around: Callable[[], ContextManager[Any]] | None) -> Callable[..., Any]:
+    """`generate`, entered inside `around()` when given (the context then covers that call alone)."""
+    if around is None:
+        return generate
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with around():
+            return generate(*args, **kwargs)
+    return call
 
 
 @dataclass
@@ -69,17 +93,33 @@ class RunContext:
             return takes_option(self.engine_name, "pad_token_id")
         return self.pad_option
 
-    def rerun(self, indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+    @property
+    def confines_reruns(self) -> bool:
+        """Whether a re-run can wrap the engine's own `generate` call alone (`rerun(..., around=)`): always for
+        a registered name or the engine object; for a caller's `reruns` only when it takes `around`."""
+        if self.engine_name is None and self.reruns is not None:
+            return takes_around(self.reruns)
+        return True
+
+    def rerun(self, indices: list[int], pad_token_id: int | None,
+              around: Callable[[], ContextManager[Any]] | None = None) -> list[list[int]]:
         """A fresh engine on the prompts at `indices` (repeats allowed), with another pad id when given.
         The re-runs of one run together get at most `rerun_budget` seconds (a re-run past it is
-        abandoned as the run itself would be, and the diagnosis reports it as not finished)."""
+        abandoned as the run itself would be, and the diagnosis reports it as not finished). `around`: a
+        context entered around the engine's own `generate` call and nothing else (not the building of the
+        engine, not a caller's reference decoding for a scripted drafter); a caller's `reruns` that does
+        not take it is refused one (`confines_reruns`)."""
         prompts = [list(self.prompts[i]) for i in indices]
         if self.engine_name is None and self.reruns is not None:
-            return self.reruns(indices, pad_token_id)
+            if around is None:
+                return self.reruns(indices, pad_token_id)
+            if not takes_around(self.reruns):
+                raise ValueError("this re-run callable takes no `around`: it cannot say where the engine's call starts")
+            return self.reruns(indices, pad_token_id, around=around)
         if self.engine_name is None:
             if pad_token_id is not None:
                 raise ValueError("this engine object cannot change its pad id; audit it through a factory")
-            return self.engine.generate(prompts, self.max_new_tokens, self.eos_token_id)
+            return wrapped(self.engine.generate, around)(prompts, self.max_new_tokens, self.eos_token_id)
         from specaudit.equivalence.errors import RunTimeout
         from specaudit.equivalence.guard import call_with_timeout
 
@@ -91,7 +131,8 @@ class RunContext:
             if left <= 0:
                 raise RunTimeout(f"the diagnosis re-runs used up their {self.rerun_budget:g} s")
         fresh = self._build(self.engine_name, {} if pad_token_id is None else {"pad_token_id": pad_token_id})
-        return call_with_timeout(fresh.generate, (prompts, self.max_new_tokens, self.eos_token_id), left)
+        return call_with_timeout(wrapped(fresh.generate, around), (prompts, self.max_new_tokens, self.eos_token_id),
+                                 left)
 
     # ---- the crash isolation -------------------------------------------------------------------
     def run_subset(self, indices: list[int]) -> list[list[int]]:

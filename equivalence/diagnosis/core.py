@@ -23,11 +23,16 @@ first decisive result: the output against other prompts' references; a reference
 prompt cut to a common limit (`prompt_truncated`); the pad id in the row (or equal to EOS beside a
 row that stopped early), decided by a re-run with another pad id or, when the engine takes no pad
 option, by a replay with the pad-id tokens masked and where the divergence starts
-(`diagnosis/causes.py`); the EOS and the trace's own record; logit replays with shifted positions or a
-widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
+(`diagnosis/causes.py`); the EOS and the trace's own record; for an in-process engine, one hooked re-run
+of the divergent batch that observes what it fed the target (`diagnosis/observe.py`): a violation of what a
+correct engine feeds that a replay of exactly the observed inputs reproduces decides; then logit replays with
+shifted positions or a widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
 bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
 choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
-what was tried and what it showed, and `decided_by` which evidence decided. Divergences of one run
+what was tried and what it showed, and `decided_by` which evidence decided. A class that the observation
+positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
+class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not
+speculate; an observation that judged nothing leaves the class to the replays. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
 
 Re-runs go through the run's context (`equivalence/run_context.py`): `run.rerun(indices, pad_token_id)`
@@ -37,6 +42,7 @@ experiments that need it are reported as not run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +87,15 @@ FIXES: dict[str, str] = {
     "unknown": "Read the evidence and the divergence context; the diagnosis could not name the mechanism.",
 }
 
+# the bug behind each class the observation names (observe.py)
+OBSERVED_MECHANISMS: dict[str, str] = {
+    "position_ids": "position ids other than each token's index in its row (observed)",
+    "attention_mask": "queries reading padding or holes, or missing the row's tokens (observed)",
+    "kv_cache": "cache entries the row did not accept, read (observed)",
+    "pad_as_content": "pad-id tokens of the row hidden as padding (observed)",
+    "cross_row": "another row's tokens read (observed)",
+}
+
 RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences get evidence only
 PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
 
@@ -103,6 +118,14 @@ def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, decided_b
     if cls == "unknown":
         found["would_decide"] = would_decide or WOULD_DECIDE
     return found
+
+
+def _observed_mechanism(verdict: Any) -> str:
+    """The bug behind an observed class: padding read is the mechanism the mask replays name; the others are
+    named by what was observed (an offset that equals a count of columns can be a coincidence)."""
+    if verdict.cls == "attention_mask" and "padding column(s) (" in verdict.evidence:
+        return "the row's padding visible to its queries"
+    return OBSERVED_MECHANISMS[verdict.cls]
 
 
 def _cause(found: Finding | Cause, decided_by: str) -> Cause:
@@ -141,6 +164,8 @@ class Diagnoser(Experiments):
     # a divergence judged past a numerical flip, whose reference then goes another way); default `references`
     logit_paths: list[list[int]] = field(default_factory=list)
     mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
+    observe_inputs: bool = True  # an in-process engine: its inputs to the target can be observed (observe.py)
+    observe_seconds: float = 0.0  # the hooked re-runs' time
     deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
     rerun_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
@@ -148,6 +173,9 @@ class Diagnoser(Experiments):
     # per batch: the other pad id and the batch's re-run with it (or why none ran)
     _pad_read: dict[tuple[int, ...], tuple[int | None, Any]] = field(default_factory=dict)
     _draft_precision: Any = None  # draft_fidelity.DraftPrecision, made on the first draft check below float64
+    # per batch: what one hooked re-run saw the engine feed the target (or why nothing was observed)
+    _observations: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    _observed: Any = None  # the observation's verdict on the divergence being diagnosed
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +185,9 @@ class Diagnoser(Experiments):
                              "acceptance drops)", ["draft fidelity check"], "the draft fidelity check")
         tried: list[str] = []
         try:
+            self._observed = None
             found = self._decide(int(divergence["prompt_index"]), int(divergence["position"]), tried)
+            found = self._reconcile(found, tried)
         except Exception as exc:  # a diagnosis must never lose the divergence it describes
             tried.append(f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0])
             found = None
@@ -208,6 +238,9 @@ class Diagnoser(Experiments):
                 return _cause(found, "the output's length against max_new_tokens")
 
         q = self._first_corrupted(index, position)
+        cause = self._observe(index, q, tried)
+        if cause:
+            return cause
         hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
                                       self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
@@ -241,6 +274,113 @@ class Diagnoser(Experiments):
         if isinstance(found, Cause):
             return found
         return _cause(found, "re-runs alone and in its batch") if found else None
+
+    # ---- observation (observe.py) ---------------------------------------------------------------
+    def _observe(self, index: int, position: int, tried: list[str]) -> Cause | None:
+        """Re-run the row's batch once with hooks (shared by the batch's divergences) and judge what the
+        engine fed the target: a violation that a replay of the observed inputs confirms decides; anything
+        else is kept (`_observed`) to check the class the guessing replays and re-runs name."""
+        from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES, observe_batch
+
+        if not self.observe_inputs or self.run is None:
+            return None
+        batch = self._batch_rows(index)
+        key = tuple(batch)
+        if key not in self._observations:
+            if self.mode == "quick":
+                self._observations[key] = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
+            elif self.deadline is not None and time.monotonic() >= self.deadline:
+                self._observations[key] = "the diagnosis time budget is spent"
+            else:
+                started = time.perf_counter()
+                try:
+                    self._observations[key] = observe_batch(self.run, batch, [self.outputs[i] for i in batch],
+                                                            self.pad_token_id)
+                finally:
+                    self.observe_seconds += time.perf_counter() - started
+        observation = self._observations[key]
+        if isinstance(observation, str):
+            tried.append(f"observation of the engine's inputs: not made ({observation})")
+            return None
+        logits = self._logits(index)
+        engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
+        verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
+        if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
+            # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
+            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+            error = None if replayed is None else float((replayed.to(torch.float64).cpu()
+                                                          - engine_row.to(torch.float64).cpu()).abs().max())
+            verdict.confirmed = error is not None and error <= max(1e-9, self.precision_noise(index))
+            shown = "not made" if error is None else (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} "
+                                                       f"the engine's logits at new token {position} (error {error:.3g})")
+            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
+        elif verdict.producer is not None and verdict.cls is not None:
+            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+            chosen = None if replayed is None else int(replayed.argmax())
+            if verdict.cls == "clean":
+                verdict.confirmed = chosen is not None and chosen != verdict.engine_token
+                if chosen == verdict.engine_token:  # right inputs cannot give a wrong token: something unseen
+                    verdict.cls = None
+                    verdict.evidence += ("; yet a replay of them chooses the engine's token: the engine reads "
+                                         "something the hooks did not see")
+            else:
+                verdict.confirmed = chosen is not None and chosen == verdict.engine_token
+            shown = "not made" if chosen is None else f"chooses token {chosen}" + (
+                " (the engine's)" if chosen == verdict.engine_token else " (not the engine's)")
+            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
+        else:
+            tried.append(verdict.evidence)
+        self._observed = verdict
+        if verdict.confirmed and verdict.cls in INPUT_CLASSES:
+            what = "reproduces the engine's logits" if engine_row is not None else "chooses the engine's token"
+            return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target with exactly the observed inputs "
+                         f"{what}", "a reproducing replay", _observed_mechanism(verdict))
+        return None
+
+    def _reconcile(self, found: Cause | Finding | None, tried: list[str]) -> Cause | Finding | None:
+        """A class from the guessing replays, heuristics or re-runs checked against what was observed. Only a
+        positive contradiction overrules it: the inputs of a call of the row's batch (not a row decoded alone)
+        seen right and a replay of them choosing the reference's token, or a violation of another class seen
+        there; `acceptance_rule` needs an engine that speculated (called its draft model, verified several
+        tokens of a row in one pass, or drafted in its trace), and is not taken from the draft-choice coincidence
+        where the engine was seen feeding a wrong input (a violation no replay confirmed, or one in the pass that
+        fed a repeated token left unjudged). An observation that judged nothing leaves the
+        class as the replays and re-runs named it."""
+        from specaudit.equivalence.diagnosis.observe import CLEAN, INPUT_CLASSES
+
+        verdict, self._observed = self._observed, None
+        if verdict is None or (found is not None and found.cls == "unknown"):
+            return found
+        cls = found.cls if found is not None else None
+        if verdict.cls == CLEAN and verdict.confirmed and verdict.batched and (cls is None or cls in INPUT_CLASSES):
+            named = f" ({cls} was suggested: the observation contradicts it)" if cls else ""
+            return Cause("unknown", f"{verdict.evidence}, and a replay of them chooses the reference's token: the "
+                         f"target's inputs were right, the engine's token came after its logits{named}",
+                         "the engine's step after the target's logits (acceptance, stops, its own trace)", "")
+        if (verdict.cls in INPUT_CLASSES and verdict.batched and cls != verdict.cls
+                and (cls is None or cls in INPUT_CLASSES)):
+            named = f"; {cls} was suggested, which the observation does not show" if cls else ""
+            return Cause("unknown", f"{verdict.evidence}; no replay of the observed inputs reproduced the engine's "
+                         f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
+        wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
+        if (cls == "acceptance_rule" and wrong
+                and str(getattr(found, "decided_by", "")).startswith("the engine's token is the draft's own choice")):
+            return Cause("unknown", f"acceptance_rule was suggested by a coincidence ({found.evidence}), but the "
+                         f"engine's inputs were seen wrong ({verdict.evidence})",
+                         "a replay that reproduces the engine's token", "")
+        if cls == "acceptance_rule" and verdict.target_calls and not (verdict.speculated or self._drafted()):
+            return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine did not "
+                         f"speculate in the re-run (no draft model call, no pass verifying several tokens of a "
+                         f"row, no draft token in its trace); {verdict.evidence}",
+                         "the engine's trace of its proposals and counts", "")
+        return found
+
+    def _drafted(self) -> bool:
+        """The engine's trace records draft tokens (a drafter that is not a model: scripted, n-gram)."""
+        from specaudit.equivalence import speculation
+
+        counted = speculation.from_trace(self.trace)
+        return bool(counted and counted.get("drafted_tokens"))
 
     def _draft_chose(self, prefix: list[int], choice: int, token: int) -> bool:
         """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`

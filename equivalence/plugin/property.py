@@ -26,6 +26,7 @@ def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> list[dic
     drafter the property used; re-runs keep each row's acceptance schedule."""
     from specaudit.engines.drafters import ScriptedDrafter
     from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.run_context import wrapped
     from specaudit.testing import models
     from specaudit.testing.properties import DEFAULT_ORACLE, build_engine, resolve_eos, takes_drafter
 
@@ -43,9 +44,10 @@ def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> list[dic
         rerun_case = dataclasses.replace(case, pad_token_id=pad_token_id if pad_token_id is not None else case.pad_token_id)
         return build_engine(factory, rerun_case, pair, scripted_drafter)
 
-    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-        return engine_for(indices, pad_token_id).generate([list(case.prompts[i].tokens) for i in indices],
-                                                          case.max_new_tokens, eos)
+    def rerun(indices: list[int], pad_token_id: int | None, around: Any = None) -> list[list[int]]:
+        engine = engine_for(indices, pad_token_id)  # its scripted drafter's reference decoding outside `around`
+        return wrapped(engine.generate, around)([list(case.prompts[i].tokens) for i in indices],
+                                                case.max_new_tokens, eos)
 
     everyone = list(range(len(case.prompts)))
     record = audit_engine(engine_for(everyone, None), pair, case.prompt_tokens, max_new_tokens=case.max_new_tokens,
@@ -69,6 +71,7 @@ def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tok
     from specaudit.engines.models import zoo
     from specaudit.equivalence.adversarial import pair_adversarial_prompts
     from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.run_context import wrapped
     from specaudit.testing import models
 
     pair = models.pair(pair_name, "float64")
@@ -81,8 +84,9 @@ def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tok
                            pad_token_id=pair.pad_token_id if pad_token_id is None else pad_token_id,
                            record_logits=True)
 
-    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
-        return build(pad_token_id).generate([prompts[i] for i in indices], max_new_tokens, pair.eos_token_id)
+    def rerun(indices: list[int], pad_token_id: int | None, around: Any = None) -> list[list[int]]:
+        return wrapped(build(pad_token_id).generate, around)([prompts[i] for i in indices], max_new_tokens,
+                                                             pair.eos_token_id)
 
     record = audit_engine(build(), pair, prompts, max_new_tokens=max_new_tokens, eos_token_id=pair.eos_token_id,
                           dtype="float64", engine_name=engine, batch_size=batch_size, rerun=rerun)

@@ -311,8 +311,8 @@ def _timing_section(audit: dict[str, Any]) -> str:
     head = "".join(f"<th>{escape(name)}</th>" for name in TIMING_HEADER)
     body = "".join("<tr>" + "".join(_cell(value) for value in row) + "</tr>" for row in rows)
     return ("<h2>Where the time went</h2><p>Seconds per run: the engine, the reference (once per pair and dtype), the "
-            "rulings' controls, the plain control (once per batch composition), the diagnosis's replays and "
-            "re-runs, and its total.</p>"
+            "rulings' controls, the plain control (once per batch composition), the diagnosis's replays, "
+            "re-runs and hooked re-runs (observation), and its total.</p>"
             f'<div class="table-wrap"><table class="runs"><thead><tr>{head}</tr></thead><tbody>{body}</tbody>'
             "</table></div>")
 

@@ -192,8 +192,8 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     if timing:
         lines += ["## Where the time went", "", "Seconds per run: the engine's own run; the reference (once per pair "
                   "and dtype); the rulings' controls (float64 and same-dtype replays); the plain control's run (once "
-                  "per batch composition, below float64); the diagnosis's logit replays and re-runs of the engine, "
-                  "and its total.", ""]
+                  "per batch composition, below float64); the diagnosis's logit replays, its re-runs of the engine, "
+                  "its hooked re-runs that observe what the engine fed the target, and its total.", ""]
         lines += _markdown_table(TIMING_HEADER, timing) + [""]
     switches = _float64_switches(runs)
     if switches:

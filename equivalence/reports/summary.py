@@ -359,13 +359,13 @@ def format_token(token: Any) -> str:
 
 
 TIMING_HEADER = ["run", "engine s", "reference s (shared)", "controls s", "plain control s (shared)", "replays s",
-                 "re-runs s", "diagnosis"]
+                 "re-runs s", "observation s", "diagnosis"]
 
 
 def timing_rows(audit: dict[str, Any]) -> list[list[str]]:
     """Where each finished run's time went: the engine's run, the reference (computed once per pair and dtype),
     the rulings' float64 and same-dtype replays, the plain control's run (once per batch composition), and
-    the diagnosis's replays and re-runs (its total, mode in brackets)."""
+    the diagnosis's replays, re-runs and hooked re-runs (observation; its total, mode in brackets)."""
     rows = []
     for run in audit.get("runs") or []:
         timing = run.get("timing")
@@ -377,7 +377,7 @@ def timing_rows(audit: dict[str, Any]) -> list[list[str]]:
             return "—" if value is None else f"{value:.1f}"
 
         rows.append([run_title(run), seconds("engine"), seconds("reference"), seconds("controls"),
-                     seconds("plain_control"), seconds("replays"), seconds("reruns"),
+                     seconds("plain_control"), seconds("replays"), seconds("reruns"), seconds("observation"),
                      f"{seconds('diagnosis')} ({timing.get('diagnosis_mode', 'full')})"])
     return rows
 

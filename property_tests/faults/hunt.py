@@ -45,6 +45,7 @@ from specaudit.engines import reference_memo
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
 from specaudit.equivalence.audit import audit_engine
+from specaudit.equivalence.run_context import wrapped
 from specaudit.testing import models
 from specaudit.testing.faults.draft_check import check_draft_proposals
 from specaudit.testing.faults.mutation import FaultEngine
@@ -192,7 +193,7 @@ def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int
     """The diagnosis's re-runs of `case`: a fresh fault engine on the prompts at `indices`, each
     row keeping the acceptance schedule of the prompt it copies; optionally another pad id."""
 
-    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+    def rerun(indices: list[int], pad_token_id: int | None, around: Any = None) -> list[list[int]]:
         prompts = [list(case.prompts[i].tokens) for i in indices]
         rerun_case = dataclasses.replace(case, pad_token_id=pad_token_id if pad_token_id is not None else case.pad_token_id)
         drafter = None
@@ -204,7 +205,7 @@ def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int
             reference = [greedy_decode(pair.target, list(p), case.max_new_tokens, eos)[0] for p in prompts]
             drafter = ScriptedDrafter(reference, schedule, int(pair.target.config.vocab_size))
         engine = build_engine(fault, rerun_case, pair, drafter)
-        return engine.generate(prompts, case.max_new_tokens, eos)
+        return wrapped(engine.generate, around)(prompts, case.max_new_tokens, eos)  # around: the engine's call alone
 
     return rerun
 

@@ -84,6 +84,7 @@ def audit_outside_fault(fault: type[FaultEngine], max_new_tokens: int = 6) -> di
     """The audit's run record of `fault` on its case (tiny-llama, float64, batch size 4, k = 3),
     with re-runs of fresh fault engines for the diagnosis's experiments."""
     from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.run_context import wrapped
     from specaudit.testing import models
 
     prompts, pad = OUTSIDE_CASES[fault.slug()]
@@ -92,9 +93,9 @@ def audit_outside_fault(fault: type[FaultEngine], max_new_tokens: int = 6) -> di
     def build(pad_id: int) -> FaultEngine:
         return fault(pair.target, pair.draft, batch_size=4, draft_tokens=3, pad_token_id=pad_id)
 
-    def rerun(indices: list[int], pad_token_id: int | None) -> list[list[int]]:
+    def rerun(indices: list[int], pad_token_id: int | None, around: Any = None) -> list[list[int]]:
         engine = build(pad if pad_token_id is None else pad_token_id)
-        return engine.generate([prompts[i] for i in indices], max_new_tokens, EOS)
+        return wrapped(engine.generate, around)([prompts[i] for i in indices], max_new_tokens, EOS)
 
     return audit_engine(build(pad), pair, prompts, max_new_tokens=max_new_tokens, eos_token_id=EOS, dtype="float64",
                         engine_name=fault.slug(), batch_size=4, rerun=rerun, pad_token_id=pad)

@@ -1,0 +1,806 @@
+"""Diagnosis by observation: what an in-process engine fed the target, against what a correct engine feeds.
+
+An in-process engine runs on the models the audit hands it, so its inputs can be seen. `observe_batch` re-runs
+the engine once on a divergent batch (through the run's context: a fresh engine, guarded) with forward pre-hooks
+on the module of the target that takes the input ids (its base model, or the decoder the language model calls
+directly, as OPT's does) and on the draft's (its calls are counted), on the module that consumes the position
+ids (a learned position table, `wpe` or `embed_positions`, or the rotary embedding) and on the first attention
+layer, and records for every target call, per batch row: the tokens fed, the columns of the cache they are
+written to (the cache's length before the call, or the `cache_position` given), the position each token was
+given as the model consumed it, and which columns each query may read, from the mask as the attention layer
+received it (none received: causal over every column). The engine's code is untouched.
+
+Each batch row is matched to its prompt by content once its cache holds the prompt (the prompt as one run of
+its tokens; the columns before it, and columns after it that are the pad id and not the row's next token,
+are padding). Every token fed becomes a slot; a slot reads the slots its query could see. Each slot's
+first-layer keys, as its call left them in the cache, follow it when the engine moves entries between calls
+(realigned, reordered or dropped rows, a new cache object): a row whose columns no longer hold its slots' keys
+is mapped again by them (a column whose keys no fed slot left is padding never fed), or is no longer followed.
+
+`Observation.judge(prompt, position)` compares the slots that produced the engine's token at the divergence
+(the first slot fed holding the row's token before it whose visible content is exactly the row's sequence
+so far; failing that, the first that reads extra or misses tokens) with what a correct engine feeds: each
+query reads exactly the row's own earlier tokens (no padding, no hole, no other row's), each token it reads
+sits at its index in the row, and the same holds for each slot it reads, recursively. The first slot (in the
+order fed) that breaks one of these names the class:
+
+    padding visible                               attention_mask
+    a token of the row hidden (pad id: pad_as_content) attention_mask / pad_as_content
+    a stale slot visible (a token not in the row)  attention_mask where the engine masks columns of this
+                                                   cache, else kv_cache
+    another row's tokens                           cross_row
+    a token fed a position other than its index    position_ids
+
+A replay of the target (float64 where the audit has it) on exactly the observed slots, positions and
+visibility (`forward.replay_all`) that reproduces the engine's logits (where it records them; the diagnosis
+then judges the first new token whose logits are off) or chooses its token confirms it. Not judged: a token
+the target was never fed after though the row goes on (emitted, not continued from: a doubled bonus), and, in
+an engine that speculates, a token equal to the one before it whose first wrong input is in the pass that fed
+it (a token emitted twice and a token fed one position off look alike there; the engine's logits, where
+recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
+out the input classes: the divergence comes after the logits (acceptance, stops). Models whose cache is not a
+plain attention cache per layer (recurrent layers, sliding windows) are not observed; an engine that never
+calls the target's forward (its own attention over the weights) shows nothing, and the replays decide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+# what a verdict may be: a violation of a class, inputs seen correct, or nothing judged
+CLEAN = "clean"
+INPUT_CLASSES = ("position_ids", "attention_mask", "kv_cache", "pad_as_content", "cross_row")
+POSITION_MODULE_NAMES = ("wpe", "embed_positions")
+
+
+@dataclass
+class Verdict:
+    """What the observation says about one divergence: `cls` (an input class), `CLEAN` (the inputs behind the
+    engine's token were right) or None (nothing judged); `confirmed`: a replay of the observed inputs reproduced
+    the engine's logits or chose its token (a violation), or chose the reference's token (clean)."""
+
+    cls: str | None
+    evidence: str
+    confirmed: bool = False
+    speculated: bool = False  # the engine called the draft model, or fed a row several new tokens in one cached pass
+    batched: bool = False  # the producer's call was a call of the batch, not one row decoded alone
+    seen: str | None = None  # not judged (a repeated token): the class of the wrong input seen in its pass
+    target_calls: int = 0  # the target calls the re-run made (0: nothing was seen)
+    producer: int | None = None  # the slot whose query chose the engine's token
+    engine_token: int | None = None  # the token it chose in the re-run
+
+
+@dataclass
+class _Slot:
+    token: int
+    position: int
+    pad: bool
+    call: int  # the target call that fed it (counted from 0)
+    column: int
+    record: int  # index into Observation.records (the call-row whose query it was)
+    query: int  # its query's index among that call-row's new tokens
+    key: bytes | None = None  # its first layer's keys as the call left them in the cache (None: not read)
+
+
+@dataclass
+class _CallRow:
+    """One batch row of one target call: the slot of each column after the call (-1: none) and which
+    columns each of the call's queries could read (bits packed along the columns)."""
+
+    columns: np.ndarray  # [kv] int64 slot ids
+    allowed: np.ndarray  # [q, ceil(kv / 8)] uint8, np.packbits of the [q, kv] bool mask
+    width: int  # kv
+    local: int | None  # the rerun's prompt index of the row (None: not matched)
+    row: int  # its batch row in the call
+    batch: int  # the call's batch size
+    cache_length: int
+    stream: Any  # its _Stream
+
+
+@dataclass
+class _Stream:
+    """The rows of one cache object, their prompts and the slot in each column."""
+
+    rows: list[int | None]  # the rerun's prompt index of each batch row (None: not matched yet)
+    columns: list[list[int]]  # per batch row: slot id per column (-1: none)
+    unused: list[int]  # the prompts no row of this stream holds yet
+    records: list[list[int]]  # per batch row: its call-rows (indices into Observation.records)
+    lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
+    masks_columns: bool = False  # the engine hid some written column of this cache from a later query
+
+
+def _first_keys(cache: Any) -> torch.Tensor | None:
+    """The first layer's keys [B, H, columns, D] of a cache that holds them as a tensor (None: another kind)."""
+    layers = getattr(cache, "layers", None)
+    keys = getattr(layers[0], "keys", None) if layers else None
+    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+
+
+def _key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
+    return keys[row, :, column, :].detach().cpu().numpy().tobytes()
+
+
+def _bind(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by parameter name, those caught by a `**kwargs` parameter among them."""
+    try:
+        signature = inspect.signature(function)
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(name), dict):
+            bound = {**bound.pop(name), **bound}
+    return bound
+
+
+def _embedding_owner(model: Any) -> Any:
+    """The module that takes the input ids: the parent of the token embedding (a base model, or its decoder
+    where the language model calls that directly, as OPT does)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for _, module in model.named_modules():
+        if embeddings is not None and any(child is embeddings for child in module.children()):
+            return module
+    return getattr(model, "base_model", None) or model
+
+
+def _position_module(model: Any) -> tuple[str, Any] | None:
+    """The module that consumes the position ids: a learned position table or the rotary embedding."""
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in POSITION_MODULE_NAMES or ("Rotary" in type(module).__name__ and "local" not in leaf):
+            return leaf, module
+    return None
+
+
+def _attention_module(model: Any) -> Any:
+    """The first attention layer (the mask it receives is what every layer of a plain model receives)."""
+    for _, module in model.named_modules():
+        name = type(module).__name__
+        if name.endswith("Attention") and "Rotary" not in name:
+            return module
+    return None
+
+
+def _allowed(mask: Any, batch: int, q: int, kv: int) -> torch.Tensor | None:
+    """[B, q, kv] bool from a mask as an attention layer receives it ([B|1, 1|H, q, kv] bool or additive);
+    None when it is not a tensor of that shape."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    mask = mask[:, 0].detach().cpu()
+    if mask.shape[-2] != q:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask.expand(batch, q, mask.shape[-1])[..., :kv] if mask.shape[-1] >= kv else None
+
+
+class _Recorder:
+    """The hooks on one model; for the target it builds the slots as each call ends."""
+
+    def __init__(self, observation: "Observation", model: Any, role: str) -> None:
+        self.observation, self.model, self.role = observation, model, role
+        self.base = _embedding_owner(model)
+        self.handles: list[Any] = []
+        self.current: dict[str, Any] | None = None
+        self.family = getattr(getattr(model, "config", None), "model_type", "")
+
+    def install(self) -> None:
+        self.handles.append(self.base.register_forward_pre_hook(self._start, with_kwargs=True))
+        if self.role != "target":
+            return
+        self.handles.append(self.base.register_forward_hook(self._end, with_kwargs=True))
+        found = _position_module(self.base)
+        if found is not None:
+            self.handles.append(found[1].register_forward_pre_hook(self._positions_hook(found), with_kwargs=True))
+        attention = _attention_module(self.base)
+        if attention is not None:
+            self.handles.append(attention.register_forward_pre_hook(self._attention, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    # ---- the hooks (they run in the engine's thread) -------------------------------------------
+    def _start(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.role != "target":
+            self.observation.draft_calls += 1
+            return
+        bound = _bind(module.forward, args, kwargs)
+        cache = bound.get("cache", bound.get("past_key_values"))
+        length = 0
+        if cache is not None and hasattr(cache, "get_seq_length"):
+            try:
+                length = int(cache.get_seq_length())
+            except Exception:  # a cache that cannot say: its calls are not observed
+                length = -1
+        prior = _first_keys(cache) if cache is not None and length > 0 else None
+        self.current = {"input_ids": bound.get("input_ids"), "cache": cache, "length": length,
+                        "prior_keys": None if prior is None else prior[:, :, :length].detach().clone(),
+                        "cache_position": bound.get("cache_position"), "given_positions": bound.get("position_ids"),
+                        "given_mask": bound.get("attention_mask"), "positions": None, "mask": None, "mask_seen": False}
+
+    def _positions_hook(self, found: tuple[str, Any]) -> Callable[..., None]:
+        leaf, module = found
+
+        def hook(hooked: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+            if self.current is None or self.current["positions"] is not None:
+                return
+            bound = _bind(module.forward, args, kwargs)
+            positions = bound.get("position_ids")
+            if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
+                mask = bound.get("attention_mask")
+                cut = int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                    positions = ((mask.long().cumsum(1) * mask.long()) - 1)[:, cut:]
+            if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
+                positions = bound.get("input")
+            if isinstance(positions, torch.Tensor):
+                self.current["positions"] = positions.detach().cpu().long()
+        return hook
+
+    def _attention(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.current is None or self.current["mask_seen"]:
+            return
+        bound = _bind(module.forward, args, kwargs)
+        self.current["mask"], self.current["mask_seen"] = bound.get("attention_mask"), True
+
+    def _end(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        call, self.current = self.current, None
+        if call is None:
+            return
+        try:
+            self.observation._record(call, self.family)
+        except Exception as exc:  # an observation that fails says so and judges nothing
+            self.observation.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+@dataclass
+class Observation:
+    """What one hooked re-run of a batch fed the target; see the module."""
+
+    prompts: list[list[int]]  # the re-run's prompts, in its order
+    outputs: list[list[int]] = field(default_factory=list)  # the re-run's outputs
+    pad_token_id: int | None = None
+    calls: int = 0  # target calls seen
+    draft_calls: int = 0
+    verified: int = 0  # cached target calls that fed a row more than one new token (a verification of proposals)
+    failed: str | None = None
+    entered: int = 0  # how many times the hooks were installed (once: around the engine's own generate call)
+    slots: list[_Slot] = field(default_factory=list)
+    records: list[_CallRow] = field(default_factory=list)
+    _streams: dict[int, tuple[Any, _Stream]] = field(default_factory=dict)
+    _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each first-layer key
+    _lock: Any = field(default_factory=threading.Lock)
+
+    # ---- recording ---------------------------------------------------------------------------
+    def _record(self, call: dict[str, Any], family: str) -> None:
+        if self.failed:
+            return
+        ids = call["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or call["length"] < 0:
+            self.failed = "a target call without input ids or with a cache of unknown length"
+            return
+        ids = ids.detach().cpu().long()
+        batch, q = ids.shape
+        length = call["length"]
+        given_mask = call["given_mask"]
+        cache_position = call["cache_position"]
+        columns = (cache_position.detach().cpu().long().flatten().tolist() if isinstance(cache_position, torch.Tensor)
+                   and cache_position.numel() == q else list(range(length, length + q)))
+        positions = call["positions"]
+        if positions is None:  # no position module seen: as the model family derives them
+            positions = call["given_positions"]
+            if isinstance(positions, torch.Tensor):
+                positions = positions.detach().cpu().long()
+            elif family == "opt" and isinstance(given_mask, torch.Tensor) and given_mask.dim() == 2:
+                mask = given_mask.detach().cpu().long()
+                positions = (mask.cumsum(1) * mask - 1)[:, -q:]
+            else:
+                positions = torch.tensor([columns])
+        positions = positions.reshape(-1, q).expand(batch, q)
+        kv = max(columns) + 1
+        allowed = _allowed(call["mask"], batch, q, kv)
+        if allowed is None:
+            if call["mask"] is not None:
+                self.failed = f"the attention layer received a mask of another form ({type(call['mask']).__name__})"
+                return
+            query_columns = torch.tensor(columns).view(q, 1)  # [q, 1]; none received: causal over every column
+            allowed = (torch.arange(kv).view(1, kv) <= query_columns).expand(batch, q, kv)
+        with self._lock:
+            if length > 0 and q > 1:
+                self.verified += 1
+            self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
+                       call["prior_keys"])
+            self.calls += 1
+
+    def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> _Stream:
+        """The stream of `cache`: a new one at a cache's first call (or a call with none); a cache whose batch
+        changed gets a stream whose rows are not followed."""
+        key = id(cache) if cache is not None else None
+        known = self._streams.get(key) if key is not None else None
+        if known is not None and known[0]() is cache and length > 0:
+            if len(known[1].rows) == ids.shape[0]:
+                return known[1]
+        stream = _Stream(rows=[None] * ids.shape[0], columns=[[] for _ in range(ids.shape[0])],
+                         unused=list(range(len(self.prompts))), records=[[] for _ in range(ids.shape[0])],
+                         lost=[False] * ids.shape[0])
+        if known is not None and length > 0:  # a cache whose batch changed: its rows are not followed
+            stream.unused = []
+        if key is not None:
+            try:
+                self._streams[key] = (weakref.ref(cache), stream)
+            except TypeError:
+                pass
+        return stream
+
+    def _match(self, stream: _Stream, b: int) -> None:
+        """Row `b` of `stream` matched to the longest unused prompt that appears in the tokens of its columns as
+        one run, at their end (left padding), their start (right padding) or after the leading pad ids; its
+        slots then labelled (padding or not) and its call-rows given the prompt."""
+        slot_ids = [s for s in stream.columns[b] if s >= 0]
+        tokens = [self.slots[s].token for s in slot_ids]
+        for local in sorted(stream.unused, key=lambda j: -len(self.prompts[j])):
+            start = self._offset(tokens, self.prompts[local])
+            if start is None:
+                continue
+            if start != len(tokens) - len(self.prompts[local]) and self._partial(tokens, stream.unused, local):
+                return  # the row so far may be part of a longer prompt (a prefill of all but its last token)
+            stream.unused.remove(local)
+            stream.rows[b] = local
+            for slot_id, pad in zip(slot_ids, self._labels(tokens, local)):
+                self.slots[slot_id].pad = pad
+            for record in stream.records[b]:
+                self.records[record].local = local
+            return
+
+    def _partial(self, row: list[int], unused: list[int], local: int) -> bool:
+        """Whether the row's tokens, after some of its leading pad ids, begin a longer unused prompt than the one
+        found in it (`local`, found away from the row's end): then the row is matched once more is fed."""
+        leading = 0
+        while leading < len(row) and row[leading] == self.pad_token_id:
+            leading += 1
+        for other in unused:
+            prompt = self.prompts[other]
+            if other == local or len(prompt) <= len(self.prompts[local]):
+                continue
+            if any(len(row) - s < len(prompt) and prompt[:len(row) - s] == row[s:] for s in range(leading + 1)):
+                return True
+        return False
+
+    def _offset(self, row: list[int], prompt: list[int]) -> int | None:
+        n = len(prompt)
+        if not n or n > len(row):
+            return None
+        leading = 0
+        while leading < len(row) and row[leading] == self.pad_token_id:
+            leading += 1
+        for start in (len(row) - n, 0, leading, max(0, leading - 1)):
+            if 0 <= start <= len(row) - n and row[start:start + n] == prompt:
+                return start
+        return None
+
+    def _labels(self, row: list[int], local: int) -> list[bool]:
+        """Which tokens of a row's first call are padding: those before its prompt, and after it those that
+        are the pad id where the row's sequence (prompt and output) has another token."""
+        prompt = self.prompts[local]
+        sequence = prompt + (self.outputs[local] if local < len(self.outputs) else [])
+        start = self._offset(row, prompt)
+        assert start is not None
+        pads = [True] * start + [False] * len(prompt)
+        at = len(prompt)
+        for token in row[start + len(prompt):]:
+            if at < len(sequence) and token == sequence[at]:
+                pads.append(False)
+                at += 1
+            else:
+                pads.append(token == self.pad_token_id)
+        return pads
+
+    def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+              columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None) -> None:
+        batch, q = ids.shape
+        stream = self._stream(cache, ids, length)
+        kv = allowed.shape[-1]
+        for b in range(batch):
+            row_columns = stream.columns[b]
+            if not explicit_columns:
+                del row_columns[length:]  # a cropped cache
+            moved = stream.rows[b] is not None and not self._unchanged(row_columns, prior_keys, b, length)
+            if (moved or (stream.rows[b] is None and not stream.unused)) and length > 0 and not stream.lost[b]:
+                # entries moved or rewritten between calls (rows realigned, reordered or dropped): the row is
+                # followed by the keys its slots left in the cache, or no more
+                found = self._remap(prior_keys, b, length)
+                stream.rows[b] = None if found is None else found[0]
+                stream.lost[b] = found is None
+                if found is not None:
+                    row_columns[:] = found[1]
+            row_columns.extend([-1] * (kv - len(row_columns)))
+            tokens = ids[b].tolist()
+            for i in range(q):
+                row_columns[columns[i]] = len(self.slots)
+                self.slots.append(_Slot(tokens[i], int(positions[b, i]), False, self.calls, columns[i],
+                                        len(self.records), i))
+            mask = allowed[b].numpy()  # [q, kv]
+            written = np.array(row_columns[:kv]) >= 0
+            for i in range(q):  # a written column before the query, hidden from it: the engine masks columns
+                if not stream.masks_columns and (~mask[i, :columns[i]] & written[:columns[i]]).any():
+                    stream.masks_columns = True
+            stream.records[b].append(len(self.records))
+            self.records.append(_CallRow(np.array(row_columns[:kv], dtype=np.int64), np.packbits(mask, axis=-1),
+                                         kv, stream.rows[b], b, batch, length, stream))
+            if stream.rows[b] is None and stream.unused and not stream.lost[b]:
+                self._match(stream, b)
+        keys = _first_keys(cache)
+        if keys is not None:  # each new slot's keys as this call left them, to follow moved entries later
+            for b in range(batch):
+                for i in range(q):
+                    if columns[i] < keys.shape[2]:
+                        slot_id = stream.columns[b][columns[i]]
+                        self.slots[slot_id].key = _key_of(keys, b, columns[i])
+                        self._by_key.setdefault(self.slots[slot_id].key, []).append(slot_id)
+
+    def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int) -> tuple[int, list[int]] | None:
+        """The prompt and the slot of each column of row `b` of a cache whose entries moved, found by their keys:
+        the prompt whose fed content left most of the row's columns' keys (at least half of those some content
+        left) and its last one's; a padding column maps to padding with its keys, and a column whose keys no slot
+        left (an entry the engine wrote itself, such as a new pad) becomes padding never fed.
+        None when no prompt's slots hold the row."""
+        if prior_keys is None or b >= prior_keys.shape[0]:
+            return None
+        keys = [_key_of(prior_keys, b, column) for column in range(length)]
+
+        def owners(key: bytes) -> set[int]:  # the prompts whose fed content (not padding) left this key
+            return {local for local in (self.records[self.slots[s].record].local for s in self._by_key.get(key, [])
+                                        if not self.slots[s].pad) if local is not None}
+
+        votes: dict[int, int] = {}
+        content = 0  # columns whose keys some prompt's content left
+        for key in keys:
+            found = owners(key)
+            content += bool(found)
+            for local in found:
+                votes[local] = votes.get(local, 0) + 1
+        if not votes:
+            return None
+        local = max(votes, key=lambda j: votes[j])
+        if votes[local] * 2 < content or local not in owners(keys[-1]):
+            return None
+        columns = []
+        for column, key in enumerate(keys):
+            slots = self._by_key.get(key, [])
+            mine = [s for s in slots if self.records[self.slots[s].record].local == local]
+            padding = [s for s in slots if self.slots[s].pad]
+            if mine or padding:
+                columns.append((mine or padding)[-1])
+            else:
+                columns.append(len(self.slots))
+                self.slots.append(_Slot(-1, -1, True, self.calls, column, -1, -1, key))
+        return local, columns
+
+    def _unchanged(self, row_columns: list[int], prior_keys: torch.Tensor | None, b: int, length: int) -> bool:
+        """Whether the cache's first columns of row `b` still hold, as the call finds them, the keys of the slots
+        this row wrote there (a cache whose rows the engine realigns, shifts or rewrites between calls fails)."""
+        if prior_keys is None:
+            return True
+        if len(row_columns) < length or b >= prior_keys.shape[0]:
+            return False
+        for column in range(length):
+            slot_id = row_columns[column]
+            if slot_id < 0:
+                return False
+            key = self.slots[slot_id].key
+            if key is not None and key != _key_of(prior_keys, b, column):
+                return False
+        return True
+
+    # ---- reading ---------------------------------------------------------------------------
+    def visible(self, slot_id: int) -> list[int]:
+        """The slots the query of `slot_id` could read, in column order (its own included; an entry the engine
+        wrote without feeding it reads nothing that was seen)."""
+        slot = self.slots[slot_id]
+        if slot.record < 0:
+            return [slot_id]
+        record = self.records[slot.record]
+        mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)
+        ids = record.columns[mask]
+        return [int(s) for s in ids]
+
+    def _unwritten(self, slot_id: int) -> list[int]:
+        slot = self.slots[slot_id]
+        record = self.records[slot.record]
+        mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)
+        return [int(c) for c in np.nonzero(mask & (record.columns < 0))[0]]
+
+    def _masks_columns(self, slot_id: int) -> bool:
+        return bool(self.records[self.slots[slot_id].record].stream.masks_columns)
+
+    def where(self, slot_id: int) -> str:
+        slot = self.slots[slot_id]
+        record = self.records[slot.record]
+        return (f"target call {slot.call} (batch row {record.row} of {record.batch}, cache length "
+                f"{record.cache_length}), column {slot.column}")
+
+    # ---- judging ---------------------------------------------------------------------------
+    def _producer(self, local: int, sequence: list[int], m: int) -> tuple[int, str] | None:
+        """The slot whose query chose the token at sequence index m + 1: the first fed holding sequence[m]
+        whose visible content is sequence[:m + 1]; failing that the first that reads extra tokens besides
+        them (`extra`), or misses some of them while written columns of its row are hidden from it
+        (`missing`)."""
+        want = sequence[:m + 1]
+        near: tuple[int, str] | None = None
+        for slot_id, slot in enumerate(self.slots):
+            if self.records[slot.record].local != local or slot.token != sequence[m] or slot.pad:
+                continue
+            content = [self.slots[v].token for v in self.visible(slot_id) if not self.slots[v].pad]
+            if content == want:
+                return slot_id, "exact"
+            if near is None and content and content[-1] == sequence[m]:
+                if _subsequence(want, content):
+                    near = (slot_id, "extra")
+                elif _subsequence(content, want) and self._hidden(slot_id) >= len(want) - len(content):
+                    near = (slot_id, "missing")
+        return near
+
+    def _hidden(self, slot_id: int) -> int:
+        """How many written columns of the row before the query of `slot_id` (padding aside) it cannot read."""
+        slot = self.slots[slot_id]
+        record = self.records[slot.record]
+        mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)[:slot.column]
+        written = record.columns[:slot.column]
+        return sum(1 for c, seen in zip(written, mask) if c >= 0 and not seen and not self.slots[int(c)].pad)
+
+    def _continued(self, local: int, sequence: list[int], m: int) -> bool:
+        """Whether the target was fed the token at index m + 1 after exactly the row's tokens before it (or
+        those and stale columns): a token the engine emitted but never continued from (a bonus doubled, a
+        token added after the target's choice) was not chosen by a query of the target."""
+        want = sequence[:m + 2]
+        for slot_id, slot in enumerate(self.slots):
+            if self.records[slot.record].local != local or slot.token != sequence[m + 1] or slot.pad:
+                continue
+            content = [self.slots[v].token for v in self.visible(slot_id) if not self.slots[v].pad]
+            if content == want or (content and _subsequence(want, content)):
+                return True
+        return False
+
+    def judge(self, local: int, position: int, index: int, by_logits: bool = False) -> Verdict:
+        """The verdict on new token `position` of the re-run's prompt `local` (prompt `index` of the run);
+        `by_logits`: the engine's logits there will confirm it (a repeated token is then no ambiguity)."""
+        speculated = self.speculated
+        verdict = self._judge(local, position, index, by_logits)
+        verdict.speculated, verdict.target_calls = speculated, self.calls
+        return verdict
+
+    @property
+    def speculated(self) -> bool:
+        """The engine called the draft model, or verified several tokens of a row in one cached pass."""
+        return self.draft_calls > 0 or self.verified > 0
+
+    def _judge(self, local: int, position: int, index: int, by_logits: bool) -> Verdict:
+        speculated = self.speculated
+        if self.failed:
+            return Verdict(None, f"the observation failed: {self.failed}", speculated=speculated)
+        if not self.calls:
+            return Verdict(None, "the engine never called the target's forward in the re-run (its own attention "
+                           "over the weights, or another process): nothing to observe", speculated=speculated)
+        prompt = self.prompts[local]
+        sequence = prompt + self.outputs[local]
+        m = len(prompt) + position - 1
+        found = self._producer(local, sequence, m)
+        if found is None:
+            return Verdict(None, f"no target call fed prompt {index}'s token {sequence[m]} (index {m} in the row) "
+                           "after its own earlier tokens", speculated=speculated)
+        producer, how = found
+        if m + 2 < len(sequence) and not self._continued(local, sequence, m):
+            if any(any(stream.lost) for _, stream in self._streams.values()):
+                return Verdict(None, f"observed up to a pass after which rows of the batch were no longer followed "
+                               "(cache entries moved in a way their keys did not tell): prompt "
+                               f"{index}'s new token {position} ({sequence[m + 1]}) was not seen fed after the row's "
+                               "tokens before it", speculated=speculated)
+            return Verdict(None, f"observed: the target was never fed prompt {index}'s new token {position} "
+                           f"({sequence[m + 1]}) after the row's tokens before it, though the row goes on: the "
+                           "engine emitted a token it did not continue from (not a choice of the target's "
+                           "query)", speculated=speculated)
+        violations: list[tuple[tuple[int, int, int], str, str]] = []  # ((call, column, rank), class, evidence)
+        repeated = speculated and not by_logits and m + 1 < len(sequence) and sequence[m + 1] == sequence[m]
+        seen: dict[int, int] = {}
+        work = [(producer, m)]
+        while work:
+            slot_id, at = work.pop()
+            if slot_id in seen:
+                continue
+            seen[slot_id] = at
+            slot = self.slots[slot_id]
+            order = (slot.call, slot.column)
+            visible = self.visible(slot_id)
+            fed = f"prompt {index}, {self.where(slot_id)}: token {slot.token} (index {at} in the row)"
+            pads = [self.slots[v].column for v in visible if self.slots[v].pad]
+            if pads:
+                violations.append((order + (0,), "attention_mask", f"{fed} reads {len(pads)} padding column(s) "
+                                   f"({_columns(pads)})"))
+            unwritten = self._unwritten(slot_id)
+            content_ids = [v for v in visible if not self.slots[v].pad]
+            content = [self.slots[v].token for v in content_ids]
+            want = sequence[:at + 1]
+            if content != want or unwritten:
+                violations.append((order + (1,),) + self._content_violation(slot_id, fed, content_ids, content, want,
+                                                                            unwritten, local))
+                continue
+            for rank, v in enumerate(content_ids):
+                other = self.slots[v]
+                if other.position != rank:
+                    violations.append(((other.call, other.column, 2), "position_ids",
+                                       f"prompt {index}, {self.where(v)}: token {other.token} fed position "
+                                       f"{other.position}; its index in the row is {rank}"
+                                       + self._counted(v, other.position - rank)))
+                if v != slot_id:
+                    work.append((v, rank))
+        chosen = sequence[m + 1] if m + 1 < len(sequence) else None
+        record = self.records[self.slots[producer].record]
+        batched = record.batch > 1 or len(self.prompts) == 1  # a call of the batch, not one row decoded alone
+        if not violations:
+            return Verdict(CLEAN, f"observed: prompt {index}'s new token {position} was chosen at "
+                           f"{self.where(producer)}, whose query read exactly the row's {m + 1} earlier tokens, each "
+                           "at its index in the row", speculated=speculated, producer=producer, engine_token=chosen,
+                           batched=batched)
+        violations.sort(key=lambda v: v[0])
+        (call, _, _), cls, evidence = violations[0]
+        if repeated and call >= self.slots[producer].call:
+            return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
+                           "the token before it in an engine that speculates, and the first input out of order is "
+                           "in the pass that fed it: a token emitted twice and a token fed one position off look "
+                           f"alike there (the replays decide); that input: {evidence}", speculated=speculated,
+                           seen=cls)
+        if how != "exact":
+            evidence += f" (the query that chose new token {position} reads {how} tokens against the row's own)"
+        return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen,
+                       batched=batched)
+
+    def _counted(self, slot_id: int, offset: int) -> str:
+        """Where a position `offset` too high equals a count of the row's columns before the slot (its padding, or
+        its padding and its hidden columns: rejected slots left as holes), that count, as evidence."""
+        slot = self.slots[slot_id]
+        record = self.records[slot.record]
+        before = [int(c) for c in record.columns[:slot.column] if c >= 0]
+        pads = sum(self.slots[c].pad for c in before)
+        holes = self._hidden(slot_id)
+        if offset == pads and pads:
+            return f" (off by {offset}, the number of padding columns before it)"
+        if offset == pads + holes and holes:
+            return f" (off by {offset}, the number of padding and hidden columns before it)"
+        return ""
+
+    def replay(self, model: Any, producer: int) -> torch.Tensor | None:
+        """The logits [V] of `model` at the query of slot `producer`, replayed on exactly the slots it depends on
+        (those it reads, recursively) with their observed tokens, positions and visibility; None when the
+        model refuses them."""
+        from specaudit.equivalence.diagnosis.forward import replay_all
+
+        closure, work = {producer}, [producer]
+        while work:
+            for v in self.visible(work.pop()):
+                if v not in closure:
+                    closure.add(v)
+                    work.append(v)
+        order = sorted(closure)  # slot ids run in the order the tokens were fed
+        place = {slot_id: i for i, slot_id in enumerate(order)}
+        allowed = torch.zeros(len(order), len(order), dtype=torch.bool)  # [L, L]: key j visible to query i
+        for slot_id in order:
+            for v in self.visible(slot_id):
+                allowed[place[slot_id], place[v]] = True
+        positions = [self.slots[s].position for s in order]  # (OPT numbers padding -1: its table starts at -2)
+        if any(self.slots[s].token < 0 for s in order):  # an entry the engine wrote without feeding it
+            return None
+        logits = replay_all(model, [self.slots[s].token for s in order], positions, allowed)
+        return None if logits is None else logits[place[producer]]
+
+    def _content_violation(self, slot_id: int, fed: str, content_ids: list[int], content: list[int],
+                           want: list[int], unwritten: list[int], local: int) -> tuple[str, str]:
+        masks = self._masks_columns(slot_id)
+        if unwritten:
+            return ("attention_mask" if masks else "kv_cache",
+                    f"{fed} reads column(s) {_columns(unwritten)} that hold no token of the row")
+        if _subsequence(want, content):
+            extra = _extra(want, content, content_ids)
+            stale = ", ".join(f"token {self.slots[v].token} at column {self.slots[v].column}" for v in extra[:3])
+            if masks:
+                return ("attention_mask", f"{fed} reads {len(extra)} column(s) not in the row's sequence ({stale}) "
+                        "that the engine's mask leaves visible (it hides other columns of this cache)")
+            return ("kv_cache", f"{fed} reads {len(extra)} cached column(s) not in the row's sequence ({stale}): "
+                    "the cache keeps entries the row did not accept")
+        if _subsequence(content, want):
+            missing = _extra(content, want, list(range(len(want))))
+            tokens = [want[i] for i in missing]
+            what = f"{len(missing)} of the row's earlier tokens (index {_columns(missing)})"
+            if self.pad_token_id is not None and tokens and all(t == self.pad_token_id for t in tokens):
+                return ("pad_as_content", f"{fed} cannot read {what}, each the pad id {self.pad_token_id}: "
+                        "content treated as padding")
+            return ("attention_mask", f"{fed} cannot read {what}")
+        for other, prompt in enumerate(self.prompts):
+            if other != local and content and content == (prompt + self.outputs[other])[:len(content)]:
+                return ("cross_row", f"{fed} reads the sequence of another prompt of its batch")
+        return ("unknown", f"{fed} reads {len(content)} token(s) that are not the row's sequence")
+
+
+def _subsequence(short: list[int], long: list[int]) -> bool:
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+def _extra(short: list[int], long: list[int], ids: list[int]) -> list[int]:
+    """The ids of `long`'s items left over when `short` is matched in it greedily."""
+    extra, at = [], 0
+    for i, token in enumerate(long):
+        if at < len(short) and token == short[at]:
+            at += 1
+        else:
+            extra.append(ids[i])
+    return extra
+
+
+def _columns(columns: list[int]) -> str:
+    shown = ", ".join(str(c) for c in columns[:6])
+    return shown + (f", ... ({len(columns)} in all)" if len(columns) > 6 else "")
+
+
+def observable(model: Any) -> str | None:
+    """Why the inputs of `model` cannot be judged by observation (None: they can): a cache that is not one
+    plain attention cache per layer (recurrent layers, sliding windows) reads more than tokens and masks."""
+    from specaudit.equivalence.diagnosis.forward import plain_attention_cache
+
+    if model is None or not plain_attention_cache(model):
+        return "the target's cache is not one plain attention cache per layer (recurrent layers or sliding windows)"
+    return None
+
+
+def observe_batch(run: Any, batch: list[int], outputs: list[list[int]], pad_token_id: int | None) -> Observation | str:
+    """One hooked re-run of the prompts at `batch` through the run's context (a fresh engine on the run's
+    pair, guarded as its re-runs are): what the engine fed the target and whether it called the draft. The
+    run's `outputs` of those prompts label the rows (a re-run that returns others is reported, and its rows
+    are judged along its own outputs). A string says why nothing was observed."""
+    target, draft = run.pair.target, getattr(run.pair, "draft", None)
+    refused = observable(target)
+    if refused:
+        return refused
+    if not getattr(run, "confines_reruns", False):
+        return ("the re-runs come from a callable that takes no `around`: the hooks could not be held to the "
+                "engine's own generate call (a caller's reference decoding would be observed with it)")
+    observation = Observation([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id)
+    recorders = [_Recorder(observation, target, "target")]
+    if draft is not None and draft is not target:
+        recorders.append(_Recorder(observation, draft, "draft"))
+
+    @contextlib.contextmanager
+    def hooked() -> Any:  # entered around the engine's own generate call alone (RunContext.rerun)
+        observation.entered += 1
+        try:
+            for recorder in recorders:
+                recorder.install()
+            yield
+        finally:
+            for recorder in recorders:
+                recorder.remove()
+
+    try:
+        rerun = run.rerun(list(batch), None, around=hooked)
+    except Exception as exc:  # an observation that fails tells that, not more
+        return f"the hooked re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
+    finally:
+        for recorder in recorders:
+            recorder.remove()
+    if observation.entered != 1:
+        return f"the engine's generate was entered {observation.entered} times in the re-run: nothing is judged"
+    rerun = [[int(t) for t in out] for out in rerun]
+    if rerun != observation.outputs:
+        changed = [batch[k] for k, (a, b) in enumerate(zip(rerun, observation.outputs)) if a != b]
+        return (f"the hooked re-run gave other tokens than the run for prompt(s) {changed}: an engine that is not "
+                "deterministic is not judged by observation")
+    return observation

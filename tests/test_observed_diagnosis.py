@@ -1,0 +1,200 @@
+"""The diagnosis by observation (`equivalence/diagnosis/observe.py`) on engines written for it
+(`tests/observed_engines.py`): a left-padded loop numbering the padded width, a speculative engine leaving
+rejected slots as masked holes and numbering every column, an uncached loop whose mask shows the padding,
+`model.generate` on left-padded chunks with an all-ones mask. On learned positions (tiny-gpt2), positions
+from the mask (tiny-opt) and rotary positions (tiny-qwen3, where a constant offset per row changes no token,
+so only the holes engine's positions show), at least 90% of each buggy engine's structural divergences are
+named by their cause, none `cross_row`, the observation decides and says what it saw; the correct twins are
+exact. A class the observation contradicts becomes `unknown`. A cache not cropped at a rejection and a mask
+that hides the pad id in content are named `kv_cache` and `pad_as_content`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli_run import audit, runs
+from specaudit.equivalence.diagnosis.causes import Cause
+from specaudit.equivalence.diagnosis.core import Diagnoser
+from specaudit.equivalence.diagnosis.observe import CLEAN, Verdict
+
+EXPECTED = {"loop_padded_positions": "position_ids", "holes_all_slots": "position_ids",
+            "recompute_sees_padding": "attention_mask", "generate_all_ones": "attention_mask",
+            "loop": None, "holes": None, "recompute": None, "generate": None}
+# rotary positions: a whole row numbered from its padding is a constant offset, which changes no attention score
+SHOWS = {"tiny-gpt2": set(EXPECTED), "tiny-opt": set(EXPECTED),
+         "tiny-qwen3": set(EXPECTED) - {"loop_padded_positions", "loop"}}
+SETTINGS = ("--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12", "--no-adversarial")
+
+
+@pytest.mark.parametrize("pair", sorted(SHOWS))
+def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> None:
+    engines = sorted(SHOWS[pair])
+    args = [arg for engine in engines for arg in ("--engine", f"observed_engines:{engine}")]
+    result = audit(*args, "--pair", pair, *SETTINGS, out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    wrong = []
+    for run in runs(tmp_path):
+        variant = run["engine"].split(":")[1]
+        expected = EXPECTED[variant]
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        if expected is None:
+            assert run["equivalent"] and not run["divergences"] and not run["failures"], variant
+            continue
+        assert structural, f"{variant}: no structural divergence"
+        named = [d for d in structural if d["diagnosis"]["class"] == expected]
+        if len(named) < 0.9 * len(structural) or any(d["diagnosis"]["class"] == "cross_row" for d in structural):
+            wrong.append(f"{variant}: " + "; ".join(f"prompt {d['prompt_index']}: {d['diagnosis']['class']}"
+                                                   for d in structural))
+        observed = [d for d in named if d["diagnosis"]["evidence"].startswith("observed: ")]
+        assert observed, f"{variant}: the observation decided none"
+        evidence = observed[0]["diagnosis"]["evidence"]
+        if expected == "position_ids":  # what it saw, checkable: the token, the position fed, its index
+            assert " fed position " in evidence and "its index in the row is" in evidence, evidence
+        else:
+            assert "padding column(s)" in evidence, evidence
+        assert "a replay of the target with exactly the observed inputs chooses the engine's token" in evidence
+        assert run["timing"]["observation"] > 0, run["timing"]
+    assert not wrong, "\n".join(wrong)
+
+
+CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "rows": None, "loop": None}
+
+
+def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> None:
+    """A speculative engine with one cache per row that never crops the target's at a rejection (later queries
+    read the rejected proposals) is `kv_cache`, seen in the observation, or `unknown`; a loop whose mask hides
+    every pad id, the prompts' own among them (the adversarial prompts hold some), is `pad_as_content`; their
+    twins exact."""
+    args = [arg for engine in CACHE_AND_PAD for arg in ("--engine", f"observed_engines:{engine}")]
+    result = audit(*args, "--pair", "tiny-gpt2", "--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12",
+                   out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for run in runs(tmp_path):
+        expected = CACHE_AND_PAD[run["engine"].split(":")[1]]
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        if expected is None:
+            assert run["equivalent"] and not run["divergences"] and not run["failures"], run["engine"]
+            continue
+        classes = [d["diagnosis"]["class"] for d in structural]
+        # a token equal to the one before it, in a speculating engine that records no logits, is left `unknown`
+        # (a doubled token looks alike): never another class
+        assert structural and classes.count(expected) >= 0.8 * len(structural), (run["engine"], classes)
+        assert set(classes) <= {expected, "unknown"}, (run["engine"], classes)
+        if expected == "kv_cache":
+            observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["class"] == expected
+                        and d["diagnosis"]["evidence"].startswith("observed: ")]
+            assert observed and "cached column(s) not in the row's sequence" in observed[0], observed[:1]
+
+
+def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:
+    result = audit("--engine", "observed_engines:loop_padded_positions", "--pair", "tiny-gpt2", *SETTINGS,
+                   "--diagnosis", "quick", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = runs(tmp_path)
+    assert run["timing"]["observation"] == 0.0
+    tried = [line for d in run["divergences"] for line in d["diagnosis"]["tried"]]
+    assert any("observation of the engine's inputs: not made (quick diagnosis" in line for line in tried)
+
+
+def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:
+    diagnoser = Diagnoser(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1, eos_token_id=None,
+                          pad_token_id=None)
+    diagnoser._observed = verdict
+    return diagnoser._reconcile(found, [])
+
+
+def test_a_class_the_observation_contradicts_becomes_unknown() -> None:
+    clean = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3, batched=True)
+    named = Cause("position_ids", "a replay with shifted positions", "a reproducing replay", "")
+    assert _reconciled(clean, named).cls == "unknown"
+    assert "the observation contradicts it" in _reconciled(clean, named).evidence
+    other = Verdict("attention_mask", "observed: padding read", confirmed=False, speculated=True, target_calls=3,
+                    batched=True)
+    assert _reconciled(other, named).cls == "unknown"
+    same = Verdict("position_ids", "observed: position 13", confirmed=False, speculated=True, target_calls=3)
+    assert _reconciled(same, named).cls == "position_ids"
+    kept = Cause("acceptance_rule", "the engine's token is the draft's own choice", "a heuristic", "")
+    plain = Verdict(CLEAN, "observed: inputs right", confirmed=False, speculated=False, target_calls=3)
+    assert _reconciled(plain, kept).cls == "unknown"  # an engine that never called its draft did not speculate
+    speculating = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3)
+    assert _reconciled(speculating, kept).cls == "acceptance_rule"
+    assert _reconciled(Verdict(None, "nothing seen"), named).cls == "position_ids"
+
+
+def test_only_the_batch_calls_contradict_a_class() -> None:
+    """Inputs seen right in a call that decoded the row alone (not the engine's batched pass) overrule nothing,
+    and neither does a violation seen there: the class the replays named stands."""
+    named = Cause("kv_cache", "a replay with the rejected slots kept", "a reproducing replay", "")
+    alone = Verdict(CLEAN, "observed: inputs right (batch row 0 of 1)", confirmed=True, speculated=True,
+                    target_calls=3, batched=False)
+    assert _reconciled(alone, named).cls == "kv_cache"
+    other = Verdict("attention_mask", "observed: padding read", speculated=True, target_calls=3, batched=False)
+    assert _reconciled(other, named).cls == "kv_cache"
+
+
+def test_the_hooks_cover_the_engines_own_call_alone() -> None:
+    """`RunContext.rerun(..., around=)` enters the context around the engine's generate call only: a caller's
+    reference decoding for a scripted drafter, before it, is not observed; a callable without `around` is
+    refused one, and the observation says it was not made."""
+    import contextlib
+
+    from specaudit.equivalence.diagnosis.observe import observe_batch
+    from specaudit.equivalence.run_context import RunContext, wrapped
+
+    events: list[str] = []
+
+    class Engine:
+        def generate(self, prompts, max_new_tokens, eos_token_id):
+            events.append("generate")
+            return [[5] for _ in prompts]
+
+    def reruns(indices, pad_token_id, around=None):
+        events.append("reference decoding")
+        return wrapped(Engine().generate, around)([[1]] * len(indices), 1, None)
+
+    @contextlib.contextmanager
+    def around():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    run = RunContext(None, [[1], [2]], 1, None, "float64", reruns=reruns)
+    assert run.confines_reruns
+    assert run.rerun([0, 1], None, around=around) == [[5], [5]]
+    assert events == ["reference decoding", "enter", "generate", "exit"]
+    plain = RunContext(None, [[1]], 1, None, "float64", reruns=lambda indices, pad_token_id: [[5] for _ in indices])
+    assert not plain.confines_reruns
+    with pytest.raises(ValueError):
+        plain.rerun([0], None, around=around)
+    from specaudit.testing import models
+
+    plain.pair = models.pair("tiny-gpt2")
+    assert "takes no `around`" in observe_batch(plain, [0], [[5]], None)
+
+
+def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
+    """A repeated token left unjudged, whose pass was seen feeding a wrong input, is not `acceptance_rule` on the
+    draft-choice coincidence alone; a reproducing replay of a doubled token still names it."""
+    seen = Verdict(None, "observed, not judged: a repeated token", speculated=True, target_calls=3, seen="kv_cache")
+    chance = Cause("acceptance_rule", "the draft's own choice",
+                   "the engine's token is the draft's own choice (no replay reproduced it)", "")
+    assert _reconciled(seen, chance).cls == "unknown"
+    replayed = Cause("acceptance_rule", "the bonus token emitted twice", "a reproducing replay", "")
+    assert _reconciled(seen, replayed).cls == "acceptance_rule"
+    unconfirmed = Verdict("kv_cache", "observed: stale columns read", speculated=True, target_calls=3)
+    assert _reconciled(unconfirmed, chance).cls == "unknown"
+
+
+@pytest.mark.parametrize("pair", ["tiny-gemma3", "tiny-lfm2", "tiny-qwen3-next"])
+def test_sliding_windows_and_recurrent_states_are_not_judged_by_observation(pair: str) -> None:
+    """A target with sliding-window or recurrent layers reads more than tokens and masks: the observation says it
+    is not made (the diagnosis's `tried` shows the reason) and the replays and re-runs decide."""
+    from specaudit.equivalence.diagnosis.observe import observable
+    from specaudit.testing import models
+
+    loaded = models.pair(pair)
+    reason = observable(loaded.target)
+    assert reason and "not one plain attention cache per layer" in reason
+    assert observable(models.pair("tiny-gpt2").target) is None
