@@ -35,7 +35,7 @@ def test_outside_fault_is_named_by_its_cause(fault) -> None:
     assert structural, f"{fault.slug()} left no structural divergence"
     classes = {d["diagnosis"]["class"] for d in structural}
     assert classes == {EXPECTED_OUTSIDE_CLASS[fault.slug()]}, [d["diagnosis"] for d in structural]
-    assert all(d["diagnosis"].get("decided_by") for d in structural)
+    assert all(d["diagnosis"].get("named_by") for d in structural)
 
 
 def _paper_prompts(path: Path) -> Path:

@@ -16,7 +16,7 @@ CROSS_ROW = ["--engine", "specaudit.testing.faults:CacheTrimmedToSmallestAccepta
 
 
 def _classes(out: Path) -> list[list[tuple[int, int, str, str]]]:
-    return [[(d["prompt_index"], d["position"], d["diagnosis"]["class"], d["diagnosis"].get("decided_by"))
+    return [[(d["prompt_index"], d["position"], d["diagnosis"]["class"], d["diagnosis"].get("named_by"))
              for d in run["divergences"] if d["kind"] == "structural"] for run in runs(out)]
 
 

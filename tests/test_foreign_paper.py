@@ -24,4 +24,4 @@ def test_published_code_on_default_prompts_is_named_by_cause(tmp_path: Path) -> 
         assert set(found) <= CAUSES, (run["engine"], found, [(d["prompt_index"], d["diagnosis"]["evidence"][:300])
                                                               for d in structural(run)
                                                               if d["diagnosis"]["class"] not in CAUSES])
-        assert all(d["diagnosis"].get("decided_by") for d in structural(run))
+        assert all(d["diagnosis"].get("named_by") for d in structural(run))

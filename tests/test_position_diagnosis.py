@@ -32,7 +32,7 @@ def test_position_bugs_are_named_position_ids_and_their_twins_are_exact(pair: st
         classes = {d["diagnosis"]["class"] for d in structural}
         assert classes == {"position_ids"}, [(d["prompt_index"], d["diagnosis"]) for d in structural
                                              if d["diagnosis"]["class"] != "position_ids"]
-        assert all(d["diagnosis"]["decided_by"] == "a reproducing replay" for d in structural)
+        assert all(d["diagnosis"]["named_by"] == "a reproducing replay" for d in structural)
         if len(structural) > 1:  # one mechanism, said so
             assert all(d["diagnosis"].get("shared") for d in structural)
     for twin in (padding_twin, rejected_twin):

@@ -3,7 +3,7 @@
 One prompt's server answer (`Completion`: returned `token_ids` and its `report`: text, finish and stop
 reasons, usage, per-token log-probabilities) against `RequestResult` (engines/requests/reference.py).
 Each check that fails gives one finding, a divergence record whose `diagnosis.class` names the cause
-and whose `diagnosis.decided_by` names the check that decided it:
+and whose `diagnosis.named_by` names the check that named it (its `decided_by`, the ruling, the same check):
 
 | class              | decided by                | the check                                                           |
 |--------------------|---------------------------|---------------------------------------------------------------------|
@@ -58,7 +58,7 @@ def _finding(index: int, position: int | None, cls: str, decided_by: str, reason
     return {"prompt_index": index, "position": position, "reference_token": reference_token,
             "engine_token": engine_token, "kind": "structural", "decided_by": decided_by,
             "detected_by": detected_by, "evidence": {"reason": reason, **evidence},
-            "diagnosis": {"class": cls, "evidence": reason, "decided_by": decided_by, "tried": []}}
+            "diagnosis": {"class": cls, "evidence": reason, "named_by": decided_by, "tried": []}}
 
 
 def _stop_ids(params: RequestParams, eos_token_id: Any) -> list[int]:

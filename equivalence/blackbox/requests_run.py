@@ -168,7 +168,7 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
               "evidence": evidence}
     if kind == "structural":
         cls = _ending_class(reference, tokens, position, limit, stop_ids)
-        record["diagnosis"] = {"class": cls, "evidence": evidence.get("reason"), "decided_by": "ending", "tried": []}
+        record["diagnosis"] = {"class": cls, "evidence": evidence.get("reason"), "named_by": "ending", "tried": []}
     return record
 
 

@@ -31,7 +31,7 @@ TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most co
 class Cause:
     cls: str
     evidence: str
-    decided_by: str  # the evidence that decided, in a few words
+    named_by: str  # the evidence that decided, in a few words
     mechanism: str  # the same words for every divergence with this mechanism
 
 

@@ -29,7 +29,7 @@ correct engine feeds that a replay of exactly the observed inputs reproduces dec
 shifted positions or a widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
 bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
 choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
-what was tried and what it showed, and `decided_by` which evidence decided. A class that the observation
+what was tried and what it showed, and `named_by` which evidence decided. A class that the observation
 positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
 class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not
 speculate; an observation that judged nothing leaves the class to the replays. Divergences of one run
@@ -104,15 +104,15 @@ WOULD_DECIDE = ("the engine's target logits at the divergence (a trace with reco
                 "position and mask hypotheses; or re-runs of the row beside other neighbours of the same length")
 
 
-def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, decided_by: str | None = None,
+def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, named_by: str | None = None,
               mechanism: str | None = None, would_decide: str | None = None) -> dict[str, Any]:
-    """A named class carries `decided_by` (the experiment that decided it) and `tried` (every check,
+    """A named class carries `named_by` (the experiment that decided it) and `tried` (every check,
     replay and re-run made, with what it showed: the alternatives ruled out); `unknown` carries
     `would_decide`, the experiment that would name it."""
     assert cls in CLASSES, cls
     found: dict[str, Any] = {"class": cls, "evidence": evidence, "tried": list(tried or [])}
-    if decided_by:
-        found["decided_by"] = decided_by
+    if named_by:
+        found["named_by"] = named_by
     if mechanism:
         found["mechanism"] = mechanism
     if cls == "unknown":
@@ -128,11 +128,11 @@ def _observed_mechanism(verdict: Any) -> str:
     return OBSERVED_MECHANISMS[verdict.cls]
 
 
-def _cause(found: Finding | Cause, decided_by: str) -> Cause:
+def _cause(found: Finding | Cause, named_by: str) -> Cause:
     """A check's finding as a cause, with what decided it."""
     if isinstance(found, Cause):
         return found
-    return Cause(found.cls, found.evidence, decided_by, "")
+    return Cause(found.cls, found.evidence, named_by, "")
 
 
 @dataclass
@@ -194,7 +194,7 @@ class Diagnoser(Experiments):
         if found is None:
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
         if found.cls == "unknown":  # an experiment narrowed it down without naming it
-            return diagnosis("unknown", found.evidence, tried, would_decide=found.decided_by or None)
+            return diagnosis("unknown", found.evidence, tried, would_decide=found.named_by or None)
         cls, evidence, decided = recurrent_or_attention(self, int(divergence["prompt_index"]), found, tried)
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
@@ -364,7 +364,7 @@ class Diagnoser(Experiments):
                          f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
         wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
         if (cls == "acceptance_rule" and wrong
-                and str(getattr(found, "decided_by", "")).startswith("the engine's token is the draft's own choice")):
+                and str(getattr(found, "named_by", "")).startswith("the engine's token is the draft's own choice")):
             return Cause("unknown", f"acceptance_rule was suggested by a coincidence ({found.evidence}), but the "
                          f"engine's inputs were seen wrong ({verdict.evidence})",
                          "a replay that reproduces the engine's token", "")

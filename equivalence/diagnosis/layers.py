@@ -114,7 +114,7 @@ def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[s
     """The class, evidence and what decided, for `found` (a kv_cache or cross_row finding) on a target
     with recurrent layers, by the silenced re-runs; other findings and targets pass through."""
     target = diagnoser.target
-    unchanged = found.cls, found.evidence, found.decided_by
+    unchanged = found.cls, found.evidence, found.named_by
     if found.cls not in ("kv_cache", "cross_row") or target is None:
         return unchanged
     from specaudit.engines.ops.layout import attention_layer_kinds
@@ -140,7 +140,7 @@ def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[s
     state, attention = outcome["attention"] is True, outcome["recurrent"] is True
     shown = (f"re-run {where} against greedy decoding of the same target with its attention layers silenced, it "
              f"{said['attention']}; with its {recurrent} recurrent layers silenced, it {said['recurrent']}")
-    decided = f"{found.decided_by}, then re-runs with the attention or the recurrent layers silenced"
+    decided = f"{found.named_by}, then re-runs with the attention or the recurrent layers silenced"
     if attention:
         both = " (the recurrent state is wrong too)" if state else ""
         return found.cls, f"{found.evidence}; {shown}: the attention layers' KV cache is wrong{both}", decided
@@ -153,4 +153,4 @@ def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[s
                            "wrong"), decided
     return "recurrent_state", (f"{found.evidence}; {shown}, which decides nothing; the target keeps recurrent state "
                                f"in {recurrent} layers, which a rejection or another row changes exactly this way: "
-                               "the state was not the row's own after its accepted tokens"), found.decided_by
+                               "the state was not the row's own after its accepted tokens"), found.named_by

@@ -21,7 +21,7 @@ class ClassLine:
     cls: str
     count: int
     share: float  # of all structural divergences of the audit
-    decided_by: str  # the experiments that decided this class, with their counts; for unknown, what would
+    named_by: str  # the experiments that named this class, with their counts; for unknown, what would
     example: str  # where the first one is
     evidence: str  # what showed its class
     fix: str
@@ -58,7 +58,7 @@ def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
             cls = found.get("class") or "unknown"
             counts[cls] = counts.get(cls, 0) + 1
             decider = (f"would decide: {found['would_decide']}" if cls == "unknown" and found.get("would_decide")
-                       else str(found.get("decided_by") or "not recorded"))
+                       else str(found.get("named_by") or "not recorded"))
             deciders.setdefault(cls, {})[decider] = deciders.setdefault(cls, {}).get(decider, 0) + 1
             first.setdefault(cls, (run, divergence))
     total = sum(counts.values())

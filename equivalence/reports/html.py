@@ -262,10 +262,10 @@ def _diagnosis_section(audit: dict[str, Any]) -> str:
     note = adversarial_note(audit)
     parts = []
     if lines:
-        head = "".join(f"<th>{name}</th>" for name in ("class", "count", "share", "decided by", "first example",
+        head = "".join(f"<th>{name}</th>" for name in ("class", "count", "share", "named by", "first example",
                                                         "evidence", "fix"))
         rows = "".join(f'<tr><td><strong>{escape(line.cls)}</strong></td><td class="number">{line.count}</td>'
-                       f'<td class="number">{line.share:.0%}</td><td>{escape(line.decided_by)}</td>'
+                       f'<td class="number">{line.share:.0%}</td><td>{escape(line.named_by)}</td>'
                        f"<td>{escape(line.example)}</td><td>{escape(line.evidence)}</td><td>{escape(line.fix)}</td></tr>"
                        for line in lines)
         parts.append('<h2>Diagnosis</h2><p class="note">One line per class of structural divergence: how many, the '

@@ -151,9 +151,9 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     diagnosed = class_lines(audit)
     if diagnosed:
         lines += ["## Diagnosis", "", "One line per class of structural divergence: how many and their share, what "
-                  "decided it, the first example and what showed it, and the fix.", ""]
-        lines += _markdown_table(["class", "count", "share", "decided by", "first example", "evidence", "fix"],
-                                 [[f"**{line.cls}**", str(line.count), f"{line.share:.0%}", line.decided_by,
+                  "named it, the first example and what showed it, and the fix.", ""]
+        lines += _markdown_table(["class", "count", "share", "named by", "first example", "evidence", "fix"],
+                                 [[f"**{line.cls}**", str(line.count), f"{line.share:.0%}", line.named_by,
                                    line.example, line.evidence, line.fix] for line in diagnosed])
         lines.append("")
     stamp = [f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",

@@ -105,7 +105,7 @@ def table_row(name: str, expected: str, run: dict[str, Any]) -> str:
     """`| bug | expected | exact | diagnosed (count) | deciding evidence (count) |` for reports/faults.md."""
     structural = [d for d in run["divergences"] if d["kind"] == "structural"]
     classes = collections.Counter(d["diagnosis"]["class"] for d in structural)
-    decided = collections.Counter((d["diagnosis"]["class"], d["diagnosis"].get("decided_by") or "nothing decided")
+    decided = collections.Counter((d["diagnosis"]["class"], d["diagnosis"].get("named_by") or "nothing decided")
                                   for d in structural)
     evidence = "; ".join(f"`{c}`: {e} ({n})" for (c, e), n in decided.most_common())
     failures = run.get("failures") or []

@@ -96,7 +96,7 @@ def problems(run: dict[str, Any], expected: str | None) -> list[str]:
         wrong.append(f"{name}: cross_row named ({detail})")
     for d in found:
         diagnosis = d["diagnosis"]
-        key = "would_decide" if diagnosis["class"] == "unknown" else "decided_by"
+        key = "would_decide" if diagnosis["class"] == "unknown" else "named_by"
         if not diagnosis.get("tried") or not diagnosis.get(key):
             wrong.append(f"{name}: prompt {d['prompt_index']} has no {key} or tried")
     return wrong
