@@ -98,7 +98,7 @@ def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -
     (run,) = runs(tmp_path)
     found = {d["prompt_index"]: d["diagnosis"] for d in run["divergences"] if d["kind"] == "structural"}
     assert found[4]["class"] == "pad_as_content", found[4]
-    assert "along the engine's output" in found[4]["decided_by"], found[4]
+    assert "along the engine's output" in found[4]["named_by"], found[4]
     assert found[5]["class"] == "stop_eos", found[5]
     assert _classes(run)["unknown"] == 0, found
 
@@ -118,7 +118,7 @@ def test_a_leading_pad_id_taken_for_padding_still_names_the_output_slice() -> No
     prompt = [9, 4, 5, 6, 7, 9, 3]
     found = _diagnose([prompt], [[9]], [[3]], 0, 0, pad=9, eos=9)
     assert found["class"] == "pad_as_content", found
-    assert found["decided_by"] == "the output slice against the prompt", found
+    assert found["named_by"] == "the output slice against the prompt", found
 
 
 def test_pad_equal_to_eos_row_exact_alone_up_to_its_eos_is_padding_read_as_eos() -> None:
@@ -132,4 +132,4 @@ def test_pad_equal_to_eos_row_exact_alone_up_to_its_eos_is_padding_read_as_eos()
                      pad_option=False)
     found = _diagnose(prompts, [reference, [1, 2]], [[], [1, 2]], 0, 0, pad=9, eos=9, run=run)
     assert found["class"] == "pad_as_content", found
-    assert found["decided_by"] == "a re-run alone, without padding", found
+    assert found["named_by"] == "a re-run alone, without padding", found
