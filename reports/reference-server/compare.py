@@ -108,14 +108,15 @@ def _altered(recording: Path, out: Path, vocab_size: int) -> Path:
 
 
 def _per_prompt(audit: dict, served: bool) -> dict[int, dict]:
-    """{prompt index: {kind, position, decided_by, class}} for the first divergence of each prompt."""
+    """{prompt index: {kind, position, decided_by, class}} for the first divergence of each prompt (its first
+    structural one where it has one)."""
     run = audit["runs"][0]
     rows: dict[int, dict] = {}
     divergences = run["divergences"] + run.get("findings", []) if served else run["divergences"]
-    for d in divergences:
+    for d in sorted(divergences, key=lambda d: (d["prompt_index"], d.get("position") or 0)):
         index = d["prompt_index"]
-        if index in rows and rows[index]["kind"] == "structural":
-            continue
+        if index in rows and (rows[index]["kind"] == "structural" or d["kind"] != "structural"):
+            continue  # the first divergence, unless a later one is structural
         cls = d.get("class") if served else (d.get("diagnosis") or {}).get("class")
         rows[index] = {"kind": d["kind"], "position": d["position"], "decided_by": d.get("decided_by"),
                        "class": ("unknown (needs the weights)" if d.get("needs_weights") else cls)
