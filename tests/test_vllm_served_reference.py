@@ -44,15 +44,7 @@ def _structural_prompts(audit: dict) -> set[int]:
 def test_served_reference_audits_vllm_without_weights_and_rules_as_float64_does(vllm_python, tmp_path):
     models = vm.hf_pair("vllm-llama-128")
     args = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "2176"]
-    spec_args = args + ["--speculative-config", json.dumps(
-        {"method": "draft_model", "model": str(models.draft), "num_speculative_tokens": 4})]
-    plain = vm.VLLMServer(vllm_python, models.target, args, tmp_path / "plain.log")
-    spec = vm.VLLMServer(vllm_python, models.target, spec_args, tmp_path / "spec.log")
-    try:
-        plain.start()
-        spec.start()
-        plain.wait_healthy()
-        spec.wait_healthy()
+    with vm.plain_and_draft_model(vllm_python, models.target, models.draft, args, tmp_path) as (plain, spec):
         common = ("--num-prompts", str(PROMPTS), "--max-new-tokens", str(MAX_NEW), "--batch-size", "4")
         status, text = _main("audit", "--no-progress", "--engine", f"vllm:{spec.url}", "--reference",
                              f"vllm:{plain.url}", "--tokenizer", str(models.target), "--require-speculation",
@@ -85,11 +77,6 @@ def test_served_reference_audits_vllm_without_weights_and_rules_as_float64_does(
                                  f"vllm:{plain.url}", "--tokenizer", str(models.target), *common,
                                  "--out", str(tmp_path / f"{label}-served"))
             served[label] = (status, json.loads((tmp_path / f"{label}-served" / "audit.json").read_text()), text)
-    finally:
-        plain.request_stop()
-        spec.request_stop()
-        plain.stop()
-        spec.stop()
     assert served["recorded"][0] == 0, served["recorded"][2]
     status, audit, text = served["altered"]
     assert status == 1, text

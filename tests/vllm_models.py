@@ -313,6 +313,27 @@ class VLLMServer:
         return parse_metrics(text)
 
 
+@contextlib.contextmanager
+def plain_and_draft_model(python: Path, target: Path, draft: Path, args: list[str], folder: Path, k: int = 4):
+    """A plain server of `target` and a draft-model speculative one (`draft`, k tokens), both with `args`, up and
+    healthy (logs in `folder`); both stopped however the block ends. Yields (plain, speculative)."""
+    spec_args = args + ["--speculative-config", json.dumps(
+        {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k})]
+    plain = VLLMServer(python, target, args, folder / "plain.log")
+    spec = VLLMServer(python, target, spec_args, folder / "spec.log")
+    try:
+        plain.start()
+        spec.start()
+        plain.wait_healthy()
+        spec.wait_healthy()
+        yield plain, spec
+    finally:
+        plain.request_stop()
+        spec.request_stop()
+        plain.stop()
+        spec.stop()
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in text.splitlines():

@@ -8,7 +8,6 @@ server of `vllm-llama-128` (k = 4, 4 sequences); each audited at temperature 1 w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,15 +28,7 @@ def main() -> int:
     python = vm.vllm_python()
     pair = vm.hf_pair("vllm-llama-128")
     args = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "2176"]
-    spec_args = args + ["--speculative-config", json.dumps(
-        {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": 4})]
-    plain = vm.VLLMServer(python, pair.target, args, out / "plain.log")
-    spec = vm.VLLMServer(python, pair.target, spec_args, out / "spec.log")
-    try:
-        plain.start()
-        spec.start()
-        plain.wait_healthy()
-        spec.wait_healthy()
+    with vm.plain_and_draft_model(python, pair.target, pair.draft, args, out) as (plain, spec):
         for name, server in (("plain", plain), ("spec", spec)):
             started = time.monotonic()
             status = cli.main(["audit", "--no-progress", "--engine", f"vllm:{server.url}", "--reference",
@@ -45,11 +36,6 @@ def main() -> int:
                                "--max-new-tokens", "32", "--temperature", "1", "--samples", "400", "--batch-size", "4",
                                "--out", str(out / name)])
             print(f"{name}: exit {status}, {time.monotonic() - started:.1f} s", flush=True)
-    finally:
-        plain.request_stop()
-        spec.request_stop()
-        plain.stop()
-        spec.stop()
     return 0
 
 
