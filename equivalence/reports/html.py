@@ -326,12 +326,12 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
     """The page; `charts` are the SVGs of `audit_charts` (and `sampled_charts`) by stem when the caller has
     drawn them already. Sampled runs have a section of their own; every other section reads the greedy runs."""
     status, sentence = verdict(audit)
-    greedy = greedy_view(audit)
+    greedy, sampled_stems = greedy_view(audit), sampled_charts(audit)
     if charts is None:
-        drawn = {**(audit_charts(greedy) if greedy["runs"] or not sampled_runs(audit) else {}), **sampled_charts(audit)}
+        drawn = {**(audit_charts(greedy) if greedy["runs"] or not sampled_runs(audit) else {}), **sampled_stems}
         charts = {stem: render_svg(chart) for stem, chart in drawn.items()}
-    sampled_section = sampled_html(audit, [svg for stem, svg in charts.items() if stem in sampled_charts(audit)])
-    charts = {stem: svg for stem, svg in charts.items() if stem not in sampled_charts(audit)}
+    sampled_section = sampled_html(audit, [svg for stem, svg in charts.items() if stem in sampled_stems])
+    charts = {stem: svg for stem, svg in charts.items() if stem not in sampled_stems}
     audit = greedy
     runs = audit["runs"]
     stamp = " · ".join(part for part in (
