@@ -170,6 +170,43 @@ def test_the_rounding_allowance_keeps_the_false_positive_rate(tmp_path: Path) ->
     assert held <= alpha * repeats * 1.5 and ks_held <= alpha * repeats * 1.5, (held, ks_held)
 
 
+class _FixedLogits(torch.nn.Module):
+    """A model whose logits at every position are `logits` [V] in its own dtype (rounded where it is below
+    float64), whatever the ids: the premise of a near-tie built by hand, not found in one machine's rounding."""
+
+    def __init__(self, logits: list[float], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.tensor(logits, dtype=torch.float64).to(dtype), requires_grad=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(self, input_ids: torch.Tensor):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.table.expand(*input_ids.shape, -1))
+
+
+def test_a_token_cut_by_less_than_the_rounding_is_no_departure_and_one_cut_by_more_is() -> None:
+    """Top-k 2 with the second and third logits 1e-4 apart: in bfloat16 (steps of 2^-7 near 1) both round to
+    one value, so an engine that rounds may keep the third; the float64 target cuts it. It is a rounding cut,
+    not a token the target never gives. The fourth token, 0.5 below, is beyond any rounding: a departure."""
+    from specaudit.engines.sampling.process import SamplingParams
+    from specaudit.equivalence.sampling.audit import audit_samples
+
+    logits = [2.0, 1.0001, 1.0, -0.5]
+    exact, rounded = _FixedLogits(logits, torch.float64), _FixedLogits(logits, torch.bfloat16)
+    params = SamplingParams(temperature=1.0, top_k=2)
+    prompt = [0]
+    near = [(prompt, [0, 1, 2])] + [(prompt, [0, 1, 0])] * 30
+    report = audit_samples(exact, near, params, run_model=rounded)
+    assert report["impossible_count"] == 0 and report["rounding"]["cut_tokens"] == 1, report["impossible_tokens"]
+    far = [(prompt, [0, 3, 0])] + [(prompt, [0, 1, 0])] * 30
+    report = audit_samples(exact, far, params, run_model=rounded)
+    assert report["impossible_count"] == 1 and report["departs"] and report["p_value"] == 0.0
+    assert audit_samples(exact, near, params)["impossible_count"] == 1  # float64 on the CPU: no allowance at all
+
 class _Counted:
     def __init__(self) -> None:
         self.updates: list[int] = []

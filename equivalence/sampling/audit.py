@@ -30,8 +30,9 @@ against none: a PIT chi-square on n values in B bins against noncentrality 2 n B
 between two bins), a context's chi-square against 2 n a^2 / (its least likely bin's probability),
 Kolmogorov-Smirnov at its distance less a. A correct engine then passes at the stated false-positive
 rate in every dtype; the power printed is the power against that shifted null. A token the float64
-target cuts (probability 0) but the run's target keeps is a rounding cut, not a departure: counted,
-left out of the PIT. In float64 on the CPU no allowance is taken and nothing changes.
+target cuts (probability 0) within the rounding of the cut (kept once its logits move by twice the largest
+difference between the run's logits and float64's there, in its favour: a near-tie at a top-k or top-p
+boundary) is a rounding cut, not a departure: counted, left out of the PIT. In float64 on the CPU no allowance is taken and nothing changes.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.sampling.process import SamplingParams
+from specaudit.engines.sampling.process import SamplingParams, process_logits
 from specaudit.equivalence.sampling import stats
-from specaudit.equivalence.sampling.teacher import Sample, target_distributions
+from specaudit.equivalence.sampling.teacher import Sample, target_distributions, target_logits
 
 PIT_BINS = 20
 POWER = 0.8
@@ -102,6 +103,27 @@ def _direction(u: torch.Tensor) -> str:
             else "flatter than the target (too much mass on its unlikely tokens)")
 
 
+def _kept_within_rounding(model: PreTrainedModel, run_model: PreTrainedModel, samples: list[Sample],
+                          cut: list[tuple[int, int, int]], params: SamplingParams) -> list[bool]:
+    """For each (sample, position, token) the float64 target cuts: whether the processing keeps the token once
+    its logits move as far as the engine's rounding can take them, in the token's favour (its logit up, every
+    other down, by `ROUNDING_FACTOR` times the largest difference there between the run's logits and float64's).
+    A near-tie at a top-k or top-p boundary falls either way below float64; only a token cut by more than the
+    rounding is one the target never gives."""
+    wanted = sorted({index for index, _, _ in cut})
+    chosen = [samples[i] for i in wanted]
+    exact = dict(zip(wanted, target_logits(model, chosen)))
+    rounded = dict(zip(wanted, target_logits(run_model, chosen)))
+    kept = []
+    for index, position, token in cut:
+        logits = exact[index][position]  # [V]
+        reach = ROUNDING_FACTOR * float((rounded[index][position] - logits).abs().max())
+        favoured = logits - reach
+        favoured[token] = logits[token] + reach
+        kept.append(reach > 0 and float(process_logits(favoured, params)[token]) > 0)
+    return kept
+
+
 def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = 0.01,
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
                   offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None,
@@ -118,18 +140,20 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     allowances = ([ROUNDING_FACTOR * 0.5 * (r - p).abs().sum(-1) for r, p in zip(run_probs, probs)]
                   if run_probs is not None else [torch.zeros(len(sampled), dtype=stats.F64) for _, sampled in samples])
     tokens, positions, table, contexts = [], [], [], defaultdict(list)
-    impossible, rounding_cuts = [], 0
+    cut = []  # (sample, position, token) that the float64 target gives probability 0
     for index, ((prompt, sampled), p) in enumerate(zip(samples, probs)):
         for position, token in enumerate(sampled):
             if float(p[position, token]) <= 0:
-                if run_probs is not None and float(run_probs[index][position, token]) > 0:
-                    rounding_cuts += 1  # cut in float64, kept where the engine rounds: no departure
-                else:
-                    impossible.append({"sample": index, "position": position, "token": token})
+                cut.append((index, position, token))
             tokens.append(token)
             positions.append(position)
             table.append(p[position])
             contexts[(tuple(prompt), tuple(sampled[:position]))].append(len(tokens) - 1)
+    impossible = [{"sample": i, "position": j, "token": t} for i, j, t in cut]
+    if run_model is not None and cut:
+        impossible = [entry for entry, kept in zip(impossible, _kept_within_rounding(model, run_model, samples, cut,
+                                                                                   params)) if not kept]
+    rounding_cuts = len(cut) - len(impossible)
     if not tokens:
         raise ValueError("no sampled tokens to audit")
     all_probs = torch.stack(table)  # [N, V]
