@@ -1,7 +1,8 @@
 """Engines for the diagnosis by observation (`tests/test_observed_diagnosis.py`), each with a correct twin.
 
 Each factory takes `(target, draft, *, batch_size, draft_tokens, pad_token_id)` and returns an object with
-`generate(prompts, max_new_tokens, eos_token_id)`. The cache keyword is looked up as a user's engine would
+`generate(prompts, max_new_tokens, eos_token_id)`, run on the target's device (a default-device context, as a
+user's engine may set one). The cache keyword is looked up as a user's engine would
 (`cache` from transformers 5.24, `past_key_values` before).
 
 - `loop_padded_positions` / `loop`: greedy decoding of a left-padded batch with one cache and a 2-D mask
@@ -64,8 +65,9 @@ class Batched:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | None) -> list[list[int]]:
         out: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            out += self._batch(prompts[start:start + self.batch_size], max_new_tokens, eos_token_id)
+        with torch.device(self.target.device):  # every tensor the engine makes, where its models are
+            for start in range(0, len(prompts), self.batch_size):
+                out += self._batch(prompts[start:start + self.batch_size], max_new_tokens, eos_token_id)
         return out
 
     def _batch(self, prompts: list[list[int]], max_new_tokens: int, eos: int | None) -> list[list[int]]:

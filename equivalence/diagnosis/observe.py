@@ -305,7 +305,7 @@ class Observation:
                 mask = given_mask.detach().cpu().long()
                 positions = (mask.cumsum(1) * mask - 1)[:, -q:]
             else:
-                positions = torch.tensor([columns])
+                positions = torch.tensor([columns], device="cpu")
         positions = positions.reshape(-1, q).expand(batch, q)
         kv = max(columns) + 1
         allowed = _allowed(call["mask"], batch, q, kv)
@@ -313,8 +313,8 @@ class Observation:
             if call["mask"] is not None:
                 self.failed = f"the attention layer received a mask of another form ({type(call['mask']).__name__})"
                 return
-            query_columns = torch.tensor(columns).view(q, 1)  # [q, 1]; none received: causal over every column
-            allowed = (torch.arange(kv).view(1, kv) <= query_columns).expand(batch, q, kv)
+            query_columns = torch.tensor(columns, device="cpu").view(q, 1)  # [q, 1]; none received: causal over every column
+            allowed = (torch.arange(kv, device="cpu").view(1, kv) <= query_columns).expand(batch, q, kv)
         with self._lock:
             if length > 0 and q > 1:
                 self.verified += 1
@@ -692,7 +692,7 @@ class Observation:
                     work.append(v)
         order = sorted(closure)  # slot ids run in the order the tokens were fed
         place = {slot_id: i for i, slot_id in enumerate(order)}
-        allowed = torch.zeros(len(order), len(order), dtype=torch.bool)  # [L, L]: key j visible to query i
+        allowed = torch.zeros(len(order), len(order), dtype=torch.bool, device="cpu")  # [L, L]: key j visible to query i
         for slot_id in order:
             for v in self.visible(slot_id):
                 allowed[place[slot_id], place[v]] = True
