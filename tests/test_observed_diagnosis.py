@@ -59,6 +59,22 @@ def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> No
     assert not wrong, "\n".join(wrong)
 
 
+
+def test_the_observation_reads_a_cache_below_float64(tmp_path: Path) -> None:
+    """In bfloat16 (numpy has no such dtype) the cache's keys that follow each slot are read as raw bytes: the
+    observation is made, and decides the engine's position bug as in float64."""
+    result = audit("--engine", "observed_engines:holes_all_slots", "--pair", "tiny-gpt2", *SETTINGS, "--dtype",
+                   "bfloat16", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = runs(tmp_path)
+    structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+    assert structural
+    tried = [line for d in structural for line in d["diagnosis"]["tried"]]
+    assert not [line for line in tried if "the observation failed" in line], tried
+    named = [d for d in structural if d["diagnosis"]["class"] == "position_ids"]
+    assert len(named) >= 0.9 * len(structural), [d["diagnosis"]["class"] for d in structural]
+    assert any(d["diagnosis"]["evidence"].startswith("observed: ") for d in named)
+
 CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "rows": None, "loop": None}
 
 

@@ -125,7 +125,8 @@ def _first_keys(cache: Any) -> torch.Tensor | None:
 
 
 def _key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
-    return keys[row, :, column, :].detach().cpu().numpy().tobytes()
+    """The bytes of one entry's keys [H, D], in any dtype (numpy has no bfloat16: read as raw bytes)."""
+    return keys[row, :, column, :].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _bind(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
