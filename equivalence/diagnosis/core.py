@@ -344,7 +344,8 @@ class Diagnoser(Experiments):
         there; `acceptance_rule` needs an engine that speculated (called its draft model, verified several
         tokens of a row in one pass, or drafted in its trace), and is not taken from the draft-choice coincidence
         where the engine was seen feeding a wrong input (a violation no replay confirmed, or one in the pass that
-        fed a repeated token left unjudged). An observation that judged nothing leaves the
+        fed a repeated token left unjudged); an input class is not taken where the inputs behind a repeated token
+        left unjudged were seen wrong in other classes alone. An observation that judged nothing leaves the
         class as the replays and re-runs named it."""
         from specaudit.equivalence.diagnosis.observe import CLEAN, INPUT_CLASSES
 
@@ -362,6 +363,10 @@ class Diagnoser(Experiments):
             named = f"; {cls} was suggested, which the observation does not show" if cls else ""
             return Cause("unknown", f"{verdict.evidence}; no replay of the observed inputs reproduced the engine's "
                          f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
+        if verdict.seen and cls in INPUT_CLASSES and cls not in verdict.seen_classes:
+            return Cause("unknown", f"{cls} was suggested ({found.evidence}), but the inputs behind the engine's token "
+                         f"were seen wrong otherwise, with no wrong input of that class ({verdict.evidence})",
+                         "a replay of the observed inputs that reproduces the engine's token", "")
         wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
         if (cls == "acceptance_rule" and wrong
                 and str(getattr(found, "named_by", "")).startswith("the engine's token is the draft's own choice")):

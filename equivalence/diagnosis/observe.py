@@ -36,8 +36,9 @@ visibility (`forward.replay_all`) that reproduces the engine's logits (where it 
 then judges the first new token whose logits are off) or chooses its token confirms it. Not judged: a token
 the target was never fed after though the row goes on (emitted, not continued from: a doubled bonus), and, in
 an engine that speculates, a token equal to the one before it whose first wrong input is in the pass that fed
-it (a token emitted twice and a token fed one position off look alike there; the engine's logits, where
-recorded, tell them apart). Inputs observed correct (the replay of them chooses the reference's token) rule
+it (a token emitted twice and a token fed one position off look alike there, and a replay often chooses the
+repeated token either way; the engine's logits, where recorded, tell them apart): the classes of the wrong
+inputs seen in that pass are kept, and a replay that names another input class gives way to `unknown`. Inputs observed correct (the replay of them chooses the reference's token) rule
 out the input classes: the divergence comes after the logits (acceptance, stops). Models whose cache is not a
 plain attention cache per layer (recurrent layers, sliding windows) are not observed; an engine that never
 calls the target's forward (its own attention over the weights) shows nothing, and the replays decide.
@@ -73,6 +74,7 @@ class Verdict:
     speculated: bool = False  # the engine called the draft model, or fed a row several new tokens in one cached pass
     batched: bool = False  # the producer's call was a call of the batch, not one row decoded alone
     seen: str | None = None  # not judged (a repeated token): the class of the wrong input seen in its pass
+    seen_classes: tuple[str, ...] = ()  # and the classes of every wrong input seen behind the token
     target_calls: int = 0  # the target calls the re-run made (0: nothing was seen)
     producer: int | None = None  # the slot whose query chose the engine's token
     engine_token: int | None = None  # the token it chose in the re-run
@@ -280,6 +282,7 @@ class Observation:
     records: list[_CallRow] = field(default_factory=list)
     _streams: dict[int, tuple[Any, _Stream]] = field(default_factory=dict)
     _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each first-layer key
+    _claims: dict[int, int] = field(default_factory=dict)  # per prompt: how many rows were matched to it
     _lock: Any = field(default_factory=threading.Lock)
 
     # ---- recording ---------------------------------------------------------------------------
@@ -349,13 +352,16 @@ class Observation:
         slots then labelled (padding or not) and its call-rows given the prompt."""
         slot_ids = [s for s in stream.columns[b] if s >= 0]
         tokens = [self.slots[s].token for s in slot_ids]
-        for local in sorted(stream.unused, key=lambda j: -len(self.prompts[j])):
+        # the longest first; among equal prompts (duplicates in one batch, each row decoded with its own cache) the
+        # one fewest rows have taken yet
+        for local in sorted(stream.unused, key=lambda j: (-len(self.prompts[j]), self._claims.get(j, 0))):
             start = self._offset(tokens, self.prompts[local])
             if start is None:
                 continue
             if start != len(tokens) - len(self.prompts[local]) and self._partial(tokens, stream.unused, local):
                 return  # the row so far may be part of a longer prompt (a prefill of all but its last token)
             stream.unused.remove(local)
+            self._claims[local] = self._claims.get(local, 0) + 1
             stream.rows[b] = local
             for slot_id, pad in zip(slot_ids, self._labels(tokens, local)):
                 self.slots[slot_id].pad = pad
@@ -390,20 +396,22 @@ class Observation:
         return None
 
     def _labels(self, row: list[int], local: int) -> list[bool]:
-        """Which tokens of a row's first call are padding: those before its prompt, and after it those that
-        are the pad id where the row's sequence (prompt and output) has another token."""
+        """Which tokens of a row's first call are padding: those before its prompt, and after it the pad ids
+        where the row's sequence (prompt and output) has another token and only pad ids follow (right padding;
+        a pad id among proposals that go on, a draft's choice, is content that was not accepted)."""
         prompt = self.prompts[local]
         sequence = prompt + (self.outputs[local] if local < len(self.outputs) else [])
         start = self._offset(row, prompt)
         assert start is not None
         pads = [True] * start + [False] * len(prompt)
         at = len(prompt)
-        for token in row[start + len(prompt):]:
+        after = row[start + len(prompt):]
+        for i, token in enumerate(after):
             if at < len(sequence) and token == sequence[at]:
                 pads.append(False)
                 at += 1
             else:
-                pads.append(token == self.pad_token_id)
+                pads.append(token == self.pad_token_id and all(t == self.pad_token_id for t in after[i:]))
         return pads
 
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
@@ -659,11 +667,24 @@ class Observation:
                            "the token before it in an engine that speculates, and the first input out of order is "
                            "in the pass that fed it: a token emitted twice and a token fed one position off look "
                            f"alike there (the replays decide); that input: {evidence}", speculated=speculated,
-                           seen=cls)
+                           seen=cls, seen_classes=self._classes_seen(producer, sequence[:m + 1], violations))
         if how != "exact":
             evidence += f" (the query that chose new token {position} reads {how} tokens against the row's own)"
         return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen,
                        batched=batched)
+
+    def _classes_seen(self, producer: int, want: list[int], violations: list[tuple[Any, str, str]]) -> tuple[str, ...]:
+        """The classes of the wrong inputs behind `producer`: those of `violations`, and `position_ids` where a
+        token it reads that is one of the row's (the stale ones set aside) was fed a position other than its index."""
+        classes = {v[1] for v in violations}
+        ids = [v for v in self.visible(producer) if not self.slots[v].pad]
+        content = [self.slots[v].token for v in ids]
+        if _subsequence(want, content):
+            extra = set(_extra(want, content, ids))
+            aligned = [v for v in ids if v not in extra]
+            if any(self.slots[v].position != i for i, v in enumerate(aligned)):
+                classes.add("position_ids")
+        return tuple(sorted(classes))
 
     def _counted(self, slot_id: int, offset: int) -> str:
         """Where a position `offset` too high equals a count of the row's columns before the slot (its padding, or
