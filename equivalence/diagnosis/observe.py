@@ -543,21 +543,23 @@ class Observation:
         """The slot whose query chose the token at sequence index m + 1: the first fed holding sequence[m]
         whose visible content is sequence[:m + 1]; failing that the first that reads extra tokens besides
         them (`extra`), or misses some of them while written columns of its row are hidden from it
-        (`missing`)."""
+        (`missing`), the first fed at position m where one was (a rejected proposal of the same token, read
+        among stale columns, is rarely fed at the row's own index)."""
         want = sequence[:m + 1]
-        near: tuple[int, str] | None = None
+        near: list[tuple[int, str]] = []
         for slot_id, slot in enumerate(self.slots):
             if self.records[slot.record].local != local or slot.token != sequence[m] or slot.pad:
                 continue
             content = [self.slots[v].token for v in self.visible(slot_id) if not self.slots[v].pad]
             if content == want:
                 return slot_id, "exact"
-            if near is None and content and content[-1] == sequence[m]:
+            if content and content[-1] == sequence[m]:
                 if _subsequence(want, content):
-                    near = (slot_id, "extra")
+                    near.append((slot_id, "extra"))
                 elif _subsequence(content, want) and self._hidden(slot_id) >= len(want) - len(content):
-                    near = (slot_id, "missing")
-        return near
+                    near.append((slot_id, "missing"))
+        at_index = [found for found in near if self.slots[found[0]].position == m]
+        return (at_index or near or [None])[0]
 
     def _hidden(self, slot_id: int) -> int:
         """How many written columns of the row before the query of `slot_id` (padding aside) it cannot read."""
