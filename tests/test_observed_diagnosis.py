@@ -104,6 +104,20 @@ def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> No
             assert observed and "cached column(s) not in the row's sequence" in observed[0], observed[:1]
 
 
+
+def test_a_cache_not_cropped_is_named_on_nine_of_ten_at_the_measured_size(tmp_path: Path) -> None:
+    """The per-row engine that never crops its target cache, at the size its rate was measured at (16 prompts,
+    adversarial ones among them: duplicates decoded row by row, a draft proposing the pad id): at least 90% of
+    its structural divergences `kv_cache`, the rest `unknown` (a repeated token whose pass read stale columns:
+    a token emitted twice looks alike), never another class."""
+    result = audit("--engine", "observed_engines:rows_not_cropped", "--pair", "tiny-gpt2", "--batch-size", "4",
+                   "--num-prompts", "16", "--max-new-tokens", "24", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    (run,) = runs(tmp_path)
+    classes = [d["diagnosis"]["class"] for d in run["divergences"] if d["kind"] == "structural"]
+    assert classes and classes.count("kv_cache") >= 0.9 * len(classes), classes
+    assert set(classes) <= {"kv_cache", "unknown"}, classes
+
 def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:
     result = audit("--engine", "observed_engines:loop_padded_positions", "--pair", "tiny-gpt2", *SETTINGS,
                    "--diagnosis", "quick", out=tmp_path)
