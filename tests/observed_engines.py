@@ -21,6 +21,7 @@ user's engine may set one). The cache keyword is looked up as a user's engine wo
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -134,8 +135,9 @@ class Holes(Batched):
         rows: list[list[int]] = [[] for _ in prompts]
         ones = torch.ones(b, 1, dtype=keep.dtype)
         while not all(len(r) >= max_new_tokens or (eos is not None and eos in r) for r in rows):
-            width = keep.shape[1]
-            # the draft proposes k tokens, one pass each, after the pending token
+            # the draft proposes k tokens, one pass each, after the pending token, on a copy of its cache (a
+            # sliding-window layer cannot be cropped back once its window is full)
+            saved = copy.deepcopy(draft_cache)
             proposals, fed, draft_keep = [], pending, keep
             for _ in range(k):
                 draft_keep = torch.cat([draft_keep, ones], dim=1)
@@ -157,7 +159,7 @@ class Holes(Batched):
             keep = torch.cat([keep, new_keep], dim=1)
             pending = next_pending
             # the draft's cache: the same k + 1 columns as the target's, under the step's final mask
-            _crop(draft_cache, width)
+            draft_cache = saved
             self._forward(self.draft, draft_cache, step, keep)
         return [_finish(r, max_new_tokens, eos) for r in rows]
 

@@ -217,14 +217,16 @@ def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
     assert _reconciled(unconfirmed, chance).cls == "unknown"
 
 
-@pytest.mark.parametrize("pair", ["tiny-gemma3", "tiny-lfm2", "tiny-qwen3-next"])
-def test_sliding_windows_and_recurrent_states_are_not_judged_by_observation(pair: str) -> None:
-    """A target with sliding-window or recurrent layers reads more than tokens and masks: the observation says it
-    is not made (the diagnosis's `tried` shows the reason) and the replays and re-runs decide."""
-    from specaudit.equivalence.diagnosis.observe import observable
+@pytest.mark.parametrize("pair", ["tiny-lfm2", "tiny-qwen3-next", "tiny-bamba"])
+def test_recurrent_states_are_not_judged_by_observation(pair: str) -> None:
+    """A target with recurrent layers reads more than tokens and masks: the observation says it is not made (the
+    diagnosis's `tried` shows the reason) and the replays and re-runs decide. A target with sliding-window layers
+    beside full ones is observed, its window read from its config."""
+    from specaudit.equivalence.diagnosis.observe import observable, sliding_window
     from specaudit.testing import models
 
-    loaded = models.pair(pair)
-    reason = observable(loaded.target)
-    assert reason and "not one plain attention cache per layer" in reason
-    assert observable(models.pair("tiny-gpt2").target) is None
+    reason = observable(models.pair(pair).target)
+    assert reason and "recurrent layers" in reason
+    gemma = models.pair("tiny-gemma3").target
+    assert observable(gemma) is None and sliding_window(gemma) == gemma.config.sliding_window
+    assert observable(models.pair("tiny-gpt2").target) is None and sliding_window(models.pair("tiny-gpt2").target) is None

@@ -33,10 +33,11 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: Any) -> tor
 
 
 @torch.no_grad()
-def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None
-               ) -> torch.Tensor | None:
+def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None,
+               window: torch.Tensor | None = None) -> torch.Tensor | None:
     """The target's logits [L, V] at every token of `ids` at `positions`, batch size 1, no cache, under
-    the causal mask or `allowed` [L, L] (key j visible to query i); None when the model refuses them."""
+    the causal mask or `allowed` [L, L] (key j visible to query i); `window` [L, L]: what the sliding-window
+    layers see instead (handed as the masks per layer type); None when the model refuses them."""
     limit = position_limit(target)
     if limit is not None and max(positions) >= limit:
         return None
@@ -45,6 +46,8 @@ def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)
     # without `allowed`, causal; with it, an additive [1, 1, L, L] mask, taken by the model as it is
     mask = torch.ones_like(input_ids) if allowed is None else additive_mask(allowed, target.dtype, device)
+    if allowed is not None and window is not None:
+        mask = {"full_attention": mask, "sliding_attention": additive_mask(window, target.dtype, device)}
     try:
         out = target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
     except (IndexError, RuntimeError, ValueError):

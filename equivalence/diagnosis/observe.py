@@ -4,25 +4,28 @@ An in-process engine runs on the models the audit hands it, so its inputs can be
 the engine once on a divergent batch (through the run's context: a fresh engine, guarded) with forward pre-hooks
 on the module of the target that takes the input ids (its base model, or the decoder the language model calls
 directly, as OPT's does) and on the draft's (its calls are counted), on the module that consumes the position
-ids (a learned position table, `wpe` or `embed_positions`, or the rotary embedding) and on the first attention
-layer, and records for every target call, per batch row: the tokens fed, the columns of the cache they are
-written to (the cache's length before the call, or the `cache_position` given), the position each token was
-given as the model consumed it, and which columns each query may read, from the mask as the attention layer
-received it (none received: causal over every column). The engine's code is untouched.
+ids (a learned position table, `wpe` or `embed_positions`, or the rotary embedding) and on the first
+full-attention layer (and the first sliding-window layer, where the model has them), and records for every
+target call, per batch row: the tokens fed, the columns of the cache they are written to (the cache's length
+before the call, or the `cache_position` given), the position each token was given as the model consumed it,
+and which columns each query may read, from the mask as the attention layer received it (none received: causal
+over every column; a sliding-window layer's mask covers the last columns, and without one the model's own
+window over the columns applies). The engine's code is untouched.
 
 Each batch row is matched to its prompt by content once its cache holds the prompt (the prompt as one run of
 its tokens; the columns before it, and columns after it that are the pad id and not the row's next token,
 are padding). Every token fed becomes a slot; a slot reads the slots its query could see. Each slot's
-first-layer keys, as its call left them in the cache, follow it when the engine moves entries between calls
-(realigned, reordered or dropped rows, a new cache object): a row whose columns no longer hold its slots' keys
-is mapped again by them (a column whose keys no fed slot left is padding never fed), or is no longer followed.
+keys in the first full-attention layer, as its call left them in the cache, follow it when the engine moves
+entries between calls (realigned, reordered or dropped rows, a new cache object): a row whose columns no
+longer hold its slots' keys is mapped again by them (a column whose keys no fed slot left is padding never
+fed), or is no longer followed.
 
 `Observation.judge(prompt, position)` compares the slots that produced the engine's token at the divergence
 (the first slot fed holding the row's token before it whose visible content is exactly the row's sequence
-so far; failing that, the first that reads extra or misses tokens) with what a correct engine feeds: each
-query reads exactly the row's own earlier tokens (no padding, no hole, no other row's), each token it reads
-sits at its index in the row, and the same holds for each slot it reads, recursively. The first slot (in the
-order fed) that breaks one of these names the class:
+so far; failing that, one that reads extra or misses tokens, fed at the row's index where one was) with what
+a correct engine feeds: each query reads exactly the row's own earlier tokens (no padding, no hole, no other
+row's), each token it reads sits at its index in the row, and the same holds for each slot it reads,
+recursively. The first slot (in the order fed) that breaks one of these names the class:
 
     padding visible                               attention_mask
     a token of the row hidden (pad id: pad_as_content) attention_mask / pad_as_content
@@ -30,6 +33,9 @@ order fed) that breaks one of these names the class:
                                                    cache, else kv_cache
     another row's tokens                           cross_row
     a token fed a position other than its index    position_ids
+    a sliding-window query that does not read      attention_mask
+    exactly the row's last `window` tokens (the
+    window counts columns: holes inside it)
 
 A replay of the target (float64 where the audit has it) on exactly the observed slots, positions and
 visibility (`forward.replay_all`) that reproduces the engine's logits (where it records them; the diagnosis
@@ -38,10 +44,12 @@ the target was never fed after though the row goes on (emitted, not continued fr
 an engine that speculates, a token equal to the one before it whose first wrong input is in the pass that fed
 it (a token emitted twice and a token fed one position off look alike there, and a replay often chooses the
 repeated token either way; the engine's logits, where recorded, tell them apart): the classes of the wrong
-inputs seen in that pass are kept, and a replay that names another input class gives way to `unknown`. Inputs observed correct (the replay of them chooses the reference's token) rule
-out the input classes: the divergence comes after the logits (acceptance, stops). Models whose cache is not a
-plain attention cache per layer (recurrent layers, sliding windows) are not observed; an engine that never
-calls the target's forward (its own attention over the weights) shows nothing, and the replays decide.
+inputs seen in that pass are kept, and a replay that names another input class gives way to `unknown`.
+Inputs observed correct (the replay of them chooses the reference's token) rule out the input classes: the
+divergence comes after the logits (acceptance, stops). Models whose cache is not an attention cache per layer
+(recurrent layers) or keeps no full layer (sliding windows alone) are not observed;
+an engine that never calls the target's forward (its own attention over the weights) shows nothing, and the
+replays decide.
 """
 
 from __future__ import annotations
@@ -105,6 +113,7 @@ class _CallRow:
     batch: int  # the call's batch size
     cache_length: int
     stream: Any  # its _Stream
+    window: np.ndarray | None = None  # [q, ceil(kv / 8)] uint8: what each query of a sliding-window layer could read
 
 
 @dataclass
@@ -120,10 +129,31 @@ class _Stream:
 
 
 def _first_keys(cache: Any) -> torch.Tensor | None:
-    """The first layer's keys [B, H, columns, D] of a cache that holds them as a tensor (None: another kind)."""
-    layers = getattr(cache, "layers", None)
-    keys = getattr(layers[0], "keys", None) if layers else None
-    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+    """The keys [B, H, columns, D] of the cache's first layer that keeps every column (not a sliding window's,
+    which drops the old ones); None: no such layer holds them as a tensor."""
+    for layer in getattr(cache, "layers", None) or []:
+        if getattr(layer, "sliding_window", None) is not None:
+            continue
+        keys = getattr(layer, "keys", None)
+        return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+    return None
+
+
+def _layer_types(model: Any) -> list[str] | None:
+    config = getattr(model, "config", None)
+    types = getattr(config, "layer_types", None) or getattr(getattr(config, "text_config", None), "layer_types", None)
+    return list(types) if types else None
+
+
+def sliding_window(model: Any) -> int | None:
+    """The window (in tokens, the query's own included) of the model's sliding-window layers; None: it has none."""
+    types = _layer_types(model)
+    if not types or "sliding_attention" not in types:
+        return None
+    config = model.config
+    window = getattr(config, "sliding_window", None) or getattr(getattr(config, "text_config", None),
+                                                                 "sliding_window", None)
+    return int(window) if window else None
 
 
 def _key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
@@ -163,18 +193,24 @@ def _position_module(model: Any) -> tuple[str, Any] | None:
     return None
 
 
-def _attention_module(model: Any) -> Any:
-    """The first attention layer (the mask it receives is what every layer of a plain model receives)."""
+def _attention_module(model: Any, types: list[str] | None, sliding: bool = False) -> Any:
+    """The first full-attention layer (the mask it receives is what every such layer receives), or with `sliding`
+    the first sliding-window layer; `types`: the model's layer types (None: every layer attends in full)."""
     for _, module in model.named_modules():
         name = type(module).__name__
-        if name.endswith("Attention") and "Rotary" not in name:
+        if not name.endswith("Attention") or "Rotary" in name:
+            continue
+        index = getattr(module, "layer_idx", None)
+        kind = types[index] if types and isinstance(index, int) and index < len(types) else "full_attention"
+        if (kind == "sliding_attention") == sliding:
             return module
     return None
 
 
-def _allowed(mask: Any, batch: int, q: int, kv: int) -> torch.Tensor | None:
+def _allowed(mask: Any, batch: int, q: int, kv: int, last: bool = False) -> torch.Tensor | None:
     """[B, q, kv] bool from a mask as an attention layer receives it ([B|1, 1|H, q, kv] bool or additive);
-    None when it is not a tensor of that shape."""
+    None when it is not a tensor of that shape. `last`: a sliding-window layer's mask, which may cover only the
+    last columns (those its cache still holds, and the call's own)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return None
     mask = mask[:, 0].detach().cpu()
@@ -182,7 +218,14 @@ def _allowed(mask: Any, batch: int, q: int, kv: int) -> torch.Tensor | None:
         return None
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
-    return mask.expand(batch, q, mask.shape[-1])[..., :kv] if mask.shape[-1] >= kv else None
+    width = mask.shape[-1]
+    if width >= kv:
+        return mask.expand(batch, q, width)[..., :kv]
+    if not last:
+        return None
+    out = torch.zeros(batch, q, kv, dtype=torch.bool, device="cpu")
+    out[..., kv - width:] = mask.expand(batch, q, width)
+    return out
 
 
 class _Recorder:
@@ -203,9 +246,13 @@ class _Recorder:
         found = _position_module(self.base)
         if found is not None:
             self.handles.append(found[1].register_forward_pre_hook(self._positions_hook(found), with_kwargs=True))
-        attention = _attention_module(self.base)
+        types = _layer_types(self.model)
+        attention = _attention_module(self.base, types)
         if attention is not None:
-            self.handles.append(attention.register_forward_pre_hook(self._attention, with_kwargs=True))
+            self.handles.append(attention.register_forward_pre_hook(self._attention("mask"), with_kwargs=True))
+        window = _attention_module(self.base, types, sliding=True) if self.observation.window else None
+        if window is not None:
+            self.handles.append(window.register_forward_pre_hook(self._attention("window_mask"), with_kwargs=True))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -229,7 +276,7 @@ class _Recorder:
         self.current = {"input_ids": bound.get("input_ids"), "cache": cache, "length": length,
                         "prior_keys": None if prior is None else prior[:, :, :length].detach().clone(),
                         "cache_position": bound.get("cache_position"), "given_positions": bound.get("position_ids"),
-                        "given_mask": bound.get("attention_mask"), "positions": None, "mask": None, "mask_seen": False}
+                        "given_mask": bound.get("attention_mask"), "positions": None, "mask": None, "window_mask": None}
 
     def _positions_hook(self, found: tuple[str, Any]) -> Callable[..., None]:
         leaf, module = found
@@ -250,11 +297,13 @@ class _Recorder:
                 self.current["positions"] = positions.detach().cpu().long()
         return hook
 
-    def _attention(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        if self.current is None or self.current["mask_seen"]:
-            return
-        bound = _bind(module.forward, args, kwargs)
-        self.current["mask"], self.current["mask_seen"] = bound.get("attention_mask"), True
+    def _attention(self, slot: str) -> Callable[..., None]:
+        def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+            if self.current is None or slot + "_seen" in self.current:
+                return
+            bound = _bind(module.forward, args, kwargs)
+            self.current[slot], self.current[slot + "_seen"] = bound.get("attention_mask"), True
+        return hook
 
     def _end(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         call, self.current = self.current, None
@@ -273,6 +322,7 @@ class Observation:
     prompts: list[list[int]]  # the re-run's prompts, in its order
     outputs: list[list[int]] = field(default_factory=list)  # the re-run's outputs
     pad_token_id: int | None = None
+    window: int | None = None  # the target's sliding window (tokens), where it has sliding-window layers
     calls: int = 0  # target calls seen
     draft_calls: int = 0
     verified: int = 0  # cached target calls that fed a row more than one new token (a verification of proposals)
@@ -281,7 +331,7 @@ class Observation:
     slots: list[_Slot] = field(default_factory=list)
     records: list[_CallRow] = field(default_factory=list)
     _streams: dict[int, tuple[Any, _Stream]] = field(default_factory=dict)
-    _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each first-layer key
+    _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each key (first full layer)
     _claims: dict[int, int] = field(default_factory=dict)  # per prompt: how many rows were matched to it
     _lock: Any = field(default_factory=threading.Lock)
 
@@ -317,13 +367,20 @@ class Observation:
             if call["mask"] is not None:
                 self.failed = f"the attention layer received a mask of another form ({type(call['mask']).__name__})"
                 return
-            query_columns = torch.tensor(columns, device="cpu").view(q, 1)  # [q, 1]; none received: causal over every column
+            # none received: causal over every column
+            query_columns = torch.tensor(columns, device="cpu").view(q, 1)  # [q, 1]
             allowed = (torch.arange(kv, device="cpu").view(1, kv) <= query_columns).expand(batch, q, kv)
+        window = None  # [B, q, kv]: what each query of a sliding-window layer could read
+        if self.window:
+            window = _allowed(call["window_mask"], batch, q, kv, last=True)
+            if window is None:  # none received, or another form: the model's own window over the columns
+                query_columns = torch.tensor(columns, device="cpu").view(q, 1)
+                window = allowed & (torch.arange(kv, device="cpu").view(1, kv) > query_columns - self.window)
         with self._lock:
             if length > 0 and q > 1:
                 self.verified += 1
             self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
-                       call["prior_keys"])
+                       call["prior_keys"], window)
             self.calls += 1
 
     def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> _Stream:
@@ -355,7 +412,7 @@ class Observation:
         # the longest first; among equal prompts (duplicates in one batch, each row decoded with its own cache) the
         # one fewest rows have taken yet
         for local in sorted(stream.unused, key=lambda j: (-len(self.prompts[j]), self._claims.get(j, 0))):
-            start = self._offset(tokens, self.prompts[local])
+            start = self._offset(tokens, self.prompts[local], local)
             if start is None:
                 continue
             if start != len(tokens) - len(self.prompts[local]) and self._partial(tokens, stream.unused, local):
@@ -383,10 +440,20 @@ class Observation:
                 return True
         return False
 
-    def _offset(self, row: list[int], prompt: list[int]) -> int | None:
+    def _offset(self, row: list[int], prompt: list[int], local: int | None = None) -> int | None:
+        """Where `prompt` starts in `row`: first where the rest of the row is the output of prompt `local` so far
+        (a row first seen mid-generation, as an engine without a cache feeds it); else at the row's end (left
+        padding), its start (right padding) or after its leading pad ids."""
         n = len(prompt)
         if not n or n > len(row):
             return None
+        if local is not None and local < len(self.outputs):
+            sequence = prompt + self.outputs[local]
+            for start in range(len(row) - n, -1, -1):
+                if len(row) - start > len(sequence):
+                    break
+                if row[start:] == sequence[:len(row) - start]:
+                    return start
         leading = 0
         while leading < len(row) and row[leading] == self.pad_token_id:
             leading += 1
@@ -401,7 +468,7 @@ class Observation:
         a pad id among proposals that go on, a draft's choice, is content that was not accepted)."""
         prompt = self.prompts[local]
         sequence = prompt + (self.outputs[local] if local < len(self.outputs) else [])
-        start = self._offset(row, prompt)
+        start = self._offset(row, prompt, local)
         assert start is not None
         pads = [True] * start + [False] * len(prompt)
         at = len(prompt)
@@ -415,7 +482,8 @@ class Observation:
         return pads
 
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
-              columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None) -> None:
+              columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None,
+              window: torch.Tensor | None = None) -> None:
         batch, q = ids.shape
         stream = self._stream(cache, ids, length)
         kv = allowed.shape[-1]
@@ -445,7 +513,8 @@ class Observation:
                     stream.masks_columns = True
             stream.records[b].append(len(self.records))
             self.records.append(_CallRow(np.array(row_columns[:kv], dtype=np.int64), np.packbits(mask, axis=-1),
-                                         kv, stream.rows[b], b, batch, length, stream))
+                                         kv, stream.rows[b], b, batch, length, stream,
+                                         None if window is None else np.packbits(window[b].numpy(), axis=-1)))
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
         keys = _first_keys(cache)
@@ -512,14 +581,15 @@ class Observation:
         return True
 
     # ---- reading ---------------------------------------------------------------------------
-    def visible(self, slot_id: int) -> list[int]:
+    def visible(self, slot_id: int, window: bool = False) -> list[int]:
         """The slots the query of `slot_id` could read, in column order (its own included; an entry the engine
-        wrote without feeding it reads nothing that was seen)."""
+        wrote without feeding it reads nothing that was seen); with `window`, in a sliding-window layer."""
         slot = self.slots[slot_id]
         if slot.record < 0:
             return [slot_id]
         record = self.records[slot.record]
-        mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)
+        bits = record.window if window and record.window is not None else record.allowed
+        mask = np.unpackbits(bits[slot.query], count=record.width).astype(bool)
         ids = record.columns[mask]
         return [int(s) for s in ids]
 
@@ -645,6 +715,10 @@ class Observation:
                 violations.append((order + (1,),) + self._content_violation(slot_id, fed, content_ids, content, want,
                                                                             unwritten, local))
                 continue
+            if self.window:
+                windowed = self._window_violation(slot_id, fed, want)
+                if windowed:
+                    violations.append((order + (1,), "attention_mask", windowed))
             for rank, v in enumerate(content_ids):
                 other = self.slots[v]
                 if other.position != rank:
@@ -688,6 +762,23 @@ class Observation:
                 classes.add("position_ids")
         return tuple(sorted(classes))
 
+    def _window_violation(self, slot_id: int, fed: str, want: list[int]) -> str | None:
+        """Where the query of `slot_id`, in a sliding-window layer, does not read exactly the row's last `window`
+        tokens (`want`: the row's tokens up to its own): what it reads instead."""
+        read = [self.slots[v].token for v in self.visible(slot_id, window=True) if not self.slots[v].pad]
+        expected = want[max(0, len(want) - self.window):]
+        if read == expected:
+            return None
+        if len(read) < len(expected) and read == expected[len(expected) - len(read):]:
+            return (f"{fed} reads {len(read)} of the row's last {len(expected)} tokens in a sliding-window layer "
+                    f"(window {self.window}): the window counts columns, and columns of this row it cannot read "
+                    "(holes, stale or padding) fill the rest")
+        if len(read) > len(expected) and read[len(read) - len(expected):] == expected:
+            return (f"{fed} reads {len(read)} of the row's tokens in a sliding-window layer where the window holds "
+                    f"{len(expected)}: the window is not applied")
+        return (f"{fed} reads {len(read)} token(s) in a sliding-window layer (window {self.window}) that are not the "
+                f"row's last {len(expected)}")
+
     def _counted(self, slot_id: int, offset: int) -> str:
         """Where a position `offset` too high equals a count of the row's columns before the slot (its padding, or
         its padding and its hidden columns: rejected slots left as holes), that count, as evidence."""
@@ -716,14 +807,18 @@ class Observation:
                     work.append(v)
         order = sorted(closure)  # slot ids run in the order the tokens were fed
         place = {slot_id: i for i, slot_id in enumerate(order)}
-        allowed = torch.zeros(len(order), len(order), dtype=torch.bool, device="cpu")  # [L, L]: key j visible to query i
+        # [L, L]: key j visible to query i
+        allowed = torch.zeros(len(order), len(order), dtype=torch.bool, device="cpu")
+        window = torch.zeros_like(allowed) if self.window else None  # [L, L] in the sliding-window layers
         for slot_id in order:
             for v in self.visible(slot_id):
                 allowed[place[slot_id], place[v]] = True
+            for v in self.visible(slot_id, window=True) if window is not None else []:
+                window[place[slot_id], place[v]] = True
         positions = [self.slots[s].position for s in order]  # (OPT numbers padding -1: its table starts at -2)
         if any(self.slots[s].token < 0 for s in order):  # an entry the engine wrote without feeding it
             return None
-        logits = replay_all(model, [self.slots[s].token for s in order], positions, allowed)
+        logits = replay_all(model, [self.slots[s].token for s in order], positions, allowed, window=window)
         return None if logits is None else logits[place[producer]]
 
     def _content_violation(self, slot_id: int, fed: str, content_ids: list[int], content: list[int],
@@ -776,12 +871,26 @@ def _columns(columns: list[int]) -> str:
 
 
 def observable(model: Any) -> str | None:
-    """Why the inputs of `model` cannot be judged by observation (None: they can): a cache that is not one
-    plain attention cache per layer (recurrent layers, sliding windows) reads more than tokens and masks."""
-    from specaudit.equivalence.diagnosis.forward import plain_attention_cache
+    """Why the inputs of `model` cannot be judged by observation (None: they can): its cache must be an attention
+    cache per layer, full or a sliding window, with at least one full layer (its keys follow the slots); a
+    recurrent layer's state is more than tokens and masks."""
+    if model is None:
+        return "no target model in the process"
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
-    if model is None or not plain_attention_cache(model):
-        return "the target's cache is not one plain attention cache per layer (recurrent layers or sliding windows)"
+        layers = DynamicCache(config=model.config).layers
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return "the target's cache could not be built from its config"
+    full = [layer for layer in layers if type(layer) is DynamicLayer]
+    windowed = [layer for layer in layers if type(layer) is not DynamicLayer and isinstance(layer, DynamicLayer)
+                and getattr(layer, "sliding_window", None) is not None]
+    if not full or len(full) + len(windowed) != len(layers):
+        return ("the target's cache is not an attention cache per layer with a full one among them (recurrent "
+                "layers, or sliding windows alone)")
+    if windowed and sliding_window(model) is None:
+        return "the target's sliding-window layers do not say their window"
     return None
 
 
@@ -797,7 +906,8 @@ def observe_batch(run: Any, batch: list[int], outputs: list[list[int]], pad_toke
     if not getattr(run, "confines_reruns", False):
         return ("the re-runs come from a callable that takes no `around`: the hooks could not be held to the "
                 "engine's own generate call (a caller's reference decoding would be observed with it)")
-    observation = Observation([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id)
+    observation = Observation([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id,
+                              window=sliding_window(target))
     recorders = [_Recorder(observation, target, "target")]
     if draft is not None and draft is not target:
         recorders.append(_Recorder(observation, draft, "draft"))
