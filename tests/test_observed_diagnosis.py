@@ -75,6 +75,31 @@ def test_the_observation_reads_a_cache_below_float64(tmp_path: Path) -> None:
     assert len(named) >= 0.9 * len(structural), [d["diagnosis"]["class"] for d in structural]
     assert any(d["diagnosis"]["evidence"].startswith("observed: ") for d in named)
 
+
+SLIDING = {"holes": "the window counts columns", "recompute": "the window is not applied",
+           "recompute_sees_padding": "padding column(s)", "loop": None, "generate": None}
+
+
+def test_sliding_window_targets_are_observed(tmp_path: Path) -> None:
+    """tiny-gemma3 (sliding-window layers beside a full one), engines that are exact on full-attention models but
+    not here, each `attention_mask` as seen in the sliding layer's mask: rejected proposals left as masked holes
+    (right positions), where the model's window counts columns, so holes take the place of the row's tokens; an
+    uncached loop handing its own 4-D mask, which the sliding layers receive unchanged (no window). The loop
+    that shows its padding is `attention_mask` too; the 2-D-mask loop and `model.generate` are exact."""
+    args = [arg for engine in SLIDING for arg in ("--engine", f"observed_engines:{engine}")]
+    result = audit(*args, "--pair", "tiny-gemma3", *SETTINGS, out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for run in runs(tmp_path):
+        seen = SLIDING[run["engine"].split(":")[1]]
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        if seen is None:
+            assert run["equivalent"] and not run["divergences"] and not run["failures"], run["engine"]
+            continue
+        classes = [d["diagnosis"]["class"] for d in structural]
+        assert structural and classes.count("attention_mask") >= 0.9 * len(structural), (run["engine"], classes)
+        observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["evidence"].startswith("observed: ")]
+        assert observed and any(seen in e for e in observed), (run["engine"], observed[:1])
+
 CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "rows": None, "loop": None}
 
 

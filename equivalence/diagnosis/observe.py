@@ -609,7 +609,8 @@ class Observation:
                 f"{record.cache_length}), column {slot.column}")
 
     # ---- judging ---------------------------------------------------------------------------
-    def _producer(self, local: int, sequence: list[int], m: int) -> tuple[int, str] | None:
+    def _producer(self, local: int, sequence: list[int], m: int, exclude: frozenset[int] = frozenset()
+                  ) -> tuple[int, str] | None:
         """The slot whose query chose the token at sequence index m + 1: the first fed holding sequence[m]
         whose visible content is sequence[:m + 1]; failing that the first that reads extra tokens besides
         them (`extra`), or misses some of them while written columns of its row are hidden from it
@@ -618,25 +619,40 @@ class Observation:
         want = sequence[:m + 1]
         near: list[tuple[int, str]] = []
         for slot_id, slot in enumerate(self.slots):
-            if self.records[slot.record].local != local or slot.token != sequence[m] or slot.pad:
+            if self.records[slot.record].local != local or slot.token != sequence[m] or slot.pad or slot_id in exclude:
                 continue
             content = [self.slots[v].token for v in self.visible(slot_id) if not self.slots[v].pad]
             if content == want:
                 return slot_id, "exact"
-            if content and content[-1] == sequence[m]:
-                if _subsequence(want, content):
-                    near.append((slot_id, "extra"))
-                elif _subsequence(content, want) and self._hidden(slot_id) >= len(want) - len(content):
-                    near.append((slot_id, "missing"))
+            if content and content[-1] == sequence[m] and _subsequence(want, content):
+                near.append((slot_id, "extra"))
+            elif self._misses_hidden(slot_id, content, want):  # its own token among them, if the mask hides it
+                near.append((slot_id, "missing"))
         at_index = [found for found in near if self.slots[found[0]].position == m]
         return (at_index or near or [None])[0]
 
+    def reads_ahead(self, local: int, position: int, slot_id: int) -> bool:
+        """Whether the query of `slot_id` reads more copies of prompt `local`'s new token `position` than the row
+        holds before that token: it reads what it would be taken to produce."""
+        sequence = self.prompts[local] + self.outputs[local]
+        m = len(self.prompts[local]) + position
+        token = sequence[m]
+        read = sum(1 for v in self.visible(slot_id) if not self.slots[v].pad and self.slots[v].token == token)
+        return read > sequence[:m].count(token)
+
+    def _misses_hidden(self, slot_id: int, content: list[int], want: list[int]) -> bool:
+        """Whether the query of `slot_id` reads the row's tokens `want` but some, and as many written columns of
+        its row (its own included) are hidden from it."""
+        missing = len(want) - len(content)
+        return missing > 0 and _subsequence(content, want) and self._hidden(slot_id) >= missing
+
     def _hidden(self, slot_id: int) -> int:
-        """How many written columns of the row before the query of `slot_id` (padding aside) it cannot read."""
+        """How many written columns of the row up to the query of `slot_id` (its own included, padding aside) it
+        cannot read."""
         slot = self.slots[slot_id]
         record = self.records[slot.record]
-        mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)[:slot.column]
-        written = record.columns[:slot.column]
+        mask = np.unpackbits(record.allowed[slot.query], count=record.width).astype(bool)[:slot.column + 1]
+        written = record.columns[:slot.column + 1]
         return sum(1 for c, seen in zip(written, mask) if c >= 0 and not seen and not self.slots[int(c)].pad)
 
     def _continued(self, local: int, sequence: list[int], m: int) -> bool:
@@ -648,15 +664,18 @@ class Observation:
             if self.records[slot.record].local != local or slot.token != sequence[m + 1] or slot.pad:
                 continue
             content = [self.slots[v].token for v in self.visible(slot_id) if not self.slots[v].pad]
-            if content == want or (content and _subsequence(want, content)):
+            if content == want or (content and _subsequence(want, content)) or self._misses_hidden(slot_id, content,
+                                                                                                 want):
                 return True
         return False
 
-    def judge(self, local: int, position: int, index: int, by_logits: bool = False) -> Verdict:
+    def judge(self, local: int, position: int, index: int, by_logits: bool = False,
+              exclude: frozenset[int] = frozenset()) -> Verdict:
         """The verdict on new token `position` of the re-run's prompt `local` (prompt `index` of the run);
-        `by_logits`: the engine's logits there will confirm it (a repeated token is then no ambiguity)."""
+        `by_logits`: the engine's logits there will confirm it (a repeated token is then no ambiguity); `exclude`:
+        slots not to take as the producer (one whose query's choice the engine did not emit)."""
         speculated = self.speculated
-        verdict = self._judge(local, position, index, by_logits)
+        verdict = self._judge(local, position, index, by_logits, exclude)
         verdict.speculated, verdict.target_calls = speculated, self.calls
         return verdict
 
@@ -665,7 +684,7 @@ class Observation:
         """The engine called the draft model, or verified several tokens of a row in one cached pass."""
         return self.draft_calls > 0 or self.verified > 0
 
-    def _judge(self, local: int, position: int, index: int, by_logits: bool) -> Verdict:
+    def _judge(self, local: int, position: int, index: int, by_logits: bool, exclude: frozenset[int]) -> Verdict:
         speculated = self.speculated
         if self.failed:
             return Verdict(None, f"the observation failed: {self.failed}", speculated=speculated)
@@ -675,7 +694,7 @@ class Observation:
         prompt = self.prompts[local]
         sequence = prompt + self.outputs[local]
         m = len(prompt) + position - 1
-        found = self._producer(local, sequence, m)
+        found = self._producer(local, sequence, m, exclude)
         if found is None:
             return Verdict(None, f"no target call fed prompt {index}'s token {sequence[m]} (index {m} in the row) "
                            "after its own earlier tokens", speculated=speculated)
