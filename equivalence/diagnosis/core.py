@@ -328,8 +328,8 @@ class Diagnoser(Experiments):
             shown = "not made" if chosen is None else f"chooses token {chosen}" + (
                 " (the engine's)" if chosen == verdict.engine_token else " (not the engine's)")
             tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
-            if verdict.cls == "clean" and verdict.confirmed:
-                verdict = self._later_producer(observation, verdict, batch.index(index), position, index, tried)
+            if not (verdict.cls != "clean" and verdict.confirmed):
+                verdict = self._other_producer(observation, verdict, batch.index(index), position, index, tried)
         else:
             tried.append(verdict.evidence)
         self._observed = verdict
@@ -339,27 +339,33 @@ class Diagnoser(Experiments):
                          f"{what}", "a reproducing replay", _observed_mechanism(verdict))
         return None
 
-    def _later_producer(self, observation: Any, clean: Any, local: int, position: int, index: int,
-                        tried: list[str]) -> Any:
-        """A query that read the row right chose another token than the engine emitted: the engine may have set
-        that choice aside (a rule that drops a step's bonus) and emitted the choice of a query fed the same token
-        later (slots are numbered in the order fed). That query's wrong input names the class where a replay of its inputs chooses the engine's
-        token; else the clean verdict stands."""
+    def _other_producer(self, observation: Any, first: Any, local: int, position: int, index: int,
+                        tried: list[str], attempts: int = 6) -> Any:
+        """The query taken to choose the engine's token did not (its inputs replayed choose another): a token fed
+        more than once (a proposal rejected, then fed again; a step's choice the engine set aside, as a rule that
+        drops its bonus does) leaves other queries that may have. The first other one, in the order fed, whose
+        wrong input a replay confirms (it chooses the engine's token) names the class, unless it reads the token
+        it would produce; else the first verdict stands."""
         from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES
 
-        other = observation.judge(local, position, index, exclude=frozenset(range(clean.producer + 1)))
-        if (other.cls not in INPUT_CLASSES or other.producer is None
-                or observation.reads_ahead(local, position, other.producer)):  # it reads the token it would produce
-            return clean
-        replayed = observation.replay(self.replay_target or self.target, other.producer)
-        if replayed is None or int(replayed.argmax()) != other.engine_token:
-            return clean
-        other.confirmed = True
-        other.evidence += (" (a query fed the same token before it, reading the row right, chose another token, "
-                           "which the engine did not emit)")
-        tried.append(f"{other.evidence}; a replay of the target with the observed inputs chooses token "
-                     f"{other.engine_token} (the engine's)")
-        return other
+        excluded = {first.producer}
+        for _ in range(attempts):
+            other = observation.judge(local, position, index, exclude=frozenset(excluded))
+            if other.producer is None:
+                break
+            excluded.add(other.producer)
+            if other.cls not in INPUT_CLASSES or observation.reads_ahead(local, position, other.producer):
+                continue
+            replayed = observation.replay(self.replay_target or self.target, other.producer)
+            if replayed is None or int(replayed.argmax()) != other.engine_token:
+                continue
+            other.confirmed = True
+            other.evidence += (" (a query fed the same token elsewhere chose another token, which the engine did "
+                               "not emit)")
+            tried.append(f"{other.evidence}; a replay of the target with the observed inputs chooses token "
+                         f"{other.engine_token} (the engine's)")
+            return other
+        return first
 
     def _reconcile(self, found: Cause | Finding | None, tried: list[str]) -> Cause | Finding | None:
         """A class from the guessing replays, heuristics or re-runs checked against what was observed. Only a
