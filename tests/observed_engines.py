@@ -16,7 +16,9 @@ user's engine may set one). The cache keyword is looked up as a user's engine wo
 - `rows_not_cropped` / `rows`: speculative decoding one row at a time with its own caches, right positions; the
   bug never crops the target cache at a rejection, so later queries read the rejected proposals (`kv_cache`);
 - `pad_id_masked` (twin `loop`): the padded loop, right positions, whose mask hides every pad id, a prompt's own
-  tokens equal to the pad id among them (`pad_as_content`).
+  tokens equal to the pad id among them (`pad_as_content`);
+- `padding_shown_late` (twin `loop`): the padded loop, right positions, whose mask shows the padding from the third
+  new token on: the padding was computed reading nothing (its own mask row empty), then read (`attention_mask`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class Loop(Batched):
             if all(len(r) >= max_new_tokens or (eos is not None and eos in r) for r in rows):
                 break
             step = chosen.unsqueeze(1)
+            if self.bug == "pad_late" and len(rows[0]) > 1:  # from the third new token on, the padding is shown
+                mask = torch.ones_like(mask)
             keep = torch.cat([keep, torch.ones(len(prompts), 1, dtype=keep.dtype)], dim=1)
             mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
         return [_finish(r, max_new_tokens, eos) for r in rows]
@@ -256,3 +260,4 @@ recompute_sees_padding, recompute = _factory(Recompute, True), _factory(Recomput
 generate_all_ones, generate = _factory(Generate, True), _factory(Generate, False)
 rows_not_cropped, rows = _factory(RowSpec, True), _factory(RowSpec, False)
 pad_id_masked = _factory(Loop, False, "pad_mask")  # its correct twin: `loop`
+padding_shown_late = _factory(Loop, False, "pad_late")  # its correct twin: `loop`

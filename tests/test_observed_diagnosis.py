@@ -100,14 +100,16 @@ def test_sliding_window_targets_are_observed(tmp_path: Path) -> None:
         observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["evidence"].startswith("observed: ")]
         assert observed and any(seen in e for e in observed), (run["engine"], observed[:1])
 
-CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "rows": None, "loop": None}
+CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "padding_shown_late": "attention_mask",
+                 "rows": None, "loop": None}
 
 
 def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> None:
     """A speculative engine with one cache per row that never crops the target's at a rejection (later queries
     read the rejected proposals) is `kv_cache`, seen in the observation, or `unknown`; a loop whose mask hides
-    every pad id, the prompts' own among them (the adversarial prompts hold some), is `pad_as_content`; their
-    twins exact."""
+    every pad id, the prompts' own among them (the adversarial prompts hold some), is `pad_as_content`; a loop
+    that shows its padding from the third new token on is `attention_mask`, confirmed by a replay that computes
+    the padding as the engine's attention did (reading nothing: its mask row was empty); their twins exact."""
     args = [arg for engine in CACHE_AND_PAD for arg in ("--engine", f"observed_engines:{engine}")]
     result = audit(*args, "--pair", "tiny-gpt2", "--batch-size", "4", "--num-prompts", "8", "--max-new-tokens", "12",
                    out=tmp_path)
@@ -127,6 +129,10 @@ def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> No
             observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["class"] == expected
                         and d["diagnosis"]["evidence"].startswith("observed: ")]
             assert observed and "cached column(s) not in the row's sequence" in observed[0], observed[:1]
+        if expected == "attention_mask":  # the padding, computed reading nothing, replayed so: the engine's token
+            confirmed = [d for d in structural if "padding column(s)" in d["diagnosis"]["evidence"]
+                         and "observed inputs chooses the engine's token" in d["diagnosis"]["evidence"]]
+            assert len(confirmed) >= 0.9 * len(structural), [d["diagnosis"]["evidence"][:200] for d in structural]
 
 
 

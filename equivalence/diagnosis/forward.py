@@ -26,18 +26,22 @@ def position_limit(model: Any) -> int | None:
     return None
 
 
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: Any) -> torch.Tensor:
-    """[1, 1, Q, K] additive mask from `allowed` [Q, K] (key j visible to query i)."""
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, device: Any, hidden: float | None = None) -> torch.Tensor:
+    """[1, 1, Q, K] additive mask from `allowed` [Q, K] (key j visible to query i); `hidden`: the value of a hidden
+    entry (the dtype's lowest by default: a query that may read nothing then averages every key; -inf: it reads
+    nothing, as attention under a boolean mask computes it)."""
     mask = torch.zeros(1, 1, *allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed.to(device).view(1, 1, *allowed.shape), torch.finfo(dtype).min)
+    return mask.masked_fill_(~allowed.to(device).view(1, 1, *allowed.shape),
+                             torch.finfo(dtype).min if hidden is None else hidden)
 
 
 @torch.no_grad()
 def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch.Tensor | None = None,
-               window: torch.Tensor | None = None) -> torch.Tensor | None:
+               window: torch.Tensor | None = None, hidden: float | None = None) -> torch.Tensor | None:
     """The target's logits [L, V] at every token of `ids` at `positions`, batch size 1, no cache, under
     the causal mask or `allowed` [L, L] (key j visible to query i); `window` [L, L]: what the sliding-window
-    layers see instead (handed as the masks per layer type); None when the model refuses them."""
+    layers see instead (handed as the masks per layer type); `hidden`: the value of a hidden entry (`additive_mask`);
+    None when the model refuses them."""
     limit = position_limit(target)
     if limit is not None and max(positions) >= limit:
         return None
@@ -45,9 +49,9 @@ def replay_all(target: Any, ids: list[int], positions: list[int], allowed: torch
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     position_ids = torch.tensor([positions], dtype=torch.long, device=device)
     # without `allowed`, causal; with it, an additive [1, 1, L, L] mask, taken by the model as it is
-    mask = torch.ones_like(input_ids) if allowed is None else additive_mask(allowed, target.dtype, device)
+    mask = torch.ones_like(input_ids) if allowed is None else additive_mask(allowed, target.dtype, device, hidden)
     if allowed is not None and window is not None:
-        mask = {"full_attention": mask, "sliding_attention": additive_mask(window, target.dtype, device)}
+        mask = {"full_attention": mask, "sliding_attention": additive_mask(window, target.dtype, device, hidden)}
     try:
         out = target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids)
     except (IndexError, RuntimeError, ValueError):

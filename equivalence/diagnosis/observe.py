@@ -114,6 +114,9 @@ class _CallRow:
     cache_length: int
     stream: Any  # its _Stream
     window: np.ndarray | None = None  # [q, ceil(kv / 8)] uint8: what each query of a sliding-window layer could read
+    # how a query that may read nothing was computed: "nothing" (a boolean or -inf mask: attention gives 0) or
+    # "every" (the lowest finite value: it averages every key)
+    empty_reads: str = "nothing"
 
 
 @dataclass
@@ -205,6 +208,13 @@ def _attention_module(model: Any, types: list[str] | None, sliding: bool = False
         if (kind == "sliding_attention") == sliding:
             return module
     return None
+
+
+def _empty_reads(mask: Any) -> str:
+    """How the attention layer computed a query its mask hides everything from (`_CallRow.empty_reads`)."""
+    if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point and not bool(torch.isinf(mask).any()):
+        return "every"
+    return "nothing"
 
 
 def _allowed(mask: Any, batch: int, q: int, kv: int, last: bool = False) -> torch.Tensor | None:
@@ -380,7 +390,7 @@ class Observation:
             if length > 0 and q > 1:
                 self.verified += 1
             self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
-                       call["prior_keys"], window)
+                       call["prior_keys"], window, _empty_reads(call["mask"]))
             self.calls += 1
 
     def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> _Stream:
@@ -483,7 +493,7 @@ class Observation:
 
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
               columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None,
-              window: torch.Tensor | None = None) -> None:
+              window: torch.Tensor | None = None, empty_reads: str = "nothing") -> None:
         batch, q = ids.shape
         stream = self._stream(cache, ids, length)
         kv = allowed.shape[-1]
@@ -514,7 +524,8 @@ class Observation:
             stream.records[b].append(len(self.records))
             self.records.append(_CallRow(np.array(row_columns[:kv], dtype=np.int64), np.packbits(mask, axis=-1),
                                          kv, stream.rows[b], b, batch, length, stream,
-                                         None if window is None else np.packbits(window[b].numpy(), axis=-1)))
+                                         None if window is None else np.packbits(window[b].numpy(), axis=-1),
+                                         empty_reads))
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
         keys = _first_keys(cache)
@@ -837,7 +848,12 @@ class Observation:
         positions = [self.slots[s].position for s in order]  # (OPT numbers padding -1: its table starts at -2)
         if any(self.slots[s].token < 0 for s in order):  # an entry the engine wrote without feeding it
             return None
-        logits = replay_all(model, [self.slots[s].token for s in order], positions, allowed, window=window)
+        # a slot that could read nothing (padding under a mask that hides it from itself) is computed as the
+        # engine's attention computed it: reading nothing under a boolean or -inf mask, else averaging every key
+        empty = [self.records[self.slots[s].record].empty_reads for s in order if not bool(allowed[place[s]].any())]
+        hidden = float("-inf") if empty and empty[0] == "nothing" else None
+        logits = replay_all(model, [self.slots[s].token for s in order], positions, allowed, window=window,
+                            hidden=hidden)
         return None if logits is None else logits[place[producer]]
 
     def _content_violation(self, slot_id: int, fed: str, content_ids: list[int], content: list[int],
