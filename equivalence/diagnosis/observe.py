@@ -419,10 +419,15 @@ class Observation:
         slots then labelled (padding or not) and its call-rows given the prompt."""
         slot_ids = [s for s in stream.columns[b] if s >= 0]
         tokens = [self.slots[s].token for s in slot_ids]
+        last = self.records[stream.records[b][-1]] if stream.records[b] else None
+        seen = None
+        if last is not None:
+            mask = np.unpackbits(last.allowed[-1], count=last.width).astype(bool)  # the row's last query
+            seen = [bool(mask[self.slots[s].column]) if self.slots[s].column < last.width else False for s in slot_ids]
         # the longest first; among equal prompts (duplicates in one batch, each row decoded with its own cache) the
         # one fewest rows have taken yet
         for local in sorted(stream.unused, key=lambda j: (-len(self.prompts[j]), self._claims.get(j, 0))):
-            start = self._offset(tokens, self.prompts[local], local)
+            start = self._offset(tokens, self.prompts[local], local, seen)
             if start is None:
                 continue
             if start != len(tokens) - len(self.prompts[local]) and self._partial(tokens, stream.unused, local):
@@ -430,7 +435,7 @@ class Observation:
             stream.unused.remove(local)
             self._claims[local] = self._claims.get(local, 0) + 1
             stream.rows[b] = local
-            for slot_id, pad in zip(slot_ids, self._labels(tokens, local)):
+            for slot_id, pad in zip(slot_ids, self._labels(tokens, local, start)):
                 self.slots[slot_id].pad = pad
             for record in stream.records[b]:
                 self.records[record].local = local
@@ -450,36 +455,41 @@ class Observation:
                 return True
         return False
 
-    def _offset(self, row: list[int], prompt: list[int], local: int | None = None) -> int | None:
+    def _offset(self, row: list[int], prompt: list[int], local: int | None = None,
+                seen: list[bool] | None = None) -> int | None:
         """Where `prompt` starts in `row`: first where the rest of the row is the output of prompt `local` so far
         (a row first seen mid-generation, as an engine without a cache feeds it); else at the row's end (left
-        padding), its start (right padding) or after its leading pad ids."""
+        padding), its start (right padding) or after its leading pad ids. Where the prompt could start at several
+        of these (a prompt of pad ids in its padding), the first whose columns the row's last query reads
+        (`seen`, per token of the row), as the engine's mask tells its content from its padding."""
         n = len(prompt)
         if not n or n > len(row):
             return None
+        starts: list[int] = []
         if local is not None and local < len(self.outputs):
             sequence = prompt + self.outputs[local]
             for start in range(len(row) - n, -1, -1):
                 if len(row) - start > len(sequence):
                     break
                 if row[start:] == sequence[:len(row) - start]:
-                    return start
+                    starts.append(start)
+                    break
         leading = 0
         while leading < len(row) and row[leading] == self.pad_token_id:
             leading += 1
-        for start in (len(row) - n, 0, leading, max(0, leading - 1)):
-            if 0 <= start <= len(row) - n and row[start:start + n] == prompt:
-                return start
-        return None
+        starts += [start for start in (len(row) - n, 0, leading, max(0, leading - 1))
+                   if 0 <= start <= len(row) - n and row[start:start + n] == prompt]
+        if seen is not None:
+            read = [start for start in starts if all(seen[start:start + n])]
+            starts = read + starts
+        return starts[0] if starts else None
 
-    def _labels(self, row: list[int], local: int) -> list[bool]:
+    def _labels(self, row: list[int], local: int, start: int) -> list[bool]:
         """Which tokens of a row's first call are padding: those before its prompt, and after it the pad ids
         where the row's sequence (prompt and output) has another token and only pad ids follow (right padding;
         a pad id among proposals that go on, a draft's choice, is content that was not accepted)."""
         prompt = self.prompts[local]
         sequence = prompt + (self.outputs[local] if local < len(self.outputs) else [])
-        start = self._offset(row, prompt, local)
-        assert start is not None
         pads = [True] * start + [False] * len(prompt)
         at = len(prompt)
         after = row[start + len(prompt):]
