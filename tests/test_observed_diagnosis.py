@@ -60,6 +60,7 @@ def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> No
 
 
 
+@pytest.mark.precision  # the engine's tokens round in bfloat16: run under the CPU's other kernels too
 def test_the_observation_reads_a_cache_below_float64(tmp_path: Path) -> None:
     """In bfloat16 (numpy has no such dtype) the cache's keys that follow each slot are read as raw bytes: the
     observation is made, and decides the engine's position bug as in float64."""

@@ -189,13 +189,15 @@ class _FixedLogits(torch.nn.Module):
 
 
 def test_a_token_cut_by_less_than_the_rounding_is_no_departure_and_one_cut_by_more_is() -> None:
-    """Top-k 2 with the second and third logits 1e-4 apart: in bfloat16 (steps of 2^-7 near 1) both round to
-    one value, so an engine that rounds may keep the third; the float64 target cuts it. It is a rounding cut,
-    not a token the target never gives. The fourth token, 0.5 below, is beyond any rounding: a departure."""
+    """Top-k 2 with the second and third logits 0.004 apart: in bfloat16 (steps of 2^-7 near 1) the second rounds
+    up to 1.0078, so the audit's own pass in the run's dtype cuts the third as float64 does, while an engine that
+    rounds otherwise (another batch shape) may keep it. Kept by the processing once the logits move in its
+    favour by twice the measured rounding, it is a rounding cut, not a token the target never gives. The fourth
+    token, 0.5 below, is beyond any rounding: a departure."""
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.equivalence.sampling.audit import audit_samples
 
-    logits = [2.0, 1.0001, 1.0, -0.5]
+    logits = [2.0, 1.004, 1.0, -0.5]
     exact, rounded = _FixedLogits(logits, torch.float64), _FixedLogits(logits, torch.bfloat16)
     params = SamplingParams(temperature=1.0, top_k=2)
     prompt = [0]
