@@ -372,20 +372,19 @@ class Observation:
                 positions = torch.tensor([columns], device="cpu")
         positions = positions.reshape(-1, q).expand(batch, q)
         kv = max(columns) + 1
+        query_columns = torch.tensor(columns, device="cpu").view(q, 1)  # [q, 1]
+        key_columns = torch.arange(kv, device="cpu").view(1, kv)  # [1, kv]
         allowed = _allowed(call["mask"], batch, q, kv)
         if allowed is None:
             if call["mask"] is not None:
                 self.failed = f"the attention layer received a mask of another form ({type(call['mask']).__name__})"
                 return
-            # none received: causal over every column
-            query_columns = torch.tensor(columns, device="cpu").view(q, 1)  # [q, 1]
-            allowed = (torch.arange(kv, device="cpu").view(1, kv) <= query_columns).expand(batch, q, kv)
+            allowed = (key_columns <= query_columns).expand(batch, q, kv)  # none received: causal over every column
         window = None  # [B, q, kv]: what each query of a sliding-window layer could read
         if self.window:
             window = _allowed(call["window_mask"], batch, q, kv, last=True)
             if window is None:  # none received, or another form: the model's own window over the columns
-                query_columns = torch.tensor(columns, device="cpu").view(q, 1)
-                window = allowed & (torch.arange(kv, device="cpu").view(1, kv) > query_columns - self.window)
+                window = allowed & (key_columns > query_columns - self.window)
         with self._lock:
             if length > 0 and q > 1:
                 self.verified += 1
@@ -479,9 +478,8 @@ class Observation:
             leading += 1
         starts += [start for start in (len(row) - n, 0, leading, max(0, leading - 1))
                    if 0 <= start <= len(row) - n and row[start:start + n] == prompt]
-        if seen is not None:
-            read = [start for start in starts if all(seen[start:start + n])]
-            starts = read + starts
+        if seen is not None:  # those the last query reads first, each kind in its order
+            starts.sort(key=lambda start: not all(seen[start:start + n]))
         return starts[0] if starts else None
 
     def _labels(self, row: list[int], local: int, start: int) -> list[bool]:
@@ -493,12 +491,15 @@ class Observation:
         pads = [True] * start + [False] * len(prompt)
         at = len(prompt)
         after = row[start + len(prompt):]
+        trailing = len(after)  # where the run of pad ids that ends the row begins
+        while trailing > 0 and after[trailing - 1] == self.pad_token_id:
+            trailing -= 1
         for i, token in enumerate(after):
             if at < len(sequence) and token == sequence[at]:
                 pads.append(False)
                 at += 1
             else:
-                pads.append(token == self.pad_token_id and all(t == self.pad_token_id for t in after[i:]))
+                pads.append(i >= trailing)
         return pads
 
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,

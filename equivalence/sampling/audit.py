@@ -32,7 +32,8 @@ Kolmogorov-Smirnov at its distance less a. A correct engine then passes at the s
 rate in every dtype; the power printed is the power against that shifted null. A token the float64
 target cuts (probability 0) within the rounding of the cut (kept once its logits move by twice the largest
 difference between the run's logits and float64's there, in its favour: a near-tie at a top-k or top-p
-boundary) is a rounding cut, not a departure: counted, left out of the PIT. In float64 on the CPU no allowance is taken and nothing changes.
+boundary) is a rounding cut, not a departure: counted, left out of the PIT. In float64 on the CPU no
+allowance is taken and nothing changes.
 """
 
 from __future__ import annotations
