@@ -18,7 +18,14 @@ user's engine may set one). The cache keyword is looked up as a user's engine wo
 - `pad_id_masked` (twin `loop`): the padded loop, right positions, whose mask hides every pad id, a prompt's own
   tokens equal to the pad id among them (`pad_as_content`);
 - `padding_shown_late` (twin `loop`): the padded loop, right positions, whose mask shows the padding from the third
-  new token on: the padding was computed reading nothing (its own mask row empty), then read (`attention_mask`).
+  new token on: the padding was computed reading nothing (its own mask row empty), then read (`attention_mask`);
+- `state_not_rolled_back` / `state_rolled_back`: speculative decoding one row at a time on targets with recurrent
+  layers; a recurrent state cannot be cropped, so the twin copies the target's cache before each verify pass and
+  feeds the copy the pending token and the accepted proposals; the bug crops the attention layers alone, and the
+  recurrent state keeps the rejected proposals (`recurrent_state`);
+- `state_cropped` (twin `state_rolled_back`): the same, rolled back by the cache's own `crop` after
+  `activate_past_recording`, which rolls back the attention layers and the convolution windows but not an SSM state
+  (gated delta-net, Mamba-2): exact on tiny-lfm2, `recurrent_state` on the others.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 
 def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
@@ -210,6 +218,46 @@ class RowSpec(Batched):
         return _finish(out, max_new_tokens, eos)
 
 
+class StateSpec(RowSpec):
+    """`RowSpec` on a target with recurrent layers: the draft proposes on a copy of its cache, which then gets the
+    step's kept tokens; the target's cache is copied before its verify pass and the copy gets them (the twin), or
+    (bug) only its attention layers are cropped."""
+
+    def _row(self, prompt: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+        k = max(1, self.k)
+        target_cache, draft_cache = DynamicCache(config=self.target.config), DynamicCache(config=self.draft.config)
+        if len(prompt) > 1:
+            self._call(self.target, target_cache, prompt[:-1], 0)
+            self._call(self.draft, draft_cache, prompt[:-1], 0)
+        if self.bug == "crop":  # the cache keeps each call's convolution inputs until `crop` rolls them back
+            target_cache.activate_past_recording()
+        length, pending, out = len(prompt) - 1, prompt[-1], []
+        while len(out) < max_new_tokens and not (eos is not None and eos in out):
+            drafting, proposals, fed = copy.deepcopy(draft_cache), [], pending
+            for i in range(k):
+                fed = int(self._call(self.draft, drafting, [fed], length + i)[-1].argmax())
+                proposals.append(fed)
+            saved = None if self.buggy or self.bug else copy.deepcopy(target_cache)
+            choices = self._call(self.target, target_cache, [pending] + proposals, length).argmax(-1).tolist()
+            accepted = 0
+            while accepted < k and proposals[accepted] == choices[accepted]:
+                accepted += 1
+            kept = [pending] + proposals[:accepted]
+            if self.bug == "crop":  # the cache's own rollback: the attention and the convolution windows, not an SSM state
+                target_cache.crop(-(k - accepted))
+            elif saved is None:  # the bug: the attention layers cropped, the recurrent states left after every proposal
+                for layer in target_cache.layers:
+                    if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                        layer.crop(-(k - accepted))
+            else:
+                target_cache = saved
+                self._call(self.target, target_cache, kept, length)
+            self._call(self.draft, draft_cache, kept, length)
+            out += proposals[:accepted] + [int(choices[accepted])]
+            pending, length = int(choices[accepted]), length + accepted + 1
+        return _finish(out, max_new_tokens, eos)
+
+
 class Recompute(Batched):
     """No cache: the whole padded batch every step, under a 4-D additive mask [B, 1, W, W]."""
 
@@ -261,3 +309,5 @@ generate_all_ones, generate = _factory(Generate, True), _factory(Generate, False
 rows_not_cropped, rows = _factory(RowSpec, True), _factory(RowSpec, False)
 pad_id_masked = _factory(Loop, False, "pad_mask")  # its correct twin: `loop`
 padding_shown_late = _factory(Loop, False, "pad_late")  # its correct twin: `loop`
+state_not_rolled_back, state_rolled_back = _factory(StateSpec, True), _factory(StateSpec, False)
+state_cropped = _factory(StateSpec, False, "crop")  # exact where the state is a convolution window alone (tiny-lfm2)

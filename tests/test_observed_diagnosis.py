@@ -250,15 +250,41 @@ def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
 
 
 @pytest.mark.parametrize("pair", ["tiny-lfm2", "tiny-qwen3-next", "tiny-bamba"])
-def test_recurrent_states_are_not_judged_by_observation(pair: str) -> None:
-    """A target with recurrent layers reads more than tokens and masks: the observation says it is not made (the
-    diagnosis's `tried` shows the reason) and the replays and re-runs decide. A target with sliding-window layers
-    beside full ones is observed, its window read from its config."""
+def test_a_recurrent_state_not_rolled_back_is_seen(pair: str, tmp_path: Path) -> None:
+    """On hybrids (short convolutions, gated delta-net, Mamba-2 beside attention) each row's recurrent state is
+    read as every call finds it and compared with the states other histories leave: an engine that crops only the
+    attention layers at a rejection is named `recurrent_state` by what was seen (the state after every token fed,
+    the rejected ones kept), confirmed by a re-run with the attention silenced; its twin, which restores a copy
+    of the cache and feeds it the kept tokens, is exact. The cache's own `crop` rolls back the convolution windows
+    and not an SSM state: exact where the state is a convolution window alone, else the SSM state is named."""
+    engines = ["state_not_rolled_back", "state_rolled_back", "state_cropped"]
+    result = audit(*[arg for engine in engines for arg in ("--engine", f"observed_engines:{engine}")],
+                   "--pair", pair, *SETTINGS, out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for run in runs(tmp_path):
+        variant = run["engine"].split(":")[1]
+        if variant == "state_rolled_back" or (variant == "state_cropped" and pair == "tiny-lfm2"):
+            assert run["equivalent"] and not run["divergences"] and not run["failures"], variant
+            continue
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        assert structural, variant
+        named = [d for d in structural if d["diagnosis"]["class"] == "recurrent_state"]
+        assert len(named) >= 0.9 * len(structural), (variant, [d["diagnosis"]["class"] for d in structural])
+        evidence = named[0]["diagnosis"]["evidence"]
+        assert evidence.startswith("observed: ") and "the rejected ones kept" in evidence, evidence
+        assert variant != "state_cropped" or "(its SSM state)" in evidence, evidence
+        assert "the call started from a recurrent state" in evidence, evidence
+        assert "still diverges" in evidence, evidence
+
+
+def test_which_targets_are_observed() -> None:
+    """Attention caches per layer (full, or sliding windows beside full ones) and recurrent states beside full
+    attention are observed; a sliding-window target's window is read from its config."""
     from specaudit.equivalence.diagnosis.observe import observable, sliding_window
     from specaudit.testing import models
 
-    reason = observable(models.pair(pair).target)
-    assert reason and "recurrent layers" in reason
+    for pair in ("tiny-lfm2", "tiny-qwen3-next", "tiny-bamba", "tiny-gpt2"):
+        assert observable(models.pair(pair).target) is None, pair
     gemma = models.pair("tiny-gemma3").target
     assert observable(gemma) is None and sliding_window(gemma) == gemma.config.sliding_window
-    assert observable(models.pair("tiny-gpt2").target) is None and sliding_window(models.pair("tiny-gpt2").target) is None
+    assert sliding_window(models.pair("tiny-gpt2").target) is None

@@ -43,7 +43,7 @@ experiments that need it are reported as not run.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -94,7 +94,9 @@ OBSERVED_MECHANISMS: dict[str, str] = {
     "kv_cache": "cache entries the row did not accept, read (observed)",
     "pad_as_content": "pad-id tokens of the row hidden as padding (observed)",
     "cross_row": "another row's tokens read (observed)",
+    "recurrent_state": "a recurrent state not the row's own after its accepted tokens (observed)",
 }
+OBSERVED_STATE = "the recurrent state a call started from, observed"
 
 RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences get evidence only
 PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
@@ -176,6 +178,8 @@ class Diagnoser(Experiments):
     # per batch: what one hooked re-run saw the engine feed the target (or why nothing was observed)
     _observations: dict[tuple[int, ...], Any] = field(default_factory=dict)
     _observed: Any = None  # the observation's verdict on the divergence being diagnosed
+    # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
+    silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -195,6 +199,8 @@ class Diagnoser(Experiments):
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
         if found.cls == "unknown":  # an experiment narrowed it down without naming it
             return diagnosis("unknown", found.evidence, tried, would_decide=found.named_by or None)
+        if str(found.named_by).startswith(OBSERVED_STATE):  # the state was seen and its re-run made
+            return diagnosis(found.cls, found.evidence, tried, found.named_by, found.mechanism or None)
         cls, evidence, decided = recurrent_or_attention(self, int(divergence["prompt_index"]), found, tried)
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
@@ -305,6 +311,8 @@ class Diagnoser(Experiments):
         logits = self._logits(index)
         engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
         verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
+        if verdict.state and verdict.cls in INPUT_CLASSES:
+            return self._observed_state(verdict, index, batch, tried)
         if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
             # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
             replayed = observation.replay(self.replay_target or self.target, verdict.producer)
@@ -332,12 +340,44 @@ class Diagnoser(Experiments):
                 verdict = self._other_producer(observation, verdict, batch.index(index), position, index, tried)
         else:
             tried.append(verdict.evidence)
+        if verdict.state_seen and not (verdict.confirmed and verdict.cls in INPUT_CLASSES):
+            # a replay cannot set a recurrent state: where one seen wrong behind the token may explain it, its re-run
+            cls, evidence = verdict.state_seen
+            stated = replace(verdict, cls=cls, evidence=evidence, state=True, state_seen=None, confirmed=False)
+            cause = self._observed_state(stated, index, batch, tried)
+            if cause is not None:
+                return cause
         self._observed = verdict
         if verdict.confirmed and verdict.cls in INPUT_CLASSES:
             what = "reproduces the engine's logits" if engine_row is not None else "chooses the engine's token"
             return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target with exactly the observed inputs "
                          f"{what}", "a reproducing replay", _observed_mechanism(verdict))
         return None
+
+    def _observed_state(self, verdict: Any, index: int, batch: list[int], tried: list[str]) -> Cause | None:
+        """A call seen starting from a recurrent state that is not the row's own (observe.py): the batch re-run
+        with the target's attention layers silenced, which still diverges from greedy decoding of the silenced
+        target where the state alone is wrong, confirms it."""
+        from specaudit.equivalence.diagnosis.layers import diverges_silenced
+
+        try:
+            outcome = diverges_silenced(self, index, batch, "attention")
+        except Exception as exc:  # an experiment that fails tells that, not more
+            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+        said = ("was not run (" + outcome + ")" if isinstance(outcome, str) else "still diverges" if outcome
+                else "is exact")
+        verdict.confirmed = outcome is True
+        tried.append(f"{verdict.evidence}; re-run of its batch with the attention layers silenced, against greedy "
+                     f"decoding of the same target: it {said}")
+        self._observed = verdict
+        if not verdict.confirmed:
+            return None
+        return Cause(verdict.cls, f"{verdict.evidence}; re-run of its batch with the attention layers silenced, the "
+                     "row still diverges from greedy decoding of the same silenced target",
+                     f"{OBSERVED_STATE}, then a re-run with the attention layers silenced",
+                     {"recurrent_state": OBSERVED_MECHANISMS["recurrent_state"],
+                      "attention_mask": "the row's padding fed into its recurrent state (observed)"}.get(
+                         verdict.cls, OBSERVED_MECHANISMS[verdict.cls]))
 
     def _other_producer(self, observation: Any, first: Any, local: int, position: int, index: int,
                         tried: list[str], attempts: int = 6) -> Any:

@@ -83,7 +83,7 @@ def silenced(target: Any, kind: str) -> Iterator[str | None]:
             hook.remove()
 
 
-def _diverges(diagnoser: Any, index: int, batch: list[int], kind: str) -> bool | str:
+def diverges_silenced(diagnoser: Any, index: int, batch: list[int], kind: str) -> bool | str:
     """Re-run `batch` with the target's `kind` layers silenced: does row `index` still diverge from
     greedy decoding of the silenced target? (Or why the experiment was not run.) Below float64 the
     float64 target is silenced too and the re-run is judged as the audit judges a run (rulings/ruler.py)."""
@@ -99,7 +99,10 @@ def _diverges(diagnoser: Any, index: int, batch: list[int], kind: str) -> bool |
             return next(m for m in missing if m)
         prompt = list(diagnoser.prompts[index])
         reference = greedy_decode(diagnoser.target, prompt, diagnoser.max_new_tokens, diagnoser.eos_token_id)[0]
-        result = diagnoser._run(batch)
+        runs = diagnoser.silenced_runs  # one re-run of a batch serves each of its rows' divergences
+        result = runs.get((tuple(batch), kind))
+        if result is None:
+            result = runs[(tuple(batch), kind)] = diagnoser._run(batch)
         if isinstance(result, str):
             return result
         output = result[batch.index(index)]
@@ -130,7 +133,7 @@ def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[s
     outcome: dict[str, bool | str] = {}
     for kind in ("attention", "recurrent"):
         try:
-            outcome[kind] = _diverges(diagnoser, index, batch, kind)
+            outcome[kind] = diverges_silenced(diagnoser, index, batch, kind)
         except Exception as exc:  # an experiment that fails tells that, not more
             outcome[kind] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
     said = {kind: ("was not run (" + result + ")" if isinstance(result, str) else "still diverges" if result

@@ -46,10 +46,23 @@ it (a token emitted twice and a token fed one position off look alike there, and
 repeated token either way; the engine's logits, where recorded, tell them apart): the classes of the wrong
 inputs seen in that pass are kept, and a replay that names another input class gives way to `unknown`.
 Inputs observed correct (the replay of them chooses the reference's token) rule out the input classes: the
-divergence comes after the logits (acceptance, stops). Models whose cache is not an attention cache per layer
-(recurrent layers) or keeps no full layer (sliding windows alone) are not observed;
-an engine that never calls the target's forward (its own attention over the weights) shows nothing, and the
-replays decide.
+divergence comes after the logits (acceptance, stops).
+
+Hybrids (short convolutions, gated delta-net, Mamba-2 beside attention): each call also records, per row, the
+state of the cache's first recurrent layer as the call found it (sampled). A call's state must be the one the
+row's own tokens before the call leave (the target run on them alone, batch 1). No tolerance decides it: the
+observed state is compared with the states other histories leave, and the nearest names what the engine kept:
+
+    every token fed to the row's cache in the order fed (rejected ones kept)   recurrent_state
+    one token behind or ahead of the row's                                    recurrent_state
+    those tokens with the row's padding (a call that fed padding before the    attention_mask
+    row's tokens is judged by the state its next call found)
+    another row's own                                                         cross_row
+
+Such a verdict is confirmed by a re-run of the batch with the target's attention layers silenced that still
+diverges from greedy decoding of the silenced target (`layers.diverges_silenced`), not by a replay. Caches of
+another kind (sliding windows alone) are not observed; an engine that never calls the target's forward (its own
+attention over the weights) shows nothing, and the replays decide.
 """
 
 from __future__ import annotations
@@ -66,8 +79,9 @@ import torch
 
 # what a verdict may be: a violation of a class, inputs seen correct, or nothing judged
 CLEAN = "clean"
-INPUT_CLASSES = ("position_ids", "attention_mask", "kv_cache", "pad_as_content", "cross_row")
+INPUT_CLASSES = ("position_ids", "attention_mask", "kv_cache", "pad_as_content", "cross_row", "recurrent_state")
 POSITION_MODULE_NAMES = ("wpe", "embed_positions")
+STATE_SAMPLE = 4096  # elements of a row's recurrent state kept per call (evenly spaced): enough to tell histories apart
 
 
 @dataclass
@@ -86,6 +100,9 @@ class Verdict:
     target_calls: int = 0  # the target calls the re-run made (0: nothing was seen)
     producer: int | None = None  # the slot whose query chose the engine's token
     engine_token: int | None = None  # the token it chose in the re-run
+    state: bool = False  # the first wrong input is a recurrent state a call started from (no replay of it is made)
+    # where the first wrong input is another: the first recurrent state seen wrong behind the token (class, evidence)
+    state_seen: tuple[str, str] | None = None
 
 
 @dataclass
@@ -117,6 +134,8 @@ class _CallRow:
     # how a query that may read nothing was computed: "nothing" (a boolean or -inf mask: attention gives 0) or
     # "every" (the lowest finite value: it averages every key)
     empty_reads: str = "nothing"
+    state: dict[str, np.ndarray] | None = None  # per part, [n] float64: the row's first recurrent layer's state as the
+    # call found it
 
 
 @dataclass
@@ -131,14 +150,49 @@ class _Stream:
     masks_columns: bool = False  # the engine hid some written column of this cache from a later query
 
 
+def _recurrent(layer: Any) -> bool:
+    """A cache layer that keeps a recurrent state (a convolution window, an SSM state)."""
+    return hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
+
+
 def _first_keys(cache: Any) -> torch.Tensor | None:
     """The keys [B, H, columns, D] of the cache's first layer that keeps every column (not a sliding window's,
-    which drops the old ones); None: no such layer holds them as a tensor."""
+    which drops the old ones, nor a recurrent layer's); None: no such layer holds them as a tensor."""
     for layer in getattr(cache, "layers", None) or []:
-        if getattr(layer, "sliding_window", None) is not None:
+        if getattr(layer, "sliding_window", None) is not None or (_recurrent(layer) and not hasattr(layer, "keys")):
             continue
         keys = getattr(layer, "keys", None)
         return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+    return None
+
+
+STATE_PARTS = ("convolution window", "SSM state")
+
+
+def _recurrent_states(cache: Any) -> dict[str, torch.Tensor] | None:
+    """Per part of the cache's first recurrent layer's state (`STATE_PARTS`: its convolution windows, the last
+    `kernel` columns of each, and its SSM states), [B, n] float64 on the CPU, `STATE_SAMPLE` evenly spaced
+    elements at most (the parts apart: an engine may roll one back and not the other); None where the cache keeps
+    none yet."""
+    for layer in getattr(cache, "layers", None) or []:
+        if not _recurrent(layer):
+            continue
+        kernels = getattr(layer, "conv_kernel_size", None) or {}
+        convs = []
+        for key, conv in sorted((getattr(layer, "conv_states", None) or {}).items()):
+            if isinstance(conv, torch.Tensor):
+                kernel = kernels.get(key) if isinstance(kernels, dict) else None
+                convs.append(conv[..., -kernel:] if kernel else conv)
+        ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
+               if isinstance(state, torch.Tensor)]
+        states = {}
+        for name, parts in zip(STATE_PARTS, (convs, ssm)):
+            if parts:
+                rows = torch.cat([p.detach().reshape(p.shape[0], -1).to("cpu", torch.float64) for p in parts], dim=1)
+                if rows.shape[1] > STATE_SAMPLE:
+                    rows = rows[:, torch.linspace(0, rows.shape[1] - 1, STATE_SAMPLE, device="cpu").long()]
+                states[name] = rows
+        return states or None
     return None
 
 
@@ -283,7 +337,8 @@ class _Recorder:
             except Exception:  # a cache that cannot say: its calls are not observed
                 length = -1
         prior = _first_keys(cache) if cache is not None and length > 0 else None
-        self.current = {"input_ids": bound.get("input_ids"), "cache": cache, "length": length,
+        states = _recurrent_states(cache) if self.observation.recurrent and cache is not None else None
+        self.current = {"input_ids": bound.get("input_ids"), "cache": cache, "length": length, "states": states,
                         "prior_keys": None if prior is None else prior[:, :, :length].detach().clone(),
                         "cache_position": bound.get("cache_position"), "given_positions": bound.get("position_ids"),
                         "given_mask": bound.get("attention_mask"), "positions": None, "mask": None, "window_mask": None}
@@ -333,6 +388,8 @@ class Observation:
     outputs: list[list[int]] = field(default_factory=list)  # the re-run's outputs
     pad_token_id: int | None = None
     window: int | None = None  # the target's sliding window (tokens), where it has sliding-window layers
+    recurrent: bool = False  # the target keeps recurrent states (hybrid layers): each call's are kept per row
+    model: Any = field(default=None, repr=False)  # the target, to compute the states a row's own tokens leave
     calls: int = 0  # target calls seen
     draft_calls: int = 0
     verified: int = 0  # cached target calls that fed a row more than one new token (a verification of proposals)
@@ -343,6 +400,9 @@ class Observation:
     _streams: dict[int, tuple[Any, _Stream]] = field(default_factory=dict)
     _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each key (first full layer)
     _claims: dict[int, int] = field(default_factory=dict)  # per prompt: how many rows were matched to it
+    _by_record: dict[int, list[int]] | None = None  # per call-row: its slots (built once the re-run is over)
+    _states: dict[tuple[Any, ...], dict[str, np.ndarray]] = field(default_factory=dict)  # per token sequence
+    _state_checks: dict[int, Any] = field(default_factory=dict)  # per call-row: its state's violation (or None)
     _lock: Any = field(default_factory=threading.Lock)
 
     # ---- recording ---------------------------------------------------------------------------
@@ -389,7 +449,7 @@ class Observation:
             if length > 0 and q > 1:
                 self.verified += 1
             self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
-                       call["prior_keys"], window, _empty_reads(call["mask"]))
+                       call["prior_keys"], window, _empty_reads(call["mask"]), call.get("states"))
             self.calls += 1
 
     def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> _Stream:
@@ -403,8 +463,8 @@ class Observation:
         stream = _Stream(rows=[None] * ids.shape[0], columns=[[] for _ in range(ids.shape[0])],
                          unused=list(range(len(self.prompts))), records=[[] for _ in range(ids.shape[0])],
                          lost=[False] * ids.shape[0])
-        if known is not None and length > 0:  # a cache whose batch changed: its rows are not followed
-            stream.unused = []
+        if length > 0:  # a cache whose batch changed, or one first seen holding entries (a copy): its rows are
+            stream.unused = []  # followed by the keys of their entries, or not at all
         if key is not None:
             try:
                 self._streams[key] = (weakref.ref(cache), stream)
@@ -504,7 +564,8 @@ class Observation:
 
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
               columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None,
-              window: torch.Tensor | None = None, empty_reads: str = "nothing") -> None:
+              window: torch.Tensor | None = None, empty_reads: str = "nothing",
+              states: dict[str, torch.Tensor] | None = None) -> None:
         batch, q = ids.shape
         stream = self._stream(cache, ids, length)
         kv = allowed.shape[-1]
@@ -536,7 +597,9 @@ class Observation:
             self.records.append(_CallRow(np.array(row_columns[:kv], dtype=np.int64), np.packbits(mask, axis=-1),
                                          kv, stream.rows[b], b, batch, length, stream,
                                          None if window is None else np.packbits(window[b].numpy(), axis=-1),
-                                         empty_reads))
+                                         empty_reads,
+                                         None if states is None else {name: rows[b].numpy() for name, rows
+                                                                      in states.items() if b < rows.shape[0]}))
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
         keys = _first_keys(cache)
@@ -742,6 +805,10 @@ class Observation:
             seen[slot_id] = at
             slot = self.slots[slot_id]
             order = (slot.call, slot.column)
+            if self.recurrent:
+                stated = self._state_violation(slot.record, index, sequence, slot_id == producer)
+                if stated:
+                    violations.append(stated)
             visible = self.visible(slot_id)
             fed = f"prompt {index}, {self.where(slot_id)}: token {slot.token} (index {at} in the row)"
             pads = [self.slots[v].column for v in visible if self.slots[v].pad]
@@ -778,7 +845,8 @@ class Observation:
                            "at its index in the row", speculated=speculated, producer=producer, engine_token=chosen,
                            batched=batched)
         violations.sort(key=lambda v: v[0])
-        (call, _, _), cls, evidence = violations[0]
+        (call, column, _), cls, evidence = violations[0]
+        state = column < 0  # a recurrent state a call started from (`_state_violation` orders it first in its call)
         if repeated and call >= self.slots[producer].call:
             return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
                            "the token before it in an engine that speculates, and the first input out of order is "
@@ -787,8 +855,146 @@ class Observation:
                            seen=cls, seen_classes=self._classes_seen(producer, sequence[:m + 1], violations))
         if how != "exact":
             evidence += f" (the query that chose new token {position} reads {how} tokens against the row's own)"
+        stated = next(((v[1], "observed: " + v[2]) for v in violations if v[0][1] < 0), None)
         return Verdict(cls, "observed: " + evidence, speculated=speculated, producer=producer, engine_token=chosen,
-                       batched=batched)
+                       batched=batched, state=state, state_seen=None if state else stated)
+
+    # ---- recurrent states ---------------------------------------------------------------------
+    def _record_slots(self, record: int) -> list[int]:
+        """The slots call-row `record` fed, in the order of its tokens."""
+        if self._by_record is None:
+            self._by_record = {}
+            for slot_id, slot in enumerate(self.slots):
+                self._by_record.setdefault(slot.record, []).append(slot_id)
+        return self._by_record.get(record, [])
+
+    def _own_before(self, record: int, sequence: list[int] | None = None) -> list[int] | None:
+        """The row's own tokens before call-row `record`'s first token that is not padding: what that token's query
+        reads (its own aside) where that is a start of the row's sequence (`sequence`; default the row's); None
+        where it is not (a wrong read, judged as such) or the call fed only padding."""
+        first = next((s for s in self._record_slots(record) if not self.slots[s].pad), None)
+        local = self.records[record].local
+        if first is None or local is None:
+            return None
+        sequence = sequence or self.prompts[local] + self.outputs[local]
+        content = [self.slots[v].token for v in self.visible(first) if not self.slots[v].pad]
+        return content[:-1] if content and content == sequence[:len(content)] else None
+
+    def _state_of(self, tokens: list[int], like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The state (per part, [n]) the target's first recurrent layer keeps after `tokens` fed alone (batch 1,
+        fresh cache), sampled as the observed ones are; zeros for no tokens; NaN for a part of another shape than the
+        observed one's (a cache that took its convolution width from a short first call)."""
+        key = (tuple(tokens), tuple((name, part.shape) for name, part in like.items()))
+        if key not in self._states:
+            if not tokens:
+                self._states[key] = {name: np.zeros_like(part) for name, part in like.items()}
+            else:
+                from transformers import DynamicCache
+
+                from specaudit.engines.ops.hf_call import cached_forward
+
+                model = self.model
+                cache = DynamicCache(config=model.config)
+                with torch.no_grad():
+                    cached_forward(model, cache, input_ids=torch.tensor([tokens], device=model.device),
+                                   position_ids=torch.arange(len(tokens), device=model.device).view(1, -1))
+                state = _recurrent_states(cache) or {}
+                self._states[key] = {name: state[name][0].numpy() if name in state and state[name].shape[1:]
+                                     == part.shape else np.full_like(part, np.nan) for name, part in like.items()}
+        return self._states[key]
+
+    def _state_violation(self, record: int, index: int, sequence: list[int], producer: bool
+                         ) -> tuple[tuple[int, int, int], str, str] | None:
+        """Whether the recurrent state call-row `record` started from is the state after exactly the row's own
+        tokens before the call. It is compared with the states other histories leave (the tokens fed to the row's
+        cache in the order fed, rejected proposals kept; the same with its padding; one token behind or ahead;
+        another row's own): the nearest names what the engine kept. With `producer`, a call that fed padding
+        before the row's content is judged by the state the row's next call started from (the padding entered the
+        state or not)."""
+        if record in self._state_checks:
+            return self._state_checks[record]
+        self._state_checks[record] = None
+        found = self._state_check(record, index, sequence, record)
+        if found is None and producer:
+            call_row = self.records[record]
+            row_records = call_row.stream.records[call_row.row]
+            later = row_records[row_records.index(record) + 1:] if record in row_records else []
+            if later and any(self.slots[s].pad for s in self._record_slots(record)):
+                found = self._state_check(later[0], index, sequence, record)
+        self._state_checks[record] = found
+        return found
+
+    def _state_check(self, record: int, index: int, sequence: list[int], blamed: int
+                     ) -> tuple[tuple[int, int, int], str, str] | None:
+        call_row = self.records[record]
+        observed = call_row.state
+        own = self._own_before(record, sequence)
+        slots = self._record_slots(record)
+        if observed is None or own is None or not slots or self.model is None:
+            return None
+        first = next(s for s in slots if not self.slots[s].pad)
+        # the row's tokens fed to this cache before this call, in the order fed (its prefix before the cache's first
+        # call: the row's own tokens then)
+        row_records = call_row.stream.records[call_row.row]
+        earlier = row_records[:row_records.index(record)] if record in row_records else []
+        start = (self._own_before(earlier[0], sequence) or []) if earlier and self.records[earlier[0]].cache_length else []
+        fed = [self.slots[s] for r in earlier for s in self._record_slots(r)]
+        candidates: list[tuple[list[int], str, str]] = [(own, "", "the row's own")]
+        candidates.append((start + [s.token for s in fed if not s.pad], "recurrent_state",
+                           f"the state after every token fed to the row's cache in the order fed "
+                           f"({len(start) + sum(not s.pad for s in fed)}; the rejected ones kept: not rolled back)"))
+        if any(s.pad for s in fed):
+            candidates.append((start + [s.token for s in fed], "attention_mask",
+                               "the state after every token fed to the row's cache, its padding included: the "
+                               "padding entered the recurrent state"))
+        if own:
+            candidates.append((own[:-1], "recurrent_state", "the state one token behind the row's"))
+        candidates.append((own + [self.slots[first].token], "recurrent_state",
+                           f"the state one token ahead (the call's first token, {self.slots[first].token}, already in "
+                           "it)"))
+        call = self.slots[first].call
+        for other, other_row in enumerate(self.records):
+            if other_row.local is None or other_row.local == call_row.local or other == record:
+                continue
+            other_slots = self._record_slots(other)
+            if other_slots and self.slots[other_slots[0]].call == call:
+                other_own = self._own_before(other, self.prompts[other_row.local] + self.outputs[other_row.local])
+                if other_own is not None:
+                    candidates.append((other_own, "cross_row", f"the state of another row of the batch (batch row "
+                                       f"{other_row.row}, the re-run's prompt {other_row.local})"))
+        unique = []
+        for candidate in candidates:
+            if tuple(candidate[0]) not in {tuple(c[0]) for c in unique}:
+                unique.append(candidate)
+        own_state = self._state_of(own, observed)
+        for part in observed:  # each part of the state apart: the first the engine did not keep as the row's own
+            # histories whose states the run's dtype cannot tell apart (a convolution window keeps its last few inputs
+            # alone; padding the model zeroes leaves none) are one state: only those it tells apart compete
+            resolution = 64 * torch.finfo(self.model.dtype).eps * max(float(np.linalg.norm(own_state[part])), 1e-30)
+            distances, kept = [], []  # kept: the states of the histories that compete, the first of each kept
+            for tokens, cls, what in unique:
+                state = self._state_of(tokens, observed)[part]
+                if any(float(np.linalg.norm(state - other)) <= resolution for other in kept):
+                    continue  # the same state as an earlier history's (the row's own first; padding left no trace)
+                kept.append(state)
+                distances.append((float(np.linalg.norm(observed[part] - state)), cls, what))
+            if len(distances) < 2 or not all(np.isfinite(d) for d, _, _ in distances):
+                continue
+            own_distance = distances[0][0]
+            distance, cls, what = min(distances, key=lambda d: d[0])
+            if cls:
+                break
+        else:
+            return None
+        where = self.where(self._record_slots(blamed)[0]) if blamed != record else self.where(first)
+        found = (f"a recurrent state (its {part}) that is {what} (distance {distance:.3g}), not the state after the "
+                 f"row's own {len(own)} tokens before it (distance {own_distance:.3g})")
+        evidence = f"prompt {index}, {where}: the call started from {found}"
+        if blamed != record:
+            evidence = (f"prompt {index}, {where} fed padding before the row's tokens; the row's next call "
+                        f"({self.where(first)}) started from {found}")
+        blamed_slot = self.slots[self._record_slots(blamed)[0]]
+        return (blamed_slot.call, -1, 1), cls, evidence
 
     def _classes_seen(self, producer: int, want: list[int], violations: list[tuple[Any, str, str]]) -> tuple[str, ...]:
         """The classes of the wrong inputs behind `producer`: those of `violations`, and `position_ids` where a
@@ -916,6 +1122,15 @@ def _columns(columns: list[int]) -> str:
     return shown + (f", ... ({len(columns)} in all)" if len(columns) > 6 else "")
 
 
+def _has_recurrent_layers(model: Any) -> bool:
+    try:
+        from transformers import DynamicCache
+
+        return any(_recurrent(layer) for layer in DynamicCache(config=model.config).layers)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+
 def observable(model: Any) -> str | None:
     """Why the inputs of `model` cannot be judged by observation (None: they can): its cache must be an attention
     cache per layer, full or a sliding window, with at least one full layer (its keys follow the slots); a
@@ -929,12 +1144,14 @@ def observable(model: Any) -> str | None:
         layers = DynamicCache(config=model.config).layers
     except (ImportError, AttributeError, TypeError, ValueError):
         return "the target's cache could not be built from its config"
-    full = [layer for layer in layers if type(layer) is DynamicLayer]
+    full = [layer for layer in layers if type(layer) is DynamicLayer
+            or (_recurrent(layer) and isinstance(layer, DynamicLayer) and getattr(layer, "sliding_window", None) is None)]
     windowed = [layer for layer in layers if type(layer) is not DynamicLayer and isinstance(layer, DynamicLayer)
                 and getattr(layer, "sliding_window", None) is not None]
-    if not full or len(full) + len(windowed) != len(layers):
-        return ("the target's cache is not an attention cache per layer with a full one among them (recurrent "
-                "layers, or sliding windows alone)")
+    recurrent = [layer for layer in layers if _recurrent(layer) and not isinstance(layer, DynamicLayer)]
+    if not full or len(full) + len(windowed) + len(recurrent) != len(layers):
+        return ("the target's cache is not an attention cache per layer (or a recurrent state) with a full "
+                "attention layer among them (sliding windows alone, or layers of another kind)")
     if windowed and sliding_window(model) is None:
         return "the target's sliding-window layers do not say their window"
     return None
@@ -953,7 +1170,7 @@ def observe_batch(run: Any, batch: list[int], outputs: list[list[int]], pad_toke
         return ("the re-runs come from a callable that takes no `around`: the hooks could not be held to the "
                 "engine's own generate call (a caller's reference decoding would be observed with it)")
     observation = Observation([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id,
-                              window=sliding_window(target))
+                              window=sliding_window(target), recurrent=_has_recurrent_layers(target), model=target)
     recorders = [_Recorder(observation, target, "target")]
     if draft is not None and draft is not target:
         recorders.append(_Recorder(observation, draft, "draft"))
