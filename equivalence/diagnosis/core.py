@@ -375,9 +375,7 @@ class Diagnoser(Experiments):
         return Cause(verdict.cls, f"{verdict.evidence}; re-run of its batch with the attention layers silenced, the "
                      "row still diverges from greedy decoding of the same silenced target",
                      f"{OBSERVED_STATE}, then a re-run with the attention layers silenced",
-                     {"recurrent_state": OBSERVED_MECHANISMS["recurrent_state"],
-                      "attention_mask": "the row's padding fed into its recurrent state (observed)"}.get(
-                         verdict.cls, OBSERVED_MECHANISMS[verdict.cls]))
+                     OBSERVED_MECHANISMS[verdict.cls])
 
     def _other_producer(self, observation: Any, first: Any, local: int, position: int, index: int,
                         tried: list[str], attempts: int = 6) -> Any:

@@ -49,16 +49,13 @@ Inputs observed correct (the replay of them chooses the reference's token) rule 
 divergence comes after the logits (acceptance, stops).
 
 Hybrids (short convolutions, gated delta-net, Mamba-2 beside attention): each call also records, per row, the
-state of the cache's first recurrent layer as the call found it (sampled). A call's state must be the one the
-row's own tokens before the call leave (the target run on them alone, batch 1). No tolerance decides it: the
-observed state is compared with the states other histories leave, and the nearest names what the engine kept:
-
-    every token fed to the row's cache in the order fed (rejected ones kept)   recurrent_state
-    one token behind or ahead of the row's                                    recurrent_state
-    those tokens with the row's padding (a call that fed padding before the    attention_mask
-    row's tokens is judged by the state its next call found)
-    another row's own                                                         cross_row
-
+state of the cache's first recurrent layer as the call found it and as it left it (sampled; its convolution
+window and SSM state apart). A call's state must be the one the row's own tokens before the call leave (the
+target run on them alone, batch 1), and a call that fed padding before the row's tokens must leave the state its
+tokens leave. No tolerance decides it: the observed state is compared with the states other histories leave
+(those the run's dtype can tell apart), and the nearest, where it is not the row's own, names the class
+`recurrent_state` and says what the engine kept: every token fed to the row's cache in the order fed (rejected
+ones kept, not rolled back), the same with its padding, one token behind or ahead, another row's own state.
 Such a verdict is confirmed by a re-run of the batch with the target's attention layers silenced that still
 diverges from greedy decoding of the silenced target (`layers.diverges_silenced`), not by a replay. Caches of
 another kind (sliding windows alone) are not observed; an engine that never calls the target's forward (its own
@@ -134,8 +131,9 @@ class _CallRow:
     # how a query that may read nothing was computed: "nothing" (a boolean or -inf mask: attention gives 0) or
     # "every" (the lowest finite value: it averages every key)
     empty_reads: str = "nothing"
-    state: dict[str, np.ndarray] | None = None  # per part, [n] float64: the row's first recurrent layer's state as the
-    # call found it
+    # per part, [n] float64: the row's first recurrent layer's state as the call found it, and as it left it
+    state: dict[str, np.ndarray] | None = None
+    end_state: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -194,6 +192,21 @@ def _recurrent_states(cache: Any) -> dict[str, torch.Tensor] | None:
                 states[name] = rows
         return states or None
     return None
+
+
+def _output_cache(output: Any) -> Any:
+    """The cache a model's output hands back (`cache` from transformers 5.24, `past_key_values` before)."""
+    for name in ("cache", "past_key_values"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _row_state(states: dict[str, torch.Tensor] | None, row: int) -> dict[str, np.ndarray] | None:
+    if states is None or any(row >= rows.shape[0] for rows in states.values()):
+        return None
+    return {name: rows[row].numpy() for name, rows in states.items()}
 
 
 def _layer_types(model: Any) -> list[str] | None:
@@ -374,6 +387,9 @@ class _Recorder:
         call, self.current = self.current, None
         if call is None:
             return
+        if self.observation.recurrent:  # the states the call left (its cache, or the one the model made for it)
+            cache = call["cache"] if call["cache"] is not None else _output_cache(output)
+            call["end_states"] = _recurrent_states(cache) if cache is not None else None
         try:
             self.observation._record(call, self.family)
         except Exception as exc:  # an observation that fails says so and judges nothing
@@ -449,7 +465,8 @@ class Observation:
             if length > 0 and q > 1:
                 self.verified += 1
             self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
-                       call["prior_keys"], window, _empty_reads(call["mask"]), call.get("states"))
+                       call["prior_keys"], window, _empty_reads(call["mask"]), call.get("states"),
+                       call.get("end_states"))
             self.calls += 1
 
     def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> _Stream:
@@ -565,7 +582,8 @@ class Observation:
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
               columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None,
               window: torch.Tensor | None = None, empty_reads: str = "nothing",
-              states: dict[str, torch.Tensor] | None = None) -> None:
+              states: dict[str, torch.Tensor] | None = None, end_states: dict[str, torch.Tensor] | None = None
+              ) -> None:
         batch, q = ids.shape
         stream = self._stream(cache, ids, length)
         kv = allowed.shape[-1]
@@ -577,7 +595,7 @@ class Observation:
             if (moved or (stream.rows[b] is None and not stream.unused)) and length > 0 and not stream.lost[b]:
                 # entries moved or rewritten between calls (rows realigned, reordered or dropped): the row is
                 # followed by the keys its slots left in the cache, or no more
-                found = self._remap(prior_keys, b, length)
+                found = self._remap(prior_keys, b, length, {r for r in stream.rows[:b] if r is not None})
                 stream.rows[b] = None if found is None else found[0]
                 stream.lost[b] = found is None
                 if found is not None:
@@ -598,8 +616,7 @@ class Observation:
                                          kv, stream.rows[b], b, batch, length, stream,
                                          None if window is None else np.packbits(window[b].numpy(), axis=-1),
                                          empty_reads,
-                                         None if states is None else {name: rows[b].numpy() for name, rows
-                                                                      in states.items() if b < rows.shape[0]}))
+                                         _row_state(states, b), _row_state(end_states, b)))
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
         keys = _first_keys(cache)
@@ -611,7 +628,8 @@ class Observation:
                         self.slots[slot_id].key = _key_of(keys, b, columns[i])
                         self._by_key.setdefault(self.slots[slot_id].key, []).append(slot_id)
 
-    def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int) -> tuple[int, list[int]] | None:
+    def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int, taken: set[int] = frozenset()
+               ) -> tuple[int, list[int]] | None:
         """The prompt and the slot of each column of row `b` of a cache whose entries moved, found by their keys:
         the prompt whose fed content left most of the row's columns' keys (at least half of those some content
         left) and its last one's; a padding column maps to padding with its keys, and a column whose keys no slot
@@ -634,7 +652,8 @@ class Observation:
                 votes[local] = votes.get(local, 0) + 1
         if not votes:
             return None
-        local = max(votes, key=lambda j: votes[j])
+        # among prompts whose content left as many of the keys (duplicate prompts), one no earlier row took
+        local = max(votes, key=lambda j: (votes[j], j not in taken, -j))
         if votes[local] * 2 < content or local not in owners(keys[-1]):
             return None
         columns = []
@@ -806,7 +825,7 @@ class Observation:
             slot = self.slots[slot_id]
             order = (slot.call, slot.column)
             if self.recurrent:
-                stated = self._state_violation(slot.record, index, sequence, slot_id == producer)
+                stated = self._state_violation(slot.record, index, sequence)
                 if stated:
                     violations.append(stated)
             visible = self.visible(slot_id)
@@ -903,56 +922,51 @@ class Observation:
                                      == part.shape else np.full_like(part, np.nan) for name, part in like.items()}
         return self._states[key]
 
-    def _state_violation(self, record: int, index: int, sequence: list[int], producer: bool
+    def _state_violation(self, record: int, index: int, sequence: list[int]
                          ) -> tuple[tuple[int, int, int], str, str] | None:
         """Whether the recurrent state call-row `record` started from is the state after exactly the row's own
-        tokens before the call. It is compared with the states other histories leave (the tokens fed to the row's
-        cache in the order fed, rejected proposals kept; the same with its padding; one token behind or ahead;
-        another row's own): the nearest names what the engine kept. With `producer`, a call that fed padding
-        before the row's content is judged by the state the row's next call started from (the padding entered the
-        state or not)."""
-        if record in self._state_checks:
-            return self._state_checks[record]
-        self._state_checks[record] = None
-        found = self._state_check(record, index, sequence, record)
-        if found is None and producer:
-            call_row = self.records[record]
-            row_records = call_row.stream.records[call_row.row]
-            later = row_records[row_records.index(record) + 1:] if record in row_records else []
-            if later and any(self.slots[s].pad for s in self._record_slots(record)):
-                found = self._state_check(later[0], index, sequence, record)
-        self._state_checks[record] = found
-        return found
+        tokens before the call, and, where the call fed padding before the row's tokens, whether its state after
+        the call is the one the row's own tokens leave. Each observed state is compared with the states other
+        histories leave (`_nearest`): the nearest names what the engine kept."""
+        if self.model is None:
+            return None
+        if record not in self._state_checks:
+            self._state_checks[record] = None  # (a check in progress judges nothing)
+            self._state_checks[record] = (self._start_check(record, index, sequence)
+                                          or self._padding_check(record, index, sequence))
+        return self._state_checks[record]
 
-    def _state_check(self, record: int, index: int, sequence: list[int], blamed: int
+    def _start_check(self, record: int, index: int, sequence: list[int]
                      ) -> tuple[tuple[int, int, int], str, str] | None:
+        """The state the call found: the row's own, or every token fed to the row's cache in the order fed
+        (rejected ones kept), the same with its padding, one token behind or ahead, another row's own."""
         call_row = self.records[record]
-        observed = call_row.state
         own = self._own_before(record, sequence)
         slots = self._record_slots(record)
-        if observed is None or own is None or not slots or self.model is None:
+        if call_row.state is None or own is None or not slots:
             return None
         first = next(s for s in slots if not self.slots[s].pad)
-        # the row's tokens fed to this cache before this call, in the order fed (its prefix before the cache's first
-        # call: the row's own tokens then)
-        row_records = call_row.stream.records[call_row.row]
-        earlier = row_records[:row_records.index(record)] if record in row_records else []
+        # every token fed to the row before this call, in the order fed, in whichever cache (before its first call
+        # seen: the row's own tokens then)
+        call = self.slots[first].call
+        earlier = [r for r, other in enumerate(self.records) if other.local == call_row.local and r != record
+                   and (slots_of := self._record_slots(r)) and self.slots[slots_of[0]].call < call]
         start = (self._own_before(earlier[0], sequence) or []) if earlier and self.records[earlier[0]].cache_length else []
         fed = [self.slots[s] for r in earlier for s in self._record_slots(r)]
+        kept = start + [s.token for s in fed if not s.pad]
         candidates: list[tuple[list[int], str, str]] = [(own, "", "the row's own")]
-        candidates.append((start + [s.token for s in fed if not s.pad], "recurrent_state",
-                           f"the state after every token fed to the row's cache in the order fed "
-                           f"({len(start) + sum(not s.pad for s in fed)}; the rejected ones kept: not rolled back)"))
+        candidates.append((kept, "recurrent_state", f"the state after every token fed to the row in the order fed "
+                           f"({len(kept)}, {len(kept) - len(own)} more than the row's own: the rejected ones kept, or "
+                           "fill; not rolled back)"))
         if any(s.pad for s in fed):
-            candidates.append((start + [s.token for s in fed], "attention_mask",
-                               "the state after every token fed to the row's cache, its padding included: the "
-                               "padding entered the recurrent state"))
+            candidates.append((start + [s.token for s in fed], "recurrent_state",
+                               "the state after every token fed to the row, its padding included: the padding "
+                               "entered the recurrent state"))
         if own:
             candidates.append((own[:-1], "recurrent_state", "the state one token behind the row's"))
         candidates.append((own + [self.slots[first].token], "recurrent_state",
                            f"the state one token ahead (the call's first token, {self.slots[first].token}, already in "
                            "it)"))
-        call = self.slots[first].call
         for other, other_row in enumerate(self.records):
             if other_row.local is None or other_row.local == call_row.local or other == record:
                 continue
@@ -960,41 +974,71 @@ class Observation:
             if other_slots and self.slots[other_slots[0]].call == call:
                 other_own = self._own_before(other, self.prompts[other_row.local] + self.outputs[other_row.local])
                 if other_own is not None:
-                    candidates.append((other_own, "cross_row", f"the state of another row of the batch (batch row "
+                    candidates.append((other_own, "recurrent_state", f"the state of another row of the batch (batch row "
                                        f"{other_row.row}, the re-run's prompt {other_row.local})"))
-        unique = []
+        nearest = self._nearest(call_row.state, candidates)
+        if nearest is None:
+            return None
+        part, distance, cls, what, own_distance = nearest
+        return ((self.slots[first].call, -1, 1), cls,
+                f"prompt {index}, {self.where(first)}: the call started from a recurrent state (its {part}) that is "
+                f"{what} (distance {distance:.3g}), not the state after the row's own {len(own)} tokens before it "
+                f"(distance {own_distance:.3g})")
+
+    def _padding_check(self, record: int, index: int, sequence: list[int]
+                       ) -> tuple[tuple[int, int, int], str, str] | None:
+        """A call that fed padding before the row's tokens (left padding; a whole padded row fed again): the state
+        it left, from the row's own, after the row's tokens it fed, or after those and the padding (the model
+        zeroes padding it is told of; padding it is not told of enters the state)."""
+        call_row = self.records[record]
+        slots = self._record_slots(record)
+        content = [s for s in slots if not self.slots[s].pad]
+        if call_row.end_state is None or not content or not any(self.slots[s].pad for s in slots[:slots.index(content[-1])]):
+            return None
+        own = self._own_before(record, sequence)
+        if own is None:
+            return None
+        fed = own + [self.slots[s].token for s in content]
+        nearest = self._nearest(call_row.end_state, [
+            (fed, "", "the state after the row's own tokens"),
+            (own + [self.slots[s].token for s in slots], "recurrent_state", "the state after the row's tokens and the padding fed before them: the padding entered "
+             "the recurrent state (the model was not told it is padding)")])
+        if nearest is None:
+            return None
+        part, distance, cls, what, own_distance = nearest
+        return ((self.slots[content[0]].call, -1, 1), cls,
+                f"prompt {index}, {self.where(content[0])}: the call fed padding before the row's tokens and left a "
+                f"recurrent state (its {part}) that is {what} (distance {distance:.3g}), not the state after the "
+                f"row's own {len(fed)} tokens (distance {own_distance:.3g})")
+
+    def _nearest(self, observed: dict[str, np.ndarray], candidates: list[tuple[list[int], str, str]]
+                 ) -> tuple[str, float, str, str, float] | None:
+        """The first part of an observed state whose nearest candidate history (tokens, class, description; the
+        row's own first, class "") is not the row's own: (part, its distance, class, description, the own one's
+        distance); None where every part is nearest the row's own, or nothing could be compared."""
+        unique: list[tuple[list[int], str, str]] = []
         for candidate in candidates:
             if tuple(candidate[0]) not in {tuple(c[0]) for c in unique}:
                 unique.append(candidate)
-        own_state = self._state_of(own, observed)
-        for part in observed:  # each part of the state apart: the first the engine did not keep as the row's own
+        own_state = self._state_of(unique[0][0], observed)
+        for part in observed:  # each part apart: an engine may roll back its convolution window and not its SSM state
             # histories whose states the run's dtype cannot tell apart (a convolution window keeps its last few inputs
             # alone; padding the model zeroes leaves none) are one state: only those it tells apart compete
             resolution = 64 * torch.finfo(self.model.dtype).eps * max(float(np.linalg.norm(own_state[part])), 1e-30)
-            distances, kept = [], []  # kept: the states of the histories that compete, the first of each kept
+            distances: list[tuple[float, str, str]] = []
+            kept: list[np.ndarray] = []  # the states of the histories that compete, the first of each kept
             for tokens, cls, what in unique:
                 state = self._state_of(tokens, observed)[part]
                 if any(float(np.linalg.norm(state - other)) <= resolution for other in kept):
-                    continue  # the same state as an earlier history's (the row's own first; padding left no trace)
+                    continue  # the same state as an earlier history's (the row's own first)
                 kept.append(state)
                 distances.append((float(np.linalg.norm(observed[part] - state)), cls, what))
             if len(distances) < 2 or not all(np.isfinite(d) for d, _, _ in distances):
                 continue
-            own_distance = distances[0][0]
             distance, cls, what = min(distances, key=lambda d: d[0])
             if cls:
-                break
-        else:
-            return None
-        where = self.where(self._record_slots(blamed)[0]) if blamed != record else self.where(first)
-        found = (f"a recurrent state (its {part}) that is {what} (distance {distance:.3g}), not the state after the "
-                 f"row's own {len(own)} tokens before it (distance {own_distance:.3g})")
-        evidence = f"prompt {index}, {where}: the call started from {found}"
-        if blamed != record:
-            evidence = (f"prompt {index}, {where} fed padding before the row's tokens; the row's next call "
-                        f"({self.where(first)}) started from {found}")
-        blamed_slot = self.slots[self._record_slots(blamed)[0]]
-        return (blamed_slot.call, -1, 1), cls, evidence
+                return part, distance, cls, what, distances[0][0]
+        return None
 
     def _classes_seen(self, producer: int, want: list[int], violations: list[tuple[Any, str, str]]) -> tuple[str, ...]:
         """The classes of the wrong inputs behind `producer`: those of `violations`, and `position_ids` where a
