@@ -274,7 +274,9 @@ def test_a_recurrent_state_not_rolled_back_is_seen(pair: str, tmp_path: Path) ->
         assert evidence.startswith("observed: ") and "the rejected ones kept" in evidence, evidence
         assert variant != "state_cropped" or "(its SSM state)" in evidence, evidence
         assert "the call started from a recurrent state" in evidence, evidence
-        assert "still diverges" in evidence, evidence
+        # confirmed: a replay feeding the recurrent layers what was kept, or a re-run with the attention silenced
+        assert ("a replay of the target feeding its recurrent layers that history chooses token" in evidence
+                or "still diverges" in evidence), evidence
 
 
 def test_which_targets_are_observed() -> None:
@@ -288,3 +290,24 @@ def test_which_targets_are_observed() -> None:
     gemma = models.pair("tiny-gemma3").target
     assert observable(gemma) is None and sliding_window(gemma) == gemma.config.sliding_window
     assert sliding_window(models.pair("tiny-gpt2").target) is None
+
+
+def test_padding_the_model_is_not_told_of_enters_the_state(tmp_path: Path) -> None:
+    """On a hybrid, the recurrent layers zero only the padding a 2-D mask marks: an uncached loop whose 4-D mask is
+    right for attention feeds its left padding into every row's recurrent state (`attention_mask`, with the columns
+    no such mask marks, confirmed by a replay that feeds them to the recurrent layers); the padded loop handing the
+    model its 2-D mask is exact."""
+    result = audit("--engine", "observed_engines:recompute", "--engine", "observed_engines:loop", "--pair", "tiny-lfm2",
+                   *SETTINGS, out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for run in runs(tmp_path):
+        if run["engine"].endswith(":loop"):
+            assert run["equivalent"] and not run["divergences"] and not run["failures"]
+            continue
+        structural = [d for d in run["divergences"] if d["kind"] == "structural"]
+        assert structural
+        named = [d for d in structural if d["diagnosis"]["class"] == "attention_mask"]
+        assert len(named) >= 0.9 * len(structural), [d["diagnosis"]["class"] for d in structural]
+        evidence = named[0]["diagnosis"]["evidence"]
+        assert "that no 2-D mask handed to the model marks" in evidence, evidence
+        assert "a replay of the target feeding its recurrent layers that history chooses token" in evidence, evidence

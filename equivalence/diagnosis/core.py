@@ -312,7 +312,7 @@ class Diagnoser(Experiments):
         engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
         verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
         if verdict.state and verdict.cls in INPUT_CLASSES:
-            return self._observed_state(verdict, index, batch, tried)
+            return self._observed_state(observation, verdict, index, batch, tried, engine_row)
         if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
             # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
             replayed = observation.replay(self.replay_target or self.target, verdict.producer)
@@ -344,7 +344,7 @@ class Diagnoser(Experiments):
             # a replay cannot set a recurrent state: where one seen wrong behind the token may explain it, its re-run
             cls, evidence = verdict.state_seen
             stated = replace(verdict, cls=cls, evidence=evidence, state=True, state_seen=None, confirmed=False)
-            cause = self._observed_state(stated, index, batch, tried)
+            cause = self._observed_state(observation, stated, index, batch, tried, engine_row)
             if cause is not None:
                 return cause
         self._observed = verdict
@@ -354,12 +354,35 @@ class Diagnoser(Experiments):
                          f"{what}", "a reproducing replay", _observed_mechanism(verdict))
         return None
 
-    def _observed_state(self, verdict: Any, index: int, batch: list[int], tried: list[str]) -> Cause | None:
-        """A call seen starting from a recurrent state that is not the row's own (observe.py): the batch re-run
-        with the target's attention layers silenced, which still diverges from greedy decoding of the silenced
-        target where the state alone is wrong, confirms it."""
+    def _observed_state(self, observation: Any, verdict: Any, index: int, batch: list[int], tried: list[str],
+                        engine_row: torch.Tensor | None) -> Cause | None:
+        """A call seen starting from a recurrent state that is not the row's own, or feeding it padding the model was
+        not told of (observe.py). A replay that feeds the recurrent layers the history the state was found to be (the
+        slots fed, rejected ones and padding kept, hidden from the queries that did not read them) and reproduces
+        the engine's logits or token confirms it; failing that, a re-run of the batch with the target's attention
+        layers silenced that still diverges from greedy decoding of the silenced target (the state alone is wrong)."""
         from specaudit.equivalence.diagnosis.layers import diverges_silenced
 
+        mechanism = (OBSERVED_MECHANISMS["recurrent_state"] if verdict.cls == "recurrent_state" else
+                     "padding the model was not told of (no 2-D mask marks it) fed into the recurrent state (observed)")
+        replayed = None
+        if verdict.producer is not None:
+            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+        if replayed is not None:
+            if engine_row is not None:
+                error = float((replayed.to(torch.float64).cpu() - engine_row.to(torch.float64).cpu()).abs().max())
+                verdict.confirmed = error <= max(1e-9, self.precision_noise(index))
+                shown = (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} the engine's logits "
+                         f"(error {error:.3g})")
+            else:
+                verdict.confirmed = int(replayed.argmax()) == verdict.engine_token
+                shown = f"chooses token {int(replayed.argmax())}" + (" (the engine's)" if verdict.confirmed else
+                                                                     " (not the engine's)")
+            tried.append(f"{verdict.evidence}; a replay of the target feeding its recurrent layers that history {shown}")
+            if verdict.confirmed:
+                self._observed = verdict
+                return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target feeding its recurrent layers "
+                             f"that history {shown}", f"{OBSERVED_STATE}, then a reproducing replay", mechanism)
         try:
             outcome = diverges_silenced(self, index, batch, "attention")
         except Exception as exc:  # an experiment that fails tells that, not more
@@ -374,8 +397,7 @@ class Diagnoser(Experiments):
             return None
         return Cause(verdict.cls, f"{verdict.evidence}; re-run of its batch with the attention layers silenced, the "
                      "row still diverges from greedy decoding of the same silenced target",
-                     f"{OBSERVED_STATE}, then a re-run with the attention layers silenced",
-                     OBSERVED_MECHANISMS[verdict.cls])
+                     f"{OBSERVED_STATE}, then a re-run with the attention layers silenced", mechanism)
 
     def _other_producer(self, observation: Any, first: Any, local: int, position: int, index: int,
                         tried: list[str], attempts: int = 6) -> Any:

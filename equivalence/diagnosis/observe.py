@@ -134,6 +134,7 @@ class _CallRow:
     # per part, [n] float64: the row's first recurrent layer's state as the call found it, and as it left it
     state: dict[str, np.ndarray] | None = None
     end_state: dict[str, np.ndarray] | None = None
+    told: np.ndarray | None = None  # [q] bool: the 2-D mask handed to the model marks the call's token as padding
 
 
 @dataclass
@@ -419,6 +420,9 @@ class Observation:
     _by_record: dict[int, list[int]] | None = None  # per call-row: its slots (built once the re-run is over)
     _states: dict[tuple[Any, ...], dict[str, np.ndarray]] = field(default_factory=dict)  # per token sequence
     _state_checks: dict[int, Any] = field(default_factory=dict)  # per call-row: its state's violation (or None)
+    # per call-row whose state was found to be another history of slots fed (rejected ones kept, padding): those
+    # slots, which a replay feeds its recurrent layers (hidden from every query that did not read them)
+    _state_slots: dict[int, list[int]] = field(default_factory=dict)
     _lock: Any = field(default_factory=threading.Lock)
 
     # ---- recording ---------------------------------------------------------------------------
@@ -461,12 +465,16 @@ class Observation:
             window = _allowed(call["window_mask"], batch, q, kv, last=True)
             if window is None:  # none received, or another form: the model's own window over the columns
                 window = allowed & (key_columns > query_columns - self.window)
+        told = None  # [B, q]: the 2-D mask the model was handed marks the token as padding (recurrent layers zero it)
+        if isinstance(given_mask, torch.Tensor) and given_mask.dim() == 2 and given_mask.shape[0] == batch \
+                and given_mask.shape[1] >= q:
+            told = given_mask[:, -q:].detach().cpu() == 0
         with self._lock:
             if length > 0 and q > 1:
                 self.verified += 1
             self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
                        call["prior_keys"], window, _empty_reads(call["mask"]), call.get("states"),
-                       call.get("end_states"))
+                       call.get("end_states"), told)
             self.calls += 1
 
     def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> _Stream:
@@ -582,8 +590,8 @@ class Observation:
     def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
               columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None,
               window: torch.Tensor | None = None, empty_reads: str = "nothing",
-              states: dict[str, torch.Tensor] | None = None, end_states: dict[str, torch.Tensor] | None = None
-              ) -> None:
+              states: dict[str, torch.Tensor] | None = None, end_states: dict[str, torch.Tensor] | None = None,
+              told: torch.Tensor | None = None) -> None:
         batch, q = ids.shape
         stream = self._stream(cache, ids, length)
         kv = allowed.shape[-1]
@@ -616,7 +624,8 @@ class Observation:
                                          kv, stream.rows[b], b, batch, length, stream,
                                          None if window is None else np.packbits(window[b].numpy(), axis=-1),
                                          empty_reads,
-                                         _row_state(states, b), _row_state(end_states, b)))
+                                         _row_state(states, b), _row_state(end_states, b),
+                                         None if told is None else told[b].numpy()))
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
         keys = _first_keys(cache)
@@ -952,16 +961,20 @@ class Observation:
         earlier = [r for r, other in enumerate(self.records) if other.local == call_row.local and r != record
                    and (slots_of := self._record_slots(r)) and self.slots[slots_of[0]].call < call]
         start = (self._own_before(earlier[0], sequence) or []) if earlier and self.records[earlier[0]].cache_length else []
-        fed = [self.slots[s] for r in earlier for s in self._record_slots(r)]
+        fed_ids = [s for r in earlier for s in self._record_slots(r)]
+        fed = [self.slots[s] for s in fed_ids]
         kept = start + [s.token for s in fed if not s.pad]
+        # the slots of each history made of slots fed (a replay can feed them again)
+        histories = {tuple(kept): [s for s in fed_ids if not self.slots[s].pad],
+                     tuple(start + [s.token for s in fed]): fed_ids} if not start else {}
         candidates: list[tuple[list[int], str, str]] = [(own, "", "the row's own")]
         candidates.append((kept, "recurrent_state", f"the state after every token fed to the row in the order fed "
                            f"({len(kept)}, {len(kept) - len(own)} more than the row's own: the rejected ones kept, or "
                            "fill; not rolled back)"))
         if any(s.pad for s in fed):
-            candidates.append((start + [s.token for s in fed], "recurrent_state",
+            candidates.append((start + [s.token for s in fed], "attention_mask",
                                "the state after every token fed to the row, its padding included: the padding "
-                               "entered the recurrent state"))
+                               "entered the recurrent state (the model was not told it is padding)"))
         if own:
             candidates.append((own[:-1], "recurrent_state", "the state one token behind the row's"))
         candidates.append((own + [self.slots[first].token], "recurrent_state",
@@ -977,50 +990,80 @@ class Observation:
                     candidates.append((other_own, "recurrent_state", f"the state of another row of the batch (batch row "
                                        f"{other_row.row}, the re-run's prompt {other_row.local})"))
         nearest = self._nearest(call_row.state, candidates)
-        if nearest is None:
+        if nearest is None or not nearest[2]:
             return None
         part, distance, cls, what, own_distance = nearest
+        tokens = next(c[0] for c in candidates if c[2] == what)
+        if tuple(tokens) in histories:
+            self._state_slots[record] = histories[tuple(tokens)]
         return ((self.slots[first].call, -1, 1), cls,
                 f"prompt {index}, {self.where(first)}: the call started from a recurrent state (its {part}) that is "
                 f"{what} (distance {distance:.3g}), not the state after the row's own {len(own)} tokens before it "
                 f"(distance {own_distance:.3g})")
 
+    def _untold(self, record: int) -> list[int]:
+        """The padding slots call-row `record` fed before its last token of the row that the 2-D mask handed to the
+        model does not mark (its recurrent layers zero only those it marks): they enter the recurrent state."""
+        slots = self._record_slots(record)
+        content = [s for s in slots if not self.slots[s].pad]
+        if not content:
+            return []
+        told = self.records[record].told
+        return [s for s in slots[:slots.index(content[-1])] if self.slots[s].pad
+                and not (told is not None and self.slots[s].query < len(told) and told[self.slots[s].query])]
+
     def _padding_check(self, record: int, index: int, sequence: list[int]
                        ) -> tuple[tuple[int, int, int], str, str] | None:
-        """A call that fed padding before the row's tokens (left padding; a whole padded row fed again): the state
-        it left, from the row's own, after the row's tokens it fed, or after those and the padding (the model
-        zeroes padding it is told of; padding it is not told of enters the state)."""
+        """A call that fed padding before the row's tokens (left padding; a whole padded row fed again): padding the
+        2-D mask handed to the model does not mark enters the recurrent state (its layers zero only what the mask
+        marks); the state it left, compared from the row's own (after the row's tokens it fed, or after those and
+        the padding), says so where the state still holds it (a convolution window keeps its last inputs alone)."""
         call_row = self.records[record]
         slots = self._record_slots(record)
         content = [s for s in slots if not self.slots[s].pad]
-        if call_row.end_state is None or not content or not any(self.slots[s].pad for s in slots[:slots.index(content[-1])]):
+        if not content or not any(self.slots[s].pad for s in slots[:slots.index(content[-1])]):
             return None
+        untold = self._untold(record)
         own = self._own_before(record, sequence)
-        if own is None:
-            return None
-        fed = own + [self.slots[s].token for s in content]
-        nearest = self._nearest(call_row.end_state, [
-            (fed, "", "the state after the row's own tokens"),
-            (own + [self.slots[s].token for s in slots], "recurrent_state", "the state after the row's tokens and the padding fed before them: the padding entered "
-             "the recurrent state (the model was not told it is padding)")])
-        if nearest is None:
-            return None
-        part, distance, cls, what, own_distance = nearest
-        return ((self.slots[content[0]].call, -1, 1), cls,
-                f"prompt {index}, {self.where(content[0])}: the call fed padding before the row's tokens and left a "
-                f"recurrent state (its {part}) that is {what} (distance {distance:.3g}), not the state after the "
-                f"row's own {len(fed)} tokens (distance {own_distance:.3g})")
+        nearest = None
+        if own is not None and call_row.end_state is not None:
+            fed = own + [self.slots[s].token for s in content]
+            nearest = self._nearest(call_row.end_state, [
+                (fed, "", "the state after the row's own tokens"),
+                (own + [self.slots[s].token for s in slots], "attention_mask", "the state after the row's tokens and "
+                 "the padding fed before them: the padding entered the recurrent state")])
+        where = f"prompt {index}, {self.where(content[0])}: the call fed padding before the row's tokens"
+        if nearest is not None:  # the state left tells: the padding entered it, or not
+            part, distance, cls, what, own_distance = nearest
+            if not cls:
+                return None
+            self._state_slots[record] = [s for s in slots[:slots.index(content[-1])] if self.slots[s].pad]
+            unmarked = (f", {len(untold)} padding column(s) ({_columns([self.slots[s].column for s in untold])}) that "
+                        "no 2-D mask handed to the model marks,") if untold else ""
+            return ((self.slots[content[0]].call, -1, 1), cls,
+                    f"{where}{unmarked} and left a recurrent state (its {part}) that is {what} (distance "
+                    f"{distance:.3g}), not the state after the row's own {len(own) + len(content)} tokens (distance "
+                    f"{own_distance:.3g})")
+        if untold:
+            self._state_slots[record] = untold
+            return ((self.slots[content[0]].call, -1, 1), "attention_mask",
+                    f"{where}, {len(untold)} padding column(s) ({_columns([self.slots[s].column for s in untold])}) "
+                    "that no 2-D mask handed to the model marks: they entered the recurrent state (its layers zero only "
+                    "the padding such a mask marks)")
+        return None
 
     def _nearest(self, observed: dict[str, np.ndarray], candidates: list[tuple[list[int], str, str]]
                  ) -> tuple[str, float, str, str, float] | None:
         """The first part of an observed state whose nearest candidate history (tokens, class, description; the
         row's own first, class "") is not the row's own: (part, its distance, class, description, the own one's
-        distance); None where every part is nearest the row's own, or nothing could be compared."""
+        distance); where every part compared is nearest the row's own, the last such (class ""); None where no
+        part could be compared (no other history's state differs from the row's own there)."""
         unique: list[tuple[list[int], str, str]] = []
         for candidate in candidates:
             if tuple(candidate[0]) not in {tuple(c[0]) for c in unique}:
                 unique.append(candidate)
         own_state = self._state_of(unique[0][0], observed)
+        compared = None
         for part in observed:  # each part apart: an engine may roll back its convolution window and not its SSM state
             # histories whose states the run's dtype cannot tell apart (a convolution window keeps its last few inputs
             # alone; padding the model zeroes leaves none) are one state: only those it tells apart compete
@@ -1038,7 +1081,8 @@ class Observation:
             distance, cls, what = min(distances, key=lambda d: d[0])
             if cls:
                 return part, distance, cls, what, distances[0][0]
-        return None
+            compared = part, distance, cls, what, distance
+        return compared
 
     def _classes_seen(self, producer: int, want: list[int], violations: list[tuple[Any, str, str]]) -> tuple[str, ...]:
         """The classes of the wrong inputs behind `producer`: those of `violations`, and `position_ids` where a
@@ -1092,7 +1136,13 @@ class Observation:
 
         closure, work = {producer}, [producer]
         while work:
-            for v in self.visible(work.pop()):
+            slot_id = work.pop()
+            reads = self.visible(slot_id)
+            record = self.slots[slot_id].record
+            if self.recurrent and record >= 0:  # recurrent layers read what the call fed before (padding not marked
+                # as such too) and the history its state was found to be (rejected tokens kept)
+                reads = reads + [s for s in self._untold(record) + self._state_slots.get(record, []) if s < slot_id]
+            for v in reads:
                 if v not in closure:
                     closure.add(v)
                     work.append(v)
