@@ -53,11 +53,15 @@ state of the cache's first recurrent layer as the call found it and as it left i
 window and SSM state apart). A call's state must be the one the row's own tokens before the call leave (the
 target run on them alone, batch 1), and a call that fed padding before the row's tokens must leave the state its
 tokens leave. No tolerance decides it: the observed state is compared with the states other histories leave
-(those the run's dtype can tell apart), and the nearest, where it is not the row's own, names the class
-`recurrent_state` and says what the engine kept: every token fed to the row's cache in the order fed (rejected
-ones kept, not rolled back), the same with its padding, one token behind or ahead, another row's own state.
-Such a verdict is confirmed by a re-run of the batch with the target's attention layers silenced that still
-diverges from greedy decoding of the silenced target (`layers.diverges_silenced`), not by a replay. Caches of
+(those the run's dtype can tell apart), and the nearest, where it is not the row's own, says what the engine
+kept: every token fed to the row in the order fed (rejected ones and fill kept, not rolled back), one token
+behind or ahead, another row's own state (`recurrent_state`); the row's padding (`attention_mask`: the model was
+not told it is padding). Where the state cannot tell (a convolution window keeps its last inputs alone), padding
+fed before the row's tokens that no 2-D mask handed to the model marks enters it (its recurrent layers zero only
+what such a mask marks). A replay that feeds the recurrent layers that history (the slots, hidden from queries
+that did not read them) and reproduces the engine confirms it; failing that, a re-run of the batch with the
+target's attention layers silenced that still diverges from greedy decoding of the silenced target
+(`layers.diverges_silenced`). Caches of
 another kind (sliding windows alone) are not observed; an engine that never calls the target's forward (its own
 attention over the weights) shows nothing, and the replays decide.
 """
@@ -1067,7 +1071,7 @@ class Observation:
         for part in observed:  # each part apart: an engine may roll back its convolution window and not its SSM state
             # histories whose states the run's dtype cannot tell apart (a convolution window keeps its last few inputs
             # alone; padding the model zeroes leaves none) are one state: only those it tells apart compete
-            resolution = 64 * torch.finfo(self.model.dtype).eps * max(float(np.linalg.norm(own_state[part])), 1e-30)
+            resolution = 16 * torch.finfo(self.model.dtype).eps * max(float(np.linalg.norm(own_state[part])), 1e-30)
             distances: list[tuple[float, str, str]] = []
             kept: list[np.ndarray] = []  # the states of the histories that compete, the first of each kept
             for tokens, cls, what in unique:
