@@ -1230,9 +1230,9 @@ def _has_recurrent_layers(model: Any) -> bool:
 
 
 def observable(model: Any) -> str | None:
-    """Why the inputs of `model` cannot be judged by observation (None: they can): its cache must be an attention
-    cache per layer, full or a sliding window, with at least one full layer (its keys follow the slots); a
-    recurrent layer's state is more than tokens and masks."""
+    """Why the inputs of `model` cannot be judged by observation (None: they can): each layer of its cache must be
+    an attention cache, full or a sliding window, or a recurrent state (its state read at each call), with at
+    least one full attention layer (its keys follow the slots)."""
     if model is None:
         return "no target model in the process"
     try:
