@@ -54,8 +54,9 @@ window and SSM state apart). A call's state must be the one the row's own tokens
 target run on them alone, batch 1), and a call that fed padding before the row's tokens must leave the state its
 tokens leave. No tolerance decides it: the observed state is compared with the states other histories leave
 (those the run's dtype can tell apart), and the nearest, where it is not the row's own, says what the engine
-kept: every token fed to the row in the order fed (rejected ones and fill kept, not rolled back), one token
-behind or ahead, another row's own state (`recurrent_state`); the row's padding (`attention_mask`: the model was
+kept: every token fed to the row in the order fed (rejected ones and fill kept, not rolled back; or those the
+2-D mask marks fed as zero inputs, which still move a state), one token behind or ahead, another row's own state
+(`recurrent_state`); the row's padding (`attention_mask`: the model was
 not told it is padding). Where the state cannot tell (a convolution window keeps its last inputs alone), padding
 fed before the row's tokens that no 2-D mask handed to the model marks enters it (its recurrent layers zero only
 what such a mask marks). A replay that feeds the recurrent layers that history (the slots, hidden from queries
@@ -914,8 +915,9 @@ class Observation:
 
     def _state_of(self, tokens: list[int], like: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The state (per part, [n]) the target's first recurrent layer keeps after `tokens` fed alone (batch 1,
-        fresh cache), sampled as the observed ones are; zeros for no tokens; NaN for a part of another shape than the
-        observed one's (a cache that took its convolution width from a short first call)."""
+        fresh cache), sampled as the observed ones are; a token written `~token` (negative) is fed under a 0 in a
+        2-D mask (the model zeroes its input: it still moves the state); zeros for no tokens; NaN for a part of
+        another shape than the observed one's (a cache that took its convolution width from a short first call)."""
         key = (tuple(tokens), tuple((name, part.shape) for name, part in like.items()))
         if key not in self._states:
             if not tokens:
@@ -927,9 +929,12 @@ class Observation:
 
                 model = self.model
                 cache = DynamicCache(config=model.config)
+                marked = {"attention_mask": torch.tensor([[int(t >= 0) for t in tokens]], device=model.device)} \
+                    if any(t < 0 for t in tokens) else {}
                 with torch.no_grad():
-                    cached_forward(model, cache, input_ids=torch.tensor([tokens], device=model.device),
-                                   position_ids=torch.arange(len(tokens), device=model.device).view(1, -1))
+                    cached_forward(model, cache, input_ids=torch.tensor([[t if t >= 0 else ~t for t in tokens]],
+                                                                        device=model.device),
+                                   position_ids=torch.arange(len(tokens), device=model.device).view(1, -1), **marked)
                 state = _recurrent_states(cache) or {}
                 self._states[key] = {name: state[name][0].numpy() if name in state and state[name].shape[1:]
                                      == part.shape else np.full_like(part, np.nan) for name, part in like.items()}
@@ -975,6 +980,12 @@ class Observation:
         candidates.append((kept, "recurrent_state", f"the state after every token fed to the row in the order fed "
                            f"({len(kept)}, {len(kept) - len(own)} more than the row's own: the rejected ones kept, or "
                            "fill; not rolled back)"))
+        marked = [s for s in fed_ids if self._told(s)]
+        if marked:  # tokens the 2-D mask marks as padding (holes, fill) still move a state: fed as zeros
+            candidates.append((start + [~self.slots[s].token if s in marked else self.slots[s].token for s in fed_ids],
+                               "recurrent_state", f"the state after every token fed to the row in the order fed, the "
+                               f"{len(marked)} the 2-D mask marks as padding fed as zero inputs (a masked token still "
+                               "moves a recurrent state: the convolution window shifts, an SSM state decays)"))
         if any(s.pad for s in fed):
             candidates.append((start + [s.token for s in fed], "attention_mask",
                                "the state after every token fed to the row, its padding included: the padding "
@@ -1005,6 +1016,12 @@ class Observation:
                 f"{what} (distance {distance:.3g}), not the state after the row's own {len(own)} tokens before it "
                 f"(distance {own_distance:.3g})")
 
+    def _told(self, slot_id: int) -> bool:
+        """Whether the 2-D mask handed to the model marks slot `slot_id`'s token as padding."""
+        slot = self.slots[slot_id]
+        told = self.records[slot.record].told if slot.record >= 0 else None
+        return bool(told is not None and slot.query < len(told) and told[slot.query])
+
     def _untold(self, record: int) -> list[int]:
         """The padding slots call-row `record` fed before its last token of the row that the 2-D mask handed to the
         model does not mark (its recurrent layers zero only those it marks): they enter the recurrent state."""
@@ -1012,9 +1029,7 @@ class Observation:
         content = [s for s in slots if not self.slots[s].pad]
         if not content:
             return []
-        told = self.records[record].told
-        return [s for s in slots[:slots.index(content[-1])] if self.slots[s].pad
-                and not (told is not None and self.slots[s].query < len(told) and told[self.slots[s].query])]
+        return [s for s in slots[:slots.index(content[-1])] if self.slots[s].pad and not self._told(s)]
 
     def _padding_check(self, record: int, index: int, sequence: list[int]
                        ) -> tuple[tuple[int, int, int], str, str] | None:
