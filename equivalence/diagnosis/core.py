@@ -130,6 +130,11 @@ def _observed_mechanism(verdict: Any) -> str:
     return OBSERVED_MECHANISMS[verdict.cls]
 
 
+def _logit_error(replayed: torch.Tensor, engine_row: torch.Tensor) -> float:
+    """The largest difference between a replay's logits and the engine's own, in float64."""
+    return float((replayed.to(torch.float64).cpu() - engine_row.to(torch.float64).cpu()).abs().max())
+
+
 def _cause(found: Finding | Cause, named_by: str) -> Cause:
     """A check's finding as a cause, with what decided it."""
     if isinstance(found, Cause):
@@ -316,8 +321,7 @@ class Diagnoser(Experiments):
         if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
             # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
             replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-            error = None if replayed is None else float((replayed.to(torch.float64).cpu()
-                                                          - engine_row.to(torch.float64).cpu()).abs().max())
+            error = None if replayed is None else _logit_error(replayed, engine_row)
             verdict.confirmed = error is not None and error <= max(1e-9, self.precision_noise(index))
             shown = "not made" if error is None else (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} "
                                                        f"the engine's logits at new token {position} (error {error:.3g})")
@@ -370,7 +374,7 @@ class Diagnoser(Experiments):
             replayed = observation.replay(self.replay_target or self.target, verdict.producer)
         if replayed is not None:
             if engine_row is not None:
-                error = float((replayed.to(torch.float64).cpu() - engine_row.to(torch.float64).cpu()).abs().max())
+                error = _logit_error(replayed, engine_row)
                 verdict.confirmed = error <= max(1e-9, self.precision_noise(index))
                 shown = (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} the engine's logits "
                          f"(error {error:.3g})")

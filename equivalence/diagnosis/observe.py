@@ -949,7 +949,6 @@ class Observation:
         if self.model is None:
             return None
         if record not in self._state_checks:
-            self._state_checks[record] = None  # (a check in progress judges nothing)
             self._state_checks[record] = (self._start_check(record, index, sequence)
                                           or self._padding_check(record, index, sequence))
         return self._state_checks[record]
@@ -980,7 +979,7 @@ class Observation:
         candidates.append((kept, "recurrent_state", f"the state after every token fed to the row in the order fed "
                            f"({len(kept)}, {len(kept) - len(own)} more than the row's own: the rejected ones kept, or "
                            "fill; not rolled back)"))
-        marked = [s for s in fed_ids if self._told(s)]
+        marked = {s for s in fed_ids if self._told(s)}
         if marked:  # tokens the 2-D mask marks as padding (holes, fill) still move a state: fed as zeros
             candidates.append((start + [~self.slots[s].token if s in marked else self.slots[s].token for s in fed_ids],
                                "recurrent_state", f"the state after every token fed to the row in the order fed, the "
