@@ -23,7 +23,8 @@ from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
-from specaudit.equivalence.compare import LOGIT_TOLERANCE, compare_tokens, logit_error, replay_logits
+from specaudit.equivalence.compare import compare_tokens, logit_error, replay_logits
+from specaudit.equivalence.rulings.thresholds import LOGIT_TOLERANCE
 from specaudit.equivalence.rulings import DraftPrecision, Ruler, departure_floor
 from specaudit.equivalence.run_context import Reruns, RunContext
 from specaudit.equivalence.run_record import run_record

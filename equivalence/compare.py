@@ -14,10 +14,6 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-# Above this, a float64 logit difference is a bug: a correct left-padded batch matches batch
-# size 1 to ~2e-16. Lower precisions get no logit verdict (kernels differ by design).
-LOGIT_TOLERANCE: dict[str, float] = {"float64": 1e-9}
-
 
 @dataclass
 class PromptComparison:

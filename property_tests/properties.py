@@ -28,8 +28,9 @@ from specaudit.engines.reference import greedy_decode
 from specaudit.engines.models.zoo import ModelPair
 from specaudit.testing import models
 from specaudit.testing.strategies import DecodingCase, EosChoice
+from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
 
-LOGIT_TOLERANCE = 1e-9
+LOGIT_TOLERANCE = FLOAT64_LOGIT_TOLERANCE
 DrafterMode = Literal["auto", "scripted", "model"]
 
 

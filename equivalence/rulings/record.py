@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from specaudit.engines.trace import Trace
-from specaudit.equivalence.compare import LOGIT_TOLERANCE, top2
+from specaudit.equivalence.compare import top2
+from specaudit.equivalence.rulings.thresholds import LOGIT_TOLERANCE
 from specaudit.equivalence.rulings.band import NoiseBand, band_evidence
 from specaudit.equivalence.rulings.ruler import Ruler
 
