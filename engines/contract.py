@@ -46,6 +46,21 @@ class Capabilities:
     recorded_prompts: list[list[int]] | None = None  # a recording's own prompts (the audit decodes those)
     describe: Callable[[], dict[str, Any]] | None = None  # what the engine is (versions, settings)
     close: Callable[[], None] | None = None  # frees what it holds (a server's session)
+    # request parameters: an engine that declares `request_params` takes them (one RequestParams per prompt,
+    # or one for all), set by the audit before `generate`; `request_tokenizer` the target's, for stop strings
+    request_params: Any = None
+    request_tokenizer: Any = None
+    penalty_scope: str | None = None  # what presence and frequency penalties count: "output" or "context"
+    # live servers (engines/adapters/server_base.py): what each answer said beside its tokens
+    dialect: str | None = None  # the request dialect ("vllm", "sglang", "llamacpp", "trtllm"); None: not a server
+    url: str | None = None  # a server's address
+    path: str | None = None  # a recording's file, or a server's endpoint path
+    last_completions: list[Any] | None = None  # per prompt the server's answer as read (`Completion`), or None
+    last_details: list[dict[str, Any]] | None = None  # per prompt what the client did to it (EOS appended, cuts)
+    last_refused: Sequence[tuple[int, BaseException]] = ()  # requests whose parameters the server refused
+    # teacher forcing through a server: (prefix, token, eos, top) -> {token id: log-probability} at the prefix
+    logprobs_at: Callable[..., dict[int, float] | None] | None = None
+    drafter: Any = None  # an in-process speculative engine's proposer (engines/drafters.py)
 
 
 DEFAULTS: dict[str, Any] = {name: value for name, value in vars(Capabilities).items()
