@@ -38,6 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
+from specaudit.engines.capabilities import Capabilities
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import PENALTY_SCOPES, RequestParams, process, with_bad_words_resolved
 from specaudit.engines.requests.reference import find_stop, text_for
@@ -178,7 +179,7 @@ class StepRequests:
         return new_emitted, ended | torch.tensor(stopped, dtype=torch.bool, device=ended.device)
 
 
-class TakesRequestParams:
+class TakesRequestParams(Capabilities):
     """What an engine that takes request parameters declares: the audit sets `request_params` (one
     `RequestParams` per prompt) and `request_tokenizer` (the target's, for stop strings) before `generate`
     (equivalence/blackbox/requests_run.py); `penalty_scope` says what presence and frequency count."""

@@ -1,0 +1,46 @@
+"""What an engine may have beyond `generate` (the engine contract: engines/contract.py), each declared once
+with its default. The project's engines derive from `Capabilities`; an engine written elsewhere need not,
+and is read through `contract.capability` with the same defaults."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from specaudit.engines.trace import Trace
+
+
+class Capabilities:
+    """What an engine may have beyond `generate`, each declared here once with its default. The project's
+    engines derive from this class; an engine written elsewhere need not, and is read through `capability`
+    with the same defaults. The audit reads these and nothing else of an engine."""
+
+    black_box: bool = False  # recordings and live servers: no models in process; ruled by a noise band
+    record_logits: bool = False  # the audit sets it where an engine declares it: logits into `last_trace`
+    last_trace: Trace | None = None  # the last `generate` call's steps (and logits)
+    proposals_from_draft_model: bool = False  # its drafts are the draft model's own choices (checked as such)
+    last_logprobs: list[Any] | None = None  # a black-box engine's reported log-probabilities, per prompt
+    last_failures: Sequence[tuple[int, BaseException]] = ()  # requests that errored in the last call
+    last_speculation: dict[str, Any] | None = None  # a server's speculation counters over the last call
+    last_step_offsets: list[list[int]] | None = None  # per token its offset in the step that emitted it
+    recorded_prompts: list[list[int]] | None = None  # a recording's own prompts (the audit decodes those)
+    describe: Callable[[], dict[str, Any]] | None = None  # what the engine is (versions, settings)
+    close: Callable[[], None] | None = None  # frees what it holds (a server's session)
+    # request parameters: an engine that declares `request_params` takes them (one RequestParams per prompt,
+    # or one for all), set by the audit before `generate`; `request_tokenizer` the target's, for stop strings
+    request_params: Any = None
+    request_tokenizer: Any = None
+    penalty_scope: str | None = None  # what presence and frequency penalties count: "output" or "context"
+    # live servers (engines/adapters/server_base.py): what each answer said beside its tokens
+    dialect: str | None = None  # the request dialect ("vllm", "sglang", "llamacpp", "trtllm"); None: not a server
+    url: str | None = None  # a server's address
+    path: str | None = None  # a recording's file, or a server's endpoint path
+    last_completions: list[Any] | None = None  # per prompt the server's answer as read (`Completion`), or None
+    last_details: list[dict[str, Any]] | None = None  # per prompt what the client did to it (EOS appended, cuts)
+    last_refused: Sequence[tuple[int, BaseException]] = ()  # requests whose parameters the server refused
+    # teacher forcing through a server: (prefix, token, eos, top) -> {token id: log-probability} at the prefix
+    logprobs_at: Callable[..., dict[int, float] | None] | None = None
+    drafter: Any = None  # an in-process speculative engine's proposer (engines/drafters.py)
+
+
+DEFAULTS: dict[str, Any] = {name: value for name, value in vars(Capabilities).items()
+                            if not name.startswith("_")}
