@@ -1,4 +1,5 @@
-"""The state of one ragged batch between speculative steps, and the model calls on it.
+"""The state of one ragged batch between speculative steps, the model calls on it, and the one `generate`
+shared by engines that decode their prompts in consecutive batches (`ConsecutiveBatches`).
 
 Invariant between steps, for every row `b`: `tokens[b]` holds the row's prompt and new tokens
 (right-aligned, `lengths[b]` of them); the target cache, and the draft cache when there is one,
@@ -13,6 +14,7 @@ widths, pad lengths and realignment plans are then computed there, with no furth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -21,6 +23,10 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.ops.hf_call import cached_forward
+from specaudit.engines.contract import Capabilities
+from specaudit.engines.limits import request_limits
+from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
+from specaudit.engines.trace import Trace
 
 
 @dataclass
@@ -274,3 +280,53 @@ def realign_with_room(cache: DynamicCache, keep_end: torch.Tensor | list[int], n
     else:
         spare = layout.spare_width(max(new_lengths)) if new_lengths else 0
     ragged.realign_cache(cache, keep_end, new_lengths, rows=rows, spare=spare, hold=layout.hold_columns)
+
+
+class ConsecutiveBatches(Capabilities):
+    """`generate` for engines that decode prompts in consecutive batches of `batch_size`.
+
+    A subclass sets `batch_size`, `k`, `record_logits` and implements `_run_batch`, which appends
+    each row's new tokens to `outputs[row]`, its logits [n, V] to `logits[row]` when recorded, and
+    its steps to `trace`. A subclass that also derives from `TakesRequestParams` takes request
+    parameters: `active_requests` holds the call's (None: plain greedy requests), which `_run_batch`
+    hands to the acceptance rule.
+    """
+
+    batch_size: int
+    k: int
+    record_logits: bool
+    last_trace: Trace | None
+    active_requests: RowRequests | None = None
+
+    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
+                   trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
+                 trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
+        """Every prompt, in consecutive batches of `batch_size` (an engine that refills rows overrides it)."""
+        for start in range(0, len(prompts), self.batch_size):
+            rows = list(range(start, min(start + self.batch_size, len(prompts))))
+            self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
+                      proposals_from_draft_model=self.proposals_from_draft_model)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+        if not isinstance(max_new_tokens, int):
+            max_new_tokens = request_limits(max_new_tokens, len(prompts))
+        if isinstance(self, TakesRequestParams):
+            self.active_requests = self.row_requests(prompts, eos_token_id)
+        if self.active_requests is not None:  # each request's own max_tokens
+            max_new_tokens = self.active_requests.budgets(max_new_tokens)
+        if not isinstance(max_new_tokens, int) or max_new_tokens > 0:
+            self._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
+        if self.record_logits:
+            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
+        self.last_trace = trace
+        return outputs

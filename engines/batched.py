@@ -21,7 +21,8 @@ from specaudit.engines import acceptance
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged, recurrent
 from specaudit.engines.batch import BatchState
-from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.batch import ConsecutiveBatches
+from specaudit.engines.contract import row_limits
 from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.eqspec import Clock, start_batch
 from specaudit.engines.limits import is_eos

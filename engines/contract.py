@@ -1,4 +1,4 @@
-"""The engine contract, and the one `generate` shared by engines that take consecutive batches.
+"""The engine contract: `generate`, and each optional attribute the audit reads, declared once.
 
 Contract: `generate(prompts, max_new_tokens, eos_token_id) -> list[list[int]]`, per prompt only
 the new tokens: the first EOS kept and nothing after it, never more than `max_new_tokens`.
@@ -15,11 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-import torch
-
-from specaudit.engines.capabilities import DEFAULTS, Capabilities
 from specaudit.engines.limits import request_limits, row_limits  # noqa: F401 (re-exported)
-from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import Trace
 
 
@@ -29,6 +25,43 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                  eos_token_id: int | Sequence[int] | None) -> list[list[int]]: ...
+
+
+class Capabilities:
+    """What an engine may have beyond `generate`, each declared here once with its default. The project's
+    engines derive from this class; an engine written elsewhere need not, and is read through `capability`
+    with the same defaults. The audit reads these and nothing else of an engine."""
+
+    black_box: bool = False  # recordings and live servers: no models in process; ruled by a noise band
+    record_logits: bool = False  # the audit sets it where an engine declares it: logits into `last_trace`
+    last_trace: Trace | None = None  # the last `generate` call's steps (and logits)
+    proposals_from_draft_model: bool = False  # its drafts are the draft model's own choices (checked as such)
+    last_logprobs: list[Any] | None = None  # a black-box engine's reported log-probabilities, per prompt
+    last_failures: Sequence[tuple[int, BaseException]] = ()  # requests that errored in the last call
+    last_speculation: dict[str, Any] | None = None  # a server's speculation counters over the last call
+    last_step_offsets: list[list[int]] | None = None  # per token its offset in the step that emitted it
+    recorded_prompts: list[list[int]] | None = None  # a recording's own prompts (the audit decodes those)
+    describe: Callable[[], dict[str, Any]] | None = None  # what the engine is (versions, settings)
+    close: Callable[[], None] | None = None  # frees what it holds (a server's session)
+    # request parameters: an engine that declares `request_params` takes them (one RequestParams per prompt,
+    # or one for all), set by the audit before `generate`; `request_tokenizer` the target's, for stop strings
+    request_params: Any = None
+    request_tokenizer: Any = None
+    penalty_scope: str | None = None  # what presence and frequency penalties count: "output" or "context"
+    # live servers (engines/adapters/server_base.py): what each answer said beside its tokens
+    dialect: str | None = None  # the request dialect ("vllm", "sglang", "llamacpp", "trtllm"); None: not a server
+    url: str | None = None  # a server's address
+    path: str | None = None  # a recording's file, or a server's endpoint path
+    last_completions: list[Any] | None = None  # per prompt the server's answer as read (`Completion`), or None
+    last_details: list[dict[str, Any]] | None = None  # per prompt what the client did to it (EOS appended, cuts)
+    last_refused: Sequence[tuple[int, BaseException]] = ()  # requests whose parameters the server refused
+    # teacher forcing through a server: (prefix, token, eos, top) -> {token id: log-probability} at the prefix
+    logprobs_at: Callable[..., dict[int, float] | None] | None = None
+    drafter: Any = None  # an in-process speculative engine's proposer (engines/drafters.py)
+
+
+DEFAULTS: dict[str, Any] = {name: value for name, value in vars(Capabilities).items()
+                            if not name.startswith("_")}
 
 
 def capability(engine: object, name: str) -> Any:
@@ -49,53 +82,3 @@ def declares(engine: object, name: str) -> bool:
         if name in vars(cls):
             return True
     return hasattr(engine, name)  # a wrapper that hands attributes on (the guard): what it wraps has it
-
-
-class ConsecutiveBatches(Capabilities):
-    """`generate` for engines that decode prompts in consecutive batches of `batch_size`.
-
-    A subclass sets `batch_size`, `k`, `record_logits` and implements `_run_batch`, which appends
-    each row's new tokens to `outputs[row]`, its logits [n, V] to `logits[row]` when recorded, and
-    its steps to `trace`. A subclass that also derives from `TakesRequestParams` takes request
-    parameters: `active_requests` holds the call's (None: plain greedy requests), which `_run_batch`
-    hands to the acceptance rule.
-    """
-
-    batch_size: int
-    k: int
-    record_logits: bool
-    last_trace: Trace | None
-    active_requests: RowRequests | None = None
-
-    def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
-                   trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
-        raise NotImplementedError
-
-    def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
-                 trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
-        """Every prompt, in consecutive batches of `batch_size` (an engine that refills rows overrides it)."""
-        for start in range(0, len(prompts), self.batch_size):
-            rows = list(range(start, min(start + self.batch_size, len(prompts))))
-            self._run_batch(prompts, rows, max_new_tokens, eos_token_id, trace, outputs, logits)
-
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-                 eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        trace = Trace(num_prompts=len(prompts), draft_tokens=self.k,
-                      proposals_from_draft_model=self.proposals_from_draft_model)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-        if not isinstance(max_new_tokens, int):
-            max_new_tokens = request_limits(max_new_tokens, len(prompts))
-        if isinstance(self, TakesRequestParams):
-            self.active_requests = self.row_requests(prompts, eos_token_id)
-        if self.active_requests is not None:  # each request's own max_tokens
-            max_new_tokens = self.active_requests.budgets(max_new_tokens)
-        if not isinstance(max_new_tokens, int) or max_new_tokens > 0:
-            self._run_all(prompts, max_new_tokens, eos_token_id, trace, outputs, logits)
-        if self.record_logits:
-            trace.logits = [torch.cat(parts) if parts else None for parts in logits]
-        self.last_trace = trace
-        return outputs

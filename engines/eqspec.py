@@ -35,7 +35,8 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState, HostBook
-from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.batch import ConsecutiveBatches
+from specaudit.engines.contract import row_limits
 from specaudit.engines.drafters import Drafter, ModelDrafter, draft_stage, make_drafter
 from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.trace import StepRecord, Trace

@@ -49,7 +49,8 @@ from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
-from specaudit.engines.contract import ConsecutiveBatches, row_limits
+from specaudit.engines.batch import ConsecutiveBatches
+from specaudit.engines.contract import row_limits
 from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.drafters import ModelDrafter, draft_stage, shared_vocab_size
 from specaudit.engines.eqspec import Clock, StepResult, collect

@@ -65,7 +65,7 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.adapters._hf import as_float, cut_at_eos, resolve_pad_id
 from specaudit.engines.limits import eos_ids
-from specaudit.engines.contract import ConsecutiveBatches
+from specaudit.engines.batch import ConsecutiveBatches
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.trace import StepRecord, Trace
 

@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
-from specaudit.engines.capabilities import Capabilities
+from specaudit.engines.contract import Capabilities
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import PENALTY_SCOPES, RequestParams, process, with_bad_words_resolved
 from specaudit.engines.requests.reference import find_stop, text_for
