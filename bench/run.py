@@ -68,7 +68,7 @@ from specaudit.bench.costs import (KeptMemory, PeakMemory, dispatch_per_step, fi
 from specaudit.bench import server as servers
 from specaudit.bench.workload import draw_output_lengths, row_utilisation, serving_prompts, workload_record
 from specaudit.equivalence.prompts import load_prompts
-from specaudit.equivalence.runner import machine_info, write_json
+from specaudit.equivalence.pipeline.runner import machine_info, write_json
 
 from specaudit import __version__ as VERSION
 from specaudit.engines.contract import capability

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specaudit.engines.models import zoo
-from specaudit.equivalence.runner import AuditConfig, UserPair, exit_status, run_audit, summary_table
+from specaudit.equivalence.pipeline.runner import AuditConfig, UserPair, exit_status, run_audit
+from specaudit.equivalence.reports.summary import summary_table
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,11 @@ def audit(
 
 
 def read_report(path: str | Path) -> AuditReport:
-    """An `audit.json` written by `specaudit audit` or `audit(out=...)`: the file or its folder."""
+    """An `audit.json` written by `specaudit audit` or `audit(out=...)`: the file or its folder; one of an
+    earlier version is read in this version's field names (`run_record.upgrade`)."""
+    from specaudit.equivalence.run_record import upgrade
+
     path = Path(path)
     if path.is_dir():
         path = path / "audit.json"
-    return AuditReport(json.loads(path.read_text(encoding="utf-8")), path)
+    return AuditReport(upgrade(json.loads(path.read_text(encoding="utf-8"))), path)

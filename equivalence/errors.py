@@ -37,3 +37,7 @@ class RunTimeout(EngineFailure):
 def one_line(message: str) -> str:
     """`message` with every run of whitespace (newlines included) collapsed to one space."""
     return " ".join(str(message).split())
+
+
+class ReferenceFailed(Exception):
+    """A served reference that failed or hung: nothing can be judged; the audit ends with exit 1, one line."""

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 from specaudit.equivalence.reports.markdown import write_reports
-from specaudit.equivalence.runner import AuditConfig, UserPair, exit_status, run_audit, summary_table
+from specaudit.equivalence.pipeline.runner import AuditConfig, UserPair, exit_status, run_audit
+from specaudit.equivalence.reports.summary import summary_table
 
 
 def select_prompts(questions: Path, per_category: int, out: Path) -> Path:

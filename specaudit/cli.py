@@ -32,23 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit status. Run as the process's own entry (`argv` None), it also makes sure the process
+    ends: a run abandoned past `--timeout` (a hung server's request) leaves a worker thread behind, and the
+    status is returned by ending the process at once rather than waiting for that thread."""
+    status = _run(argv)
+    if argv is None:
+        _exit_past_abandoned_work(status)
+    return status
+
+
+def _run(argv: list[str] | None) -> int:
     from specaudit.bench import cli as bench_cli
     from specaudit.equivalence.cli import audit as audit_cli
     from specaudit.equivalence.cli import blackbox as blackbox_cli
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "audit" and args.temperature is not None and args.reference is not None:
-        refusal = audit_cli.served_refusal(args)
-        if refusal is not None:
-            parser.error(refusal)
-        from specaudit.equivalence.sampling import served as served_sampling
-
-        return served_sampling.run(args)
-    if args.command == "audit" and args.temperature is not None:
-        from specaudit.equivalence.sampling import cli as sampling_cli
-
-        return sampling_cli.run(args)
     if args.command in ("audit", "pairs", "engines"):
         return audit_cli.run(args, parser)
     if args.command in blackbox_cli.COMMANDS:
@@ -57,6 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         return audit_cli.usage_errors_as_one_line("bench", lambda: bench_cli.run(args, parser))
     parser.print_help()
     return EXIT_USAGE
+
+
+def _exit_past_abandoned_work(status: int) -> None:
+    """`os._exit(status)` after flushing, when threads other than the main one are still alive (an engine
+    abandoned past its time limit, its requests in flight): the interpreter would wait for them at exit."""
+    import os
+    import threading
+
+    if any(thread is not threading.main_thread() and thread.is_alive() and not thread.daemon
+           for thread in threading.enumerate()) or any(
+            thread.name.startswith("specaudit-") and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 
 import failing_engines
 from cli_run import audit, runs
-from specaudit.equivalence import runner
+from specaudit.equivalence.pipeline import runner
 
 SMALL = ("--num-prompts", "2", "--max-new-tokens", "4")
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from specaudit.equivalence.reports.summary import summary_table
-from specaudit.equivalence.runner import exit_status
+from specaudit.equivalence.pipeline.runner import exit_status
 from specaudit.equivalence.reports.charts import NUMERICAL_COLOR, STRUCTURAL_COLOR, audit_charts, render_svg, series_color
 from specaudit.equivalence.reports.markdown import render_markdown, write_reports
 from specaudit.equivalence.reports.summary import run_status, verdict

@@ -20,11 +20,12 @@ with `workers=N` the server sees N requests in flight and can batch them.
 from __future__ import annotations
 
 import json
+import queue
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -138,15 +139,42 @@ def _body_excerpt(exc: urllib.error.HTTPError) -> str:
 
 def map_concurrently(call: Callable[[T], R], items: Sequence[T], workers: int) -> list[R]:
     """`[call(item) for item in items]` with up to `workers` calls in flight; results in input order.
-    The first exception raised by any call is raised here; calls not yet started are dropped."""
+    The first exception raised by any call is raised here; calls not yet started are dropped. The workers
+    are daemon threads: a caller that gives up on this call (the audit's time limit) leaves nothing that
+    holds the process at exit."""
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     if workers == 1 or len(items) <= 1:
         return [call(item) for item in items]
-    pool = ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="specaudit-http")
-    futures = [pool.submit(call, item) for item in items]
-    try:
-        return [future.result() for future in futures]
-    finally:
-        # on a failure, requests not yet sent are dropped instead of each waiting out its own failure
-        pool.shutdown(wait=True, cancel_futures=True)
+    pending = queue.SimpleQueue()  # (index, item) not yet started
+    for numbered in enumerate(items):
+        pending.put(numbered)
+    results: list[Any] = [None] * len(items)
+    finished = queue.SimpleQueue()  # (index, error or None), one per call made
+    stop = threading.Event()  # set at the first error: calls not yet started are dropped
+
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                index, item = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[index] = call(item)
+                finished.put((index, None))
+            except BaseException as exc:  # handed to the caller
+                stop.set()
+                finished.put((index, exc))
+                return
+
+    threads = [threading.Thread(target=work, name="specaudit-http", daemon=True)
+               for _ in range(min(workers, len(items)))]
+    for thread in threads:
+        thread.start()
+    for _ in range(len(items)):
+        _, error = finished.get()
+        if error is not None:
+            for thread in threads:  # the calls in flight finish (each has its own timeout); none starts
+                thread.join()
+            raise error
+    return results

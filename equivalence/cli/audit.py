@@ -136,31 +136,44 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     commands.add_parser("engines", help="list the built-in engines")
 
 
-def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
+def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The audit's one settings record (equivalence/pipeline/settings.py) from the command line; every
+    combination that cannot run is one usage line here (exit 2), whichever the composition."""
     from specaudit.engines.models.zoo import builtin_pair_names
-    from specaudit.equivalence.cli.request_args import request_params_from_args
-    from specaudit.equivalence.runner import AuditConfig, UserPair
-
     from specaudit.engines.registry import black_box_prefix
+    from specaudit.equivalence.cli.request_args import request_params_from_args
+    from specaudit.equivalence.pipeline import sampled
+    from specaudit.equivalence.pipeline.settings import AuditSettings, SamplingSettings, UserPair
+    from specaudit.equivalence.sampling.cli import refusal as sampled_refusal
 
-    if args.draft and not args.target:
-        parser.error("--draft needs --target")
-    if args.target and not args.draft and not all(black_box_prefix(name) for name in
-                                                   args.engine + ([args.plain_engine] if args.plain_engine else [])):
-        parser.error("--target needs --draft, except when every --engine is a recording or a server "
-                     "(recorded:, llamacpp:, vllm:, sglang:, trtllm:)")
+    refusal = served_refusal(args) or (sampled_refusal(args) if args.temperature is not None else None)
+    if refusal is not None:
+        parser.error(refusal)
+    sampling = None
+    if args.temperature is not None:
+        sampling = SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                    samples=args.samples, seed=args.seed, alpha=args.alpha)
     pairs: list[Any] = []
-    for name in args.pair:
-        if name not in builtin_pair_names():
-            parser.error(f"unknown pair {name!r}; built-in pairs: {', '.join(builtin_pair_names())} "
-                         "(or give --target PATH --draft PATH)")
-        pairs.append(name)
-    if args.target:
-        pairs.append(UserPair(args.target, args.draft, args.trust_remote_code, args.allow_pickle_weights))
-    if not pairs:
-        parser.error("give at least one --pair, or --target and --draft")
-    # the device, dtypes, engines, pairs and prompts are checked by the runner's preflight
-    return AuditConfig(
+    if args.reference is None:
+        if args.draft and not args.target:
+            parser.error("--draft needs --target")
+        black_boxes = all(black_box_prefix(name) for name in
+                          args.engine + ([args.plain_engine] if args.plain_engine else []))
+        if args.target and not args.draft and not black_boxes and sampling is None:
+            parser.error("--target needs --draft, except when every --engine is a recording or a server "
+                         "(recorded:, llamacpp:, vllm:, sglang:, trtllm:)")
+        for name in args.pair:
+            if name not in builtin_pair_names():
+                parser.error(f"unknown pair {name!r}; built-in pairs: {', '.join(builtin_pair_names())} "
+                             "(or give --target PATH --draft PATH)")
+            pairs.append(name)
+        if args.target:
+            draft = args.draft or (args.target if sampling is not None else None)  # a sampled target drafts for itself
+            pairs.append(UserPair(args.target, draft, args.trust_remote_code, args.allow_pickle_weights))
+        if not pairs:
+            parser.error("give at least one --pair, or --target and --draft")
+    # the device, dtypes, engines, pairs and prompts are checked by the pipeline's preflight
+    settings = AuditSettings(
         engines=args.engine, pairs=pairs, batch_sizes=args.batch_size, dtypes=args.dtype, device=args.device,
         prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id,
@@ -170,7 +183,15 @@ def _config(args: argparse.Namespace, parser: argparse.ArgumentParser):
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
         diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
         request_params=request_params_from_args(args, parser),
+        reference=args.reference, tokenizer=args.tokenizer,
+        reference_batch_invariant=args.reference_batch_invariant,
+        reference_top_logprobs=args.reference_top_logprobs, sampling=sampling,
     )
+    if sampling is not None:
+        refused = sampled.refusal(settings)
+        if refused is not None:
+            parser.error(refused)
+    return settings
 
 
 def served_refusal(args: argparse.Namespace) -> str | None:
@@ -197,53 +218,15 @@ def served_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_served_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`specaudit audit ... --reference ENGINE`: equivalence/served_audit.py."""
-    from specaudit.engines.registry import EngineSpecError
-    from specaudit.equivalence.cli.request_args import request_params_from_args
-    from specaudit.equivalence.errors import UsageError, one_line
-    from specaudit.equivalence import served_audit
-
-    params = request_params_from_args(args, parser)
-    config = served_audit.ServedConfig(
-        engines=args.engine, reference=args.reference, tokenizer=args.tokenizer, batch_sizes=args.batch_size,
-        prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        draft_tokens=args.draft_tokens, eos_token_id=args.eos_token_id, engine_options=engine_options(args),
-        engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance, adversarial=not args.no_adversarial,
-        reference_batch_invariant=args.reference_batch_invariant,
-        reference_top_logprobs=args.reference_top_logprobs, require_speculation=args.require_speculation,
-        request_params=params)
-    try:
-        audit = served_audit.run_served_audit(config, args.out)
-    except (UsageError, EngineSpecError) as exc:
-        print(f"specaudit audit: error: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\ninterrupted: the finished runs are kept in audit.json" if (args.out / "audit.json").is_file()
-              else "\ninterrupted before the audit started: nothing was written", file=sys.stderr)
-        return 130
-    report = served_audit.write_report(audit, args.out)
-    print("\n".join(served_audit.summary_lines(audit)))
-    print(f"\nwrote {args.out / 'audit.json'}, {report}")
-    status = served_audit.exit_status(audit)
-    print("verdict: " + ("every audited engine answers as the reference does (exact or numerical)" if status == 0
-                         else "NOT equivalent: see the divergences in the report"))
-    return status
-
-
 def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`specaudit audit`, every composition: settings, the pipeline, the reports, the summary, the exit status."""
+    from specaudit.engines.models.model_files import ModelFolderError
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
-    from specaudit.equivalence import speculation
-    from specaudit.equivalence.run_record import all_passed
-    from specaudit.equivalence.runner import exit_status, run_audit, summary_table
+    from specaudit.equivalence.pipeline.runner import EXIT_INTERRUPTED, EXIT_NOT_EQUIVALENT, exit_status, run_audit
+    from specaudit.equivalence.reports.summary import summary_table, verdict_line
 
-    refusal = served_refusal(args)
-    if refusal is not None:
-        parser.error(refusal)
-    if args.reference is not None:
-        return run_served_command(args, parser)
-    config = _config(args, parser)
+    settings = settings_from_args(args, parser)
     progress = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -253,8 +236,8 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
 
     interrupted = False
     try:
-        audit = run_audit(config, args.out, progress=progress)
-    except (UsageError, EngineSpecError) as exc:  # found before any run: one line, exit 2
+        audit = run_audit(settings, args.out, progress=progress)
+    except (UsageError, EngineSpecError, ModelFolderError) as exc:  # found before any run: one line, exit 2
         print(f"specaudit audit: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -262,25 +245,23 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
         json_path = args.out / "audit.json"
         if not json_path.is_file():
             print("\ninterrupted before the audit started: nothing was written", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
         audit = json.loads(json_path.read_text())
         print("\ninterrupted: the finished runs are kept in audit.json", file=sys.stderr)
     written = _write_reports(audit, args.out)
+    failed_reference = (audit.get("reference") or {}).get("error")
+    if failed_reference:  # nothing was judged: one line
+        print(f"specaudit audit: {failed_reference}; no engine was audited (see {args.out / 'audit.json'})",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED if interrupted else EXIT_NOT_EQUIVALENT
     print(summary_table(audit))
     print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
-    status = exit_status(audit)
-    failed = [run for run in audit["runs"] if run.get("error")]
-    unseen = speculation.audit_note(audit["runs"], config.require_speculation)
-    print("verdict: " + ("every audited engine is equivalent" if all_passed(audit)
-                         else "NOT equivalent: see the divergences in the report" if not failed
-                         else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
-                              "and the report)")
-          + (f"; {unseen}" + (" (--require-speculation: exit 1)" if config.require_speculation else "")
-             if unseen else ""))
-    for run in failed:
-        print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
-              file=sys.stderr)
-    return 130 if interrupted else status
+    print(verdict_line(audit))
+    for run in audit["runs"]:
+        if run.get("error"):
+            print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
+                  file=sys.stderr)
+    return EXIT_INTERRUPTED if interrupted else exit_status(audit)
 
 
 def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:

@@ -386,3 +386,19 @@ def ruling_text(kind: str, divergence: dict[str, Any]) -> str:
     """`why structural (decided by float64-replay)`: the ruling's label with what decided it."""
     decided = divergence.get("decided_by") or (divergence.get("evidence") or {}).get("decided_by")
     return f"why {kind}" + (f" (decided by {decided})" if decided else "")
+
+
+def verdict_line(audit: dict[str, Any]) -> str:
+    """The terminal's last line, for every composition: whether every audited engine passed, and what the
+    engines' speculation counters add."""
+    from specaudit.equivalence.run_record import all_passed
+
+    runs = audit.get("runs") or []
+    failed = [run for run in runs if run.get("error")]
+    required = bool((audit.get("config") or {}).get("require_speculation"))
+    unseen = speculation.audit_note(runs, required)
+    return ("verdict: " + ("every audited engine is equivalent" if runs and all_passed(audit)
+                           else "NOT equivalent: see the divergences in the report" if not failed
+                           else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
+                                "and the report)")
+            + (f"; {unseen}" + (" (--require-speculation: exit 1)" if required else "") if unseen else ""))

@@ -295,3 +295,36 @@ def report_findings(index: int, prompt: list[int], reference: list[int], output:
                     f"reference server {expected:.6g} at the same prefix (tolerance {tolerance:.3g})", p,
                     positions_off=[q for q, *_ in off], all_zero=zero)
     return findings
+
+
+CONTEXT_TOKENS = 16  # tokens of the common prefix a divergence's context shows; 8 after the split
+
+
+def as_divergence(record: dict[str, Any], prompt: Sequence[int], reference: Sequence[int],
+                  output: Sequence[int]) -> dict[str, Any]:
+    """A served ruling (`rule`, `report_findings`, a failed request) in the greedy audit's divergence schema:
+    `kind`, `decided_by`, `detected_by`, `margin`, `evidence` (the reason and the margin's details), `context`,
+    and for a structural one `diagnosis = {class, evidence, named_by, needs_weights, tried}`: the check that
+    named it is its ruling (`named_by` = `decided_by`)."""
+    flat = dict(record)
+    cls, needs = flat.pop("class", None), bool(flat.pop("needs_weights", False))
+    reason, cause = flat.pop("reason", None), flat.pop("cause", None)
+    evidence = {**(flat.pop("evidence", None) or {}), "reason": reason}
+    for key in ("margin_exact", "margin_bound", "band"):
+        if key in flat:
+            evidence[key] = flat.pop(key)
+    position = flat.get("position")
+    divergence: dict[str, Any] = {
+        "prompt_index": flat["prompt_index"], "position": position, "step": None,
+        "reference_token": flat.get("reference_token"), "engine_token": flat.get("engine_token"),
+        "margin": flat.get("margin"), "kind": flat["kind"], "decided_by": flat.get("decided_by"),
+        "detected_by": flat.get("detected_by", "tokens"), "evidence": evidence,
+    }
+    if position is not None:
+        common = list(prompt) + list(reference[:position])
+        divergence["context"] = {"common": common[-CONTEXT_TOKENS:], "reference": list(reference[position:position + 8]),
+                                 "engine": list(output[position:position + 8])}
+    if flat["kind"] == "structural":
+        divergence["diagnosis"] = {"class": cls or "unknown", "evidence": reason if not needs else f"{reason}; {cause}",
+                                   "named_by": flat.get("decided_by"), "needs_weights": needs, "tried": []}
+    return divergence

@@ -21,7 +21,6 @@ Only what the reference's log-probabilities describe is testable: temperature 1 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,93 +103,3 @@ def served_sampled_audit(engine: Any, reference: Any, prompts: list[list[int]], 
         **({"finding": f"all tokens: {'sharper' if float(u.mean()) < 0.5 else 'flatter'} than the reference "
                        f"(mean PIT {float(u.mean()):.3f})"} if rejected else {}),
     }
-
-
-def run(args: Any) -> int:
-    """`specaudit audit --temperature 1 --engine SERVER --reference vllm:URL [--tokenizer DIR]`: writes
-    OUT/audit.json (its runs `mode: "sampled"`) with report.md and report.html, as the sampled audit with the
-    weights writes them; exit 0 consistent, 1 departs (or a server failed), 2 bad usage."""
-    import datetime
-    import sys
-    import time
-
-    from specaudit import __version__
-    from specaudit.equivalence.guard import GuardedEngine
-    from specaudit.equivalence.reports.markdown import write_reports
-    from specaudit.equivalence.reports.sampled import run_report, summary_line
-    from specaudit.equivalence.run_record import all_passed
-    from specaudit.equivalence.runner import machine_info, write_json
-    from specaudit.equivalence.sampling.run import failed_report, sampled_run
-
-    from specaudit.engines.adapters.sampled_servers import make_sampled_server
-    from specaudit.engines.registry import black_box_prefix, make_engine
-    from specaudit.engines.sampling.process import SamplingParams
-    from specaudit.equivalence.cli.args import engine_options
-    from specaudit.equivalence.errors import UsageError, one_line
-    from specaudit.equivalence.served_audit import ServedConfig, _eos, _prompts, load_served
-
-    def usage(message: str) -> int:
-        print(f"specaudit audit: error: {one_line(message)}", file=sys.stderr)
-        return 2
-
-    if args.temperature != 1.0 or args.top_p != 1.0 or args.top_k != 0:
-        return usage(f"--reference with --temperature {args.temperature:g} (top-p {args.top_p:g}, top-k {args.top_k}): "
-                     "the reference's prompt log-probabilities describe temperature 1 without cuts; give "
-                     "--temperature 1 (no --top-p, --top-k), or --target for other settings")
-    if black_box_prefix(args.reference) != "vllm":
-        return usage(f"--reference {args.reference}: the sampled audit teacher-forces through prompt_logprobs, "
-                     "which only vllm:URL gives here")
-    if not 0 < args.alpha < 1 or args.samples < 1:
-        return usage("--alpha must lie in (0, 1) and --samples be at least 1")
-    config = ServedConfig(engines=args.engine, reference=args.reference, tokenizer=args.tokenizer,
-                          prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                          eos_token_id=args.eos_token_id, adversarial=False)
-    try:
-        served_model = load_served(config.tokenizer)
-        eos = _eos(config, served_model)
-        prompts, _ = _prompts(config, served_model)
-        reference = make_engine(args.reference, None, None, batch_size=1, draft_tokens=1, **engine_options(args))
-        engines = {spec: make_sampled_server(spec, SamplingParams(temperature=1.0), seed=args.seed,
-                                             batch_size=args.batch_size[0], **engine_options(args))
-                   for spec in args.engine}
-    except (UsageError, ValueError) as exc:
-        return usage(str(exc))
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "audit.json"
-    name = Path(args.tokenizer).name if args.tokenizer else args.reference  # the served model, by its tokenizer
-    audit: dict[str, Any] = {
-        "specaudit_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info("cpu"),
-        "config": {"mode": "sampled", "engines": list(args.engine), "reference": args.reference,
-                   "pairs": [name], "batch_sizes": [args.batch_size[0]], "dtypes": ["served"],
-                   "device": "server", "prompts": args.prompts, "num_prompts": len(prompts),
-                   "max_new_tokens": args.max_new_tokens, "eos_token_id": args.eos_token_id, "timeout": args.timeout,
-                   "sampling": SamplingParams(temperature=1.0).describe(), "seed": args.seed, "samples": args.samples,
-                   "alpha": args.alpha, "teacher_forcing": {"reference": args.reference, "top": TOP}},
-        "complete": False, "runs": []}
-    write_json(out, audit)
-    base = {"pair": name, "batch_size": args.batch_size[0], "dtype": "served", "device": "server",
-            "num_prompts": len(prompts)}
-    for spec, engine in engines.items():
-        started = time.perf_counter()
-        try:  # behind the greedy audit's guard: a time limit, one output per request, ids as integers
-            result = served_sampled_audit(GuardedEngine(engine, timeout=args.timeout, vocab_size=served_model.vocab_size), reference,
-                                          prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
-                                          eos_token_id=eos, seed=args.seed, alpha=args.alpha)
-            result["seconds"] = {"sampling and testing": time.perf_counter() - started}
-        except KeyboardInterrupt:
-            print(f"\ninterrupted: the finished engines are kept in {out}", file=sys.stderr)
-            return 130
-        except Exception as exc:  # noqa: BLE001 - a server that fails: a failed run, the others judged
-            result = failed_report(spec, exc, batch_size=args.batch_size[0], device="server",
-                                   seconds=time.perf_counter() - started)
-        run = sampled_run({"engine": spec, **base}, result)
-        audit["runs"].append(run)
-        write_json(out, audit)
-        print(summary_line(spec, run_report(run)) + (f"; {result['power_note']}" if "power_note" in result else ""))
-    audit["complete"] = True
-    write_json(out, audit)
-    reports = write_reports(audit, args.out)
-    print(f"wrote {out}" + "".join(f", {path}" for path in reports.values()))
-    return 0 if all_passed(audit) else 1

@@ -1,0 +1,149 @@
+"""The sampled judge against the in-process oracle: a pair's target (and draft) in float64 on the CPU, which
+teacher-forces every sampled token (equivalence/sampling/). The pipeline's `PairGroup` opens it once per pair
+(`open_pair`) and asks it for one run per engine (`pair_run`); the run is guarded as every run is
+(equivalence/sampling/run.py `guarded_sampled_audit`: `--timeout`, the output contract, a failed run).
+
+A recording (`recorded:FILE`, one line per sample, its prompt repeated) brings its own prompts: where every
+engine is a recording and no prompt file is given, the prompts are the recordings' own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specaudit.equivalence.errors import UsageError
+from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair, source_of
+
+
+def _recorded_samples(spec: str) -> list[tuple[list[int], list[int]]]:
+    from specaudit.engines.adapters.recorded import read_recording
+
+    return [(line.prompt_ids, line.output_ids) for line in read_recording(spec.partition(":")[2])]
+
+
+def _float64_copy_fits(pair: Any) -> tuple[bool, float, float | None]:
+    """Whether a float64 copy of the pair fits in the host's available memory: (fits, GiB needed, GiB free)."""
+    models = [m for m in (pair.target, pair.draft) if m is not None]
+    needed = sum(p.numel() for m in models for p in m.parameters()) * 8 / 2 ** 30
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) / 2 ** 20
+                return needed < 0.8 * free, needed, free
+    except OSError:
+        pass
+    return True, needed, None
+
+
+def _load(pair_spec: str | UserPair, dtype: str, device: str) -> Any:
+    from specaudit.engines.models.zoo import load_pair
+
+    if isinstance(pair_spec, str):
+        return load_pair(pair_spec, dtype=dtype, device=device)
+    return load_pair(target_path=pair_spec.target, draft_path=pair_spec.draft or pair_spec.target, dtype=dtype,
+                     device=device, trust_remote_code=pair_spec.trust_remote_code,
+                     allow_pickle_weights=pair_spec.allow_pickle_weights)
+
+
+def sampling_params(settings: AuditSettings) -> Any:
+    from specaudit.engines.sampling.process import SamplingParams
+
+    sampling = settings.sampling
+    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+
+
+def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dtype: str
+              ) -> tuple[Any, list[list[int]], Any, dict[str, Any]]:
+    """(the float64 oracle pair, the prompts, the EOS ids, each engine built or its recorded samples);
+    `UsageError` for what cannot run (a float64 copy that does not fit, EOS ids or prompts outside the
+    vocabulary, an engine that cannot be built)."""
+    from specaudit.equivalence import validate
+    from specaudit.equivalence.prompts import load_prompts
+    from specaudit.equivalence.sampling.engines import make_sampled_engine
+
+    device, sampling = settings.device, settings.sampling
+    on_cpu_in_float64 = dtype == "float64" and torch.device(device).type == "cpu"
+    if not on_cpu_in_float64:
+        fits, needed, free = _float64_copy_fits(pair)
+        if not fits:
+            raise UsageError(f"teacher forcing needs the pair in float64 on the CPU ({needed:.1f} GiB) and "
+                             f"{free:.1f} GiB are free: audit a smaller model of the same architecture")
+    oracle = pair if on_cpu_in_float64 else _load(pair_spec, "float64", "cpu")
+    vocab_size = pair.target.config.vocab_size
+    validate.check_eos_ids(settings.eos_token_id, validate.PairLimits(pair.name, vocab_size, None, None))
+    eos = pair.eos_token_id if settings.eos_token_id == "pair" else settings.eos_token_id
+    built: dict[str, Any] = {}
+    for spec in settings.engines:
+        try:
+            built[spec] = (_recorded_samples(spec) if source_of(spec) == "recording"
+                           else make_sampled_engine(spec, pair.target, pair.draft, sampling_params(settings),
+                                                    seed=sampling.seed, draft_tokens=settings.draft_tokens,
+                                                    options=dict(settings.engine_options),
+                                                    batch_size=settings.batch_sizes[0]))
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bad name, file or factory: one line, exit 2
+            what = str(exc) if isinstance(exc, (ValueError, ImportError, OSError)) else f"{type(exc).__name__}: {exc}"
+            raise UsageError(f"engine {spec}: {what}" if spec not in what else what) from None
+    recordings = [samples for spec, samples in built.items() if source_of(spec) == "recording"]
+    if settings.prompts == "builtin" and recordings and len(recordings) == len(built):
+        prompts = list(dict.fromkeys(tuple(prompt) for samples in recordings for prompt, _ in samples))
+        prompts = [list(p) for p in prompts][: settings.num_prompts] if settings.num_prompts else [list(p) for p in prompts]
+        from specaudit.equivalence.prompts import check_ids
+
+        for number, ids in enumerate(prompts, 1):
+            check_ids(f"the recording's prompt {number}", ids, vocab_size, None, settings.max_new_tokens)
+    else:
+        prompts = load_prompts(settings.prompts, pair.tokenizer, settings.num_prompts, vocab_size=vocab_size)
+    return oracle, prompts, eos, built
+
+
+def pair_run(settings: AuditSettings, spec: str, engine: Any, pair: Any, oracle: Any, prompts: list[list[int]],
+             eos: Any, batch_size: int, dtype: str, progress: Any = None) -> dict[str, Any]:
+    """One sampled run of `engine` (built, or a recording's samples), guarded; its `audit.json` record."""
+    import sys
+
+    from specaudit.equivalence.sampling.run import guarded_sampled_audit, sampled_run
+
+    sampling = settings.sampling
+    recorded = engine if source_of(spec) == "recording" else None
+    chunk = max(batch_size, -(-sampling.samples // 20))  # the draw's chunks: a bar over the samples moves after each
+    bar = None
+    if progress is not None and recorded is None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sampling.samples, unit="sample", desc=spec, file=sys.stderr, dynamic_ncols=True,
+                   leave=False, mininterval=0, miniters=1)
+    base = {"engine": spec, "pair": pair.name, "batch_size": batch_size, "dtype": dtype, "device": settings.device,
+            "num_prompts": len(prompts)}
+    try:
+        report = guarded_sampled_audit(
+            spec, lambda: engine, oracle.target, prompts, sampling_params(settings), timeout=settings.timeout,
+            vocab_size=pair.target.config.vocab_size, batch_size=batch_size, device=settings.device,
+            recorded=recorded, samples=sampling.samples, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
+            seed=sampling.seed, alpha=sampling.alpha, draft=oracle.draft,
+            run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return sampled_run(base, report)
+
+
+def refusal(settings: AuditSettings) -> str | None:
+    """Why the sampled judge cannot take these settings, or None."""
+    sampling = settings.sampling
+    if sampling.samples < 1:
+        return "--samples must be at least 1"
+    if not 0 < sampling.alpha < 1:
+        return f"--alpha {sampling.alpha}: give a family-wise false-positive rate between 0 and 1, e.g. 0.01"
+    if settings.oracle == "weights" and len(settings.pairs) != 1:
+        return "the sampled audit takes one pair: one --pair, or --target (and --draft for a speculative engine)"
+    for flag, values in (("--batch-size", settings.batch_sizes), ("--dtype", settings.dtypes)):
+        if len(values) != 1:
+            return (f"{flag} {' '.join(map(str, values))}: the sampled audit takes one value; run it once per "
+                    f"{flag[2:].replace('-', ' ')}")
+    return None
+
