@@ -65,7 +65,7 @@ def test_failing_sampled_engines_are_failed_runs_and_the_others_are_judged(tmp_p
         run = runs[f"sampled_failing_engines:{name}"]
         assert run["failed"] and run["verdict"] == "run failed"
         assert reason in run["error"] and "\n" not in run["error"], run["error"]
-        assert any(line.startswith(f"failed: sampled_failing_engines:{name}: ") and reason in line
+        assert any(line.startswith(f"failed: sampled_failing_engines:{name} tiny-llama B=8 float64: ") and reason in line
                    for line in failed_lines), failed_lines
     # the hang was given up at the time-out, not waited for
     assert 2 <= runs["sampled_failing_engines:hangs"]["seconds"] < 5
@@ -245,5 +245,5 @@ def test_the_progress_bar_counts_samples_on_stderr(tmp_path: Path) -> None:
 def test_ctrl_c_keeps_the_finished_engines_without_a_traceback(tmp_path: Path) -> None:
     result = audit("--engine", "sampled-spec", "--engine", "sample_engines:make_interrupting", *SMALL, out=tmp_path)
     assert result.returncode == 130 and "Traceback" not in result.stdout + result.stderr
-    assert "interrupted: the finished engines are kept in" in result.stderr
+    assert "interrupted: the finished runs are kept in audit.json" in result.stderr
     assert [run["engine"] for run in _written(tmp_path)["runs"]] == ["sampled-spec"]

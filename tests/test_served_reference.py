@@ -81,14 +81,14 @@ def test_a_planted_flip_is_structural_without_weights_and_needs_the_weights_to_n
     [divergence] = run["divergences"]
     assert divergence["prompt_index"] == 3 and divergence["position"] == 4
     assert divergence["kind"] == "structural" and divergence["decided_by"] == "reference-margin"
-    assert divergence["class"] == "unknown" and divergence["needs_weights"] and "needs the weights" in divergence["cause"]
+    assert divergence["diagnosis"]["class"] == "unknown" and divergence["diagnosis"]["needs_weights"] and "needs the weights" in divergence["diagnosis"]["evidence"]
     # the engine's token is outside the reference's top 2: its margin was teacher-forced through prompt_logprobs
-    assert divergence["margin_exact"]
+    assert divergence["evidence"]["margin_exact"]
     reference_tokens = run["outputs"][3][:4]
     lps = lm.logprobs(victim + reference_tokens)
     expected = max(lps) - lps[divergence["engine_token"]]
     assert divergence["margin"] == pytest.approx(expected, abs=1e-9)
-    assert divergence["margin"] > run["band"]["width"]
+    assert divergence["margin"] > run["noise_band"]["width"]
     assert "unknown (needs the weights)" in (tmp_path / "out" / "report.md").read_text()
 
 
@@ -99,8 +99,8 @@ def test_a_server_of_another_precision_flips_near_ties_only_and_is_ruled_numeric
     flips = run["divergences"]
     assert flips, "the noisy server should flip at least one near tie"
     assert all(d["kind"] == "numerical" and d["decided_by"] == "reference-margin" for d in flips), flips
-    assert all(d["margin"] <= run["band"]["width"] for d in flips)
-    assert run["band"]["parts"]["engine_vs_reference_logprobs"] > 0.01  # measured from its reported log-probs
+    assert all(d["margin"] <= run["noise_band"]["width"] for d in flips)
+    assert run["noise_band"]["parts"]["engine_vs_reference_logprobs"] > 0.01  # measured from its reported log-probs
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -115,7 +115,7 @@ def test_an_early_eos_is_stop_eos_and_a_swapped_output_is_output_order(tmp_path,
         result = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "eos")
     assert result.returncode == 1
     [divergence] = _audit_json(tmp_path / "eos")["runs"][0]["divergences"]
-    assert (divergence["prompt_index"], divergence["class"], divergence["needs_weights"]) == (1, "stop_eos", False)
+    assert (divergence["prompt_index"], divergence["diagnosis"]["class"], divergence["diagnosis"]["needs_weights"]) == (1, "stop_eos", False)
 
     swap = {tuple(prompts[0]): prompts[5], tuple(prompts[5]): prompts[0]}
 
@@ -127,8 +127,9 @@ def test_an_early_eos_is_stop_eos_and_a_swapped_output_is_output_order(tmp_path,
         result = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "order")
     assert result.returncode == 1
     divergences = _audit_json(tmp_path / "order")["runs"][0]["divergences"]
-    assert {(d["prompt_index"], d["class"], d["decided_by"]) for d in divergences} == {
-        (0, "output_order", "output-match"), (5, "output_order", "output-match")}
+    # (the swapped prompts' usage counts are findings of their own, among the divergences)
+    assert {(d["prompt_index"], d["diagnosis"]["class"], d["decided_by"]) for d in divergences
+            if d["detected_by"] == "tokens"} == {(0, "output_order", "output-match"), (5, "output_order", "output-match")}
 
 
 def test_misreported_log_probabilities_are_a_finding_and_do_not_widen_the_band(tmp_path, prompts_file):
@@ -138,10 +139,11 @@ def test_misreported_log_probabilities_are_a_finding_and_do_not_widen_the_band(t
     assert result.returncode == 1
     run = _audit_json(tmp_path / "out")["runs"][0]
     assert run["exact_matches"] == N_PROMPTS
-    assert {f["class"] for f in run["findings"]} == {"logprob_report"}
-    assert all(f["evidence"]["all_zero"] for f in run["findings"])
+    # the report checks are divergences of the greedy schema, named by the check (`diagnosis.named_by`)
+    assert {d["diagnosis"]["class"] for d in run["divergences"]} == {"logprob_report"}
+    assert all(d["evidence"]["all_zero"] and d["diagnosis"]["named_by"] == d["decided_by"] for d in run["divergences"])
     # the band comes from the alternatives beside the chosen tokens, which it reports right
-    assert run["band"]["parts"]["engine_vs_reference_logprobs"] == 0.0
+    assert run["noise_band"]["parts"]["engine_vs_reference_logprobs"] == 0.0
 
 
 def test_a_flip_the_reference_makes_itself_at_another_batch_mix_is_numerical(tmp_path, prompts_file):
@@ -192,7 +194,7 @@ def test_recordings_as_reference_and_engine_one_token_altered_is_structural(tmp_
     assert result.returncode == 1, result.stdout + result.stderr
     [divergence] = _audit_json(tmp_path / "out")["runs"][0]["divergences"]
     assert (divergence["prompt_index"], divergence["position"], divergence["kind"]) == (2, 5, "structural")
-    assert divergence["margin_exact"] and divergence["margin"] > 0
+    assert divergence["evidence"]["margin_exact"] and divergence["margin"] > 0
 
 
 @pytest.mark.parametrize("extra, fragments", [
@@ -256,7 +258,7 @@ def test_request_parameters_go_to_both_and_min_tokens_past_its_end_is_logits_pro
     assert result.returncode == 1, result.stdout + result.stderr
     [divergence] = _audit_json(tmp_path / "out")["runs"][0]["divergences"]
     assert (divergence["prompt_index"], divergence["position"], divergence["reference_token"]) == (0, 3, EOS)
-    assert (divergence["class"], divergence["decided_by"], divergence["needs_weights"]) == (
+    assert (divergence["diagnosis"]["class"], divergence["decided_by"], divergence["diagnosis"]["needs_weights"]) == (
         "logits_processor", "min-tokens", False)
 
 
@@ -269,7 +271,10 @@ def test_a_reference_that_cannot_be_reached_fails_the_audit_in_one_line(tmp_path
     assert result.returncode == 1
     data = _audit_json(tmp_path / "out")
     assert "cannot reach" in data["reference"]["error"] and data["runs"] == []
-    assert "FAILED" in result.stdout and "**failed**" in (tmp_path / "out" / "report.md").read_text()
+    # one line, naming the reference; the reports say it too
+    assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"vllm:http://127.0.0.1:" in result.stderr and "Traceback" not in result.stderr
+    assert "**failed**" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("scale, verdict, status", [(1.0, "no departure found", 0), (0.7, "departure", 1)])
@@ -293,7 +298,8 @@ def test_sampled_audit_teacher_forced_through_the_reference_passes_a_correct_sam
     assert "## Sampled runs" in markdown and f"vllm:{spec.url}" in markdown
     # every teacher-forcing request asked for the top 20 at every position of prompt + sample
     forced = [body for _, body in plain.requests if body.get("prompt_logprobs")]
-    assert len(forced) == 200 and all(body["prompt_logprobs"] == 20 for body in forced)
+    # (and one more before any sample: the reference asked once, behind the guard, when the audit opens it)
+    assert len(forced) == 201 and all(body["prompt_logprobs"] == 20 for body in forced)
 
 
 def test_stop_strings_go_to_both_and_tokens_kept_past_one_are_stop_string(tmp_path, prompts_file):
@@ -307,7 +313,7 @@ def test_stop_strings_go_to_both_and_tokens_kept_past_one_are_stop_string(tmp_pa
     assert all(body.get("stop") == stops for _, body in plain.requests + spec.requests)
     assert result.returncode == 1, result.stdout + result.stderr
     divergences = _audit_json(tmp_path / "out")["runs"][0]["divergences"]
-    assert divergences and all((d["class"], d["decided_by"]) == ("stop_string", "stop-string") for d in divergences)
+    assert divergences and all((d["diagnosis"]["class"], d["decided_by"]) == ("stop_string", "stop-string") for d in divergences)
     with FakeServer(server_answer(lm)) as plain, FakeServer(server_answer(lm)) as spec:
         clean = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "clean",
                        *[arg for stop in stops for arg in ("--stop", stop)])

@@ -121,6 +121,10 @@ def preflight(settings: AuditSettings) -> None:
         from specaudit.equivalence.pipeline import served
 
         served.preflight(settings)
+    elif settings.judge == "sampled":  # engine names are the sampled ones; the pair's limits are checked on opening it
+        validate.check_numbers(settings)
+        validate.check_dtypes(settings.dtypes)
+        validate.check_device(settings.device, settings.dtypes)
     else:
         validate.preflight(settings)
     requests_run.preflight(settings)  # request parameters go to engines that take them

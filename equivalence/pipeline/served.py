@@ -212,6 +212,17 @@ def preflight(settings: AuditSettings) -> None:
                              "prompt_logprobs, which only vllm:URL gives here")
 
 
+def reference_failure(spec: str, exc: BaseException) -> str:
+    """Why the served reference failed, in one line."""
+    from specaudit.equivalence.errors import EngineFailure, RunTimeout
+
+    if isinstance(exc, RunTimeout):
+        return f"the reference {spec} did not answer: {exc}"
+    if isinstance(exc, EngineFailure):
+        return f"the reference {spec} broke the output contract: {exc}"
+    return f"the reference {spec} failed: {type(exc).__name__}: {exc}"
+
+
 # ---- the group ---------------------------------------------------------------------------------------
 
 class ServedGroup:
@@ -248,8 +259,7 @@ class ServedGroup:
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - a reference that fails or hangs: nothing can be judged
-            raise ReferenceFailed(failure_message(f"the reference {settings.reference}", exc, batch_size=None,
-                                                  device="server")) from exc
+            raise ReferenceFailed(reference_failure(settings.reference, exc)) from exc
         if first["failures"]:
             raise ReferenceFailed(f"the reference {settings.reference} failed on {len(first['failures'])} prompt(s): "
                                   + next(iter(first["failures"].values())))
@@ -291,8 +301,7 @@ class ServedGroup:
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001
-            raise ReferenceFailed(failure_message(f"the reference {settings.reference}", exc, batch_size=None,
-                                                  device="server")) from exc
+            raise ReferenceFailed(reference_failure(settings.reference, exc)) from exc
 
     def describe(self, audit: dict[str, Any]) -> None:
         audit["reference"] = self.record

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+TEACHER_FORCING_TOP = 20  # a served reference's top log-probabilities per position (vLLM's default max_logprobs)
 Source = Literal["in-process", "server", "recording"]
 Oracle = Literal["weights", "served"]
 Judge = Literal["greedy", "sampled"]
@@ -108,8 +109,13 @@ class AuditSettings:
                         reference_batch_invariant=self.reference_batch_invariant,
                         reference_top_logprobs=self.reference_top_logprobs)
         if self.sampling is not None:
-            data.update(mode="sampled", seed=self.sampling.seed, samples=self.sampling.samples,
-                        alpha=self.sampling.alpha)
+            sampling = self.sampling
+            data.update(mode="sampled", seed=sampling.seed, samples=sampling.samples, alpha=sampling.alpha,
+                        sampling={"temperature": sampling.temperature, "top_k": sampling.top_k,
+                                  "top_p": sampling.top_p},
+                        # the oracle the tests hold the tokens against
+                        teacher_forcing=({"device": "cpu", "dtype": "float64"} if self.reference is None
+                                         else {"reference": self.reference, "top": TEACHER_FORCING_TOP}))
         return data
 
 

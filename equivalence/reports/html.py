@@ -8,6 +8,7 @@ from typing import Any
 from specaudit.equivalence.reports.charts import audit_charts, render_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
 from specaudit.equivalence.reports.sampled import greedy_view, sampled_charts, sampled_html, sampled_runs
+from specaudit.equivalence.reports.served import served_html
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
@@ -220,7 +221,7 @@ def _divergence_article(number: int, entry: DivergenceEntry) -> str:
             ("float64 replay", escape(replay_description(evidence)))]
     found = divergence.get("diagnosis") or {}
     if found:
-        rows.insert(0, ("diagnosis", f"<strong>{escape(str(found.get('class')))}</strong>: "
+        rows.insert(0, ("diagnosis", f"<strong>{escape(str(found.get('class')))}{' (needs the weights)' if found.get('needs_weights') else ''}</strong>: "
                                      f"{escape(str(found.get('evidence')))}"))
         if found.get("tried"):
             rows.insert(1, ("tried", escape("; ".join(str(t) for t in found["tried"]))))
@@ -349,6 +350,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         + (f"<div><h2>Machine</h2>{_pairs(machine)}</div>" if machine else "")
         + (f"<div><h2>Configuration</h2>{_pairs(config)}</div>" if config else "") + "</section>",
         f'<section><h2>Plots</h2><div class="charts">{figures}</div></section>' if figures else "",
+        served_html(audit),
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         sampled_section,
         f"<section>{_speculation_section(audit)}</section>",

@@ -12,6 +12,7 @@ from specaudit.equivalence.reports.charts import audit_charts, render_svg, stand
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
 from specaudit.equivalence.reports.html import render_html
 from specaudit.equivalence.reports.sampled import greedy_view, sampled_charts, sampled_markdown, sampled_runs
+from specaudit.equivalence.reports.served import served_markdown
 from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
@@ -94,7 +95,8 @@ def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
     ]
     found = divergence.get("diagnosis") or {}
     if found:
-        bullets.insert(0, f"**diagnosis: {found.get('class')}**: {found.get('evidence')}")
+        needs = " (needs the weights)" if found.get("needs_weights") else ""
+        bullets.insert(0, f"**diagnosis: {found.get('class')}{needs}**: {found.get('evidence')}")
         if found.get("tried"):
             bullets.insert(1, "tried: " + "; ".join(str(t) for t in found["tried"]))
     case = adversarial_case(entry.run, divergence.get("prompt_index"))
@@ -168,6 +170,7 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     note = adversarial_note(audit)
     if note:
         lines += ["**Adversarial prompts:** " + note, ""]
+    lines += served_markdown(audit)
     if runs:
         lines += ["## Runs", ""] + _markdown_runs(runs) + [""]
     lines += sampled_section

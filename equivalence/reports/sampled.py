@@ -130,7 +130,8 @@ def summary_line(spec: str, report: dict[str, Any]) -> str:
             f"{report['tokens']} tokens; smallest detectable TV {report['detectable_tv_pooled']:.3f} pooled"
             + (f", {first:.3f} at the first token" if first is not None else "")
             + (f"; {report['finding']}" if report.get("finding") else "")
-            + _speculation_summary(report.get("speculation")))
+            + _speculation_summary(report.get("speculation"))
+            + (f"; {report['power_note']}" if report.get("power_note") else ""))
 
 
 def _speculation_summary(speculation: dict[str, Any] | None) -> str:

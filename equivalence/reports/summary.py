@@ -288,8 +288,13 @@ def summary_table(audit: dict[str, Any]) -> str:
     """The terminal table: one line per run, every column apart however long its names; then one line
     per run on what its speculation counters showed."""
     from specaudit.equivalence.reports.sampled import greedy_view, summary_lines
+    from specaudit.equivalence.reports.served import determinism_line
 
-    sampled = summary_lines(audit)
+    reference = audit.get("reference") or {}
+    served = ([f"reference {reference.get('engine')} ({reference.get('asked', '?')}): "
+               + determinism_line(reference)[0].lower() + determinism_line(reference)[1:]]
+              if reference.get("determinism") else [])
+    sampled = served + summary_lines(audit)
     audit = greedy_view(audit)
     if sampled and not audit["runs"]:
         return "\n".join(sampled)
@@ -313,7 +318,7 @@ def summary_table(audit: dict[str, Any]) -> str:
             lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {speculation.verdict(run)}")
     for run, sentence, _ in three_way_runs(audit):
         lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {sentence}")
-    return "\n".join(lines + sampled)
+    return "\n".join(served + lines + sampled[len(served):])
 
 
 def speculation_lines(audit: dict[str, Any]) -> list[tuple[str, str, str]]:

@@ -30,7 +30,7 @@ from specaudit.equivalence.reports.sampled import PASS
 from specaudit.equivalence.sampling import stats
 
 PIT_BINS = 10
-TOP = 20  # vLLM's default max_logprobs
+from specaudit.equivalence.pipeline.settings import TEACHER_FORCING_TOP as TOP  # noqa: E402
 
 
 def bins_of(entry: dict[int, float], token: int, top: int) -> tuple[list[float], int]:
