@@ -83,7 +83,7 @@ class RunContext:
         from specaudit.engines.drafters import ScriptedDrafter
 
         # an engine object scripted per prompt index: its proposals would follow the wrong prompts
-        return self.engine is not None and not isinstance(getattr(self.engine, "drafter", None), ScriptedDrafter)
+        return self.engine is not None and not isinstance(capability(self.engine, "drafter"), ScriptedDrafter)
 
     @property
     def takes_pad_option(self) -> bool:
@@ -188,9 +188,9 @@ class RunContext:
         from specaudit.engines.registry import make_engine
 
         options = {**self.options, **(overrides or {})}
-        if "pad_token_id" not in options and getattr(self.pair, "pad_token_id", None) is not None:
+        if "pad_token_id" not in options and self.pair.pad_token_id is not None:
             options["pad_token_id"] = self.pair.pad_token_id
-        return make_engine(name, self.pair.target, getattr(self.pair, "draft", None), batch_size=self.batch_size or 1,
+        return make_engine(name, self.pair.target, self.pair.draft, batch_size=self.batch_size or 1,
                            draft_tokens=self.draft_tokens, **options)
 
     def _guarded(self, engine: Any) -> Any:

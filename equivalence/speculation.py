@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 from specaudit.engines.contract import capability
+from specaudit.engines.trace import Trace
 
 
-def from_trace(trace: Any) -> dict[str, Any] | None:
+def from_trace(trace: Trace | None) -> dict[str, Any] | None:
     """A built-in engine's speculation from its trace: None when it keeps none or never drafts."""
-    draft_tokens = getattr(trace, "draft_tokens", 0) or 0
-    steps = getattr(trace, "steps", None)
-    if not draft_tokens or steps is None:
+    if trace is None or not trace.draft_tokens:
         return None
+    draft_tokens, steps = trace.draft_tokens, trace.steps
     decode = [step for step in steps if step.kind != "prefill"]
     drafted = sum(step.drafted(draft_tokens) for step in decode)
     accepted = sum(sum(step.accepted_counts) for step in decode)

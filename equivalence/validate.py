@@ -35,6 +35,7 @@ from specaudit.engines.registry import BUILTIN_ENGINES, EngineSpecError, black_b
 from specaudit.equivalence.errors import ModelError, UsageError, one_line
 from specaudit.equivalence.prompts import check_ids, load_prompts
 from specaudit.engines.contract import capability
+from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
 
 
 @dataclass
@@ -47,21 +48,21 @@ class PairLimits:
     tokenizer: Any | None
 
 
-def preflight(config: Any) -> None:
-    """Raise `UsageError` for anything in `config` (a runner `AuditConfig`) that cannot run."""
+def preflight(config: AuditSettings) -> None:
+    """Raise `UsageError` for anything in the audit's settings that cannot run."""
     check_numbers(config)
     check_dtypes(config.dtypes)
     check_device(config.device, config.dtypes)
     for name in config.engines:
         check_engine_name(name)
-    if getattr(config, "plain_engine", None):
+    if config.plain_engine:
         check_engine_name(config.plain_engine)
     # recordings bring their own prompts (checked against the pair in `check_factories`): the prompt set
     # is not used unless one is given
     prompts_used = config.prompts != "builtin" or not all(black_box_prefix(n) == "recorded" for n in config.engines)
     for spec in config.pairs:
         limits = pair_limits(spec)
-        check_eos_ids(getattr(config, "eos_token_id", None), limits)
+        check_eos_ids(config.eos_token_id, limits)
         if prompts_used:
             load_prompts(config.prompts, limits.tokenizer, config.num_prompts, vocab_size=limits.vocab_size,
                          max_positions=limits.max_positions, max_new_tokens=config.max_new_tokens)
@@ -86,7 +87,7 @@ def check_eos_ids(eos: Any, limits: PairLimits) -> None:
         raise UsageError(f"--eos-token-id {shown} names an id twice: give each EOS id once")
 
 
-def check_numbers(config: Any) -> None:
+def check_numbers(config: AuditSettings) -> None:
     for option, values in (("--batch-size", config.batch_sizes), ("--draft-tokens", [config.draft_tokens]),
                            ("--max-new-tokens", [config.max_new_tokens]),
                            ("--num-prompts", [] if config.num_prompts is None else [config.num_prompts])):
@@ -95,7 +96,7 @@ def check_numbers(config: Any) -> None:
                 raise UsageError(f"{option} {value!r}: must be a whole number of at least 1")
     if not config.batch_sizes:
         raise UsageError("--batch-size: give at least one batch size, e.g. --batch-size 1 8")
-    timeout = getattr(config, "timeout", None)
+    timeout = config.timeout
     if timeout is not None and not timeout > 0:
         raise UsageError(f"--timeout {timeout!r}: must be a positive number of seconds")
 
@@ -157,9 +158,9 @@ def check_engine_name(name: str) -> None:
         raise UsageError(str(exc)) from None
 
 
-def pair_limits(spec: Any) -> PairLimits:
-    """Check a pair (built-in name, or an object with `target`, `draft`, `trust_remote_code` and
-    `allow_pickle_weights`) without loading weights; return what its prompts must fit."""
+def pair_limits(spec: str | UserPair) -> PairLimits:
+    """Check a pair (a built-in name, or a `UserPair`: two local folders) without loading weights; return
+    what its prompts must fit."""
     if isinstance(spec, str):
         if spec not in zoo.builtin_pair_names():
             raise UsageError(f"unknown pair {spec!r}: use a built-in pair ({', '.join(zoo.builtin_pair_names())}) "
@@ -169,8 +170,7 @@ def pair_limits(spec: Any) -> PairLimits:
                  for model in (fixture["target"], fixture.get("draft", {}))]
         positions = min((p for p in known if p is not None), default=None)
         return PairLimits(spec, zoo.ByteTokenizer.vocab_size, positions, zoo.ByteTokenizer())
-    trust = bool(getattr(spec, "trust_remote_code", False))
-    allow_pickle = bool(getattr(spec, "allow_pickle_weights", False))
+    trust, allow_pickle = spec.trust_remote_code, spec.allow_pickle_weights
     try:
         for role, path in (("target", spec.target), ("draft", spec.draft)):
             if path is not None:  # no draft: a target alone, for black-box engines
@@ -186,7 +186,7 @@ def pair_limits(spec: Any) -> PairLimits:
     if shared is not None and vocab is not None:
         vocab = min(vocab, shared)
     # the draft decodes the same sequences: the smaller of the two position limits holds
-    known = [p for p in (_positions(spec.target), _positions(getattr(spec, "draft", None))) if p is not None]
+    known = [p for p in (_positions(spec.target), _positions(spec.draft)) if p is not None]
     positions = min(known) if known else None
     tokenizer = None
     try:
@@ -212,7 +212,7 @@ def _positions(path: Any) -> int | None:
     return None
 
 
-def check_factories(config: Any, pair: zoo.ModelPair) -> None:
+def check_factories(config: AuditSettings, pair: zoo.ModelPair) -> None:
     """Build every non-built-in engine once on `pair` at the first batch size (see the module doc)."""
     for name in config.engines:
         if name in BUILTIN_ENGINES:
@@ -229,12 +229,12 @@ def check_factories(config: Any, pair: zoo.ModelPair) -> None:
                 raise UsageError(f"engine {name!r}: {one_line(str(exc))}") from None
             raise UsageError(f"engine {name!r} could not be built: {type(exc).__name__}: {one_line(str(exc))}: "
                              "fix the factory or its --engine-option values") from None
-        url = getattr(engine, "url", None)
+        url = capability(engine, "url")
         if isinstance(url, str) and capability(engine, "black_box"):
             check_reachable(name, url)
         recorded = capability(engine, "recorded_prompts")
         if recorded is not None:  # a recording brings its own prompts: they must fit this pair's model
-            source = getattr(engine, "path", name)
+            source = capability(engine, "path") or name
             positions = [getattr(model.config, "max_position_embeddings", None)
                          for model in (pair.target, pair.draft) if model is not None]
             positions = [p for p in positions if isinstance(p, int)]

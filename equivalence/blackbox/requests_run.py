@@ -31,7 +31,8 @@ from specaudit.equivalence.audit import trace_summary
 from specaudit.equivalence.run_record import run_record
 from specaudit.equivalence import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
-from specaudit.engines.contract import capability
+from specaudit.engines.contract import capability, declares
+from specaudit.equivalence.guard import unguarded
 
 
 def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
@@ -82,22 +83,22 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     """Run `engine` (a live server, engines/adapters/servers.py, or an in-process engine that takes request
     parameters, engines/requests/rows.py) on `prompts` with `params` (one per prompt) and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
     `refused_parameters` and `reported`)."""
-    inner = getattr(engine, "engine", engine)  # through GuardedEngine
-    dialect = getattr(inner, "dialect", "vllm")
+    inner = unguarded(engine)
+    dialect = capability(inner, "dialect") or "vllm"
     scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
-    scope = getattr(inner, "penalty_scope", None) or scope  # an own engine says what its penalties count
+    scope = capability(inner, "penalty_scope") or scope  # an own engine says what its penalties count
     started = time.perf_counter()
     references = [decode_with_params(pair.target, prompt, p, max_new_tokens, eos_token_id, pair.tokenizer,
                                      penalty_scope=scope) for prompt, p in zip(prompts, params)]
     reference_seconds = time.perf_counter() - started
     inner.request_params = list(params)
-    if hasattr(inner, "request_tokenizer"):  # an in-process engine (engines/requests/rows.py): for stop strings
+    if declares(inner, "request_tokenizer"):  # an in-process engine (engines/requests/rows.py): for stop strings
         inner.request_tokenizer = pair.tokenizer
     started = time.perf_counter()
     outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
     seconds = time.perf_counter() - started
-    refused = {index: exc for index, exc in getattr(inner, "last_refused", [])}
-    completions = getattr(inner, "last_completions", None) or [None] * len(prompts)  # an own engine reports nothing
+    refused = {index: exc for index, exc in capability(inner, "last_refused")}
+    completions = capability(inner, "last_completions") or [None] * len(prompts)  # an own engine reports nothing
     reported_logprobs = capability(inner, "last_logprobs") or [None] * len(prompts)
     judged = [i for i in range(len(prompts)) if i not in refused]
     band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
@@ -174,11 +175,11 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
 
 def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: Any, dtype: str, engine_name: str,
                     batch_size: int, black_box: bool) -> dict[str, Any]:
-    """The runner's run of one engine when the audit sends request parameters (equivalence/runner.py).
+    """The runner's run of one engine when the audit sends request parameters (equivalence/pipeline/runner.py).
     An engine takes them when it has a `request_params` attribute (every live server; an in-process
     engine that declares it, `engines/registry.takes_request_params`)."""
-    inner = getattr(engine, "engine", engine)
-    if not hasattr(inner, "request_params"):
+    inner = unguarded(engine)
+    if not declares(inner, "request_params"):
         raise ValueError(f"engine {engine_name} takes no request parameters (its class declares no `request_params`): "
                          "they are sent to live servers (llamacpp:, vllm:, sglang:, trtllm:) and to engines that take them")
     eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id

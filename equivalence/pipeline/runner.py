@@ -137,9 +137,12 @@ def groups(settings: AuditSettings, out_dir: Path) -> Iterator[Group]:
 
         yield ServedGroup(settings)
         return
+    first = True  # the engines' factories are checked once, on the first pair loaded
     for dtype in settings.dtypes:
         for pair_spec in settings.pairs:
-            yield PairGroup(settings, pair_spec, dtype, out_dir)
+            group = PairGroup(settings, pair_spec, dtype, out_dir, check_factories=first)
+            yield group
+            first = first and not group.loaded  # a pair that failed to load leaves the check to the next
 
 
 def run_audit(
@@ -205,8 +208,11 @@ def run_audit(
 class PairGroup:
     """The runs judged against the in-process reference: one pair, loaded in one dtype."""
 
-    def __init__(self, settings: AuditSettings, pair_spec: str | UserPair, dtype: str, out_dir: Path) -> None:
+    def __init__(self, settings: AuditSettings, pair_spec: str | UserPair, dtype: str, out_dir: Path, *,
+                 check_factories: bool = True) -> None:
         self.settings, self.pair_spec, self.dtype, self.out_dir = settings, pair_spec, dtype, out_dir
+        self.check_factories = check_factories
+        self.loaded = False  # the pair loaded and its engines' factories checked
         self.title = f"{pair_spec if isinstance(pair_spec, str) else pair_spec.name} {dtype}"
         self.stage = "loading the pair"
         self.pair = self.replay = self.reference = self.prompts = self.adversarial = self.eos = None
@@ -222,7 +228,9 @@ class PairGroup:
         pair = self.pair
         if settings.judge == "sampled":
             return self._open_sampled()
-        validate.check_factories(settings, pair)  # a UsageError here ends the audit before any run
+        if self.check_factories:
+            validate.check_factories(settings, pair)  # a UsageError here ends the audit before any run
+        self.loaded = True
         # the float64 target (and draft) that rule flips below float64
         self.replay = pair if dtype == "float64" else load(self.pair_spec, "float64", settings.device)
         prompts = load_prompts(settings.prompts, pair.tokenizer, settings.num_prompts)

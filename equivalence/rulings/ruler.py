@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from specaudit.equivalence.compare import matched_prefix, replay_logits, top2
+from specaudit.equivalence.rulings.band import NoiseBand
 from specaudit.equivalence.rulings.noise import dtype_noise
 
 Band = Callable[[float], float]  # top logit -> the band's width there (or a NoiseBand, band.py)
@@ -59,8 +60,7 @@ class Ruler:
     def width(self, top_logit: float) -> float:
         if self.band is None:
             return dtype_noise(self.dtype, top_logit)
-        at = getattr(self.band, "at", None)  # a NoiseBand
-        return at(top_logit) if at is not None else self.band(top_logit)
+        return self.band.at(top_logit) if isinstance(self.band, NoiseBand) else self.band(top_logit)
 
     @property
     def exact_only(self) -> bool:

@@ -160,8 +160,8 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
     position = first_divergence(reference, output)
     if position is None:
         return None
-    ends = set(eos_ids(eos_token_id)) | set(getattr(params, "stop_token_ids", ()) or ())
-    min_tokens = int(getattr(params, "min_tokens", 0) or 0)
+    ends = set(eos_ids(eos_token_id)) | set(params.stop_token_ids if params is not None else ())
+    min_tokens = params.min_tokens if params is not None else 0
     r = reference[position] if position < len(reference) else None
     e = output[position] if position < len(output) else None
     record: dict[str, Any] = {"prompt_index": index, "position": position, "reference_token": r,
@@ -185,7 +185,7 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
         return record
     # 2. one side ends
     stopped_on = (reference_report or {}).get("stop_reason")
-    if r is None and isinstance(stopped_on, str) and stopped_on in (getattr(params, "stop", ()) or ()):
+    if r is None and isinstance(stopped_on, str) and params is not None and stopped_on in params.stop:
         record.update({"class": "stop_string", "decided_by": "stop-string", "reason": (
             f"the reference stops at stop string {stopped_on!r} after {len(reference)} token(s); the engine, sent the "
             f"same stop strings, returns {len(output) - len(reference)} token(s) after it")})

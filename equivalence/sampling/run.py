@@ -246,6 +246,7 @@ def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: An
             torch.cuda.empty_cache()  # before the next engine
         return failed_report(engine_name, exc, batch_size=batch_size, device=device,
                              seconds=time.perf_counter() - started)
-    if engine is not None and callable(getattr(unguarded(engine), "describe", None)):
-        report["engine"] = unguarded(engine).describe()
+    describe = capability(unguarded(engine), "describe") if engine is not None else None
+    if callable(describe):
+        report["engine"] = describe()
     return report
