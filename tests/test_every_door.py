@@ -43,6 +43,7 @@ from served_lm import ToyLM, server_answer, vllm_answer
 from specaudit.engines.models import zoo
 
 TIMEOUT_S = 5
+AUDIT_COMMAND = (sys.executable, "-m", "specaudit", "audit")
 HUNG_OPTIONS = ("--timeout", str(TIMEOUT_S), "--no-progress", "--no-adversarial", "--num-prompts", "2",
                 "--max-new-tokens", "4")
 
@@ -66,7 +67,7 @@ class Ended:
 def run_audit_process(args: list[str], out: Path, wall_s: float) -> Ended:
     """`python -m specaudit audit ARGS --out OUT` in its own process group, killed at `wall_s` and whenever the
     test ends before it does."""
-    command = [sys.executable, "-m", "specaudit", "audit", *args, "--out", str(out)]
+    command = [*AUDIT_COMMAND, *args, "--out", str(out)]
     started = time.monotonic()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
