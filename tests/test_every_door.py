@@ -214,6 +214,9 @@ def _assert_hung_engine_recorded(out: Path, engine: str, ended: Ended) -> None:
 
 
 def _assert_hung_reference_one_line(out: Path, reference: str, ended: Ended) -> None:
+    """The one line is on stderr (where a failed run's line and a usage error go), names the reference by its URL
+    and says it is the reference; audit.json records the failure in an `error` that names it too (wherever the
+    schema keeps the reference's failure)."""
     lines = [line for line in ended.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, f"a hung reference should end the audit with one line on stderr:\n{ended}"
     assert reference in lines[0] and "reference" in lines[0], lines[0]
@@ -495,7 +498,8 @@ def test_served_report_renders_in_headless_chromium(served_audit_out, tmp_path):
     layout = json.loads(unescape_html(match.group(1)))
     assert layout["scripts"] == 1, "report.html put a script element into the page"
     for chart in layout["charts"]:
-        assert chart["width"] > 300 and chart["height"] > 100, f"{chart['label']} laid out at {chart['width']}x{chart['height']}"
+        size = f"{chart['width']}x{chart['height']}"
+        assert chart["width"] > 300 and chart["height"] > 100, f"{chart['label']} laid out at {size}"
     text = unescape_html(re.sub(r"<[^>]+>", " ", dumped))
     assert "engine.jsonl" in text and "structural" in text.lower() and "determinism" in text.lower()
     screenshot = tmp_path / "report.png"
