@@ -18,7 +18,8 @@ from specaudit.equivalence.errors import UsageError
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair, source_of
 
 
-def _recorded_samples(spec: str) -> list[tuple[list[int], list[int]]]:
+def recorded_samples(spec: str) -> list[tuple[list[int], list[int]]]:
+    """A recording's samples (one line per sample, its prompt repeated): (prompt, tokens)."""
     from specaudit.engines.adapters.recorded import read_recording
 
     return [(line.prompt_ids, line.output_ids) for line in read_recording(spec.partition(":")[2])]
@@ -78,7 +79,7 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
     built: dict[str, Any] = {}
     for spec in settings.engines:
         try:
-            built[spec] = (_recorded_samples(spec) if source_of(spec) == "recording"
+            built[spec] = (recorded_samples(spec) if source_of(spec) == "recording"
                            else make_sampled_engine(spec, pair.target, pair.draft, sampling_params(settings),
                                                     seed=sampling.seed, draft_tokens=settings.draft_tokens,
                                                     options=dict(settings.engine_options),

@@ -31,7 +31,8 @@ from specaudit.engines.contract import capability
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
-from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, failure_message
+from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, check_outputs, failure_message
+from specaudit.equivalence.pipeline import sampled
 from specaudit.equivalence.pipeline.settings import AuditSettings, source_of
 from specaudit.equivalence.rulings import served as served_rulings
 from specaudit.equivalence.run_record import failed_run, run_record
@@ -169,6 +170,8 @@ def served_prompts(settings: AuditSettings, served_model: Served) -> tuple[list[
         from specaudit.engines.adapters.recorded import read_recording
 
         prompts = [line.prompt_ids for line in read_recording(recordings[0].partition(":")[2])]
+        if settings.judge == "sampled":  # one line per sample: each prompt once, in order
+            prompts = [list(p) for p in dict.fromkeys(tuple(p) for p in prompts)]
         return (prompts[: settings.num_prompts] if settings.num_prompts else prompts), None
     if settings.prompts == "builtin" and served_model.tokenizer is None:
         raise UsageError("--reference with the built-in prompts needs the served model's tokenizer: give "
@@ -289,10 +292,11 @@ class ServedGroup:
         try:
             self.reference = make_engine(settings.reference, None, None, batch_size=1, draft_tokens=1,
                                          **settings.engine_options)
-            self.sampled_engines = {spec: make_sampled_server(spec, SamplingParams(temperature=1.0),
-                                                              seed=settings.sampling.seed,
-                                                              batch_size=settings.batch_sizes[0],
-                                                              **settings.engine_options)
+            self.sampled_engines = {spec: (sampled.recorded_samples(spec) if source_of(spec) == "recording" else
+                                           make_sampled_server(spec, SamplingParams(temperature=1.0),
+                                                               seed=settings.sampling.seed,
+                                                               batch_size=settings.batch_sizes[0],
+                                                               **settings.engine_options))
                                     for spec in settings.engines}
         except ValueError as exc:
             raise UsageError(str(exc)) from None
@@ -372,13 +376,20 @@ class ServedGroup:
 
         settings, sampling = self.settings, self.settings.sampling
         started = time.perf_counter()
+        engine, recorded = self.sampled_engines[spec], None
+        if source_of(spec) == "recording":  # its samples are checked as an engine's outputs are
+            recorded, engine = engine, None
         try:  # behind the guard: a time limit on the engine and on each reference call, the output contract
+            if recorded is not None:
+                checked = check_outputs([tokens for _, tokens in recorded], len(recorded),
+                                        self.served_model.vocab_size)
+                recorded = [(prompt, tokens) for (prompt, _), tokens in zip(recorded, checked)]
             result = served_sampled_audit(
-                GuardedEngine(self.sampled_engines[spec], timeout=settings.timeout,
-                              vocab_size=self.served_model.vocab_size),
+                None if engine is None else GuardedEngine(engine, timeout=settings.timeout,
+                                                          vocab_size=self.served_model.vocab_size),
                 TimedReference(self.reference, settings.timeout), self.prompts, samples=sampling.samples,
                 max_new_tokens=settings.max_new_tokens, eos_token_id=self.eos, seed=sampling.seed,
-                alpha=sampling.alpha)
+                alpha=sampling.alpha, recorded=recorded)
             result["seconds"] = {"sampling and testing": time.perf_counter() - started}
         except KeyboardInterrupt:
             raise

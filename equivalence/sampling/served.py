@@ -56,13 +56,19 @@ def pit_values(distributions: list[tuple[list[float], int]], generator: torch.Ge
 
 
 def served_sampled_audit(engine: Any, reference: Any, prompts: list[list[int]], *, samples: int, max_new_tokens: int,
-                         eos_token_id: Any, seed: int, alpha: float, top: int = TOP) -> dict[str, Any]:
-    """`engine` (a SampledServer) drawn `samples` times over `prompts`; each sample teacher-forced through
-    `reference` (a server engine with `prompt_logprobs`); the tests (module docstring)."""
-    from specaudit.equivalence.sampling.run import spread
+                         eos_token_id: Any, seed: int, alpha: float, top: int = TOP,
+                         recorded: list[tuple[list[int], list[int]]] | None = None) -> dict[str, Any]:
+    """`engine` (a SampledServer) drawn `samples` times over `prompts`, or the `recorded` samples (prompt,
+    tokens) of a recording; each sample teacher-forced through `reference` (a server engine with
+    `prompt_logprobs`); the tests (module docstring)."""
+    from specaudit.equivalence.sampling.run import check_budget, spread
 
-    requests = spread(prompts, samples)
-    outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+    if recorded is None:
+        requests = spread(prompts, samples)
+        outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+    else:
+        requests, outputs = [list(p) for p, _ in recorded], [list(t) for _, t in recorded]
+        check_budget(outputs, max_new_tokens, eos_token_id, recording=True)
     distributions: list[tuple[list[float], int]] = []
     for prompt, tokens in zip(requests, outputs):
         if not tokens:
