@@ -134,16 +134,23 @@ def takes_request_params(spec: str) -> bool:
     return hasattr(factory, "request_params")
 
 
-def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_tokens: int, **options: Any) -> Any:
-    """Build an engine. Options the factory does not accept (it has no **kwargs and no such
-    parameter) are left out, so a minimal user factory need only take the four contract arguments."""
+def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_tokens: int,
+                sampling: Any = None, seed: int = 0, rule: Any = None, **options: Any) -> Any:
+    """The one engine builder, for every audit. Greedy (`sampling` None): the factory of `spec` called as
+    `factory(target, draft, batch_size=, draft_tokens=, **options)` (a black-box engine: `factory(location,
+    batch_size=, **options)`). Options the factory does not accept (it has no **kwargs and no such parameter)
+    are left out, so a minimal user factory need only take the four contract arguments.
+
+    Sampled (`sampling` a `SamplingParams`, `seed` the run's): a live server asked for seeded samples
+    (engines/adapters/sampled_servers.py); one of the project's engines (`REQUEST_ENGINES`) sampled through its
+    request parameters (`sampling.engine.RequestSampled`; `rule` the `SpeculativeRule` it decides sampled rows
+    by, for planting a fault); a sampled factory (`SAMPLED_ENGINES`, `package.module:factory`) called as
+    `factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, [batch_size=,] **options)`."""
+    if sampling is not None:
+        return _make_sampled(spec, target, draft, sampling, seed=seed, batch_size=batch_size,
+                             draft_tokens=draft_tokens, rule=rule, options=options)
     factory = resolve(spec)
-    try:
-        params = inspect.signature(factory).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        options = {k: v for k, v in options.items() if takes_any or k in params}
-    except (TypeError, ValueError):  # builtins without a signature: pass everything
-        pass
+    options = _accepted(factory, options)
     if black_box_prefix(spec):
         engine = factory(spec.partition(":")[2], batch_size=batch_size, **options)
     else:
@@ -151,3 +158,42 @@ def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_to
     if not callable(getattr(engine, "generate", None)):
         raise EngineSpecError(f"engine {spec!r}: the factory returned {type(engine).__name__}, which has no generate()")
     return engine
+
+
+def _accepted(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The options `factory` takes (a parameter of that name, or **kwargs); all of them when its signature
+    cannot be read (builtins)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return options
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {k: v for k, v in options.items() if takes_any or k in params}
+
+
+def _make_sampled(spec: str, target: Any, draft: Any, params: Any, *, seed: int, batch_size: int, draft_tokens: int,
+                  rule: Any, options: dict[str, Any]) -> Any:
+    from specaudit.engines.adapters.sampled_servers import SAMPLED_DIALECTS, make_sampled_server
+
+    if black_box_prefix(spec) in SAMPLED_DIALECTS:
+        return make_sampled_server(spec, params, seed=seed, batch_size=batch_size, **options)
+    if spec in REQUEST_ENGINES:
+        from specaudit.engines.sampling.engine import RequestSampled
+
+        options = dict(options)
+        batch_size = int(options.pop("batch_size", batch_size))  # an --engine-option's batch wins
+        engine = make_engine(spec, target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+        engine.sampling_rule = rule
+        return RequestSampled(engine, params, seed)
+    if spec not in SAMPLED_ENGINES and ":" not in spec:
+        what = ("decodes greedily only, it takes no sampled requests" if spec in BUILTIN_ENGINES
+                else "is no sampled engine")
+        raise EngineSpecError(f"{spec!r} {what}: give {', '.join([*SAMPLED_ENGINES, *REQUEST_ENGINES])}, "
+                              "recorded:FILE or package.module:factory")
+    factory = resolve(spec, sampled=True)
+    if "batch_size" in _accepted(factory, {"batch_size": batch_size}):  # its batch, where it takes one
+        options = {"batch_size": batch_size, **options}
+    if rule is not None:
+        options = {**options, "rule": rule}
+    return factory(target, draft, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                   seed=seed, draft_tokens=draft_tokens, **options)

@@ -22,7 +22,7 @@ from specaudit.engines.requests.rows import RowRequests
 from specaudit.engines.sampling.process import SamplingParams, process_logits
 from specaudit.engines.sampling.rules import SpeculativeRule
 from specaudit.equivalence.sampling.exact import departure, outcomes_of
-from specaudit.equivalence.sampling.run import make_engine, sampled_audit
+from specaudit.equivalence.sampling.run import sampled_audit
 from specaudit.testing.faults.sampling import SAMPLING_FAULTS
 from specaudit.testing.sampling_strategies import SamplingCase, sampling_cases
 
@@ -99,7 +99,7 @@ def _audit(engine, pair, samples: int, seed: int, params: SamplingParams = PARAM
 
 @pytest.mark.parametrize("name", ["eqspec", "exspec", "inplace", "fixedshape"])
 def test_each_engine_passes_the_sampled_audit_and_keeps_the_seed(pair, name: str) -> None:
-    engine = make_engine(name, pair.target, pair.draft, PARAMS, seed=5, draft_tokens=K, options={"batch_size": 64})
+    engine = make_project_engine(name, pair.target, pair.draft, sampling=PARAMS, seed=5, draft_tokens=K, batch_size=64)
     report = _audit(engine, pair, 300, seed=5)
     assert report["verdict"] == "no departure found", report["worst_test"]
     assert report["seeds"]["same_seed_same_output"] and report["seeds"]["alone_equals_batch"]
@@ -116,7 +116,7 @@ def test_each_engine_passes_the_sampled_audit_and_keeps_the_seed(pair, name: str
 ])
 def test_a_fault_in_the_shared_acceptance_rule_fails_the_audit_of_eqspec(pair, fault: str, params: SamplingParams,
                                                                           samples: int) -> None:
-    engine = make_engine("eqspec", pair.target, pair.draft, params, seed=1, draft_tokens=K, options={"batch_size": 64},
+    engine = make_project_engine("eqspec", pair.target, pair.draft, sampling=params, seed=1, draft_tokens=K, batch_size=64,
                          rule=SAMPLING_FAULTS[fault]())
     report = _audit(engine, pair, samples, seed=1, params=params, seed_checks=False)
     assert report["verdict"] == "departure" and report["p_value"] < 0.01, report["worst_test"]

@@ -220,11 +220,12 @@ class _Counted:
 def test_the_draw_in_chunks_gives_the_tokens_of_one_call_and_moves_the_bar() -> None:
     from specaudit.engines.models.zoo import load_pair
     from specaudit.engines.sampling.process import SamplingParams
-    from specaudit.equivalence.sampling.run import draw, make_engine, spread
+    from specaudit.engines.registry import make_engine
+    from specaudit.equivalence.sampling.run import draw, spread
 
     pair = load_pair("tiny-llama")
-    engine = make_engine("sampled-spec", pair.target, pair.draft, SamplingParams(0.7, 8, 1.0), seed=4, draft_tokens=2,
-                         options={})
+    engine = make_engine("sampled-spec", pair.target, pair.draft, sampling=SamplingParams(0.7, 8, 1.0), seed=4,
+                         draft_tokens=2, batch_size=8)
     requests = spread(builtin_prompts()[:2], 13)
     whole, whole_offsets, _ = draw(engine, requests, 3, pair.eos_token_id, seed=4)
     bar = _Counted()

@@ -133,11 +133,13 @@ def make_sampled_server(spec: str, params: SamplingParams, *, seed: int, batch_s
                         **options: Any) -> SampledServer:
     """`vllm:URL`, `llamacpp:URL`, `sglang:URL` or `trtllm:URL` as a `SampledServer`. Options:
     `seed_requests` (default true), and the server engine's own (`timeout`, `model`, ...)."""
-    from specaudit.engines.registry import black_box_prefix, make_engine
+    from specaudit.engines.adapters import servers
 
-    prefix = black_box_prefix(spec)
-    if prefix not in SAMPLED_DIALECTS:
+    prefix, _, url = spec.partition(":")
+    dialects = {"vllm": servers.VLLMEngine, "llamacpp": servers.LlamaCppEngine, "sglang": servers.SGLangEngine,
+                "trtllm": servers.TRTLLMEngine}
+    if prefix not in SAMPLED_DIALECTS or not url:
         raise ValueError(f"{spec!r} is not a live server (vllm:URL, llamacpp:URL, sglang:URL, trtllm:URL)")
     seed_requests = options.pop("seed_requests", True)
-    server = make_engine(spec, None, None, batch_size=batch_size, draft_tokens=1, **options)
+    server = dialects[prefix](url, batch_size=batch_size, **options)
     return SampledServer(server, params, seed=seed, seed_requests=seed_requests)

@@ -1,5 +1,6 @@
 """Two small sampled engines on the standard rule: `SampledSpeculative` (draft k, verify with a
-`SpeculativeRule`) and `SampledReference` (the target alone). Both take temperature, top-k, top-p
+`SpeculativeRule`) and `SampledReference` (the target alone); and `RequestSampled`, one of the project's
+engines asked for sampled tokens through its request parameters. Both take temperature, top-k, top-p
 and a seed per request, and draw every random decision of a row from that row's own generator, so a
 seeded request gives the same tokens alone or inside any batch.
 
@@ -9,6 +10,8 @@ rounding of the batched matrix products (float64: 1e-16, far below any decision'
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -132,3 +135,30 @@ class SampledSpeculative(_SampledEngine):
         p = self.rule.target_probs(target_table, params)  # [B, k+1, V]
         q_used = self.rule.acceptance_q(draft_table, params)  # [B, k(+1), V]
         return [self.rule.verify(p[b], q_used[b], extended[b][len(rows[b]):], draws[b]) for b in range(len(rows))]
+
+
+class RequestSampled:
+    """One of the project's engines (`registry.REQUEST_ENGINES`) asked for sampled tokens the way any request
+    asks: each prompt's `RequestParams` carries the temperature, top-k, top-p and its own seed. `generate`
+    takes a seed per request like the small sampled engines; `last_step_offsets` comes from the engine's
+    trace (each token's offset in the step that emitted it)."""
+
+    def __init__(self, engine: Any, params: SamplingParams, seed: int) -> None:
+        self.engine, self.params, self.seed = engine, params, seed
+        self.name = engine.name
+        self.last_step_offsets: list[list[int]] | None = None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: Any,
+                 seeds: list[int] | None = None) -> list[list[int]]:
+        from specaudit.engines.requests import RequestParams
+
+        seeds = request_seeds(self.seed, len(prompts)) if seeds is None else list(seeds)
+        self.engine.request_params = [RequestParams(temperature=self.params.temperature, top_k=self.params.top_k,
+                                                    top_p=self.params.top_p, seed=s) for s in seeds]
+        try:
+            outputs = self.engine.generate(prompts, max_new_tokens, eos_token_id)
+        finally:
+            self.engine.request_params = None
+        trace = self.engine.last_trace
+        self.last_step_offsets = trace.step_offsets() if trace is not None and trace.steps else [[0] * len(o) for o in outputs]
+        return outputs

@@ -63,7 +63,7 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
     vocabulary, an engine that cannot be built)."""
     from specaudit.equivalence import validate
     from specaudit.equivalence.prompts import load_prompts
-    from specaudit.equivalence.sampling.engines import make_sampled_engine
+    from specaudit.engines.registry import make_engine
 
     device, sampling = settings.device, settings.sampling
     on_cpu_in_float64 = dtype == "float64" and torch.device(device).type == "cpu"
@@ -80,10 +80,9 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
     for spec in settings.engines:
         try:
             built[spec] = (recorded_samples(spec) if source_of(spec) == "recording"
-                           else make_sampled_engine(spec, pair.target, pair.draft, sampling_params(settings),
-                                                    seed=sampling.seed, draft_tokens=settings.draft_tokens,
-                                                    options=dict(settings.engine_options),
-                                                    batch_size=settings.batch_sizes[0]))
+                           else make_engine(spec, pair.target, pair.draft, sampling=sampling_params(settings),
+                                            seed=sampling.seed, draft_tokens=settings.draft_tokens,
+                                            batch_size=settings.batch_sizes[0], **settings.engine_options))
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - a bad name, file or factory: one line, exit 2

@@ -77,20 +77,20 @@ def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int)
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.engines.models.zoo import builtin_prompts
     from specaudit.equivalence.reports.sampled import PASS, engine_sentence
-    from specaudit.equivalence.sampling.engines import make_sampled_engine
+    from specaudit.engines.registry import make_engine
     from specaudit.equivalence.sampling.run import guarded_sampled_audit
     from specaudit.testing import models
 
     pair = models.pair(pair_name)
     params = SamplingParams(temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p)
     try:
-        built = make_sampled_engine(engine, pair.target, pair.draft, params, seed=seed,
-                                    draft_tokens=setting.draft_tokens, options={}, batch_size=setting.batch_size)
+        built = make_engine(engine, pair.target, pair.draft, sampling=params, seed=seed,
+                            draft_tokens=setting.draft_tokens, batch_size=setting.batch_size)
     except Exception as exc:  # noqa: BLE001 - a greedy-only engine, or a factory that raises: one line
         raise SampledRunFailed(f"{engine} cannot sample: {type(exc).__name__}: {exc}") from None
     report = guarded_sampled_audit(
         engine, lambda: built, pair.target, builtin_prompts()[:1], params, timeout=None,
-        vocab_size=getattr(pair.target.config, "vocab_size", None), batch_size=setting.batch_size, device="cpu",
+        vocab_size=pair.target.config.vocab_size, batch_size=setting.batch_size, device="cpu",
         samples=setting.samples, max_new_tokens=setting.max_new_tokens, eos_token_id=pair.eos_token_id, seed=seed,
         alpha=setting.alpha, draft=pair.draft)
     if report.get("failed"):

@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     from specaudit.engines.models.zoo import builtin_prompts, load_pair
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.engines.registry import REQUEST_ENGINES
-    from specaudit.equivalence.sampling.run import make_engine, sampled_audit
+    from specaudit.engines.registry import make_engine
+    from specaudit.equivalence.sampling.run import sampled_audit
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", default="sampled-spec")
@@ -42,8 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     p_values, started = [], time.perf_counter()
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        engine = make_engine(args.engine, pair.target, pair.draft, params, seed=seed, draft_tokens=args.draft_tokens,
-                             options={"batch_size": 64} if args.engine in REQUEST_ENGINES else {})
+        engine = make_engine(args.engine, pair.target, pair.draft, sampling=params, seed=seed,
+                             draft_tokens=args.draft_tokens, batch_size=64 if args.engine in REQUEST_ENGINES else 8)
         report = sampled_audit(engine, pair.target, prompts, params, samples=args.samples,
                                max_new_tokens=args.max_new_tokens, eos_token_id=pair.eos_token_id, seed=seed,
                                seed_checks=False, draft=pair.draft)

@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.engines.registry import BUILTIN_ENGINES, REQUEST_ENGINES, SAMPLED_ENGINES, EngineSpecError, resolve
 from specaudit.engines.sampling.engine import request_seeds
 from specaudit.engines.sampling.process import SamplingParams
 from specaudit.equivalence.errors import one_line
@@ -28,72 +27,6 @@ from specaudit.equivalence.run_record import SAMPLED, run_record
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
 from specaudit.engines.contract import capability, declares
-
-class RequestSampled:
-    """One of the project's engines (`REQUEST_ENGINES`) asked for sampled tokens the way any request asks:
-    each prompt's `RequestParams` carries the temperature, top-k, top-p and its own seed. `generate`
-    takes a seed per request like the small sampled engines; `last_step_offsets` comes from the engine's
-    trace (each token's offset in the step that emitted it)."""
-
-    def __init__(self, engine: Any, params: SamplingParams, seed: int) -> None:
-        self.engine, self.params, self.seed = engine, params, seed
-        self.name = engine.name
-        self.last_step_offsets: list[list[int]] | None = None
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: Any,
-                 seeds: list[int] | None = None) -> list[list[int]]:
-        from specaudit.engines.requests import RequestParams
-
-        seeds = request_seeds(self.seed, len(prompts)) if seeds is None else list(seeds)
-        self.engine.request_params = [RequestParams(temperature=self.params.temperature, top_k=self.params.top_k,
-                                                    top_p=self.params.top_p, seed=s) for s in seeds]
-        try:
-            outputs = self.engine.generate(prompts, max_new_tokens, eos_token_id)
-        finally:
-            self.engine.request_params = None
-        trace = self.engine.last_trace
-        self.last_step_offsets = trace.step_offsets() if trace is not None and trace.steps else [[0] * len(o) for o in outputs]
-        return outputs
-
-
-def make_engine(spec: str, target: Any, draft: Any, params: SamplingParams, *, seed: int, draft_tokens: int,
-                options: dict[str, Any], rule: Any = None) -> Any:
-    """A built-in sampled engine by name (`sampled-spec`, `sampled-reference`, `hf-assisted`: the
-    registry's `SAMPLED_ENGINES`; or one of the project's engines, `REQUEST_ENGINES`, sampled through its
-    request parameters; `rule` a `SpeculativeRule` they decide sampled rows by, for planting a fault),
-    or `package.module:factory` (resolved by the registry, as in the greedy audit) called as
-    factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, **options)."""
-    if spec in REQUEST_ENGINES:
-        from specaudit.engines.registry import make_engine as make_project_engine
-
-        options = dict(options)
-        engine = make_project_engine(spec, target, draft, batch_size=int(options.pop("batch_size", 8)),
-                                     draft_tokens=draft_tokens, **options)
-        engine.sampling_rule = rule
-        return RequestSampled(engine, params, seed)
-    if spec not in SAMPLED_ENGINES and ":" not in spec:
-        what = ("decodes greedily only, it takes no sampled requests" if spec in BUILTIN_ENGINES
-                else "is no sampled engine")
-        raise EngineSpecError(f"{spec!r} {what}: give {', '.join([*SAMPLED_ENGINES, *REQUEST_ENGINES])}, "
-                              "recorded:FILE or package.module:factory")
-    factory = resolve(spec, sampled=True)
-    if rule is not None:
-        options = {**options, "rule": rule}
-    return factory(target, draft, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                   seed=seed, draft_tokens=draft_tokens, **options)
-
-
-def takes_keyword(factory_spec: str, name: str) -> bool:
-    """Whether the sampled engine named `factory_spec` is built with the keyword `name` (a parameter of
-    that name, or **kwargs); True for the project's engines and when the signature cannot be read."""
-    if factory_spec in REQUEST_ENGINES:
-        return True
-    try:
-        params = inspect.signature(resolve(factory_spec, sampled=True)).parameters
-    except (EngineSpecError, TypeError, ValueError):
-        return True
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
 
 def spread(prompts: list[list[int]], samples: int) -> list[list[int]]:
     """`samples` requests over the prompts, as evenly as possible, in prompt order."""

@@ -199,14 +199,15 @@ def make_fault_engine(target: Any, draft: Any = None, *, fault: str, engine: str
         raise ValueError(f"unknown sampling fault {fault!r}; known: {', '.join([*SAMPLING_FAULTS, SharedStream.name])}")
     if engine != "sampled-spec":
         from specaudit.engines.sampling.process import SamplingParams
-        from specaudit.equivalence.sampling.run import make_engine
+        from specaudit.engines.registry import make_engine
 
         if fault == SharedStream.name:
             raise ValueError("the shared stream is a fault of sampled-spec's streams; the project's engines keep one per request")
         params = SamplingParams(float(options.pop("temperature", 1.0)), int(options.pop("top_k", 0)),
                                 float(options.pop("top_p", 1.0)))
-        return make_engine(engine, target, draft, params, seed=int(options.pop("seed", 0)),
-                           draft_tokens=int(options.pop("draft_tokens", 4)), options=options, rule=SAMPLING_FAULTS[fault]())
+        return make_engine(engine, target, draft, sampling=params, seed=int(options.pop("seed", 0)),
+                           draft_tokens=int(options.pop("draft_tokens", 4)), batch_size=int(options.pop("batch_size", 8)),
+                           rule=SAMPLING_FAULTS[fault](), **options)
     if fault == SharedStream.name:
         return SharedStream(target, draft, **options)
     return SampledSpeculative(target, draft, rule=SAMPLING_FAULTS[fault](), **options)

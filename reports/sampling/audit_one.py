@@ -17,7 +17,8 @@ import torch
 
 from specaudit.engines.models.zoo import builtin_prompts, load_pair
 from specaudit.engines.sampling.process import SamplingParams
-from specaudit.equivalence.sampling.run import make_engine, sampled_audit
+from specaudit.engines.registry import make_engine
+from specaudit.equivalence.sampling.run import sampled_audit
 from specaudit.testing.faults.sampling import SAMPLING_FAULTS
 
 
@@ -29,8 +30,8 @@ def main(argv: list[str]) -> None:
     pair = load_pair("tiny-llama")
     params = SamplingParams(temperature, top_k)
     rule = SAMPLING_FAULTS[fault]() if fault != "none" else None
-    engine = make_engine(engine_name, pair.target, pair.draft, params, seed=seed, draft_tokens=k,
-                         options={"batch_size": 64} if engine_name != "sampled-spec" else {}, rule=rule)
+    engine = make_engine(engine_name, pair.target, pair.draft, sampling=params, seed=seed, draft_tokens=k,
+                         batch_size=64 if engine_name != "sampled-spec" else 8, rule=rule)
     started = time.time()
     report = sampled_audit(engine, pair.target, builtin_prompts()[:1], params, samples=samples,
                            max_new_tokens=new_tokens, eos_token_id=pair.eos_token_id, seed=seed, seed_checks=False,

@@ -16,7 +16,8 @@ import torch
 
 from specaudit.engines.models.zoo import builtin_prompts, load_pair
 from specaudit.engines.sampling.process import SamplingParams
-from specaudit.equivalence.sampling.run import make_engine, sampled_audit
+from specaudit.engines.registry import make_engine
+from specaudit.equivalence.sampling.run import sampled_audit
 from specaudit.testing.faults.sampling import make_fault_engine
 
 
@@ -37,8 +38,8 @@ def main() -> None:
     for name in args.names:
         started = time.perf_counter()
         if name in ("sampled-spec", "sampled-reference"):
-            engine = make_engine(name, pair.target, pair.draft, params, seed=args.seed,
-                                 draft_tokens=args.draft_tokens, options={})
+            engine = make_engine(name, pair.target, pair.draft, sampling=params, seed=args.seed,
+                                 draft_tokens=args.draft_tokens, batch_size=8)
         else:
             engine = make_fault_engine(pair.target, pair.draft, fault=name, temperature=params.temperature,
                                        top_k=params.top_k, top_p=params.top_p, seed=args.seed,
