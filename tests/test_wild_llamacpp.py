@@ -211,8 +211,11 @@ def test_served_reference_rules_the_zero_logprobs_logprob_report_without_weights
                            "--batch-size", "1", "--max-new-tokens", str(NEW_TOKENS), out=tmp_path / "audit")
     assert result.returncode == 1, result.stdout + result.stderr
     (run,) = cli_run.runs(tmp_path / "audit")
-    assert run["exact_matches"] == run["num_prompts"] == 1 and run["divergences"] == [], run
-    (finding,) = run["findings"]
-    assert (finding["class"], finding["decided_by"], finding["kind"]) == ("logprob_report", "logprob-compare", "structural")
+    # the tokens agree; the report check's finding is the one divergence, in the greedy schema
+    assert run["exact_matches"] == run["num_prompts"] == 1, run
+    (finding,) = run["divergences"]
+    assert (finding["diagnosis"]["class"], finding["decided_by"], finding["kind"]) == (
+        "logprob_report", "logprob-compare", "structural")
+    assert finding["diagnosis"]["named_by"] == "logprob-compare" and not finding["diagnosis"]["needs_weights"]
     assert finding["evidence"]["positions_off"] == list(range(1, NEW_TOKENS)), finding
     print(result.stdout)

@@ -197,6 +197,6 @@ def test_served_reference_rules_min_tokens_at_the_bonus_position_without_weights
     (run,) = cli_run.runs(tmp_path / "audit")
     (divergence,) = run["divergences"]
     assert (divergence["position"], divergence["reference_token"], divergence["engine_token"]) == (5, wm.EOS, ord("0"))
-    assert (divergence["kind"], divergence["class"], divergence["decided_by"]) == (
+    assert (divergence["kind"], divergence["diagnosis"]["class"], divergence["decided_by"]) == (
         "structural", "logits_processor", "min-tokens"), divergence
     print(result.stdout)

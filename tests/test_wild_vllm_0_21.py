@@ -134,6 +134,6 @@ def test_served_reference_rules_both_stop_string_bugs_without_weights(server, pl
     (run,) = cli_run.runs(tmp_path / "audit")
     (divergence,) = run["divergences"]
     assert (divergence["position"], divergence["engine_token"]) == (position, engine_token), divergence
-    assert (divergence["kind"], divergence["class"], divergence["decided_by"]) == (
+    assert (divergence["kind"], divergence["diagnosis"]["class"], divergence["decided_by"]) == (
         "structural", "stop_string", "stop-string"), divergence
     print(result.stdout)
