@@ -1,20 +1,26 @@
-"""EQSPEC: batched speculative decoding on a fixed batch, realigned after every step.
+"""EQSPEC: batched speculative decoding on a fixed batch, realigned after every step; and the one step
+of every ragged speculative engine (EQSPEC, EXSPEC's groups, INPLACE), whose cache policy is a parameter.
 
 Contract: token ids in, token ids out, exactly the tokens greedy decoding of each prompt alone
-would give. Prompts are taken in consecutive batches of `batch_size`. Each step, for the rows
-still running:
+would give. Prompts are taken in consecutive batches of `batch_size`. `start_batch` prefills them;
+then each step (`speculative_step`), for the rows still running:
 
-1. draft:   the drafter proposes k tokens per row                       # [B, k]
-2. verify:  one target pass over [pending token, k draft tokens]          # [B, k+1, V]
+1. draft:   the drafter proposes up to K tokens per row                  # [B, K]
+2. verify:  one target pass over [pending token, K draft tokens]          # [B, K+1, V]
 3. accept:  each row keeps its longest draft prefix equal to the target's
-            greedy choices (accepted tokens), then the target's own next
-            token (the bonus token); cut at the first EOS or at exactly
-            max_new_tokens, never later. A sampled request (request
-            parameters with temperature > 0) is decided by the rejection
-            sampler instead (engines/acceptance.py), its drafts drawn from
-            the draft's processed q, every decision from its own stream
-4. realign: unpad-append-repad the tokens, drop finished rows, and gather
-            both caches so each row holds exactly its accepted tokens
+            greedy choices (accepted tokens), then the target's own token:
+            at the first disagreement (recovered) or after all K (bonus);
+            cut at the first EOS or at exactly max_new_tokens, never later.
+            A sampled request (request parameters with temperature > 0) is
+            decided by the rejection sampler instead (engines/acceptance.py),
+            its drafts drawn from the draft's processed q, every decision
+            from its own stream
+4. commit:  the cache policy (`CachePolicy`) keeps each running row's
+            [old cache, pending token, accepted tokens]: `Realign` (EQSPEC)
+            gathers both caches so each row holds exactly them; INPLACE's
+            `HolesInPlace` (engines/inplace.py) leaves the rejected columns
+            in place as masked holes. The tokens get the accepted and bonus
+            tokens (unpad-append-repad) and finished rows leave the batch
 
 Per-row state is the vector `lengths[B]`, never one scalar position: position ids and attention
 masks are derived from it every pass (see `engines/ops/ragged.py`).

@@ -5,7 +5,9 @@ alone out; at most `batch_size` rows at once, a freed row taking the next prompt
 `engines/inplace_refill.py`; `refill=False` runs consecutive batches). What differs is what happens to the columns of
 rejected draft tokens: EQSPEC gathers both caches after every step so each row holds exactly its
 accepted tokens; INPLACE leaves them where the verify pass (and the draft passes) wrote them, as
-holes, and keeps a validity mask per cache:
+holes, and keeps a validity mask per cache. The steps themselves are EQSPEC's (`eqspec.start_batch`,
+`eqspec.speculative_step`); INPLACE hands them its cache policy, `HolesInPlace`, and its state,
+`InplaceState`:
 
 - `target_valid` [B, W] (and `draft_valid` [B, W'] for the draft cache): True on a column that
   holds one of the row's real tokens. Left padding of the prompts and rejected draft slots are
@@ -32,8 +34,8 @@ Sampled requests (request parameters with temperature > 0) are decided by the re
 request's own stream, as in EQSPEC.
 
 Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
-target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (row selection and
-compaction). `pad_lengths` of a record holds each row's holes (width - real columns).
+target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (the pending tokens, row
+selection and compaction). `pad_lengths` of a record holds each row's holes (width - real columns).
 """
 
 from __future__ import annotations
