@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -80,30 +80,55 @@ def collect(trace: Trace, result: StepResult, outputs: list[list[int]], logits: 
             logits[row].append(result.logits[i])
 
 
+class StepState(Protocol):
+    """What `start_batch` and `speculative_step` read and write of a batch: `batch.BatchState` (EQSPEC, EXSPEC)
+    or `inplace.InplaceState` (INPLACE); its cache policy builds it."""
+
+    rows: list[int]  # prompt index of each row
+    lengths: torch.Tensor  # [B] real tokens per row (prompt + new, the pending one included)
+    prompt_lengths: torch.Tensor  # [B]
+    target_cache: DynamicCache
+    host: HostBook | None  # the host's mirror of the lengths, where the engine keeps one
+
+    @property
+    def tokens(self) -> torch.Tensor: ...  # [B, W] each row's tokens, right-aligned; the last column pending
+
+    @property
+    def cache_lengths(self) -> torch.Tensor: ...  # [B] real columns in each row's caches
+
+    def pad_length_list(self) -> list[int]: ...  # [B] columns of the target cache that are not the row's
+
+    def append(self, tokens: torch.Tensor, emitted: torch.Tensor, emitted_list: list[int], pad_id: int) -> None: ...
+
+    def select(self, keep: torch.Tensor) -> None: ...  # within a step, after the cache policy's commit
+
+    def keep_rows(self, keep: torch.Tensor) -> None: ...  # between steps, caches included
+
+
 class CachePolicy(Protocol):
     """What a step does with the columns of rejected draft tokens: the one thing EQSPEC, EXSPEC's groups
     and INPLACE do differently. `Realign` (here) gathers both caches after every step; `HolesInPlace`
     (engines/inplace.py) leaves rejected columns where the verify pass wrote them, masked."""
 
     def start(self, rows: list[int], tokens: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor,
-              target_cache: DynamicCache, pad_id: int) -> Any:
+              target_cache: DynamicCache, pad_id: int) -> StepState:
         """The batch after the target's prefill: `tokens` [B, P] the left-padded prompts, `lengths` [B] theirs,
         `first` [B] each row's first new token (pending), `target_cache` the prompts' cache."""
         ...
 
-    def verify(self, target: PreTrainedModel, state: Any, inputs: torch.Tensor,
+    def verify(self, target: PreTrainedModel, state: StepState, inputs: torch.Tensor,
                real_counts: torch.Tensor) -> torch.Tensor:
         """The target pass over `inputs` [B, K+1] after each row's cache; logits [B, K+1, V]."""
         ...
 
-    def commit(self, state: Any, drafter: Drafter, old_width: int, k: int, accepted_counts: torch.Tensor,
+    def commit(self, state: StepState, drafter: Drafter, old_width: int, k: int, accepted_counts: torch.Tensor,
                keep: torch.Tensor, clock: Clock) -> dict[str, float]:
         """Both caches keep each running row's [old cache, pending token, accepted tokens] (`keep`: the running
         rows, `old_width` the target cache's width before the verify pass, `k` its draft columns); `state` still
         describes the batch before the step. Returns the seconds of the stages it timed itself."""
         ...
 
-    def settle(self, state: Any) -> None:
+    def settle(self, state: StepState) -> None:
         """After finished rows left the batch: whatever the caches need before the next step."""
         ...
 
@@ -157,7 +182,7 @@ def start_batch(
     grouped_prefill: bool = True,
     requests: RowRequests | None = None,
     cache: CachePolicy = REALIGN,
-) -> tuple[Any, StepResult]:
+) -> tuple[StepState, StepResult]:
     """Prefill target and draft; the target's choice after each prompt is the row's first new token.
     `grouped_prefill=False`: the target prefills the whole batch in one padded pass. `requests`: the
     call's request parameters (engines/requests/rows.py), None for plain greedy requests. `cache`: the
@@ -187,7 +212,7 @@ def start_batch(
 def speculative_step(
     target: PreTrainedModel,
     drafter: Drafter,
-    state: Any,  # a `BatchState`, or the state of `cache` (INPLACE's `InplaceState`)
+    state: StepState,  # a `BatchState`, or the state of `cache` (INPLACE's `InplaceState`)
     k: int,
     step: int,
     eos_token_id: int | Sequence[int] | None,
