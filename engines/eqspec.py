@@ -91,7 +91,7 @@ class StepState(Protocol):
     host: HostBook | None  # the host's mirror of the lengths, where the engine keeps one
 
     @property
-    def tokens(self) -> torch.Tensor: ...  # [B, W] each row's tokens, right-aligned; the last column pending
+    def tokens(self) -> torch.Tensor: ...  # [B, W] each row's tokens, right-aligned, the last one pending (INPLACE: W = 1)
 
     @property
     def cache_lengths(self) -> torch.Tensor: ...  # [B] real columns in each row's caches
