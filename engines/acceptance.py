@@ -33,7 +33,7 @@ history there (prompt, committed output, the draft tokens before that position),
 stop ids (EOS and its `stop_token_ids`) instead of the EOS set, and cuts the emitted tokens at a
 completed stop string, committing them as the rows' output. Without it (plain greedy) none of that runs.
 
-EQSPEC (and EXSPEC, which steps through EQSPEC's `speculative_step`), INPLACE, the fixed-shape engine
+EQSPEC (and EXSPEC and INPLACE, which step through EQSPEC's `speculative_step`), the fixed-shape engine
 (`static/loop.py`) and, with request parameters, `batched` call `accept` through this module
 (`acceptance.accept`), so changing it changes all.
 """

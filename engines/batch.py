@@ -64,6 +64,15 @@ class BatchState:
         width = ragged.cache_width(self.target_cache)
         return [width - (n - 1) for n in self.host.lengths]
 
+    def append(self, tokens: torch.Tensor, emitted: torch.Tensor, emitted_list: list[int], pad_id: int) -> None:
+        """Each row's first `emitted[b]` tokens of `tokens` [B, K+1] appended, right-aligned again (`emitted_list`:
+        the same counts, read); the host's lengths follow, so the new width needs no device read."""
+        grown = [n + e for n, e in zip(self.host.lengths, emitted_list)] if self.host is not None else None
+        self.tokens, self.lengths = ragged.append_and_repad(self.tokens, self.lengths, tokens, emitted, pad_id,
+                                                            max(grown) if grown else None)
+        if self.host is not None and grown is not None:
+            self.host.lengths = grown
+
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` (indices, ascending), caches included, between steps."""
         if keep.numel() == self.lengths.numel():

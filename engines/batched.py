@@ -24,12 +24,13 @@ from specaudit.engines.batch import BatchState
 from specaudit.engines.batch import ConsecutiveBatches
 from specaudit.engines.contract import row_limits
 from specaudit.engines.requests.rows import TakesRequestParams
+from specaudit.engines.drafters import Drafter
 from specaudit.engines.eqspec import Clock, start_batch
 from specaudit.engines.limits import is_eos
 from specaudit.engines.trace import StepRecord, Trace
 
 
-class _NoDraft:
+class _NoDraft(Drafter):
     """The drafter slot of `start_batch`, for an engine without a draft."""
 
     def prefill(self, state: BatchState) -> None:
@@ -55,7 +56,7 @@ class BatchedGreedy(ConsecutiveBatches, TakesRequestParams):
     def _run_batch(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
                    trace: Trace, outputs: list[list[int]], logits: list[list[torch.Tensor]]) -> None:
         device = self.target.device
-        state, result = start_batch(self.target, _NoDraft(), prompts, rows, self.pad_id, eos_token_id,  # type: ignore[arg-type]
+        state, result = start_batch(self.target, _NoDraft(), prompts, rows, self.pad_id, eos_token_id,
                                     row_limits(max_new_tokens, rows, device), self.record_logits,
                                     requests=self.active_requests)
         self._collect(trace, result.record, result.emitted, result.logits, outputs, logits)

@@ -7,8 +7,9 @@ sequence). `PromptLookupDrafter` copies what followed the row's last n-gram earl
 `ScriptedDrafter` is for tests: it proposes the reference's own next tokens for a chosen number of
 positions and then a wrong one, or nothing, so a test dictates each row's acceptance.
 
-A drafter may propose fewer than k tokens for a row, none included: after `propose` it then holds
-`proposal_lengths` [B]. The engines verify `1 + m` tokens per row, m the step's longest proposal
+Every drafter derives from `Drafter`, which declares each member an engine may call or read, with its
+default; the engines read them as attributes, never probing. A drafter may propose fewer than k tokens
+for a row, none included: after `propose` it then holds `proposal_lengths` [B]. The engines verify `1 + m` tokens per row, m the step's longest proposal
 (`verify_drafts`): a row's own draft tokens, then pad ids that are never accepted
 (`accepted_prefix`) and never enter a recurrent state (`recurrent.forward_by_token`). A step where
 no row drafted anything is a one-token decoding pass.
@@ -16,11 +17,9 @@ no row drafted anything is a one-token decoding pass.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -72,9 +71,9 @@ def check_draft_inputs(tokens: torch.Tensor, draft: PreTrainedModel, target_voca
             "the target's padding ids must never win (they do in this pair)")
 
 
-def proposal_lengths(drafter: object, proposals: torch.Tensor) -> torch.Tensor:
+def proposal_lengths(drafter: Drafter, proposals: torch.Tensor) -> torch.Tensor:
     """[B] draft tokens each row really proposed: the drafter's `proposal_lengths`, else all k."""
-    lengths = getattr(drafter, "proposal_lengths", None)
+    lengths = drafter.proposal_lengths
     if lengths is None:
         return torch.full(proposals.shape[:1], proposals.shape[1], dtype=torch.long, device=proposals.device)
     return lengths.to(proposals.device)
@@ -117,7 +116,7 @@ def draft_stage(drafter: Drafter, state: object, k: int, sampling: StepSampler |
     a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)."""
     proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
     drafted = proposal_lengths(drafter, proposals)  # [B]
-    counted = getattr(drafter, "proposal_lengths", None) is not None
+    counted = drafter.proposal_lengths is not None
     longest = None if counted else proposals.shape[1]  # a drafter that always proposes k: no read
     tokens, own = verify_drafts(proposals, drafted, pad_id, longest)  # [B, m]
     if draft_logits is not None:
@@ -125,31 +124,65 @@ def draft_stage(drafter: Drafter, state: object, k: int, sampling: StepSampler |
     return Drafts(proposals, drafted, tokens, own, draft_logits, counted)
 
 
-class Drafter(Protocol):
-    """A drafter's calls. Under sampling (a pass with sampled rows) the engine calls
-    `propose(state, k, sampling=...)` on a drafter whose `propose` takes `sampling` and reads its
-    `draft_logits` [B, k, V] after it; any other drafter proposes as it always does, and its proposals
-    count as certain (q the one-hot of each token: engines/sampling/step.py)."""
+class Chooser:
+    """What chooses each proposal instead of the draft model's greedy token (the bench's
+    `engines.models.bench_pair.CalibratedChooser`); the draft model still runs on the chosen tokens."""
 
-    def prefill(self, state: BatchState) -> None: ...
+    on_device: bool = False  # chooses on the device, reading nothing on the host (the fixed-shape engine needs it)
 
-    def propose(self, state: BatchState, k: int) -> torch.Tensor:  # [B, k]
-        ...
+    def begin(self, rows: list[int] | torch.Tensor, generated: torch.Tensor, pending: torch.Tensor, k: int) -> None:
+        raise NotImplementedError
 
-    def commit(self, state: BatchState, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None: ...
+    def choose(self, i: int, draft_greedy: torch.Tensor) -> torch.Tensor:  # [B]
+        raise NotImplementedError
 
 
-class ModelDrafter:
+class Drafter:
+    """What an engine calls and reads of a drafter, each optional member declared here once with its default;
+    every drafter derives from it. `prefill` and `propose` are its own; the rest it keeps when it has them.
+
+    Under sampling (a pass with sampled rows) the engine calls `propose(state, k, sampling=...)` on a drafter
+    that declares `proposes_sampled` and reads its `draft_logits` [B, k, V] after it; any other drafter
+    proposes as it always does, and its proposals count as certain (q the one-hot of each token:
+    engines/sampling/step.py)."""
+
+    draft: PreTrainedModel | None = None  # the draft model it runs (None: it runs none)
+    chooser: Chooser | None = None  # what chooses its proposals instead of the draft model's greedy tokens
+    proposes_sampled: bool = False  # `propose` takes `sampling` and leaves `draft_logits`
+    proposal_lengths: torch.Tensor | None = None  # [B] after `propose`: each row's own count (None: all k)
+    draft_logits: torch.Tensor | None = None  # [B, k, V] after a sampled `propose`: what its drafts were drawn from
+    fill_seconds: float = 0.0  # its fill passes' time, where it times them (the bench moves it to the draft stage)
+
+    def prefill(self, state: Any) -> None:
+        """Before the first step, on the prompts: the draft's cache (`state.draft_cache`, None without one)."""
+        raise NotImplementedError
+
+    def propose(self, state: Any, k: int, sampling: StepSampler | None = None) -> torch.Tensor:  # [B, k]
+        raise NotImplementedError
+
+    def fill(self, state: Any, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+        """After the acceptance, before `commit`, in a cache that keeps holes (INPLACE): the columns of the
+        k-th draft token for rows that accepted all k. Nothing by default."""
+        return None
+
+    def commit(self, state: Any, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
+        """After the acceptance: the draft's cache keeps each row's accepted tokens. Nothing by default."""
+        return None
+
+
+class ModelDrafter(Drafter):
     """Drafting with a draft model whose cache lives in `state.draft_cache`: each proposal is the draft
     model's greedy token, or, with a `chooser` (the bench's `engines.models.bench_pair.CalibratedChooser`),
     the chooser's token; the draft model runs on the chosen tokens either way, so its cache holds what the
     row accepted. `fill_seconds` adds up the fill passes, which the ragged engines time inside their realign
     stage (the bench moves them to the draft stage), when a chooser is set."""
 
-    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None, chooser: object = None,
+    proposes_sampled = True
+
+    def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None, chooser: Chooser | None = None,
                  target_vocab_size: int | None = None) -> None:
         layout.check_supported(draft, "draft")
-        self.draft = draft
+        self.draft: PreTrainedModel = draft
         self.shared_vocab_size = shared_vocab_size  # proposals past it are draft errors (padded vocabularies)
         self.target_vocab_size = target_vocab_size  # the target's ids: inside the draft's, its tokens need no check
         self.chooser = chooser
@@ -237,7 +270,7 @@ Schedule = Callable[[int, int], int]  # (prompt index, row's step number) -> tok
 NO_DRAFT = -1  # a schedule value: the row proposes nothing that step
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes `schedule(prompt, step)` of the reference's next tokens, then a wrong token.
 
     `reference_outputs[p]` is the reference decoder's output for prompt `p`. Past the end of the
@@ -279,7 +312,7 @@ class ScriptedDrafter:
         return None
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Prompt lookup (n-gram speculation): for each row, the latest earlier occurrence of its last n
     tokens (n from `max_ngram` down to `min_ngram`) and up to k tokens that followed it there; a row
     whose n-grams never occurred earlier proposes nothing (`proposal_lengths` 0). No draft model."""
@@ -313,22 +346,13 @@ class PromptLookupDrafter:
         return None
 
 
-@functools.lru_cache(maxsize=None)
-def _proposes_sampled(drafter_class: type) -> bool:
-    """Whether a drafter class's `propose` takes `sampling` (read once per class, not every step)."""
-    try:
-        return "sampling" in inspect.signature(drafter_class.propose).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
 def propose(drafter: Drafter, state: object, k: int, sampling: StepSampler | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The drafter's [B, k] proposals and, under sampling, the draft logits [B, k, V] they were drawn from
     (None: greedy, or a drafter that proposes deterministically, whose q is the one-hot of its tokens)."""
-    if sampling is None or not _proposes_sampled(type(drafter)):
-        return drafter.propose(state, k), None  # type: ignore[arg-type]
-    proposals = drafter.propose(state, k, sampling=sampling)  # type: ignore[call-arg, arg-type]
-    return proposals, getattr(drafter, "draft_logits", None)
+    if sampling is None or not drafter.proposes_sampled:
+        return drafter.propose(state, k), None
+    proposals = drafter.propose(state, k, sampling=sampling)
+    return proposals, drafter.draft_logits
 
 
 def make_drafter(drafter: Drafter | str | None, target: PreTrainedModel, draft: PreTrainedModel | None) -> Drafter:

@@ -54,7 +54,7 @@ from specaudit.engines.batch import BatchState
 from specaudit.engines.contract import request_limits
 from specaudit.engines.limits import EosIds
 from specaudit.engines.drafters import Drafter, ModelDrafter, make_drafter
-from specaudit.engines.eqspec import Clock, StepResult, speculative_step, start_batch
+from specaudit.engines.eqspec import Clock, Realign, StepResult, speculative_step, start_batch
 from specaudit.engines.requests.rows import RowRequests, TakesRequestParams
 from specaudit.engines.exspec_cache import RowKV, Sequence, held_spans, join_rows, joinable, stack_cache, unstack_cache
 from specaudit.engines.trace import StepRecord, Trace
@@ -248,7 +248,7 @@ class ExspecPool:
             prompt_lengths = torch.tensor([s.prompt_length for s in group], dtype=torch.long, device=device)
             # a batch that will be held grows at its rows' own ends (`layout.RowEndsLayer`), when the models allow;
             # its buffers have the columns the longest request admitted can need
-            ends = hold and layout.row_ends_supported(self.target, getattr(self.drafter, "draft", None))
+            ends = hold and layout.row_ends_supported(self.target, self.drafter.draft)
             room = dict(row_ends=ends, rows=self.batch_size, columns=max(map(len, self.prompts.values())) + self.max_new_tokens + self.k + 1)
             state = BatchState([s.request_id for s in group], tokens, lengths, prompt_lengths,
                                stack_cache(self.target, [s.target_kv for s in group], **room))
@@ -263,7 +263,7 @@ class ExspecPool:
         result = speculative_step(self.target, self.drafter, state, self.k, len(self.records), self.eos_token_id,
                                   self._budgets(state.rows), self.pad_id, self.record_logits,
                                   kind="group" if same_length else "fallback",
-                                  realign=hold or (not same_length and self.fallback == "realign"),
+                                  cache=Realign(caches=hold or (not same_length and self.fallback == "realign")),
                                   requests=self.requests)
         clock.lap()
 

@@ -5,7 +5,9 @@ alone out; at most `batch_size` rows at once, a freed row taking the next prompt
 `engines/inplace_refill.py`; `refill=False` runs consecutive batches). What differs is what happens to the columns of
 rejected draft tokens: EQSPEC gathers both caches after every step so each row holds exactly its
 accepted tokens; INPLACE leaves them where the verify pass (and the draft passes) wrote them, as
-holes, and keeps a validity mask per cache:
+holes, and keeps a validity mask per cache. The steps themselves are EQSPEC's (`eqspec.start_batch`,
+`eqspec.speculative_step`); INPLACE hands them its cache policy, `HolesInPlace`, and its state,
+`InplaceState`:
 
 - `target_valid` [B, W] (and `draft_valid` [B, W'] for the draft cache): True on a column that
   holds one of the row's real tokens. Left padding of the prompts and rejected draft slots are
@@ -32,8 +34,8 @@ Sampled requests (request parameters with temperature > 0) are decided by the re
 request's own stream, as in EQSPEC.
 
 Stages in each `StepRecord.seconds`: `draft` (k draft passes and the fill pass), `verify` (the
-target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (row selection and
-compaction). `pad_lengths` of a record holds each row's holes (width - real columns).
+target pass), `accept` (acceptance rule and validity bookkeeping), `realign` (the pending tokens, row
+selection and compaction). `pad_lengths` of a record holds each row's holes (width - real columns).
 """
 
 from __future__ import annotations
@@ -44,18 +46,17 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines import acceptance
 from specaudit.engines import batch as batch_ops
 from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
-from specaudit.engines.batch import ConsecutiveBatches
+from specaudit.engines.batch import ConsecutiveBatches, HostBook
 from specaudit.engines.contract import row_limits
 from specaudit.engines.requests.rows import TakesRequestParams
-from specaudit.engines.drafters import ModelDrafter, draft_stage, shared_vocab_size
-from specaudit.engines.eqspec import Clock, StepResult, collect
+from specaudit.engines.drafters import Chooser, Drafter, ModelDrafter, shared_vocab_size
+from specaudit.engines.eqspec import Clock, StepResult, collect, speculative_step, start_batch
 from specaudit.engines.ops.hf_call import cached_forward
-from specaudit.engines.trace import StepRecord, Trace
+from specaudit.engines.trace import Trace
 
 DEFAULT_COMPACT_FRACTION = 0.25
 
@@ -68,20 +69,32 @@ class InplaceState:
     prompt_lengths: torch.Tensor  # [B]
     target_cache: DynamicCache
     target_valid: torch.Tensor  # [B, W] bool
-    prompt_tokens: torch.Tensor | None = None  # [B, P] left-padded prompts, until the drafter's prefill
+    prompt_tokens: torch.Tensor | None = None  # [B, P] left-padded prompts, for the drafter's prefill (it drops them)
     draft_cache: DynamicCache | None = None
     draft_valid: torch.Tensor | None = None  # [B, W'] bool
+    host: HostBook | None = None  # INPLACE keeps no host mirror of its lengths (the step reads `state.host`)
 
     @property
-    def tokens(self) -> torch.Tensor:  # [B, 1]; drafters written for BatchState read the pending token here
+    def tokens(self) -> torch.Tensor:  # [B, 1]; the step and the drafters read the pending token here
         return self.pending
 
     @property
     def cache_lengths(self) -> torch.Tensor:  # [B] real columns in each cache
         return self.lengths - 1
 
+    def pad_length_list(self) -> list[int]:
+        """Each row's holes in the target cache (width - real columns): left padding and rejected slots."""
+        return (self.target_valid.shape[1] - self.cache_lengths).tolist()
+
+    def append(self, tokens: torch.Tensor, emitted: torch.Tensor, emitted_list: list[int], pad_id: int) -> None:
+        """A row that emitted `emitted[b]` of `tokens` [B, K+1] has the last of them as its new pending token."""
+        self.pending = tokens.gather(1, (emitted - 1).unsqueeze(1))  # [B, 1]
+        self.lengths = self.lengths + emitted
+
     def select(self, keep: torch.Tensor) -> None:
         """Keep the rows `keep` (ascending indices) of everything, caches included; columns untouched."""
+        if keep.numel() == len(self.rows):
+            return
         self.rows = [self.rows[i] for i in keep.tolist()]
         self.pending = self.pending.index_select(0, keep)
         self.lengths = self.lengths.index_select(0, keep)
@@ -91,6 +104,8 @@ class InplaceState:
         if self.draft_cache is not None and self.draft_valid is not None:
             select_cache_rows(self.draft_cache, keep)
             self.draft_valid = self.draft_valid.index_select(0, keep)
+
+    keep_rows = select  # between steps too, rows leave by row selection alone
 
 
 def masked_forward(model: PreTrainedModel, cache: DynamicCache, valid: torch.Tensor, inputs: torch.Tensor,
@@ -149,6 +164,55 @@ def compact(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
     return new_valid
 
 
+@dataclass
+class HolesInPlace:
+    """INPLACE's cache policy (`eqspec.CachePolicy`): a step's rejected columns stay where the verify pass
+    (and the draft passes) wrote them, as holes masked out by each cache's validity mask; a cache is
+    compacted only when that frees more than `compact_fraction` of its width, or, for a model whose
+    sliding-window layers count columns (`target_windowed`, `draft_windowed`), whenever it has a hole.
+    `compactions` counts them (target and draft apart) until the engine resets it."""
+
+    compact_fraction: float = DEFAULT_COMPACT_FRACTION
+    target_windowed: bool = False
+    draft_windowed: bool = False
+    compactions: int = 0
+
+    def start(self, rows: list[int], tokens: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor,
+              target_cache: DynamicCache, pad_id: int) -> InplaceState:
+        valid = ragged.padding_mask(lengths, tokens.shape[1])  # [B, P]: left padding is a hole
+        return InplaceState(list(rows), first.unsqueeze(1), lengths + 1, lengths.clone(), target_cache, valid,
+                            prompt_tokens=tokens)
+
+    def verify(self, target: PreTrainedModel, state: InplaceState, inputs: torch.Tensor,
+               real_counts: torch.Tensor) -> torch.Tensor:
+        return masked_forward(target, state.target_cache, state.target_valid, inputs, state.cache_lengths,
+                              real_counts)  # [B, K+1, V]
+
+    def commit(self, state: InplaceState, drafter: Drafter, old_width: int, k: int, accepted_counts: torch.Tensor,
+               keep: torch.Tensor, clock: Clock) -> dict[str, float]:
+        accept_seconds = clock.lap()  # the acceptance rule, since the verify pass
+        drafter.fill(state, accepted_counts, keep)  # a row that accepted all K: the K-th draft token's columns
+        fill_seconds = clock.lap()
+        # the step's K + 1 columns: pending + accepted real, the rejected ones holes
+        drafter.commit(state, accepted_counts, keep)
+        state.target_valid = append_valid(state.target_valid, k + 1, accepted_counts + 1)
+        recurrent.commit(state.target_cache, accepted_counts)  # recurrent states: after the accepted tokens
+        return {"draft": fill_seconds, "accept": accept_seconds + clock.lap()}
+
+    def settle(self, state: InplaceState) -> None:
+        """No realignment: a cache is compacted only past the threshold (every hole, for a windowed model)."""
+        real = state.cache_lengths
+        if (has_holes(state.target_valid, real) if self.target_windowed
+                else needs_compaction(state.target_valid, real, self.compact_fraction)):
+            state.target_valid = compact(state.target_cache, state.target_valid)
+            self.compactions += 1
+        if state.draft_cache is not None and state.draft_valid is not None:
+            if (has_holes(state.draft_valid, real) if self.draft_windowed
+                    else needs_compaction(state.draft_valid, real, self.compact_fraction)):
+                state.draft_valid = compact(state.draft_cache, state.draft_valid)
+                self.compactions += 1
+
+
 class InplaceDrafter(ModelDrafter):
     """Drafting with a draft model whose cache keeps holes, like the target's: `ModelDrafter`'s proposals
     (greedy, a chooser's, or sampled), each draft pass reading the cache through its validity mask.
@@ -156,16 +220,17 @@ class InplaceDrafter(ModelDrafter):
     With a `chooser` (see `engines.models.bench_pair.CalibratedChooser`) each proposal is the chooser's
     token instead of the draft model's own greedy one; the draft model still runs on it."""
 
-    def __init__(self, draft: PreTrainedModel, chooser=None, shared_vocab_size: int | None = None,
+    def __init__(self, draft: PreTrainedModel, chooser: Chooser | None = None, shared_vocab_size: int | None = None,
                  target_vocab_size: int | None = None) -> None:
         super().__init__(draft, shared_vocab_size, chooser, target_vocab_size)
         self._valid: torch.Tensor | None = None  # [B, W'] the draft cache's mask during a step's passes
         self._filled = False
 
     def prefill(self, state: InplaceState) -> None:
-        assert state.prompt_tokens is not None
-        state.draft_cache, _ = batch_ops.prefill(self.draft, state.prompt_tokens, state.prompt_lengths)
-        state.draft_valid = ragged.padding_mask(state.prompt_lengths, state.prompt_tokens.shape[1])
+        tokens, state.prompt_tokens = state.prompt_tokens, None  # read once, here
+        assert tokens is not None
+        state.draft_cache, _ = batch_ops.prefill(self.draft, tokens, state.prompt_lengths)
+        state.draft_valid = ragged.padding_mask(state.prompt_lengths, tokens.shape[1])
 
     def _begin(self, state: InplaceState) -> None:
         assert state.draft_cache is not None and state.draft_valid is not None
@@ -201,7 +266,8 @@ class InplaceDrafter(ModelDrafter):
 
 class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
     """INPLACE engine: holes instead of realignment; freed rows take the next prompts (`refill`,
-    default), or consecutive fixed batches (`refill=False`)."""
+    default), or consecutive fixed batches (`refill=False`). Its steps are EQSPEC's (`eqspec.start_batch`,
+    `eqspec.speculative_step`) under the cache policy `HolesInPlace`."""
 
     name = "inplace"
 
@@ -212,7 +278,7 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         *,
         batch_size: int = 8,
         draft_tokens: int = 4,
-        drafter=None,
+        drafter: Drafter | None = None,
         pad_token_id: int | None = None,
         record_logits: bool = False,
         compact_fraction: float = DEFAULT_COMPACT_FRACTION,
@@ -231,27 +297,34 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
         if refill_at < 1:
             raise ValueError("refill_at must be at least 1")
         self.target = target
-        self.drafter = drafter if drafter is not None else InplaceDrafter(
+        self.drafter: Drafter = drafter if drafter is not None else InplaceDrafter(
             draft, shared_vocab_size=shared_vocab_size(target, draft),
-            target_vocab_size=getattr(target.config, "vocab_size", None))
+            target_vocab_size=getattr(target.config, "vocab_size", None))  # a transformers config: duck-typed
         self.batch_size = batch_size
         self.k = draft_tokens
         self.pad_id = pad_token_id if pad_token_id is not None else (target.config.pad_token_id or 0)
         self.record_logits = record_logits
-        self.compact_fraction = compact_fraction
         self.refill, self.refill_at = refill, refill_at  # freed rows take the next prompts (engines/inplace_refill.py)
-        self.compactions = 0  # cache compactions (target and draft counted apart) in the last generate
-        self._target_windowed = windowed_by_column(target)
-        draft_model = getattr(self.drafter, "draft", None)
-        self._draft_windowed = draft_model is not None and windowed_by_column(draft_model)
+        draft_model = self.drafter.draft
+        self.cache = HolesInPlace(compact_fraction, windowed_by_column(target),
+                                  draft_model is not None and windowed_by_column(draft_model))
         self.last_trace: Trace | None = None
+
+    @property
+    def compact_fraction(self) -> float:
+        return self.cache.compact_fraction
+
+    @property
+    def compactions(self) -> int:
+        """Cache compactions (target and draft counted apart) in the last generate."""
+        return self.cache.compactions
 
     @property
     def proposals_from_draft_model(self) -> bool:
         return isinstance(self.drafter, InplaceDrafter) and self.drafter.chooser is None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
-        self.compactions = 0
+        self.cache.compactions = 0
         return super().generate(prompts, max_new_tokens, eos_token_id)
 
     def _run_all(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: int | Sequence[int] | None,
@@ -273,109 +346,14 @@ class InplaceEngine(ConsecutiveBatches, TakesRequestParams):
 
     def _start(self, prompts: list[list[int]], rows: list[int], max_new_tokens: int | torch.Tensor,
                eos_token_id: int | Sequence[int] | None) -> tuple[InplaceState, StepResult]:
-        """Prefill target and draft; the target's choice after each prompt is the row's first new token."""
-        clock = Clock(self.target.device)
-        tokens, prompt_lengths = ragged.left_pad([prompts[r] for r in rows], self.pad_id, self.target.device)
-        target_cache, last_logits = batch_ops.prefill(self.target, tokens, prompt_lengths)  # [B, V]
-        requests = self.active_requests.step(rows) if self.active_requests is not None else None
-        first_new, done = acceptance.first_tokens(last_logits, max_new_tokens, eos_token_id, requests)  # [B], [B]
-        first = first_new.unsqueeze(1)  # [B, 1]
-        state = InplaceState(list(rows), first, prompt_lengths + 1, prompt_lengths.clone(), target_cache,
-                             ragged.padding_mask(prompt_lengths, tokens.shape[1]), prompt_tokens=tokens)
-        verify_seconds = clock.lap()
-        self.drafter.prefill(state)
-        state.prompt_tokens = None
-        draft_seconds = clock.lap()
-        first_list, done_list = first[:, 0].tolist(), done.tolist()
-        keep = (~done).nonzero().flatten()
-        if keep.numel() < len(rows):
-            state.select(keep)
-        record = StepRecord(
-            step=0, kind="prefill", rows=list(rows), pad_lengths=(tokens.shape[1] - prompt_lengths).tolist(),
-            accepted_counts=[0] * len(rows), emitted_counts=[1] * len(rows),
-            seconds={"draft": draft_seconds, "verify": verify_seconds, "realign": clock.lap()},
-        )
-        row_logits = [row.unsqueeze(0) for row in last_logits] if self.record_logits else None
-        finished = [r for r, d in zip(rows, done_list) if d]
-        return state, StepResult(record, [[t] for t in first_list], row_logits, finished)
+        """Prefill target and draft (EQSPEC's `start_batch`, the caches' holes kept in place)."""
+        return start_batch(self.target, self.drafter, prompts, rows, self.pad_id, eos_token_id, max_new_tokens,
+                           self.record_logits, requests=self.active_requests, cache=self.cache)
 
     def _step(self, state: InplaceState, step: int, max_new_tokens: int | torch.Tensor,
               eos_token_id: int | Sequence[int] | None) -> StepResult:
-        clock = Clock(self.target.device)
-        k = self.k
-        rows = list(state.rows)
-        holes = (state.target_valid.shape[1] - state.cache_lengths).tolist()
-
-        # 1. draft (drafters.draft_stage): up to k tokens per row, a sampled row's drawn from its processed q
-        step_requests = self.active_requests.step(rows) if self.active_requests is not None else None
-        drafts = draft_stage(self.drafter, state, k, step_requests.sampler if step_requests is not None else None,
-                             self.pad_id)
-        draft_tokens = drafts.tokens  # [B, m]: own drafts, then pad ids
-        k = draft_tokens.shape[1]  # this step's width: the longest proposal
-        draft_seconds = clock.lap()
-
-        # 2. verify: the pending token and the k draft tokens after the cache with its holes
-        inputs = torch.cat([state.pending, draft_tokens], dim=1)  # [B, k+1]
-        logits = masked_forward(self.target, state.target_cache, state.target_valid, inputs, state.cache_lengths,
-                                drafts.drafted + 1)  # [B, k+1, V]
-        verify_seconds = clock.lap()
-
-        # 3. accept (engines/acceptance.py): the accepted draft tokens, then the recovered or bonus token;
-        #    cut at the first EOS id or at exactly the row's budget
-        room = max_new_tokens - (state.lengths - state.prompt_lengths)  # [B], >= 1
-        verdict = acceptance.accept(logits, draft_tokens, room, eos_token_id, own=drafts.own, requests=step_requests,
-                                    draft_logits=drafts.logits)
-        target_tokens, accepted_counts, emitted, done = verdict.tokens, verdict.accepted, verdict.emitted, verdict.done
-        accepted_list, emitted_list, done_list = torch.stack([accepted_counts, emitted, done.long()]).tolist()
-        keep = (~done).nonzero().flatten()
-        new_tokens = [row[:n] for row, n in zip(target_tokens.tolist(), emitted_list)]
-        row_logits = [logits[b, :n] for b, n in enumerate(emitted_list)] if self.record_logits else None
-        accept_seconds = clock.lap()
-
-        fill = getattr(self.drafter, "fill", None)
-        if fill is not None:
-            fill(state, accepted_counts, keep)
-        draft_seconds += clock.lap()
-
-        # the step's columns: pending + accepted real, the rejected ones holes; a kept row emitted
-        # exactly accepted + 1 tokens, the last of which is its new pending token
-        self.drafter.commit(state, accepted_counts, keep)
-        state.target_valid = append_valid(state.target_valid, k + 1, accepted_counts + 1)
-        recurrent.commit(state.target_cache, accepted_counts)  # recurrent states: after the accepted tokens
-        state.pending = target_tokens.gather(1, (emitted - 1).unsqueeze(1))  # [B, 1]
-        state.lengths = state.lengths + emitted
-        accept_seconds += clock.lap()
-
-        # 4. no realignment: finished rows leave; a cache is compacted only past the threshold
-        if keep.numel() < len(rows):
-            if keep.numel():
-                state.select(keep)
-            else:
-                state.rows = []
-        if state.rows:
-            self._maybe_compact(state)
-        realign_seconds = clock.lap()
-
-        record = StepRecord(
-            step=step, kind="batch", rows=rows, pad_lengths=holes, accepted_counts=accepted_list,
-            emitted_counts=emitted_list,
-            seconds={"draft": draft_seconds, "verify": verify_seconds, "accept": accept_seconds,
-                     "realign": realign_seconds},
-            **drafts.trace_fields(self.record_logits),
-        )
-        finished = [r for r, d in zip(rows, done_list) if d]
-        return StepResult(record, new_tokens, row_logits, finished)
-
-    def _maybe_compact(self, state: InplaceState) -> None:
-        real = state.cache_lengths
-        if (has_holes(state.target_valid, real) if self._target_windowed
-                else needs_compaction(state.target_valid, real, self.compact_fraction)):
-            state.target_valid = compact(state.target_cache, state.target_valid)
-            self.compactions += 1
-        if state.draft_cache is not None and state.draft_valid is not None:
-            if (has_holes(state.draft_valid, real) if self._draft_windowed
-                    else needs_compaction(state.draft_valid, real, self.compact_fraction)):
-                state.draft_valid = compact(state.draft_cache, state.draft_valid)
-                self.compactions += 1
+        """One speculative step (EQSPEC's `speculative_step`, the rejected columns left as holes)."""
+        return speculative_step(self.target, self.drafter, state, self.k, step, eos_token_id, max_new_tokens,
+                                self.pad_id, self.record_logits, cache=self.cache, requests=self.active_requests)
 
     _collect = staticmethod(collect)

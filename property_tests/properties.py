@@ -22,10 +22,12 @@ from hypothesis import note, settings
 from hypothesis.control import currently_in_test_context
 
 from specaudit.engines import reference_memo
+from specaudit.engines.contract import capability
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
 from specaudit.engines.models.zoo import ModelPair
+from specaudit.engines.trace import StepRecord, Trace
 from specaudit.testing import models
 from specaudit.testing.strategies import DecodingCase, EosChoice
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
@@ -166,11 +168,13 @@ def build_engine(engine_factory: Callable[..., Any], case: DecodingCase, pair: M
     return engine_factory(pair.target, pair.draft, **_accepted_keywords(engine_factory, wanted))
 
 
-def _step_of(trace: Any, prompt_index: int, position: int) -> int | None:
-    emitted_at = getattr(trace, "emitted_at", None)
+def _step_of(trace: Trace | None, prompt_index: int, position: int) -> int | None:
+    """The step that emitted the token (an index into `trace.steps`); None without a trace or past its record."""
+    if trace is None:
+        return None
     try:
-        return int(emitted_at[prompt_index][position])
-    except (TypeError, IndexError, KeyError):
+        return int(trace.emitted_at[prompt_index][position])
+    except IndexError:
         return None
 
 
@@ -180,7 +184,8 @@ def _fmt(tokens: list[int], around: int, width: int = 6) -> str:
     return head + str(tokens[start: around + width + 1])
 
 
-def _token_failure(case: DecodingCase, prompt_index: int, expected: list[int], got: list[int], trace: Any, eos: int | None) -> EquivalenceFailure:
+def _token_failure(case: DecodingCase, prompt_index: int, expected: list[int], got: list[int], trace: Trace | None,
+                   eos: int | None) -> EquivalenceFailure:
     position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     reference_token = expected[position] if position < len(expected) else None
     engine_token = got[position] if position < len(got) else None
@@ -202,7 +207,7 @@ def _token_failure(case: DecodingCase, prompt_index: int, expected: list[int], g
 
 
 def compare_logits(case: DecodingCase, outputs: list[list[int]], engine_logits: list[Any],
-                   reference_logits: list[torch.Tensor], trace: Any, tolerance: float) -> float:
+                   reference_logits: list[torch.Tensor], trace: Trace | None, tolerance: float) -> float:
     """Largest |engine - reference| over every row's output, in float64; raises past `tolerance`."""
     worst = 0.0
     for prompt_index, (got, expected) in enumerate(zip(engine_logits, reference_logits)):
@@ -261,28 +266,28 @@ def check_equivalence(
         note(f"eos token {eos}; drafter {'scripted' if scripted else 'model'}; reference lengths {[len(r) for r in reference]}")
     engine = build_engine(engine_factory, case, pair, scripted_drafter, **engine_options)
     outputs = engine.generate(case.prompt_tokens, case.max_new_tokens, eos)
-    trace = getattr(engine, "last_trace", None)
+    trace: Trace | None = capability(engine, "last_trace")
     if len(outputs) != len(reference):
         raise AssertionError(f"the engine answered {len(outputs)} prompts out of {len(reference)}")
     for prompt_index, (expected, got) in enumerate(zip(reference, outputs)):
         if list(got) != expected:
             raise _token_failure(case, prompt_index, expected, list(got), trace, eos)
     max_logit_error = None
-    engine_logits = getattr(trace, "logits", None)
+    engine_logits = trace.logits if trace is not None else None
     if pair.target.dtype == torch.float64 and engine_logits is not None and any(x is not None for x in engine_logits):
         max_logit_error = compare_logits(case, outputs, list(engine_logits), [logits for _, logits in decoded],
                                          trace, logit_tolerance)
-    steps = getattr(trace, "steps", None)
+    steps = trace.steps if trace is not None else None
     return EquivalenceReport(outputs=[list(o) for o in outputs], reference=reference, eos_token_id=eos,
                              drafter="scripted" if scripted else "model", max_logit_error=max_logit_error,
                              steps=len(steps) if steps is not None else None,
                              accepted=accepted_per_prompt(steps, len(outputs)) if steps is not None else None)
 
 
-def accepted_per_prompt(steps: list[Any], num_prompts: int) -> list[list[int]]:
+def accepted_per_prompt(steps: list[StepRecord], num_prompts: int) -> list[list[int]]:
     accepted: list[list[int]] = [[] for _ in range(num_prompts)]
     for step in steps:
-        if getattr(step, "kind", None) == "prefill":
+        if step.kind == "prefill":
             continue
         for row, count in zip(step.rows, step.accepted_counts):
             accepted[row].append(int(count))

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
-from specaudit.engines.drafters import ModelDrafter
+from specaudit.engines.drafters import Chooser, ModelDrafter
 from specaudit.engines.models.attention import use_sdpa_gqa
 from specaudit.engines.models.pair import DTYPES, ByteTokenizer, ModelPair, prepare_model
 from specaudit.engines.reference import greedy_decode
@@ -102,7 +102,7 @@ def continuations(target: PreTrainedModel, prompts: list[list[int]], max_new_tok
     return [greedy_decode(target, prompt, max_new_tokens, eos_token_id)[0] for prompt in prompts]
 
 
-class CalibratedChooser:
+class CalibratedChooser(Chooser):
     """Chooses each draft token: the target's greedy token with probability `acceptance`, else another.
 
     Everything lives on `device` (the continuation table, the random draws, which requests have left

@@ -79,7 +79,7 @@ class RowRequests:
         eos = set(eos_ids(eos_token_id))
         self.tokenizer, self.penalty_scope = tokenizer, penalty_scope
         self.rule = rule if rule is not None else SpeculativeRule()
-        if getattr(self.rule, "needs_last_draft_row", False):
+        if self.rule.needs_last_draft_row:
             raise ValueError(f"the sampling rule {self.rule.name!r} reads the draft's distribution after its last "
                              "token, which the project's drafters do not compute")
         self.rows: list[RowRequest] = []

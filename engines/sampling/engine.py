@@ -123,7 +123,7 @@ class SampledSpeculative(_SampledEngine):
         k, params = self.k, self.params
         extended = [list(row) for row in rows]
         draft_logits = []
-        for j in range(k + int(getattr(self.rule, "needs_last_draft_row", False))):
+        for j in range(k + int(self.rule.needs_last_draft_row)):
             logits = _last_logits(self.draft, extended, 1)[:, 0]  # [B, V]
             draft_logits.append(logits)
             if j < k:

@@ -106,6 +106,7 @@ class SpeculativeRule:
     from, the q the acceptance divides by (the same q in a correct sampler), and the verify step."""
 
     name = "standard"
+    needs_last_draft_row = False  # reads the draft's distribution after its last token (a draft pass k + 1)
 
     def __init__(self, verify: VerifyFn = rejection_sample_row) -> None:
         self.verify = verify

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines.drafters import Chooser, Drafter
 from specaudit.engines.limits import EosIds, request_limits
 from specaudit.engines.requests.rows import TakesRequestParams
 from specaudit.engines.static import loop
@@ -52,16 +53,16 @@ def length_bucket(columns: int) -> int:
     return bucket
 
 
-def drafter_parts(drafter: Any, draft: PreTrainedModel | None) -> tuple[PreTrainedModel | None, Any]:
+def drafter_parts(drafter: Drafter | str | None, draft: PreTrainedModel | None) -> tuple[PreTrainedModel | None, Chooser | None]:
     """The draft model and the device chooser (None: greedy) of `drafter` (None: `draft`'s greedy choices);
     a ValueError for a drafter whose proposals are not a draft model's on the device."""
     if drafter is None:
         return draft, None
-    model, chooser = getattr(drafter, "draft", None), getattr(drafter, "chooser", None)
-    if model is None or isinstance(drafter, str):
+    model, chooser = (drafter.draft, drafter.chooser) if isinstance(drafter, Drafter) else (None, None)
+    if model is None:
         raise ValueError(f"fixedshape drafts with a draft model on the device, not with {drafter!r} (prompt lookup "
                          "and scripted drafters read the host: use eqspec or exspec)")
-    if chooser is not None and not getattr(chooser, "on_device", False):
+    if chooser is not None and not chooser.on_device:
         raise ValueError("fixedshape takes a chooser that works on the device (on_device = True) only")
     return model, chooser
 

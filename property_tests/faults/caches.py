@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from specaudit.testing.faults.mutation import FaultEngine, LineChange
 
-# EQSPEC's realign call; a fault's replacement leaves out the host's bookkeeping (`state.host`), so the
+# EQSPEC's realign call (`eqspec.Realign.commit`, its cache policy, called by `speculative_step`); a fault's replacement leaves out the host's bookkeeping (`state.host`), so the
 # planted counts or rows are the ones the cache is realigned by
 TARGET_REALIGN = "batch_ops.realign(state.target_cache, old_width, accepted_counts, state.cache_lengths, keep, state.host)"
 
 
 class TargetCacheNotTrimmed(FaultEngine):
-    """Target cache not trimmed after a rejection: `speculative_step` realigns the target cache
+    """Target cache not trimmed after a rejection: EQSPEC's step (`Realign.commit`) realigns the target cache
     as if every draft token had been accepted, so it keeps the rejected tokens' keys and values."""
 
     changes = (
@@ -29,7 +29,7 @@ class AttentionCacheCutAtPassEnd(FaultEngine):
     """Attention cache cut at the end of the verify pass: `batch.realign` keeps each row's last
     columns of the pass, its rejected draft tokens' keys and values included, while the recurrent
     states are rolled back right; on a hybrid target only the attention layers' cache is wrong.
-    (Planted at `speculative_step`'s realign call, as `TargetCacheNotTrimmed` is, a wrong count
+    (Planted at the step's realign call, `Realign.commit`, as `TargetCacheNotTrimmed` is, a wrong count
     reaches the recurrent rollback too: `batch.realign` commits the states.)"""
 
     pairs = ("tiny-qwen3-next",)
@@ -42,7 +42,7 @@ class AttentionCacheCutAtPassEnd(FaultEngine):
 
 
 class CacheTrimmedToSmallestAcceptance(FaultEngine):
-    """Every row trimmed to the batch's smallest acceptance: `speculative_step` realigns each
+    """Every row trimmed to the batch's smallest acceptance: EQSPEC's step (`Realign.commit`) realigns each
     row's target cache to the fewest draft tokens any row accepted, while its tokens keep its own
     acceptance (the DSD baseline's shortcut)."""
 
@@ -54,7 +54,7 @@ class CacheTrimmedToSmallestAcceptance(FaultEngine):
 
 class FinishedRowsDroppedByPosition(FaultEngine):
     """Finished rows dropped from the target cache by position instead of by index:
-    `speculative_step` keeps the first n cache rows rather than the n rows still running, so a
+    EQSPEC's step (`Realign.commit`) keeps the first n cache rows rather than the n rows still running, so a
     row that outlives an earlier-finishing one inherits that row's cache."""
 
     changes = (

@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 import torch
 
+from specaudit.engines.drafters import Drafter
 from specaudit.engines.reference import greedy_decode
+from specaudit.engines.sampling.step import StepSampler
 from specaudit.engines.models.zoo import ModelPair
 from specaudit.testing import models
 from specaudit.testing.properties import DEFAULT_ORACLE, ReferenceOracle, build_engine, pair_key, resolve_eos
@@ -32,30 +34,38 @@ class DraftProposalFailure(AssertionError):
         self.expected, self.proposed = expected, proposed
 
 
-class RecordingDrafter:
-    """Wraps a drafter; keeps (step, prompt index, tokens generated so far, proposal) per row."""
+class RecordingDrafter(Drafter):
+    """Wraps a drafter; keeps (step, prompt index, tokens generated so far, proposal) per row. Every
+    member `Drafter` declares is the wrapped drafter's."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Drafter) -> None:
         self.inner = inner
         self.proposals: list[tuple[int, int, int, list[int]]] = []
         self.steps = 0
 
-    def prefill(self, state) -> None:
+    draft = property(lambda self: self.inner.draft)
+    chooser = property(lambda self: self.inner.chooser)
+    proposes_sampled = property(lambda self: self.inner.proposes_sampled)
+    proposal_lengths = property(lambda self: self.inner.proposal_lengths)
+    draft_logits = property(lambda self: self.inner.draft_logits)
+    fill_seconds = property(lambda self: self.inner.fill_seconds)
+
+    def prefill(self, state: Any) -> None:
         self.inner.prefill(state)
 
-    def propose(self, state, k: int) -> torch.Tensor:
-        proposed = self.inner.propose(state, k)
+    def propose(self, state: Any, k: int, sampling: StepSampler | None = None) -> torch.Tensor:
+        proposed = self.inner.propose(state, k) if sampling is None else self.inner.propose(state, k, sampling=sampling)
         generated = (state.lengths - state.prompt_lengths).tolist()
         for row, done, tokens in zip(state.rows, generated, proposed.tolist()):
             self.proposals.append((self.steps, row, done, tokens))
         self.steps += 1
         return proposed
 
-    def commit(self, *args: Any, **kwargs: Any) -> None:
-        self.inner.commit(*args, **kwargs)
+    def fill(self, state: Any, accepted_counts: torch.Tensor, keep: torch.Tensor) -> None:
+        self.inner.fill(state, accepted_counts, keep)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    def commit(self, state: Any, accepted_counts: torch.Tensor, keep: torch.Tensor, realign: bool = True) -> None:
+        self.inner.commit(state, accepted_counts, keep, realign=realign)
 
 
 _LONE_DRAFT: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
