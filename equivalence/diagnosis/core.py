@@ -56,6 +56,7 @@ from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
+from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -322,7 +323,7 @@ class Diagnoser(Experiments):
             # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
             replayed = observation.replay(self.replay_target or self.target, verdict.producer)
             error = None if replayed is None else _logit_error(replayed, engine_row)
-            verdict.confirmed = error is not None and error <= max(1e-9, self.precision_noise(index))
+            verdict.confirmed = error is not None and error <= max(FLOAT64_LOGIT_TOLERANCE, self.precision_noise(index))
             shown = "not made" if error is None else (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} "
                                                        f"the engine's logits at new token {position} (error {error:.3g})")
             tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
@@ -375,7 +376,7 @@ class Diagnoser(Experiments):
         if replayed is not None:
             if engine_row is not None:
                 error = _logit_error(replayed, engine_row)
-                verdict.confirmed = error <= max(1e-9, self.precision_noise(index))
+                verdict.confirmed = error <= max(FLOAT64_LOGIT_TOLERANCE, self.precision_noise(index))
                 shown = (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} the engine's logits "
                          f"(error {error:.3g})")
             else:
@@ -463,7 +464,7 @@ class Diagnoser(Experiments):
                          "a replay of the observed inputs that reproduces the engine's token", "")
         wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
         if (cls == "acceptance_rule" and wrong
-                and str(getattr(found, "named_by", "")).startswith("the engine's token is the draft's own choice")):
+                and isinstance(found, Cause) and found.named_by.startswith("the engine's token is the draft's own choice")):
             return Cause("unknown", f"acceptance_rule was suggested by a coincidence ({found.evidence}), but the "
                          f"engine's inputs were seen wrong ({verdict.evidence})",
                          "a replay that reproduces the engine's token", "")
@@ -523,7 +524,7 @@ class Diagnoser(Experiments):
 
     def _doubled_bonus(self, index: int, q: int) -> MoreHypotheses | None:
         """For an engine without a trace: the doubled-bonus token replays (`doubled.py`) beside the others."""
-        if getattr(self.trace, "steps", None):
+        if self.trace is not None and self.trace.steps:
             return None
         row = self._row_context(index, q)
         return lambda prompt, output, end: doubled_bonus_hypotheses(prompt, output, end, row)
@@ -548,7 +549,7 @@ class Diagnoser(Experiments):
             return position
         plain = replay_logits(self.target, self.prompts[index], self.outputs[index][:upto])
         errors = (logits[:upto].to(torch.float64) - plain.to(torch.float64)).abs().amax(dim=-1)
-        beyond = (errors > 1e-9).nonzero().flatten()
+        beyond = (errors > FLOAT64_LOGIT_TOLERANCE).nonzero().flatten()
         return int(beyond[0]) if beyond.numel() else position
 
     def _answered_elsewhere(self, index: int, tried: list[str]) -> Cause | None:
@@ -660,7 +661,7 @@ class Diagnoser(Experiments):
             twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
                          f"{'equivalent' if twin_exact else 'diverges'}")
-        if not getattr(self.trace, "steps", None):
+        if self.trace is None or not self.trace.steps:
             named = self._padding_replay(index, 0, position, "it is the longest of its batch (no padding at the "
                                          "prefill) and diverges only where the other rows grow past it")
             if named:

@@ -79,6 +79,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from specaudit.equivalence.rulings.thresholds import HIDDEN_MASK_FRACTION, state_resolution
+from specaudit.equivalence.run_context import RunContext
+
 # what a verdict may be: a violation of a class, inputs seen correct, or nothing judged
 CLEAN = "clean"
 INPUT_CLASSES = ("position_ids", "attention_mask", "kv_cache", "pad_as_content", "cross_row", "recurrent_state")
@@ -300,7 +303,7 @@ def _allowed(mask: Any, batch: int, q: int, kv: int, last: bool = False) -> torc
     if mask.shape[-2] != q:
         return None
     if mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min / 2
+        mask = mask > torch.finfo(mask.dtype).min * HIDDEN_MASK_FRACTION
     width = mask.shape[-1]
     if width >= kv:
         return mask.expand(batch, q, width)[..., :kv]
@@ -1085,7 +1088,7 @@ class Observation:
         for part in observed:  # each part apart: an engine may roll back its convolution window and not its SSM state
             # histories whose states the run's dtype cannot tell apart (a convolution window keeps its last few inputs
             # alone; padding the model zeroes leaves none) are one state: only those it tells apart compete
-            resolution = 16 * torch.finfo(self.model.dtype).eps * max(float(np.linalg.norm(own_state[part])), 1e-30)
+            resolution = state_resolution(torch.finfo(self.model.dtype).eps, float(np.linalg.norm(own_state[part])))
             distances: list[tuple[float, str, str]] = []
             kept: list[np.ndarray] = []  # the states of the histories that compete, the first of each kept
             for tokens, cls, what in unique:
@@ -1269,16 +1272,16 @@ def observable(model: Any) -> str | None:
     return None
 
 
-def observe_batch(run: Any, batch: list[int], outputs: list[list[int]], pad_token_id: int | None) -> Observation | str:
+def observe_batch(run: RunContext, batch: list[int], outputs: list[list[int]], pad_token_id: int | None) -> Observation | str:
     """One hooked re-run of the prompts at `batch` through the run's context (a fresh engine on the run's
     pair, guarded as its re-runs are): what the engine fed the target and whether it called the draft. The
     run's `outputs` of those prompts label the rows (a re-run that returns others is reported, and its rows
     are judged along its own outputs). A string says why nothing was observed."""
-    target, draft = run.pair.target, getattr(run.pair, "draft", None)
+    target, draft = run.pair.target, run.pair.draft
     refused = observable(target)
     if refused:
         return refused
-    if not getattr(run, "confines_reruns", False):
+    if not run.confines_reruns:
         return ("the re-runs come from a callable that takes no `around`: the hooks could not be held to the "
                 "engine's own generate call (a caller's reference decoding would be observed with it)")
     observation = Observation([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id,
