@@ -42,9 +42,9 @@ experiments that need it are reported as not run.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
 
 import torch
 
@@ -55,6 +55,7 @@ from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
+from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
 
@@ -88,17 +89,6 @@ FIXES: dict[str, str] = {
     "unknown": "Read the evidence and the divergence context; the diagnosis could not name the mechanism.",
 }
 
-# the bug behind each class the observation names (observe.py)
-OBSERVED_MECHANISMS: dict[str, str] = {
-    "position_ids": "position ids other than each token's index in its row (observed)",
-    "attention_mask": "queries reading padding or holes, or missing the row's tokens (observed)",
-    "kv_cache": "cache entries the row did not accept, read (observed)",
-    "pad_as_content": "pad-id tokens of the row hidden as padding (observed)",
-    "cross_row": "another row's tokens read (observed)",
-    "recurrent_state": "a recurrent state not the row's own after its accepted tokens (observed)",
-}
-OBSERVED_STATE = "the recurrent state a call started from, observed"
-
 RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences get evidence only
 PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
 
@@ -123,17 +113,27 @@ def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, named_by:
     return found
 
 
-def _observed_mechanism(verdict: Any) -> str:
-    """The bug behind an observed class: padding read is the mechanism the mask replays name; the others are
-    named by what was observed (an offset that equals a count of columns can be a coincidence)."""
-    if verdict.cls == "attention_mask" and "padding column(s) (" in verdict.evidence:
-        return "the row's padding visible to its queries"
-    return OBSERVED_MECHANISMS[verdict.cls]
+@dataclass(frozen=True)
+class Case:
+    """One divergence as the ranked checks read it: prompt `index`'s new token `position`, the row's prompt,
+    reference and output, and the engine's logits of its tokens [n, V] (None: not recorded)."""
+
+    index: int
+    position: int
+    prompt: list[int]
+    reference: list[int]
+    output: list[int]
+    logits: torch.Tensor | None
+    first_corrupted: Callable[[], int] = field(repr=False)
+
+    @cached_property
+    def q(self) -> int:
+        """The first new token whose recorded logits are off (`position` without them): computed once, by the
+        first check that reads it (a replay along the row)."""
+        return self.first_corrupted()
 
 
-def _logit_error(replayed: torch.Tensor, engine_row: torch.Tensor) -> float:
-    """The largest difference between a replay's logits and the engine's own, in float64."""
-    return float((replayed.to(torch.float64).cpu() - engine_row.to(torch.float64).cpu()).abs().max())
+Check = Callable[[Case, list[str]], Cause | None]  # a ranked check: the divergence, what was tried -> its cause
 
 
 def _cause(found: Finding | Cause, named_by: str) -> Cause:
@@ -144,7 +144,7 @@ def _cause(found: Finding | Cause, named_by: str) -> Cause:
 
 
 @dataclass
-class Diagnoser(Experiments):
+class Diagnoser(Experiments, Observing):
     """Everything a diagnosis of one run may look at, and its re-run budget."""
 
     prompts: list[list[int]]
@@ -213,48 +213,74 @@ class Diagnoser(Experiments):
     def _logits(self, index: int) -> torch.Tensor | None:
         return self.engine_logits[index] if index < len(self.engine_logits) else None
 
-    def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
-        """Causes before symptoms, experiments before coincidences: the order below is the ranking."""
-        prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
-        eos, logits = self.eos_token_id, self._logits(index)
+    def _case(self, index: int, position: int) -> Case:
+        logits = self._logits(index)
+        return Case(index, position, self.prompts[index], self.references[index], self.outputs[index], logits,
+                    lambda: self._first_corrupted(index, position))
 
+    def _ranked_checks(self) -> tuple[Check, ...]:
+        """Causes before symptoms, experiments before coincidences: the order is the ranking. Each check reads
+        the divergence (and notes what it tried) and returns its verdict, a cause or None; the first cause
+        decides."""
+        return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
+                self._trace_and_logits, self._overlong, self._observed_inputs, self._reproducing_replay,
+                self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
+
+    def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
+        case = self._case(index, position)
+        for check in self._ranked_checks():
+            cause = check(case, tried)
+            if cause is not None:
+                return cause
+        return None
+
+    # ---- the ranked checks, in their order ---------------------------------------------------------
+    def _output_order(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("output against the other prompts' references")
-        found = checks.output_order(index, self.references, self.outputs)
+        found = checks.output_order(case.index, self.references, self.outputs)
         if found:
             return Cause(found.cls, found.evidence, "the outputs against every prompt's reference",
                          "outputs answered for other prompts")
-        cause = self._answered_elsewhere(index, tried)
-        if cause:
-            return cause
-        if len(prompt) > min(causes.TRUNCATION_LIMITS):
-            cause = causes.truncation(self.target, prompt, output, position, self.max_new_tokens, eos, tried, logits)
-            if cause:
-                return cause
-        cause = self._pad_cause(index, position, tried)
-        if cause:
-            return cause
-        tried.append("lengths against EOS")
-        found = checks.stop_eos(index, prompt, reference, output, position, eos, self.trace, self.outputs,
-                                 self._batch_rows(index))
-        if found:
-            return _cause(found, "the output's length against its EOS")
-        tried.append("the trace's proposals and counts against the target's choices")
-        found = (checks.acceptance_from_trace(index, reference, output, position, self.max_new_tokens, eos, self.trace)
-                 or checks.own_logits_not_chosen(output, position, logits))
-        if found:
-            return _cause(found, "the engine's own trace and logits")
-        if len(output) > self.max_new_tokens:
-            found = checks.length_stop(reference, output, position, self.max_new_tokens, eos,
-                                       self._continuation(index, len(output)))
-            if found:
-                return _cause(found, "the output's length against max_new_tokens")
+        return None
 
-        q = self._first_corrupted(index, position)
-        cause = self._observe(index, q, tried)
-        if cause:
-            return cause
-        hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
-                                      self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
+    def _truncation(self, case: Case, tried: list[str]) -> Cause | None:
+        if len(case.prompt) <= min(causes.TRUNCATION_LIMITS):
+            return None
+        return causes.truncation(self.target, case.prompt, case.output, case.position, self.max_new_tokens,
+                                 self.eos_token_id, tried, case.logits)
+
+    def _stop_eos(self, case: Case, tried: list[str]) -> Cause | None:
+        tried.append("lengths against EOS")
+        found = checks.stop_eos(case.index, case.prompt, case.reference, case.output, case.position, self.eos_token_id,
+                                self.trace, self.outputs, self._batch_rows(case.index))
+        return _cause(found, "the output's length against its EOS") if found else None
+
+    def _trace_and_logits(self, case: Case, tried: list[str]) -> Cause | None:
+        tried.append("the trace's proposals and counts against the target's choices")
+        found = (checks.acceptance_from_trace(case.index, case.reference, case.output, case.position,
+                                              self.max_new_tokens, self.eos_token_id, self.trace)
+                 or checks.own_logits_not_chosen(case.output, case.position, case.logits))
+        return _cause(found, "the engine's own trace and logits") if found else None
+
+    def _overlong(self, case: Case, tried: list[str]) -> Cause | None:
+        if len(case.output) <= self.max_new_tokens:
+            return None
+        found = checks.length_stop(case.reference, case.output, case.position, self.max_new_tokens, self.eos_token_id,
+                                   self._continuation(case.index, len(case.output)))
+        return _cause(found, "the output's length against max_new_tokens") if found else None
+
+    def _observed_inputs(self, case: Case, tried: list[str]) -> Cause | None:
+        """The observation's cause (observe.py); its verdict is kept (`_observed`) to check the class the later
+        checks name (`_reconcile`)."""
+        observed = self._observe(case.index, case.q, tried)
+        self._observed = observed.verdict
+        return observed.cause
+
+    def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
+        index, q, logits = case.index, case.q, case.logits
+        hypothesis, replays = explain(self.replay_target or self.target, case.prompt, case.output, q, self.trace,
+                                      index, self.pad_token_id,
+                                      logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
                                       noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
@@ -262,225 +288,35 @@ class Diagnoser(Experiments):
             hypothesis = self._shows_alone(index, hypothesis, tried)
         if hypothesis is not None:
             hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
-        if hypothesis is not None:
-            if hypothesis.name in self._explained_by:
-                self._explained_by.remove(hypothesis.name)
-            self._explained_by.insert(0, hypothesis.name)
-            shown = next((line for line in replays if line.startswith(hypothesis.name + ": ")), replays[-1])
-            return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
-                         f"new token {q} ({shown.split(': ', 1)[1]})", "a reproducing replay",
-                         hypothesis.mechanism)
+        if hypothesis is None:
+            return None
+        if hypothesis.name in self._explained_by:
+            self._explained_by.remove(hypothesis.name)
+        self._explained_by.insert(0, hypothesis.name)
+        shown = next((line for line in replays if line.startswith(hypothesis.name + ": ")), replays[-1])
+        return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
+                     f"new token {q} ({shown.split(': ', 1)[1]})", "a reproducing replay", hypothesis.mechanism)
 
+    def _doubled_token(self, case: Case, tried: list[str]) -> Cause | None:
+        """A heuristic: a repeated token can be a coincidence, so it ranks after the replays."""
         tried.append("the output with a repeated token dropped against the reference")
-        found = checks.doubled_token(reference, output, position)
-        if found:  # a heuristic: a repeated token can be a coincidence, so it ranks after the replays
-            return _cause(found, "the output with its repeated token dropped (no replay reproduced it)")
+        found = checks.doubled_token(case.reference, case.output, case.position)
+        return _cause(found, "the output with its repeated token dropped (no replay reproduced it)") if found else None
+
+    def _draft_choice(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("the engine's token against the draft model's own choice")
-        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits, self._draft_chose)
-        if found:
-            return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)")
-        found = checks.length_stop(reference, output, position, self.max_new_tokens, eos, None)
-        if found:
-            return _cause(found, "the output's length (no cause explains it)")
-        found = self._batch_experiments(index, position, q, tried)
-        if isinstance(found, Cause):
-            return found
+        found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.draft,
+                                        case.logits, self._draft_chose)
+        return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)") if found else None
+
+    def _length(self, case: Case, tried: list[str]) -> Cause | None:
+        found = checks.length_stop(case.reference, case.output, case.position, self.max_new_tokens, self.eos_token_id,
+                                   None)
+        return _cause(found, "the output's length (no cause explains it)") if found else None
+
+    def _batch_experiments(self, case: Case, tried: list[str]) -> Cause | None:
+        found = self._in_batch(case.index, case.position, case.q, tried)
         return _cause(found, "re-runs alone and in its batch") if found else None
-
-    # ---- observation (observe.py) ---------------------------------------------------------------
-    def _observe(self, index: int, position: int, tried: list[str]) -> Cause | None:
-        """Re-run the row's batch once with hooks (shared by the batch's divergences) and judge what the
-        engine fed the target: a violation that a replay of the observed inputs confirms decides; anything
-        else is kept (`_observed`) to check the class the guessing replays and re-runs name."""
-        from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES, observe_batch
-
-        if not self.observe_inputs or self.run is None:
-            return None
-        batch = self._batch_rows(index)
-        key = tuple(batch)
-        if key not in self._observations:
-            if self.mode == "quick":
-                self._observations[key] = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
-            elif self.deadline is not None and time.monotonic() >= self.deadline:
-                self._observations[key] = "the diagnosis time budget is spent"
-            else:
-                started = time.perf_counter()
-                try:
-                    self._observations[key] = observe_batch(self.run, batch, [self.outputs[i] for i in batch],
-                                                            self.pad_token_id)
-                finally:
-                    self.observe_seconds += time.perf_counter() - started
-        observation = self._observations[key]
-        if isinstance(observation, str):
-            tried.append(f"observation of the engine's inputs: not made ({observation})")
-            return None
-        logits = self._logits(index)
-        engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
-        verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
-        if verdict.state and verdict.cls in INPUT_CLASSES:
-            return self._observed_state(observation, verdict, index, batch, tried, engine_row)
-        if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
-            # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-            error = None if replayed is None else _logit_error(replayed, engine_row)
-            verdict.confirmed = error is not None and error <= max(FLOAT64_LOGIT_TOLERANCE, self.precision_noise(index))
-            shown = "not made" if error is None else (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} "
-                                                       f"the engine's logits at new token {position} (error {error:.3g})")
-            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
-        elif verdict.producer is not None and verdict.cls is not None:
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-            chosen = None if replayed is None else int(replayed.argmax())
-            if verdict.cls == "clean":
-                verdict.confirmed = chosen is not None and chosen != verdict.engine_token
-                if chosen == verdict.engine_token:  # right inputs cannot give a wrong token: something unseen
-                    verdict.cls = None
-                    verdict.evidence += ("; yet a replay of them chooses the engine's token: the engine reads "
-                                         "something the hooks did not see")
-            else:
-                verdict.confirmed = chosen is not None and chosen == verdict.engine_token
-            shown = "not made" if chosen is None else f"chooses token {chosen}" + (
-                " (the engine's)" if chosen == verdict.engine_token else " (not the engine's)")
-            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
-            if not (verdict.cls != "clean" and verdict.confirmed):
-                verdict = self._other_producer(observation, verdict, batch.index(index), position, index, tried)
-        else:
-            tried.append(verdict.evidence)
-        if verdict.state_seen and not (verdict.confirmed and verdict.cls in INPUT_CLASSES):
-            # a replay cannot set a recurrent state: where one seen wrong behind the token may explain it, its re-run
-            cls, evidence = verdict.state_seen
-            stated = replace(verdict, cls=cls, evidence=evidence, state=True, state_seen=None, confirmed=False)
-            cause = self._observed_state(observation, stated, index, batch, tried, engine_row)
-            if cause is not None:
-                return cause
-        self._observed = verdict
-        if verdict.confirmed and verdict.cls in INPUT_CLASSES:
-            what = "reproduces the engine's logits" if engine_row is not None else "chooses the engine's token"
-            return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target with exactly the observed inputs "
-                         f"{what}", "a reproducing replay", _observed_mechanism(verdict))
-        return None
-
-    def _observed_state(self, observation: Any, verdict: Any, index: int, batch: list[int], tried: list[str],
-                        engine_row: torch.Tensor | None) -> Cause | None:
-        """A call seen starting from a recurrent state that is not the row's own, or feeding it padding the model was
-        not told of (observe.py). A replay that feeds the recurrent layers the history the state was found to be (the
-        slots fed, rejected ones and padding kept, hidden from the queries that did not read them) and reproduces
-        the engine's logits or token confirms it; failing that, a re-run of the batch with the target's attention
-        layers silenced that still diverges from greedy decoding of the silenced target (the state alone is wrong)."""
-        from specaudit.equivalence.diagnosis.layers import diverges_silenced
-
-        mechanism = (OBSERVED_MECHANISMS["recurrent_state"] if verdict.cls == "recurrent_state" else
-                     "padding the model was not told of (no 2-D mask marks it) fed into the recurrent state (observed)")
-        replayed = None
-        if verdict.producer is not None:
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-        if replayed is not None:
-            if engine_row is not None:
-                error = _logit_error(replayed, engine_row)
-                verdict.confirmed = error <= max(FLOAT64_LOGIT_TOLERANCE, self.precision_noise(index))
-                shown = (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} the engine's logits "
-                         f"(error {error:.3g})")
-            else:
-                verdict.confirmed = int(replayed.argmax()) == verdict.engine_token
-                shown = f"chooses token {int(replayed.argmax())}" + (" (the engine's)" if verdict.confirmed else
-                                                                     " (not the engine's)")
-            tried.append(f"{verdict.evidence}; a replay of the target feeding its recurrent layers that history {shown}")
-            if verdict.confirmed:
-                self._observed = verdict
-                return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target feeding its recurrent layers "
-                             f"that history {shown}", f"{OBSERVED_STATE}, then a reproducing replay", mechanism)
-        try:
-            outcome = diverges_silenced(self, index, batch, "attention")
-        except Exception as exc:  # an experiment that fails tells that, not more
-            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
-        said = ("was not run (" + outcome + ")" if isinstance(outcome, str) else "still diverges" if outcome
-                else "is exact")
-        verdict.confirmed = outcome is True
-        tried.append(f"{verdict.evidence}; re-run of its batch with the attention layers silenced, against greedy "
-                     f"decoding of the same target: it {said}")
-        self._observed = verdict
-        if not verdict.confirmed:
-            return None
-        return Cause(verdict.cls, f"{verdict.evidence}; re-run of its batch with the attention layers silenced, the "
-                     "row still diverges from greedy decoding of the same silenced target",
-                     f"{OBSERVED_STATE}, then a re-run with the attention layers silenced", mechanism)
-
-    def _other_producer(self, observation: Any, first: Any, local: int, position: int, index: int,
-                        tried: list[str], attempts: int = 6) -> Any:
-        """The query taken to choose the engine's token did not (its inputs replayed choose another): a token fed
-        more than once (a proposal rejected, then fed again; a step's choice the engine set aside, as a rule that
-        drops its bonus does) leaves other queries that may have. The first other one, in the order fed, whose
-        wrong input a replay confirms (it chooses the engine's token) names the class, unless it reads the token
-        it would produce; else the first verdict stands."""
-        from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES
-
-        excluded = {first.producer}
-        for _ in range(attempts):
-            other = observation.judge(local, position, index, exclude=frozenset(excluded))
-            if other.producer is None:
-                break
-            excluded.add(other.producer)
-            if other.cls not in INPUT_CLASSES or observation.reads_ahead(local, position, other.producer):
-                continue
-            replayed = observation.replay(self.replay_target or self.target, other.producer)
-            if replayed is None or int(replayed.argmax()) != other.engine_token:
-                continue
-            other.confirmed = True
-            other.evidence += (" (a query fed the same token elsewhere chose another token, which the engine did "
-                               "not emit)")
-            tried.append(f"{other.evidence}; a replay of the target with the observed inputs chooses token "
-                         f"{other.engine_token} (the engine's)")
-            return other
-        return first
-
-    def _reconcile(self, found: Cause | Finding | None, tried: list[str]) -> Cause | Finding | None:
-        """A class from the guessing replays, heuristics or re-runs checked against what was observed. Only a
-        positive contradiction overrules it: the inputs of a call of the row's batch (not a row decoded alone)
-        seen right and a replay of them choosing the reference's token, or a violation of another class seen
-        there; `acceptance_rule` needs an engine that speculated (called its draft model, verified several
-        tokens of a row in one pass, or drafted in its trace), and is not taken from the draft-choice coincidence
-        where the engine was seen feeding a wrong input (a violation no replay confirmed, or one in the pass that
-        fed a repeated token left unjudged); an input class is not taken where the inputs behind a repeated token
-        left unjudged were seen wrong in other classes alone. An observation that judged nothing leaves the
-        class as the replays and re-runs named it."""
-        from specaudit.equivalence.diagnosis.observe import CLEAN, INPUT_CLASSES
-
-        verdict, self._observed = self._observed, None
-        if verdict is None or (found is not None and found.cls == "unknown"):
-            return found
-        cls = found.cls if found is not None else None
-        if verdict.cls == CLEAN and verdict.confirmed and verdict.batched and (cls is None or cls in INPUT_CLASSES):
-            named = f" ({cls} was suggested: the observation contradicts it)" if cls else ""
-            return Cause("unknown", f"{verdict.evidence}, and a replay of them chooses the reference's token: the "
-                         f"target's inputs were right, the engine's token came after its logits{named}",
-                         "the engine's step after the target's logits (acceptance, stops, its own trace)", "")
-        if (verdict.cls in INPUT_CLASSES and verdict.batched and cls != verdict.cls
-                and (cls is None or cls in INPUT_CLASSES)):
-            named = f"; {cls} was suggested, which the observation does not show" if cls else ""
-            return Cause("unknown", f"{verdict.evidence}; no replay of the observed inputs reproduced the engine's "
-                         f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
-        if verdict.seen and cls in INPUT_CLASSES and cls not in verdict.seen_classes:
-            return Cause("unknown", f"{cls} was suggested ({found.evidence}), but the inputs behind the engine's token "
-                         f"were seen wrong otherwise, with no wrong input of that class ({verdict.evidence})",
-                         "a replay of the observed inputs that reproduces the engine's token", "")
-        wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
-        if (cls == "acceptance_rule" and wrong
-                and isinstance(found, Cause) and found.named_by.startswith("the engine's token is the draft's own choice")):
-            return Cause("unknown", f"acceptance_rule was suggested by a coincidence ({found.evidence}), but the "
-                         f"engine's inputs were seen wrong ({verdict.evidence})",
-                         "a replay that reproduces the engine's token", "")
-        if cls == "acceptance_rule" and verdict.target_calls and not (verdict.speculated or self._drafted()):
-            return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine did not "
-                         f"speculate in the re-run (no draft model call, no pass verifying several tokens of a "
-                         f"row, no draft token in its trace); {verdict.evidence}",
-                         "the engine's trace of its proposals and counts", "")
-        return found
-
-    def _drafted(self) -> bool:
-        """The engine's trace records draft tokens (a drafter that is not a model: scripted, n-gram)."""
-        from specaudit.equivalence import speculation
-
-        counted = speculation.from_trace(self.trace)
-        return bool(counted and counted.get("drafted_tokens"))
 
     def _draft_chose(self, prefix: list[int], choice: int, token: int) -> bool:
         """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`
@@ -552,9 +388,10 @@ class Diagnoser(Experiments):
         beyond = (errors > FLOAT64_LOGIT_TOLERANCE).nonzero().flatten()
         return int(beyond[0]) if beyond.numel() else position
 
-    def _answered_elsewhere(self, index: int, tried: list[str]) -> Cause | None:
+    def _answered_elsewhere(self, case: Case, tried: list[str]) -> Cause | None:
         """When other outputs of the run are exactly other prompts' references, re-run this prompt
         alone: its own output there, returned in the run for another prompt, is an order bug."""
+        index = case.index
         crossed = [j for j, out in enumerate(self.outputs)
                    if out and out != self.references[j] and out in self.references]
         if not crossed:
@@ -572,9 +409,10 @@ class Diagnoser(Experiments):
                      "the engine returns its outputs in another order than the prompts",
                      "a re-run alone beside the run's outputs", "outputs answered for other prompts")
 
-    def _pad_cause(self, index: int, position: int, tried: list[str]) -> Cause | None:
+    def _pad_cause(self, case: Case, tried: list[str]) -> Cause | None:
         """A pad id in the row (or a pad id equal to EOS beside a row that stopped early): the
         re-run with another pad id decides; without it, the other evidence does."""
+        index, position = case.index, case.position
         pad, eos = self.pad_token_id, self.eos_token_id
         evidence = causes.pad_evidence(index, self.prompts, self.references, self.outputs, position, pad, eos)
         if evidence is None or not evidence.any:
@@ -641,7 +479,7 @@ class Diagnoser(Experiments):
                          mechanism)
         return None
 
-    def _batch_experiments(self, index: int, position: int, q: int, tried: list[str]) -> Finding | Cause | None:
+    def _in_batch(self, index: int, position: int, q: int, tried: list[str]) -> Finding | Cause | None:
         alone = self.alone(index)
         if isinstance(alone, str):
             tried.append(f"re-run alone: not run ({alone})")
