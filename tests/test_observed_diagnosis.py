@@ -17,6 +17,7 @@ import pytest
 from cli_run import audit, runs
 from specaudit.equivalence.diagnosis.causes import Cause
 from specaudit.equivalence.diagnosis.core import Diagnoser
+from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.judge import CLEAN, Verdict
 
 EXPECTED = {"loop_padded_positions": "position_ids", "holes_all_slots": "position_ids",
@@ -161,8 +162,8 @@ def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:
 
 
 def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:
-    diagnoser = Diagnoser(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1, eos_token_id=None,
-                          pad_token_id=None)
+    diagnoser = Diagnoser(RunFacts(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1,
+                                   eos_token_id=None, pad_token_id=None))
     diagnoser._observed = verdict
     return diagnoser._reconcile(found, [])
 

@@ -55,6 +55,7 @@ from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
+from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
@@ -145,36 +146,16 @@ def _cause(found: Finding | Cause, named_by: str) -> Cause:
 
 @dataclass
 class Diagnoser(Experiments, Observing):
-    """Everything a diagnosis of one run may look at, and its re-run budget."""
+    """One run's diagnosis: what it reads (`facts`), its re-run budgets and the experiments it made."""
 
-    prompts: list[list[int]]
-    references: list[list[int]]
-    outputs: list[list[int]]
-    max_new_tokens: int
-    eos_token_id: int | tuple[int, ...] | list[int] | None  # the EOS set: any of its ids ends a row
-    pad_token_id: int | None
-    trace: Any = None
-    engine_logits: list[torch.Tensor | None] = field(default_factory=list)
-    target: Any = None  # the target in the audit dtype, for replays
-    draft: Any = None
-    run: Any = None  # the run's context (equivalence/run_context.py): `rerun(indices, pad_token_id)`, `takes_pad_option`
-    batch_size: int | None = None  # the run's; with draft_tokens, for replays of an engine without a trace
-    draft_tokens: int = 0
+    facts: RunFacts
+    # the references the divergences are diagnosed against: the audit's, where the audit swaps in, for a divergence
+    # judged past a numerical flip, the reference it was judged by (audit.diagnose)
+    references: list[list[int]] = field(init=False)
+    replay_draft: Any = field(init=False)  # the draft in float64 (below float64; made from the draft when not given)
     reruns_left: int = RERUN_BUDGET
     pad_reruns_left: int = PAD_RERUN_BUDGET
-    # below float64: the run's ruler judges re-runs as the audit judged the run (rulings/ruler.py); the
-    # float64 target replays the hypotheses; `reference_logits` measure the dtype's own error per prompt
-    ruler: Any = None
-    replay_target: Any = None
-    replay_draft: Any = None  # the draft in float64 (below float64; made from `draft` when not given)
-    reference_logits: list[torch.Tensor | None] = field(default_factory=list)
-    # the outputs `reference_logits` were computed along (the audit's references; `references` may be swapped for
-    # a divergence judged past a numerical flip, whose reference then goes another way); default `references`
-    logit_paths: list[list[int]] = field(default_factory=list)
-    mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
-    observe_inputs: bool = True  # an in-process engine: its inputs to the target can be observed (observe.py)
     observe_seconds: float = 0.0  # the hooked re-runs' time
-    deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
     rerun_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
@@ -186,6 +167,10 @@ class Diagnoser(Experiments, Observing):
     _observed: Any = None  # the observation's verdict on the divergence being diagnosed
     # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
     silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.references = list(self.facts.references)
+        self.replay_draft = self.facts.replay_draft
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -211,11 +196,11 @@ class Diagnoser(Experiments, Observing):
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
     def _logits(self, index: int) -> torch.Tensor | None:
-        return self.engine_logits[index] if index < len(self.engine_logits) else None
+        return self.facts.engine_logits[index] if index < len(self.facts.engine_logits) else None
 
     def _case(self, index: int, position: int) -> Case:
         logits = self._logits(index)
-        return Case(index, position, self.prompts[index], self.references[index], self.outputs[index], logits,
+        return Case(index, position, self.facts.prompts[index], self.references[index], self.facts.outputs[index], logits,
                     lambda: self._first_corrupted(index, position))
 
     def _ranked_checks(self) -> tuple[Check, ...]:
@@ -237,7 +222,7 @@ class Diagnoser(Experiments, Observing):
     # ---- the ranked checks, in their order ---------------------------------------------------------
     def _output_order(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("output against the other prompts' references")
-        found = checks.output_order(case.index, self.references, self.outputs)
+        found = checks.output_order(case.index, self.references, self.facts.outputs)
         if found:
             return Cause(found.cls, found.evidence, "the outputs against every prompt's reference",
                          "outputs answered for other prompts")
@@ -246,26 +231,26 @@ class Diagnoser(Experiments, Observing):
     def _truncation(self, case: Case, tried: list[str]) -> Cause | None:
         if len(case.prompt) <= min(causes.TRUNCATION_LIMITS):
             return None
-        return causes.truncation(self.target, case.prompt, case.output, case.position, self.max_new_tokens,
-                                 self.eos_token_id, tried, case.logits)
+        return causes.truncation(self.facts.target, case.prompt, case.output, case.position, self.facts.max_new_tokens,
+                                 self.facts.eos_token_id, tried, case.logits)
 
     def _stop_eos(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("lengths against EOS")
-        found = checks.stop_eos(case.index, case.prompt, case.reference, case.output, case.position, self.eos_token_id,
-                                self.trace, self.outputs, self._batch_rows(case.index))
+        found = checks.stop_eos(case.index, case.prompt, case.reference, case.output, case.position, self.facts.eos_token_id,
+                                self.facts.trace, self.facts.outputs, self._batch_rows(case.index))
         return _cause(found, "the output's length against its EOS") if found else None
 
     def _trace_and_logits(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("the trace's proposals and counts against the target's choices")
         found = (checks.acceptance_from_trace(case.index, case.reference, case.output, case.position,
-                                              self.max_new_tokens, self.eos_token_id, self.trace)
+                                              self.facts.max_new_tokens, self.facts.eos_token_id, self.facts.trace)
                  or checks.own_logits_not_chosen(case.output, case.position, case.logits))
         return _cause(found, "the engine's own trace and logits") if found else None
 
     def _overlong(self, case: Case, tried: list[str]) -> Cause | None:
-        if len(case.output) <= self.max_new_tokens:
+        if len(case.output) <= self.facts.max_new_tokens:
             return None
-        found = checks.length_stop(case.reference, case.output, case.position, self.max_new_tokens, self.eos_token_id,
+        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens, self.facts.eos_token_id,
                                    self._continuation(case.index, len(case.output)))
         return _cause(found, "the output's length against max_new_tokens") if found else None
 
@@ -278,8 +263,8 @@ class Diagnoser(Experiments, Observing):
 
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
         index, q, logits = case.index, case.q, case.logits
-        hypothesis, replays = explain(self.replay_target or self.target, case.prompt, case.output, q, self.trace,
-                                      index, self.pad_token_id,
+        hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q, self.facts.trace,
+                                      index, self.facts.pad_token_id,
                                       logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
                                       noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
@@ -305,12 +290,12 @@ class Diagnoser(Experiments, Observing):
 
     def _draft_choice(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("the engine's token against the draft model's own choice")
-        found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.draft,
+        found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.facts.draft,
                                         case.logits, self._draft_chose)
         return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)") if found else None
 
     def _length(self, case: Case, tried: list[str]) -> Cause | None:
-        found = checks.length_stop(case.reference, case.output, case.position, self.max_new_tokens, self.eos_token_id,
+        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens, self.facts.eos_token_id,
                                    None)
         return _cause(found, "the output's length (no cause explains it)") if found else None
 
@@ -322,68 +307,68 @@ class Diagnoser(Experiments, Observing):
         """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`
         in the engine's own rounding, ruled as the draft-fidelity check rules a proposal
         (`draft_fidelity.DraftPrecision`, its floor measured along this prefix)."""
-        if self.ruler is None or self.draft is None:
+        if self.facts.ruler is None or self.facts.draft is None:
             return False  # float64: the draft's choice is exact
         if self._draft_precision is None:
             from specaudit.engines.models.zoo import float64_copy
             from specaudit.equivalence.rulings import DraftPrecision
 
             if self.replay_draft is None:
-                self.replay_draft = float64_copy(self.draft)
-            self._draft_precision = DraftPrecision(self.ruler.dtype, self.draft, self.replay_draft)
+                self.replay_draft = float64_copy(self.facts.draft)
+            self._draft_precision = DraftPrecision(self.facts.ruler.dtype, self.facts.draft, self.replay_draft)
         return self._draft_precision.admits(prefix, choice, token)
 
     def _batch_rows(self, index: int) -> list[int]:
         """The rows of prompt `index`'s batch: consecutive batches of the run's batch size."""
-        if not self.batch_size:
+        if not self.facts.batch_size:
             return [index]
-        start = index - index % self.batch_size
-        return list(range(start, min(start + self.batch_size, len(self.prompts))))
+        start = index - index % self.facts.batch_size
+        return list(range(start, min(start + self.facts.batch_size, len(self.facts.prompts))))
 
     def _row_context(self, index: int, q: int = 0) -> RowContext:
         padding = None
         widths: set[int] = set()
-        if self.batch_size:
+        if self.facts.batch_size:
             rows = self._batch_rows(index)
-            padding = max(len(self.prompts[j]) for j in rows) - len(self.prompts[index])
+            padding = max(len(self.facts.prompts[j]) for j in rows) - len(self.facts.prompts[index])
             # a re-padding engine pads the row to its longest neighbour at each step: a neighbour's length
             # (prompt and t new tokens, t near q) minus the row's own when it fed new token q
-            own = len(self.prompts[index]) + q
-            reach = 2 * (self.draft_tokens + 1)
+            own = len(self.facts.prompts[index]) + q
+            reach = 2 * (self.facts.draft_tokens + 1)
             for j in rows:
                 if j == index:
                     continue
-                for t in range(max(0, q - reach), min(len(self.outputs[j]), q + reach) + 1):
-                    widths.add(len(self.prompts[j]) + t - own)
+                for t in range(max(0, q - reach), min(len(self.facts.outputs[j]), q + reach) + 1):
+                    widths.add(len(self.facts.prompts[j]) + t - own)
         ordered = sorted((w for w in widths if w > 0), key=lambda w: (abs(w - (padding or 0)), w))[:24]
-        return RowContext(padding, self.draft, self.draft_tokens, tuple(ordered))
+        return RowContext(padding, self.facts.draft, self.facts.draft_tokens, tuple(ordered))
 
     def _doubled_bonus(self, index: int, q: int) -> MoreHypotheses | None:
         """For an engine without a trace: the doubled-bonus token replays (`doubled.py`) beside the others."""
-        if self.trace is not None and self.trace.steps:
+        if self.facts.trace is not None and self.facts.trace.steps:
             return None
         row = self._row_context(index, q)
         return lambda prompt, output, end: doubled_bonus_hypotheses(prompt, output, end, row)
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
-        if self.target is None:
+        if self.facts.target is None:
             return None
         from specaudit.engines.reference import greedy_decode
 
-        return greedy_decode(self.target, list(self.prompts[index]), length, None)[0]
+        return greedy_decode(self.facts.target, list(self.facts.prompts[index]), length, None)[0]
 
     def _first_corrupted(self, index: int, position: int) -> int:
         """The first new token whose recorded logits leave the float64 tolerance of the plain replay
         along the engine's own output (at most `position`); `position` without logits."""
         logits = self._logits(index)
-        if logits is None or self.target is None or logits.dtype != torch.float64:
+        if logits is None or self.facts.target is None or logits.dtype != torch.float64:
             return position
         from specaudit.equivalence.compare import replay_logits
 
-        upto = min(position + 1, logits.shape[0], len(self.outputs[index]))
+        upto = min(position + 1, logits.shape[0], len(self.facts.outputs[index]))
         if upto == 0:
             return position
-        plain = replay_logits(self.target, self.prompts[index], self.outputs[index][:upto])
+        plain = replay_logits(self.facts.target, self.facts.prompts[index], self.facts.outputs[index][:upto])
         errors = (logits[:upto].to(torch.float64) - plain.to(torch.float64)).abs().amax(dim=-1)
         beyond = (errors > FLOAT64_LOGIT_TOLERANCE).nonzero().flatten()
         return int(beyond[0]) if beyond.numel() else position
@@ -392,15 +377,15 @@ class Diagnoser(Experiments, Observing):
         """When other outputs of the run are exactly other prompts' references, re-run this prompt
         alone: its own output there, returned in the run for another prompt, is an order bug."""
         index = case.index
-        crossed = [j for j, out in enumerate(self.outputs)
+        crossed = [j for j, out in enumerate(self.facts.outputs)
                    if out and out != self.references[j] and out in self.references]
         if not crossed:
             return None
         alone = self.alone(index)
-        if not isinstance(alone, list) or not alone or alone == self.outputs[index]:
+        if not isinstance(alone, list) or not alone or alone == self.facts.outputs[index]:
             return None
-        places = [j for j, out in enumerate(self.outputs)
-                  if j != index and out == alone and self.prompts[j] != self.prompts[index]]
+        places = [j for j, out in enumerate(self.facts.outputs)
+                  if j != index and out == alone and self.facts.prompts[j] != self.facts.prompts[index]]
         tried.append(f"re-run alone beside the run's outputs: {'returned for prompt ' + str(places[0]) if places else 'not in the run'}")
         if not places:
             return None
@@ -413,11 +398,11 @@ class Diagnoser(Experiments, Observing):
         """A pad id in the row (or a pad id equal to EOS beside a row that stopped early): the
         re-run with another pad id decides; without it, the other evidence does."""
         index, position = case.index, case.position
-        pad, eos = self.pad_token_id, self.eos_token_id
-        evidence = causes.pad_evidence(index, self.prompts, self.references, self.outputs, position, pad, eos)
+        pad, eos = self.facts.pad_token_id, self.facts.eos_token_id
+        evidence = causes.pad_evidence(index, self.facts.prompts, self.references, self.facts.outputs, position, pad, eos)
         if evidence is None or not evidence.any:
             return None
-        prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
+        prompt, reference, output = self.facts.prompts[index], self.references[index], self.facts.outputs[index]
         stopped_early = len(output) < len(reference) and (not output or output[-1] not in eos_ids(eos))
         if not (evidence.in_prompt or evidence.in_output) and not stopped_early:
             return None  # pad = EOS matters to rows that stop early
@@ -425,9 +410,9 @@ class Diagnoser(Experiments, Observing):
         tried.append(f"the pad id {pad} in the row: {evidence.where() or 'none'}; pad id = EOS: {evidence.pad_is_eos}")
         # the row's own batch again (consecutive batches), only the pad id changed: a controlled experiment
         batch = [index]
-        if self.batch_size:
-            start = index - index % self.batch_size
-            batch = list(range(start, min(start + self.batch_size, len(self.prompts))))
+        if self.facts.batch_size:
+            start = index - index % self.facts.batch_size
+            batch = list(range(start, min(start + self.facts.batch_size, len(self.facts.prompts))))
         other = self.other_pad_id(batch)
         result = self._run(batch, other) if other is not None else "no unused token id for another pad id"
         if isinstance(result, list):
@@ -445,7 +430,7 @@ class Diagnoser(Experiments, Observing):
                          "a re-run with another pad id", mechanism)
         tried.append(f"re-run with another pad id: not run ({result})")
         cause = causes.slice_shift(prompt, reference, output, pad, evidence) or causes.masked_replay(
-            self.target, prompt, reference, output, pad, self.max_new_tokens, eos, evidence, tried, position)
+            self.facts.target, prompt, reference, output, pad, self.facts.max_new_tokens, eos, evidence, tried, position)
         if cause:
             return cause
         if prompt and all(t == pad for t in prompt) and position == 0:
@@ -488,7 +473,7 @@ class Diagnoser(Experiments, Observing):
         tried.append(f"re-run alone (batch of 1): {self._verdict(index, alone)}")
         if not exact:
             return self._single_row(index, q, tried, alone_known=True)
-        group = checks.group_of_unequal_rows(index, position, self.trace)
+        group = checks.group_of_unequal_rows(index, position, self.facts.trace)
         if group:
             return group
         own = self._own_padding(index, position, tried)
@@ -499,16 +484,16 @@ class Diagnoser(Experiments, Observing):
             twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
                          f"{'equivalent' if twin_exact else 'diverges'}")
-        if self.trace is None or not self.trace.steps:
+        if self.facts.trace is None or not self.facts.trace.steps:
             named = self._padding_replay(index, 0, position, "it is the longest of its batch (no padding at the "
                                          "prefill) and diverges only where the other rows grow past it")
             if named:
                 return named
         detail = ""
-        finished = checks.finished_beside(index, position, self.trace)
+        finished = checks.finished_beside(index, position, self.facts.trace)
         if finished is not None:
             detail = f"; prompt {finished[1]} of its batch finished at step {finished[0]}, before the divergence"
-        uneven = checks.uneven_acceptance(index, position, self.trace)
+        uneven = checks.uneven_acceptance(index, position, self.facts.trace)
         if uneven is not None:
             detail += (f"; at step {uneven[0]} it accepted more draft tokens than other rows of its batch "
                        f"(rows {uneven[1]} accepted {uneven[2]})")
@@ -553,9 +538,9 @@ class Diagnoser(Experiments, Observing):
         if isinstance(result, str):
             tried.append(f"re-run with another pad id to tell counted padding from attended padding: not run ({result})")
             return hypothesis
-        read = result[batch.index(index)] != self.outputs[index]
+        read = result[batch.index(index)] != self.facts.outputs[index]
         cls = "attention_mask" if read else "position_ids"
-        tried.append(f"re-run of its batch with pad id {other} instead of {self.pad_token_id}: the row's tokens "
+        tried.append(f"re-run of its batch with pad id {other} instead of {self.facts.pad_token_id}: the row's tokens "
                      f"{'change' if read else 'stay the same'}: the padding is {'read' if read else 'not read'}")
         if any(h.cls == cls for h in rivals):
             return next(h for h in rivals if h.cls == cls)
@@ -581,9 +566,9 @@ class Diagnoser(Experiments, Observing):
         prompt of that same length (only the neighbour changed). `cross_row` only when changing only the
         neighbour changes the row's tokens; the row's own padding when it does not."""
         rows = self._batch_rows(index)
-        mine = len(self.prompts[index])
-        longest = max(rows, key=lambda j: (len(self.prompts[j]), j == index))
-        width = len(self.prompts[longest])
+        mine = len(self.facts.prompts[index])
+        longest = max(rows, key=lambda j: (len(self.facts.prompts[j]), j == index))
+        width = len(self.facts.prompts[longest])
         if longest == index or width <= mine:
             tried.append("re-run with the row's own left padding: none to test (the row is the longest of its batch, "
                          "its prefill has no padding)")
@@ -596,7 +581,7 @@ class Diagnoser(Experiments, Observing):
         padded = beside[0]
         tried.append(f"re-run beside prompt {longest} alone (the same left padding, {pad}, as in its batch): "
                      f"{self._verdict(index, padded)}"
-                     + (", the run's own output" if padded == self.outputs[index] else ""))
+                     + (", the run's own output" if padded == self.facts.outputs[index] else ""))
         if self.equivalent(index, padded):
             named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone, with the same left "
                                          "padding, it is exact; in its batch, where the other rows' lengths set its "
@@ -607,8 +592,8 @@ class Diagnoser(Experiments, Observing):
                          f"padding ({pad}) as in its batch, it is exact too; in its batch it diverges: the other rows "
                          "of its batch (not its own padding) change its tokens", "re-runs with the same padding beside "
                          "other neighbours", "other rows' content read by this row")
-        others = [j for j in range(len(self.prompts))
-                  if j not in (index, longest) and len(self.prompts[j]) == width and self.prompts[j] != self.prompts[longest]]
+        others = [j for j in range(len(self.facts.prompts))
+                  if j not in (index, longest) and len(self.facts.prompts[j]) == width and self.facts.prompts[j] != self.facts.prompts[longest]]
         if not others:
             tried.append(f"re-run beside another prompt of length {width}: none in the run")
             named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone it diverges")
@@ -647,7 +632,7 @@ class Diagnoser(Experiments, Observing):
                      "it, or the padding attended); no replay reproduced which", WOULD_DECIDE, "")
 
     def _single_row(self, index: int, q: int, tried: list[str], alone_known: bool) -> Finding | None:
-        rejected = checks.rejection_before(index, q, self.trace)
+        rejected = checks.rejection_before(index, q, self.facts.trace)
         if rejected is None:
             tried.append("no rejection before the divergence in the trace")
             return None

@@ -47,11 +47,11 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.engines.trace import Trace
 from specaudit.equivalence import speculation
 from specaudit.equivalence.diagnosis.anatomy import has_recurrent_layers, observable, sliding_window
 from specaudit.equivalence.diagnosis.causes import Cause
 from specaudit.equivalence.diagnosis.checks import Finding
+from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.judge import CLEAN, INPUT_CLASSES, Judge, Verdict
 from specaudit.equivalence.diagnosis.layers import diverges_silenced
 from specaudit.equivalence.diagnosis.recording import Recorder, Recording
@@ -143,16 +143,8 @@ def _logit_error(replayed: torch.Tensor, engine_row: torch.Tensor) -> float:
 class Observing:
     """The observation's part of the diagnosis; the fields live on `Diagnoser` (core.py)."""
 
-    outputs: list[list[int]]
-    pad_token_id: int | None
-    trace: Trace | None
-    target: Any
-    replay_target: Any
-    run: RunContext | None
-    mode: str
-    observe_inputs: bool
+    facts: RunFacts
     observe_seconds: float
-    deadline: float | None
     _observations: dict[tuple[int, ...], Judge | str]
     _observed: Verdict | None
 
@@ -166,15 +158,15 @@ class Observing:
         """The batch's hooked re-run, made once (or why none was made)."""
         key = tuple(batch)
         if key not in self._observations:
-            if self.mode == "quick":
+            if self.facts.mode == "quick":
                 self._observations[key] = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
-            elif self.deadline is not None and time.monotonic() >= self.deadline:
+            elif self.facts.deadline is not None and time.monotonic() >= self.facts.deadline:
                 self._observations[key] = "the diagnosis time budget is spent"
             else:
                 started = time.perf_counter()
                 try:
-                    self._observations[key] = observe_batch(self.run, batch, [self.outputs[i] for i in batch],
-                                                            self.pad_token_id)
+                    self._observations[key] = observe_batch(self.facts.run, batch, [self.facts.outputs[i] for i in batch],
+                                                            self.facts.pad_token_id)
                 finally:
                     self.observe_seconds += time.perf_counter() - started
         return self._observations[key]
@@ -183,7 +175,7 @@ class Observing:
         """Re-run the row's batch once with hooks (shared by the batch's divergences) and judge what the
         engine fed the target: a violation that a replay of the observed inputs confirms decides; the verdict
         is kept to check the class the guessing replays and re-runs name."""
-        if not self.observe_inputs or self.run is None:
+        if not self.facts.observe_inputs or self.facts.run is None:
             return Observed(None)
         batch = self._batch_rows(index)
         observation = self._observation(batch)
@@ -218,7 +210,7 @@ class Observing:
                              engine_row: torch.Tensor, tried: list[str]) -> Verdict:
         """A violation, against the engine's own logits at the first corrupted token: the replay of its observed
         inputs must reproduce them."""
-        replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+        replayed = observation.replay(self.facts.replay_target or self.facts.target, verdict.producer)
         error = None if replayed is None else _logit_error(replayed, engine_row)
         confirmed = error is not None and error <= max(FLOAT64_LOGIT_TOLERANCE, self.precision_noise(index))
         shown = "not made" if error is None else (f"{'reproduces' if confirmed else 'does not reproduce'} "
@@ -231,7 +223,7 @@ class Observing:
         """Without the engine's logits: a violation whose replay chooses the engine's token, inputs seen right whose
         replay chooses another (right inputs cannot give a wrong token: one that chooses the engine's leaves the
         verdict empty); else another query fed the same token may have chosen it (`_other_producer`)."""
-        replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+        replayed = observation.replay(self.facts.replay_target or self.facts.target, verdict.producer)
         chosen = None if replayed is None else int(replayed.argmax())
         if verdict.cls == CLEAN:
             confirmed = chosen is not None and chosen != verdict.engine_token
@@ -259,7 +251,7 @@ class Observing:
                      "padding the model was not told of (no 2-D mask marks it) fed into the recurrent state (observed)")
         replayed = None
         if verdict.producer is not None:
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
+            replayed = observation.replay(self.facts.replay_target or self.facts.target, verdict.producer)
         if replayed is not None:
             if engine_row is not None:
                 error = _logit_error(replayed, engine_row)
@@ -307,7 +299,7 @@ class Observing:
             excluded.add(other.producer)
             if other.cls not in INPUT_CLASSES or observation.reads_ahead(local, position, other.producer):
                 continue
-            replayed = observation.replay(self.replay_target or self.target, other.producer)
+            replayed = observation.replay(self.facts.replay_target or self.facts.target, other.producer)
             if replayed is None or int(replayed.argmax()) != other.engine_token:
                 continue
             other = replace(other, confirmed=True, evidence=other.evidence + " (a query fed the same token elsewhere "
@@ -360,5 +352,5 @@ class Observing:
 
     def _drafted(self) -> bool:
         """The engine's trace records draft tokens (a drafter that is not a model: scripted, n-gram)."""
-        counted = speculation.from_trace(self.trace)
+        counted = speculation.from_trace(self.facts.trace)
         return bool(counted and counted.get("drafted_tokens"))
