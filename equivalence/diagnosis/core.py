@@ -35,6 +35,11 @@ class says) becomes `unknown` with what was seen, and so does `acceptance_rule` 
 speculate; an observation that judged nothing leaves the class to the replays. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
 
+The ranking is `Diagnoser._ranked_checks`, a tuple of checks in that order: each reads the divergence (`Case`),
+notes what it tried and returns a cause or None, and the first cause decides (`_decide`); the observation's
+verdict is kept for the reconciliation (`observe.Observing._reconcile`). What a run's diagnosis reads comes in
+one frozen record, `facts.RunFacts`, built where the audit diagnoses the run.
+
 Re-runs go through the run's context (`equivalence/run_context.py`): `run.rerun(indices, pad_token_id)`
 builds a fresh engine and runs it on the prompts at `indices` (repeats allowed); without one, the
 experiments that need it are reported as not run.
@@ -250,8 +255,8 @@ class Diagnoser(Experiments, Observing):
     def _overlong(self, case: Case, tried: list[str]) -> Cause | None:
         if len(case.output) <= self.facts.max_new_tokens:
             return None
-        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens, self.facts.eos_token_id,
-                                   self._continuation(case.index, len(case.output)))
+        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,
+                                   self.facts.eos_token_id, self._continuation(case.index, len(case.output)))
         return _cause(found, "the output's length against max_new_tokens") if found else None
 
     def _observed_inputs(self, case: Case, tried: list[str]) -> Cause | None:
@@ -263,8 +268,8 @@ class Diagnoser(Experiments, Observing):
 
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
         index, q, logits = case.index, case.q, case.logits
-        hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q, self.facts.trace,
-                                      index, self.facts.pad_token_id,
+        hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q,
+                                      self.facts.trace, index, self.facts.pad_token_id,
                                       logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
                                       noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
@@ -295,8 +300,8 @@ class Diagnoser(Experiments, Observing):
         return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)") if found else None
 
     def _length(self, case: Case, tried: list[str]) -> Cause | None:
-        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens, self.facts.eos_token_id,
-                                   None)
+        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,
+                                   self.facts.eos_token_id, None)
         return _cause(found, "the output's length (no cause explains it)") if found else None
 
     def _batch_experiments(self, case: Case, tried: list[str]) -> Cause | None:
@@ -592,8 +597,9 @@ class Diagnoser(Experiments, Observing):
                          f"padding ({pad}) as in its batch, it is exact too; in its batch it diverges: the other rows "
                          "of its batch (not its own padding) change its tokens", "re-runs with the same padding beside "
                          "other neighbours", "other rows' content read by this row")
-        others = [j for j in range(len(self.facts.prompts))
-                  if j not in (index, longest) and len(self.facts.prompts[j]) == width and self.facts.prompts[j] != self.facts.prompts[longest]]
+        prompts = self.facts.prompts
+        others = [j for j in range(len(prompts))
+                  if j not in (index, longest) and len(prompts[j]) == width and prompts[j] != prompts[longest]]
         if not others:
             tried.append(f"re-run beside another prompt of length {width}: none in the run")
             named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone it diverges")

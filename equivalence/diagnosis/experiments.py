@@ -83,7 +83,8 @@ class Experiments:
         used = {t for i in indices for t in self.facts.prompts[i] + self.references[i] + self.facts.outputs[i]}
         used |= {t for t in (self.facts.pad_token_id, *eos_ids(self.facts.eos_token_id)) if t is not None}
         # an id both models have (a padded vocabulary's extra ids cannot be fed to the smaller one)
-        sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (self.facts.target, self.facts.draft)]
+        sizes = [getattr(getattr(model, "config", None), "vocab_size", None)
+                 for model in (self.facts.target, self.facts.draft)]
         vocab = int(min((size for size in sizes if isinstance(size, int)), default=0))
         for candidate in range(vocab - 1, -1, -1):
             if candidate not in used:

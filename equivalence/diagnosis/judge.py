@@ -33,7 +33,7 @@ with the engine's (observe.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -85,10 +85,8 @@ class Judge:
         """The verdict on new token `position` of the re-run's prompt `local` (prompt `index` of the run);
         `by_logits`: the engine's logits there will confirm it (a repeated token is then no ambiguity); `exclude`:
         slots not to take as the producer (one whose query's choice the engine did not emit)."""
-        speculated = self.seen.speculated
         verdict = self._judge(local, position, index, by_logits, exclude)
-        verdict.speculated, verdict.target_calls = speculated, self.seen.calls
-        return verdict
+        return replace(verdict, speculated=self.seen.speculated, target_calls=self.seen.calls)
 
     def _producer(self, local: int, sequence: list[int], m: int, exclude: frozenset[int] = frozenset()
                   ) -> tuple[int, str] | None:
@@ -306,7 +304,8 @@ class Judge:
             return None
         # a slot that could read nothing (padding under a mask that hides it from itself) is computed as the
         # engine's attention computed it: reading nothing under a boolean or -inf mask, else averaging every key
-        empty = [self.seen.records[self.seen.slots[s].record].empty_reads for s in order if not bool(allowed[place[s]].any())]
+        empty = [self.seen.records[self.seen.slots[s].record].empty_reads for s in order
+                 if not bool(allowed[place[s]].any())]
         hidden = float("-inf") if empty and empty[0] == "nothing" else None
         logits = replay_all(model, [self.seen.slots[s].token for s in order], positions, allowed, window=window,
                             hidden=hidden)

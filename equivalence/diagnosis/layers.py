@@ -98,7 +98,8 @@ def diverges_silenced(diagnoser: Any, index: int, batch: list[int], kind: str) -
         if any(missing):
             return next(m for m in missing if m)
         prompt = list(diagnoser.facts.prompts[index])
-        reference = greedy_decode(diagnoser.facts.target, prompt, diagnoser.facts.max_new_tokens, diagnoser.facts.eos_token_id)[0]
+        facts = diagnoser.facts
+        reference = greedy_decode(facts.target, prompt, facts.max_new_tokens, facts.eos_token_id)[0]
         runs = diagnoser.silenced_runs  # one re-run of a batch serves each of its rows' divergences
         result = runs.get((tuple(batch), kind))
         if result is None:

@@ -122,7 +122,8 @@ class StateChecks:
         call = self.seen.slots[first].call
         earlier = [r for r, other in enumerate(self.seen.records) if other.local == call_row.local and r != record
                    and (slots_of := self.seen.record_slots(r)) and self.seen.slots[slots_of[0]].call < call]
-        start = (self.own_before(earlier[0], sequence) or []) if earlier and self.seen.records[earlier[0]].cache_length else []
+        start = ((self.own_before(earlier[0], sequence) or []) if earlier and self.seen.records[earlier[0]].cache_length
+                 else [])
         fed_ids = [s for r in earlier for s in self.seen.record_slots(r)]
         fed = [self.seen.slots[s] for s in fed_ids]
         kept = start + [s.token for s in fed if not s.pad]
@@ -135,7 +136,8 @@ class StateChecks:
                            "fill; not rolled back)"))
         marked = {s for s in fed_ids if self.seen.told(s)}
         if marked:  # tokens the 2-D mask marks as padding (holes, fill) still move a state: fed as zeros
-            candidates.append((start + [~self.seen.slots[s].token if s in marked else self.seen.slots[s].token for s in fed_ids],
+            zeroed = [~self.seen.slots[s].token if s in marked else self.seen.slots[s].token for s in fed_ids]
+            candidates.append((start + zeroed,
                                "recurrent_state", f"the state after every token fed to the row in the order fed, the "
                                f"{len(marked)} the 2-D mask marks as padding fed as zero inputs (a masked token still "
                                "moves a recurrent state: the convolution window shifts, an SSM state decays)"))
@@ -195,7 +197,8 @@ class StateChecks:
             if not cls:
                 return None
             self.histories[record] = [s for s in slots[:slots.index(content[-1])] if self.seen.slots[s].pad]
-            unmarked = (f", {len(untold)} padding column(s) ({columns_text([self.seen.slots[s].column for s in untold])}) that "
+            untold_columns = columns_text([self.seen.slots[s].column for s in untold])
+            unmarked = (f", {len(untold)} padding column(s) ({untold_columns}) that "
                         "no 2-D mask handed to the model marks,") if untold else ""
             return Violation((self.seen.slots[content[0]].call, -1, 1), cls,
                     f"{where}{unmarked} and left a recurrent state (its {part}) that is {what} (distance "
@@ -204,7 +207,8 @@ class StateChecks:
         if untold:
             self.histories[record] = untold
             return Violation((self.seen.slots[content[0]].call, -1, 1), "attention_mask",
-                    f"{where}, {len(untold)} padding column(s) ({columns_text([self.seen.slots[s].column for s in untold])}) "
+                    f"{where}, {len(untold)} padding column(s) "
+                    f"({columns_text([self.seen.slots[s].column for s in untold])}) "
                     "that no 2-D mask handed to the model marks: they entered the recurrent state (its layers zero only "
                     "the padding such a mask marks)")
         return None
