@@ -84,6 +84,26 @@ class Stream:
 
 
 @dataclass
+class CallSeen:
+    """What the hooks saw of one target call: its arguments as the base model took them, the cache as the call found
+    it, and what the position module and the first attention layers were handed."""
+
+    input_ids: Any  # [B, q] (anything else: the call is not recorded)
+    cache: Any
+    length: int  # the cache's length before the call (-1: it could not say)
+    states: dict[str, torch.Tensor] | None  # the first recurrent layer's state as the call found it (hybrids)
+    prior_keys: torch.Tensor | None  # the first full-attention layer's keys [B, H, length, D] before the call
+    cache_position: Any
+    given_positions: Any  # the position ids the base model was handed
+    given_mask: Any  # the attention mask the base model was handed (a 2-D one marks padding)
+    positions: torch.Tensor | None = None  # the position ids as the position module consumed them
+    # per layer kind ("mask": the first full-attention layer, "window_mask": the first sliding-window layer): the mask
+    # it received (None: none)
+    masks: dict[str, Any] = field(default_factory=dict)
+    end_states: dict[str, torch.Tensor] | None = None  # the state the call left (hybrids)
+
+
+@dataclass
 class Recording:
     """What one hooked re-run of a batch fed the target, row by row, matched to its prompts; see the module."""
 
@@ -106,24 +126,24 @@ class Recording:
     _lock: Any = field(default_factory=threading.Lock)
 
     # ---- recording ---------------------------------------------------------------------------
-    def record(self, call: dict[str, Any], family: str) -> None:
+    def record(self, call: CallSeen, family: str) -> None:
         """One target call, as the hooks saw it (`Recorder`), added: its slots and call-rows."""
         if self.failed:
             return
-        ids = call["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or call["length"] < 0:
+        ids = call.input_ids
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or call.length < 0:
             self.failed = "a target call without input ids or with a cache of unknown length"
             return
         ids = ids.detach().cpu().long()
         batch, q = ids.shape
-        length = call["length"]
-        given_mask = call["given_mask"]
-        cache_position = call["cache_position"]
+        length = call.length
+        given_mask = call.given_mask
+        cache_position = call.cache_position
         columns = (cache_position.detach().cpu().long().flatten().tolist() if isinstance(cache_position, torch.Tensor)
                    and cache_position.numel() == q else list(range(length, length + q)))
-        positions = call["positions"]
+        positions = call.positions
         if positions is None:  # no position module seen: as the model family derives them
-            positions = call["given_positions"]
+            positions = call.given_positions
             if isinstance(positions, torch.Tensor):
                 positions = positions.detach().cpu().long()
             elif family == "opt" and isinstance(given_mask, torch.Tensor) and given_mask.dim() == 2:
@@ -135,15 +155,16 @@ class Recording:
         kv = max(columns) + 1
         query_columns = torch.tensor(columns, device="cpu").view(q, 1)  # [q, 1]
         key_columns = torch.arange(kv, device="cpu").view(1, kv)  # [1, kv]
-        allowed = allowed_reads(call["mask"], batch, q, kv)
+        layer_mask = call.masks.get("mask")  # as the first full-attention layer received it
+        allowed = allowed_reads(layer_mask, batch, q, kv)
         if allowed is None:
-            if call["mask"] is not None:
-                self.failed = f"the attention layer received a mask of another form ({type(call['mask']).__name__})"
+            if layer_mask is not None:
+                self.failed = f"the attention layer received a mask of another form ({type(layer_mask).__name__})"
                 return
             allowed = (key_columns <= query_columns).expand(batch, q, kv)  # none received: causal over every column
         window = None  # [B, q, kv]: what each query of a sliding-window layer could read
         if self.window:
-            window = allowed_reads(call["window_mask"], batch, q, kv, last=True)
+            window = allowed_reads(call.masks.get("window_mask"), batch, q, kv, last=True)
             if window is None:  # none received, or another form: the model's own window over the columns
                 window = allowed & (key_columns > query_columns - self.window)
         told = None  # [B, q]: the 2-D mask the model was handed marks the token as padding (recurrent layers zero it)
@@ -153,9 +174,8 @@ class Recording:
         with self._lock:
             if length > 0 and q > 1:
                 self.verified += 1
-            self._feed(call["cache"], ids, positions, allowed, columns, length, cache_position is not None,
-                       call["prior_keys"], window, empty_reads_of(call["mask"]), call.get("states"),
-                       call.get("end_states"), told)
+            self._feed(call.cache, ids, positions, allowed, columns, length, cache_position is not None,
+                       call.prior_keys, window, empty_reads_of(layer_mask), call.states, call.end_states, told)
             self.calls += 1
 
     def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> Stream:
@@ -452,7 +472,7 @@ class Recorder:
         self.recording, self.model, self.role = recording, model, role
         self.base = embedding_owner(model)
         self.handles: list[Any] = []
-        self.current: dict[str, Any] | None = None
+        self.current: CallSeen | None = None
         self.family = getattr(getattr(model, "config", None), "model_type", "")
 
     def install(self) -> None:
@@ -491,16 +511,15 @@ class Recorder:
                 length = -1
         prior = first_keys(cache) if cache is not None and length > 0 else None
         states = recurrent_states(cache) if self.recording.recurrent and cache is not None else None
-        self.current = {"input_ids": bound.get("input_ids"), "cache": cache, "length": length, "states": states,
-                        "prior_keys": None if prior is None else prior[:, :, :length].detach().clone(),
-                        "cache_position": bound.get("cache_position"), "given_positions": bound.get("position_ids"),
-                        "given_mask": bound.get("attention_mask"), "positions": None, "mask": None, "window_mask": None}
+        self.current = CallSeen(bound.get("input_ids"), cache, length, states,
+                                None if prior is None else prior[:, :, :length].detach().clone(),
+                                bound.get("cache_position"), bound.get("position_ids"), bound.get("attention_mask"))
 
     def _positions_hook(self, found: tuple[str, Any]) -> Callable[..., None]:
         leaf, module = found
 
         def hook(hooked: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-            if self.current is None or self.current["positions"] is not None:
+            if self.current is None or self.current.positions is not None:
                 return
             bound = bind_arguments(module.forward, args, kwargs)
             positions = bound.get("position_ids")
@@ -512,15 +531,15 @@ class Recorder:
             if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
                 positions = bound.get("input")
             if isinstance(positions, torch.Tensor):
-                self.current["positions"] = positions.detach().cpu().long()
+                self.current.positions = positions.detach().cpu().long()
         return hook
 
-    def _attention(self, slot: str) -> Callable[..., None]:
+    def _attention(self, kind: str) -> Callable[..., None]:
         def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-            if self.current is None or slot + "_seen" in self.current:
+            if self.current is None or kind in self.current.masks:
                 return
             bound = bind_arguments(module.forward, args, kwargs)
-            self.current[slot], self.current[slot + "_seen"] = bound.get("attention_mask"), True
+            self.current.masks[kind] = bound.get("attention_mask")
         return hook
 
     def _end(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -528,8 +547,8 @@ class Recorder:
         if call is None:
             return
         if self.recording.recurrent:  # the states the call left (its cache, or the one the model made for it)
-            cache = call["cache"] if call["cache"] is not None else output_cache(output)
-            call["end_states"] = recurrent_states(cache) if cache is not None else None
+            cache = call.cache if call.cache is not None else output_cache(output)
+            call.end_states = recurrent_states(cache) if cache is not None else None
         try:
             self.recording.record(call, self.family)
         except Exception as exc:  # an observation that fails says so and judges nothing
