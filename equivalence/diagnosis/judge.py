@@ -47,11 +47,12 @@ CLEAN = "clean"
 INPUT_CLASSES = ("position_ids", "attention_mask", "kv_cache", "pad_as_content", "cross_row", "recurrent_state")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
     """What the observation says about one divergence: `cls` (an input class), `CLEAN` (the inputs behind the
     engine's token were right) or None (nothing judged); `confirmed`: a replay of the observed inputs reproduced
-    the engine's logits or chose its token (a violation), or chose the reference's token (clean)."""
+    the engine's logits or chose its token (a violation), or chose the reference's token (clean). Frozen: a
+    confirmation makes a new verdict (`dataclasses.replace`)."""
 
     cls: str | None
     evidence: str
