@@ -18,7 +18,7 @@ observed. The engine's code is untouched. The layers, each a module:
 A replay of the target (float64 where the audit has it) on exactly the observed slots, positions and
 visibility (`Judge.replay`, `forward.replay_all`) that reproduces the engine's logits (where it records them;
 the diagnosis then judges the first new token whose logits are off) or chooses its token confirms a violation
-(core.py). Inputs observed correct (the replay of them chooses the reference's token) rule out the input
+(`Observing`, below). Inputs observed correct (the replay of them chooses the reference's token) rule out the input
 classes: the divergence comes after the logits (acceptance, stops). A recurrent state seen wrong is confirmed by
 a replay that feeds the recurrent layers the history it was found to be (the slots, hidden from queries that did
 not read them), failing that by a re-run of the batch with the target's attention layers silenced that still
