@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specaudit.engines.limits import eos_ids
-from specaudit.equivalence.rulings.thresholds import float64_equal
+from specaudit.equivalence.rulings.thresholds import MASKED_REPLAY_AGREEMENT, float64_equal
 
 TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most common first
 
@@ -255,7 +255,7 @@ def masked_along_output(target: Any, prompt: list[int], output: list[int], posit
     tried.append(f"replay along the engine's output with the pad-id tokens masked: new token {position} "
                  f"{'is' if masked[base + position] == output[position] else 'is not'} the engine's; new tokens "
                  f"{position} to {end - 1}: masked {masked_agree} of {len(window)} agree, plain {plain_agree}")
-    if not decisive or masked_agree * 4 < len(window) * 3 or masked_agree <= plain_agree:
+    if not decisive or masked_agree < MASKED_REPLAY_AGREEMENT * len(window) or masked_agree <= plain_agree:
         return None
     return Cause("pad_as_content",
                  f"the pad id {pad} sits in the row as content ({evidence.where()}); along the engine's own output, "

@@ -34,9 +34,8 @@ import torch
 
 from specaudit.engines.trace import Trace
 from specaudit.equivalence.diagnosis.forward import GrowingReplay, PrefixReplay, replay_all, replay_last
+from specaudit.equivalence.rulings.thresholds import EXPLAIN_RATIO, NOISY_EXPLAIN_RATIO
 
-EXPLAIN_RATIO = 0.01  # a hypothesis explains when its error is at most this share of the plain replay's
-NOISY_EXPLAIN_RATIO = 0.25  # below float64: and at least 4 times closer than the plain replay
 CONSTANT_SHIFTS = (1, -1, 2)
 
 

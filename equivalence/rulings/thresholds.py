@@ -36,3 +36,18 @@ def state_resolution(eps: float, own_norm: float) -> float:
     """The distance under which two recurrent states are one state for a run of machine epsilon `eps`, whose
     row's own state has norm `own_norm` (`STATE_RESOLUTION_EPS`)."""
     return STATE_RESOLUTION_EPS * eps * max(own_norm, STATE_NORM_FLOOR)
+
+# The diagnosis's logit replays (diagnosis/replay.py): a hypothesis explains the engine's logits when its replay
+# is at most this share of the plain replay's distance from them. In float64 a right hypothesis reproduces them
+# to rounding (about 1e-13), orders of magnitude closer than the plain replay of a run whose inputs were wrong;
+# 100 times asks for two of those orders.
+EXPLAIN_RATIO = 0.01
+# Below float64 no replay comes closer than the precision's own error: there a hypothesis explains within that
+# error, and must still come at least 4 times closer than the plain replay (an error of the size of the noise
+# that the plain replay nearly matches explains nothing).
+NOISY_EXPLAIN_RATIO = 0.25
+
+# The pad-id replay along the engine's own output (diagnosis/causes.py): with the pad-id tokens masked it must
+# choose at least this share of the engine's tokens over the window compared (and more than the plain replay):
+# the masked replay must follow the engine's output on most of the window, not agree by chance on a few tokens.
+MASKED_REPLAY_AGREEMENT = 0.75
