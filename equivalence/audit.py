@@ -21,6 +21,7 @@ from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
+from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import compare_tokens, logit_error, replay_logits
@@ -196,10 +197,20 @@ def audit_engine(
     diagnosed_at = time.perf_counter()
     diagnoser = None
     if diagnosis != "off" and any(d["kind"] == "structural" for d in judged.divergences):
-        diagnoser = diagnose(judged, run, pair, prompts, reference, context, ruler, dtype, replay_target, replay_draft,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                             batch_size=batch_size, draft_tokens=draft_tokens, mode=diagnosis,
-                             budget=diagnosis_budget, observe_inputs=not capability(engine, "black_box"))
+        below = dtype != "float64"
+        facts = RunFacts(
+            prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs], outputs=run.outputs,
+            max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id if pad_token_id is not None else pair.pad_token_id,
+            trace=run.trace, engine_logits=list(run.logits), target=pair.target, draft=pair.draft,
+            run=context if context.can_rerun else None, batch_size=batch_size,
+            draft_tokens=draft_tokens or (run.trace.draft_tokens if run.trace is not None else 0),
+            ruler=ruler if below else None, replay_target=replay_target if below else None,
+            replay_draft=replay_draft if below else None, reference_logits=list(reference.logits),
+            logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
+            observe_inputs=not capability(engine, "black_box"),
+            deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
+        diagnoser = diagnose(judged, facts)
     diagnosis_seconds = time.perf_counter() - diagnosed_at
     timing = {
         "engine": run.seconds,
@@ -390,27 +401,13 @@ def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], di
     return [draft_divergence(index, mismatch, trace) for index, mismatch in sorted(mismatches.items())]
 
 
-def diagnose(judged: Judged, run: EngineRun, pair: ModelPair, prompts: list[list[int]], reference: Reference,
-             context: RunContext, ruler: Ruler, dtype: str, replay_target: PreTrainedModel,
-             replay_draft: PreTrainedModel | None, *, max_new_tokens: int, eos_token_id: Any, pad_token_id: int | None,
-             batch_size: int | None, draft_tokens: int | None, mode: str, budget: float | None,
-             observe_inputs: bool = True) -> Diagnoser:
-    """Stage 5: name the bug of every structural divergence (equivalence/diagnosis/core.py); the run context
-    runs a fresh engine for its experiments, and one hooked re-run of it observes what an in-process engine
-    fed the target (`observe_inputs`; equivalence/diagnosis/observe.py). Each divergence judged past a numerical flip is diagnosed
-    against the reference it was judged by, decoded on to the end of the budget."""
-    below = dtype != "float64"
-    diagnoser = Diagnoser(
-        prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs],
-        outputs=run.outputs, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id if pad_token_id is not None else getattr(pair, "pad_token_id", None),
-        trace=run.trace, engine_logits=list(run.logits), target=pair.target, draft=getattr(pair, "draft", None),
-        run=context if context.can_rerun else None,
-        batch_size=batch_size, draft_tokens=draft_tokens or getattr(run.trace, "draft_tokens", 0) or 0,
-        ruler=ruler if below else None, replay_target=replay_target if below else None,
-        replay_draft=replay_draft if below else None,
-        reference_logits=list(reference.logits), logit_paths=[list(r) for r in reference.outputs], mode=mode,
-        observe_inputs=observe_inputs, deadline=None if budget is None else time.monotonic() + budget)
+def diagnose(judged: Judged, facts: RunFacts) -> Diagnoser:
+    """Stage 5: name the bug of every structural divergence (equivalence/diagnosis/core.py) from the run's `facts`;
+    the run context runs a fresh engine for its experiments, and one hooked re-run of it observes what an
+    in-process engine fed the target (`facts.observe_inputs`; equivalence/diagnosis/observe.py). Each divergence
+    judged past a numerical flip is diagnosed against the reference it was judged by, decoded on to the end of the
+    budget."""
+    diagnoser = Diagnoser(facts)
     originals = diagnoser.references
     for divergence in judged.divergences:
         if divergence["kind"] != "structural":
@@ -418,9 +415,9 @@ def diagnose(judged: Judged, run: EngineRun, pair: ModelPair, prompts: list[list
         index = divergence["prompt_index"]
         if id(divergence) in judged.continued:
             head = judged.continued[id(divergence)]
-            left = max_new_tokens - len(head)
-            whole = head if left <= 0 or not head or head[-1] in eos_ids(eos_token_id) else head + greedy_decode(
-                pair.target, list(prompts[index]) + head, left, eos_token_id)[0]
+            left = facts.max_new_tokens - len(head)
+            whole = head if left <= 0 or not head or head[-1] in eos_ids(facts.eos_token_id) else head + greedy_decode(
+                facts.target, list(facts.prompts[index]) + head, left, facts.eos_token_id)[0]
             diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
         divergence["diagnosis"] = diagnoser.diagnose(divergence)
         diagnoser.references = originals

@@ -105,9 +105,10 @@ def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -
 
 def _diagnose(prompts, references, outputs, index, position, *, pad, eos, run=None):
     from specaudit.equivalence.diagnosis.core import Diagnoser
+    from specaudit.equivalence.diagnosis.facts import RunFacts
 
-    diagnoser = Diagnoser(prompts=prompts, references=references, outputs=outputs, max_new_tokens=8,
-                          eos_token_id=eos, pad_token_id=pad, run=run)
+    diagnoser = Diagnoser(RunFacts(prompts=prompts, references=references, outputs=outputs, max_new_tokens=8,
+                                   eos_token_id=eos, pad_token_id=pad, run=run))
     return diagnoser.diagnose({"prompt_index": index, "position": position, "kind": "structural",
                                "detected_by": "tokens"})
 

@@ -21,6 +21,7 @@ import torch
 from specaudit.engines.models.zoo import load_pair
 from specaudit.equivalence.diagnosis import checks
 from specaudit.equivalence.diagnosis.core import Diagnoser
+from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.rulings import Ruler
 from table_models import TableModel
 
@@ -37,9 +38,9 @@ LOW = {0: [0, 0, 0, 4.0, 0, 0, 0, 0], 3: [0, 4.0, 3.96875, 0, 0, 0, 0, 0]}
 
 def _diagnoser(draft: torch.nn.Module, exact_draft: torch.nn.Module | None, prompt: list[int],
                output: list[int], target: torch.nn.Module | None = None) -> Diagnoser:
-    return Diagnoser(prompts=[prompt], references=[[]], outputs=[output], max_new_tokens=len(output) + 8,
-                     eos_token_id=None, pad_token_id=None, target=target, draft=draft, replay_draft=exact_draft,
-                     ruler=Ruler("bfloat16", target or draft, target or draft))  # its dtype: below float64
+    return Diagnoser(RunFacts(prompts=[prompt], references=[[]], outputs=[output], max_new_tokens=len(output) + 8,
+                              eos_token_id=None, pad_token_id=None, target=target, draft=draft, replay_draft=exact_draft,
+                              ruler=Ruler("bfloat16", target or draft, target or draft)))  # its dtype: below float64
 
 
 def test_a_draft_near_tie_the_audit_draft_breaks_otherwise_is_still_the_drafts_choice() -> None:

@@ -17,7 +17,8 @@ import pytest
 from cli_run import audit, runs
 from specaudit.equivalence.diagnosis.causes import Cause
 from specaudit.equivalence.diagnosis.core import Diagnoser
-from specaudit.equivalence.diagnosis.observe import CLEAN, Verdict
+from specaudit.equivalence.diagnosis.facts import RunFacts
+from specaudit.equivalence.diagnosis.judge import CLEAN, Verdict
 
 EXPECTED = {"loop_padded_positions": "position_ids", "holes_all_slots": "position_ids",
             "recompute_sees_padding": "attention_mask", "generate_all_ones": "attention_mask",
@@ -161,8 +162,8 @@ def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:
 
 
 def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:
-    diagnoser = Diagnoser(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1, eos_token_id=None,
-                          pad_token_id=None)
+    diagnoser = Diagnoser(RunFacts(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1,
+                                   eos_token_id=None, pad_token_id=None))
     diagnoser._observed = verdict
     return diagnoser._reconcile(found, [])
 
@@ -282,7 +283,7 @@ def test_a_recurrent_state_not_rolled_back_is_seen(pair: str, tmp_path: Path) ->
 def test_which_targets_are_observed() -> None:
     """Attention caches per layer (full, or sliding windows beside full ones) and recurrent states beside full
     attention are observed; a sliding-window target's window is read from its config."""
-    from specaudit.equivalence.diagnosis.observe import observable, sliding_window
+    from specaudit.equivalence.diagnosis.anatomy import observable, sliding_window
     from specaudit.testing import models
 
     for pair in ("tiny-lfm2", "tiny-qwen3-next", "tiny-bamba", "tiny-gpt2"):

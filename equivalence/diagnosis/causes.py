@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from specaudit.engines.limits import eos_ids
+from specaudit.equivalence.rulings.thresholds import MASKED_REPLAY_AGREEMENT, float64_equal
 
 TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most common first
 
@@ -47,10 +48,10 @@ def _agrees(engine: list[int], replay: list[int]) -> bool:
     return common >= 1 and engine[:common] == replay[:common]
 
 
-def _same_logits(target: Any, cut: list[int], output: list[int], engine_logits: Any) -> bool:
+def _same_logits(target: Any, cut: list[int], output: list[int], engine_logits: torch.Tensor | None) -> bool:
     """With float64 logits recorded by the engine: the cut prompt's replay reproduces them too (a
     token match alone can be a coincidence, e.g. a periodic prompt under rotary positions)."""
-    if engine_logits is None or getattr(engine_logits, "dtype", None) != torch.float64:
+    if engine_logits is None or engine_logits.dtype != torch.float64:
         return True
     from specaudit.equivalence.compare import replay_logits
 
@@ -58,11 +59,11 @@ def _same_logits(target: Any, cut: list[int], output: list[int], engine_logits: 
     if upto == 0:
         return True
     replay = replay_logits(target, list(cut), list(output[:upto]))
-    return float((replay.to(torch.float64) - engine_logits[:upto].to(replay.device)).abs().max()) <= 1e-9
+    return float64_equal(float((replay.to(torch.float64) - engine_logits[:upto].to(replay.device)).abs().max()))
 
 
 def truncation(target: Any, prompt: list[int], output: list[int], position: int, max_new_tokens: int,
-               eos: int | None, tried: list[str], engine_logits: Any = None) -> Cause | None:
+               eos: int | None, tried: list[str], engine_logits: torch.Tensor | None = None) -> Cause | None:
     """The engine's output is greedy decoding of the prompt cut to a common limit (and, when the
     engine recorded float64 logits, its logits are the cut prompt's)."""
     if target is None or not output:
@@ -254,7 +255,7 @@ def masked_along_output(target: Any, prompt: list[int], output: list[int], posit
     tried.append(f"replay along the engine's output with the pad-id tokens masked: new token {position} "
                  f"{'is' if masked[base + position] == output[position] else 'is not'} the engine's; new tokens "
                  f"{position} to {end - 1}: masked {masked_agree} of {len(window)} agree, plain {plain_agree}")
-    if not decisive or masked_agree * 4 < len(window) * 3 or masked_agree <= plain_agree:
+    if not decisive or masked_agree < MASKED_REPLAY_AGREEMENT * len(window) or masked_agree <= plain_agree:
         return None
     return Cause("pad_as_content",
                  f"the pad id {pad} sits in the row as content ({evidence.where()}); along the engine's own output, "

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specaudit.engines.limits import eos_ids
+from specaudit.engines.trace import Trace
 
 
 @dataclass
@@ -38,7 +39,7 @@ def output_order(index: int, references: list[list[int]], outputs: list[list[int
 
 
 def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[int], position: int,
-             eos: int | Sequence[int] | None, trace: Any, outputs: list[list[int]],
+             eos: int | Sequence[int] | None, trace: Trace | None, outputs: list[list[int]],
              batch: list[int] | None = None) -> Finding | None:
     """Tokens after the row's EOS (any id of the set), or a stop at an EOS that is not the row's own."""
     ends = eos_ids(eos)
@@ -59,7 +60,7 @@ def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[i
             return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own, "
                            f"in the step where prompt {other} of its batch emitted "
                            + (f"EOS {ends[0]}" if len(ends) == 1 else f"an EOS id of {list(ends)}"))
-        if not getattr(trace, "steps", None):
+        if trace is None or not trace.steps:
             # no trace: a row of its batch (consecutive batches) whose EOS is its new token at the same count
             same = [j for j in batch or [] if j != index and len(outputs[j]) == len(output) and outputs[j]
                     and outputs[j][-1] in ends]
@@ -75,9 +76,9 @@ def _of_set(ends: tuple[int, ...]) -> str:
     return f" (of the EOS ids {list(ends)})" if len(ends) > 1 else ""
 
 
-def _foreign_eos(index: int, output: list[int], eos: tuple[int, ...], trace: Any,
+def _foreign_eos(index: int, output: list[int], eos: tuple[int, ...], trace: Trace | None,
                  outputs: list[list[int]]) -> int | None:
-    emitted_at = getattr(trace, "emitted_at", None)
+    emitted_at = trace.emitted_at if trace is not None else []
     if not emitted_at or index >= len(emitted_at) or not emitted_at[index]:
         return None
     last = emitted_at[index][-1]
@@ -92,14 +93,14 @@ def _foreign_eos(index: int, output: list[int], eos: tuple[int, ...], trace: Any
 
 
 def acceptance_from_trace(index: int, reference: list[int], output: list[int], position: int,
-                          max_new_tokens: int, eos: int | Sequence[int] | None, trace: Any) -> Finding | None:
+                          max_new_tokens: int, eos: int | Sequence[int] | None, trace: Trace | None) -> Finding | None:
     """A step that accepted a draft token the target did not choose, or that dropped or doubled
     its bonus token, read from the trace's proposals and counts."""
-    steps = getattr(trace, "steps", None)
+    steps = trace.steps if trace is not None else []
     if not steps:
         return None
     done = 0
-    k = getattr(trace, "draft_tokens", 0) or 0
+    k = trace.draft_tokens
     for s, record in enumerate(steps):
         if index not in record.rows:
             continue
@@ -222,13 +223,13 @@ def length_stop(reference: list[int], output: list[int], position: int, max_new_
     return None
 
 
-def group_of_unequal_rows(index: int, position: int, trace: Any) -> Finding | None:
+def group_of_unequal_rows(index: int, position: int, trace: Trace | None) -> Finding | None:
     """A step recorded as a same-length group (no realignment) whose rows had different lengths."""
-    emitted_at = getattr(trace, "emitted_at", None) or []
+    emitted_at = trace.emitted_at if trace is not None else []
     last = None
     if index < len(emitted_at) and emitted_at[index]:
         last = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
-    for s, record in enumerate(getattr(trace, "steps", []) or []):
+    for s, record in enumerate(trace.steps if trace is not None else []):
         if last is not None and s > last:
             break
         if record.kind == "group" and index in record.rows and len(set(record.pad_lengths)) > 1:
@@ -238,14 +239,14 @@ def group_of_unequal_rows(index: int, position: int, trace: Any) -> Finding | No
     return None
 
 
-def rejection_before(index: int, position: int, trace: Any) -> int | None:
+def rejection_before(index: int, position: int, trace: Trace | None) -> int | None:
     """The last step before the one that emitted new token `position` in which the row rejected
     draft tokens; None when it rejected none (or the trace does not say)."""
-    emitted_at = getattr(trace, "emitted_at", None) or []
+    emitted_at = trace.emitted_at if trace is not None else []
     if index >= len(emitted_at) or not emitted_at[index]:
         return None
     until = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
-    k = getattr(trace, "draft_tokens", 0) or 0
+    k = trace.draft_tokens
     found = None
     for s, record in enumerate(trace.steps):
         if s >= until:
@@ -257,9 +258,9 @@ def rejection_before(index: int, position: int, trace: Any) -> int | None:
     return found
 
 
-def finished_beside(index: int, position: int, trace: Any) -> tuple[int, int] | None:
+def finished_beside(index: int, position: int, trace: Trace | None) -> tuple[int, int] | None:
     """A step before the divergence where another row of the batch finished: (step, row)."""
-    emitted_at = getattr(trace, "emitted_at", None) or []
+    emitted_at = trace.emitted_at if trace is not None else []
     if index >= len(emitted_at) or not emitted_at[index]:
         return None
     until = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
@@ -275,10 +276,10 @@ def finished_beside(index: int, position: int, trace: Any) -> tuple[int, int] | 
     return found
 
 
-def uneven_acceptance(index: int, position: int, trace: Any) -> tuple[int, list[int], list[int]] | None:
+def uneven_acceptance(index: int, position: int, trace: Trace | None) -> tuple[int, list[int], list[int]] | None:
     """The last step before the divergence where the row accepted more draft tokens than some other
     row of its batch: (step, rows, accepted counts)."""
-    emitted_at = getattr(trace, "emitted_at", None) or []
+    emitted_at = trace.emitted_at if trace is not None else []
     if index >= len(emitted_at) or not emitted_at[index]:
         return None
     until = emitted_at[index][min(position, len(emitted_at[index]) - 1)]

@@ -35,6 +35,11 @@ class says) becomes `unknown` with what was seen, and so does `acceptance_rule` 
 speculate; an observation that judged nothing leaves the class to the replays. Divergences of one run
 that one mechanism explains say so (`note_shared_mechanisms`).
 
+The ranking is `Diagnoser._ranked_checks`, a tuple of checks in that order: each reads the divergence (`Case`),
+notes what it tried and returns a cause or None, and the first cause decides (`_decide`); the observation's
+verdict is kept for the reconciliation (`observe.Observing._reconcile`). What a run's diagnosis reads comes in
+one frozen record, `facts.RunFacts`, built where the audit diagnoses the run.
+
 Re-runs go through the run's context (`equivalence/run_context.py`): `run.rerun(indices, pad_token_id)`
 builds a fresh engine and runs it on the prompts at `indices` (repeats allowed); without one, the
 experiments that need it are reported as not run.
@@ -42,9 +47,9 @@ experiments that need it are reported as not run.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable
 
 import torch
 
@@ -55,7 +60,10 @@ from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
+from specaudit.equivalence.diagnosis.facts import RunFacts
+from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
+from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -87,17 +95,6 @@ FIXES: dict[str, str] = {
     "unknown": "Read the evidence and the divergence context; the diagnosis could not name the mechanism.",
 }
 
-# the bug behind each class the observation names (observe.py)
-OBSERVED_MECHANISMS: dict[str, str] = {
-    "position_ids": "position ids other than each token's index in its row (observed)",
-    "attention_mask": "queries reading padding or holes, or missing the row's tokens (observed)",
-    "kv_cache": "cache entries the row did not accept, read (observed)",
-    "pad_as_content": "pad-id tokens of the row hidden as padding (observed)",
-    "cross_row": "another row's tokens read (observed)",
-    "recurrent_state": "a recurrent state not the row's own after its accepted tokens (observed)",
-}
-OBSERVED_STATE = "the recurrent state a call started from, observed"
-
 RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences get evidence only
 PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
 
@@ -122,17 +119,27 @@ def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, named_by:
     return found
 
 
-def _observed_mechanism(verdict: Any) -> str:
-    """The bug behind an observed class: padding read is the mechanism the mask replays name; the others are
-    named by what was observed (an offset that equals a count of columns can be a coincidence)."""
-    if verdict.cls == "attention_mask" and "padding column(s) (" in verdict.evidence:
-        return "the row's padding visible to its queries"
-    return OBSERVED_MECHANISMS[verdict.cls]
+@dataclass(frozen=True)
+class Case:
+    """One divergence as the ranked checks read it: prompt `index`'s new token `position`, the row's prompt,
+    reference and output, and the engine's logits of its tokens [n, V] (None: not recorded)."""
+
+    index: int
+    position: int
+    prompt: list[int]
+    reference: list[int]
+    output: list[int]
+    logits: torch.Tensor | None
+    first_corrupted: Callable[[], int] = field(repr=False)
+
+    @cached_property
+    def q(self) -> int:
+        """The first new token whose recorded logits are off (`position` without them): computed once, by the
+        first check that reads it (a replay along the row)."""
+        return self.first_corrupted()
 
 
-def _logit_error(replayed: torch.Tensor, engine_row: torch.Tensor) -> float:
-    """The largest difference between a replay's logits and the engine's own, in float64."""
-    return float((replayed.to(torch.float64).cpu() - engine_row.to(torch.float64).cpu()).abs().max())
+Check = Callable[[Case, list[str]], Cause | None]  # a ranked check: the divergence, what was tried -> its cause
 
 
 def _cause(found: Finding | Cause, named_by: str) -> Cause:
@@ -143,37 +150,17 @@ def _cause(found: Finding | Cause, named_by: str) -> Cause:
 
 
 @dataclass
-class Diagnoser(Experiments):
-    """Everything a diagnosis of one run may look at, and its re-run budget."""
+class Diagnoser(Experiments, Observing):
+    """One run's diagnosis: what it reads (`facts`), its re-run budgets and the experiments it made."""
 
-    prompts: list[list[int]]
-    references: list[list[int]]
-    outputs: list[list[int]]
-    max_new_tokens: int
-    eos_token_id: int | tuple[int, ...] | list[int] | None  # the EOS set: any of its ids ends a row
-    pad_token_id: int | None
-    trace: Any = None
-    engine_logits: list[torch.Tensor | None] = field(default_factory=list)
-    target: Any = None  # the target in the audit dtype, for replays
-    draft: Any = None
-    run: Any = None  # the run's context (equivalence/run_context.py): `rerun(indices, pad_token_id)`, `takes_pad_option`
-    batch_size: int | None = None  # the run's; with draft_tokens, for replays of an engine without a trace
-    draft_tokens: int = 0
+    facts: RunFacts
+    # the references the divergences are diagnosed against: the audit's, where the audit swaps in, for a divergence
+    # judged past a numerical flip, the reference it was judged by (audit.diagnose)
+    references: list[list[int]] = field(init=False)
+    replay_draft: Any = field(init=False)  # the draft in float64 (below float64; made from the draft when not given)
     reruns_left: int = RERUN_BUDGET
     pad_reruns_left: int = PAD_RERUN_BUDGET
-    # below float64: the run's ruler judges re-runs as the audit judged the run (rulings/ruler.py); the
-    # float64 target replays the hypotheses; `reference_logits` measure the dtype's own error per prompt
-    ruler: Any = None
-    replay_target: Any = None
-    replay_draft: Any = None  # the draft in float64 (below float64; made from `draft` when not given)
-    reference_logits: list[torch.Tensor | None] = field(default_factory=list)
-    # the outputs `reference_logits` were computed along (the audit's references; `references` may be swapped for
-    # a divergence judged past a numerical flip, whose reference then goes another way); default `references`
-    logit_paths: list[list[int]] = field(default_factory=list)
-    mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
-    observe_inputs: bool = True  # an in-process engine: its inputs to the target can be observed (observe.py)
     observe_seconds: float = 0.0  # the hooked re-runs' time
-    deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
     rerun_seconds: float = 0.0
     _alone: dict[int, list[int] | str] = field(default_factory=dict)
     _explained_by: list[str] = field(default_factory=list)  # replay hypotheses that explained, most recent first
@@ -185,6 +172,10 @@ class Diagnoser(Experiments):
     _observed: Any = None  # the observation's verdict on the divergence being diagnosed
     # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
     silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.references = list(self.facts.references)
+        self.replay_draft = self.facts.replay_draft
 
     # ---- the diagnosis -----------------------------------------------------------------------
     def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
@@ -210,50 +201,76 @@ class Diagnoser(Experiments):
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
     def _logits(self, index: int) -> torch.Tensor | None:
-        return self.engine_logits[index] if index < len(self.engine_logits) else None
+        return self.facts.engine_logits[index] if index < len(self.facts.engine_logits) else None
+
+    def _case(self, index: int, position: int) -> Case:
+        logits = self._logits(index)
+        return Case(index, position, self.facts.prompts[index], self.references[index], self.facts.outputs[index], logits,
+                    lambda: self._first_corrupted(index, position))
+
+    def _ranked_checks(self) -> tuple[Check, ...]:
+        """Causes before symptoms, experiments before coincidences: the order is the ranking. Each check reads
+        the divergence (and notes what it tried) and returns its verdict, a cause or None; the first cause
+        decides."""
+        return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
+                self._trace_and_logits, self._overlong, self._observed_inputs, self._reproducing_replay,
+                self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
 
     def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
-        """Causes before symptoms, experiments before coincidences: the order below is the ranking."""
-        prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
-        eos, logits = self.eos_token_id, self._logits(index)
+        case = self._case(index, position)
+        for check in self._ranked_checks():
+            cause = check(case, tried)
+            if cause is not None:
+                return cause
+        return None
 
+    # ---- the ranked checks, in their order ---------------------------------------------------------
+    def _output_order(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("output against the other prompts' references")
-        found = checks.output_order(index, self.references, self.outputs)
+        found = checks.output_order(case.index, self.references, self.facts.outputs)
         if found:
             return Cause(found.cls, found.evidence, "the outputs against every prompt's reference",
                          "outputs answered for other prompts")
-        cause = self._answered_elsewhere(index, tried)
-        if cause:
-            return cause
-        if len(prompt) > min(causes.TRUNCATION_LIMITS):
-            cause = causes.truncation(self.target, prompt, output, position, self.max_new_tokens, eos, tried, logits)
-            if cause:
-                return cause
-        cause = self._pad_cause(index, position, tried)
-        if cause:
-            return cause
-        tried.append("lengths against EOS")
-        found = checks.stop_eos(index, prompt, reference, output, position, eos, self.trace, self.outputs,
-                                 self._batch_rows(index))
-        if found:
-            return _cause(found, "the output's length against its EOS")
-        tried.append("the trace's proposals and counts against the target's choices")
-        found = (checks.acceptance_from_trace(index, reference, output, position, self.max_new_tokens, eos, self.trace)
-                 or checks.own_logits_not_chosen(output, position, logits))
-        if found:
-            return _cause(found, "the engine's own trace and logits")
-        if len(output) > self.max_new_tokens:
-            found = checks.length_stop(reference, output, position, self.max_new_tokens, eos,
-                                       self._continuation(index, len(output)))
-            if found:
-                return _cause(found, "the output's length against max_new_tokens")
+        return None
 
-        q = self._first_corrupted(index, position)
-        cause = self._observe(index, q, tried)
-        if cause:
-            return cause
-        hypothesis, replays = explain(self.replay_target or self.target, prompt, output, q, self.trace, index,
-                                      self.pad_token_id, logits[q] if logits is not None and q < logits.shape[0] else None,
+    def _truncation(self, case: Case, tried: list[str]) -> Cause | None:
+        if len(case.prompt) <= min(causes.TRUNCATION_LIMITS):
+            return None
+        return causes.truncation(self.facts.target, case.prompt, case.output, case.position, self.facts.max_new_tokens,
+                                 self.facts.eos_token_id, tried, case.logits)
+
+    def _stop_eos(self, case: Case, tried: list[str]) -> Cause | None:
+        tried.append("lengths against EOS")
+        found = checks.stop_eos(case.index, case.prompt, case.reference, case.output, case.position, self.facts.eos_token_id,
+                                self.facts.trace, self.facts.outputs, self._batch_rows(case.index))
+        return _cause(found, "the output's length against its EOS") if found else None
+
+    def _trace_and_logits(self, case: Case, tried: list[str]) -> Cause | None:
+        tried.append("the trace's proposals and counts against the target's choices")
+        found = (checks.acceptance_from_trace(case.index, case.reference, case.output, case.position,
+                                              self.facts.max_new_tokens, self.facts.eos_token_id, self.facts.trace)
+                 or checks.own_logits_not_chosen(case.output, case.position, case.logits))
+        return _cause(found, "the engine's own trace and logits") if found else None
+
+    def _overlong(self, case: Case, tried: list[str]) -> Cause | None:
+        if len(case.output) <= self.facts.max_new_tokens:
+            return None
+        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,
+                                   self.facts.eos_token_id, self._continuation(case.index, len(case.output)))
+        return _cause(found, "the output's length against max_new_tokens") if found else None
+
+    def _observed_inputs(self, case: Case, tried: list[str]) -> Cause | None:
+        """The observation's cause (observe.py); its verdict is kept (`_observed`) to check the class the later
+        checks name (`_reconcile`)."""
+        observed = self._observe(case.index, case.q, tried)
+        self._observed = observed.verdict
+        return observed.cause
+
+    def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
+        index, q, logits = case.index, case.q, case.logits
+        hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q,
+                                      self.facts.trace, index, self.facts.pad_token_id,
+                                      logits[q] if logits is not None and q < logits.shape[0] else None,
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
                                       noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
@@ -261,308 +278,119 @@ class Diagnoser(Experiments):
             hypothesis = self._shows_alone(index, hypothesis, tried)
         if hypothesis is not None:
             hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
-        if hypothesis is not None:
-            if hypothesis.name in self._explained_by:
-                self._explained_by.remove(hypothesis.name)
-            self._explained_by.insert(0, hypothesis.name)
-            shown = next((line for line in replays if line.startswith(hypothesis.name + ": ")), replays[-1])
-            return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
-                         f"new token {q} ({shown.split(': ', 1)[1]})", "a reproducing replay",
-                         hypothesis.mechanism)
+        if hypothesis is None:
+            return None
+        if hypothesis.name in self._explained_by:
+            self._explained_by.remove(hypothesis.name)
+        self._explained_by.insert(0, hypothesis.name)
+        shown = next((line for line in replays if line.startswith(hypothesis.name + ": ")), replays[-1])
+        return Cause(hypothesis.cls, f"a replay of the target with {hypothesis.name} reproduces the engine at "
+                     f"new token {q} ({shown.split(': ', 1)[1]})", "a reproducing replay", hypothesis.mechanism)
 
+    def _doubled_token(self, case: Case, tried: list[str]) -> Cause | None:
+        """A heuristic: a repeated token can be a coincidence, so it ranks after the replays."""
         tried.append("the output with a repeated token dropped against the reference")
-        found = checks.doubled_token(reference, output, position)
-        if found:  # a heuristic: a repeated token can be a coincidence, so it ranks after the replays
-            return _cause(found, "the output with its repeated token dropped (no replay reproduced it)")
+        found = checks.doubled_token(case.reference, case.output, case.position)
+        return _cause(found, "the output with its repeated token dropped (no replay reproduced it)") if found else None
+
+    def _draft_choice(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("the engine's token against the draft model's own choice")
-        found = checks.draft_token_kept(prompt, reference, output, position, self.draft, logits, self._draft_chose)
-        if found:
-            return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)")
-        found = checks.length_stop(reference, output, position, self.max_new_tokens, eos, None)
-        if found:
-            return _cause(found, "the output's length (no cause explains it)")
-        found = self._batch_experiments(index, position, q, tried)
-        if isinstance(found, Cause):
-            return found
+        found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.facts.draft,
+                                        case.logits, self._draft_chose)
+        return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)") if found else None
+
+    def _length(self, case: Case, tried: list[str]) -> Cause | None:
+        found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,
+                                   self.facts.eos_token_id, None)
+        return _cause(found, "the output's length (no cause explains it)") if found else None
+
+    def _batch_experiments(self, case: Case, tried: list[str]) -> Cause | None:
+        found = self._in_batch(case.index, case.position, case.q, tried)
         return _cause(found, "re-runs alone and in its batch") if found else None
-
-    # ---- observation (observe.py) ---------------------------------------------------------------
-    def _observe(self, index: int, position: int, tried: list[str]) -> Cause | None:
-        """Re-run the row's batch once with hooks (shared by the batch's divergences) and judge what the
-        engine fed the target: a violation that a replay of the observed inputs confirms decides; anything
-        else is kept (`_observed`) to check the class the guessing replays and re-runs name."""
-        from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES, observe_batch
-
-        if not self.observe_inputs or self.run is None:
-            return None
-        batch = self._batch_rows(index)
-        key = tuple(batch)
-        if key not in self._observations:
-            if self.mode == "quick":
-                self._observations[key] = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
-            elif self.deadline is not None and time.monotonic() >= self.deadline:
-                self._observations[key] = "the diagnosis time budget is spent"
-            else:
-                started = time.perf_counter()
-                try:
-                    self._observations[key] = observe_batch(self.run, batch, [self.outputs[i] for i in batch],
-                                                            self.pad_token_id)
-                finally:
-                    self.observe_seconds += time.perf_counter() - started
-        observation = self._observations[key]
-        if isinstance(observation, str):
-            tried.append(f"observation of the engine's inputs: not made ({observation})")
-            return None
-        logits = self._logits(index)
-        engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
-        verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
-        if verdict.state and verdict.cls in INPUT_CLASSES:
-            return self._observed_state(observation, verdict, index, batch, tried, engine_row)
-        if verdict.producer is not None and verdict.cls is not None and verdict.cls != "clean" and engine_row is not None:
-            # the engine's own logits at the first corrupted token: the replay of its observed inputs must reproduce them
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-            error = None if replayed is None else _logit_error(replayed, engine_row)
-            verdict.confirmed = error is not None and error <= max(1e-9, self.precision_noise(index))
-            shown = "not made" if error is None else (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} "
-                                                       f"the engine's logits at new token {position} (error {error:.3g})")
-            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
-        elif verdict.producer is not None and verdict.cls is not None:
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-            chosen = None if replayed is None else int(replayed.argmax())
-            if verdict.cls == "clean":
-                verdict.confirmed = chosen is not None and chosen != verdict.engine_token
-                if chosen == verdict.engine_token:  # right inputs cannot give a wrong token: something unseen
-                    verdict.cls = None
-                    verdict.evidence += ("; yet a replay of them chooses the engine's token: the engine reads "
-                                         "something the hooks did not see")
-            else:
-                verdict.confirmed = chosen is not None and chosen == verdict.engine_token
-            shown = "not made" if chosen is None else f"chooses token {chosen}" + (
-                " (the engine's)" if chosen == verdict.engine_token else " (not the engine's)")
-            tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
-            if not (verdict.cls != "clean" and verdict.confirmed):
-                verdict = self._other_producer(observation, verdict, batch.index(index), position, index, tried)
-        else:
-            tried.append(verdict.evidence)
-        if verdict.state_seen and not (verdict.confirmed and verdict.cls in INPUT_CLASSES):
-            # a replay cannot set a recurrent state: where one seen wrong behind the token may explain it, its re-run
-            cls, evidence = verdict.state_seen
-            stated = replace(verdict, cls=cls, evidence=evidence, state=True, state_seen=None, confirmed=False)
-            cause = self._observed_state(observation, stated, index, batch, tried, engine_row)
-            if cause is not None:
-                return cause
-        self._observed = verdict
-        if verdict.confirmed and verdict.cls in INPUT_CLASSES:
-            what = "reproduces the engine's logits" if engine_row is not None else "chooses the engine's token"
-            return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target with exactly the observed inputs "
-                         f"{what}", "a reproducing replay", _observed_mechanism(verdict))
-        return None
-
-    def _observed_state(self, observation: Any, verdict: Any, index: int, batch: list[int], tried: list[str],
-                        engine_row: torch.Tensor | None) -> Cause | None:
-        """A call seen starting from a recurrent state that is not the row's own, or feeding it padding the model was
-        not told of (observe.py). A replay that feeds the recurrent layers the history the state was found to be (the
-        slots fed, rejected ones and padding kept, hidden from the queries that did not read them) and reproduces
-        the engine's logits or token confirms it; failing that, a re-run of the batch with the target's attention
-        layers silenced that still diverges from greedy decoding of the silenced target (the state alone is wrong)."""
-        from specaudit.equivalence.diagnosis.layers import diverges_silenced
-
-        mechanism = (OBSERVED_MECHANISMS["recurrent_state"] if verdict.cls == "recurrent_state" else
-                     "padding the model was not told of (no 2-D mask marks it) fed into the recurrent state (observed)")
-        replayed = None
-        if verdict.producer is not None:
-            replayed = observation.replay(self.replay_target or self.target, verdict.producer)
-        if replayed is not None:
-            if engine_row is not None:
-                error = _logit_error(replayed, engine_row)
-                verdict.confirmed = error <= max(1e-9, self.precision_noise(index))
-                shown = (f"{'reproduces' if verdict.confirmed else 'does not reproduce'} the engine's logits "
-                         f"(error {error:.3g})")
-            else:
-                verdict.confirmed = int(replayed.argmax()) == verdict.engine_token
-                shown = f"chooses token {int(replayed.argmax())}" + (" (the engine's)" if verdict.confirmed else
-                                                                     " (not the engine's)")
-            tried.append(f"{verdict.evidence}; a replay of the target feeding its recurrent layers that history {shown}")
-            if verdict.confirmed:
-                self._observed = verdict
-                return Cause(verdict.cls, f"{verdict.evidence}; a replay of the target feeding its recurrent layers "
-                             f"that history {shown}", f"{OBSERVED_STATE}, then a reproducing replay", mechanism)
-        try:
-            outcome = diverges_silenced(self, index, batch, "attention")
-        except Exception as exc:  # an experiment that fails tells that, not more
-            outcome = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
-        said = ("was not run (" + outcome + ")" if isinstance(outcome, str) else "still diverges" if outcome
-                else "is exact")
-        verdict.confirmed = outcome is True
-        tried.append(f"{verdict.evidence}; re-run of its batch with the attention layers silenced, against greedy "
-                     f"decoding of the same target: it {said}")
-        self._observed = verdict
-        if not verdict.confirmed:
-            return None
-        return Cause(verdict.cls, f"{verdict.evidence}; re-run of its batch with the attention layers silenced, the "
-                     "row still diverges from greedy decoding of the same silenced target",
-                     f"{OBSERVED_STATE}, then a re-run with the attention layers silenced", mechanism)
-
-    def _other_producer(self, observation: Any, first: Any, local: int, position: int, index: int,
-                        tried: list[str], attempts: int = 6) -> Any:
-        """The query taken to choose the engine's token did not (its inputs replayed choose another): a token fed
-        more than once (a proposal rejected, then fed again; a step's choice the engine set aside, as a rule that
-        drops its bonus does) leaves other queries that may have. The first other one, in the order fed, whose
-        wrong input a replay confirms (it chooses the engine's token) names the class, unless it reads the token
-        it would produce; else the first verdict stands."""
-        from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES
-
-        excluded = {first.producer}
-        for _ in range(attempts):
-            other = observation.judge(local, position, index, exclude=frozenset(excluded))
-            if other.producer is None:
-                break
-            excluded.add(other.producer)
-            if other.cls not in INPUT_CLASSES or observation.reads_ahead(local, position, other.producer):
-                continue
-            replayed = observation.replay(self.replay_target or self.target, other.producer)
-            if replayed is None or int(replayed.argmax()) != other.engine_token:
-                continue
-            other.confirmed = True
-            other.evidence += (" (a query fed the same token elsewhere chose another token, which the engine did "
-                               "not emit)")
-            tried.append(f"{other.evidence}; a replay of the target with the observed inputs chooses token "
-                         f"{other.engine_token} (the engine's)")
-            return other
-        return first
-
-    def _reconcile(self, found: Cause | Finding | None, tried: list[str]) -> Cause | Finding | None:
-        """A class from the guessing replays, heuristics or re-runs checked against what was observed. Only a
-        positive contradiction overrules it: the inputs of a call of the row's batch (not a row decoded alone)
-        seen right and a replay of them choosing the reference's token, or a violation of another class seen
-        there; `acceptance_rule` needs an engine that speculated (called its draft model, verified several
-        tokens of a row in one pass, or drafted in its trace), and is not taken from the draft-choice coincidence
-        where the engine was seen feeding a wrong input (a violation no replay confirmed, or one in the pass that
-        fed a repeated token left unjudged); an input class is not taken where the inputs behind a repeated token
-        left unjudged were seen wrong in other classes alone. An observation that judged nothing leaves the
-        class as the replays and re-runs named it."""
-        from specaudit.equivalence.diagnosis.observe import CLEAN, INPUT_CLASSES
-
-        verdict, self._observed = self._observed, None
-        if verdict is None or (found is not None and found.cls == "unknown"):
-            return found
-        cls = found.cls if found is not None else None
-        if verdict.cls == CLEAN and verdict.confirmed and verdict.batched and (cls is None or cls in INPUT_CLASSES):
-            named = f" ({cls} was suggested: the observation contradicts it)" if cls else ""
-            return Cause("unknown", f"{verdict.evidence}, and a replay of them chooses the reference's token: the "
-                         f"target's inputs were right, the engine's token came after its logits{named}",
-                         "the engine's step after the target's logits (acceptance, stops, its own trace)", "")
-        if (verdict.cls in INPUT_CLASSES and verdict.batched and cls != verdict.cls
-                and (cls is None or cls in INPUT_CLASSES)):
-            named = f"; {cls} was suggested, which the observation does not show" if cls else ""
-            return Cause("unknown", f"{verdict.evidence}; no replay of the observed inputs reproduced the engine's "
-                         f"token{named}", "a replay of the observed inputs that reproduces the engine's token", "")
-        if verdict.seen and cls in INPUT_CLASSES and cls not in verdict.seen_classes:
-            return Cause("unknown", f"{cls} was suggested ({found.evidence}), but the inputs behind the engine's token "
-                         f"were seen wrong otherwise, with no wrong input of that class ({verdict.evidence})",
-                         "a replay of the observed inputs that reproduces the engine's token", "")
-        wrong = verdict.seen or (verdict.cls if verdict.cls in INPUT_CLASSES else None)
-        if (cls == "acceptance_rule" and wrong
-                and str(getattr(found, "named_by", "")).startswith("the engine's token is the draft's own choice")):
-            return Cause("unknown", f"acceptance_rule was suggested by a coincidence ({found.evidence}), but the "
-                         f"engine's inputs were seen wrong ({verdict.evidence})",
-                         "a replay that reproduces the engine's token", "")
-        if cls == "acceptance_rule" and verdict.target_calls and not (verdict.speculated or self._drafted()):
-            return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine did not "
-                         f"speculate in the re-run (no draft model call, no pass verifying several tokens of a "
-                         f"row, no draft token in its trace); {verdict.evidence}",
-                         "the engine's trace of its proposals and counts", "")
-        return found
-
-    def _drafted(self) -> bool:
-        """The engine's trace records draft tokens (a drafter that is not a model: scripted, n-gram)."""
-        from specaudit.equivalence import speculation
-
-        counted = speculation.from_trace(self.trace)
-        return bool(counted and counted.get("drafted_tokens"))
 
     def _draft_chose(self, prefix: list[int], choice: int, token: int) -> bool:
         """Below float64: a draft that chooses `choice` on `prefix` in the audit dtype may have chosen `token`
         in the engine's own rounding, ruled as the draft-fidelity check rules a proposal
         (`draft_fidelity.DraftPrecision`, its floor measured along this prefix)."""
-        if self.ruler is None or self.draft is None:
+        if self.facts.ruler is None or self.facts.draft is None:
             return False  # float64: the draft's choice is exact
         if self._draft_precision is None:
             from specaudit.engines.models.zoo import float64_copy
             from specaudit.equivalence.rulings import DraftPrecision
 
             if self.replay_draft is None:
-                self.replay_draft = float64_copy(self.draft)
-            self._draft_precision = DraftPrecision(self.ruler.dtype, self.draft, self.replay_draft)
+                self.replay_draft = float64_copy(self.facts.draft)
+            self._draft_precision = DraftPrecision(self.facts.ruler.dtype, self.facts.draft, self.replay_draft)
         return self._draft_precision.admits(prefix, choice, token)
 
     def _batch_rows(self, index: int) -> list[int]:
         """The rows of prompt `index`'s batch: consecutive batches of the run's batch size."""
-        if not self.batch_size:
+        if not self.facts.batch_size:
             return [index]
-        start = index - index % self.batch_size
-        return list(range(start, min(start + self.batch_size, len(self.prompts))))
+        start = index - index % self.facts.batch_size
+        return list(range(start, min(start + self.facts.batch_size, len(self.facts.prompts))))
 
     def _row_context(self, index: int, q: int = 0) -> RowContext:
         padding = None
         widths: set[int] = set()
-        if self.batch_size:
+        if self.facts.batch_size:
             rows = self._batch_rows(index)
-            padding = max(len(self.prompts[j]) for j in rows) - len(self.prompts[index])
+            padding = max(len(self.facts.prompts[j]) for j in rows) - len(self.facts.prompts[index])
             # a re-padding engine pads the row to its longest neighbour at each step: a neighbour's length
             # (prompt and t new tokens, t near q) minus the row's own when it fed new token q
-            own = len(self.prompts[index]) + q
-            reach = 2 * (self.draft_tokens + 1)
+            own = len(self.facts.prompts[index]) + q
+            reach = 2 * (self.facts.draft_tokens + 1)
             for j in rows:
                 if j == index:
                     continue
-                for t in range(max(0, q - reach), min(len(self.outputs[j]), q + reach) + 1):
-                    widths.add(len(self.prompts[j]) + t - own)
+                for t in range(max(0, q - reach), min(len(self.facts.outputs[j]), q + reach) + 1):
+                    widths.add(len(self.facts.prompts[j]) + t - own)
         ordered = sorted((w for w in widths if w > 0), key=lambda w: (abs(w - (padding or 0)), w))[:24]
-        return RowContext(padding, self.draft, self.draft_tokens, tuple(ordered))
+        return RowContext(padding, self.facts.draft, self.facts.draft_tokens, tuple(ordered))
 
     def _doubled_bonus(self, index: int, q: int) -> MoreHypotheses | None:
         """For an engine without a trace: the doubled-bonus token replays (`doubled.py`) beside the others."""
-        if getattr(self.trace, "steps", None):
+        if self.facts.trace is not None and self.facts.trace.steps:
             return None
         row = self._row_context(index, q)
         return lambda prompt, output, end: doubled_bonus_hypotheses(prompt, output, end, row)
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
-        if self.target is None:
+        if self.facts.target is None:
             return None
         from specaudit.engines.reference import greedy_decode
 
-        return greedy_decode(self.target, list(self.prompts[index]), length, None)[0]
+        return greedy_decode(self.facts.target, list(self.facts.prompts[index]), length, None)[0]
 
     def _first_corrupted(self, index: int, position: int) -> int:
         """The first new token whose recorded logits leave the float64 tolerance of the plain replay
         along the engine's own output (at most `position`); `position` without logits."""
         logits = self._logits(index)
-        if logits is None or self.target is None or logits.dtype != torch.float64:
+        if logits is None or self.facts.target is None or logits.dtype != torch.float64:
             return position
         from specaudit.equivalence.compare import replay_logits
 
-        upto = min(position + 1, logits.shape[0], len(self.outputs[index]))
+        upto = min(position + 1, logits.shape[0], len(self.facts.outputs[index]))
         if upto == 0:
             return position
-        plain = replay_logits(self.target, self.prompts[index], self.outputs[index][:upto])
+        plain = replay_logits(self.facts.target, self.facts.prompts[index], self.facts.outputs[index][:upto])
         errors = (logits[:upto].to(torch.float64) - plain.to(torch.float64)).abs().amax(dim=-1)
-        beyond = (errors > 1e-9).nonzero().flatten()
+        beyond = (errors > FLOAT64_LOGIT_TOLERANCE).nonzero().flatten()
         return int(beyond[0]) if beyond.numel() else position
 
-    def _answered_elsewhere(self, index: int, tried: list[str]) -> Cause | None:
+    def _answered_elsewhere(self, case: Case, tried: list[str]) -> Cause | None:
         """When other outputs of the run are exactly other prompts' references, re-run this prompt
         alone: its own output there, returned in the run for another prompt, is an order bug."""
-        crossed = [j for j, out in enumerate(self.outputs)
+        index = case.index
+        crossed = [j for j, out in enumerate(self.facts.outputs)
                    if out and out != self.references[j] and out in self.references]
         if not crossed:
             return None
         alone = self.alone(index)
-        if not isinstance(alone, list) or not alone or alone == self.outputs[index]:
+        if not isinstance(alone, list) or not alone or alone == self.facts.outputs[index]:
             return None
-        places = [j for j, out in enumerate(self.outputs)
-                  if j != index and out == alone and self.prompts[j] != self.prompts[index]]
+        places = [j for j, out in enumerate(self.facts.outputs)
+                  if j != index and out == alone and self.facts.prompts[j] != self.facts.prompts[index]]
         tried.append(f"re-run alone beside the run's outputs: {'returned for prompt ' + str(places[0]) if places else 'not in the run'}")
         if not places:
             return None
@@ -571,14 +399,15 @@ class Diagnoser(Experiments):
                      "the engine returns its outputs in another order than the prompts",
                      "a re-run alone beside the run's outputs", "outputs answered for other prompts")
 
-    def _pad_cause(self, index: int, position: int, tried: list[str]) -> Cause | None:
+    def _pad_cause(self, case: Case, tried: list[str]) -> Cause | None:
         """A pad id in the row (or a pad id equal to EOS beside a row that stopped early): the
         re-run with another pad id decides; without it, the other evidence does."""
-        pad, eos = self.pad_token_id, self.eos_token_id
-        evidence = causes.pad_evidence(index, self.prompts, self.references, self.outputs, position, pad, eos)
+        index, position = case.index, case.position
+        pad, eos = self.facts.pad_token_id, self.facts.eos_token_id
+        evidence = causes.pad_evidence(index, self.facts.prompts, self.references, self.facts.outputs, position, pad, eos)
         if evidence is None or not evidence.any:
             return None
-        prompt, reference, output = self.prompts[index], self.references[index], self.outputs[index]
+        prompt, reference, output = self.facts.prompts[index], self.references[index], self.facts.outputs[index]
         stopped_early = len(output) < len(reference) and (not output or output[-1] not in eos_ids(eos))
         if not (evidence.in_prompt or evidence.in_output) and not stopped_early:
             return None  # pad = EOS matters to rows that stop early
@@ -586,9 +415,9 @@ class Diagnoser(Experiments):
         tried.append(f"the pad id {pad} in the row: {evidence.where() or 'none'}; pad id = EOS: {evidence.pad_is_eos}")
         # the row's own batch again (consecutive batches), only the pad id changed: a controlled experiment
         batch = [index]
-        if self.batch_size:
-            start = index - index % self.batch_size
-            batch = list(range(start, min(start + self.batch_size, len(self.prompts))))
+        if self.facts.batch_size:
+            start = index - index % self.facts.batch_size
+            batch = list(range(start, min(start + self.facts.batch_size, len(self.facts.prompts))))
         other = self.other_pad_id(batch)
         result = self._run(batch, other) if other is not None else "no unused token id for another pad id"
         if isinstance(result, list):
@@ -606,7 +435,7 @@ class Diagnoser(Experiments):
                          "a re-run with another pad id", mechanism)
         tried.append(f"re-run with another pad id: not run ({result})")
         cause = causes.slice_shift(prompt, reference, output, pad, evidence) or causes.masked_replay(
-            self.target, prompt, reference, output, pad, self.max_new_tokens, eos, evidence, tried, position)
+            self.facts.target, prompt, reference, output, pad, self.facts.max_new_tokens, eos, evidence, tried, position)
         if cause:
             return cause
         if prompt and all(t == pad for t in prompt) and position == 0:
@@ -640,7 +469,7 @@ class Diagnoser(Experiments):
                          mechanism)
         return None
 
-    def _batch_experiments(self, index: int, position: int, q: int, tried: list[str]) -> Finding | Cause | None:
+    def _in_batch(self, index: int, position: int, q: int, tried: list[str]) -> Finding | Cause | None:
         alone = self.alone(index)
         if isinstance(alone, str):
             tried.append(f"re-run alone: not run ({alone})")
@@ -649,7 +478,7 @@ class Diagnoser(Experiments):
         tried.append(f"re-run alone (batch of 1): {self._verdict(index, alone)}")
         if not exact:
             return self._single_row(index, q, tried, alone_known=True)
-        group = checks.group_of_unequal_rows(index, position, self.trace)
+        group = checks.group_of_unequal_rows(index, position, self.facts.trace)
         if group:
             return group
         own = self._own_padding(index, position, tried)
@@ -660,16 +489,16 @@ class Diagnoser(Experiments):
             twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
                          f"{'equivalent' if twin_exact else 'diverges'}")
-        if not getattr(self.trace, "steps", None):
+        if self.facts.trace is None or not self.facts.trace.steps:
             named = self._padding_replay(index, 0, position, "it is the longest of its batch (no padding at the "
                                          "prefill) and diverges only where the other rows grow past it")
             if named:
                 return named
         detail = ""
-        finished = checks.finished_beside(index, position, self.trace)
+        finished = checks.finished_beside(index, position, self.facts.trace)
         if finished is not None:
             detail = f"; prompt {finished[1]} of its batch finished at step {finished[0]}, before the divergence"
-        uneven = checks.uneven_acceptance(index, position, self.trace)
+        uneven = checks.uneven_acceptance(index, position, self.facts.trace)
         if uneven is not None:
             detail += (f"; at step {uneven[0]} it accepted more draft tokens than other rows of its batch "
                        f"(rows {uneven[1]} accepted {uneven[2]})")
@@ -714,9 +543,9 @@ class Diagnoser(Experiments):
         if isinstance(result, str):
             tried.append(f"re-run with another pad id to tell counted padding from attended padding: not run ({result})")
             return hypothesis
-        read = result[batch.index(index)] != self.outputs[index]
+        read = result[batch.index(index)] != self.facts.outputs[index]
         cls = "attention_mask" if read else "position_ids"
-        tried.append(f"re-run of its batch with pad id {other} instead of {self.pad_token_id}: the row's tokens "
+        tried.append(f"re-run of its batch with pad id {other} instead of {self.facts.pad_token_id}: the row's tokens "
                      f"{'change' if read else 'stay the same'}: the padding is {'read' if read else 'not read'}")
         if any(h.cls == cls for h in rivals):
             return next(h for h in rivals if h.cls == cls)
@@ -742,9 +571,9 @@ class Diagnoser(Experiments):
         prompt of that same length (only the neighbour changed). `cross_row` only when changing only the
         neighbour changes the row's tokens; the row's own padding when it does not."""
         rows = self._batch_rows(index)
-        mine = len(self.prompts[index])
-        longest = max(rows, key=lambda j: (len(self.prompts[j]), j == index))
-        width = len(self.prompts[longest])
+        mine = len(self.facts.prompts[index])
+        longest = max(rows, key=lambda j: (len(self.facts.prompts[j]), j == index))
+        width = len(self.facts.prompts[longest])
         if longest == index or width <= mine:
             tried.append("re-run with the row's own left padding: none to test (the row is the longest of its batch, "
                          "its prefill has no padding)")
@@ -757,7 +586,7 @@ class Diagnoser(Experiments):
         padded = beside[0]
         tried.append(f"re-run beside prompt {longest} alone (the same left padding, {pad}, as in its batch): "
                      f"{self._verdict(index, padded)}"
-                     + (", the run's own output" if padded == self.outputs[index] else ""))
+                     + (", the run's own output" if padded == self.facts.outputs[index] else ""))
         if self.equivalent(index, padded):
             named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone, with the same left "
                                          "padding, it is exact; in its batch, where the other rows' lengths set its "
@@ -768,8 +597,9 @@ class Diagnoser(Experiments):
                          f"padding ({pad}) as in its batch, it is exact too; in its batch it diverges: the other rows "
                          "of its batch (not its own padding) change its tokens", "re-runs with the same padding beside "
                          "other neighbours", "other rows' content read by this row")
-        others = [j for j in range(len(self.prompts))
-                  if j not in (index, longest) and len(self.prompts[j]) == width and self.prompts[j] != self.prompts[longest]]
+        prompts = self.facts.prompts
+        others = [j for j in range(len(prompts))
+                  if j not in (index, longest) and len(prompts[j]) == width and prompts[j] != prompts[longest]]
         if not others:
             tried.append(f"re-run beside another prompt of length {width}: none in the run")
             named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone it diverges")
@@ -808,7 +638,7 @@ class Diagnoser(Experiments):
                      "it, or the padding attended); no replay reproduced which", WOULD_DECIDE, "")
 
     def _single_row(self, index: int, q: int, tried: list[str], alone_known: bool) -> Finding | None:
-        rejected = checks.rejection_before(index, q, self.trace)
+        rejected = checks.rejection_before(index, q, self.facts.trace)
         if rejected is None:
             tried.append("no rejection before the divergence in the trace")
             return None

@@ -10,42 +10,29 @@ alone, so its first divergence is ruled as the audit rules the run's (`equivalen
 from __future__ import annotations
 
 import time
-from typing import Any
-
-import torch
 
 from specaudit.engines.limits import eos_ids
+from specaudit.equivalence.diagnosis.facts import RunFacts
 
 
 class Experiments:
     """Re-runs and their judgement; the fields live on `Diagnoser`."""
 
-    prompts: list[list[int]]
+    facts: RunFacts
     references: list[list[int]]
-    outputs: list[list[int]]
-    pad_token_id: int | None
-    eos_token_id: int | tuple[int, ...] | list[int] | None  # the EOS set: any of its ids ends a row
-    target: Any
-    draft: Any
-    run: Any
     reruns_left: int
     pad_reruns_left: int
-    ruler: Any
-    reference_logits: list[torch.Tensor | None]
-    logit_paths: list[list[int]]
-    mode: str
-    deadline: float | None
     rerun_seconds: float
     _alone: dict[int, list[int] | str]
 
     def _run(self, indices: list[int], pad_token_id: int | None = None) -> list[list[int]] | str:
-        if self.mode == "quick":
+        if self.facts.mode == "quick":
             return "quick diagnosis: no re-runs (--diagnosis full runs them)"
-        if self.run is None:
+        if self.facts.run is None:
             return "no re-run available for this engine"
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.facts.deadline is not None and time.monotonic() >= self.facts.deadline:
             return "the diagnosis time budget is spent"
-        if pad_token_id is not None and not self.run.takes_pad_option:
+        if pad_token_id is not None and not self.facts.run.takes_pad_option:
             return "the engine takes no pad option"
         if pad_token_id is not None:
             if self.pad_reruns_left <= 0:
@@ -57,7 +44,7 @@ class Experiments:
             self.reruns_left -= 1
         started = time.perf_counter()
         try:
-            return [[int(t) for t in out] for out in self.run.rerun(indices, pad_token_id)]
+            return [[int(t) for t in out] for out in self.facts.run.rerun(indices, pad_token_id)]
         except Exception as exc:  # an experiment that fails tells that, not more
             return f"the re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
         finally:
@@ -67,9 +54,9 @@ class Experiments:
         """A re-run's output for prompt `index` against `reference` (default: the prompt's): exact,
         or, below float64, its first divergence ruled numerical as the audit rules the run's."""
         reference = self.references[index] if reference is None else reference
-        if self.ruler is None or list(output) == list(reference):
+        if self.facts.ruler is None or list(output) == list(reference):
             return list(output) == list(reference)
-        return self.ruler.equivalent(self.prompts[index], reference, output)
+        return self.facts.ruler.equivalent(self.facts.prompts[index], reference, output)
 
     def _verdict(self, index: int, output: list[int]) -> str:
         if list(output) == list(self.references[index]):
@@ -80,11 +67,11 @@ class Experiments:
         """The largest logit error of the audit-dtype reference against the float64 target along its own
         output on this prompt (0 in float64): how closely a replay can reproduce an engine's logits. Measured
         along the output those logits were computed for (`logit_paths`), not a reference continued past a flip."""
-        logits = self.reference_logits[index] if index < len(self.reference_logits) else None
-        path = self.logit_paths[index] if index < len(self.logit_paths) else self.references[index]
-        if self.ruler is None or logits is None or not path:
+        logits = self.facts.reference_logits[index] if index < len(self.facts.reference_logits) else None
+        path = self.facts.logit_paths[index] if index < len(self.facts.logit_paths) else self.references[index]
+        if self.facts.ruler is None or logits is None or not path:
             return 0.0
-        return self.ruler.precision_noise(self.prompts[index], path, logits)
+        return self.facts.ruler.precision_noise(self.facts.prompts[index], path, logits)
 
     def alone(self, index: int) -> list[int] | str:
         if index not in self._alone:
@@ -93,10 +80,11 @@ class Experiments:
         return self._alone[index]
 
     def other_pad_id(self, indices: list[int]) -> int | None:
-        used = {t for i in indices for t in self.prompts[i] + self.references[i] + self.outputs[i]}
-        used |= {t for t in (self.pad_token_id, *eos_ids(self.eos_token_id)) if t is not None}
+        used = {t for i in indices for t in self.facts.prompts[i] + self.references[i] + self.facts.outputs[i]}
+        used |= {t for t in (self.facts.pad_token_id, *eos_ids(self.facts.eos_token_id)) if t is not None}
         # an id both models have (a padded vocabulary's extra ids cannot be fed to the smaller one)
-        sizes = [getattr(getattr(model, "config", None), "vocab_size", None) for model in (self.target, self.draft)]
+        sizes = [getattr(getattr(model, "config", None), "vocab_size", None)
+                 for model in (self.facts.target, self.facts.draft)]
         vocab = int(min((size for size in sizes if isinstance(size, int)), default=0))
         for candidate in range(vocab - 1, -1, -1):
             if candidate not in used:

@@ -90,15 +90,16 @@ def diverges_silenced(diagnoser: Any, index: int, batch: list[int], kind: str) -
     from specaudit.engines.reference import greedy_decode
     from specaudit.equivalence.rulings import Ruler
 
-    targets = [diagnoser.target]
-    if diagnoser.ruler is not None and diagnoser.replay_target not in (None, diagnoser.target):
-        targets.append(diagnoser.replay_target)
+    targets = [diagnoser.facts.target]
+    if diagnoser.facts.ruler is not None and diagnoser.facts.replay_target not in (None, diagnoser.facts.target):
+        targets.append(diagnoser.facts.replay_target)
     with ExitStack() as stack:
         missing = [stack.enter_context(silenced(model, kind)) for model in targets]
         if any(missing):
             return next(m for m in missing if m)
-        prompt = list(diagnoser.prompts[index])
-        reference = greedy_decode(diagnoser.target, prompt, diagnoser.max_new_tokens, diagnoser.eos_token_id)[0]
+        prompt = list(diagnoser.facts.prompts[index])
+        facts = diagnoser.facts
+        reference = greedy_decode(facts.target, prompt, facts.max_new_tokens, facts.eos_token_id)[0]
         runs = diagnoser.silenced_runs  # one re-run of a batch serves each of its rows' divergences
         result = runs.get((tuple(batch), kind))
         if result is None:
@@ -106,17 +107,17 @@ def diverges_silenced(diagnoser: Any, index: int, batch: list[int], kind: str) -
         if isinstance(result, str):
             return result
         output = result[batch.index(index)]
-        if output == reference or diagnoser.ruler is None:
+        if output == reference or diagnoser.facts.ruler is None:
             return output != reference
-        ruler = diagnoser.ruler
-        return not Ruler(ruler.dtype, diagnoser.target, diagnoser.replay_target, ruler.band).equivalent(
+        ruler = diagnoser.facts.ruler
+        return not Ruler(ruler.dtype, diagnoser.facts.target, diagnoser.facts.replay_target, ruler.band).equivalent(
             prompt, reference, output)
 
 
 def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[str]) -> tuple[str, str, str]:
     """The class, evidence and what decided, for `found` (a kv_cache or cross_row finding) on a target
     with recurrent layers, by the silenced re-runs; other findings and targets pass through."""
-    target = diagnoser.target
+    target = diagnoser.facts.target
     unchanged = found.cls, found.evidence, found.named_by
     if found.cls not in ("kv_cache", "cross_row") or target is None:
         return unchanged
@@ -126,9 +127,9 @@ def recurrent_or_attention(diagnoser: Any, index: int, found: Any, tried: list[s
     if not recurrent:
         return unchanged
     batch = [index]
-    if diagnoser.batch_size:
-        start = index - index % diagnoser.batch_size
-        batch = list(range(start, min(start + diagnoser.batch_size, len(diagnoser.prompts))))
+    if diagnoser.facts.batch_size:
+        start = index - index % diagnoser.facts.batch_size
+        batch = list(range(start, min(start + diagnoser.facts.batch_size, len(diagnoser.facts.prompts))))
     where = "alone" if len(batch) == 1 else f"in its batch (prompts {batch[0]} to {batch[-1]})"
     outcome: dict[str, bool | str] = {}
     for kind in ("attention", "recurrent"):

@@ -32,10 +32,10 @@ from typing import Any, Callable
 
 import torch
 
+from specaudit.engines.trace import Trace
 from specaudit.equivalence.diagnosis.forward import GrowingReplay, PrefixReplay, replay_all, replay_last
+from specaudit.equivalence.rulings.thresholds import EXPLAIN_RATIO, NOISY_EXPLAIN_RATIO
 
-EXPLAIN_RATIO = 0.01  # a hypothesis explains when its error is at most this share of the plain replay's
-NOISY_EXPLAIN_RATIO = 0.25  # below float64: and at least 4 times closer than the plain replay
 CONSTANT_SHIFTS = (1, -1, 2)
 
 
@@ -61,16 +61,16 @@ class Hypothesis:
                               else "position ids shifted by a constant")
 
 
-def row_steps(trace: Any, index: int) -> list[int]:
+def row_steps(trace: Trace | None, index: int) -> list[int]:
     """The steps (indices into `trace.steps`) in which prompt `index` took part, in order."""
-    return [s for s, step in enumerate(getattr(trace, "steps", []) or []) if index in step.rows]
+    return [s for s, step in enumerate(trace.steps if trace is not None else []) if index in step.rows]
 
 
-def fed_steps(trace: Any, index: int, count: int) -> list[int | None]:
+def fed_steps(trace: Trace | None, index: int, count: int) -> list[int | None]:
     """For each of the row's first `count` new tokens, the step whose forward pass fed it to the
     target: an accepted draft token in the step that verified it, the bonus (last token of a
     step) in the row's next step; None when the trace does not say."""
-    emitted_at = (getattr(trace, "emitted_at", None) or [])
+    emitted_at = trace.emitted_at if trace is not None else []
     emitted = emitted_at[index] if index < len(emitted_at) else []
     steps = row_steps(trace, index)
     fed: list[int | None] = []
@@ -88,7 +88,7 @@ def fed_steps(trace: Any, index: int, count: int) -> list[int | None]:
     return fed
 
 
-def _pad_at(trace: Any, step: int | None, index: int) -> int | None:
+def _pad_at(trace: Trace, step: int | None, index: int) -> int | None:
     if step is None:
         return None
     record = trace.steps[step]
@@ -154,7 +154,7 @@ def rebuilt_rejections(draft: Any, k: int, prompt: list[int], output: list[int],
     return shifts
 
 
-def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: int, pad_id: int | None,
+def hypotheses(prompt: list[int], output: list[int], q: int, trace: Trace | None, index: int, pad_id: int | None,
                row: RowContext | None = None) -> list[Hypothesis]:
     """The hypotheses that can be built for the logits of new token `q` of prompt `index`."""
     sequence = list(prompt) + list(output[:q])  # the last token is the query
@@ -162,7 +162,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
     n = len(prompt)
     found: list[Hypothesis] = []
 
-    if (trace is None or not getattr(trace, "steps", None)) and row is not None:
+    if (trace is None or not trace.steps) and row is not None:
         if row.batch_padding:
             def batch_padding(pad: int = row.batch_padding) -> tuple[list[int], list[int]] | None:
                 return sequence, [p + pad for p in true_positions]
@@ -195,7 +195,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
                                     "draft model's proposals)", lambda: rejected_rebuilt(row.batch_padding),
                                     "position ids counted over the row's padding and rejected slots"))
 
-    if trace is not None and getattr(trace, "steps", None):
+    if trace is not None and trace.steps:
         fed = fed_steps(trace, index, q)
         steps = row_steps(trace, index)
         prefill_pad = _pad_at(trace, steps[0], index) if steps else None
@@ -209,7 +209,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
         found.append(Hypothesis("position_ids", "each new token numbered over the row's padding and masked "
                                 "columns at the step that fed it (as the trace records them)", padding_counted))
 
-        k = getattr(trace, "draft_tokens", 0) or 0
+        k = trace.draft_tokens
 
         def rejected_counted() -> tuple[list[int], list[int]] | None:
             # the row's rejected draft slots before each step, counted into its positions
@@ -272,7 +272,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Any, index: 
 
         found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant, alone=True))
     found += prefill_hypotheses(prompt, sequence)
-    if (trace is None or not getattr(trace, "steps", None)) and row is not None:
+    if (trace is None or not trace.steps) and row is not None:
         found += padding_scan(sequence, row, pad_id, len(prompt))
         found += holes_hypotheses(prompt, output, q, row)
     return found
@@ -598,7 +598,7 @@ def explains(error: float, base: float, noise: float) -> bool:
     return error <= max(EXPLAIN_RATIO * base, noise) and error <= NOISY_EXPLAIN_RATIO * base
 
 
-def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
+def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Trace | None, index: int,
             pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None,
             prefer: tuple[str, ...] = (), row: RowContext | None = None,
             noise: float = 0.0, more: MoreHypotheses | None = None) -> tuple[Hypothesis | None, list[str]]:
@@ -649,7 +649,7 @@ MoreHypotheses = Callable[[list[int], list[int], int], list[Hypothesis]]
 TOKEN_WINDOW = 8  # new tokens from the divergence on that a replay without the engine's logits must reproduce
 
 
-def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, trace: Any, index: int,
+def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, trace: Trace | None, index: int,
                    pad_id: int | None, prefer: tuple[str, ...] = (), row: RowContext | None = None,
                    more: MoreHypotheses | None = None) -> tuple[Hypothesis | None, list[str]]:
     """Without the engine's logits a hypothesis is judged on tokens, teacher-forced along the engine's own

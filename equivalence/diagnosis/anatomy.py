@@ -1,0 +1,225 @@
+"""The anatomy of an observed target: where the hooks go, and how a hook reads a cache, a mask and a config.
+
+Contract: every function here reads a transformers model, its cache or a mask as it is handed to a module,
+changes nothing, and answers None (or a plain default) where the object is not of the form it knows. These
+are duck-typed reads of transformers objects (configs, caches, modules), which differ between model families
+and library versions.
+
+1. Where to hook: `embedding_owner` (the module that takes the input ids), `position_module` (the one that
+   consumes the position ids), `attention_module` (the first full-attention layer, or sliding-window layer).
+2. What a call hands over: `bind_arguments` (its arguments by name), `allowed_reads` (which columns each query
+   may read, from the mask an attention layer receives), `empty_reads_of` (how a query that reads nothing is
+   computed), `output_cache` (the cache a model's output hands back).
+3. What a cache holds: `first_keys` (the keys of its first full-attention layer), `key_of` (one entry's keys as
+   bytes), `recurrent_states` and `row_state` (the first recurrent layer's state, sampled per row).
+4. What the model is: `layer_types`, `sliding_window`, `has_recurrent_layers`, and `observable` (why its inputs
+   cannot be judged by observation, or None).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from specaudit.equivalence.rulings.thresholds import HIDDEN_MASK_FRACTION
+
+POSITION_MODULE_NAMES = ("wpe", "embed_positions")
+STATE_SAMPLE = 4096  # elements of a row's recurrent state kept per call (evenly spaced): enough to tell histories apart
+
+
+def keeps_state(layer: Any) -> bool:
+    """A cache layer that keeps a recurrent state (a convolution window, an SSM state)."""
+    return hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
+
+
+def first_keys(cache: Any) -> torch.Tensor | None:
+    """The keys [B, H, columns, D] of the cache's first layer that keeps every column (not a sliding window's,
+    which drops the old ones, nor a recurrent layer's); None: no such layer holds them as a tensor."""
+    for layer in getattr(cache, "layers", None) or []:
+        if getattr(layer, "sliding_window", None) is not None or (keeps_state(layer) and not hasattr(layer, "keys")):
+            continue
+        keys = getattr(layer, "keys", None)
+        return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+    return None
+
+
+STATE_PARTS = ("convolution window", "SSM state")
+
+
+def recurrent_states(cache: Any) -> dict[str, torch.Tensor] | None:
+    """Per part of the cache's first recurrent layer's state (`STATE_PARTS`: its convolution windows, the last
+    `kernel` columns of each, and its SSM states), [B, n] float64 on the CPU, `STATE_SAMPLE` evenly spaced
+    elements at most (the parts apart: an engine may roll one back and not the other); None where the cache keeps
+    none yet."""
+    for layer in getattr(cache, "layers", None) or []:
+        if not keeps_state(layer):
+            continue
+        kernels = getattr(layer, "conv_kernel_size", None) or {}
+        convs = []
+        for key, conv in sorted((getattr(layer, "conv_states", None) or {}).items()):
+            if isinstance(conv, torch.Tensor):
+                kernel = kernels.get(key) if isinstance(kernels, dict) else None
+                convs.append(conv[..., -kernel:] if kernel else conv)
+        ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
+               if isinstance(state, torch.Tensor)]
+        states = {}
+        for name, parts in zip(STATE_PARTS, (convs, ssm)):
+            if parts:
+                rows = torch.cat([p.detach().reshape(p.shape[0], -1).to("cpu", torch.float64) for p in parts], dim=1)
+                if rows.shape[1] > STATE_SAMPLE:
+                    rows = rows[:, torch.linspace(0, rows.shape[1] - 1, STATE_SAMPLE, device="cpu").long()]
+                states[name] = rows
+        return states or None
+    return None
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model's output hands back (`cache` from transformers 5.24, `past_key_values` before)."""
+    for name in ("cache", "past_key_values"):
+        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def row_state(states: dict[str, torch.Tensor] | None, row: int) -> dict[str, np.ndarray] | None:
+    if states is None or any(row >= rows.shape[0] for rows in states.values()):
+        return None
+    return {name: rows[row].numpy() for name, rows in states.items()}
+
+
+def layer_types(model: Any) -> list[str] | None:
+    config = getattr(model, "config", None)
+    types = getattr(config, "layer_types", None) or getattr(getattr(config, "text_config", None), "layer_types", None)
+    return list(types) if types else None
+
+
+def sliding_window(model: Any) -> int | None:
+    """The window (in tokens, the query's own included) of the model's sliding-window layers; None: it has none."""
+    types = layer_types(model)
+    if not types or "sliding_attention" not in types:
+        return None
+    config = model.config
+    window = getattr(config, "sliding_window", None) or getattr(getattr(config, "text_config", None),
+                                                                 "sliding_window", None)
+    return int(window) if window else None
+
+
+def key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
+    """The bytes of one entry's keys [H, D], in any dtype (numpy has no bfloat16: read as raw bytes)."""
+    return keys[row, :, column, :].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def bind_arguments(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by parameter name, those caught by a `**kwargs` parameter among them."""
+    try:
+        signature = inspect.signature(function)
+        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(name), dict):
+            bound = {**bound.pop(name), **bound}
+    return bound
+
+
+def embedding_owner(model: Any) -> Any:
+    """The module that takes the input ids: the parent of the token embedding (a base model, or its decoder
+    where the language model calls that directly, as OPT does)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for _, module in model.named_modules():
+        if embeddings is not None and any(child is embeddings for child in module.children()):
+            return module
+    return getattr(model, "base_model", None) or model
+
+
+def position_module(model: Any) -> tuple[str, Any] | None:
+    """The module that consumes the position ids: a learned position table or the rotary embedding."""
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in POSITION_MODULE_NAMES or ("Rotary" in type(module).__name__ and "local" not in leaf):
+            return leaf, module
+    return None
+
+
+def attention_module(model: Any, types: list[str] | None, sliding: bool = False) -> Any:
+    """The first full-attention layer (the mask it receives is what every such layer receives), or with `sliding`
+    the first sliding-window layer; `types`: the model's layer types (None: every layer attends in full)."""
+    for _, module in model.named_modules():
+        name = type(module).__name__
+        if not name.endswith("Attention") or "Rotary" in name:
+            continue
+        index = getattr(module, "layer_idx", None)
+        kind = types[index] if types and isinstance(index, int) and index < len(types) else "full_attention"
+        if (kind == "sliding_attention") == sliding:
+            return module
+    return None
+
+
+def empty_reads_of(mask: Any) -> str:
+    """How the attention layer computed a query its mask hides everything from (`CallRow.empty_reads`)."""
+    if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point and not bool(torch.isinf(mask).any()):
+        return "every"
+    return "nothing"
+
+
+def allowed_reads(mask: Any, batch: int, q: int, kv: int, last: bool = False) -> torch.Tensor | None:
+    """[B, q, kv] bool from a mask as an attention layer receives it ([B|1, 1|H, q, kv] bool or additive);
+    None when it is not a tensor of that shape. `last`: a sliding-window layer's mask, which may cover only the
+    last columns (those its cache still holds, and the call's own)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    mask = mask[:, 0].detach().cpu()
+    if mask.shape[-2] != q:
+        return None
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min * HIDDEN_MASK_FRACTION
+    width = mask.shape[-1]
+    if width >= kv:
+        return mask.expand(batch, q, width)[..., :kv]
+    if not last:
+        return None
+    out = torch.zeros(batch, q, kv, dtype=torch.bool, device="cpu")
+    out[..., kv - width:] = mask.expand(batch, q, width)
+    return out
+
+
+
+
+def has_recurrent_layers(model: Any) -> bool:
+    try:
+        from transformers import DynamicCache
+
+        return any(keeps_state(layer) for layer in DynamicCache(config=model.config).layers)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+
+
+def observable(model: Any) -> str | None:
+    """Why the inputs of `model` cannot be judged by observation (None: they can): each layer of its cache must be
+    an attention cache, full or a sliding window, or a recurrent state (its state read at each call), with at
+    least one full attention layer (its keys follow the slots)."""
+    if model is None:
+        return "no target model in the process"
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        layers = DynamicCache(config=model.config).layers
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return "the target's cache could not be built from its config"
+    full = [layer for layer in layers if type(layer) is DynamicLayer
+            or (keeps_state(layer) and isinstance(layer, DynamicLayer) and getattr(layer, "sliding_window", None) is None)]
+    windowed = [layer for layer in layers if type(layer) is not DynamicLayer and isinstance(layer, DynamicLayer)
+                and getattr(layer, "sliding_window", None) is not None]
+    recurrent = [layer for layer in layers if keeps_state(layer) and not isinstance(layer, DynamicLayer)]
+    if not full or len(full) + len(windowed) + len(recurrent) != len(layers):
+        return ("the target's cache is not an attention cache per layer (or a recurrent state) with a full "
+                "attention layer among them (sliding windows alone, or layers of another kind)")
+    if windowed and sliding_window(model) is None:
+        return "the target's sliding-window layers do not say their window"
+    return None
+
