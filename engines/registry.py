@@ -127,10 +127,14 @@ def takes_request_params(spec: str) -> bool:
     """Whether the engine named `spec` takes request parameters (engines/requests/): its factory (a class)
     declares a `request_params` attribute, which the audit sets to one `RequestParams` per prompt before
     `generate`. False when the name does not resolve."""
+    from specaudit.engines.contract import Capabilities
+
     try:
         factory = resolve(spec)
     except EngineSpecError:
         return False
+    if isinstance(factory, type):  # declared by the class or a base other than the contract's defaults
+        return any("request_params" in vars(cls) for cls in factory.__mro__ if cls is not Capabilities)
     return hasattr(factory, "request_params")
 
 

@@ -27,6 +27,7 @@ from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable
 from specaudit.equivalence.compare import compare_tokens, logit_error, replay_logits
 from specaudit.equivalence.rulings.thresholds import LOGIT_TOLERANCE
 from specaudit.equivalence.rulings import DraftPrecision, Ruler, departure_floor
+from specaudit.equivalence.rulings.record import Divergence, PromptOutputs
 from specaudit.equivalence.run_context import Reruns, RunContext
 from specaudit.equivalence.run_record import run_record
 from specaudit.engines.contract import capability, declares
@@ -74,7 +75,7 @@ def accepted_histogram(trace: Trace | None) -> list[int] | None:
 
 
 def trace_summary(trace: Trace | None) -> dict[str, Any] | None:
-    if trace is None or not hasattr(trace, "totals"):
+    if trace is None:
         return None
     summary = trace.totals()
     summary["accepted_histogram"] = accepted_histogram(trace)
@@ -111,37 +112,46 @@ def next_difference(choices: list[int], engine_out: list[int], after: int, max_n
     return None
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """What one run of one engine is audited under: the audit's settings (equivalence/pipeline/settings.py) as
+    they apply to this run, and the run's own engine name, batch size and dtype."""
+
+    max_new_tokens: int
+    eos_token_id: Any  # one id, several (any ends a row) or None
+    dtype: str
+    engine_name: str = "engine"
+    batch_size: int | None = None
+    device: str | None = None  # None: the target's device
+    # a black-box engine's declared noise band (equivalence/rulings/band.py); neither: measured
+    engine_dtype: str | None = None
+    logit_tolerance: float | None = None
+    pad_token_id: int | None = None  # the pad id declared to the engines (None: the pair's own)
+    draft_tokens: int | None = None  # k (None: the trace's)
+    diagnosis: str = "full"  # "full", "quick" or "off"
+    diagnosis_budget: float | None = None  # seconds after which the diagnosis starts no more re-runs
+
+
 def audit_engine(
     engine: Any,
     pair: ModelPair,
     prompts: list[list[int]],
+    settings: RunSettings,
     *,
-    max_new_tokens: int,
-    eos_token_id: int | None,
-    dtype: str,
     reference: Reference | None = None,
     replay_target: PreTrainedModel | None = None,
-    engine_name: str = "engine",
-    batch_size: int | None = None,
-    device: str | None = None,
-    engine_dtype: str | None = None,
-    logit_tolerance: float | None = None,
-    bundle_dir: Any = None,
+    replay_draft: PreTrainedModel | None = None,
     context: RunContext | None = None,
     rerun: Reruns | None = None,
-    pad_token_id: int | None = None,
-    draft_tokens: int | None = None,
-    diagnosis: str = "full",
-    diagnosis_budget: float | None = None,
-    replay_draft: PreTrainedModel | None = None,
+    bundle_dir: Any = None,
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record, in numbered stages: 1. run the engine,
     2. compare and rule, 3. the plain run's three-way rulings, 4. the draft's proposals, 5. the diagnosis,
     6. the record (`equivalence/run_record.py`).
 
     Every divergence is ruled by `equivalence/rulings/` (one `Ruler` for every dtype; a black-box engine,
-    `engine.black_box`: recordings, live servers, with a noise band declared by `engine_dtype` /
-    `logit_tolerance` or measured from its log-probabilities). With `bundle_dir`, every divergence is
+    `engine.black_box`: recordings, live servers, with a noise band declared by `settings.engine_dtype` /
+    `settings.logit_tolerance` or measured from its log-probabilities). With `bundle_dir`, every divergence is
     also written there as a self-contained repro bundle (`equivalence/blackbox/bundles.py`).
 
     `context` (`equivalence/run_context.py`) runs the engine again for the crash isolation and the
@@ -164,6 +174,8 @@ def audit_engine(
     says how its time split between the engine, the shared reference, the precision controls, the
     diagnosis's replays and its re-runs.
     """
+    max_new_tokens, eos_token_id, dtype = settings.max_new_tokens, settings.eos_token_id, settings.dtype
+    batch_size, pad_token_id, diagnosis = settings.batch_size, settings.pad_token_id, settings.diagnosis
     if context is None:
         context = RunContext(pair, [list(p) for p in prompts], max_new_tokens, eos_token_id, dtype, batch_size,
                              engine=engine, reruns=rerun,
@@ -179,7 +191,7 @@ def audit_engine(
     #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py)
     band = None
     if capability(engine, "black_box"):
-        band = rulings.noise_band(dtype, engine_dtype, logit_tolerance, run.logprobs, run.outputs, reference.outputs,
+        band = rulings.noise_band(dtype, settings.engine_dtype, settings.logit_tolerance, run.logprobs, run.outputs, reference.outputs,
                                   reference.logits)
     ruler = Ruler(dtype, pair.target, replay_target, band)
     judged = compare_and_rule(run, pair, prompts, reference, ruler, band, dtype, max_new_tokens, eos_token_id)
@@ -189,7 +201,7 @@ def audit_engine(
     if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
         for divergence in judged.divergences:
             index = divergence["prompt_index"]
-            rulings.plain_rule(divergence, judged.continued.get(id(divergence), reference.outputs[index]),
+            rulings.plain_rule(divergence, divergence.get("continued_reference", reference.outputs[index]),
                                plain_outputs[index])
     # 4. the draft's own proposals against the draft model's choices
     judged.divergences += draft_findings(run, pair, prompts, judged.divergences, dtype, replay_draft)
@@ -204,17 +216,17 @@ def audit_engine(
             pad_token_id=pad_token_id if pad_token_id is not None else pair.pad_token_id,
             trace=run.trace, engine_logits=list(run.logits), target=pair.target, draft=pair.draft,
             run=context if context.can_rerun else None, batch_size=batch_size,
-            draft_tokens=draft_tokens or (run.trace.draft_tokens if run.trace is not None else 0),
+            draft_tokens=settings.draft_tokens or (run.trace.draft_tokens if run.trace is not None else 0),
             ruler=ruler if below else None, replay_target=replay_target if below else None,
             replay_draft=replay_draft if below else None, reference_logits=list(reference.logits),
             logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
             observe_inputs=not capability(engine, "black_box"),
-            deadline=None if diagnosis_budget is None else time.monotonic() + diagnosis_budget)
+            deadline=None if settings.diagnosis_budget is None else time.monotonic() + settings.diagnosis_budget)
         diagnoser = diagnose(judged, facts)
     diagnosis_seconds = time.perf_counter() - diagnosed_at
     timing = {
         "engine": run.seconds,
-        "reference": getattr(reference, "seconds", None),  # shared by the runs of one pair and dtype
+        "reference": reference.seconds,  # shared by the runs of one pair and dtype
         "controls": ruler.seconds,  # the rulings' float64 and same-dtype replays
         "plain_control": (plain or {}).get("seconds"),  # shared by the runs of one batch composition
         # the diagnosis's checks and replays: everything it did but re-run the engine
@@ -231,8 +243,8 @@ def audit_engine(
     describe = capability(engine, "describe")
     evidence = speculation.of_run(engine, run.trace)
     record = run_record(
-        engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
-        device=device or str(pair.target.device), num_prompts=len(prompts),
+        engine=settings.engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
+        device=settings.device or str(pair.target.device), num_prompts=len(prompts),
         exact_matches=sum(c.exact for c in judged.comparisons), equivalent=structural == 0 and not run.failed,
         structural_divergences=structural, numerical_divergences=len(divergences) - structural,
         max_logit_error=judged.worst_error, logit_tolerance=LOGIT_TOLERANCE.get(dtype), seconds=run.seconds,
@@ -283,6 +295,8 @@ def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_t
     try:
         outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
         trace = capability(engine, "last_trace")
+        if not isinstance(trace, Trace):  # the contract's trace or none: anything else an engine keeps is not read
+            trace = None
     except Exception as exc:
         if not isolatable(exc) or len(prompts) < 1:
             raise
@@ -298,7 +312,7 @@ def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_t
         isolation = Isolation(list(outputs), [failure_finding(int(i), exc) for i, exc in refused], 0)
     logprobs = (capability(engine, "last_logprobs") or None) if capability(engine, "black_box") else None
     return EngineRun([[int(t) for t in o] for o in outputs], trace, seconds, isolation,
-                     getattr(trace, "logits", None) or [None] * len(prompts), logprobs)
+                     (trace.logits if trace is not None else None) or [None] * len(prompts), logprobs)
 
 
 @dataclass
@@ -306,8 +320,7 @@ class Judged:
     """Stage 2's result: each prompt's comparison and every divergence, ruled."""
 
     comparisons: list[Any]
-    divergences: list[dict[str, Any]]
-    continued: dict[int, list[int]]  # id(divergence) -> the reference it was judged against, past a numerical flip
+    divergences: list[Divergence]
     worst_error: float | None  # the largest logit error over every prompt
 
 
@@ -323,7 +336,7 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
         return (logprobs[index][position] if logprobs and logprobs[index] and position < len(logprobs[index])
                 else None)
 
-    judged = Judged([], [], {}, None)
+    judged = Judged([], [], None)
     for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, run.outputs)):
         comparison = compare_tokens(index, ref_out, eng_out)
         if index in run.failed:  # a failure finding, not a comparison
@@ -345,10 +358,11 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
                 judged.worst_error = error if judged.worst_error is None else max(judged.worst_error, error)
         judged.comparisons.append(comparison)
         if not comparison.exact:
+            outputs = PromptOutputs(index, prompt, ref_out, eng_out, reference.logits[index], run.trace, pair.tokenizer)
             record = rulings.divergence(
-                index, comparison.first_divergence, ref_out, eng_out, reference.logits[index], run.trace, dtype, ruler,
-                prompt, pair.tokenizer, "tokens", comparison.max_logit_error, error_so_far, band,
-                reported(index, comparison.first_divergence), same_dtype)
+                outputs, comparison.first_divergence, ruler, logit_error_value=comparison.max_logit_error,
+                logit_error_so_far=error_so_far, band=band, engine_entry=reported(index, comparison.first_divergence),
+                same_dtype=same_dtype)
             judged.divergences.append(record)
             # past a numerical flip, judge on: a correct decoder continued on the engine's own prefix says
             # what it chooses from there, so a bug that shows after a rounding flip is still seen
@@ -364,16 +378,17 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
                     break
                 position = continued.position
                 record = rulings.divergence(
-                    index, position, continued.tokens, eng_out, along, run.trace, dtype, ruler, prompt, pair.tokenizer,
-                    "tokens", comparison.max_logit_error, None, band, reported(index, position),
-                    along[position] if position < along.shape[0] else None)
-                record["continued_after"] = continued.after  # judged against a correct decoder from that prefix
-                judged.continued[id(record)] = continued.tokens
+                    PromptOutputs(index, prompt, continued.tokens, eng_out, along, run.trace, pair.tokenizer),
+                    position, ruler, logit_error_value=comparison.max_logit_error, band=band,
+                    engine_entry=reported(index, position), same_dtype=along[position] if position < along.shape[0] else None)
+                # judged against a correct decoder from the engine's prefix after the flip at `continued_after`
+                record["continued_after"], record["continued_reference"] = continued.after, continued.tokens
                 judged.divergences.append(record)
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
             judged.divergences.append(rulings.divergence(
-                index, comparison.worst_logit_position, ref_out, eng_out, reference.logits[index], run.trace, dtype,
-                ruler, prompt, pair.tokenizer, "logits", comparison.max_logit_error))
+                PromptOutputs(index, prompt, ref_out, eng_out, reference.logits[index], run.trace, pair.tokenizer),
+                comparison.worst_logit_position, ruler, detected_by="logits",
+                logit_error_value=comparison.max_logit_error))
     return judged
 
 
@@ -383,7 +398,7 @@ def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], di
     would not have made (rows that diverged left out); below float64 a proposal within the draft's precision
     of its float64 choice passes."""
     trace = run.trace
-    if trace is None or not getattr(trace, "proposals_from_draft_model", False) or getattr(pair, "draft", None) is None:
+    if trace is None or not trace.proposals_from_draft_model or pair.draft is None:
         return []
     diverged = {d["prompt_index"] for d in divergences}
     draft, accept = pair.draft, None
@@ -413,8 +428,8 @@ def diagnose(judged: Judged, facts: RunFacts) -> Diagnoser:
         if divergence["kind"] != "structural":
             continue
         index = divergence["prompt_index"]
-        if id(divergence) in judged.continued:
-            head = judged.continued[id(divergence)]
+        if "continued_reference" in divergence:
+            head = divergence["continued_reference"]
             left = facts.max_new_tokens - len(head)
             whole = head if left <= 0 or not head or head[-1] in eos_ids(facts.eos_token_id) else head + greedy_decode(
                 facts.target, list(facts.prompts[index]) + head, left, facts.eos_token_id)[0]

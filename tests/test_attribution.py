@@ -16,7 +16,7 @@ import torch
 from specaudit.engines.models import zoo
 from specaudit.engines.eqspec import EQSpec
 from specaudit.engines.reference import greedy_decode
-from specaudit.equivalence.audit import audit_engine
+from specaudit.equivalence.audit import RunSettings, audit_engine
 from specaudit.equivalence.rulings import dtype_noise
 
 pytestmark = pytest.mark.precision  # what it sees rounds below float64: run under other kernels too
@@ -75,8 +75,8 @@ def low_precision_run(pair_name: str, dtype: str, flip: bool = False) -> dict:
         prefix, tie, _ = near_tie_prompt(pair_name)
         prompts = prompts[:NUM_PROMPTS - 1] + [prefix]
         engine = FlippedAtNearTie(engine, pair.target, tie)
-    return audit_engine(engine, pair, prompts, max_new_tokens=MAX_NEW,
-                        eos_token_id=None, dtype=dtype, replay_target=replay, engine_name="eqspec", batch_size=8)
+    return audit_engine(engine, pair, prompts, RunSettings(max_new_tokens=MAX_NEW, eos_token_id=None, dtype=dtype, engine_name="eqspec", batch_size=8),
+                        replay_target=replay)
 
 
 @pytest.mark.parametrize("pair_name", ["tiny-gpt2", "tiny-llama"])
@@ -119,9 +119,8 @@ def test_bfloat16_run_of_a_buggy_engine_is_structural() -> None:
 
     pair = zoo.load_pair("tiny-llama", dtype="bfloat16")
     engine = BSPEngine(pair.target, pair.draft, batch_size=4, draft_tokens=4, pad_token_id=pair.pad_token_id)
-    run = audit_engine(engine, pair, zoo.builtin_prompts()[:8], max_new_tokens=16, eos_token_id=None,
-                       dtype="bfloat16", replay_target=zoo.load_pair("tiny-llama").target, engine_name="bsp",
-                       batch_size=4)
+    run = audit_engine(engine, pair, zoo.builtin_prompts()[:8], RunSettings(max_new_tokens=16, eos_token_id=None, dtype="bfloat16", engine_name="bsp", batch_size=4),
+                       replay_target=zoo.load_pair("tiny-llama").target)
     assert run["divergences"] and not run["equivalent"]
     # each of its rows is ruled by what the controls measure there; a row its drift has not reached yet may
     # flip a near-tie as a correct engine would, so not every divergence need be structural, but most are

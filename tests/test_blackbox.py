@@ -18,7 +18,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.registry import make_engine
 from specaudit.equivalence.rulings import band as blackbox
-from specaudit.equivalence.audit import Reference, audit_engine
+from specaudit.equivalence.audit import Reference, RunSettings, audit_engine
 from specaudit.equivalence.compare import replay_logits
 
 MAX_NEW = 16
@@ -74,8 +74,9 @@ def llamacpp_server(pair, prompts, outputs, perturbation: float | None):
 
 def run_audit(pair, prompts, reference, server, **band):
     engine = make_engine(f"llamacpp:{server.url}", None, None, batch_size=2, draft_tokens=4)
-    return audit_engine(engine, pair, prompts, max_new_tokens=MAX_NEW, eos_token_id=pair.eos_token_id,
-                        dtype="float64", reference=reference, engine_name="llamacpp", batch_size=2, **band)
+    settings = RunSettings(max_new_tokens=MAX_NEW, eos_token_id=pair.eos_token_id, dtype="float64",
+                           engine_name="llamacpp", batch_size=2, **band)  # band: engine_dtype or logit_tolerance
+    return audit_engine(engine, pair, prompts, settings, reference=reference)
 
 
 def test_near_tie_flip_is_numerical_within_a_measured_band(setting):

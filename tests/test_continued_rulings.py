@@ -14,7 +14,7 @@ import torch
 
 from specaudit.engines.reference import greedy_decode
 from specaudit.engines.models.zoo import load_pair
-from specaudit.equivalence.audit import audit_engine
+from specaudit.equivalence.audit import RunSettings, audit_engine
 
 NEW_TOKENS = 16
 
@@ -55,8 +55,7 @@ def scripted_run():
     engine = Scripted([bad + tail])
     band = gap * 1.5  # declared: the flip at p is inside it, the bug at q far outside
     assert float(rest_logits[3].max() - rest_logits[3][worst]) > 10 * band
-    run = audit_engine(engine, pair, [prompt], max_new_tokens=NEW_TOKENS, eos_token_id=None, dtype="float64",
-                       logit_tolerance=band, batch_size=1, engine_name="scripted", diagnosis="quick")
+    run = audit_engine(engine, pair, [prompt], RunSettings(max_new_tokens=NEW_TOKENS, eos_token_id=None, dtype="float64", logit_tolerance=band, batch_size=1, engine_name="scripted", diagnosis="quick"))
     return run, p, q, worst
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from specaudit.engines.adapters.servers import LlamaCppEngine
 from specaudit.engines.reference import ReferenceDecoder
-from specaudit.equivalence.audit import audit_engine
+from specaudit.equivalence.audit import RunSettings, audit_engine
 from specaudit.equivalence.isolate import isolate_failures
 from specaudit.testing import models
 
@@ -53,7 +53,7 @@ def test_a_crash_on_one_prompt_leaves_the_others_judged() -> None:
     pair = models.pair("tiny-llama", "float64")
     prompts = [[5, 6, 7], [8, POISON, 9], [10, 11], [12, 13, 14, 15], [16]]
     engine = FailsOnPoison(pair.target)
-    record = audit_engine(engine, pair, prompts, max_new_tokens=4, eos_token_id=EOS, dtype="float64", batch_size=4)
+    record = audit_engine(engine, pair, prompts, RunSettings(max_new_tokens=4, eos_token_id=EOS, dtype="float64", batch_size=4))
     assert [f["prompt_index"] for f in record["failures"]] == [1]
     assert "IndexError" in record["failures"][0]["reason"] and "in generate" in record["failures"][0]["traceback"]
     assert record["exact_matches"] == 4 and not record["equivalent"] and record["error"] is None
@@ -74,8 +74,7 @@ def test_a_server_request_that_errors_is_a_finding_for_its_prompt() -> None:
         assert outputs[1] == [] and len(outputs[0]) == len(outputs[2]) == 5
         assert [index for index, _ in engine.last_failures] == [1]
         pair = models.pair("tiny-llama", "float64")
-        record = audit_engine(engine, pair, [[1, 2], [3, POISON], [4]], max_new_tokens=5, eos_token_id=EOS,
-                              dtype="float64", batch_size=2)
+        record = audit_engine(engine, pair, [[1, 2], [3, POISON], [4]], RunSettings(max_new_tokens=5, eos_token_id=EOS, dtype="float64", batch_size=2))
     assert [f["prompt_index"] for f in record["failures"]] == [1] and "400" in record["failures"][0]["reason"]
     assert not record["equivalent"]
     assert {d["prompt_index"] for d in record["divergences"]} <= {0, 2}  # judged: the fake server is not greedy

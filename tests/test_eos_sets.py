@@ -19,7 +19,7 @@ from specaudit.engines.adapters.recorded import write_recording
 from specaudit.engines.models import zoo
 from specaudit.engines.reference import ReferenceDecoder
 from specaudit.engines.registry import make_engine
-from specaudit.equivalence.audit import Reference, audit_engine
+from specaudit.equivalence.audit import Reference, RunSettings, audit_engine
 
 # built-in prompts whose reference, in 12 new tokens, ends at 157 (0: after 6 tokens, 6: at once), ends at
 # 258 (5) and runs to the budget (2)
@@ -71,14 +71,14 @@ def _eqspec(pair: zoo.ModelPair):
 
 def test_an_engine_that_stops_at_every_eos_id_is_exact(pair, prompts, reference) -> None:
     # the measured regression: a correct engine on a two-EOS target had rows ruled structural stop_length
-    run = audit_engine(StopsAtEosSet(_eqspec(pair)), pair, prompts, max_new_tokens=MAX_NEW,
-                       eos_token_id=pair.eos_token_id, dtype="float64", reference=reference, batch_size=4)
+    run = audit_engine(StopsAtEosSet(_eqspec(pair)), pair, prompts, RunSettings(max_new_tokens=MAX_NEW, eos_token_id=pair.eos_token_id, dtype="float64", batch_size=4),
+                       reference=reference)
     assert run["divergences"] == [] and run["exact_matches"] == len(prompts) and run["equivalent"]
 
 
 def test_an_engine_that_runs_past_the_second_eos_is_caught_as_stop_eos(pair, prompts, reference) -> None:
-    run = audit_engine(IgnoresLaterEos(_eqspec(pair)), pair, prompts, max_new_tokens=MAX_NEW,
-                       eos_token_id=pair.eos_token_id, dtype="float64", reference=reference, batch_size=4)
+    run = audit_engine(IgnoresLaterEos(_eqspec(pair)), pair, prompts, RunSettings(max_new_tokens=MAX_NEW, eos_token_id=pair.eos_token_id, dtype="float64", batch_size=4),
+                       reference=reference)
     assert not run["equivalent"]
     # the rows whose reference ends at 157, at the position after it; the row ending at 258 stays exact
     assert [(d["prompt_index"], d["position"], d["kind"]) for d in run["divergences"]] == [

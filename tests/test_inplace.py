@@ -135,7 +135,7 @@ INPLACE_FAULTS = {
 def test_planted_inplace_faults_are_caught(fault: str) -> None:
     from collections import Counter
 
-    from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.audit import RunSettings, audit_engine
     from specaudit.testing.faults.mutation import LineChange, mutant_modules
 
     old, new, expected_class = INPLACE_FAULTS[fault]
@@ -145,8 +145,7 @@ def test_planted_inplace_faults_are_caught(fault: str) -> None:
     prompts = [list(p) for p in models.prompts()[:6]]
     engine = module.InplaceEngine(pair.target, pair.draft, batch_size=3, draft_tokens=3,
                                   pad_token_id=pair.pad_token_id, record_logits=True)
-    run = audit_engine(engine, pair, prompts, max_new_tokens=10, eos_token_id=pair.eos_token_id, dtype="float64",
-                       engine_name=f"inplace-{fault}", batch_size=3)
+    run = audit_engine(engine, pair, prompts, RunSettings(max_new_tokens=10, eos_token_id=pair.eos_token_id, dtype="float64", engine_name=f"inplace-{fault}", batch_size=3))
     structural = [d for d in run["divergences"] if d["kind"] == "structural"]
     assert len(structural) >= 3, f"{fault}: the audit found {len(structural)} structural divergences"
     if expected_class is not None:

@@ -208,14 +208,14 @@ def test_target_alone_is_enough_for_a_recording(recordings, tmp_path):
 
 def test_bundles_of_a_built_in_engine_replay(tmp_path):
     from specaudit.engines.registry import make_engine
-    from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.audit import RunSettings, audit_engine
     from specaudit.equivalence.blackbox.bundles import read_bundle, replay_bundle
 
     pair = zoo.load_pair("tiny-llama")
     prompts = zoo.builtin_prompts()[:2]
     engine = make_engine("bsp", pair.target, pair.draft, batch_size=2, draft_tokens=4, record_logits=True)
-    run = audit_engine(engine, pair, prompts, max_new_tokens=6, eos_token_id=pair.eos_token_id, dtype="float64",
-                       engine_name="bsp", batch_size=2, bundle_dir=tmp_path / "bundles")
+    run = audit_engine(engine, pair, prompts, RunSettings(max_new_tokens=6, eos_token_id=pair.eos_token_id, dtype="float64", engine_name="bsp", batch_size=2),
+                       bundle_dir=tmp_path / "bundles")
     assert run["structural_divergences"] > 0 and run["noise_band"] is None
     for divergence in run["divergences"]:
         bundle = read_bundle(tmp_path / divergence["bundle"])

@@ -36,7 +36,7 @@ from specaudit.engines.ops.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import speculation, validate
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
-from specaudit.equivalence.audit import Reference, audit_engine
+from specaudit.equivalence.audit import Reference, RunSettings, audit_engine
 from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
@@ -336,14 +336,14 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         if requests_run.has_request_params(config.prompts, config.request_params):
             return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size, black_box)}
-        run = audit_engine(engine, pair, prompts, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
-                           dtype=dtype, reference=reference, replay_target=replay.target, engine_name=engine_name,
-                           batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
-                           logit_tolerance=config.logit_tolerance, bundle_dir=bundle_dir, context=context,
-                           pad_token_id=options.get("pad_token_id", pair.pad_token_id),
-                           draft_tokens=config.draft_tokens, diagnosis=config.diagnosis,
-                           diagnosis_budget=config.diagnosis_budget,
-                           replay_draft=replay.draft if dtype != "float64" else None)
+        run_settings = RunSettings(
+            max_new_tokens=config.max_new_tokens, eos_token_id=eos, dtype=dtype, engine_name=engine_name,
+            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
+            logit_tolerance=config.logit_tolerance, pad_token_id=options.get("pad_token_id", pair.pad_token_id),
+            draft_tokens=config.draft_tokens, diagnosis=config.diagnosis, diagnosis_budget=config.diagnosis_budget)
+        run = audit_engine(engine, pair, prompts, run_settings, reference=reference, replay_target=replay.target,
+                           replay_draft=replay.draft if dtype != "float64" else None, bundle_dir=bundle_dir,
+                           context=context)
         run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
         run["adversarial"] = adversarial
         return run

@@ -25,7 +25,7 @@ def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> list[dic
     """The audit's divergences (diagnosed) for the engine on one decoding case, float64, with the
     drafter the property used; re-runs keep each row's acceptance schedule."""
     from specaudit.engines.drafters import ScriptedDrafter
-    from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.audit import RunSettings, audit_engine
     from specaudit.equivalence.run_context import wrapped
     from specaudit.testing import models
     from specaudit.testing.properties import DEFAULT_ORACLE, build_engine, resolve_eos, takes_drafter
@@ -50,9 +50,8 @@ def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> list[dic
                                                 case.max_new_tokens, eos)
 
     everyone = list(range(len(case.prompts)))
-    record = audit_engine(engine_for(everyone, None), pair, case.prompt_tokens, max_new_tokens=case.max_new_tokens,
-                          eos_token_id=eos, dtype=case.dtype, batch_size=case.batch_size, rerun=rerun,
-                          pad_token_id=case.pad_token_id)
+    record = audit_engine(engine_for(everyone, None), pair, case.prompt_tokens, RunSettings(max_new_tokens=case.max_new_tokens, eos_token_id=eos, dtype=case.dtype, batch_size=case.batch_size, pad_token_id=case.pad_token_id),
+                          rerun=rerun)
     return record["divergences"]
 
 
@@ -70,7 +69,7 @@ def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tok
     with the diagnosis on a structural divergence. Returns the number of prompts audited."""
     from specaudit.engines.models import zoo
     from specaudit.equivalence.adversarial import pair_adversarial_prompts
-    from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.audit import RunSettings, audit_engine
     from specaudit.equivalence.run_context import wrapped
     from specaudit.testing import models
 
@@ -88,8 +87,8 @@ def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tok
         return wrapped(build(pad_token_id).generate, around)([prompts[i] for i in indices], max_new_tokens,
                                                              pair.eos_token_id)
 
-    record = audit_engine(build(), pair, prompts, max_new_tokens=max_new_tokens, eos_token_id=pair.eos_token_id,
-                          dtype="float64", engine_name=engine, batch_size=batch_size, rerun=rerun)
+    record = audit_engine(build(), pair, prompts, RunSettings(max_new_tokens=max_new_tokens, eos_token_id=pair.eos_token_id, dtype="float64", engine_name=engine, batch_size=batch_size),
+                          rerun=rerun)
     structural = [d for d in record["divergences"] if d["kind"] == "structural"]
     if structural:
         first = structural[0]

@@ -44,7 +44,7 @@ from hypothesis.errors import NoSuchExample
 from specaudit.engines import reference_memo
 from specaudit.engines.drafters import ScriptedDrafter
 from specaudit.engines.reference import greedy_decode
-from specaudit.equivalence.audit import audit_engine
+from specaudit.equivalence.audit import RunSettings, audit_engine
 from specaudit.equivalence.run_context import wrapped
 from specaudit.testing import models
 from specaudit.testing.faults.draft_check import check_draft_proposals
@@ -180,10 +180,8 @@ def audit_case(fault: type[FaultEngine], case: DecodingCase, diagnosis: str = "f
         reference = [DEFAULT_ORACLE.decode(pair, p.tokens, case.max_new_tokens, eos)[0] for p in case.prompts]
         drafter = ScriptedDrafter(reference, case.schedule, int(pair.target.config.vocab_size))
     engine = build_engine(fault, case, pair, drafter)
-    record = audit_engine(engine, pair, case.prompt_tokens, max_new_tokens=case.max_new_tokens, eos_token_id=eos,
-                          dtype=case.dtype, engine_name=fault.slug(), batch_size=case.batch_size,
+    record = audit_engine(engine, pair, case.prompt_tokens, RunSettings(max_new_tokens=case.max_new_tokens, eos_token_id=eos, dtype=case.dtype, engine_name=fault.slug(), batch_size=case.batch_size, pad_token_id=case.pad_token_id, diagnosis=diagnosis),
                           rerun=case_rerun(fault, case, pair, eos, drafter is not None),
-                          pad_token_id=case.pad_token_id, diagnosis=diagnosis,
                           replay_target=exact.target if exact is not None else None,
                           replay_draft=exact.draft if exact is not None else None)
     return record["divergences"]

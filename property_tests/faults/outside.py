@@ -83,7 +83,7 @@ OUTSIDE_CASES: dict[str, tuple[list[list[int]], int]] = {
 def audit_outside_fault(fault: type[FaultEngine], max_new_tokens: int = 6) -> dict[str, Any]:
     """The audit's run record of `fault` on its case (tiny-llama, float64, batch size 4, k = 3),
     with re-runs of fresh fault engines for the diagnosis's experiments."""
-    from specaudit.equivalence.audit import audit_engine
+    from specaudit.equivalence.audit import RunSettings, audit_engine
     from specaudit.equivalence.run_context import wrapped
     from specaudit.testing import models
 
@@ -97,8 +97,8 @@ def audit_outside_fault(fault: type[FaultEngine], max_new_tokens: int = 6) -> di
         engine = build(pad if pad_token_id is None else pad_token_id)
         return wrapped(engine.generate, around)([prompts[i] for i in indices], max_new_tokens, EOS)
 
-    return audit_engine(build(pad), pair, prompts, max_new_tokens=max_new_tokens, eos_token_id=EOS, dtype="float64",
-                        engine_name=fault.slug(), batch_size=4, rerun=rerun, pad_token_id=pad)
+    return audit_engine(build(pad), pair, prompts, RunSettings(max_new_tokens=max_new_tokens, eos_token_id=EOS, dtype="float64", engine_name=fault.slug(), batch_size=4, pad_token_id=pad),
+                        rerun=rerun)
 
 
 def table_row(name: str, expected: str, run: dict[str, Any]) -> str:
