@@ -275,7 +275,8 @@ def dispatch_per_step(engine: Any, prompts: list[list[int]], max_new_tokens: int
 
     with torch.no_grad(), HostSyncs() as syncs, AtenOps() as ops:
         outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
-    steps = list(getattr(capability(engine, "last_trace"), "steps", None) or [])
+    trace = capability(engine, "last_trace")
+    steps = list(trace.steps) if trace is not None else []
     count = len(steps) or sum(len(o) for o in outputs) or 1
     return {"aten_ops": ops.count, "host_syncs": syncs.count, "steps": count,
             "aten_ops_per_step": ops.count / count, "host_syncs_per_step": syncs.count / count,

@@ -72,6 +72,7 @@ from specaudit.equivalence.pipeline.runner import machine_info, write_json
 
 from specaudit import __version__ as VERSION
 from specaudit.engines.contract import capability
+from specaudit.engines.trace import Trace
 
 PLAIN_ENGINES = ("reference", "batched", "hf-batched", "hf-continuous")  # no draft: k does not apply
 PER_REQUEST_BUDGET_ENGINES = ("reference", "batched", "eqspec", "exspec", "inplace", "fixedshape")  # take max_new_tokens per prompt
@@ -138,9 +139,9 @@ def _drafter_for(engine_name: str, pair: zoo.ModelPair, chooser: bench_pair.Cali
     return bench_pair.CalibratedDrafter(pair.draft, chooser)
 
 
-def stage_seconds(trace: Any, wall: float, fill_seconds: float) -> tuple[dict[str, float] | None, dict[str, float]]:
+def stage_seconds(trace: Trace | None, wall: float, fill_seconds: float) -> tuple[dict[str, float] | None, dict[str, float]]:
     """(draft, verify, realign, other) from a trace's per-step seconds, and the raw per-stage sums."""
-    steps = getattr(trace, "steps", None) or []
+    steps = trace.steps if trace is not None else []
     raw: dict[str, float] = {}
     for step in steps:
         for stage, value in step.seconds.items():
@@ -153,15 +154,16 @@ def stage_seconds(trace: Any, wall: float, fill_seconds: float) -> tuple[dict[st
     return stages, raw
 
 
-def step_statistics(trace: Any, batch_size: int) -> dict[str, Any]:
-    steps = [s for s in (getattr(trace, "steps", None) or []) if s.kind != "prefill"]
+def step_statistics(trace: Trace | None, batch_size: int) -> dict[str, Any]:
+    every = trace.steps if trace is not None else []
+    steps = [s for s in every if s.kind != "prefill"]
     row_steps = sum(len(s.rows) for s in steps)
     kinds: dict[str, int] = {}
     for s in steps:
         kinds[s.kind] = kinds.get(s.kind, 0) + 1
     return {
         "steps": len(steps),
-        "prefills": sum(1 for s in (getattr(trace, "steps", None) or []) if s.kind == "prefill"),
+        "prefills": sum(1 for s in every if s.kind == "prefill"),
         "step_kinds": kinds,
         "mean_rows_per_step": row_steps / len(steps) if steps else None,
         "mean_accepted_per_step": sum(sum(s.accepted_counts) for s in steps) / row_steps if row_steps else None,
@@ -225,12 +227,12 @@ def timed_call(engine_name: str, pair: zoo.ModelPair, prompts: list[list[int]], 
     _sync(config.device)
     wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
     trace = capability(engine, "last_trace")
-    stages, raw = stage_seconds(trace, wall, getattr(drafter, "fill_seconds", 0.0) if drafter is not None else 0.0)
+    stages, raw = stage_seconds(trace, wall, drafter.fill_seconds if drafter is not None else 0.0)
     tokens = sum(len(o) for o in outputs)
     return {"wall_seconds": wall, "cpu_seconds": cpu, "tokens": tokens, "request_tokens": [len(o) for o in outputs],
             "tokens_per_second": tokens / (cpu if config.clock == "cpu" else wall),
             "stage_seconds": stages, "stage_seconds_raw": raw, "peak_memory_bytes": memory.peak_bytes(),
-            "statistics": step_statistics(trace, batch_size), "compactions": getattr(engine, "compactions", None),
+            "statistics": step_statistics(trace, batch_size), "compactions": capability(engine, "compactions"),
             "calibrated_drafter": drafter is not None,
             "diverged_rows": chooser.diverged_rows if chooser is not None else None,
             "state_seconds": state if any(state.values()) else None,

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from specaudit.engines.trace import Trace
+
 DISTRIBUTIONS = ("uniform:LO:HI", "geometric:MEAN")
 
 
@@ -67,9 +69,9 @@ def serving_prompts(prompts: list[list[int]], count: int) -> list[list[int]]:
     return [list(prompts[i % len(prompts)]) for i in range(count)]
 
 
-def row_utilisation(trace: Any, batch_size: int) -> float | None:
+def row_utilisation(trace: Trace | None, batch_size: int) -> float | None:
     """Rows that ran / (batch size x decoding steps), over the trace's non-prefill steps."""
-    steps = [s for s in (getattr(trace, "steps", None) or []) if s.kind != "prefill"]
+    steps = [s for s in (trace.steps if trace is not None else []) if s.kind != "prefill"]
     if not steps:
         return None
     return sum(len(s.rows) for s in steps) / (batch_size * len(steps))

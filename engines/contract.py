@@ -58,6 +58,7 @@ class Capabilities:
     # teacher forcing through a server: (prefix, token, eos, top) -> {token id: log-probability} at the prefix
     logprobs_at: Callable[..., dict[int, float] | None] | None = None
     drafter: Any = None  # an in-process speculative engine's proposer (engines/drafters.py)
+    compactions: int | None = None  # INPLACE: how often it compacted its holes (the bench reports it)
 
 
 DEFAULTS: dict[str, Any] = {name: value for name, value in vars(Capabilities).items()

@@ -148,8 +148,7 @@ def pair_adversarial_prompts(pair: Any, base_prompts: list[list[int]], *, eos_to
                              max_new_tokens: int, draft_tokens: int) -> tuple[list[AdversarialPrompt], list[str]]:
     """`adversarial_prompts` for a loaded `ModelPair`, its content drawn from `base_prompts`."""
     filler = [t for p in base_prompts for t in p] or list(range(32))
-    tokenizer = getattr(pair, "tokenizer", None)
-    bos = getattr(tokenizer, "bos_token_id", None)
+    bos = getattr(pair.tokenizer, "bos_token_id", None)  # a tokenizer that names one (the byte tokenizer does not)
     if bos is None:
         bos = getattr(pair.target.config, "bos_token_id", None)
     if isinstance(bos, list):
