@@ -57,12 +57,22 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
         help="audit engines for output equivalence with greedy decoding",
         description="Run each engine on each model pair, batch size and dtype; compare every token (and, in "
                     "float64, every logit) with plain greedy decoding of one prompt at a time; attribute each "
-                    "divergence; write OUT/audit.json, OUT/report.md and OUT/report.html.",
+                    "divergence; write OUT/audit.json, OUT/report.md and OUT/report.html.\n\n"
+                    "One audit, three choices: the engine runs in this process, is a live server (vllm:URL, ...) "
+                    "or a recording (recorded:FILE, audited on its own prompts); the oracle is the target's "
+                    "weights (--pair, --target) or a served reference (--reference ENGINE, no weights); outputs "
+                    "are judged as greedy tokens or, with --temperature, as samples. Every composition is "
+                    "guarded alike (--timeout, the output contract, Ctrl-C keeps finished runs) and writes the "
+                    "same audit.json and reports.",
         epilog="examples:\n"
                "  specaudit audit --engine eqspec --pair tiny-llama --batch-size 8 --dtype float64 --out out/\n"
                "  specaudit audit --engine mypkg.engine:make --target ./target --draft ./draft "
                "--prompts questions.jsonl --dtype bfloat16 --device cuda --out out/\n"
-               "exit status: 0 equivalent, 1 structural divergence or engine failure, 2 bad usage",
+               "  specaudit audit --engine vllm:http://127.0.0.1:8000 --reference vllm:http://127.0.0.1:8001 "
+               "--tokenizer ./target --timeout 600 --out out/\n"
+               "  specaudit audit --engine recorded:samples.jsonl --pair tiny-llama --temperature 1 --out out/\n"
+               "exit status: 0 equivalent, 1 structural divergence, departure, engine failure or a served reference "
+               "that failed, 2 bad usage",
     )
     what = audit.add_argument_group("what to audit")
     what.add_argument("--engine", action="append", required=True, metavar="E",
@@ -97,9 +107,11 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     how.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="new tokens per prompt")
     how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
     how.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
-                     help="per-run time limit: a run past it is recorded as failed and the audit goes on "
-                          "(the engine is abandoned in a background thread, not killed); the diagnosis's re-runs "
-                          "of a run share a second limit of the same length")
+                     help="per-run time limit, on every engine and server: a run past it is recorded as failed "
+                          "and the audit goes on (the engine is abandoned in a background thread, not killed; the "
+                          "command still exits when the audit ends); a served reference (--reference) past it "
+                          "ends the audit, exit 1; the diagnosis's re-runs of a run share a second limit of the "
+                          "same length")
     how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID[,ID...]|pair|none",
                      help="stop tokens: the pair's own EOS ids (every id its target's generation config declares), "
                           "an id, a set of ids A,B (stopping at any of them ends a row), or none")
