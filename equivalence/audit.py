@@ -29,7 +29,7 @@ from specaudit.equivalence.rulings.thresholds import LOGIT_TOLERANCE
 from specaudit.equivalence.rulings import DraftPrecision, Ruler, departure_floor
 from specaudit.equivalence.rulings.record import Divergence, PromptOutputs
 from specaudit.equivalence.run_context import Reruns, RunContext
-from specaudit.equivalence.run_record import run_record
+from specaudit.equivalence.run_record import equivalent, run_record
 from specaudit.engines.contract import capability, declares
 
 
@@ -245,7 +245,7 @@ def audit_engine(
     record = run_record(
         engine=settings.engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=settings.device or str(pair.target.device), num_prompts=len(prompts),
-        exact_matches=sum(c.exact for c in judged.comparisons), equivalent=structural == 0 and not run.failed,
+        exact_matches=sum(c.exact for c in judged.comparisons), equivalent=equivalent(divergences, sorted(run.failed)),
         structural_divergences=structural, numerical_divergences=len(divergences) - structural,
         max_logit_error=judged.worst_error, logit_tolerance=LOGIT_TOLERANCE.get(dtype), seconds=run.seconds,
         tokens_generated=sum(len(o) for o in run.outputs), trace=trace_summary(run.trace),

@@ -42,6 +42,12 @@ def failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[s
                       traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
+def equivalent(divergences: list[dict[str, Any]], failures: list[Any] = ()) -> bool:
+    """A greedy run's verdict from what it found, every kind of run alike (in process, a server with request
+    parameters, a served reference): no structural divergence, and no prompt that made the engine fail."""
+    return not failures and not any(d["kind"] == "structural" for d in divergences)
+
+
 def passed(run: dict[str, Any]) -> bool:
     """The run finished and is equivalent: no structural divergence (greedy), no departure found (sampled)."""
     return bool(run.get("equivalent")) and not run.get("error")

@@ -28,7 +28,8 @@ from specaudit.engines.requests.reference import RequestResult, decode_with_para
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
 from specaudit.equivalence import speculation
 from specaudit.equivalence.audit import trace_summary
-from specaudit.equivalence.run_record import run_record
+from specaudit.equivalence.isolate import failure_finding
+from specaudit.equivalence.run_record import equivalent, run_record
 from specaudit.equivalence import rulings
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 from specaudit.engines.contract import capability, declares
@@ -98,9 +99,12 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
     seconds = time.perf_counter() - started
     refused = {index: exc for index, exc in capability(inner, "last_refused")}
+    # a request that errored is a failure of its prompt, not a divergence (the others are judged)
+    failures = [failure_finding(int(index), exc) for index, exc in capability(inner, "last_failures")]
+    failed = {failure["prompt_index"] for failure in failures}
     completions = capability(inner, "last_completions") or [None] * len(prompts)  # an own engine reports nothing
     reported_logprobs = capability(inner, "last_logprobs") or [None] * len(prompts)
-    judged = [i for i in range(len(prompts)) if i not in refused]
+    judged = [i for i in range(len(prompts)) if i not in refused and i not in failed]
     band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
                               [reported_logprobs[i] if i in judged else None for i in range(len(prompts))],
                               outputs, [r.tokens for r in references], [r.logits for r in references])
@@ -109,6 +113,10 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     for index in range(len(prompts)):
         reference, tokens, p = references[index], outputs[index], params[index]
         record = {"index": index, "params": p.to_dict(), "reference_finish": [reference.finish_reason, reference.stop_reason]}
+        if index in failed:
+            record.update({"exact": False, "failed": True})
+            prompt_records.append(record)
+            continue
         if index in refused:
             record.update({"exact": None, "refused": str(refused[index])})
             prompt_records.append(record)
@@ -141,7 +149,7 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=device or str(pair.target.device), num_prompts=len(prompts),
         exact_matches=sum(1 for r in prompt_records if r["exact"]),
-        equivalent=structural == 0, structural_divergences=structural,
+        equivalent=equivalent(divergences, failures), structural_divergences=structural, failures=failures,
         numerical_divergences=len(divergences) - structural, logit_tolerance=logit_tolerance, seconds=seconds,
         tokens_generated=sum(len(o) for o in outputs), trace=trace_summary(trace), prompts=prompt_records,
         divergences=divergences, noise_band=band.to_dict(), speculation=speculation.of_run(inner, trace),

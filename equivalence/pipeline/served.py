@@ -35,7 +35,7 @@ from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, check_
 from specaudit.equivalence.pipeline import sampled
 from specaudit.equivalence.pipeline.settings import AuditSettings, source_of
 from specaudit.equivalence.rulings import served as served_rulings
-from specaudit.equivalence.run_record import failed_run, run_record
+from specaudit.equivalence.run_record import equivalent, failed_run, run_record
 
 RERUN_IN_FLIGHT = 16  # the reference's second run: every prompt in flight at once, at most this many
 TEACHER_FORCE_TOP = 20  # vLLM's default max_logprobs
@@ -367,7 +367,7 @@ class ServedGroup:
                          exact_matches=sum(ref == out for ref, out in zip(reference, outputs)),
                          structural_divergences=structural,
                          numerical_divergences=sum(d["kind"] == "numerical" for d in divergences),
-                         equivalent=structural == 0, eos_token_ids=list(eos_ids(eos)))
+                         equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)))
         return run
 
     def _sampled_run(self, spec: str, batch_size: int) -> dict[str, Any]:
