@@ -132,6 +132,20 @@ def test_refused_parameters_are_reported_not_divergences(pair, prompts):
     assert run["refused_parameters"][0]["parameter"] == "min_tokens"
 
 
+def test_a_request_that_errors_is_a_failure_of_its_prompt_not_a_divergence(pair, prompts):
+    """Under request parameters, a server's error on one request is that prompt's failure (the run is not
+    equivalent), never compared as an empty output; the other prompt is judged as usual."""
+    def errors_on_the_second(path, body):
+        if list(body.get("prompt") or []) == prompts[1]:
+            return 500, {"object": "error", "message": "internal error"}
+        return vllm_answer(pair.target, pair.tokenizer, EOS)(path, body)
+
+    run, _ = audit(pair, prompts, [RequestParams(repetition_penalty=1.3)] * 2, answer=errors_on_the_second)
+    assert [f["prompt_index"] for f in run["failures"]] == [1], run["failures"]
+    assert run["divergences"] == [] and not run["equivalent"]
+    assert [r.get("failed", False) for r in run["prompts"]] == [False, True] and run["exact_matches"] == 1
+
+
 def test_audit_command_sends_flags_and_per_prompt_params(tmp_path):
     """`specaudit audit` against the fake vLLM: the flags' parameters for every prompt, a prompts file line's
     `params` over them; the correct server exits 0, the one reporting logprob 0.0 exits 1 with the class named."""
