@@ -203,7 +203,7 @@ def test_the_hooks_cover_the_engines_own_call_alone() -> None:
     refused one, and the observation says it was not made."""
     import contextlib
 
-    from specaudit.equivalence.diagnosis.observe import observe_batch
+    from specaudit.equivalence.diagnosis.observe import observe_run
     from specaudit.equivalence.run_context import RunContext, wrapped
 
     events: list[str] = []
@@ -234,7 +234,7 @@ def test_the_hooks_cover_the_engines_own_call_alone() -> None:
     from specaudit.testing import models
 
     plain.pair = models.pair("tiny-gpt2")
-    assert "takes no `around`" in observe_batch(plain, [0], [[5]], None)
+    assert "takes no `around`" in observe_run(plain, [[5]], None)
 
 
 def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:

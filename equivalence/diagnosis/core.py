@@ -168,7 +168,7 @@ class Diagnoser(Experiments, Observing):
     _pad_read: dict[tuple[int, ...], tuple[int | None, Any]] = field(default_factory=dict)
     _draft_precision: Any = None  # draft_fidelity.DraftPrecision, made on the first draft check below float64
     # per batch: what one hooked re-run saw the engine feed the target (or why nothing was observed)
-    _observations: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    _run_observation: Any = None  # the hooked re-run of the run's call (observe.py), once made
     _observed: Any = None  # the observation's verdict on the divergence being diagnosed
     # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
     silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)

@@ -1,9 +1,11 @@
 """Diagnosis by observation: what an in-process engine fed the target, against what a correct engine feeds.
 
-An in-process engine runs on the models the audit hands it, so its inputs can be seen. `observe_batch` re-runs
-the engine once on a divergent batch (through the run's context: a fresh engine, guarded) with forward hooks on
-the target and its draft, and hands back a `Judge` over what they recorded, or a sentence saying why nothing was
-observed. The engine's code is untouched. The layers, each a module:
+An in-process engine runs on the models the audit hands it, so its inputs can be seen. `observe_run` makes the
+run's own call again, once: every prompt, in the run's order, in one `generate` (through the run's context: a fresh
+engine, guarded), with forward hooks on the target and its draft, and hands back a `Judge` over what they recorded,
+or a sentence saying why nothing was observed. The engine batches, orders and schedules as it did in the run: which
+prompts shared a call, and in what padding, is read from the calls, never assumed from `--batch-size`. A re-run
+that gives other tokens than the run is not the run: it decides nothing, and says so. The engine's code is untouched. The layers, each a module:
 
 1. `anatomy.py`: where the hooks go in a transformers model (the module that takes the input ids, the one that
    consumes the position ids, the first full-attention and sliding-window layers) and how a hook reads a cache,
@@ -28,7 +30,8 @@ over the weights) shows nothing, and the replays decide.
 
 `Observing` is the part of `Diagnoser` (core.py) that makes and reads the observation:
 
-1. `_observe`: one hooked re-run per batch (shared by its divergences), judged at the divergence.
+1. `_observe`: one hooked re-run of the run's call (shared by every divergence of the run), judged at the
+   divergence.
 2. A violation is confirmed by a replay of the observed inputs that reproduces the engine's logits (within the
    float64 tolerance or the dtype's measured noise) or, without them, chooses its token; a clean verdict by one
    that chooses the reference's token. A replay that chooses another token looks for another query fed the same
@@ -70,12 +73,12 @@ OBSERVED_MECHANISMS: dict[str, str] = {
 OBSERVED_STATE = "the recurrent state a call started from, observed"
 
 
-def observe_batch(run: RunContext, batch: list[int], outputs: list[list[int]], pad_token_id: int | None
-                  ) -> Judge | str:
-    """One hooked re-run of the prompts at `batch` through the run's context (a fresh engine on the run's
-    pair, guarded as its re-runs are): what the engine fed the target and whether it called the draft. The
-    run's `outputs` of those prompts label the rows (a re-run that returns others is reported, and its rows
-    are judged along its own outputs). A string says why nothing was observed."""
+def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | None) -> Judge | str:
+    """The run's call made again with hooks: every prompt of the run, in its order, in one `generate` through the
+    run's context (a fresh engine on the run's pair, guarded as its re-runs are): what the engine fed the target
+    and whether it called the draft. The run's `outputs` label the rows; a re-run that returns other tokens is
+    not the run and is not judged. A string says why nothing was observed."""
+    batch = list(range(len(run.prompts)))
     target, draft = run.pair.target, run.pair.draft
     refused = observable(target)
     if refused:
@@ -112,8 +115,8 @@ def observe_batch(run: RunContext, batch: list[int], outputs: list[list[int]], p
     rerun = [[int(t) for t in out] for out in rerun]
     if rerun != recording.outputs:
         changed = [batch[k] for k, (a, b) in enumerate(zip(rerun, recording.outputs)) if a != b]
-        return (f"the hooked re-run gave other tokens than the run for prompt(s) {changed}: an engine that is not "
-                "deterministic is not judged by observation")
+        return (f"the hooked re-run of the run's call (every prompt, in the run's order) gave other tokens than the "
+                f"run for prompt(s) {changed}: a re-run that is not the run decides nothing")
     return Judge(recording, target)
 
 
@@ -145,7 +148,7 @@ class Observing:
 
     facts: RunFacts
     observe_seconds: float
-    _observations: dict[tuple[int, ...], Judge | str]
+    _run_observation: Judge | str | None  # the hooked re-run of the run's call, once made
     _observed: Verdict | None
 
     # and what `Diagnoser` and `Experiments` answer: the rows of a prompt's batch, the engine's logits of a prompt,
@@ -154,43 +157,41 @@ class Observing:
     _logits: Callable[[int], torch.Tensor | None]
     precision_noise: Callable[[int], float]
 
-    def _observation(self, batch: list[int]) -> Judge | str:
-        """The batch's hooked re-run, made once (or why none was made)."""
-        key = tuple(batch)
-        if key not in self._observations:
+    def _observation(self) -> Judge | str:
+        """The hooked re-run of the run's call, made once (or why none was made)."""
+        if self._run_observation is None:
             if self.facts.mode == "quick":
-                self._observations[key] = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
+                self._run_observation = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
             elif self.facts.deadline is not None and time.monotonic() >= self.facts.deadline:
-                self._observations[key] = "the diagnosis time budget is spent"
+                self._run_observation = "the diagnosis time budget is spent"
             else:
                 started = time.perf_counter()
                 try:
-                    self._observations[key] = observe_batch(self.facts.run, batch, [self.facts.outputs[i] for i in batch],
-                                                            self.facts.pad_token_id)
+                    self._run_observation = observe_run(self.facts.run, self.facts.outputs, self.facts.pad_token_id)
                 finally:
                     self.observe_seconds += time.perf_counter() - started
-        return self._observations[key]
+        return self._run_observation
 
     def _observe(self, index: int, position: int, tried: list[str]) -> Observed:
-        """Re-run the row's batch once with hooks (shared by the batch's divergences) and judge what the
+        """Make the run's call again once with hooks (shared by the run's divergences) and judge what the
         engine fed the target: a violation that a replay of the observed inputs confirms decides; the verdict
         is kept to check the class the guessing replays and re-runs name."""
         if not self.facts.observe_inputs or self.facts.run is None:
             return Observed(None)
         batch = self._batch_rows(index)
-        observation = self._observation(batch)
+        observation = self._observation()
         if isinstance(observation, str):
             tried.append(f"observation of the engine's inputs: not made ({observation})")
             return Observed(None)
         logits = self._logits(index)
         engine_row = logits[position] if logits is not None and position < logits.shape[0] else None
-        verdict = observation.judge(batch.index(index), position, index, by_logits=engine_row is not None)
+        verdict = observation.judge(index, position, index, by_logits=engine_row is not None)
         if verdict.state and verdict.cls in INPUT_CLASSES:
             return self._observed_state(observation, verdict, index, batch, tried, engine_row)
         if verdict.producer is not None and verdict.cls is not None and verdict.cls != CLEAN and engine_row is not None:
             verdict = self._confirmed_by_logits(observation, verdict, index, position, engine_row, tried)
         elif verdict.producer is not None and verdict.cls is not None:
-            verdict = self._confirmed_by_token(observation, verdict, batch.index(index), position, index, tried)
+            verdict = self._confirmed_by_token(observation, verdict, index, position, index, tried)
         else:
             tried.append(verdict.evidence)
         if verdict.state_seen and not (verdict.confirmed and verdict.cls in INPUT_CLASSES):

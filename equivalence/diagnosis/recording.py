@@ -1,6 +1,6 @@
 """The recorder: what the hooks saw an engine feed the target, row by row, matched to the run's prompts.
 
-Contract: a `Recording` holds what one hooked re-run of a batch fed the target (`observe.observe_batch` makes
+Contract: a `Recording` holds what one hooked re-run of the run's call fed the target (`observe.observe_run` makes
 it) and judges nothing; the judge (`judge.py`) reads it. Its `Recorder`s are the forward hooks on the target
 (and the draft, whose calls are only counted); they change nothing the engine computes.
 
