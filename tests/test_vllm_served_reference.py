@@ -38,7 +38,7 @@ def _main(*argv: str) -> tuple[int, str]:
 
 def _structural_prompts(audit: dict) -> set[int]:
     run = audit["runs"][0]
-    return {d["prompt_index"] for d in run["divergences"] + run.get("findings", []) if d["kind"] == "structural"}
+    return {d["prompt_index"] for d in run["divergences"] if d["kind"] == "structural"}
 
 
 def test_served_reference_audits_vllm_without_weights_and_rules_as_float64_does(vllm_python, tmp_path):
@@ -83,7 +83,7 @@ def test_served_reference_audits_vllm_without_weights_and_rules_as_float64_does(
     [divergence] = audit["runs"][0]["divergences"]
     assert (divergence["prompt_index"], divergence["position"]) == PLANTED
     assert divergence["kind"] == "structural" and divergence["decided_by"] == "reference-margin"
-    assert divergence["needs_weights"] and divergence["margin"] is not None
+    assert divergence["diagnosis"]["needs_weights"] and divergence["margin"] is not None
     # the float64 in-process reference on the same outputs: the same prompts structural, none elsewhere
     for label in ("recorded", "altered"):
         path = recording if label == "recorded" else altered
