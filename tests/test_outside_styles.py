@@ -1,5 +1,5 @@
 """The outside-style engines (`tests/outside_styles.py`, issue 59 item 4) against the project's greedy reference
-in float64 on tiny-gpt2: each correct twin is exact, and each planted bug changes at least one prompt's tokens
+in float64 on tiny-gpt2 (the twins on tiny-llama too): each correct twin is exact, and each planted bug changes at least one prompt's tokens
 (so the bug is real). Their diagnosis baseline: reports/outside-styles/README.md."""
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def _run(engine: str, name: str, eos: int | None) -> list[list[int]]:
     return make(p.target, p.draft, batch_size=BATCH, draft_tokens=K, pad_token_id=0).generate(_prompts(), MAX_NEW, eos)
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])  # learned positions, rotary positions
 @pytest.mark.parametrize("engine", outside_styles.CORRECT)
-def test_correct_twin_is_exact(engine: str) -> None:
-    assert _run(engine, "tiny-gpt2", None) == _reference("tiny-gpt2", None)
+def test_correct_twin_is_exact(engine: str, name: str) -> None:
+    assert _run(engine, name, None) == _reference(name, None)
 
 
 @pytest.mark.parametrize("engine", outside_styles.CORRECT)
