@@ -1,6 +1,6 @@
 """The outside-style engines (`tests/outside_styles.py`, issue 59 item 4) against the project's greedy reference
-in float64 on tiny-gpt2 (the twins on tiny-llama too): each correct twin is exact, and each planted bug changes at least one prompt's tokens
-(so the bug is real). Their diagnosis baseline: reports/outside-styles/README.md."""
+in float64 on tiny-gpt2 (the twins on tiny-llama too): each correct twin is exact, and each planted bug changes at
+least one prompt's tokens (so the bug is real). Their diagnosis baseline: reports/outside-styles/README.md."""
 
 from __future__ import annotations
 
