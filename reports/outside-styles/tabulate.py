@@ -20,8 +20,8 @@ def planted(engine: str) -> str:
 
 
 def main(folders: list[str]) -> None:
-    print("| pair | engine | planted | divergences by kind | structural | structural by class | named right |")
-    print("|---|---|---|---|---|---|---|")
+    print("| pair | engine | planted | divergences by kind | structural | structural by class | named right | diagnosis s |")
+    print("|---|---|---|---|---|---|---|---|")
     not_made: Counter = Counter()  # (pair, engine, reason with its prompt lists elided) -> structural divergences
     for folder in folders:
         report = json.loads((Path(folder) / "audit.json").read_text())
@@ -39,7 +39,7 @@ def main(folders: list[str]) -> None:
             named = f"{right}/{len(structural)}" if structural and cause in PLANTED.values() else (
                 "exact" if not divergences and not run.get("failures") else "-")
             print(f"| {run['pair']} | {engine}{failures} | {cause} | {kinds_text} | {len(structural)} | {classes_text} "
-                  f"| {named} |")
+                  f"| {named} | {run.get('timing', {}).get('diagnosis') or 0:.0f} |")
             for d in structural:
                 for line in d["diagnosis"].get("tried", []):
                     if "not made" in line:
