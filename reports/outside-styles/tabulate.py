@@ -43,7 +43,9 @@ def main(folders: list[str]) -> None:
             for d in structural:
                 for line in d["diagnosis"].get("tried", []):
                     if "not made" in line:
-                        reason = re.sub(r"prompt\(s\) \[[0-9, ]*\]", "prompt(s) [...]", line)
+                        clause = next(part for part in line.split("; ") if "not made" in part)
+                        prefix = "observed: (what it saw); " if line.startswith("observed: ") else ""
+                        reason = prefix + re.sub(r"prompt\(s\) \[[0-9, ]*\]", "prompt(s) [...]", clause)
                         not_made[(run["pair"], engine, reason)] += 1
     if not_made:
         print("\nObservations not made (structural divergences per pair, engine and reason):\n")
