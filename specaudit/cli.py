@@ -65,8 +65,7 @@ def _exit_past_abandoned_work(status: int) -> None:
     import threading
 
     if any(thread is not threading.main_thread() and thread.is_alive() and not thread.daemon
-           for thread in threading.enumerate()) or any(
-            thread.name.startswith("specaudit-") and thread.is_alive() for thread in threading.enumerate()):
+           for thread in threading.enumerate()):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
