@@ -6,6 +6,7 @@ error, per-prompt comparisons and a list of divergences, each with its kind and 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
+from specaudit.equivalence.diagnosis.observe import watch_for
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import compare_tokens, logit_error, replay_logits
@@ -185,8 +187,13 @@ def audit_engine(
     if replay_target is None:
         replay_target = pair.target if dtype == "float64" else float64_copy(pair.target)
 
-    # 1. run the engine (the prompts that make it fail found by bisection)
-    run = run_engine(engine, prompts, max_new_tokens, eos_token_id, context)
+    # 1. run the engine (the prompts that make it fail found by bisection); an in-process engine's own call is
+    #    watched: what it fed the target, kept compactly for the diagnosis (diagnosis/observe.py)
+    watch = None
+    if diagnosis != "off" and not capability(engine, "black_box"):
+        watch = watch_for(prompts, pair.target, pair.draft, pad_token_id if pad_token_id is not None
+                          else pair.pad_token_id)
+    run = run_engine(engine, prompts, max_new_tokens, eos_token_id, context, watch)
     # 2. compare with the reference and rule each divergence: in float64 every mismatch is a bug; below it,
     #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py)
     band = None
@@ -220,7 +227,7 @@ def audit_engine(
             ruler=ruler if below else None, replay_target=replay_target if below else None,
             replay_draft=replay_draft if below else None, reference_logits=list(reference.logits),
             logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
-            observe_inputs=not capability(engine, "black_box"),
+            observe_inputs=not capability(engine, "black_box"), watch=watch if run.isolation is None else None,
             deadline=None if settings.diagnosis_budget is None else time.monotonic() + settings.diagnosis_budget)
         diagnoser = diagnose(judged, facts)
     diagnosis_seconds = time.perf_counter() - diagnosed_at
@@ -233,7 +240,9 @@ def audit_engine(
         "replays": (diagnosis_seconds - diagnoser.rerun_seconds - diagnoser.observe_seconds
                     if diagnoser is not None else 0.0),
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
-        "observation": diagnoser.observe_seconds if diagnoser is not None else 0.0,  # the hooked re-runs
+        # the hooks inside the engine's own call (part of "engine"), and reading what they kept or a hooked re-run
+        "observation_hooks": watch.recording.hook_seconds if watch is not None else 0.0,
+        "observation": diagnoser.observe_seconds if diagnoser is not None else 0.0,
         "diagnosis": diagnosis_seconds,  # replays, re-runs and observation included
         "diagnosis_mode": diagnosis,
     }
@@ -284,16 +293,18 @@ class EngineRun:
 
 
 def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any,
-               context: RunContext) -> EngineRun:
-    """Stage 1: the engine's one call on every prompt. When `generate` raises, the prompts that make it fail
-    are found by bisection (`equivalence/isolate.py`, `context.run_subset`); a server's requests that errored
-    (`last_failures`) are failure findings too."""
+               context: RunContext, watch: Any = None) -> EngineRun:
+    """Stage 1: the engine's one call on every prompt, inside `watch` when given (the hooks that record what it
+    fed the target). When `generate` raises, the prompts that make it fail are found by bisection
+    (`equivalence/isolate.py`, `context.run_subset`); a server's requests that errored (`last_failures`) are
+    failure findings too."""
     if declares(engine, "record_logits"):
         engine.record_logits = True
     started = time.perf_counter()
     isolation = None
     try:
-        outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+        with watch if watch is not None else contextlib.nullcontext():
+            outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
         trace = capability(engine, "last_trace")
         if not isinstance(trace, Trace):  # the contract's trace or none: anything else an engine keeps is not read
             trace = None

@@ -151,14 +151,18 @@ def test_a_cache_not_cropped_is_named_on_nine_of_ten_at_the_measured_size(tmp_pa
     assert classes and classes.count("kv_cache") >= 0.9 * len(classes), classes
     assert set(classes) <= {"kv_cache", "unknown"}, classes
 
-def test_quick_diagnosis_makes_no_hooked_rerun(tmp_path: Path) -> None:
+def test_quick_diagnosis_observes_the_run_itself_and_reruns_nothing(tmp_path: Path) -> None:
+    """The observation is of the audited call itself: a quick diagnosis (no re-run of the engine) still reads
+    what the engine fed the target, and names the position bug by it."""
     result = audit("--engine", "observed_engines:loop_padded_positions", "--pair", "tiny-gpt2", *SETTINGS,
                    "--diagnosis", "quick", out=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     (run,) = runs(tmp_path)
-    assert run["timing"]["observation"] == 0.0
-    tried = [line for d in run["divergences"] for line in d["diagnosis"]["tried"]]
-    assert any("observation of the engine's inputs: not made (quick diagnosis" in line for line in tried)
+    assert run["timing"]["reruns"] == 0.0
+    classes = [d["diagnosis"]["class"] for d in run["divergences"] if d["kind"] == "structural"]
+    assert classes and set(classes) == {"position_ids"}, classes
+    named = [d["diagnosis"]["named_by"] for d in run["divergences"] if d["kind"] == "structural"]
+    assert all(by == "a reproducing replay" for by in named), named
 
 
 def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:

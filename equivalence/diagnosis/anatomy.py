@@ -18,6 +18,7 @@ and library versions.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -114,16 +115,28 @@ def key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
 
 
 def bind_arguments(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call's arguments by parameter name, those caught by a `**kwargs` parameter among them."""
+    """A call's arguments by parameter name, those caught by a `**kwargs` parameter among them (the signature of
+    a method read once per function: the hooks bind every call of the run)."""
+    underlying = getattr(function, "__func__", None)
     try:
-        signature = inspect.signature(function)
-        bound = dict(signature.bind_partial(*args, **kwargs).arguments)
-    except (TypeError, ValueError):
+        if underlying is not None:  # a bound method: its function's signature, `self` bound to the instance
+            signature = _signature(underlying)
+            bound = dict(signature.bind_partial(function.__self__, *args, **kwargs).arguments)
+            bound.pop(next(iter(signature.parameters)), None)
+        else:
+            signature = _signature(function)
+            bound = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError, StopIteration):
         return dict(kwargs)
     for name, parameter in signature.parameters.items():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(name), dict):
             bound = {**bound.pop(name), **bound}
     return bound
+
+
+@functools.lru_cache(maxsize=512)
+def _signature(function: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(function)
 
 
 def embedding_owner(model: Any) -> Any:

@@ -47,4 +47,5 @@ class RunFacts:
     logit_paths: list[list[int]] = field(default_factory=list)
     mode: str = "full"  # "quick": checks and replays only, no re-run of the engine
     observe_inputs: bool = True  # an in-process engine: its inputs to the target can be observed (observe.py)
+    watch: Any = None  # the hooks held around the run's own call (observe.Watch; None: the run was not watched)
     deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)

@@ -43,7 +43,6 @@ over the weights) shows nothing, and the replays decide.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -73,12 +72,56 @@ OBSERVED_MECHANISMS: dict[str, str] = {
 OBSERVED_STATE = "the recurrent state a call started from, observed"
 
 
+class Watch:
+    """The hooks on the target (and its draft) held around one `generate` call of the engine: entered around the
+    audited run's own call (`audit.run_engine`), it records what the engine fed the target in the batches, order
+    and padding the engine chose, compactly (`recording.CallSeen`); `judge` reads it once the run is over."""
+
+    def __init__(self, prompts: list[list[int]], target: Any, draft: Any, pad_token_id: int | None) -> None:
+        self.target = target
+        self.recording = Recording([list(p) for p in prompts], [], pad_token_id, window=sliding_window(target),
+                                   recurrent=has_recurrent_layers(target))
+        self.recorders = [Recorder(self.recording, target, "target")]
+        if draft is not None and draft is not target:
+            self.recorders.append(Recorder(self.recording, draft, "draft"))
+        self.spoiled: str | None = None  # why what was recorded is not the run (the call raised, ...)
+
+    def __enter__(self) -> "Watch":
+        self.recording.entered += 1
+        for recorder in self.recorders:
+            recorder.install()
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, traceback: Any) -> None:
+        for recorder in self.recorders:
+            recorder.remove()
+        if exc is not None and self.spoiled is None:
+            self.spoiled = f"the engine's call raised {type(exc).__name__}"
+
+    def judge(self, outputs: list[list[int]]) -> Judge | str:
+        """A `Judge` over what the call fed the target, its rows labelled by `outputs` (the call's own), or a
+        sentence saying why nothing was observed."""
+        if self.spoiled:
+            return self.spoiled
+        if self.recording.entered != 1:
+            return f"the engine's generate was entered {self.recording.entered} times: nothing is judged"
+        self.recording.outputs = [[int(t) for t in out] for out in outputs]
+        self.recording.process()
+        return Judge(self.recording, self.target)
+
+
+def watch_for(prompts: list[list[int]], target: Any, draft: Any, pad_token_id: int | None) -> Watch | None:
+    """The hooks for an audited run of an in-process engine on `target` (None where it cannot be observed)."""
+    if observable(target):
+        return None
+    return Watch(prompts, target, draft, pad_token_id)
+
+
 def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | None) -> Judge | str:
-    """The run's call made again with hooks: every prompt of the run, in its order, in one `generate` through the
-    run's context (a fresh engine on the run's pair, guarded as its re-runs are): what the engine fed the target
-    and whether it called the draft. The run's `outputs` label the rows; a re-run that returns other tokens is
-    not the run and is not judged. A string says why nothing was observed."""
-    batch = list(range(len(run.prompts)))
+    """The run's call made again with hooks, where the run itself was not watched: every prompt of the run, in
+    its order, in one `generate` through the run's context (a fresh engine on the run's pair, guarded as its
+    re-runs are). The run's `outputs` label the rows; a re-run that returns other tokens is not the run and is not
+    judged. A string says why nothing was observed."""
     target, draft = run.pair.target, run.pair.draft
     refused = observable(target)
     if refused:
@@ -86,38 +129,20 @@ def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | N
     if not run.confines_reruns:
         return ("the re-runs come from a callable that takes no `around`: the hooks could not be held to the "
                 "engine's own generate call (a caller's reference decoding would be observed with it)")
-    recording = Recording([list(run.prompts[i]) for i in batch], [list(o) for o in outputs], pad_token_id,
-                          window=sliding_window(target), recurrent=has_recurrent_layers(target))
-    recorders = [Recorder(recording, target, "target")]
-    if draft is not None and draft is not target:
-        recorders.append(Recorder(recording, draft, "draft"))
-
-    @contextlib.contextmanager
-    def hooked() -> Any:  # entered around the engine's own generate call alone (RunContext.rerun)
-        recording.entered += 1
-        try:
-            for recorder in recorders:
-                recorder.install()
-            yield
-        finally:
-            for recorder in recorders:
-                recorder.remove()
-
+    watch = Watch(run.prompts, target, draft, pad_token_id)
     try:
-        rerun = run.rerun(list(batch), None, around=hooked)
+        rerun = run.rerun(list(range(len(run.prompts))), None, around=lambda: watch)
     except Exception as exc:  # an observation that fails tells that, not more
         return f"the hooked re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
-        for recorder in recorders:
+        for recorder in watch.recorders:
             recorder.remove()
-    if recording.entered != 1:
-        return f"the engine's generate was entered {recording.entered} times in the re-run: nothing is judged"
     rerun = [[int(t) for t in out] for out in rerun]
-    if rerun != recording.outputs:
-        changed = [batch[k] for k, (a, b) in enumerate(zip(rerun, recording.outputs)) if a != b]
+    if rerun != [[int(t) for t in out] for out in outputs]:
+        changed = [k for k, (a, b) in enumerate(zip(rerun, outputs)) if a != [int(t) for t in b]]
         return (f"the hooked re-run of the run's call (every prompt, in the run's order) gave other tokens than the "
                 f"run for prompt(s) {changed}: a re-run that is not the run decides nothing")
-    return Judge(recording, target)
+    return watch.judge(outputs)
 
 
 
@@ -158,25 +183,30 @@ class Observing:
     precision_noise: Callable[[int], float]
 
     def _observation(self) -> Judge | str:
-        """The hooked re-run of the run's call, made once (or why none was made)."""
+        """What the run's own call fed the target (`Watch`, recorded during the run), else the hooked re-run of
+        the run's call, made once (or why none was made)."""
         if self._run_observation is None:
-            if self.facts.mode == "quick":
-                self._run_observation = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
-            elif self.facts.deadline is not None and time.monotonic() >= self.facts.deadline:
-                self._run_observation = "the diagnosis time budget is spent"
-            else:
-                started = time.perf_counter()
-                try:
+            started = time.perf_counter()
+            try:
+                if self.facts.watch is not None:
+                    self._run_observation = self.facts.watch.judge(self.facts.outputs)
+                elif self.facts.mode == "quick":
+                    self._run_observation = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
+                elif self.facts.run is None:
+                    self._run_observation = "the engine cannot be run again, and its run was not watched"
+                elif self.facts.deadline is not None and time.monotonic() >= self.facts.deadline:
+                    self._run_observation = "the diagnosis time budget is spent"
+                else:
                     self._run_observation = observe_run(self.facts.run, self.facts.outputs, self.facts.pad_token_id)
-                finally:
-                    self.observe_seconds += time.perf_counter() - started
+            finally:
+                self.observe_seconds += time.perf_counter() - started
         return self._run_observation
 
     def _observe(self, index: int, position: int, tried: list[str]) -> Observed:
         """Make the run's call again once with hooks (shared by the run's divergences) and judge what the
         engine fed the target: a violation that a replay of the observed inputs confirms decides; the verdict
         is kept to check the class the guessing replays and re-runs name."""
-        if not self.facts.observe_inputs or self.facts.run is None:
+        if not self.facts.observe_inputs or (self.facts.run is None and self.facts.watch is None):
             return Observed(None)
         batch = self._batch_rows(index)
         observation = self._observation()

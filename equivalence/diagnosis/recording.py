@@ -23,6 +23,7 @@ it) and judges nothing; the judge (`judge.py`) reads it. Its `Recorder`s are the
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,9 +32,10 @@ import numpy as np
 import torch
 
 from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_module, bind_arguments,
-                                                      embedding_owner, empty_reads_of, first_keys, key_of,
+                                                      embedding_owner, empty_reads_of, first_keys,
                                                       layer_types, output_cache, position_module, recurrent_states,
                                                       row_state)
+from specaudit.equivalence.rulings.thresholds import HIDDEN_MASK_FRACTION
 
 
 @dataclass
@@ -45,7 +47,7 @@ class Slot:
     column: int
     record: int  # index into Recording.records (the call-row whose query it was)
     query: int  # its query's index among that call-row's new tokens
-    key: bytes | None = None  # its first layer's keys as the call left them in the cache (None: not read)
+    key: int | None = None  # its first layer's keys' fingerprint as the call left them in the cache (None: not read)
 
 
 @dataclass
@@ -85,22 +87,45 @@ class Stream:
 
 @dataclass
 class CallSeen:
-    """What the hooks saw of one target call: its arguments as the base model took them, the cache as the call found
-    it, and what the position module and the first attention layers were handed."""
+    """What the hooks kept of one target call, compact and detached from anything the engine changes later: its
+    arguments as the base model took them, the cache as the call found and left it (its identity, length and key
+    fingerprints), and what the position module and the first attention layers were handed."""
 
     input_ids: Any  # [B, q] (anything else: the call is not recorded)
-    cache: Any
+    cache: int | None  # the cache object's serial in this recording (None: the call had none)
     length: int  # the cache's length before the call (-1: it could not say)
     states: dict[str, torch.Tensor] | None  # the first recurrent layer's state as the call found it (hybrids)
-    prior_keys: torch.Tensor | None  # the first full-attention layer's keys [B, H, length, D] before the call
+    prior_keys: torch.Tensor | None  # [B, length] int64: fingerprints of the first full layer's keys before the call
     cache_position: Any
     given_positions: Any  # the position ids the base model was handed
     given_mask: Any  # the attention mask the base model was handed (a 2-D one marks padding)
     positions: torch.Tensor | None = None  # the position ids as the position module consumed them
     # per layer kind ("mask": the first full-attention layer, "window_mask": the first sliding-window layer): the mask
-    # it received (None: none)
+    # it received ([B|1, 1, q, kv] bool where it was a 4-D tensor; None: none)
     masks: dict[str, Any] = field(default_factory=dict)
+    empty_reads: str = "nothing"  # how the first full-attention layer computes a query that may read nothing
     end_states: dict[str, torch.Tensor] | None = None  # the state the call left (hybrids)
+    new_keys: torch.Tensor | None = None  # [B, kv] int64: fingerprints of the first full layer's keys after the call
+
+
+def key_fingerprints(keys: torch.Tensor) -> torch.Tensor:
+    """[B, L] int64 from keys [B, H, L, D] in any dtype: each entry's bits mixed by fixed odd multipliers and summed
+    with wrap-around, so equal entries give equal fingerprints whatever the tensor's length (integer sums do not
+    depend on their order), and different ones collide with chance about 2**-64."""
+    keys = keys.detach()
+    width = keys.element_size()
+    bits = keys.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[width]).to(
+        device="cpu", dtype=torch.int64)
+    heads, dim = keys.shape[1], keys.shape[3]
+    multipliers = _MULTIPLIERS.get((heads, dim))
+    if multipliers is None:
+        generator = torch.Generator().manual_seed(heads * 100003 + dim)
+        multipliers = torch.randint(1, 2**62, (heads, 1, dim), generator=generator, dtype=torch.int64) * 2 + 1
+        _MULTIPLIERS[(heads, dim)] = multipliers
+    return (bits * multipliers).sum(dim=(1, 3))  # [B, L]
+
+
+_MULTIPLIERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 @dataclass
@@ -117,17 +142,54 @@ class Recording:
     verified: int = 0  # cached target calls that fed a row more than one new token (a verification of proposals)
     failed: str | None = None
     entered: int = 0  # how many times the hooks were installed (once: around the engine's own generate call)
+    captured: list[tuple[CallSeen, str]] = field(default_factory=list)  # the target calls kept, in order
+    hook_seconds: float = 0.0  # the time the hooks took inside the engine's call (the observation's cost to the run)
+    processed: bool = False
     slots: list[Slot] = field(default_factory=list)
     records: list[CallRow] = field(default_factory=list)
-    _streams: dict[int, tuple[Any, Stream]] = field(default_factory=dict)
-    _by_key: dict[bytes, list[int]] = field(default_factory=dict)  # the slots that left each key (first full layer)
+    _streams: dict[int, Stream] = field(default_factory=dict)  # per cache serial
+    _caches: dict[int, tuple[Any, int]] = field(default_factory=dict)  # id -> (weak reference, serial), while alive
+    _by_key: dict[int, list[int]] = field(default_factory=dict)  # the slots that left each key (first full layer)
     _claims: dict[int, int] = field(default_factory=dict)  # per prompt: how many rows were matched to it
     _by_record: dict[int, list[int]] | None = None  # per call-row: its slots (built once the re-run is over)
     _lock: Any = field(default_factory=threading.Lock)
 
     # ---- recording ---------------------------------------------------------------------------
+    def cache_serial(self, cache: Any) -> int | None:
+        """A serial for a cache object, stable while it lives (an id can be reused once it is gone)."""
+        if cache is None:
+            return None
+        with self._lock:
+            known = self._caches.get(id(cache))
+            if known is not None and known[0]() is cache:
+                return known[1]
+            serial = max([s for _, s in self._caches.values()] + [0]) + 1
+            try:
+                self._caches[id(cache)] = (weakref.ref(cache), serial)
+            except TypeError:
+                pass
+            return serial
+
+    def capture(self, call: CallSeen, family: str) -> None:
+        """One target call kept as the hooks saw it (`Recorder`); `process` reads them once the run is over."""
+        with self._lock:
+            self.captured.append((call, family))
+
+    def process(self) -> None:
+        """The kept calls read in order into slots and call-rows (once; the run's outputs label the rows)."""
+        if self.processed:
+            return
+        self.processed = True
+        for call, family in self.captured:
+            try:
+                self.record(call, family)
+            except Exception as exc:  # an observation that fails says so and judges nothing
+                self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if self.failed:
+                break
+
     def record(self, call: CallSeen, family: str) -> None:
-        """One target call, as the hooks saw it (`Recorder`), added: its slots and call-rows."""
+        """One target call, as the hooks kept it, added: its slots and call-rows."""
         if self.failed:
             return
         ids = call.input_ids
@@ -175,27 +237,23 @@ class Recording:
             if length > 0 and q > 1:
                 self.verified += 1
             self._feed(call.cache, ids, positions, allowed, columns, length, cache_position is not None,
-                       call.prior_keys, window, empty_reads_of(layer_mask), call.states, call.end_states, told)
+                       call.prior_keys, window, call.empty_reads, call.states, call.end_states, told, call.new_keys)
             self.calls += 1
 
-    def _stream(self, cache: Any, ids: torch.Tensor, length: int) -> Stream:
-        """The stream of `cache`: a new one at a cache's first call (or a call with none); a cache whose batch
-        changed gets a stream whose rows are not followed."""
-        key = id(cache) if cache is not None else None
-        known = self._streams.get(key) if key is not None else None
-        if known is not None and known[0]() is cache and length > 0:
-            if len(known[1].rows) == ids.shape[0]:
-                return known[1]
+    def _stream(self, cache: int | None, ids: torch.Tensor, length: int) -> Stream:
+        """The stream of the cache with serial `cache`: a new one at a cache's first call (or a call with none); a
+        cache whose batch changed gets a stream whose rows are not followed."""
+        known = self._streams.get(cache) if cache is not None else None
+        if known is not None and length > 0:
+            if len(known.rows) == ids.shape[0]:
+                return known
         stream = Stream(rows=[None] * ids.shape[0], columns=[[] for _ in range(ids.shape[0])],
                          unused=list(range(len(self.prompts))), records=[[] for _ in range(ids.shape[0])],
                          lost=[False] * ids.shape[0])
         if length > 0:  # a cache whose batch changed, or one first seen holding entries (a copy): its rows are
             stream.unused = []  # followed by the keys of their entries, or not at all
-        if key is not None:
-            try:
-                self._streams[key] = (weakref.ref(cache), stream)
-            except TypeError:
-                pass
+        if cache is not None:
+            self._streams[cache] = stream
         return stream
 
     def _match(self, stream: Stream, b: int) -> None:
@@ -288,11 +346,11 @@ class Recording:
                 pads.append(i >= trailing)
         return pads
 
-    def _feed(self, cache: Any, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+    def _feed(self, cache: int | None, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
               columns: list[int], length: int, explicit_columns: bool, prior_keys: torch.Tensor | None,
               window: torch.Tensor | None = None, empty_reads: str = "nothing",
               states: dict[str, torch.Tensor] | None = None, end_states: dict[str, torch.Tensor] | None = None,
-              told: torch.Tensor | None = None) -> None:
+              told: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> None:
         batch, q = ids.shape
         stream = self._stream(cache, ids, length)
         kv = allowed.shape[-1]
@@ -329,13 +387,13 @@ class Recording:
                                          None if told is None else told[b].numpy()))
             if stream.rows[b] is None and stream.unused and not stream.lost[b]:
                 self._match(stream, b)
-        keys = first_keys(cache)
         if keys is not None:  # each new slot's keys as this call left them, to follow moved entries later
-            for b in range(batch):
+            found = keys.tolist()  # [B, kv]
+            for b in range(min(batch, len(found))):
                 for i in range(q):
-                    if columns[i] < keys.shape[2]:
+                    if columns[i] < len(found[b]):
                         slot_id = stream.columns[b][columns[i]]
-                        self.slots[slot_id].key = key_of(keys, b, columns[i])
+                        self.slots[slot_id].key = found[b][columns[i]]
                         self._by_key.setdefault(self.slots[slot_id].key, []).append(slot_id)
 
     def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int, taken: set[int] = frozenset()
@@ -347,9 +405,9 @@ class Recording:
         None when no prompt's slots hold the row."""
         if prior_keys is None or b >= prior_keys.shape[0]:
             return None
-        keys = [key_of(prior_keys, b, column) for column in range(length)]
+        keys = prior_keys[b, :length].tolist()
 
-        def owners(key: bytes) -> set[int]:  # the prompts whose fed content (not padding) left this key
+        def owners(key: int) -> set[int]:  # the prompts whose fed content (not padding) left this key
             return {local for local in (self.records[self.slots[s].record].local for s in self._by_key.get(key, [])
                                         if not self.slots[s].pad) if local is not None}
 
@@ -385,12 +443,13 @@ class Recording:
             return True
         if len(row_columns) < length or b >= prior_keys.shape[0]:
             return False
+        found = prior_keys[b, :length].tolist()
         for column in range(length):
             slot_id = row_columns[column]
             if slot_id < 0:
                 return False
             key = self.slots[slot_id].key
-            if key is not None and key != key_of(prior_keys, b, column):
+            if key is not None and key != found[column]:
                 return False
         return True
 
@@ -457,7 +516,7 @@ class Recording:
     def rows_lost(self) -> bool:
         """Whether some row of the batch stopped being followed (its cache entries moved in a way their keys did
         not tell)."""
-        return any(any(stream.lost) for _, stream in self._streams.values())
+        return any(any(stream.lost) for stream in self._streams.values())
 
     @property
     def speculated(self) -> bool:
@@ -473,6 +532,7 @@ class Recorder:
         self.base = embedding_owner(model)
         self.handles: list[Any] = []
         self.current: CallSeen | None = None
+        self.live_cache: Any = None  # the cache of the call in flight
         self.family = getattr(getattr(model, "config", None), "model_type", "")
 
     def install(self) -> None:
@@ -498,6 +558,13 @@ class Recorder:
 
     # ---- the hooks (they run in the engine's thread) -------------------------------------------
     def _start(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            self._keep_start(module, args, kwargs)
+        finally:
+            self.recording.hook_seconds += time.perf_counter() - started
+
+    def _keep_start(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if self.role != "target":
             self.recording.draft_calls += 1
             return
@@ -511,9 +578,13 @@ class Recorder:
                 length = -1
         prior = first_keys(cache) if cache is not None and length > 0 else None
         states = recurrent_states(cache) if self.recording.recurrent and cache is not None else None
-        self.current = CallSeen(bound.get("input_ids"), cache, length, states,
-                                None if prior is None else prior[:, :, :length].detach().clone(),
-                                bound.get("cache_position"), bound.get("position_ids"), bound.get("attention_mask"))
+        ids = bound.get("input_ids")
+        self.live_cache = cache
+        self.current = CallSeen(ids.detach().to("cpu", copy=True) if isinstance(ids, torch.Tensor) else ids,
+                                self.recording.cache_serial(cache), length, states,
+                                None if prior is None else key_fingerprints(prior[:, :, :length]),
+                                _kept(bound.get("cache_position")), _kept(bound.get("position_ids")),
+                                _kept(bound.get("attention_mask")))
 
     def _positions_hook(self, found: tuple[str, Any]) -> Callable[..., None]:
         leaf, module = found
@@ -521,6 +592,13 @@ class Recorder:
         def hook(hooked: Any, args: tuple, kwargs: dict[str, Any]) -> None:
             if self.current is None or self.current.positions is not None:
                 return
+            started = time.perf_counter()
+            try:
+                keep(args, kwargs)
+            finally:
+                self.recording.hook_seconds += time.perf_counter() - started
+
+        def keep(args: tuple, kwargs: dict[str, Any]) -> None:
             bound = bind_arguments(module.forward, args, kwargs)
             positions = bound.get("position_ids")
             if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
@@ -531,28 +609,58 @@ class Recorder:
             if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
                 positions = bound.get("input")
             if isinstance(positions, torch.Tensor):
-                self.current.positions = positions.detach().cpu().long()
+                self.current.positions = positions.detach().to("cpu", dtype=torch.long, copy=True)
         return hook
 
     def _attention(self, kind: str) -> Callable[..., None]:
         def hook(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
             if self.current is None or kind in self.current.masks:
                 return
+            started = time.perf_counter()
             bound = bind_arguments(module.forward, args, kwargs)
-            self.current.masks[kind] = bound.get("attention_mask")
+            mask = bound.get("attention_mask")
+            if kind == "mask":
+                self.current.empty_reads = empty_reads_of(mask)
+            self.current.masks[kind] = _compact_mask(mask)
+            self.recording.hook_seconds += time.perf_counter() - started
         return hook
 
     def _end(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._keep_end(output)
+        finally:
+            self.recording.hook_seconds += time.perf_counter() - started
+
+    def _keep_end(self, output: Any) -> None:
         call, self.current = self.current, None
+        cache, self.live_cache = self.live_cache, None
         if call is None:
             return
-        if self.recording.recurrent:  # the states the call left (its cache, or the one the model made for it)
-            cache = call.cache if call.cache is not None else output_cache(output)
+        if cache is None:  # the cache the model made for the call: followed when the engine hands it back
+            cache = output_cache(output)
+            call.cache = self.recording.cache_serial(cache)
+        if self.recording.recurrent:  # the states the call left
             call.end_states = recurrent_states(cache) if cache is not None else None
-        try:
-            self.recording.record(call, self.family)
-        except Exception as exc:  # an observation that fails says so and judges nothing
-            self.recording.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        keys = first_keys(cache) if cache is not None else None
+        if keys is not None:
+            call.new_keys = key_fingerprints(keys)
+        self.recording.capture(call, self.family)
+
+
+def _kept(value: Any) -> Any:
+    """A tensor argument copied to the CPU (the engine may write into it after the call); anything else as given."""
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def _compact_mask(mask: Any) -> Any:
+    """A 4-D attention mask as [B|1, 1, q, kv] bool on the CPU (what a query may read); anything else as given."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return mask
+    mask = mask[:, :1].detach()
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min * HIDDEN_MASK_FRACTION
+    return mask.to("cpu", copy=True)
 
 
 def columns_text(columns: list[int]) -> str:
