@@ -61,6 +61,7 @@ from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.facts import RunFacts
+from specaudit.equivalence.diagnosis.judge import Judge
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
@@ -266,7 +267,17 @@ class Diagnoser(Experiments, Observing):
         self._observed = observed.verdict
         return observed.cause
 
+    def _inputs_observed(self) -> bool:
+        """The run's inputs to the target were observed (calls recorded): they decide its input classes, and the
+        replays of hypotheses and the re-run experiments, made for engines whose inputs cannot be seen (servers,
+        recordings, an engine that never calls the target's forward), are not made."""
+        observation = self._run_observation
+        return isinstance(observation, Judge) and observation.seen.calls > 0
+
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
+        if self._inputs_observed():
+            tried.append("replays of hypotheses: not made (the engine's own inputs were observed, and decide)")
+            return None
         index, q, logits = case.index, case.q, case.logits
         hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q,
                                       self.facts.trace, index, self.facts.pad_token_id,
@@ -305,6 +316,9 @@ class Diagnoser(Experiments, Observing):
         return _cause(found, "the output's length (no cause explains it)") if found else None
 
     def _batch_experiments(self, case: Case, tried: list[str]) -> Cause | None:
+        if self._inputs_observed():
+            tried.append("re-runs alone and in its batch: not made (the engine's own inputs were observed, and decide)")
+            return None
         found = self._in_batch(case.index, case.position, case.q, tried)
         return _cause(found, "re-runs alone and in its batch") if found else None
 

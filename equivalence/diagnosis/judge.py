@@ -274,10 +274,19 @@ class Judge:
             return f" (off by {offset}, the number of padding and hidden columns before it)"
         return ""
 
+    def unfed(self, producer: int) -> int:
+        """How many of the entries the query of slot `producer` depends on the engine wrote without feeding a
+        token (a stacked cache filled with zeros): no replay can compute them."""
+        return sum(1 for s in self._closure(producer) if self.seen.slots[s].token < 0)
+
     def replay(self, model: Any, producer: int) -> torch.Tensor | None:
         """The logits [V] of `model` at the query of slot `producer`, replayed on exactly the slots it depends on
         (those it reads, recursively) with their observed tokens, positions and visibility; None when the
         model refuses them."""
+        return self._replay_closure(model, self._closure(producer))
+
+    def _closure(self, producer: int) -> set[int]:
+        """The slots the query of `producer` depends on: those it reads, recursively (itself included)."""
         closure, work = {producer}, [producer]
         while work:
             slot_id = work.pop()
@@ -290,6 +299,9 @@ class Judge:
                 if v not in closure:
                     closure.add(v)
                     work.append(v)
+        return closure
+
+    def _replay_closure(self, model: Any, closure: set[int]) -> torch.Tensor | None:
         order = sorted(closure)  # slot ids run in the order the tokens were fed
         place = {slot_id: i for i, slot_id in enumerate(order)}
         # [L, L]: key j visible to query i

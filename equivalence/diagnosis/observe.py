@@ -1,11 +1,14 @@
 """Diagnosis by observation: what an in-process engine fed the target, against what a correct engine feeds.
 
-An in-process engine runs on the models the audit hands it, so its inputs can be seen. `observe_run` makes the
-run's own call again, once: every prompt, in the run's order, in one `generate` (through the run's context: a fresh
-engine, guarded), with forward hooks on the target and its draft, and hands back a `Judge` over what they recorded,
-or a sentence saying why nothing was observed. The engine batches, orders and schedules as it did in the run: which
-prompts shared a call, and in what padding, is read from the calls, never assumed from `--batch-size`. A re-run
-that gives other tokens than the run is not the run: it decides nothing, and says so. The engine's code is untouched. The layers, each a module:
+An in-process engine runs on the models the audit hands it, so its inputs can be seen. The audit holds a `Watch`
+(forward hooks on the target and its draft) around the engine's own `generate` call in the audited run: the
+batches, order, padding and schedule are the engine's own, read from its calls, never assumed from
+`--batch-size`. The hooks keep each call compactly (`recording.CallSeen`) and time themselves
+(`Recording.hook_seconds`, the observation's cost to the run); `Watch.judge` reads what they kept into a `Judge`
+only when a divergence needs it. A run that was not watched (a run made elsewhere) is observed by `observe_run`,
+the run's call made again once with the hooks (every prompt, in the run's order, in one `generate`, through the
+run's context); a re-run that gives other tokens than the run is not the run: it decides nothing, and says so.
+The engine's code is untouched. The layers, each a module:
 
 1. `anatomy.py`: where the hooks go in a transformers model (the module that takes the input ids, the one that
    consumes the position ids, the first full-attention and sliding-window layers) and how a hook reads a cache,
@@ -30,8 +33,9 @@ over the weights) shows nothing, and the replays decide.
 
 `Observing` is the part of `Diagnoser` (core.py) that makes and reads the observation:
 
-1. `_observe`: one hooked re-run of the run's call (shared by every divergence of the run), judged at the
-   divergence.
+1. `_observe`: the watched run (else one hooked re-run of the run's call), shared by every divergence of the run,
+   judged at the divergence. Where the inputs were observed they decide the input classes: the logit replays of
+   hypotheses and the re-run experiments are for engines whose inputs cannot be seen (core.py).
 2. A violation is confirmed by a replay of the observed inputs that reproduces the engine's logits (within the
    float64 tolerance or the dtype's measured noise) or, without them, chooses its token; a clean verdict by one
    that chooses the reference's token. A replay that chooses another token looks for another query fed the same
@@ -230,6 +234,13 @@ class Observing:
             stated = replace(verdict, cls=cls, evidence=evidence, state=True, state_seen=None, confirmed=False)
             observed = self._observed_state(observation, stated, index, batch, tried, engine_row)
             return observed if observed.cause is not None else Observed(verdict)
+        unfed = (observation.unfed(verdict.producer)
+                 if not verdict.confirmed and verdict.cls in INPUT_CLASSES and verdict.producer is not None else 0)
+        if unfed:  # entries no token was fed for cannot be replayed: what was observed decides
+            return Observed(verdict, Cause(verdict.cls, f"{verdict.evidence}; no replay can be made: the query depends "
+                                           f"on {unfed} cache entr{'y' if unfed == 1 else 'ies'} the engine wrote "
+                                           f"without feeding a token", "the observed inputs",
+                                           _observed_mechanism(verdict)))
         if verdict.confirmed and verdict.cls in INPUT_CLASSES:
             what = "reproduces the engine's logits" if engine_row is not None else "chooses the engine's token"
             return Observed(verdict, Cause(verdict.cls, f"{verdict.evidence}; a replay of the target with exactly the "
@@ -349,8 +360,14 @@ class Observing:
         where the engine was seen feeding a wrong input (a violation no replay confirmed, or one in the pass that
         fed a repeated token left unjudged); an input class is not taken where the inputs behind a repeated token
         left unjudged were seen wrong in other classes alone. An observation that judged nothing leaves the
-        class as the replays and re-runs named it."""
+        class as the checks named it (the replays of hypotheses are not made where the inputs were observed)."""
         verdict, self._observed = self._observed, None
+        observation = self._run_observation
+        if (found is not None and found.cls == "acceptance_rule" and isinstance(observation, Judge)
+                and observation.seen.calls and not (observation.seen.speculated or self._drafted())):
+            return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine was not seen "
+                         f"speculating (no draft model call, no target call verifying several new tokens of a row, "
+                         f"no draft token in its trace)", "the engine's trace of its proposals and counts", "")
         if verdict is None or (found is not None and found.cls == "unknown"):
             return found
         cls = found.cls if found is not None else None

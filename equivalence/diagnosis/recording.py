@@ -1,8 +1,10 @@
 """The recorder: what the hooks saw an engine feed the target, row by row, matched to the run's prompts.
 
-Contract: a `Recording` holds what one hooked re-run of the run's call fed the target (`observe.observe_run` makes
-it) and judges nothing; the judge (`judge.py`) reads it. Its `Recorder`s are the forward hooks on the target
-(and the draft, whose calls are only counted); they change nothing the engine computes.
+Contract: a `Recording` holds what one `generate` call of the engine fed the target (the audited run's own, through
+`observe.Watch`, or a hooked re-run of it) and judges nothing; the judge (`judge.py`) reads it. Its `Recorder`s are
+the forward hooks on the target (and the draft, whose calls are only counted); they change nothing the engine
+computes, and keep each call compactly (`CallSeen`: copies of the ids, positions and 2-D mask, the layer's mask as
+booleans, the cache's serial, key fingerprints) for `process` to read once the call is over.
 
 1. Each target call is recorded per batch row (`CallRow`): the tokens fed, the columns of the cache they are
    written to (the cache's length before the call, or the `cache_position` given), the position each token was
