@@ -1,5 +1,5 @@
 """Engines written as a team outside the project would write them (issue 59, item 4): plain torch and
-transformers calls, nothing imported from specaudit. Five batching styles, each as a correct engine and as
+transformers calls, nothing imported from specaudit. Six batching styles, each as a correct engine and as
 the same engine with one planted bug. Every factory is `make(target, draft, *, batch_size, draft_tokens,
 pad_token_id, **options)` and returns an object with `generate(prompts, max_new_tokens, eos_token_id)`
 (greedy; per prompt the new tokens, the first EOS kept, never more than max_new_tokens).
@@ -9,6 +9,8 @@ Styles:
   `DynamicCache`; a row that finishes is evicted from the batch (`batch_select_indices` on the cache);
 - `buckets`: prompts sorted by length, left-padded buckets of `batch_size` (little padding), outputs
   put back in the caller's order;
+- `arrivals`: batches of `batch_size` in the order requests arrive, which a process-wide count of calls
+  seeds: the same prompts handed over again are batched otherwise (a server's history decides);
 - `slots`: continuous batching with `batch_size` slots; each admitted prompt is prefilled alone into its
   own cache, and every decode step stacks the live slots' caches left-padded with zeros into one batch,
   then splits it back; a finished row's slot takes the next prompt at once;
@@ -33,6 +35,7 @@ The factory without a suffix is the correct twin of each: exact against greedy d
 from __future__ import annotations
 
 import inspect
+import random
 from typing import Any, Sequence
 
 import torch
@@ -192,6 +195,25 @@ class Buckets(_Engine):
         for start in range(0, len(order), self.batch_size):
             bucket = order[start:start + self.batch_size]
             for i, tokens in zip(bucket, self._left_padded_greedy([prompts[i] for i in bucket], max_new_tokens, eos)):
+                out[i] = tokens
+        return out
+
+
+class Arrivals(_Engine):
+    """Batches formed in the order requests "arrive", which changes from one call to the next (a process-wide count
+    of calls seeds the order, as a server's history would): a second call of the same prompts batches otherwise."""
+
+    style = "arrivals"
+    calls = 0  # shared by every instance: the process's history
+
+    def _run(self, prompts, max_new_tokens, eos):
+        Arrivals.calls += 1
+        order = list(range(len(prompts)))
+        random.Random(Arrivals.calls).shuffle(order)
+        out: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            for i, tokens in zip(batch, self._left_padded_greedy([prompts[i] for i in batch], max_new_tokens, eos)):
                 out[i] = tokens
         return out
 
@@ -370,6 +392,9 @@ at_once_padding_visible = _factory(AtOnce, MASK)
 buckets = _factory(Buckets)
 buckets_positions_over_padding = _factory(Buckets, POSITIONS)
 buckets_padding_visible = _factory(Buckets, MASK)
+arrivals = _factory(Arrivals)
+arrivals_positions_over_padding = _factory(Arrivals, POSITIONS)
+arrivals_padding_visible = _factory(Arrivals, MASK)
 slots = _factory(Slots)
 slots_positions_over_padding = _factory(Slots, POSITIONS)
 slots_padding_visible = _factory(Slots, MASK)
@@ -381,12 +406,14 @@ spec_solo_draft_stale_cache = _factory(SpecSoloDraft, STALE)
 spec_solo_draft_positions_over_padding = _factory(SpecSoloDraft, POSITIONS)
 spec_solo_draft_padding_visible = _factory(SpecSoloDraft, MASK)
 
-CORRECT = ("at_once", "buckets", "slots", "right_padded", "spec_solo_draft")
+CORRECT = ("at_once", "buckets", "arrivals", "slots", "right_padded", "spec_solo_draft")
 BUGGY = {  # engine -> (its correct twin, the cause it plants)
     "at_once_positions_over_padding": ("at_once", "position_ids"),
     "at_once_padding_visible": ("at_once", "attention_mask"),
     "buckets_positions_over_padding": ("buckets", "position_ids"),
     "buckets_padding_visible": ("buckets", "attention_mask"),
+    "arrivals_positions_over_padding": ("arrivals", "position_ids"),
+    "arrivals_padding_visible": ("arrivals", "attention_mask"),
     "slots_positions_over_padding": ("slots", "position_ids"),
     "slots_padding_visible": ("slots", "attention_mask"),
     "right_padded_positions_over_padding": ("right_padded", "position_ids"),

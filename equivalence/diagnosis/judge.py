@@ -283,7 +283,7 @@ class Judge:
         """The logits [V] of `model` at the query of slot `producer`, replayed on exactly the slots it depends on
         (those it reads, recursively) with their observed tokens, positions and visibility; None when the
         model refuses them."""
-        return self._replay_closure(model, self._closure(producer))
+        return self._replay_closure(model, self._closure(producer), producer)
 
     def _closure(self, producer: int) -> set[int]:
         """The slots the query of `producer` depends on: those it reads, recursively (itself included)."""
@@ -301,7 +301,7 @@ class Judge:
                     work.append(v)
         return closure
 
-    def _replay_closure(self, model: Any, closure: set[int]) -> torch.Tensor | None:
+    def _replay_closure(self, model: Any, closure: set[int], producer: int) -> torch.Tensor | None:
         order = sorted(closure)  # slot ids run in the order the tokens were fed
         place = {slot_id: i for i, slot_id in enumerate(order)}
         # [L, L]: key j visible to query i
