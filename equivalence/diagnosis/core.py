@@ -268,11 +268,13 @@ class Diagnoser(Experiments, Observing):
         return observed.cause
 
     def _inputs_observed(self) -> bool:
-        """The run's inputs to the target were observed (calls recorded): they decide its input classes, and the
-        replays of hypotheses and the re-run experiments, made for engines whose inputs cannot be seen (servers,
-        recordings, an engine that never calls the target's forward), are not made."""
-        observation = self._run_observation
-        return isinstance(observation, Judge) and observation.seen.calls > 0
+        """The inputs behind the divergent token were observed and judged (a violation, or seen right): they decide
+        its input classes, and the replays of hypotheses and the re-run experiments, made for engines whose inputs
+        cannot be seen (servers, recordings, an engine that never calls the target's forward), are not made. Where
+        the observation judged nothing (a token never fed after, a repeated token), they are."""
+        observation, verdict = self._run_observation, self._observed
+        return (isinstance(observation, Judge) and observation.seen.calls > 0 and verdict is not None
+                and verdict.cls is not None)
 
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
         if self._inputs_observed():

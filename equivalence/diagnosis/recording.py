@@ -84,7 +84,7 @@ class Stream:
     unused: list[int]  # the prompts no row of this stream holds yet
     records: list[list[int]]  # per batch row: its call-rows (indices into Recording.records)
     lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
-    masks_columns: bool = False  # the engine hid some written column of this cache from a later query
+    masks_columns: bool | None = None  # the engine hid a column holding content from a later query (None: not asked)
 
 
 @dataclass
@@ -282,8 +282,9 @@ class Recording:
             stream.rows[b] = local
             for slot_id, pad in zip(slot_ids, self._labels(tokens, local, start)):
                 self.slots[slot_id].pad = pad
-            for record in stream.records[b]:
-                self.records[record].local = local
+            for record in stream.records[b] + [self.slots[s].record for s in slot_ids if self.slots[s].record >= 0]:
+                if self.records[record].local is None:
+                    self.records[record].local = local
             return
 
     def _partial(self, row: list[int], unused: list[int], local: int) -> bool:
@@ -319,8 +320,8 @@ class Recording:
                 if row[start:] == sequence[:len(row) - start]:
                     starts.append(start)
                     break
-        leading = 0
-        while leading < len(row) and row[leading] == self.pad_token_id:
+        leading = 0  # the row's leading pad ids and fill (entries written without a token: a stacked cache's zeros)
+        while leading < len(row) and (row[leading] == self.pad_token_id or row[leading] < 0):
             leading += 1
         starts += [start for start in (len(row) - n, 0, leading, max(0, leading - 1))
                    if 0 <= start <= len(row) - n and row[start:start + n] == prompt]
@@ -369,6 +370,14 @@ class Recording:
                 stream.lost[b] = found is None
                 if found is not None:
                     row_columns[:] = found[1]
+                elif stream.rows[b] is None:  # a row not matched yet (its prompt not all fed): followed by its slots
+                    unmatched = self._unmatched(prior_keys, b, length)
+                    if unmatched is not None:
+                        row_columns[:] = unmatched
+                        stream.lost[b] = False
+                        if not stream.unused:  # the prompts no row holds yet (all again where each is held)
+                            stream.unused = ([j for j in range(len(self.prompts)) if not self._claims.get(j)]
+                                             or list(range(len(self.prompts))))
             row_columns.extend([-1] * (kv - len(row_columns)))
             tokens = ids[b].tolist()
             for i in range(q):
@@ -376,10 +385,6 @@ class Recording:
                 self.slots.append(Slot(tokens[i], int(positions[b, i]), False, self.calls, columns[i],
                                         len(self.records), i))
             mask = allowed[b].numpy()  # [q, kv]
-            written = np.array(row_columns[:kv]) >= 0
-            for i in range(q):  # a written column before the query, hidden from it: the engine masks columns
-                if not stream.masks_columns and (~mask[i, :columns[i]] & written[:columns[i]]).any():
-                    stream.masks_columns = True
             stream.records[b].append(len(self.records))
             self.records.append(CallRow(np.array(row_columns[:kv], dtype=np.int64), np.packbits(mask, axis=-1),
                                          kv, stream.rows[b], b, batch, length, stream,
@@ -438,6 +443,25 @@ class Recording:
                 self.slots.append(Slot(-1, -1, True, self.calls, column, -1, -1, key))
         return local, columns
 
+    def _unmatched(self, prior_keys: torch.Tensor | None, b: int, length: int) -> list[int] | None:
+        """The slot of each column of row `b` of a cache whose entries moved, where the slots that left its keys
+        were fed to a row not matched to its prompt yet (a prefill of all but the prompt's last token, split into
+        per-row caches): the latest slot that left each key, a column whose keys no slot left padding never fed.
+        None when fed slots left fewer than half of its columns' keys."""
+        if prior_keys is None or b >= prior_keys.shape[0] or length == 0:
+            return None
+        columns, known, zeros = [], 0, 0
+        for column, key in enumerate(prior_keys[b, :length].tolist()):
+            slots = [s for s in self._by_key.get(key, []) if self.records[self.slots[s].record].local is None]
+            if slots:
+                known += 1
+                columns.append(slots[-1])
+            else:
+                zeros += key == 0  # keys of zeros: a stacked cache's fill
+                columns.append(len(self.slots))
+                self.slots.append(Slot(-1, -1, True, self.calls, column, -1, -1, key))
+        return columns if known * 2 >= length - zeros else None
+
     def _unchanged(self, row_columns: list[int], prior_keys: torch.Tensor | None, b: int, length: int) -> bool:
         """Whether the cache's first columns of row `b` still hold, as the call finds them, the keys of the slots
         this row wrote there (a cache whose rows the engine realigns, shifts or rewrites between calls fails)."""
@@ -475,7 +499,23 @@ class Recording:
         return [int(c) for c in np.nonzero(mask & (record.columns < 0))[0]]
 
     def masks_columns(self, slot_id: int) -> bool:
-        return bool(self.records[self.slots[slot_id].record].stream.masks_columns)
+        """Whether the engine hid, from some query of this slot's cache, an earlier column holding content (a fed
+        token that is not padding; a stacked cache's fill and the row's padding aside): it masks columns."""
+        stream = self.records[self.slots[slot_id].record].stream
+        if stream.masks_columns is None:
+            stream.masks_columns = any(self._hides_content(record) for rows in stream.records for record in rows)
+        return stream.masks_columns
+
+    def _hides_content(self, record: int) -> bool:
+        row = self.records[record]
+        for slot_id in self.record_slots(record):
+            slot = self.slots[slot_id]
+            mask = np.unpackbits(row.allowed[slot.query], count=row.width).astype(bool)
+            for column in range(min(slot.column, row.width)):
+                held = int(row.columns[column])
+                if held >= 0 and not mask[column] and self.slots[held].token >= 0 and not self.slots[held].pad:
+                    return True
+        return False
 
     def where(self, slot_id: int) -> str:
         slot = self.slots[slot_id]
