@@ -242,6 +242,9 @@ def audit_engine(
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = capability(engine, "describe")
     evidence = speculation.of_run(engine, run.trace)
+    from specaudit.equivalence.acceptance import counters
+
+    acceptance = counters.run_fields(engine, run.trace, evidence)
     record = run_record(
         engine=settings.engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=settings.device or str(pair.target.device), num_prompts=len(prompts),
@@ -251,7 +254,7 @@ def audit_engine(
         tokens_generated=sum(len(o) for o in run.outputs), trace=trace_summary(run.trace),
         prompts=[c.to_dict() for c in judged.comparisons], divergences=divergences,
         noise_band=band.to_dict() if band is not None else None, speculation=evidence,
-        speculation_observed=speculation.observed(evidence),
+        speculation_observed=speculation.observed(evidence), **acceptance,
         plain_engine=None if plain is None else rulings.plain_summary(
             plain["engine"], reference.outputs, plain_outputs, run.outputs, divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),
