@@ -234,6 +234,24 @@ def test_a_recording_that_carries_the_counters_gives_the_same_record(tmp_path):
     assert "accepted_histogram" not in engine.describe()["metadata"] and "acceptance" not in engine.describe()["metadata"]
 
 
+def test_a_request_that_never_drafted_counts_as_empty_steps():
+    """vLLM leaves `per_step_*` out of a request with no verify step (the n-gram proposer found no match)."""
+    def answer(path: str, body: dict) -> tuple[int, dict]:
+        status, payload = vllm_answer(None)(path, body)
+        if body["prompt"] == PROMPTS[1]:
+            payload["metrics"]["speculative_decoding"] = {
+                "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0, "acceptance_histogram": [0] * (K + 1),
+                "num_spec_steps": 0, "num_accepted_draft_tokens": 0, "num_draft_tokens": 0, "num_spec_tokens": K}
+        return status, payload
+
+    speculation = run_server("vllm", answer)
+    observed = counters.from_server(speculation)
+    want = expected(PROMPTS[:1] + PROMPTS[2:], NEW)
+    assert list(observed.drafts_per_position) == want["drafts_per_position"]
+    assert list(observed.accepted_per_position) == want["accepted_per_position"]
+    assert counters.inconsistencies(speculation, observed) == []
+
+
 def test_a_request_without_counters_leaves_the_sums_unknown():
     answered = run_server("vllm", vllm_answer(None))
     answered["per_request"][1] = None  # one answer said nothing

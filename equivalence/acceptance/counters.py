@@ -68,7 +68,10 @@ def _positions_from_requests(requests: list[RequestCounters], complete: bool
     """(accepted per position, drafts per position) [K] from per-step arrays, else histograms (accepted only)."""
     if not complete or not requests:
         return None, None
-    if all(r.per_step_accepted is not None and r.per_step_drafted is not None for r in requests):
+    # a request with no verify step has empty per-step arrays (vLLM leaves them out then)
+    stepped = [r for r in requests if r.verify_steps != 0]
+    if stepped and all(r.per_step_accepted is not None and r.per_step_drafted is not None for r in stepped):
+        requests = stepped
         width = max([r.draft_positions or 0 for r in requests]
                     + [max(r.per_step_drafted or (0,)) for r in requests] + [max(r.per_step_accepted or (0,)) for r in requests])
         accepted, drafts = [0] * width, [0] * width
@@ -80,7 +83,8 @@ def _positions_from_requests(requests: list[RequestCounters], complete: bool
                 for k in range(count):
                     drafts[k] += 1
         return tuple(accepted), tuple(drafts)
-    if all(r.accepted_histogram is not None for r in requests):
+    if stepped and all(r.accepted_histogram is not None for r in stepped):
+        requests = stepped
         width = max(len(r.accepted_histogram or ()) for r in requests) - 1
         accepted = [sum(sum(r.accepted_histogram[k + 1:]) for r in requests if r.accepted_histogram)
                     for k in range(max(width, 0))]
