@@ -238,6 +238,9 @@ def test_a_request_that_never_drafted_counts_as_empty_steps():
     """vLLM leaves `per_step_*` out of a request with no verify step (the n-gram proposer found no match)."""
     def answer(path: str, body: dict) -> tuple[int, dict]:
         status, payload = vllm_answer(None)(path, body)
+        spec = payload["metrics"]["speculative_decoding"]  # the last step drafts only what it accepted, so
+        spec["per_step_drafted"][-1] = spec["per_step_accepted"][-1]  # drafted != steps x K: only the arrays say
+        spec["num_draft_tokens"] = sum(spec["per_step_drafted"])
         if body["prompt"] == PROMPTS[1]:
             payload["metrics"]["speculative_decoding"] = {
                 "mean_acceptance_length": 1.0, "draft_acceptance_rate": 0.0, "acceptance_histogram": [0] * (K + 1),
@@ -246,8 +249,10 @@ def test_a_request_that_never_drafted_counts_as_empty_steps():
 
     speculation = run_server("vllm", answer)
     observed = counters.from_server(speculation)
+    steps = [steps_for(p, NEW) for p in PROMPTS[:1] + PROMPTS[2:]]
+    drafted = [count for s in steps for count in [K] * (len(s) - 1) + [s[-1]]]
     want = expected(PROMPTS[:1] + PROMPTS[2:], NEW)
-    assert list(observed.drafts_per_position) == want["drafts_per_position"]
+    assert list(observed.drafts_per_position) == [sum(d > k for d in drafted) for k in range(K)]
     assert list(observed.accepted_per_position) == want["accepted_per_position"]
     assert counters.inconsistencies(speculation, observed) == []
 
