@@ -264,6 +264,24 @@ def test_a_request_without_counters_leaves_the_sums_unknown():
     assert observed is None or (observed.accepted_tokens is None and observed.verify_steps is None)
 
 
+def test_positions_first_exposed_during_the_run_count_from_zero():
+    """llama.cpp b11549 exposes its per-position counter only once something was accepted."""
+    class Fresh(SimulatedCounters):
+        def text(self) -> str:
+            return "\n".join(line for line in super().text().splitlines()
+                             if "per_pos" not in line or self.accepted) + "\n"
+
+    metrics = Fresh(prefix="llamacpp")
+
+    def answer(path: str, body: dict) -> tuple[int, dict]:
+        n = body["n_predict"]
+        metrics.observe(steps_for(body["prompt"], n))
+        return 200, {"tokens": [(sum(body["prompt"]) + 7 * i) % 250 for i in range(n)], "stop_type": "limit"}
+
+    speculation = run_server("llamacpp", answer, metrics)
+    assert speculation["accepted_per_position"] == expected(PROMPTS, NEW)["accepted_per_position"]
+
+
 def test_position_label_read_in_any_label_order():
     text = ('x_total{position="1",engine="0"} 3\nx_total{engine="1",position="1"} 2\n'
             'x_total{engine="0",model_name="a,position=\\"9\\"",position="0"} 5\n# x_total{position="2"} 7\n')

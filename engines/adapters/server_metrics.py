@@ -247,8 +247,9 @@ def _positions_between(before: Snapshot | None, after: Snapshot, iterations: boo
     width = max(after.positions) + 1
     if iterations:
         return [int(round(after.positions.get(k, 0.0))) for k in range(width)]
-    if before is None or set(before.positions) != set(after.positions):
+    if before is None or not set(before.positions) <= set(after.positions):
         return None
+    # a position not yet exposed before the run had counted nothing (llama.cpp creates them on first use)
     counts = [after.positions.get(k, 0.0) - before.positions.get(k, 0.0) for k in range(width)]
     return None if any(c < 0 for c in counts) else [int(round(c)) for c in counts]
 
