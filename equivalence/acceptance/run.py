@@ -75,8 +75,12 @@ def baseline_for(runs: list[dict[str, Any]], engine: str, pair: str, batch_size:
     return None
 
 
-def proposer_of(engine: Any, spec: str | None, draft: Any, k: int | None) -> tuple[Any, int] | str:
-    """The proposer to replay and its k, or why there is none."""
+def proposer_of(engine: Any, spec: str | None, draft: Any, k: int | None,
+                trace: Trace | None = None) -> tuple[Any, int] | str:
+    """The proposer to replay and its k, or why there is none. An engine's drafter is recognised by its
+    class, or by what it declares (a planted fault rebuilds the drafter's module, so its class is another
+    object): a trace whose proposals are the draft model's, a drafter with a draft model and no chooser, or
+    one with n-gram sizes."""
     if spec is not None:
         stated = expected_.parse_spec(spec)
         if stated.kind == "draft":
@@ -87,9 +91,11 @@ def proposer_of(engine: Any, spec: str | None, draft: Any, k: int | None) -> tup
     drafter = capability(engine, "drafter")
     if k is None:
         return "the engine's k is unknown"
-    if isinstance(drafter, ModelDrafter) and drafter.chooser is None:
+    from_draft = isinstance(drafter, ModelDrafter) or (trace is not None and trace.proposals_from_draft_model) or (
+        drafter is not None and getattr(drafter, "draft", None) is not None and hasattr(drafter, "chooser"))
+    if from_draft and getattr(drafter, "chooser", None) is None and (draft is not None or drafter is not None):
         return expected_.DraftModelProposer(draft if draft is not None else drafter.draft), k
-    if isinstance(drafter, PromptLookupDrafter):
+    if isinstance(drafter, PromptLookupDrafter) or (hasattr(drafter, "min_ngram") and hasattr(drafter, "max_ngram")):
         return expected_.NgramProposer(drafter.min_ngram, drafter.max_ngram, "latest"), k
     if drafter is None:
         return "the engine's proposer is not known: state it with --speculation, or give --acceptance-baseline"
@@ -115,7 +121,8 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
         else:
             expected = expected_.from_baseline(found[0], f"{baseline_path}: {found[1]}")
     else:
-        chosen = proposer_of(engine, spec, draft, k if k is not None else (trace.draft_tokens if trace else None))
+        chosen = proposer_of(engine, spec, draft, k if k is not None else (trace.draft_tokens if trace else None),
+                             trace)
         if isinstance(chosen, str):
             unavailable = chosen
         else:
