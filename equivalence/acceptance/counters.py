@@ -21,8 +21,9 @@ lines. `from_server` maps them into one `ObservedAcceptance`, each field from th
 
 A sum over requests is used only when every answered request carried its counters.
 
-`inconsistencies` lists every identity the counters break, one sentence each naming it; the audit's
-finding "counters inconsistent" quotes them. Beyond `observed.consistency` (accepted <= drafted, the
+`inconsistencies` lists every identity the counters break, one sentence each naming it; the run's
+acceptance finding "acceptance counters inconsistent" (equivalence/acceptance/findings.py) quotes them
+(`with_server_problems` adds the server's to it). Beyond `observed.consistency` (accepted <= drafted, the
 per-position counts summing to the totals and never rising with k, the emitted-token bounds):
 
 - endpoint against responses: the requests' summed drafts, draft tokens and accepted tokens equal the
@@ -173,19 +174,19 @@ def _request_identities(index: int, r: RequestCounters, returned: int) -> list[s
     return problems
 
 
-def inconsistencies(speculation: dict[str, Any] | None, observed: ObservedAcceptance | None) -> list[str]:
-    """Every identity the run's counters break (see the module docstring); [] when none or nothing counted."""
-    problems = list(consistency(observed)) if observed is not None else []
+def server_problems(speculation: dict[str, Any] | None) -> list[str]:
+    """The identities a server's (or recording's) counters break beyond `observed.consistency`: within each
+    response, and the responses against the metrics endpoint (see the module docstring)."""
     if not speculation:
-        return problems
+        return []
+    problems: list[str] = []
     per_request = speculation.get("per_request") or []
     returned = speculation.get("returned_tokens") or [None] * len(per_request)
     for index, (record, tokens) in enumerate(zip(per_request, returned)):
         if record is not None and tokens is not None:
             problems += _request_identities(index, RequestCounters.from_json(record), int(tokens))
     requests, _, complete = _requests(speculation)
-    endpoint = speculation.get("source") or "the metrics endpoint"
-    if complete and requests and not str(endpoint).startswith("each response"):
+    if complete and requests and not str(speculation.get("source") or "").startswith("each response"):
         for role, name, what in (("drafts", "verify_steps", "verify steps with a draft"),
                                  ("drafted_tokens", "drafted_tokens", "draft tokens"),
                                  ("accepted_tokens", "accepted_tokens", "accepted tokens")):
@@ -201,6 +202,11 @@ def inconsistencies(speculation: dict[str, Any] | None, observed: ObservedAccept
     return problems
 
 
+def inconsistencies(speculation: dict[str, Any] | None, observed: ObservedAcceptance | None) -> list[str]:
+    """Every identity the run's counters break: `observed.consistency` and `server_problems`."""
+    return (list(consistency(observed)) if observed is not None else []) + server_problems(speculation)
+
+
 def of_run(engine: Any, trace: Trace | None, speculation: dict[str, Any] | None) -> ObservedAcceptance | None:
     """The observed acceptance of one run: a black-box engine's (server, recording) from its counters, any
     other engine's through `observed.of_run` (its own `last_acceptance`, else its trace)."""
@@ -209,10 +215,30 @@ def of_run(engine: Any, trace: Trace | None, speculation: dict[str, Any] | None)
     return observed_module.of_run(engine, trace, speculation)
 
 
-def run_fields(engine: Any, trace: Trace | None, speculation: dict[str, Any] | None) -> dict[str, Any]:
-    """The run record's `acceptance` (ObservedAcceptance as JSON, or None) and `acceptance_inconsistencies`
-    (the identities its counters break): the one place a run's observed acceptance is made."""
-    observed = of_run(engine, trace, speculation)
-    speculation = speculation if capability(engine, "black_box") else None
-    return {"acceptance": observed.to_json() if observed is not None else None,
-            "acceptance_inconsistencies": inconsistencies(speculation, observed)}
+def with_server_problems(record: dict[str, Any], engine: Any, speculation: dict[str, Any] | None) -> dict[str, Any]:
+    """A run's acceptance record (findings.AcceptanceRecord as JSON) with the server identities its counters
+    break added to its "acceptance counters inconsistent" finding (made when there is none)."""
+    problems = server_problems(speculation) if capability(engine, "black_box") else []
+    if not problems:
+        return record
+    findings = list(record.get("findings") or [])
+    kind = "acceptance counters inconsistent"
+    found = next((i for i, f in enumerate(findings) if f.get("kind") == kind), None)
+    text = "; ".join(problems)
+    if found is None:
+        findings.append({"kind": kind, "positions": [], "text": text})
+    else:
+        findings[found] = {**findings[found], "text": f"{findings[found]['text']}; {text}"}
+    return {**record, "findings": findings}
+
+
+SERVED_REFERENCE = "audited against a served reference: no weights in the process to replay the proposer"
+
+
+def served_record(engine: Any, speculation: dict[str, Any] | None, required: float | None) -> dict[str, Any]:
+    """The acceptance record of a run audited against a served reference: the observed counters and their
+    inconsistencies, no expectation (the replay needs the target's weights)."""
+    from specaudit.equivalence.acceptance.findings import compare
+
+    record = compare(of_run(engine, None, speculation), None, required=required, unavailable=SERVED_REFERENCE)
+    return with_server_problems(record.to_json(), engine, speculation)

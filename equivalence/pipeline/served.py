@@ -363,7 +363,7 @@ class ServedGroup:
         structural = sum(d["kind"] == "structural" for d in divergences)
         from specaudit.equivalence.acceptance import counters
 
-        acceptance = counters.run_fields(engine, None, answered["speculation"])
+        acceptance = counters.served_record(engine, answered["speculation"], settings.require_acceptance)
         run = run_record(**self._base(spec, batch_size), seconds=answered["seconds"],
                          seconds_per_request=answered["seconds"] / max(1, len(prompts)),
                          description=answered["description"], speculation=answered["speculation"], outputs=outputs,
@@ -371,7 +371,7 @@ class ServedGroup:
                          exact_matches=sum(ref == out for ref, out in zip(reference, outputs)),
                          structural_divergences=structural,
                          numerical_divergences=sum(d["kind"] == "numerical" for d in divergences),
-                         equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)), **acceptance)
+                         equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)), acceptance=acceptance)
         return run
 
     def _sampled_run(self, spec: str, batch_size: int) -> dict[str, Any]:
