@@ -9,15 +9,18 @@ draft checkpoint passes a token audit while its acceptance collapses. Three floa
   other weights), as a deployment that loaded the wrong file;
 - `ngram`: n-gram speculation, lookup 2 to 5.
 
-One audit of the three (`--target`, 12 prompts, 4 of them repeating a phrase so that the n-gram proposer
-finds matches): every output exact; each run's `acceptance` (equivalence/acceptance/counters.py) agrees
-with its `/metrics` difference and with the per-response counters (no `acceptance_inconsistencies`);
-then against the replays along the reference (equivalence/acceptance/expected.py):
+Three audits (`--target`, 12 prompts, 4 of them repeating a phrase so that the n-gram proposer finds
+matches), every output exact in each:
 
-- n-gram: the per-step drafted and accepted counts of every request equal the replay of vLLM's documented
-  rule (earliest occurrence of the longest suffix n-gram), step by step;
-- draft model: `near` accepts at least 80% of what the pair's draft accepts along the reference (measured:
-  equal, 125 of 125, step by step); `far` less than 10% of it (measured: 1).
+- `near` and `far`, each given the pair's draft (`--draft`, `--speculation draft:k=4 --require-acceptance
+  0.5`): `near` has no acceptance finding and exits 0; `far` is "acceptance short" at every draft position
+  and exits 1, its outputs exact all the same;
+- `ngram` (`--speculation ngram:k=4,min=2,max=5`): no finding; and the per-step drafted and accepted
+  counts of every request equal the replay of vLLM's documented rule (earliest occurrence of the longest
+  suffix n-gram, equivalence/acceptance/expected.py), step by step.
+
+Each run's observed acceptance (equivalence/acceptance/counters.py) agrees with its `/metrics` difference
+and with the per-response counters (no "acceptance counters inconsistent").
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ SHARED_ARGS = ["--dtype", "float32", "--max-num-seqs", "4", "--max-model-len", "
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The three servers up at once and one audit of them: (audit.json, exit status, printed, prompts)."""
+    """The three servers up at once and the three audits: {name: (exit status, run, printed)}, and the prompts."""
     from specaudit.engines.models import zoo
 
     python = vm.vllm_python()
@@ -65,29 +68,33 @@ def served(tmp_path_factory):
     prompts_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     configs = {"near": draft_model_args(near.draft), "far": draft_model_args(far.draft),
                "ngram": ["--speculative-config", json.dumps(NGRAM)]}
+    stated = {"near": ["--draft", str(near.draft), "--speculation", f"draft:k={K}", "--require-acceptance", "0.5"],
+              "ngram": ["--speculation", f"ngram:k={K},min=2,max=5"]}
+    stated["far"] = stated["near"]  # the audit is given the pair's draft; the server loaded another
     servers = {name: vm.VLLMServer(python, near.target, SHARED_ARGS + args, folder / f"{name}.log")
                for name, args in configs.items()}
+    results = {}
     try:
         for server in servers.values():
             server.start()
         for server in servers.values():
             server.wait_healthy()
-        argv = ["audit", *[a for s in servers.values() for a in ("--engine", f"vllm:{s.url}")],
-                "--target", str(near.target), "--dtype", "float32", "--prompts", str(prompts_file),
-                "--no-adversarial", "--max-new-tokens", str(NEW_TOKENS), "--batch-size", "4", "--no-progress",
-                "--out", str(folder / "audit")]
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            status = cli.main(argv)
+        for name, server in servers.items():
+            argv = ["audit", "--engine", f"vllm:{server.url}", "--target", str(near.target), "--dtype", "float32",
+                    "--prompts", str(prompts_file), "--no-adversarial", "--max-new-tokens", str(NEW_TOKENS),
+                    "--batch-size", "4", "--no-progress", "--out", str(folder / name), *stated[name]]
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                status = cli.main(argv)
+            run = json.loads((folder / name / "audit.json").read_text())["runs"][0]
+            results[name] = (status, run, printed.getvalue())
     finally:
         for server in servers.values():
             server.request_stop()
         for name, server in servers.items():
             server.stop()
             print(f"--- {name}: {' '.join(server.command)}\n{server.log_tail(15)}")
-    audit = json.loads((folder / "audit" / "audit.json").read_text())
-    runs = {name: next(r for r in audit["runs"] if r["engine"] == f"vllm:{servers[name].url}") for name in servers}
-    return runs, status, printed.getvalue(), prompts
+    return results, prompts
 
 
 def reference_outputs(prompts: list[list[int]]) -> tuple[torch.nn.Module, list[list[int]]]:
@@ -108,14 +115,17 @@ def reference_outputs(prompts: list[list[int]]) -> tuple[torch.nn.Module, list[l
     return target, outputs
 
 
+def kinds(run: dict) -> list[str]:
+    return [finding["kind"] for finding in run["acceptance"]["findings"]]
+
+
 def test_every_output_exact_and_the_counters_agree_with_themselves(served):
-    runs, status, printed, prompts = served
-    assert status == 0, printed
-    for name, run in runs.items():
+    results, prompts = served
+    for name, (_status, run, printed) in results.items():
         assert run["exact_matches"] == run["num_prompts"] == len(prompts), (name, printed)
-        observed = run["acceptance"]
+        observed = run["acceptance"]["observed"]
         assert observed is not None and observed["verify_steps"] > 0, (name, run["speculation"])
-        assert run["acceptance_inconsistencies"] == [], (name, run["acceptance_inconsistencies"])
+        assert "acceptance counters inconsistent" not in kinds(run), (name, run["acceptance"]["findings"])
         per_request = run["speculation"]["per_request"]
         assert all(r is not None for r in per_request)  # every response carried its counters
         assert sum(r["verify_steps"] for r in per_request) == observed["verify_steps"]
@@ -123,43 +133,44 @@ def test_every_output_exact_and_the_counters_agree_with_themselves(served):
         assert len(observed["accepted_per_position"]) == K
         assert sum(observed["accepted_per_position"]) == observed["accepted_tokens"]
     for name in ("near", "far"):  # the draft model drafts k at every verify step
-        observed = runs[name]["acceptance"]
+        observed = results[name][1]["acceptance"]["observed"]
         assert observed["drafts_per_position"] == [observed["verify_steps"]] * K, observed
+
+
+def test_a_wrong_draft_checkpoint_is_short_and_gated_while_every_output_is_exact(served):
+    results, _prompts = served
+    status, run, printed = results["far"]
+    assert status == 1, printed
+    assert run["equivalent"] and run["exact_matches"] == run["num_prompts"]  # the outputs pass
+    short = [f for f in run["acceptance"]["findings"] if f["kind"] == "acceptance short"]
+    assert short and short[0]["positions"][0] == 0, run["acceptance"]["findings"]
+    assert "acceptance short" in printed
+    status, run, printed = results["near"]
+    assert status == 0, printed
+    assert kinds(run) == [], run["acceptance"]["findings"]
+    assert run["acceptance"]["overall"]["ratio"] > 0.8, run["acceptance"]["overall"]
 
 
 def test_ngram_steps_equal_the_replay_of_vllms_rule(served):
     from specaudit.equivalence.acceptance.expected import NgramProposer, replay_row
 
-    runs, _status, _printed, prompts = served
+    results, prompts = served
+    status, run, printed = results["ngram"]
+    assert status == 0 and kinds(run) == [], (printed, run["acceptance"]["findings"])
+    expected, observed = run["acceptance"]["expected"], run["acceptance"]["observed"]
+    assert expected["accepted_per_position"] == observed["accepted_per_position"], (expected, observed)
+    assert expected["drafts_per_position"] == observed["drafts_per_position"], (expected, observed)
     target, outputs = reference_outputs(prompts)
     proposer = NgramProposer(min_ngram=2, max_ngram=5, occurrence="earliest")
-    per_request = runs["ngram"]["speculation"]["per_request"]
+    per_request = run["speculation"]["per_request"]
     drafted_somewhere = 0
-    for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+    for index, (prompt, output) in enumerate(zip(prompts, outputs)):  # and request by request
         accepted_at, drafts_at = [0] * K, [0] * K
         replay_row(proposer, target, prompt, output, K, accepted_at, drafts_at)
-        observed = per_request[index]
-        steps_accepted = observed.get("per_step_accepted") or []
-        steps_drafted = observed.get("per_step_drafted") or []
-        assert [sum(a > k for a in steps_accepted) for k in range(K)] == accepted_at, (index, observed)
-        assert [sum(d > k for d in steps_drafted) for k in range(K)] == drafts_at, (index, observed)
+        steps_accepted = per_request[index].get("per_step_accepted") or []
+        steps_drafted = per_request[index].get("per_step_drafted") or []
+        assert [sum(a > k for a in steps_accepted) for k in range(K)] == accepted_at, (index, per_request[index])
+        assert [sum(d > k for d in steps_drafted) for k in range(K)] == drafts_at, (index, per_request[index])
         drafted_somewhere += bool(steps_drafted)
     assert drafted_somewhere >= len(REPEATING)  # the repeating prompts did draft
-    assert runs["ngram"]["acceptance"]["accepted_tokens"] > 0
-
-
-def test_a_wrong_draft_checkpoint_shows_in_acceptance_alone(served):
-    from transformers import AutoModelForCausalLM
-
-    from specaudit.equivalence.acceptance.expected import DraftModelProposer, replay
-
-    runs, _status, _printed, prompts = served
-    target, outputs = reference_outputs(prompts)
-    draft = AutoModelForCausalLM.from_pretrained(str(vm.hf_pair("vllm-llama-128").draft),
-                                                 dtype=torch.float64).eval()
-    expected = replay(DraftModelProposer(draft), target, prompts, outputs, K)
-    near, far = runs["near"]["acceptance"], runs["far"]["acceptance"]
-    assert expected.accepted_tokens > 50, expected  # the pair's draft is often right
-    assert near["accepted_tokens"] >= 0.8 * expected.accepted_tokens, (near, expected)
-    assert far["accepted_tokens"] < 0.1 * expected.accepted_tokens, (far, expected)
-    assert runs["far"]["exact_matches"] == runs["far"]["num_prompts"]  # and yet every output is exact
+    assert observed["accepted_tokens"] > 0
