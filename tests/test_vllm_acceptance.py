@@ -144,7 +144,6 @@ def test_a_wrong_draft_checkpoint_is_short_and_gated_while_every_output_is_exact
     assert run["equivalent"] and run["exact_matches"] == run["num_prompts"]  # the outputs pass
     short = [f for f in run["acceptance"]["findings"] if f["kind"] == "acceptance short"]
     assert short and short[0]["positions"][0] == 0, run["acceptance"]["findings"]
-    assert "acceptance short" in printed
     status, run, printed = results["near"]
     assert status == 0, printed
     assert kinds(run) == [], run["acceptance"]["findings"]
