@@ -234,6 +234,25 @@ def test_a_recording_that_carries_the_counters_gives_the_same_record(tmp_path):
     assert "accepted_histogram" not in engine.describe()["metadata"] and "acceptance" not in engine.describe()["metadata"]
 
 
+def test_specaudit_record_keeps_each_requests_counters(tmp_path):
+    from specaudit import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    with FakeServer(vllm_answer(None)) as server:
+        status = cli.main(["record", "--engine", f"vllm:{server.url}", "--prompts", str(prompts), "--max-new-tokens",
+                           str(NEW), "--eos-token-id", "none", "--batch-size", "3", "--out", str(tmp_path / "r.jsonl")])
+    assert status == 0
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [line["acceptance"]["per_step_accepted"] for line in lines] == [steps_for(p, NEW) for p in PROMPTS]
+    engine = RecordedEngine(str(tmp_path / "r.jsonl"))
+    engine.generate([list(p) for p in PROMPTS], NEW, None)
+    observed = counters.from_server(engine.last_speculation)
+    want = expected(PROMPTS, NEW)
+    assert list(observed.accepted_per_position) == want["accepted_per_position"]
+    assert list(observed.drafts_per_position) == want["drafts_per_position"]
+
+
 def test_a_request_that_never_drafted_counts_as_empty_steps():
     """vLLM leaves `per_step_*` out of a request with no verify step (the n-gram proposer found no match)."""
     def answer(path: str, body: dict) -> tuple[int, dict]:
