@@ -270,3 +270,16 @@ def test_the_audit_reports_the_payoff_against_the_plain_control(tmp_path) -> Non
     assert payoff["plain_engine"] == "batched" and len(payoff["ratios"]) == 2
     assert payoff["ratio_low"] <= payoff["ratio_median"] <= payoff["ratio_high"]
     assert "payoff:" in (tmp_path / "report.md").read_text()
+
+
+def test_counters_an_engine_keeps_itself_win_over_its_trace() -> None:
+    from specaudit.engines.contract import Capabilities
+    from specaudit.equivalence.acceptance.observed import of_run
+
+    class Counting(Capabilities):
+        last_acceptance = _observed([3, 1], [4, 4]).to_json()
+
+    assert of_run(Counting(), None) == _observed([3, 1], [4, 4])
+    totals = of_run(object(), None, {"drafted_tokens": 8, "accepted_tokens": 4, "source": "metrics"})
+    assert (totals.drafted_tokens, totals.accepted_tokens, totals.accepted_per_position) == (8, 4, None)
+    assert compare(totals, _expectation([3, 1], [4, 4])).unavailable == "no per-position counters were observed"
