@@ -135,6 +135,7 @@ class RunSettings:
     speculation: str | None = None
     acceptance_baseline: str | None = None
     require_acceptance: float | None = None
+    payoff_repeats: int = 0  # --payoff N: time the speculative and the plain engine N times each (0: not)
 
 
 def audit_engine(
@@ -256,6 +257,13 @@ def audit_engine(
         required=settings.require_acceptance, engine_name=settings.engine_name, pair_name=pair.name,
         batch_size=batch_size)
     timing["acceptance"] = acceptance.pop("seconds")
+    if settings.payoff_repeats:  # tokens per second against the plain engine, the ratio and its spread
+        payoff_started = time.perf_counter()
+        acceptance["payoff"] = (
+            context.payoff(settings.payoff_repeats)
+            if not capability(engine, "black_box") or context.plain_engine else
+            {"plain_engine": None, "error": "a server or recording needs --plain-engine beside it"})
+        timing["payoff"] = time.perf_counter() - payoff_started
     # 7. the run record
     divergences = judged.divergences
     structural = sum(d["kind"] == "structural" for d in divergences)

@@ -6,11 +6,11 @@ position with proposals on both sides:
 - the ratio observed rate / expected rate, with its interval at level 1 - alpha: against an expectation
   without sampling error (a replay), the Wilson interval of the observed rate over the expected rate;
   against a baseline (an earlier run's counts), the log-ratio interval of two proportions (Katz);
-- "acceptance short": the observed rate below `required` x the expected rate (required = 1 by default,
-  `--require-acceptance R` otherwise) beyond chance: against a replay the exact binomial test
-  P(X <= accepted | proposals, required x expected rate), against a baseline the two-proportion z-test of
-  observed - required x baseline; the positions' p-values Holm-adjusted, a finding where the adjusted p is
-  below alpha;
+- "acceptance short": the observed rate below the expected rate beyond chance: against a replay the exact
+  binomial test P(X <= accepted | proposals, expected rate), against a baseline the two-proportion z-test of
+  observed - baseline; the positions' p-values Holm-adjusted, a finding where the adjusted p is below alpha.
+  The gate (`--require-acceptance R`) runs the same tests against R x the expected rate: the positions where
+  it rejects are `below_required`, and the run fails;
 - "acceptance impossible": against an exact expectation (the replay in the engine's own precision), an
   observed rate above the expected one beyond chance (the upper binomial test, Holm): the stated proposer
   cannot reach it, so the counters count something else or the proposer is not the one stated. Against an
@@ -50,8 +50,9 @@ class PositionComparison:
     ratio: float | None  # observed rate / expected rate
     ratio_low: float | None
     ratio_high: float | None
-    p_short: float | None  # one-sided, against required x expected (Holm-adjusted in p_short_holm)
+    p_short: float | None  # one-sided, observed below expected (Holm-adjusted in p_short_holm)
     p_short_holm: float | None
+    p_below_required_holm: float | None  # one-sided against required x expected, Holm-adjusted (with a gate)
     p_excess: float | None  # one-sided, observed above expected
     p_excess_holm: float | None
 
@@ -74,6 +75,7 @@ class AcceptanceRecord:
     overall: dict[str, float | None]
     findings: tuple[AcceptanceFinding, ...]
     required: float | None  # --require-acceptance R
+    below_required: tuple[int, ...] = ()  # positions short of required x expected beyond chance: the gate fails
     alpha: float = ALPHA
     unavailable: str | None = None  # why no comparison was made
     payoff: dict[str, Any] | None = field(default=None)
@@ -84,7 +86,8 @@ class AcceptanceRecord:
                 "observed": self.observed.to_json() if self.observed is not None else None,
                 "positions": [asdict(p) for p in self.positions], "overall": dict(self.overall),
                 "findings": [{**asdict(f), "positions": list(f.positions)} for f in self.findings],
-                "required": self.required, "alpha": self.alpha, "unavailable": self.unavailable,
+                "required": self.required, "below_required": list(self.below_required), "alpha": self.alpha,
+                "unavailable": self.unavailable,
                 "payoff": self.payoff}
 
 
@@ -147,8 +150,7 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
         reason = unavailable or ("no per-position counters were observed" if expected is not None
                                  else "no expectation for this proposer")
         return AcceptanceRecord(DEFINITION, expected, observed, (), _overall(observed, expected, alpha),
-                                tuple(findings), required, alpha, reason)
-    factor = 1.0 if required is None else required
+                                tuple(findings), required, (), alpha, reason)
     rows = []
     width = max(len(observed.drafts_per_position), len(expected.drafts_per_position))
     for k in range(width):
@@ -156,17 +158,22 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
         b, m = _at(expected.accepted_per_position, k), _at(expected.drafts_per_position, k)
         rows.append((k, a, n, b, m))
     tested = [row for row in rows if row[2] > 0 and row[4] > 0 and row[3] > 0]
-    shorts, excesses = {}, {}
+    shorts, excesses, gated = {}, {}, {}
     for k, a, n, b, m in tested:
         if expected.method == "baseline":
-            shorts[k] = _two_sample_p(a, n, b, m, factor, below=True)
+            shorts[k] = _two_sample_p(a, n, b, m, 1.0, below=True)
             excesses[k] = _two_sample_p(a, n, b, m, 1.0, below=False)
+            if required is not None:
+                gated[k] = _two_sample_p(a, n, b, m, required, below=True)
         else:
-            shorts[k] = binomial_cdf(a, n, min(1.0, factor * b / m))
+            shorts[k] = binomial_cdf(a, n, b / m)
             excesses[k] = 1.0 - binomial_cdf(a - 1, n, b / m)
+            if required is not None:
+                gated[k] = binomial_cdf(a, n, min(1.0, required * b / m))
     order = sorted(shorts)
     short_holm = dict(zip(order, holm([shorts[k] for k in order])))
     excess_holm = dict(zip(order, holm([excesses[k] for k in order])))
+    gated_holm = dict(zip(order, holm([gated[k] for k in order]))) if required is not None else {}
     comparisons = []
     for k, a, n, b, m in rows:
         low, high = _ratio_interval(a, n, b, m, expected.method != "baseline", alpha) if (n and m and b) else (None, None)
@@ -174,15 +181,14 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
             position=k, observed_accepted=a, observed_proposals=n, expected_accepted=b, expected_proposals=m,
             observed_rate=(a / n) if n else None, expected_rate=(b / m) if m else None,
             ratio=((a / n) / (b / m)) if (n and m and b) else None, ratio_low=low, ratio_high=high,
-            p_short=shorts.get(k), p_short_holm=short_holm.get(k), p_excess=excesses.get(k),
-            p_excess_holm=excess_holm.get(k)))
+            p_short=shorts.get(k), p_short_holm=short_holm.get(k), p_below_required_holm=gated_holm.get(k),
+            p_excess=excesses.get(k), p_excess_holm=excess_holm.get(k)))
     short = tuple(k for k in order if short_holm[k] < alpha)
     if short:
-        bound = "expected" if required is None else f"{factor:g} x expected"
         worst = min((c for c in comparisons if c.position in short), key=lambda c: c.ratio or 0.0)
         findings.append(AcceptanceFinding("acceptance short", short, (
             f"acceptance short at draft position{'s' if len(short) > 1 else ''} {', '.join(map(str, short))}: below "
-            f"{bound} beyond chance (Holm, alpha {alpha:g}); worst at position {worst.position}: "
+            f"expected beyond chance (Holm, alpha {alpha:g}); worst at position {worst.position}: "
             f"{worst.observed_accepted}/{worst.observed_proposals} observed against "
             f"{worst.expected_accepted}/{worst.expected_proposals} expected ({expected.method}), ratio "
             f"{_number(worst.ratio)} [{_number(worst.ratio_low)}, {_number(worst.ratio_high)}]")))
@@ -195,8 +201,9 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
         findings.append(AcceptanceFinding(kind, excess, (
             f"{kind} at draft position{'s' if len(excess) > 1 else ''} {', '.join(map(str, excess))}: "
             f"observed above the {expected.method}'s {_rates(expected, excess)}; {reason}")))
+    below = tuple(k for k in order if gated_holm.get(k, 1.0) < alpha)
     return AcceptanceRecord(DEFINITION, expected, observed, tuple(comparisons), _overall(observed, expected, alpha),
-                            tuple(findings), required, alpha, None)
+                            tuple(findings), required, below, alpha, None)
 
 
 def _at(counts: tuple[int, ...] | None, k: int) -> int:
@@ -229,10 +236,10 @@ def _overall(observed: ObservedAcceptance | None, expected: ExpectedAcceptance |
 
 
 def unmet(run: dict[str, Any]) -> bool:
-    """Whether the run fails `--require-acceptance`: a short acceptance below the required ratio."""
+    """Whether the run fails `--require-acceptance`: acceptance short of the required ratio of the expected at
+    some draft position, beyond chance."""
     record = run.get("acceptance") or {}
-    return record.get("required") is not None and any(
-        finding.get("kind") == "acceptance short" for finding in record.get("findings") or [])
+    return record.get("required") is not None and bool(record.get("below_required"))
 
 
 def headline(record: dict[str, Any] | None) -> str:
@@ -255,4 +262,6 @@ def headline(record: dict[str, Any] | None) -> str:
         text += f" (no expectation: {record['unavailable']})"
     kinds = [f"{f['kind']} at {', '.join(map(str, f['positions']))}" if f.get("positions") else f["kind"]
              for f in record.get("findings") or []]
+    if record.get("below_required"):
+        kinds.append(f"below {record['required']:g} x expected at {', '.join(map(str, record['below_required']))}")
     return text + (f"; {'; '.join(kinds)}" if kinds else "")

@@ -179,6 +179,11 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     accept.add_argument("--require-acceptance", type=_ratio, default=None, metavar="R",
                         help="fail (exit 1) when a run's observed acceptance is below R x expected at some draft "
                              "position, significantly (Holm, alpha 0.01); 0 < R <= 1 (default: no gate)")
+    accept.add_argument("--payoff", type=_positive, default=0, metavar="N",
+                        help="also time the speculative engine against the plain one (--plain-engine, else the "
+                             "plain control batched) on the same prompts, N times each: the ratio of tokens per "
+                             "second and its spread; 'speculation slower than plain' when every repeat is below 1 "
+                             "(default: 0, not measured)")
     out = audit.add_argument_group("output")
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -237,7 +242,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
         speculation=args.speculation, acceptance_baseline=args.acceptance_baseline,
-        require_acceptance=args.require_acceptance,
+        require_acceptance=args.require_acceptance, payoff=args.payoff,
         diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
         # under sampling, --top-k is the sampler's cut (every other request parameter is refused)
         request_params=request_params_from_args(args, parser) if sampling is None else None,

@@ -139,6 +139,8 @@ def acceptance_preflight(settings: AuditSettings) -> None:
 
     if settings.require_acceptance is not None and not 0 < settings.require_acceptance <= 1:
         raise UsageError(f"--require-acceptance {settings.require_acceptance}: give a ratio 0 < R <= 1")
+    if settings.payoff < 0:
+        raise UsageError(f"--payoff {settings.payoff}: give a number of repeats, 1 or more (0: no payoff)")
     try:
         if settings.speculation is not None:
             parse_spec(settings.speculation)
@@ -360,7 +362,7 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             logit_tolerance=config.logit_tolerance, pad_token_id=options.get("pad_token_id", pair.pad_token_id),
             draft_tokens=config.draft_tokens, diagnosis=config.diagnosis, diagnosis_budget=config.diagnosis_budget,
             speculation=config.speculation, acceptance_baseline=config.acceptance_baseline,
-            require_acceptance=config.require_acceptance)
+            require_acceptance=config.require_acceptance, payoff_repeats=config.payoff)
         run = audit_engine(engine, pair, prompts, run_settings, reference=reference, replay_target=replay.target,
                            replay_draft=replay.draft if dtype != "float64" else None, bundle_dir=bundle_dir,
                            context=context)

@@ -74,6 +74,7 @@ class AuditSettings:
     speculation: str | None = None
     acceptance_baseline: str | None = None
     require_acceptance: float | None = None
+    payoff: int = 0  # --payoff N: tokens per second against the plain engine, N repeats (0: not measured)
     diagnosis: str = "full"  # "quick": checks and replays only; "full": re-runs of the engine too
     diagnosis_budget: float | None = None  # seconds per run for the diagnosis's re-runs (None: --timeout's)
     request_params: Any = None  # one RequestParams for every prompt (engines that declare `request_params`)
@@ -106,7 +107,7 @@ class AuditSettings:
             "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
             "require_speculation": self.require_speculation, "plain_engine": self.plain_engine,
             "speculation": self.speculation, "acceptance_baseline": self.acceptance_baseline,
-            "require_acceptance": self.require_acceptance,
+            "require_acceptance": self.require_acceptance, "payoff": self.payoff,
             "diagnosis": self.diagnosis, "diagnosis_budget": self.diagnosis_budget,
             "request_params": self.request_params.to_dict() if self.request_params is not None else None,
             "oracle": self.oracle, "judge": self.judge,

@@ -2,7 +2,8 @@
 
 Read from each run's `acceptance` record (equivalence/acceptance/findings.py): the definition once, then
 per run a headline (overall observed, expected, their ratio and interval, the findings) and a table with
-one row per draft position. The markdown and HTML reports render the same rows.
+one row per draft position, and the payoff (`--payoff`) where it was measured. The markdown and HTML reports
+render the same rows.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from html import escape
 from typing import Any
 
 from specaudit.equivalence.acceptance.findings import DEFINITION, headline
+from specaudit.equivalence.acceptance.payoff import headline as payoff_headline
 from specaudit.equivalence.reports.summary import run_title
 
 POSITION_HEADER = ["position", "observed", "expected", "ratio", "interval", "p short (Holm)"]
@@ -39,6 +41,8 @@ def acceptance_runs(audit: dict[str, Any]) -> list[tuple[str, str, list[list[str
         expected = record.get("expected") or {}
         if expected.get("note"):
             texts.append(f"expectation: {expected['note']}")
+        if record.get("payoff"):
+            texts.append(payoff_headline(record["payoff"]))
         found.append((run_title(run), headline(record), rows, texts))
     return found
 
