@@ -157,15 +157,28 @@ def test_a_planted_response_counter_bug_is_named(plant, named):
     assert any(named in problem for problem in problems), problems
 
 
-def test_llamacpp_timings_without_endpoint_counters():
+def llamacpp_answer(dropped: int = 0):
     def answer(path: str, body: dict) -> tuple[int, dict]:
         n = body["n_predict"]
         accepted = steps_for(body["prompt"], n)
         tokens = [(sum(body["prompt"]) + 7 * i) % 250 for i in range(n)]
-        return 200, {"tokens": tokens, "stop_type": "limit", "content": "",
+        return 200, {"tokens": tokens[:n - dropped], "stop_type": "limit", "content": "",
                      "timings": {"predicted_n": n, "draft_n": K * len(accepted), "draft_n_accepted": sum(accepted)}}
+    return answer
 
-    speculation = run_server("llamacpp", answer)
+
+def test_llamacpp_tokens_counted_but_not_returned_are_named():
+    """llama.cpp b8672 charges a whole accepted block to the slot and stops emitting at the limit: it counts
+    tokens it never returns (reports/acceptance-served)."""
+    speculation = run_server("llamacpp", llamacpp_answer(dropped=2))
+    problems = counters.inconsistencies(speculation, counters.from_server(speculation))
+    assert any(f"the server counts {NEW} tokens generated, its answer returned {NEW - 2}" in p for p in problems), problems
+    honest = run_server("llamacpp", llamacpp_answer())
+    assert counters.inconsistencies(honest, counters.from_server(honest)) == []
+
+
+def test_llamacpp_timings_without_endpoint_counters():
+    speculation = run_server("llamacpp", llamacpp_answer())
     observed = counters.from_server(speculation)
     want = expected(PROMPTS, NEW)
     assert (observed.drafted_tokens, observed.accepted_tokens) == (want["drafted_tokens"], want["accepted_tokens"])

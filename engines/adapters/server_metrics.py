@@ -35,11 +35,12 @@ in vLLM's vocabulary, `RequestCounters`:
 - vLLM 0.32.0 with `--per-request-spec-decode-metrics summary|detailed`: `metrics.speculative_decoding`
   (`num_spec_steps`, `num_draft_tokens`, `num_accepted_draft_tokens`, `acceptance_histogram`,
   `num_spec_tokens`; `per_step_accepted` / `per_step_drafted` at `detailed`);
-- llama.cpp: `timings.draft_n` (draft tokens) and `timings.draft_n_accepted` (accepted);
+- llama.cpp: `timings.draft_n` (draft tokens), `timings.draft_n_accepted` (accepted) and `timings.predicted_n`
+  (the tokens it says it generated);
 - SGLang: `meta_info.spec_verify_ct` (verify steps), `spec_accept_length` (completion tokens per verify
   step), the accepted and proposed counts under whichever name the release uses
   (`spec_accept_token_num` / `spec_accepted_drafts` / `spec_num_correct_drafts`, `spec_draft_token_num` /
-  `spec_proposed_drafts` / `spec_num_proposed_drafts`), `spec_accept_histogram`;
+  `spec_proposed_drafts` / `spec_num_proposed_drafts`), `spec_accept_histogram`, `completion_tokens`;
 - TensorRT-LLM: `choices[0].avg_decoded_tokens_per_iter` (tokens per iteration, the bonus included).
 
 Prometheus text is parsed line by line (`name{labels} value [timestamp]`), comments skipped, and
@@ -311,6 +312,7 @@ class RequestCounters:
     per_step_drafted: tuple[int, ...] | None = None  # [verify steps] draft tokens, in step order
     draft_positions: int | None = None  # K, the most draft tokens a step may carry
     tokens_per_step: float | None = None  # the server's own mean of tokens per verify step (bonus included)
+    generated_tokens: int | None = None  # the tokens the server says it generated (llama.cpp predicted_n, SGLang)
 
     def to_json(self) -> dict[str, Any]:
         return {name: (list(value) if isinstance(value, tuple) else value) for name, value in self.__dict__.items()}
@@ -368,7 +370,8 @@ def _llamacpp_counters(answer: dict[str, Any]) -> RequestCounters | None:
     if not isinstance(timings, dict) or "draft_n" not in timings:
         return None
     return RequestCounters("timings.draft_n, timings.draft_n_accepted", drafted_tokens=_count(timings.get("draft_n")),
-                           accepted_tokens=_count(timings.get("draft_n_accepted")))
+                           accepted_tokens=_count(timings.get("draft_n_accepted")),
+                           generated_tokens=_count(timings.get("predicted_n")))
 
 
 def _sglang_counters(answer: Any) -> RequestCounters | None:
@@ -385,7 +388,8 @@ def _sglang_counters(answer: Any) -> RequestCounters | None:
                                                          "spec_num_correct_drafts")),
                            accepted_histogram=histogram,
                            draft_positions=len(histogram) - 1 if histogram else None,
-                           tokens_per_step=_number(meta.get("spec_accept_length")))
+                           tokens_per_step=_number(meta.get("spec_accept_length")),
+                           generated_tokens=_count(meta.get("completion_tokens")))
 
 
 def _trtllm_counters(answer: dict[str, Any]) -> RequestCounters | None:

@@ -32,7 +32,8 @@ per-position counts summing to the totals and never rising with k, the emitted-t
   tokens; its per-step arrays have one entry per verify step, sum to its totals, never accept more than
   drafted; its mean tokens per step (vLLM `mean_acceptance_length`, SGLang `spec_accept_length`) equals
   1 + accepted / steps, or returned / steps for SGLang;
-- against the output: a request returns at least one token per verify step and one from its prefill.
+- against the output: a request returns at least one token per verify step and one from its prefill, and as
+  many tokens as the server says it generated (llama.cpp `timings.predicted_n`, SGLang `completion_tokens`).
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ def _request_identities(index: int, r: RequestCounters, returned: int) -> list[s
                        else (None, ""))
         if ratio is not None and not math.isclose(said, ratio, rel_tol=MEAN_TOLERANCE):
             problems.append(f"{where}: it says {said:.6g} tokens per verify step, its counts give {ratio:.6g} ({what})")
+    if r.generated_tokens is not None and r.generated_tokens != returned:
+        problems.append(f"{where}: the server counts {r.generated_tokens} tokens generated, its answer returned "
+                        f"{returned}")
     if steps is not None and returned < steps + 1:
         problems.append(f"{where}: {returned} tokens returned for {steps} verify steps; each verify step emits at "
                         "least one token and the prefill one more")
