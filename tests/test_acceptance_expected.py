@@ -283,3 +283,12 @@ def test_counters_an_engine_keeps_itself_win_over_its_trace() -> None:
     totals = of_run(object(), None, {"drafted_tokens": 8, "accepted_tokens": 4, "source": "metrics"})
     assert (totals.drafted_tokens, totals.accepted_tokens, totals.accepted_per_position) == (8, 4, None)
     assert compare(totals, _expectation([3, 1], [4, 4])).unavailable == "no per-position counters were observed"
+
+
+def test_a_replay_that_fails_leaves_the_run_without_an_expectation_not_without_its_verdict() -> None:
+    from specaudit.equivalence.acceptance.run import acceptance_of_run
+
+    record = acceptance_of_run(object(), None, None, target=object(), draft=object(), prompts=[[1, 2]],
+                               outputs=[[3, 4, 5]], failed=set(), dtype="float64", k=2, spec="draft:k=2")
+    assert record["expected"] is None and record["unavailable"].startswith("the draft-model replay failed")
+    assert "\n" not in record["unavailable"]

@@ -30,6 +30,7 @@ from specaudit.engines.trace import Trace
 from specaudit.equivalence.acceptance import counters, expected as expected_
 from specaudit.equivalence.acceptance.findings import compare
 from specaudit.equivalence.acceptance.observed import ObservedAcceptance, of_run
+from specaudit.equivalence.errors import one_line
 
 BELOW_FLOAT64 = ("the engine runs in {dtype}: its draft may propose another token than the float64 draft where the "
                  "draft precision ruling (equivalence/rulings/draft.py) admits one, so the float64 replay is an "
@@ -130,7 +131,13 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
             exact = not black_box and (dtype == "float64" or isinstance(proposer, expected_.NgramProposer))
             note = "" if exact else (BLACK_BOX if black_box else BELOW_FLOAT64.format(dtype=dtype))
             rows = [i for i in range(len(prompts)) if i not in failed and outputs[i]]
-            expected = expected_.replay(proposer, target, prompts, outputs, width, exact=exact, note=note, rows=rows)
+            try:
+                expected = expected_.replay(proposer, target, prompts, outputs, width, exact=exact, note=note,
+                                            rows=rows)
+            except KeyboardInterrupt:
+                raise
+            except Exception as exc:  # the run keeps its verdict; only the expectation is missing
+                unavailable = one_line(f"the {proposer.name} failed ({type(exc).__name__}: {exc})")
     record = counters.with_server_problems(
         compare(observed, expected, required=required, unavailable=unavailable).to_json(), engine, evidence)
     record["seconds"] = time.perf_counter() - started
