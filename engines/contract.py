@@ -39,6 +39,9 @@ class Capabilities:
     last_logprobs: list[Any] | None = None  # a black-box engine's reported log-probabilities, per prompt
     last_failures: Sequence[tuple[int, BaseException]] = ()  # requests that errored in the last call
     last_speculation: dict[str, Any] | None = None  # a server's speculation counters over the last call
+    # per-position acceptance counters the engine keeps itself over the last call: the fields of
+    # equivalence/acceptance/observed.ObservedAcceptance, as that record or its JSON
+    last_acceptance: Any = None
     last_step_offsets: list[list[int]] | None = None  # per token its offset in the step that emitted it
     recorded_prompts: list[list[int]] | None = None  # a recording's own prompts (the audit decodes those)
     describe: Callable[[], dict[str, Any]] | None = None  # what the engine is (versions, settings)

@@ -89,8 +89,9 @@ class Trace:
                 seconds[stage] = seconds.get(stage, 0.0) + value
             kinds[step.kind] = kinds.get(step.kind, 0) + 1
             group_sizes.append(len(step.rows))
-            accepted += sum(step.accepted_counts)
-            proposed += step.drafted(self.draft_tokens)
+            if step.kind != "prefill":  # a prefill drafts nothing
+                accepted += sum(step.accepted_counts)
+                proposed += step.drafted(self.draft_tokens)
         return {
             "steps": len(self.steps),
             "step_kinds": kinds,

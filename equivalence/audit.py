@@ -24,6 +24,7 @@ from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.observe import watch_for
+from specaudit.equivalence.acceptance.run import acceptance_of_run, load_baseline
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
 from specaudit.equivalence.compare import compare_tokens, logit_error, replay_logits
@@ -132,6 +133,11 @@ class RunSettings:
     draft_tokens: int | None = None  # k (None: the trace's)
     diagnosis: str = "full"  # "full", "quick" or "off"
     diagnosis_budget: float | None = None  # seconds after which the diagnosis starts no more re-runs
+    # acceptance (equivalence/acceptance/run.py): the stated proposer, an earlier audit.json, the gate's ratio
+    speculation: str | None = None
+    acceptance_baseline: str | None = None
+    require_acceptance: float | None = None
+    payoff_repeats: int = 0  # --payoff N: time the speculative and the plain engine N times each (0: not)
 
 
 def audit_engine(
@@ -149,7 +155,8 @@ def audit_engine(
 ) -> dict[str, Any]:
     """Run `engine` on `prompts` and return its run record, in numbered stages: 1. run the engine,
     2. compare and rule, 3. the plain run's three-way rulings, 4. the draft's proposals, 5. the diagnosis,
-    6. the record (`equivalence/run_record.py`).
+    6. acceptance per draft position, observed against expected (`equivalence/acceptance/`), 7. the record
+    (`equivalence/run_record.py`).
 
     Every divergence is ruled by `equivalence/rulings/` (one `Ruler` for every dtype; a black-box engine,
     `engine.black_box`: recordings, live servers, with a noise band declared by `settings.engine_dtype` /
@@ -246,11 +253,30 @@ def audit_engine(
         "diagnosis": diagnosis_seconds,  # replays, re-runs and observation included
         "diagnosis_mode": diagnosis,
     }
-    # 6. the run record
+    # 6. acceptance: observed per draft position against what the proposer reaches along the outputs
+    evidence = speculation.of_run(engine, run.trace)
+    acceptance = acceptance_of_run(
+        engine, run.trace, evidence, target=replay_target,
+        draft=(pair.draft if dtype == "float64" or pair.draft is None
+               else replay_draft if replay_draft is not None else float64_copy(pair.draft)),
+        prompts=prompts, outputs=run.outputs, failed=run.failed, dtype=dtype,
+        k=settings.draft_tokens or (run.trace.draft_tokens if run.trace is not None else None),
+        spec=settings.speculation, baseline_path=settings.acceptance_baseline,
+        baseline=load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None,
+        required=settings.require_acceptance, engine_name=settings.engine_name, pair_name=pair.name,
+        batch_size=batch_size)
+    timing["acceptance"] = acceptance.pop("seconds")
+    if settings.payoff_repeats:  # tokens per second against the plain engine, the ratio and its spread
+        payoff_started = time.perf_counter()
+        acceptance["payoff"] = (
+            context.payoff(settings.payoff_repeats)
+            if not capability(engine, "black_box") or context.plain_engine else
+            {"plain_engine": None, "error": "a server or recording needs --plain-engine beside it"})
+        timing["payoff"] = time.perf_counter() - payoff_started
+    # 7. the run record
     divergences = judged.divergences
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = capability(engine, "describe")
-    evidence = speculation.of_run(engine, run.trace)
     record = run_record(
         engine=settings.engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=settings.device or str(pair.target.device), num_prompts=len(prompts),
@@ -260,7 +286,7 @@ def audit_engine(
         tokens_generated=sum(len(o) for o in run.outputs), trace=trace_summary(run.trace),
         prompts=[c.to_dict() for c in judged.comparisons], divergences=divergences,
         noise_band=band.to_dict() if band is not None else None, speculation=evidence,
-        speculation_observed=speculation.observed(evidence),
+        speculation_observed=speculation.observed(evidence), acceptance=acceptance,
         plain_engine=None if plain is None else rulings.plain_summary(
             plain["engine"], reference.outputs, plain_outputs, run.outputs, divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),

@@ -183,6 +183,27 @@ class RunContext:
         self.plain_runs[key] = result
         return result
 
+    # ---- the payoff ----------------------------------------------------------------------------
+    def payoff(self, repeats: int) -> dict[str, Any]:
+        """Tokens per second of the speculative engine against the plain engine (`--plain-engine`, else the plain
+        control) on the run's prompts, `repeats` times each (equivalence/acceptance/payoff.py); or the error."""
+        from specaudit.equivalence.acceptance.payoff import measure
+        from specaudit.equivalence.errors import one_line
+
+        plain_name = self.plain_engine or PLAIN_CONTROL
+        prompts = [list(p) for p in self.prompts]
+        try:
+            speculative = (self._guarded(self._build(self.engine_name, {"record_logits": False}))
+                           if self.engine_name is not None else self.engine)
+            plain = self._guarded(self._build(plain_name, {"record_logits": False}))
+            return measure(lambda: speculative.generate(prompts, self.max_new_tokens, self.eos_token_id),
+                           lambda: plain.generate(prompts, self.max_new_tokens, self.eos_token_id),
+                           repeats, plain_name).to_json()
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # the run goes on without its payoff
+            return {"plain_engine": plain_name, "error": one_line(f"{type(exc).__name__}: {exc}")}
+
     # ---- engines -------------------------------------------------------------------------------
     def _build(self, name: str, overrides: dict[str, Any] | None = None) -> Any:
         from specaudit.engines.registry import make_engine

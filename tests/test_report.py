@@ -108,9 +108,9 @@ def test_markdown_report_content(audit: dict[str, Any]) -> None:
     table = [line for line in lines if line.startswith("| eqspec ") or line.startswith("| exspec ")
              or line.startswith("| bsp ") or line.startswith("| reference ")]
     assert len(table) == 5
-    assert all(line.count("|") == 12 for line in table)
-    assert "| eqspec | tiny-llama | 4 | float64 | 7/8 | 0.61 > 1.00e-09 | 62.0% | - | 1 | 0 | STRUCTURAL |" in markdown
-    assert "| exspec | tiny-llama | 4 | bfloat16 | 6/8 | — | 40.0% | - | 0 | 2 | numerical flips only |" in markdown
+    assert all(line.count("|") == 13 for line in table)
+    assert "| eqspec | tiny-llama | 4 | float64 | 7/8 | 0.61 > 1.00e-09 | 62.0% | — | - | 1 | 0 | STRUCTURAL |" in markdown
+    assert "| exspec | tiny-llama | 4 | bfloat16 | 6/8 | — | 40.0% | — | - | 0 | 2 | numerical flips only |" in markdown
     assert "| bsp | tiny-llama | 4 | float64 | — |" in markdown and "CRASHED |" in markdown
     assert "## Crashed runs" in markdown and "RuntimeError: shape <4, 7> mismatch" in markdown
     divergences = markdown[markdown.index("## Divergences"):]
@@ -264,12 +264,12 @@ def test_html_report_renders_in_headless_chromium(audit: dict[str, Any], tmp_pat
     assert not re.findall(r"url\((?!#)", html), "report.html refers to an outside resource"
     outside = set(re.findall(r"https?://[^\s\"'<>]+", html)) - {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}
     assert not outside, f"report.html is not self-contained: {sorted(outside)}"
-    assert html.count("<svg") == 3
+    assert html.count("<svg") == 4
 
     probe_path = tmp_path / "report" / "layout-probe.html"
     probe_path.write_text(html.replace("</body>", LAYOUT_PROBE + "</body>"), encoding="utf-8")
     dumped = _run_chromium(tmp_path / "profile", "--dump-dom", probe_path.as_uri()).stdout
-    assert dumped.count("<svg") == 3, "the three plots are not in the rendered DOM"
+    assert dumped.count("<svg") == 4, "the four plots are not in the rendered DOM"
     assert len(re.findall(r'<g id="bar-', dumped)) >= 10
     assert "<script>alert" not in dumped and "&lt;script&gt;alert" in dumped
     assert "RuntimeError: shape &lt;4, 7&gt; mismatch" in dumped
@@ -280,9 +280,12 @@ def test_html_report_renders_in_headless_chromium(audit: dict[str, Any], tmp_pat
     assert layout["engineText"] == HOSTILE_TEXT
     charts = {chart["label"]: chart for chart in layout["charts"]}
     assert set(charts) == {"Equivalence rate by engine and batch size", "Where in the output divergences start",
-                           "Accepted draft tokens per step and row"}
+                           "Accepted draft tokens per step and row",
+                           "Acceptance per draft position: expected against observed"}
     expected_bars = {"Equivalence rate by engine and batch size": 4, "Where in the output divergences start": 3,
-                     "Accepted draft tokens per step and row": 10}
+                     "Accepted draft tokens per step and row": 10,
+                     # the fixture's runs predate the acceptance record: the chart says so, with no bar
+                     "Acceptance per draft position: expected against observed": 0}
     for label, chart in charts.items():
         assert chart["width"] > 300 and chart["height"] > 100, f"{label} laid out at {chart['width']}x{chart['height']}"
         assert len(chart["bars"]) == expected_bars[label], f"{label}: {len(chart['bars'])} bars"

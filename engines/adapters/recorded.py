@@ -8,12 +8,16 @@ FILE is JSONL, one line per prompt:
                                  {"ID": logprob, ...}, [[ID, logprob], ...] or [{"id": ID, "logprob": x}, ...]
      "max_new_tokens": N, "eos_token_id": ID,   optional: the settings it was made with (checked);
                                  eos_token_id may be null, one id or a list [A, B] (compared as a set)
+     "acceptance": {...},        optional: the server's own speculation counters for this request, the
+                                 fields of server_metrics.RequestCounters (`verify_steps`, `drafted_tokens`,
+                                 `accepted_tokens`, `accepted_histogram`, `per_step_accepted`, ...)
      ...}                         anything else is kept as free metadata
 
 The prompts come from the file (`recorded_prompts`, in file order): the audit decodes exactly
 these with the reference and compares. `generate` looks each prompt up by its ids (a prompt that
 appears twice takes the recording's lines in order), so outputs are judged against the prompt they
-were recorded for. A recording made with other settings than the audit's (`max_new_tokens`,
+were recorded for. Lines that carry `acceptance` make the run's `last_speculation` (their counters summed,
+as a live server's responses: server_metrics.with_requests). A recording made with other settings than the audit's (`max_new_tokens`,
 `eos_token_id` when recorded) is refused with a message that says which.
 """
 
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from specaudit.engines.adapters.server_metrics import RequestCounters, with_requests
 from specaudit.engines.limits import eos_ids
 
 KNOWN_FIELDS = ("prompt_ids", "output_ids", "logprobs", "top_logprobs")
@@ -133,8 +138,10 @@ def read_recording(path: str | Path) -> list[RecordedLine]:
 
 def write_recording(path: str | Path, prompts: list[list[int]], outputs: list[list[int]],
                     logprobs: list[list[dict[int, float]] | None] | None = None,
-                    metadata: dict[str, Any] | None = None) -> Path:
-    """Write prompts and outputs (and per-token alternatives, when given) as a recording."""
+                    metadata: dict[str, Any] | None = None,
+                    per_line: list[dict[str, Any] | None] | None = None) -> Path:
+    """Write prompts and outputs (and per-token alternatives, when given) as a recording; `per_line` adds
+    fields to each line (a request's `acceptance` counters)."""
     target = Path(path)
     with target.open("w", encoding="utf-8") as handle:
         for index, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
@@ -142,6 +149,8 @@ def write_recording(path: str | Path, prompts: list[list[int]], outputs: list[li
             if logprobs is not None and logprobs[index] is not None:
                 record["top_logprobs"] = [{str(k): v for k, v in entry.items()} for entry in logprobs[index]]
             record.update(metadata or {})
+            if per_line is not None and per_line[index]:
+                record.update(per_line[index])
             handle.write(json.dumps(record) + "\n")
     return target
 
@@ -156,13 +165,14 @@ class RecordedEngine:
         self.lines = read_recording(path)
         self.recorded_prompts: list[list[int]] = [line.prompt_ids for line in self.lines]
         self.last_logprobs: list[list[dict[int, float]] | None] = []
+        self.last_speculation: dict[str, Any] | None = None
 
     def describe(self) -> dict[str, Any]:
         shared = {}
         if self.lines:
             first = self.lines[0].metadata
             shared = {key: value for key, value in first.items()
-                      if all(line.metadata.get(key) == value for line in self.lines)}
+                      if key != "acceptance" and all(line.metadata.get(key) == value for line in self.lines)}
         return {"kind": "recorded", "path": self.path, "lines": len(self.lines), "metadata": shared}
 
     def _check_settings(self, max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> None:
@@ -185,7 +195,7 @@ class RecordedEngine:
         unused: dict[tuple[int, ...], list[int]] = {}
         for index, line in enumerate(self.lines):
             unused.setdefault(tuple(line.prompt_ids), []).append(index)
-        outputs, self.last_logprobs = [], []
+        outputs, self.last_logprobs, counters = [], [], []
         for number, prompt in enumerate(prompts):
             queue = unused.get(tuple(int(t) for t in prompt))
             if not queue:
@@ -194,4 +204,7 @@ class RecordedEngine:
             line = self.lines[queue.pop(0)]
             outputs.append(list(line.output_ids))
             self.last_logprobs.append(line.logprobs)
+            counted = line.metadata.get("acceptance")
+            counters.append(RequestCounters.from_json(counted) if isinstance(counted, dict) else None)
+        self.last_speculation = with_requests(None, counters, [len(o) for o in outputs])
         return outputs

@@ -5,7 +5,8 @@ A dialect subclass of `ServerEngine` sets `dialect`, `server_name`, `path` and i
 `request(prompt, max_new_tokens, eos_token_id) -> dict` and `parse(answer) -> Completion`.
 
 Around each `generate` the engine reads the server's metrics (engines/adapters/server_metrics.py)
-and keeps the run's speculation counters in `last_speculation`. A server that answered during the
+and keeps the run's speculation counters in `last_speculation`, with each answer's own counters
+(`per_request`, where the server puts them beside the tokens) and the tokens each answer returned. A server that answered during the
 run (the metrics read included) and then refuses connections raises `ServerDied`, which names its
 last answer (HTTP status and body, or the connection error), not "cannot reach".
 """
@@ -22,7 +23,9 @@ from specaudit.engines.adapters._http import (
 )
 from specaudit.engines.adapters.request_fields import ParameterRefused, refused_in_answer
 from specaudit.engines.limits import eos_ids
-from specaudit.engines.adapters.server_metrics import COUNTERS, safe_snapshot, speculation_between
+from specaudit.engines.adapters.server_metrics import (
+    COUNTERS, RequestCounters, request_counters, safe_snapshot, speculation_between, with_requests,
+)
 from specaudit.engines.requests import RequestParams
 
 DEFAULT_TOP_LOGPROBS = 2  # the top-2 margin is what a ruling needs
@@ -41,6 +44,7 @@ class Completion:
     # what the server says beside its tokens (engines/adapters/request_fields.py `read_*`): text,
     # finish_reason ("stop"/"length"), stop_reason, usage, chosen_logprobs (one per returned token)
     report: dict[str, Any] = field(default_factory=dict)
+    acceptance: RequestCounters | None = None  # the speculation counters the answer carries (server_metrics.py)
 
 
 class ServerEngine:
@@ -148,7 +152,9 @@ class ServerEngine:
                 raise ParameterRefused(refused, f"the {self.server_name} server answered: {exc}") from None
             raise
         try:
-            return self.parse(answer)
+            completion = self.parse(answer)
+            completion.acceptance = request_counters(self.dialect, answer)
+            return completion
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise ServerError(f"{self.server_name} server at {self.url}: unexpected answer shape "
                               f"({type(exc).__name__}: {exc}); is this a {self.server_name} server?") from None
@@ -200,6 +206,9 @@ class ServerEngine:
         self.last_speculation = speculation_between(before, after, self.url,
                                                     iterations=bool(names and names.json_iterations))
         self.metrics_note = failure or (after.note if after is not None else None)
+        answers = [c if isinstance(c, Completion) else None for c in completions]
+        self.last_speculation = with_requests(self.last_speculation, [c.acceptance if c else None for c in answers],
+                                              [len(c.token_ids) if c else None for c in answers])
         refused = [(index, c) for index, c in enumerate(completions) if isinstance(c, ServerError)]
         if refused and len(refused) == len(prompts):
             raise refused[0][1]

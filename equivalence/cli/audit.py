@@ -46,6 +46,37 @@ def _eos(value: str) -> int | list[int] | None | str:
     return eos_token_ids(value)
 
 
+def _speculation(value: str) -> str:
+    from specaudit.equivalence.acceptance.expected import parse_spec
+
+    try:
+        parse_spec(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--speculation {value!r}: ")) from None
+    return value
+
+
+def _baseline(value: str) -> str:
+    from specaudit.equivalence.acceptance.run import load_baseline
+
+    try:
+        load_baseline(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--acceptance-baseline {value}: ")) from None
+    return value
+
+
+def _ratio(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number: give a ratio such as 0.9") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is outside 0 < R <= 1: give a ratio of observed to expected "
+                                         "acceptance such as 0.9") from None
+    return number
+
+
 def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """`audit`, `pairs` and `engines` on the `specaudit` parser's subcommands."""
     from specaudit.equivalence.cli.request_args import add_request_arguments
@@ -136,6 +167,23 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
 
     add_request_arguments(audit)
 
+    accept = audit.add_argument_group("acceptance per draft position (observed against expected)")
+    accept.add_argument("--speculation", type=_speculation, default=None, metavar="SPEC",
+                        help="the audited engine's proposer, for the expected acceptance: draft:k=K (the pair's draft "
+                             "model, greedy) or ngram:k=K,min=N,max=M[,occurrence=earliest|latest] (prompt lookup; "
+                             "earliest is vLLM's rule). Default: an in-process engine's own drafter; none for a "
+                             "server or recording")
+    accept.add_argument("--acceptance-baseline", type=_baseline, default=None, metavar="FILE",
+                        help="an earlier audit.json: its observed per-position acceptance is the expectation, "
+                             "compared with a two-sample test (wins over --speculation)")
+    accept.add_argument("--require-acceptance", type=_ratio, default=None, metavar="R",
+                        help="fail (exit 1) when a run's observed acceptance is below R x expected at some draft "
+                             "position, significantly (Holm, alpha 0.01); 0 < R <= 1 (default: no gate)")
+    accept.add_argument("--payoff", type=_positive, default=0, metavar="N",
+                        help="also time the speculative engine against the plain one (--plain-engine, else the "
+                             "plain control batched) on the same prompts, N times each: the ratio of tokens per "
+                             "second and its spread; 'speculation slower than plain' when every repeat is below 1 "
+                             "(default: 0, not measured)")
     out = audit.add_argument_group("output")
     out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -193,6 +241,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         timeout=args.timeout, engine_dtype=args.engine_dtype, logit_tolerance=args.logit_tolerance,
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
+        speculation=args.speculation, acceptance_baseline=args.acceptance_baseline,
+        require_acceptance=args.require_acceptance, payoff=args.payoff,
         diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
         # under sampling, --top-k is the sampler's cut (every other request parameter is refused)
         request_params=request_params_from_args(args, parser) if sampling is None else None,
@@ -237,6 +287,7 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
     from specaudit.equivalence.pipeline.runner import EXIT_INTERRUPTED, EXIT_NOT_EQUIVALENT, exit_status, run_audit
+    from specaudit.equivalence.acceptance import findings as acceptance_findings
     from specaudit.equivalence.reports.summary import summary_table, verdict_line
 
     settings = settings_from_args(args, parser)
@@ -274,6 +325,11 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
         if run.get("error"):
             print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
                   file=sys.stderr)
+    for run in audit["runs"]:
+        if acceptance_findings.unmet(run):
+            print(f"acceptance short: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: below "
+                  f"--require-acceptance {run['acceptance']['required']:g} x expected; "
+                  f"{acceptance_findings.headline(run['acceptance'])}", file=sys.stderr)
     return EXIT_INTERRUPTED if interrupted else exit_status(audit)
 
 

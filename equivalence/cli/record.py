@@ -3,8 +3,9 @@
 Two recordings of one server (speculation on, then off) compared with `specaudit diff` is the
 speculative-versus-plain check; a recording audited with `--engine recorded:FILE` is checked
 against a reference on another machine. Each line holds `prompt_ids`, `output_ids`, the server's
-per-token top log-probabilities where it gives real ones (`top_logprobs`), and the settings
-(`max_new_tokens`, `eos_token_id`, `engine`) that `recorded:` checks against the audit's.
+per-token top log-probabilities where it gives real ones (`top_logprobs`), the server's own speculation
+counters for the request where its answer carries them (`acceptance`: engines/adapters/server_metrics.py),
+and the settings (`max_new_tokens`, `eos_token_id`, `engine`) that `recorded:` checks against the audit's.
 
 Prompts: `--prompts FILE` with token ids (`input_ids`) needs nothing else; text prompts and the
 built-in set are tokenised with `--tokenizer PATH` (a local Hugging Face tokenizer) or a built-in
@@ -122,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
     except ServerError as exc:
         print(f"specaudit record: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
+    completions = capability(engine, "last_completions") or []
+    counted = [{"acceptance": c.acceptance.to_json()} if c is not None and c.acceptance is not None else None
+               for c in completions]
     write_recording(args.out, prompts, outputs, capability(engine, "last_logprobs"),
-                    metadata={"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "engine": args.engine})
+                    metadata={"max_new_tokens": args.max_new_tokens, "eos_token_id": eos, "engine": args.engine},
+                    per_line=counted if any(counted) else None)
     print(f"wrote {len(prompts)} prompts' outputs ({sum(map(len, outputs))} tokens) to {args.out}")
     return 0

@@ -35,6 +35,7 @@ from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.ops.layout import UnsupportedModel
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence import speculation, validate
+from specaudit.equivalence.acceptance import findings as acceptance_findings
 from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
 from specaudit.equivalence.audit import Reference, RunSettings, audit_engine
 from specaudit.equivalence.blackbox import requests_run
@@ -128,6 +129,25 @@ def preflight(settings: AuditSettings) -> None:
     else:
         validate.preflight(settings)
     requests_run.preflight(settings)  # request parameters go to engines that take them
+    acceptance_preflight(settings)
+
+
+def acceptance_preflight(settings: AuditSettings) -> None:
+    """The acceptance settings (equivalence/acceptance/): the gate's ratio, the stated proposer, the baseline."""
+    from specaudit.equivalence.acceptance.expected import parse_spec
+    from specaudit.equivalence.acceptance.run import load_baseline
+
+    if settings.require_acceptance is not None and not 0 < settings.require_acceptance <= 1:
+        raise UsageError(f"--require-acceptance {settings.require_acceptance}: give a ratio 0 < R <= 1")
+    if settings.payoff < 0:
+        raise UsageError(f"--payoff {settings.payoff}: give a number of repeats, 1 or more (0: no payoff)")
+    try:
+        if settings.speculation is not None:
+            parse_spec(settings.speculation)
+        if settings.acceptance_baseline is not None:
+            load_baseline(settings.acceptance_baseline)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def groups(settings: AuditSettings, out_dir: Path) -> Iterator[Group]:
@@ -340,7 +360,9 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
             max_new_tokens=config.max_new_tokens, eos_token_id=eos, dtype=dtype, engine_name=engine_name,
             batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
             logit_tolerance=config.logit_tolerance, pad_token_id=options.get("pad_token_id", pair.pad_token_id),
-            draft_tokens=config.draft_tokens, diagnosis=config.diagnosis, diagnosis_budget=config.diagnosis_budget)
+            draft_tokens=config.draft_tokens, diagnosis=config.diagnosis, diagnosis_budget=config.diagnosis_budget,
+            speculation=config.speculation, acceptance_baseline=config.acceptance_baseline,
+            require_acceptance=config.require_acceptance, payoff_repeats=config.payoff)
         run = audit_engine(engine, pair, prompts, run_settings, reference=reference, replay_target=replay.target,
                            replay_draft=replay.draft if dtype != "float64" else None, bundle_dir=bundle_dir,
                            context=context)
@@ -361,11 +383,15 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
 def exit_status(audit: dict[str, Any]) -> int:
     """The audit's one exit status, for every composition: 0 when every run passed (`run_record.passed`);
     1 when a served reference failed, no run was made, any run has a structural divergence, a departure or
-    failed, or, with `require_speculation`, any run's engine did not show that it drafted."""
+    failed, or, with `require_speculation`, any run's engine did not show that it drafted, or, with
+    `require_acceptance`, any run's acceptance is short of R x expected (equivalence/acceptance/findings.py)."""
     if (audit.get("reference") or {}).get("error") or not audit.get("runs"):
         return EXIT_NOT_EQUIVALENT
     if not all_passed(audit):
         return EXIT_NOT_EQUIVALENT
     if (audit.get("config") or {}).get("require_speculation") and any(speculation.unmet(r) for r in audit["runs"]):
+        return EXIT_NOT_EQUIVALENT
+    if (audit.get("config") or {}).get("require_acceptance") is not None and any(
+            acceptance_findings.unmet(r) for r in audit["runs"]):
         return EXIT_NOT_EQUIVALENT
     return EXIT_EQUIVALENT

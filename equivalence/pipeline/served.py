@@ -335,7 +335,8 @@ class ServedGroup:
 
     def _greedy_run(self, spec: str, batch_size: int) -> dict[str, Any]:
         settings, prompts, eos, first, second = self.settings, self.prompts, self.eos, self.first, self.second
-        answered = ask(build(spec, batch_size, settings), prompts, settings.max_new_tokens, eos,
+        engine = build(spec, batch_size, settings)
+        answered = ask(engine, prompts, settings.max_new_tokens, eos,
                        timeout=settings.timeout, vocab_size=self.served_model.vocab_size)
         outputs, reference = answered["outputs"], first["outputs"]
         gap = served_rulings.engine_logprob_gap(reference, outputs, first["logprobs"], answered["logprobs"])
@@ -360,6 +361,9 @@ class ServedGroup:
                                                           reference_finish=(ref_report or {}).get("finish_reason")):
                 divergences.append(served_rulings.as_divergence(finding, prompt, ref, out))
         structural = sum(d["kind"] == "structural" for d in divergences)
+        from specaudit.equivalence.acceptance import counters
+
+        acceptance = counters.served_record(engine, answered["speculation"], settings.require_acceptance)
         run = run_record(**self._base(spec, batch_size), seconds=answered["seconds"],
                          seconds_per_request=answered["seconds"] / max(1, len(prompts)),
                          description=answered["description"], speculation=answered["speculation"], outputs=outputs,
@@ -367,7 +371,7 @@ class ServedGroup:
                          exact_matches=sum(ref == out for ref, out in zip(reference, outputs)),
                          structural_divergences=structural,
                          numerical_divergences=sum(d["kind"] == "numerical" for d in divergences),
-                         equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)))
+                         equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)), acceptance=acceptance)
         return run
 
     def _sampled_run(self, spec: str, batch_size: int) -> dict[str, Any]:

@@ -69,6 +69,12 @@ class AuditSettings:
     pad_token_id: int | None = None  # the pad id the pair declares to the engines (None: the pair's own)
     require_speculation: bool = False  # a run whose engine drafted nothing (or exposes no counters) fails
     plain_engine: str | None = None  # the same engine without speculation: three-way rulings (rulings/plain.py)
+    # acceptance per draft position (equivalence/acceptance/): the stated proposer (`draft:k=4`,
+    # `ngram:k=4,min=2,max=5`), an earlier audit.json as the expectation, the gate's ratio R (0 < R <= 1)
+    speculation: str | None = None
+    acceptance_baseline: str | None = None
+    require_acceptance: float | None = None
+    payoff: int = 0  # --payoff N: tokens per second against the plain engine, N repeats (0: not measured)
     diagnosis: str = "full"  # "quick": checks and replays only; "full": re-runs of the engine too
     diagnosis_budget: float | None = None  # seconds per run for the diagnosis's re-runs (None: --timeout's)
     request_params: Any = None  # one RequestParams for every prompt (engines that declare `request_params`)
@@ -100,6 +106,8 @@ class AuditSettings:
             "engine_dtype": self.engine_dtype, "logit_tolerance": self.logit_tolerance,
             "adversarial": self.adversarial, "pad_token_id": self.pad_token_id,
             "require_speculation": self.require_speculation, "plain_engine": self.plain_engine,
+            "speculation": self.speculation, "acceptance_baseline": self.acceptance_baseline,
+            "require_acceptance": self.require_acceptance, "payoff": self.payoff,
             "diagnosis": self.diagnosis, "diagnosis_budget": self.diagnosis_budget,
             "request_params": self.request_params.to_dict() if self.request_params is not None else None,
             "oracle": self.oracle, "judge": self.judge,

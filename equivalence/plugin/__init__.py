@@ -11,6 +11,10 @@ the shrunk counterexample, the search's seed and the command that replays it; th
 equivalence per engine and batch size. The run's exit status gates CI. Hooks here only hand off to
 the harness modules.
 
+With `--specaudit-require-acceptance R` it also adds one acceptance test per (engine, pair, batch size)
+(`acceptance.py`): observed acceptance per draft position against what the proposer reaches, failing below
+R x expected.
+
 With `--specaudit-temperature T` it also adds one sampled test per (engine, pair): the sampled audit of the
 engine's samples against the target's distribution (`sampled.py`), failing with the finding in words.
 
@@ -66,6 +70,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--specaudit-no-adversarial", action="store_true", default=False,
                     help="skip the adversarial prompts (pad, EOS and BOS ids inside prompts, identical prompts, "
                          "one-token and very long prompts) run after the search (default: run them)")
+    group.addoption("--specaudit-require-acceptance", type=float, default=None, metavar="R",
+                    help="also add one acceptance test per (engine, pair, batch size): it fails when the engine's "
+                         "observed acceptance is below R x expected at some draft position, significantly "
+                         "(0 < R <= 1; default: no acceptance test)")
     sampled = parser.getgroup("specaudit-sampled", "specaudit: sampled outputs against the target's distribution")
     sampled.addoption("--specaudit-temperature", type=float, default=None, metavar="T",
                       help="also test each engine's sampled outputs at temperature T (default: none, greedy only)")
@@ -118,6 +126,20 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                     session, name=f"specaudit[{engine}|{pair}|B{batch_size}]",
                     engine=engine, pair=pair, batch_size=batch_size,
                 ))
+    required = config.getoption("specaudit_require_acceptance")
+    if required is not None:
+        from specaudit.equivalence.plugin.acceptance import check_ratio
+
+        try:
+            check_ratio(required)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+        for engine in engines:
+            for pair in pairs:
+                for batch_size in batch_sizes:
+                    items.append(AcceptanceItem.from_parent(
+                        session, name=f"specaudit-acceptance[{engine}|{pair}|B{batch_size}]",
+                        engine=engine, pair=pair, batch_size=batch_size))
     from specaudit.equivalence.plugin.sampled import check_setting, setting_from
 
     setting = setting_from(config)
@@ -172,6 +194,30 @@ class EquivalenceItem(pytest.Item):
         seed = self.config.stash[SEED]
         return (f"seed: {seed.value} ({seed.source})\n"
                 f"replay: {replay_command(self.config, self.engine, self.pair, self.batch_size, seed.value)}")
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return "specaudit", None, self.name
+
+
+class AcceptanceItem(pytest.Item):
+    """The acceptance gate for one (engine, pair, batch size) (`acceptance.py`)."""
+
+    def __init__(self, *, engine: str, pair: str, batch_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine, self.pair, self.batch_size = engine, pair, batch_size
+
+    def runtest(self) -> None:
+        from specaudit.equivalence.plugin.acceptance import run_acceptance
+
+        run_acceptance(self.engine, self.pair, self.batch_size, self.config.getoption("specaudit_require_acceptance"),
+                       max_new_tokens=self.config.getoption("specaudit_max_new_tokens"))
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
+        from specaudit.equivalence.plugin.acceptance import AcceptanceShort
+
+        if isinstance(excinfo.value, AcceptanceShort):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[str, int | None, str]:
         return "specaudit", None, self.name

@@ -234,8 +234,39 @@ def acceptance_chart(audit: dict[str, Any]) -> BarChart:
                     series, percent=True, value_labels=False)
 
 
+def acceptance_position_chart(audit: dict[str, Any]) -> BarChart:
+    """Per draft position, the expected acceptance and each run's observed acceptance (accepted at k /
+    proposals at k: equivalence/acceptance/observed.py), from the runs' acceptance records."""
+    title = "Acceptance per draft position: expected against observed"
+    records = [(run, run["acceptance"]) for run in _finished_runs(audit)
+               if (run.get("acceptance") or {}).get("positions")]
+    if not records:
+        return BarChart(title, "draft position", "acceptance", (), (),
+                        empty_message="no run has both observed and expected acceptance per position")
+    width = max(len(record["positions"]) for _, record in records)
+
+    def rates(record: dict[str, Any], side: str) -> tuple[float, ...]:
+        by_position = {p["position"]: p.get(f"{side}_rate") for p in record["positions"]}
+        return tuple(math.nan if by_position.get(k) is None else float(by_position[k]) for k in range(width))
+
+    several = len(records) > 1
+    series, expectations = [], []
+    for run, record in records:
+        expected = rates(record, "expected")
+        if expected not in expectations:
+            expectations.append(expected)
+            method = (record.get("expected") or {}).get("method", "expected")
+            label = f"expected ({method}" + (f", {run.get('engine')} B={run.get('batch_size')})" if several else ")")
+            series.append(Series(label, expected, "#7f8c8d"))
+        label = f"observed {run.get('engine')} B={run.get('batch_size')}" + (f" {run.get('dtype')}" if several else "")
+        series.append(Series(label, rates(record, "observed"), series_color(len(series) - len(expectations))))
+    return BarChart(title, "draft position", "acceptance", tuple(str(k) for k in range(width)), tuple(series),
+                    percent=True, y_max=1.08, value_labels=False)
+
+
 def audit_charts(audit: dict[str, Any]) -> dict[str, BarChart]:
     """The report's charts by file stem, in the order the reports show them."""
     return {"equivalence-rate": equivalence_rate_chart(audit),
             "divergence-positions": divergence_position_chart(audit),
-            "acceptance": acceptance_chart(audit)}
+            "acceptance": acceptance_chart(audit),
+            "acceptance-positions": acceptance_position_chart(audit)}

@@ -13,6 +13,7 @@ from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
     acceptance_rate,
+    expected_acceptance_rate,
     config_summary,
     divergence_counts,
     format_number,
@@ -36,6 +37,7 @@ from specaudit.equivalence.reports.summary import (
     verdict,
 )
 from specaudit.equivalence import speculation
+from specaudit.equivalence.reports import acceptance as acceptance_report
 
 HTML_DIVERGENCE_LIMIT = 200
 
@@ -138,7 +140,7 @@ def _cards(audit: dict[str, Any]) -> str:
 
 
 def _runs_table(runs: list[dict[str, Any]]) -> str:
-    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "drafted/accepted",
+    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "expected", "drafted/accepted",
               "structural", "numerical", "steps", "seconds", "status"]
     rows = []
     for index, run in enumerate(runs):
@@ -153,6 +155,7 @@ def _runs_table(runs: list[dict[str, Any]]) -> str:
                     + _cell(run.get("batch_size", "?"), "number") + _cell(run.get("dtype", "?"))
                     + _cell(exact, "number") + _cell(logit_error_text(run), "number")
                     + _cell(format_share(acceptance_rate(run)), "number")
+                    + _cell(format_share(expected_acceptance_rate(run)), "number")
                     + _cell(speculation.cell(run.get("speculation")), "number") + _cell(counts["structural"], "number")
                     + _cell(counts["numerical"], "number") + steps + _cell(format_number(run.get("seconds")), "number")
                     + f"<td>{pill}</td></tr>")
@@ -354,6 +357,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         sampled_section,
         f"<section>{_speculation_section(audit)}</section>",
+        f"<section>{acceptance_report.html_section(audit)}</section>",
         f"<section>{_three_way_section(audit)}</section>",
         f"<section>{_timing_section(audit)}</section>",
         f"<section>{_crashes(runs)}{_failures(audit)}</section>",

@@ -17,6 +17,7 @@ from specaudit.equivalence.reports.summary import (
     STATUS_LABELS,
     DivergenceEntry,
     acceptance_rate,
+    expected_acceptance_rate,
     batch_description,
     config_summary,
     divergence_counts,
@@ -40,6 +41,7 @@ from specaudit.equivalence.reports.summary import (
     verdict,
 )
 from specaudit.equivalence import speculation
+from specaudit.equivalence.reports import acceptance as acceptance_report
 
 MARKDOWN_DIVERGENCE_LIMIT = 20
 ERROR_TAIL_LINES = 20
@@ -74,9 +76,9 @@ def _markdown_runs(runs: list[dict[str, Any]]) -> list[str]:
         exact = (f"{run.get('exact_matches', '?')}/{run.get('num_prompts', '?')}" if not run.get("error") else "—")
         rows.append([str(run.get("engine", "?")), str(run.get("pair", "?")), str(run.get("batch_size", "?")),
                      str(run.get("dtype", "?")), exact, logit_error_text(run), format_share(acceptance_rate(run)),
-                     speculation.cell(run.get("speculation")),
+                     format_share(expected_acceptance_rate(run)), speculation.cell(run.get("speculation")),
                      str(counts["structural"]), str(counts["numerical"]), STATUS_LABELS[run_status(run)]])
-    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance",
+    header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "expected",
               "drafted/accepted", "structural", "numerical", "status"]
     return _markdown_table(header, rows)
 
@@ -182,6 +184,7 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
                   "metrics read before and after the run; a built-in engine's trace).", ""]
         lines += _markdown_table(["run", "verdict", "source"], [[title, text, source] for title, text, source in evidence])
         lines.append("")
+    lines += acceptance_report.markdown_lines(audit)
     three_way = three_way_runs(audit)
     if three_way:
         lines += ["## Three-way rulings", "", "Each divergence of the speculative run beside the plain run of the same "

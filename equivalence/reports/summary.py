@@ -87,7 +87,17 @@ def logit_error_text(run: dict[str, Any]) -> str:
 
 
 def acceptance_rate(run: dict[str, Any]) -> float | None:
-    return (run.get("trace") or {}).get("acceptance_rate")
+    """The run's observed acceptance, accepted tokens / drafted tokens (the one definition:
+    equivalence/acceptance/findings.py `DEFINITION`), from its acceptance record, else its counters."""
+    observed = ((run.get("acceptance") or {}).get("overall") or {}).get("observed_rate")
+    if observed is not None:
+        return observed
+    return (run.get("speculation") or {}).get("acceptance_rate", (run.get("trace") or {}).get("acceptance_rate"))
+
+
+def expected_acceptance_rate(run: dict[str, Any]) -> float | None:
+    """What the proposer reaches along the run's outputs (equivalence/acceptance/expected.py), or None."""
+    return ((run.get("acceptance") or {}).get("overall") or {}).get("expected_rate")
 
 
 def verdict(audit: dict[str, Any]) -> tuple[str, str]:

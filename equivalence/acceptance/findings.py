@@ -1,0 +1,267 @@
+"""Findings on acceptance: observed against expected per draft position, with family-wise control.
+
+Acceptance at position k is accepted at k / proposals at k (equivalence/acceptance/observed.py). Per
+position with proposals on both sides:
+
+- the ratio observed rate / expected rate, with its interval at level 1 - alpha: against an expectation
+  without sampling error (a replay), the Wilson interval of the observed rate over the expected rate;
+  against a baseline (an earlier run's counts), the log-ratio interval of two proportions (Katz);
+- "acceptance short": the observed rate below the expected rate beyond chance: against a replay the exact
+  binomial test P(X <= accepted | proposals, expected rate), against a baseline the two-proportion z-test of
+  observed - baseline; the positions' p-values Holm-adjusted, a finding where the adjusted p is below alpha.
+  The gate (`--require-acceptance R`) runs the same tests against R x the expected rate: the positions where
+  it rejects are `below_required`, and the run fails;
+- "acceptance impossible": against an exact expectation (the replay in the engine's own precision), an
+  observed rate above the expected one beyond chance (the upper binomial test, Holm): the stated proposer
+  cannot reach it, so the counters count something else or the proposer is not the one stated. Against an
+  estimate (below float64, a baseline) the same excess is "acceptance above expected", a note;
+- "acceptance counters inconsistent": what the counters contradict in themselves (`observed.consistency`).
+
+The findings never change the outputs' verdict; `--require-acceptance` makes a short acceptance fail the
+audit (`unmet`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+from specaudit.equivalence.acceptance.expected import ExpectedAcceptance
+from specaudit.equivalence.acceptance.observed import ObservedAcceptance, consistency
+from specaudit.equivalence.sampling.stats import holm
+
+ALPHA = 0.01  # family-wise, over the draft positions of one run
+DEFINITION = ("acceptance at draft position k = accepted at k / proposals at k (a proposal at k: one row's verify "
+              "step whose proposer made at least k+1 draft tokens; accepted at k: its first k+1 were all "
+              "accepted); overall = accepted tokens / drafted tokens")
+
+
+@dataclass(frozen=True)
+class PositionComparison:
+    position: int
+    observed_accepted: int
+    observed_proposals: int
+    expected_accepted: int
+    expected_proposals: int
+    observed_rate: float | None
+    expected_rate: float | None
+    ratio: float | None  # observed rate / expected rate
+    ratio_low: float | None
+    ratio_high: float | None
+    p_short: float | None  # one-sided, observed below expected (Holm-adjusted in p_short_holm)
+    p_short_holm: float | None
+    p_below_required_holm: float | None  # one-sided against required x expected, Holm-adjusted (with a gate)
+    p_excess: float | None  # one-sided, observed above expected
+    p_excess_holm: float | None
+
+
+@dataclass(frozen=True)
+class AcceptanceFinding:
+    kind: str  # "acceptance short", "acceptance impossible", "acceptance above expected", "acceptance counters inconsistent"
+    positions: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class AcceptanceRecord:
+    """A run's `acceptance` in audit.json."""
+
+    definition: str
+    expected: ExpectedAcceptance | None
+    observed: ObservedAcceptance | None
+    positions: tuple[PositionComparison, ...]
+    overall: dict[str, float | None]
+    findings: tuple[AcceptanceFinding, ...]
+    required: float | None  # --require-acceptance R
+    below_required: tuple[int, ...] = ()  # positions short of required x expected beyond chance: the gate fails
+    alpha: float = ALPHA
+    unavailable: str | None = None  # why no comparison was made
+    payoff: dict[str, Any] | None = field(default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"definition": self.definition,
+                "expected": self.expected.to_json() if self.expected is not None else None,
+                "observed": self.observed.to_json() if self.observed is not None else None,
+                "positions": [asdict(p) for p in self.positions], "overall": dict(self.overall),
+                "findings": [{**asdict(f), "positions": list(f.positions)} for f in self.findings],
+                "required": self.required, "below_required": list(self.below_required), "alpha": self.alpha,
+                "unavailable": self.unavailable,
+                "payoff": self.payoff}
+
+
+def binomial_cdf(successes: int, trials: int, rate: float) -> float:
+    """P(X <= successes), X ~ Binomial(trials, rate)."""
+    if successes < 0:
+        return 0.0
+    if successes >= trials or rate <= 0.0:
+        return 1.0
+    if rate >= 1.0:
+        return 0.0
+    log_rate, log_miss = math.log(rate), math.log1p(-rate)
+    terms = [math.lgamma(trials + 1) - math.lgamma(i + 1) - math.lgamma(trials - i + 1) + i * log_rate
+             + (trials - i) * log_miss for i in range(successes + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
+
+
+def wilson(successes: int, trials: int, alpha: float) -> tuple[float, float]:
+    """The Wilson interval of a proportion at level 1 - alpha."""
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    rate = successes / trials
+    centre = (rate + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _ratio_interval(a: int, n: int, b: int, m: int, exact: bool, alpha: float) -> tuple[float | None, float | None]:
+    expected = b / m
+    if exact:
+        low, high = wilson(a, n, alpha)
+        return low / expected, high / expected
+    if a == 0:
+        return 0.0, None
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    spread = math.sqrt(max(0.0, 1 / a - 1 / n + 1 / b - 1 / m))  # Katz: se of log(ratio)
+    ratio = (a / n) / expected
+    return ratio * math.exp(-z * spread), ratio * math.exp(z * spread)
+
+
+def _two_sample_p(a: int, n: int, b: int, m: int, factor: float, below: bool) -> float:
+    """One-sided z-test of a/n - factor * b/m (below: that it is < 0; else > 0), unpooled variances."""
+    observed, expected = a / n, factor * b / m
+    variance = observed * (1 - observed) / n + factor * factor * (b / m) * (1 - b / m) / m
+    if variance <= 0:
+        return 1.0 if (observed >= expected if below else observed <= expected) else 0.0
+    z = (observed - expected) / math.sqrt(variance)
+    return NormalDist().cdf(z) if below else 1 - NormalDist().cdf(z)
+
+
+def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | None, *,
+            required: float | None = None, alpha: float = ALPHA, unavailable: str | None = None) -> AcceptanceRecord:
+    """The run's acceptance record: per-position comparison and findings (module docstring)."""
+    findings: list[AcceptanceFinding] = []
+    problems = consistency(observed) if observed is not None else []
+    if problems:
+        findings.append(AcceptanceFinding("acceptance counters inconsistent", (), "; ".join(problems)))
+    if observed is None or expected is None or observed.accepted_per_position is None \
+            or observed.drafts_per_position is None:
+        reason = unavailable or ("no per-position counters were observed" if expected is not None
+                                 else "no expectation for this proposer")
+        return AcceptanceRecord(DEFINITION, expected, observed, (), _overall(observed, expected, alpha),
+                                tuple(findings), required, (), alpha, reason)
+    rows = []
+    width = max(len(observed.drafts_per_position), len(expected.drafts_per_position))
+    for k in range(width):
+        a, n = _at(observed.accepted_per_position, k), _at(observed.drafts_per_position, k)
+        b, m = _at(expected.accepted_per_position, k), _at(expected.drafts_per_position, k)
+        rows.append((k, a, n, b, m))
+    tested = [row for row in rows if row[2] > 0 and row[4] > 0 and row[3] > 0]
+    shorts, excesses, gated = {}, {}, {}
+    for k, a, n, b, m in tested:
+        if expected.method == "baseline":
+            shorts[k] = _two_sample_p(a, n, b, m, 1.0, below=True)
+            excesses[k] = _two_sample_p(a, n, b, m, 1.0, below=False)
+            if required is not None:
+                gated[k] = _two_sample_p(a, n, b, m, required, below=True)
+        else:
+            shorts[k] = binomial_cdf(a, n, b / m)
+            excesses[k] = 1.0 - binomial_cdf(a - 1, n, b / m)
+            if required is not None:
+                gated[k] = binomial_cdf(a, n, min(1.0, required * b / m))
+    order = sorted(shorts)
+    short_holm = dict(zip(order, holm([shorts[k] for k in order])))
+    excess_holm = dict(zip(order, holm([excesses[k] for k in order])))
+    gated_holm = dict(zip(order, holm([gated[k] for k in order]))) if required is not None else {}
+    comparisons = []
+    for k, a, n, b, m in rows:
+        low, high = _ratio_interval(a, n, b, m, expected.method != "baseline", alpha) if (n and m and b) else (None, None)
+        comparisons.append(PositionComparison(
+            position=k, observed_accepted=a, observed_proposals=n, expected_accepted=b, expected_proposals=m,
+            observed_rate=(a / n) if n else None, expected_rate=(b / m) if m else None,
+            ratio=((a / n) / (b / m)) if (n and m and b) else None, ratio_low=low, ratio_high=high,
+            p_short=shorts.get(k), p_short_holm=short_holm.get(k), p_below_required_holm=gated_holm.get(k),
+            p_excess=excesses.get(k), p_excess_holm=excess_holm.get(k)))
+    short = tuple(k for k in order if short_holm[k] < alpha)
+    if short:
+        worst = min((c for c in comparisons if c.position in short), key=lambda c: c.ratio or 0.0)
+        findings.append(AcceptanceFinding("acceptance short", short, (
+            f"acceptance short at draft position{'s' if len(short) > 1 else ''} {', '.join(map(str, short))}: below "
+            f"expected beyond chance (Holm, alpha {alpha:g}); worst at position {worst.position}: "
+            f"{worst.observed_accepted}/{worst.observed_proposals} observed against "
+            f"{worst.expected_accepted}/{worst.expected_proposals} expected ({expected.method}), ratio "
+            f"{_number(worst.ratio)} [{_number(worst.ratio_low)}, {_number(worst.ratio_high)}]")))
+    excess = tuple(k for k in order if excess_holm[k] < alpha)
+    if excess:
+        kind = "acceptance impossible" if expected.exact else "acceptance above expected"
+        reason = ("the stated proposer cannot reach it: the counters count something else, or the proposer is not "
+                  "the one stated" if expected.exact else
+                  f"above an estimate ({expected.note or expected.method}), beyond chance")
+        findings.append(AcceptanceFinding(kind, excess, (
+            f"{kind} at draft position{'s' if len(excess) > 1 else ''} {', '.join(map(str, excess))}: "
+            f"observed above the {expected.method}'s {_rates(expected, excess)}; {reason}")))
+    below = tuple(k for k in order if gated_holm.get(k, 1.0) < alpha)
+    return AcceptanceRecord(DEFINITION, expected, observed, tuple(comparisons), _overall(observed, expected, alpha),
+                            tuple(findings), required, below, alpha, None)
+
+
+def _at(counts: tuple[int, ...] | None, k: int) -> int:
+    return counts[k] if counts is not None and k < len(counts) else 0
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _rates(expected: ExpectedAcceptance, positions: tuple[int, ...]) -> str:
+    rates = expected.position_rates()
+    return ", ".join(f"{_number(rates[k])} at {k}" for k in positions if k < len(rates))
+
+
+def _overall(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | None,
+             alpha: float) -> dict[str, float | None]:
+    observed_rate = observed.rate if observed is not None else None
+    expected_rate = expected.rate if expected is not None else None
+    overall: dict[str, float | None] = {"observed_rate": observed_rate, "expected_rate": expected_rate,
+                                        "ratio": None, "ratio_low": None, "ratio_high": None}
+    if observed_rate is not None and expected_rate:
+        overall["ratio"] = observed_rate / expected_rate
+        assert observed is not None and expected is not None
+        low, high = _ratio_interval(observed.accepted_tokens or 0, observed.drafted_tokens or 0,
+                                    expected.accepted_tokens, expected.drafted_tokens,
+                                    expected.method != "baseline", alpha)
+        overall["ratio_low"], overall["ratio_high"] = low, high
+    return overall
+
+
+def unmet(run: dict[str, Any]) -> bool:
+    """Whether the run fails `--require-acceptance`: acceptance short of the required ratio of the expected at
+    some draft position, beyond chance."""
+    record = run.get("acceptance") or {}
+    return record.get("required") is not None and bool(record.get("below_required"))
+
+
+def headline(record: dict[str, Any] | None) -> str:
+    """One line for reports and the terminal: observed against expected, overall, and the findings."""
+    if not record:
+        return "acceptance not measured"
+    overall = record.get("overall") or {}
+    observed, expected = overall.get("observed_rate"), overall.get("expected_rate")
+    parts = []
+    if observed is not None:
+        parts.append(f"observed {observed:.1%}")
+    if expected is not None:
+        method = (record.get("expected") or {}).get("method", "expected")
+        parts.append(f"expected {expected:.1%} ({method})")
+    if overall.get("ratio") is not None:
+        parts.append(f"ratio {overall['ratio']:.3f} [{_number(overall.get('ratio_low'))}, "
+                     f"{_number(overall.get('ratio_high'))}]")
+    text = "acceptance " + (", ".join(parts) if parts else "not measured")
+    if record.get("unavailable") and expected is None:
+        text += f" (no expectation: {record['unavailable']})"
+    kinds = [f"{f['kind']} at {', '.join(map(str, f['positions']))}" if f.get("positions") else f["kind"]
+             for f in record.get("findings") or []]
+    if record.get("below_required"):
+        kinds.append(f"below {record['required']:g} x expected at {', '.join(map(str, record['below_required']))}")
+    return text + (f"; {'; '.join(kinds)}" if kinds else "")
