@@ -194,8 +194,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         bundles=not args.no_bundles, adversarial=not args.no_adversarial, pad_token_id=args.pad_token_id,
         require_speculation=args.require_speculation, plain_engine=args.plain_engine,
         diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
-        # under sampling, --top-k is the sampler's cut (every other request parameter is refused)
-        request_params=request_params_from_args(args, parser) if sampling is None else None,
+        # under sampling, --top-k is the sampler's cut; the other request parameters go to the sampled judge too
+        request_params=request_params_from_args(args, parser),
         reference=args.reference, tokenizer=args.tokenizer,
         reference_batch_invariant=args.reference_batch_invariant,
         reference_top_logprobs=args.reference_top_logprobs, sampling=sampling,
