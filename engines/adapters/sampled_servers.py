@@ -33,6 +33,7 @@ that never speculated says nothing about its speculative sampler.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from specaudit.engines.adapters._http import ServerError, join_url, map_concurrently, post_json
@@ -68,8 +69,10 @@ def sampled_request(server: ServerEngine, prompt: list[int], max_new_tokens: int
                     request: RequestParams | None = None) -> dict[str, Any]:
     """The dialect's request for `prompt` with its sampling fields replaced and no log-probabilities; with
     `request`, its request parameters in the dialect's names too (its sampling fields are `params`)."""
-    body = (server.request(prompt, max_new_tokens, eos_token_id) if request is None
-            else server.request(prompt, max_new_tokens, eos_token_id, request))
+    # the request's own fields (penalties, logit bias, ...); its sampler's are `params`, set below
+    own = None if request is None else replace(request, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None)
+    body = (server.request(prompt, max_new_tokens, eos_token_id) if own is None or own.is_plain()
+            else server.request(prompt, max_new_tokens, eos_token_id, own))
     fields = sampling_fields(server.dialect, params, seed)
     if server.dialect == "sglang":
         body["sampling_params"].update(fields)
