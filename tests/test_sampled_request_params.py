@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cli_run import audit, usage_error
+from repeat_models import repeat_pair
 from specaudit import read_report
 from specaudit.engines import acceptance
 from specaudit.engines.adapters.sampled_servers import sampled_request
@@ -24,6 +25,8 @@ from specaudit.engines.sampling.engine import SampledRow, SampledSpeculative
 from specaudit.engines.sampling.process import SamplingParams, process_logits
 from specaudit.equivalence.sampling.exact import outcomes_of
 from specaudit.testing.faults.sampling import PenaltiesIgnored, PenaltyPerStep
+
+pytest_plugins = ["pytester"]
 
 EXACT = 1e-9
 STOP = 3  # the stop id min_tokens bans
@@ -145,41 +148,53 @@ def test_a_penalty_counted_once_per_step_and_ignored_penalties_depart_exactly() 
     assert per_step > 0.2 and ignored > 0.2
 
 
-FAST = ["--pair", "tiny-llama", "--temperature", "1.0", "--num-prompts", "1", "--max-new-tokens", "6",
-        "--draft-tokens", "3", "--batch-size", "64", "--presence-penalty", "1.5", "--frequency-penalty", "1.0",
-        "--repetition-penalty", "1.5"]
 FAULT = "specaudit.testing.faults.sampling:make_fault_engine"
 
 
-def test_the_audit_passes_the_sampled_engines_and_rejects_both_faults(tmp_path: Path) -> None:
-    """One run, four engines, the penalties from the command line: the correct ones pass; the faults depart.
-    (Measured power at these settings: reports/sampled-params/README.md.)"""
-    result = audit("--engine", "sampled-spec", "--engine", "eqspec", *FAST, "--samples", "120", "--seed", "3",
-                   out=tmp_path / "ok")
+@pytest.fixture(scope="module")
+def repeating() -> list[str]:
+    """The repeating pair's folders as `--target`, `--draft` (tests/repeat_models.py)."""
+    folders = repeat_pair()
+    return ["--target", str(folders.target), "--draft", str(folders.draft)]
+
+
+def _prompts(tmp_path: Path, *lines: dict) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+def _common(tmp_path: Path, repeating: list[str], *lines: dict) -> list[str]:
+    return [*repeating, "--temperature", "1.0", "--prompts", _prompts(tmp_path, *lines), "--max-new-tokens", "6",
+            "--draft-tokens", "3", "--batch-size", "64", "--samples", "40", "--seed", "3"]
+
+
+def test_the_audit_passes_the_sampled_engines_and_rejects_both_faults(tmp_path: Path, repeating: list[str]) -> None:
+    """The penalties from the command line: sampled-spec and eqspec pass; a penalty counted once per verify step
+    and ignored penalties depart (their power at these settings: reports/sampled-params/README.md)."""
+    common = _common(tmp_path, repeating, {"text": "xyz a"}) + ["--presence-penalty", "1.5", "--frequency-penalty", "1.0"]
+    result = audit("--engine", "sampled-spec", "--engine", "eqspec", *common, out=tmp_path / "ok")
     assert result.returncode == 0, result.stdout + result.stderr
     runs = read_report(tmp_path / "ok").sampled
-    assert runs["sampled-spec"]["request_params"] == [{"temperature": 1.0, "repetition_penalty": 1.5,
-                                                       "presence_penalty": 1.5, "frequency_penalty": 1.0}]
+    assert runs["sampled-spec"]["request_params"] == [{"temperature": 1.0, "presence_penalty": 1.5,
+                                                       "frequency_penalty": 1.0}]
     for fault in ("penalty_per_step", "penalties_ignored"):
-        result = audit("--engine", FAULT, "--engine-option", f"fault={fault}", *FAST, "--samples", "120", "--seed", "3",
-                       out=tmp_path / fault)
+        result = audit("--engine", FAULT, "--engine-option", f"fault={fault}", *common, out=tmp_path / fault)
         assert result.returncode == 1, (fault, result.stdout)
         assert read_report(tmp_path / fault).sampled[FAULT]["verdict"] == "departure"
 
 
-def test_per_prompt_params_in_the_prompts_file(tmp_path: Path) -> None:
-    """A prompts file line's `params` over the command line's: the reference applies each prompt's own, and an
-    engine that ignores the one prompt's penalties departs."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"text": "the cat sat on", "params": {"presence_penalty": 2.0, "frequency_penalty": 1.0}})
-                       + "\n" + json.dumps({"text": "a b a b", "params": {"logit_bias": {"97": 1.5}}}) + "\n")
-    common = ["--pair", "tiny-llama", "--temperature", "1.0", "--prompts", str(prompts), "--max-new-tokens", "6",
-              "--draft-tokens", "3", "--batch-size", "64", "--samples", "200", "--seed", "5"]
+def test_per_prompt_params_in_the_prompts_file(tmp_path: Path, repeating: list[str]) -> None:
+    """A prompts file line's `params`: the reference applies each prompt's own (the penalties on one, a logit bias
+    and min-p on the other), and an engine that ignores the penalties departs."""
+    common = _common(tmp_path, repeating, {"text": "xyz a", "params": {"presence_penalty": 1.5, "frequency_penalty": 1.0}},
+                     {"text": "xyz b", "params": {"logit_bias": {"99": 1.0}, "min_p": 0.05}})
     assert audit("--engine", "sampled-spec", *common, out=tmp_path / "ok").returncode == 0
     report = read_report(tmp_path / "ok").sampled["sampled-spec"]
-    assert len(report["request_params"]) == 2
+    assert sorted(map(sorted, report["request_params"])) == [["frequency_penalty", "presence_penalty", "temperature"],
+                                                            ["logit_bias", "min_p", "temperature"]]
     faulty = audit("--engine", FAULT, "--engine-option", "fault=penalties_ignored", *common, out=tmp_path / "bad")
-    assert faulty.returncode == 1
+    assert faulty.returncode == 1, faulty.stdout
 
 
 @pytest.mark.parametrize("args, fragments", [
@@ -189,7 +204,6 @@ def test_per_prompt_params_in_the_prompts_file(tmp_path: Path) -> None:
 def test_what_the_sampled_judge_cannot_apply_is_refused(tmp_path: Path, args, fragments) -> None:
     usage_error(audit(*args, "--pair", "tiny-llama", "--temperature", "1.0", "--num-prompts", "1", "--samples", "10",
                       out=tmp_path), *fragments)
-    assert not (tmp_path / "audit.json").exists()
 
 
 def test_a_prompts_file_asking_for_a_stop_string_is_refused(tmp_path: Path) -> None:
@@ -214,28 +228,35 @@ def test_servers_are_sent_the_parameters_in_their_dialect() -> None:
 
 
 PLUGIN = ["-p", "no:cacheprovider", "--specaudit-pair", "tiny-llama", "--specaudit-temperature", "1.0",
-          "--specaudit-samples", "120", "--specaudit-sampled-new-tokens", "6", "--specaudit-sampled-draft-tokens", "3",
-          "--specaudit-request-params", '{"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.5}',
-          "--specaudit-seed", "3", "--specaudit-max-examples", "2", "--specaudit-max-new-tokens", "4",
-          "--specaudit-no-adversarial"]
+          "--specaudit-samples", "60", "--specaudit-seed", "3", "-k", "specaudit-sampled"]
+CHECKING_ENGINE = """
+from specaudit.engines.sampling.engine import SampledSpeculative
+
+
+class Checks(SampledSpeculative):
+    def generate(self, prompts, max_new_tokens, eos_token_id, seeds=None):
+        asked = self.request_params
+        if asked is None or len(asked) != len(prompts) or any(p.presence_penalty != 1.5 for p in asked):
+            raise RuntimeError(f"request parameters not given: {asked}")
+        return super().generate(prompts, max_new_tokens, eos_token_id, seeds=seeds)
+
+
+def make(target, draft, **options):
+    return Checks(target, draft, **options)
+"""
 
 
 def test_the_plugin_takes_request_params(pytester) -> None:
-    """`--specaudit-request-params JSON`: the sampled test of a correct engine passes with them, of an engine
-    counting penalties once per step fails; a field the sampled judge cannot apply is refused."""
-    pytester.syspathinsert(Path(__file__).parent)
-    pytester.makepyfile(test_own="def test_own():\n    assert True\n")
-    pytester.makepyfile(penalty_engines=(
-        "from specaudit.testing.faults.sampling import PenaltyPerStep\n"
-        "from specaudit.engines.registry import make_engine\n"
-        "def per_step(target, draft, *, temperature=None, top_k=0, top_p=1.0, seed=0, draft_tokens=3, **options):\n"
-        "    if temperature is None:\n"
-        "        return make_engine('eqspec', target, draft, batch_size=options.get('batch_size', 8), draft_tokens=draft_tokens)\n"
-        "    return PenaltyPerStep(target, draft, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,\n"
-        "                          draft_tokens=draft_tokens)\n"))
-    faulty = pytester.runpytest_inprocess("--specaudit-engine", "penalty_engines:per_step", *PLUGIN, "-k", "sampled")
-    assert faulty.ret == pytest.ExitCode.TESTS_FAILED, faulty.stdout.str()
-    refused = pytester.runpytest_inprocess("--specaudit-engine", "sampled-spec", *PLUGIN[:-8],
+    """`--specaudit-request-params JSON`: every call of the engine's sampled test gets them, one per request (the
+    engine raises otherwise), and it passes; a field the sampled judge cannot apply is refused."""
+    pytester.makepyfile(test_own="def test_own():\n    assert True\n", checking_engines=CHECKING_ENGINE)
+    pytester.syspathinsert()
+    asked = pytester.runpytest_inprocess("--specaudit-engine", "checking_engines:make", *PLUGIN,
+                                         "--specaudit-request-params", '{"presence_penalty": 1.5, "frequency_penalty": 0.5}')
+    asked.assert_outcomes(passed=1)
+    missing = pytester.runpytest_inprocess("--specaudit-engine", "checking_engines:make", *PLUGIN)
+    missing.assert_outcomes(failed=1)
+    refused = pytester.runpytest_inprocess("--specaudit-engine", "checking_engines:make", *PLUGIN,
                                            "--specaudit-request-params", '{"stop": ["x"]}')
     assert refused.ret != 0
     assert "stop is not applied by the sampled test" in refused.stdout.str() + refused.stderr.str()
