@@ -170,10 +170,11 @@ def _common(tmp_path: Path, repeating: list[str], *lines: dict) -> list[str]:
 
 
 def test_the_audit_passes_the_sampled_engines_and_rejects_both_faults(tmp_path: Path, repeating: list[str]) -> None:
-    """The penalties from the command line: sampled-spec and eqspec pass; a penalty counted once per verify step
+    """The penalties from the command line: sampled-spec, sampled-reference and eqspec pass; a penalty counted once per verify step
     and ignored penalties depart (their power at these settings: reports/sampled-params/README.md)."""
     common = _common(tmp_path, repeating, {"text": "xyz a"}) + ["--presence-penalty", "1.5", "--frequency-penalty", "1.0"]
-    result = audit("--engine", "sampled-spec", "--engine", "eqspec", *common, out=tmp_path / "ok")
+    result = audit("--engine", "sampled-spec", "--engine", "sampled-reference", "--engine", "eqspec", *common,
+                   out=tmp_path / "ok")
     assert result.returncode == 0, result.stdout + result.stderr
     runs = read_report(tmp_path / "ok").sampled
     assert runs["sampled-spec"]["request_params"] == [{"temperature": 1.0, "presence_penalty": 1.5,
@@ -185,14 +186,16 @@ def test_the_audit_passes_the_sampled_engines_and_rejects_both_faults(tmp_path: 
 
 
 def test_per_prompt_params_in_the_prompts_file(tmp_path: Path, repeating: list[str]) -> None:
-    """A prompts file line's `params`: the reference applies each prompt's own (the penalties on one, a logit bias
-    and min-p on the other), and an engine that ignores the penalties departs."""
+    """A prompts file line's `params`: the reference applies each prompt's own (the penalties on one; a logit bias,
+    min-p, a banned `bb` and min_tokens on the other), and an engine that ignores the penalties departs."""
     common = _common(tmp_path, repeating, {"text": "xyz a", "params": {"presence_penalty": 1.5, "frequency_penalty": 1.0}},
-                     {"text": "xyz b", "params": {"logit_bias": {"99": 1.0}, "min_p": 0.05}})
+                     {"text": "xyz b", "params": {"logit_bias": {"99": 1.0}, "min_p": 0.05, "bad_words": [[98, 98]],
+                                                  "min_tokens": 3}})
     assert audit("--engine", "sampled-spec", *common, out=tmp_path / "ok").returncode == 0
     report = read_report(tmp_path / "ok").sampled["sampled-spec"]
-    assert sorted(map(sorted, report["request_params"])) == [["frequency_penalty", "presence_penalty", "temperature"],
-                                                            ["logit_bias", "min_p", "temperature"]]
+    assert sorted(map(sorted, report["request_params"])) == [
+        ["bad_words", "logit_bias", "min_p", "min_tokens", "temperature"],
+        ["frequency_penalty", "presence_penalty", "temperature"]]
     faulty = audit("--engine", FAULT, "--engine-option", "fault=penalties_ignored", *common, out=tmp_path / "bad")
     assert faulty.returncode == 1, faulty.stdout
 

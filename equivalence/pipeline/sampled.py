@@ -78,14 +78,16 @@ def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list
     sampler = RequestParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     if not has_request_params(settings.prompts, settings.request_params):
         return None
-    if settings.oracle == "served":
-        raise UsageError("request parameters with --temperature need the weights (--pair, or --target): a served "
-                         "reference's log-probabilities are the raw model's, before any penalty")
     common = sampler.merged(settings.request_params) if settings.request_params is not None else sampler
     try:
         params = prompt_params(settings.prompts, count, common, settings.num_prompts)
     except (ValueError, json.JSONDecodeError) as exc:
         raise UsageError(str(exc)) from None
+    if all(p == sampler for p in params):  # --top-k alone: the sampler's own cut, as before
+        return None
+    if settings.oracle == "served":
+        raise UsageError("request parameters with --temperature need the weights (--pair, or --target): a served "
+                         "reference's log-probabilities are the raw model's, before any penalty")
     for number, p in enumerate(params, 1):
         refused = next((name for name in p.sent() if name in UNSAMPLED_FIELDS), None)
         if refused is not None:
