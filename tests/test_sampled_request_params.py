@@ -179,6 +179,7 @@ def test_the_audit_passes_the_sampled_engines_and_rejects_both_faults(tmp_path: 
     runs = read_report(tmp_path / "ok").sampled
     assert runs["sampled-spec"]["request_params"] == [{"temperature": 1.0, "presence_penalty": 1.5,
                                                        "frequency_penalty": 1.0}]
+    assert "request parameters: presence_penalty 1.5, frequency_penalty 1.0" in (tmp_path / "ok" / "report.md").read_text()
     for fault in ("penalty_per_step", "penalties_ignored"):
         result = audit("--engine", FAULT, "--engine-option", f"fault={fault}", *common, out=tmp_path / fault)
         assert result.returncode == 1, (fault, result.stdout)
