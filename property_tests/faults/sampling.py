@@ -1,7 +1,9 @@
 """Planted sampling faults: each a `SpeculativeRule` that breaks one part of speculative sampling the
 way a shipped engine did, for proving that the exact check (`equivalence/sampling/exact.py`) and the
 statistical audit (`equivalence/sampling/audit.py`) catch and name it. `SAMPLING_FAULTS` maps each
-name to its rule; `SharedStream` is an engine fault (the rule is right, the random streams are not).
+name to its rule; `SharedStream` is an engine fault (the rule is right, the random streams are not);
+`PENALTY_FAULTS` are engine faults of the request parameters' processing (a penalty counted once per
+verify step, penalties ignored).
 
 `NOT_FAULTS` are rules that look wrong but are exact: speculative sampling is correct for any draft
 distribution q as long as the draft draws from the very q that the acceptance divides by, so
