@@ -161,9 +161,16 @@ def test_greedy_requests_beside_sampled_ones_stay_greedy(pair) -> None:
     assert mixed[0] == greedy[0] and mixed[2] == greedy[2]
 
 
-def test_a_sampled_request_with_min_p_is_refused() -> None:
-    with pytest.raises(ValueError, match="min_p"):
-        RequestParams(temperature=0.7, min_p=0.1)
+def test_a_sampled_request_cuts_min_p_after_its_temperature() -> None:
+    """vLLM's order: the tempered probabilities are cut. Logits [0, -1]: at T 0.5 the second token's ratio to
+    the top one is e^-2 = 0.135, below min_p 0.2 (cut); before the temperature it would be e^-1 = 0.37 (kept)."""
+    from specaudit.engines.requests.sampled import request_table
+
+    params = RequestParams(temperature=0.5, min_p=0.2)
+    probs = request_table(torch.tensor([[0.0, -1.0, -9.0]]), [1], [], [], params, ())[0]
+    assert probs.tolist() == [1.0, 0.0, 0.0]
+    looser = request_table(torch.tensor([[0.0, -1.0, -9.0]]), [1], [], [], RequestParams(temperature=0.5, min_p=0.1), ())[0]
+    assert 0 < float(looser[1]) < 0.2 and float(looser[2]) == 0.0
 
 
 def test_the_command_line_audits_a_sampled_eqspec(tmp_path, capsys) -> None:

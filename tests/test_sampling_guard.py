@@ -127,7 +127,7 @@ def test_a_device_that_cannot_run_is_a_usage_error(tmp_path: Path, device: str, 
 @pytest.mark.parametrize("option", [
     ("--engine-dtype", "bfloat16"), ("--logit-tolerance", "0.1"), ("--plain-engine", "sampled-reference"),
     ("--require-speculation",), ("--pad-token-id", "0"), ("--diagnosis", "quick"), ("--diagnosis-budget", "5"),
-    ("--stop", "x"), ("--min-tokens", "2"), ("--logit-bias", "5:1"), ("--min-p", "0.1"), ("--logprobs", "2"),
+    ("--stop", "x"), ("--stop-token-id", "3"), ("--logprobs", "2"),
 ])
 def test_options_only_the_greedy_audit_uses_are_refused(tmp_path: Path, option: tuple[str, ...]) -> None:
     line = usage_error(audit("--engine", "sampled-spec", *option, *SMALL, out=tmp_path), option[0], "drop it")

@@ -41,7 +41,7 @@ def test_each_dialect_is_sent_the_sampling_fields_and_a_seed():
         assert "logprobs" not in body
     llama = sampled_request(LlamaCppEngine("http://x"), [1], 3, 258, params, seed=None)
     # llama.cpp: temperature before the nucleus (vLLM's order), every other cut off, no seed sent
-    assert llama["samplers"] == ["top_k", "temperature", "top_p"] and "seed" not in llama
+    assert llama["samplers"] == ["penalties", "top_k", "temperature", "min_p", "top_p"] and "seed" not in llama
     assert (llama["typical_p"], llama["xtc_probability"], llama["mirostat"], llama["n_probs"]) == (1.0, 0.0, 0, 0)
     # a cut that is off is the dialect's own "off"
     off = SamplingParams(temperature=1.0)

@@ -30,8 +30,9 @@ model's log-softmax, before any processor.
 Sampling (`temperature`, `top_p`, `seed`, with `top_k`): a request with temperature > 0 is sampled on the
 built-in engines (engines/sampling/step.py): its tokens are drawn from the processed row (the processors
 above, then temperature, top-k and top-p: `engines/sampling/process.py`) with its own seeded stream.
-Temperature 0 (the default) is greedy decoding. `min_p` with a temperature is refused (vLLM cuts `min_p`
-after the temperature; here it would be cut before).
+Temperature 0 (the default) is greedy decoding. A sampled request's `min_p` and `top_k` are its sampler's
+cuts, after the temperature as vLLM applies them (`engines/sampling/process.py`), not the `post_sampling`
+row's; `engines/requests/sampled.py` gives the whole chain of one sampled request.
 
 llama.cpp names: `repeat_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `n_probs`,
 `stop`, `n_predict`; it has no `min_tokens` or `bad_words` (see engines/adapters/servers.py).
@@ -106,9 +107,6 @@ class RequestParams:
             raise ValueError(f"temperature must be at least 0 (0: greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1] (1: off), got {self.top_p}")
-        if self.min_p > 0 and self.temperature > 0:
-            # vLLM cuts min_p after the temperature; the processors here cut it before: refused, not redefined
-            raise ValueError("min_p with temperature > 0 is not supported by the project's engines")
 
     @property
     def sampled(self) -> bool:

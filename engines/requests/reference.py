@@ -120,7 +120,8 @@ def decode_with_params(model: PreTrainedModel, prompt: list[int], params: Reques
         if sampling is None:
             token = int(processed.greedy.argmax())
         else:
-            token = sampling.draws.categorical(process_logits(processed.post_sampling, sampling.params))
+            # the sampler's own cuts (min-p, top-k) come after the temperature: the processed row, not post_sampling
+            token = sampling.draws.categorical(process_logits(processed.greedy, sampling.params))
         for definition, row in (("raw", raw), ("processed", processed.greedy), ("post_sampling", processed.post_sampling)):
             result.logprobs[definition].append(float(log_softmax(row)[token]))
         raw_lp = log_softmax(raw)

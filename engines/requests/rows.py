@@ -42,7 +42,7 @@ from specaudit.engines.contract import Capabilities
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import PENALTY_SCOPES, RequestParams, process, with_bad_words_resolved
 from specaudit.engines.requests.reference import find_stop, text_for
-from specaudit.engines.sampling.process import SamplingParams
+from specaudit.engines.requests.sampled import sampling_of
 from specaudit.engines.sampling.rules import SpeculativeRule, seeded_draws
 from specaudit.engines.sampling.step import RowSampling, StepSampler
 
@@ -85,8 +85,8 @@ class RowRequests:
         self.rows: list[RowRequest] = []
         for prompt, p in zip(prompts, params):
             p = with_bad_words_resolved(p, tokenizer)
-            # a sampled request's top-k is its sampler's cut (engines/sampling/process.py), not a processor's
-            changes = any(name in LOGIT_FIELDS and not (p.sampled and name == "top_k") for name in p.sent())
+            # a sampled request's top-k and min-p are its sampler's cuts (engines/sampling/process.py), not processors'
+            changes = any(name in LOGIT_FIELDS and not (p.sampled and name in ("top_k", "min_p")) for name in p.sent())
             self.rows.append(RowRequest(list(prompt), p, tuple(sorted(eos | set(p.stop_token_ids))), changes,
                                         sampling=row_sampling(p)))
 
@@ -111,7 +111,7 @@ def row_sampling(params: RequestParams) -> RowSampling | None:
     if not params.sampled:
         return None
     seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, ()))
-    return RowSampling(SamplingParams(params.temperature, max(params.top_k, 0), params.top_p), seeded_draws(seed))
+    return RowSampling(sampling_of(params), seeded_draws(seed))
 
 
 class StepRequests:

@@ -1,7 +1,11 @@
 """Sampling parameters and the processing of logits into the probabilities a token is drawn from.
 
-The order is vLLM's and transformers': temperature, then top-k, then top-p, then renormalisation.
-Ties are kept on both cuts, so the result never depends on how a sort orders equal values:
+The order is vLLM's (vllm/v1/sample/sampler.py `Sampler.sample`): temperature, then min-p, then top-k,
+then top-p, then renormalisation. Ties are kept on every cut, so the result never depends on how a sort
+orders equal values:
+
+- min-p keeps every token whose tempered probability is at least `min_p` times the top token's (vLLM's
+  `MinPLogitsProcessor`, an argmax-invariant processor run after the temperature);
 
 - top-k keeps every token whose logit is at least the k-th largest (a tie at the k-th place keeps all
   of the tied tokens);
@@ -21,11 +25,12 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks for. `top_k=0` and `top_p=1.0` switch the cuts off."""
+    """What a request asks for. `top_k=0`, `top_p=1.0` and `min_p=0.0` switch the cuts off."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -34,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be at least 0 (0: off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1: off), got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +52,10 @@ class SamplingParams:
                        top_k=0 if top_k else self.top_k, top_p=1.0 if top_p else self.top_p)
 
     def describe(self) -> dict[str, float | int]:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        described: dict[str, float | int] = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        if self.min_p:
+            described["min_p"] = self.min_p
+        return described
 
 
 def _keep_top_k(scaled: torch.Tensor, k: int) -> torch.Tensor:
@@ -54,6 +64,15 @@ def _keep_top_k(scaled: torch.Tensor, k: int) -> torch.Tensor:
         return torch.ones_like(scaled, dtype=torch.bool)
     kth = scaled.topk(k, dim=-1).values[..., -1:]  # [..., 1]
     return scaled >= kth
+
+
+def _keep_min_p(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """[..., V] bool: probability at least min_p times the top one's, i.e. logit at least the top logit
+    plus log(min_p) (the softmax's normaliser cancels)."""
+    if min_p <= 0:
+        return torch.ones_like(scaled, dtype=torch.bool)
+    probs = torch.softmax(scaled, dim=-1)  # [..., V]
+    return probs >= min_p * probs.max(-1, keepdim=True).values
 
 
 def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -81,6 +100,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.greedy:
         return torch.nn.functional.one_hot(scores.argmax(-1), scores.shape[-1]).to(torch.float64)
     scaled = scores / params.temperature
+    scaled = scaled.masked_fill(~_keep_min_p(scaled, params.min_p), float("-inf"))
     scaled = scaled.masked_fill(~_keep_top_k(scaled, params.top_k), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     probs = probs * _keep_top_p(probs, params.top_p)

@@ -244,8 +244,8 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         speculation=args.speculation, acceptance_baseline=args.acceptance_baseline,
         require_acceptance=args.require_acceptance, payoff=args.payoff,
         diagnosis=args.diagnosis, diagnosis_budget=args.diagnosis_budget,
-        # under sampling, --top-k is the sampler's cut (every other request parameter is refused)
-        request_params=request_params_from_args(args, parser) if sampling is None else None,
+        # under sampling, --top-k is the sampler's cut; the other request parameters go to the sampled judge too
+        request_params=request_params_from_args(args, parser),
         reference=args.reference, tokenizer=args.tokenizer,
         reference_batch_invariant=args.reference_batch_invariant,
         reference_top_logprobs=args.reference_top_logprobs, sampling=sampling,

@@ -36,7 +36,7 @@ def add_request_arguments(audit: argparse.ArgumentParser) -> None:
                        help="add BIAS to token ID's logit (repeatable; BIAS in [-100, 100])")
     group.add_argument("--bad-words", action="append", default=[], metavar="TEXT",
                        help="a banned word, as text (repeatable; resolved to token ids as vLLM does)")
-    group.add_argument("--min-p", type=float, default=0.0, metavar="P", help="min_p (changes reported probabilities only)")
+    group.add_argument("--min-p", type=float, default=0.0, metavar="P", help="min_p (greedy: changes reported probabilities only; with --temperature: the sampler's cut, after the temperature)")
     group.add_argument("--top-k", type=int, default=0, metavar="K", help="top_k (greedy: changes reported probabilities only; with --temperature: the sampling cut; 0: off)")
     group.add_argument("--logprobs", type=int, default=None, metavar="N", help="top log-probabilities to ask for")
 

@@ -128,7 +128,12 @@ def preflight(settings: AuditSettings) -> None:
         validate.check_device(settings.device, settings.dtypes)
     else:
         validate.preflight(settings)
-    requests_run.preflight(settings)  # request parameters go to engines that take them
+    if settings.judge == "sampled":  # request parameters the sampled judge applies; which engines take them: on opening
+        from specaudit.equivalence.pipeline import sampled
+
+        sampled.preflight(settings)
+    else:
+        requests_run.preflight(settings)  # request parameters go to engines that take them
     acceptance_preflight(settings)
 
 

@@ -9,6 +9,7 @@ engine is a recording and no prompt file is given, the prompts are the recording
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,60 @@ def _load(pair_spec: str | UserPair, dtype: str, device: str) -> Any:
 def sampling_params(settings: AuditSettings) -> Any:
     from specaudit.engines.sampling.process import SamplingParams
 
+    sampling, common = settings.sampling, settings.request_params
+    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          min_p=common.min_p if common is not None else 0.0)
+
+
+# request parameters the sampled judge cannot apply: what each would need
+UNSAMPLED_FIELDS = {"stop": "stop strings end a sample on its text, which the sampled tests do not read",
+                    "stop_token_ids": "a stop id ends a sample; the sampled tests end samples at EOS alone",
+                    "max_tokens": "give --max-new-tokens, every sample's budget",
+                    "logprobs": "the sampled audit tests tokens, not reported probabilities",
+                    "seed": "the run seeds every request itself (--seed)"}
+
+
+def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list[Any] | None:
+    """One `RequestParams` per prompt: the sampler's temperature, top-k and top-p, the command line's request
+    parameters (penalties, logit bias, bad words, min_tokens, min-p) and a prompts file line's `params` over
+    them; bad words resolved to ids with the target's tokenizer. None when nothing but the sampler is asked
+    (every engine then samples as before). `UsageError` for a parameter the sampled judge cannot apply."""
+    from specaudit.engines.requests import RequestParams, with_bad_words_resolved
+    from specaudit.equivalence.blackbox.requests_run import has_request_params, prompt_params
+
     sampling = settings.sampling
-    return SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    sampler = RequestParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    if not has_request_params(settings.prompts, settings.request_params):
+        return None
+    common = sampler.merged(settings.request_params) if settings.request_params is not None else sampler
+    try:
+        params = prompt_params(settings.prompts, count, common, settings.num_prompts)
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise UsageError(str(exc)) from None
+    if all(p == sampler for p in params):  # --top-k alone: the sampler's own cut, as before
+        return None
+    if settings.oracle == "served":
+        raise UsageError("request parameters with --temperature need the weights (--pair, or --target): a served "
+                         "reference's log-probabilities are the raw model's, before any penalty")
+    for number, p in enumerate(params, 1):
+        refused = next((name for name in p.sent() if name in UNSAMPLED_FIELDS), None)
+        if refused is not None:
+            raise UsageError(f"prompt {number}: {refused} is not applied by the sampled audit (--temperature): "
+                             f"{UNSAMPLED_FIELDS[refused]}; drop it")
+    return [with_bad_words_resolved(p, tokenizer) for p in params]
+
+
+def preflight(settings: AuditSettings) -> None:
+    """`UsageError` for request parameters the sampled judge cannot apply, before a model is loaded (the
+    prompts file's `params` of every line, the command line's)."""
+    from specaudit.equivalence.blackbox.requests_run import has_request_params
+
+    if not has_request_params(settings.prompts, settings.request_params):
+        return
+    lines = 1
+    if settings.prompts != "builtin" and Path(settings.prompts).is_file():
+        lines = max(1, sum(1 for line in Path(settings.prompts).read_text(encoding="utf-8").splitlines() if line.strip()))
+    prompt_requests(settings, lines, None)
 
 
 def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dtype: str
@@ -98,6 +151,13 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
             check_ids(f"the recording's prompt {number}", ids, vocab_size, None, settings.max_new_tokens)
     else:
         prompts = load_prompts(settings.prompts, pair.tokenizer, settings.num_prompts, vocab_size=vocab_size)
+    if prompt_requests(settings, len(prompts), pair.tokenizer) is not None:
+        from specaudit.engines.contract import declares
+
+        for spec, engine in built.items():
+            if source_of(spec) != "recording" and not declares(engine, "request_params"):
+                raise UsageError(f"engine {spec} takes no request parameters (it declares no `request_params`): "
+                                 "audit it with the temperature and cuts alone, or drop the request parameters")
     return oracle, prompts, eos, built
 
 
@@ -125,7 +185,8 @@ def pair_run(settings: AuditSettings, spec: str, engine: Any, pair: Any, oracle:
             vocab_size=pair.target.config.vocab_size, batch_size=batch_size, device=settings.device,
             recorded=recorded, samples=sampling.samples, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
             seed=sampling.seed, alpha=sampling.alpha, draft=oracle.draft,
-            run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar)
+            run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar,
+            request_params=prompt_requests(settings, len(prompts), pair.tokenizer))
     finally:
         if bar is not None:
             bar.close()

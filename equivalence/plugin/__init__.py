@@ -88,6 +88,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                            "bonus token often (default: 2)")
     sampled.addoption("--specaudit-alpha", type=float, default=0.01, metavar="A",
                       help="family-wise false-positive rate of the sampled tests (default: 0.01)")
+    sampled.addoption("--specaudit-request-params", default=None, metavar="JSON",
+                      help='request parameters of the sampled test, a JSON object such as {"presence_penalty": 0.5, '
+                           '"logit_bias": {"101": 2.0}} (the penalties, logit_bias, bad_words as ids, min_tokens, '
+                           'min_p; default: none)')
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,7 +21,8 @@ SAMPLED_OPTIONS = {"specaudit_temperature": ("--specaudit-temperature", None),
                    "specaudit_samples": ("--specaudit-samples", 300),
                    "specaudit_sampled_new_tokens": ("--specaudit-sampled-new-tokens", 3),
                    "specaudit_sampled_draft_tokens": ("--specaudit-sampled-draft-tokens", 2),
-                   "specaudit_alpha": ("--specaudit-alpha", 0.01)}
+                   "specaudit_alpha": ("--specaudit-alpha", 0.01),
+                   "specaudit_request_params": ("--specaudit-request-params", None)}
 
 
 class SampledDeparture(AssertionError):
@@ -43,6 +44,31 @@ class SampledSetting:
     alpha: float
     draft_tokens: int
     batch_size: int
+    request_params: str | None = None  # a JSON object of request parameters (RequestParams.from_dict)
+
+    def requests(self) -> Any:
+        """The one `RequestParams` of the test's prompt (the sampler's fields and the JSON's), or None without
+        request parameters; ValueError for a bad object or a field the sampled judge cannot apply."""
+        import json
+
+        from specaudit.engines.requests import RequestParams
+        from specaudit.equivalence.pipeline.sampled import UNSAMPLED_FIELDS
+
+        if self.request_params is None:
+            return None
+        try:
+            given = json.loads(self.request_params)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--specaudit-request-params: not JSON ({exc.msg})") from None
+        if not isinstance(given, dict):
+            raise ValueError("--specaudit-request-params: give a JSON object")
+        params = RequestParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p).merged(
+            RequestParams.from_dict(given))
+        refused = next((name for name in params.sent() if name in UNSAMPLED_FIELDS or name == "bad_words_text"), None)
+        if refused is not None:
+            raise ValueError(f"--specaudit-request-params: {refused} is not applied by the sampled test"
+                             + (" (give bad_words as token ids)" if refused == "bad_words_text" else ""))
+        return params
 
 
 def setting_from(config: Any) -> SampledSetting | None:
@@ -53,7 +79,8 @@ def setting_from(config: Any) -> SampledSetting | None:
     return SampledSetting(temperature, config.getoption("specaudit_top_k"), config.getoption("specaudit_top_p"),
                           config.getoption("specaudit_samples"), config.getoption("specaudit_sampled_new_tokens"),
                           config.getoption("specaudit_alpha"), config.getoption("specaudit_sampled_draft_tokens"),
-                          max(config.getoption("specaudit_batch_size") or [8]))
+                          max(config.getoption("specaudit_batch_size") or [8]),
+                          config.getoption("specaudit_request_params"))
 
 
 def check_setting(setting: SampledSetting) -> None:
@@ -69,6 +96,7 @@ def check_setting(setting: SampledSetting) -> None:
                          "must be at least 1")
     if not 0 < setting.alpha < 1:
         raise ValueError(f"--specaudit-alpha {setting.alpha}: give a false-positive rate between 0 and 1")
+    setting.requests()
 
 
 def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int) -> dict[str, Any]:
@@ -82,17 +110,24 @@ def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int)
     from specaudit.testing import models
 
     pair = models.pair(pair_name)
-    params = SamplingParams(temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p)
+    requests = setting.requests()
+    params = SamplingParams(temperature=setting.temperature, top_k=setting.top_k, top_p=setting.top_p,
+                            min_p=requests.min_p if requests is not None else 0.0)
     try:
         built = make_engine(engine, pair.target, pair.draft, sampling=params, seed=seed,
                             draft_tokens=setting.draft_tokens, batch_size=setting.batch_size)
     except Exception as exc:  # noqa: BLE001 - a greedy-only engine, or a factory that raises: one line
         raise SampledRunFailed(f"{engine} cannot sample: {type(exc).__name__}: {exc}") from None
+    from specaudit.engines.contract import declares
+
+    if requests is not None and not declares(built, "request_params"):
+        raise SampledRunFailed(f"{engine} takes no request parameters (it declares no `request_params`): "
+                               "drop --specaudit-request-params")
     report = guarded_sampled_audit(
         engine, lambda: built, pair.target, builtin_prompts()[:1], params, timeout=None,
         vocab_size=pair.target.config.vocab_size, batch_size=setting.batch_size, device="cpu",
         samples=setting.samples, max_new_tokens=setting.max_new_tokens, eos_token_id=pair.eos_token_id, seed=seed,
-        alpha=setting.alpha, draft=pair.draft)
+        alpha=setting.alpha, draft=pair.draft, request_params=None if requests is None else [requests])
     if report.get("failed"):
         raise SampledRunFailed(engine_sentence(engine, report))
     if report["verdict"] != PASS:

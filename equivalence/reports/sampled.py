@@ -188,7 +188,10 @@ def sampled_setting(audit: dict[str, Any]) -> list[tuple[str, str]]:
     config = audit.get("config") or {}
     params = config.get("sampling") or {}
     forcing = config.get("teacher_forcing") or {}
+    asked = {k: v for k, v in (config.get("request_params") or {}).items() if k not in ("top_k", "temperature", "top_p")}
     rows = [("samples per engine", config.get("samples")), ("sampling", ", ".join(f"{k} {v}" for k, v in params.items())),
+            # the command line's request parameters (a prompts file's per-line ones are in each run's `request_params`)
+            ("request parameters", ", ".join(f"{k} {v}" for k, v in asked.items())),
             ("seed", config.get("seed")), ("alpha (family-wise)", config.get("alpha")),
             ("teacher forcing", " ".join(str(v) for v in forcing.values())),
             ("timeout", None if config.get("timeout") is None else f"{config['timeout']} s")]

@@ -38,15 +38,17 @@ allowance is taken and nothing changes.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.sampling.process import SamplingParams, process_logits
+from specaudit.engines.sampling.process import SamplingParams
 from specaudit.equivalence.sampling import stats
-from specaudit.equivalence.sampling.teacher import Sample, target_distributions, target_logits
+from specaudit.equivalence.sampling.teacher import Processing, Sample, target_distributions, target_logits
 
 PIT_BINS = 20
 POWER = 0.8
@@ -86,10 +88,11 @@ def _offset_scope(offset: int) -> str:
     return "prefill tokens" if offset < 0 else f"step offset {offset}"
 
 
-def _draft_distributions(draft: PreTrainedModel, samples: list[Sample], params: SamplingParams,
+def _draft_distributions(draft: PreTrainedModel, samples: list[Sample], params: SamplingParams | Processing,
                          target_probs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per sample [n, V]: the draft's processed distribution before each sampled token (teacher forced on
-    the same prefix), on the target's vocabulary (ids the draft lacks: 0; ids past the target's: dropped)."""
+    the same prefix), on the target's vocabulary (ids the draft lacks: 0; ids past the target's: dropped).
+    Only the order of the tokens comes from it: any order leaves a correct sampler's u's uniform."""
     out = []
     for q, p in zip(target_distributions(draft, samples, params), target_probs):
         vocab = p.shape[-1]
@@ -105,7 +108,7 @@ def _direction(u: torch.Tensor) -> str:
 
 
 def _kept_within_rounding(model: PreTrainedModel, run_model: PreTrainedModel, samples: list[Sample],
-                          cut: list[tuple[int, int, int]], params: SamplingParams) -> list[bool]:
+                          cut: list[tuple[int, int, int]], processing: Processing) -> list[bool]:
     """For each (sample, position, token) the float64 target cuts: whether the processing keeps the token once
     its logits move as far as the engine's rounding can take them, in the token's favour (its logit up, every
     other down, by `ROUNDING_FACTOR` times the largest difference there between the run's logits and float64's).
@@ -121,23 +124,34 @@ def _kept_within_rounding(model: PreTrainedModel, run_model: PreTrainedModel, sa
         reach = ROUNDING_FACTOR * float((rounded[index][position] - logits).abs().max())
         favoured = logits - reach
         favoured[token] = logits[token] + reach
-        kept.append(reach > 0 and float(process_logits(favoured, params)[token]) > 0)
+        kept.append(reach > 0 and float(processing.row(index, samples[index], position, favoured)[token]) > 0)
     return kept
 
 
 def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = 0.01,
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
                   offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None,
-                  run_model: PreTrainedModel | None = None) -> dict[str, Any]:
+                  run_model: PreTrainedModel | None = None, requests: list[Any] | None = None,
+                  stop_ids: tuple[int, ...] = (), penalty_scope: str = "output") -> dict[str, Any]:
     """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict.
     `offsets`: per sample, each token's offset in the step that emitted it; `draft`: the draft model;
-    `run_model`: the target as the engine runs it, for the rounding allowance (module docstring)."""
+    `run_model`: the target as the engine runs it, for the rounding allowance (module docstring);
+    `requests`: one `RequestParams` per sample, whose processors (penalties, logit bias, bad words as ids,
+    min_tokens banning `stop_ids`) and cuts the target's distribution takes (teacher.py `Processing`)."""
     # the PIT's own stream, apart from every request's ((seed << 20) + i, engines/sampling/engine.py)
     generator = torch.Generator().manual_seed((1 << 62) + seed)
-    probs = target_distributions(model, samples, params)
-    draft_probs = _draft_distributions(draft, samples, params, probs) if draft is not None else None
+    processing = Processing(params, requests, tuple(stop_ids), penalty_scope)
+    if requests is not None and len(requests) != len(samples):
+        raise ValueError(f"{len(requests)} request parameter sets for {len(samples)} samples: give one per sample")
+    probs = target_distributions(model, samples, processing)
+    # the draft's q as the engines' drafters draw from it: the request's temperature and cuts on its raw logits
+    draft_processing = (params if requests is None
+                        else Processing(params, [replace(r, repetition_penalty=1.0, presence_penalty=0.0,
+                                                         frequency_penalty=0.0, logit_bias=(), bad_words=(),
+                                                         min_tokens=0) for r in requests]))
+    draft_probs = _draft_distributions(draft, samples, draft_processing, probs) if draft is not None else None
     # [n] per sample: each token's rounding allowance (0 in float64 on the CPU)
-    run_probs = target_distributions(run_model, samples, params) if run_model is not None else None
+    run_probs = target_distributions(run_model, samples, processing) if run_model is not None else None
     allowances = ([ROUNDING_FACTOR * 0.5 * (r - p).abs().sum(-1) for r, p in zip(run_probs, probs)]
                   if run_probs is not None else [torch.zeros(len(sampled), dtype=stats.F64) for _, sampled in samples])
     tokens, positions, table, contexts = [], [], [], defaultdict(list)
@@ -153,7 +167,7 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     impossible = [{"sample": i, "position": j, "token": t} for i, j, t in cut]
     if run_model is not None and cut:
         impossible = [entry for entry, kept in zip(impossible, _kept_within_rounding(model, run_model, samples, cut,
-                                                                                   params)) if not kept]
+                                                                                   processing)) if not kept]
     rounding_cuts = len(cut) - len(impossible)
     if not tokens:
         raise ValueError("no sampled tokens to audit")
@@ -228,7 +242,11 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     pooled_test, contexts_tested = tests[0], [t for t in tests if t["test"] == "chi_square_context"]
     first_contexts = [t for t in contexts_tested if t["scope"].endswith("prefix []")]
     report: dict[str, Any] = {
-        "params": params.describe(), "alpha": alpha, "samples": len(samples), "tokens": len(tokens),
+        "params": params.describe(), "alpha": alpha,
+        # each prompt's request parameters beside the sampler's (None: the sampler's alone)
+        "request_params": (None if requests is None else
+                           [json.loads(text) for text in dict.fromkeys(json.dumps(r.to_dict(), sort_keys=True)
+                                                                       for r in requests)]), "samples": len(samples), "tokens": len(tokens),
         "tests": tests, "impossible_tokens": impossible[:20], "impossible_count": len(impossible),
         "p_value": 0.0 if impossible else adjusted[worst],
         "departs": departs,

@@ -1,5 +1,10 @@
 """`specaudit audit --temperature T [--top-p P] [--top-k K] --samples N [--seed S]`: the sampled audit's options.
 
+The greedy audit's request-parameter flags (equivalence/cli/request_args.py) go with them: the repetition,
+presence and frequency penalties, `--logit-bias`, `--bad-words`, `--min-tokens` and `--min-p` are sent to the
+engines and applied by the reference in vLLM's order (engines/requests/sampled.py); `--stop`,
+`--stop-token-id` and `--logprobs` are refused.
+
 With `--temperature`, `specaudit audit` tests sampled outputs instead of comparing greedy ones: each
 `--engine` (sampled-spec, sampled-reference, the project's eqspec, exspec, inplace, batched or
 reference sampled through their request parameters, hf-assisted, package.module:factory, recorded:FILE:
@@ -20,7 +25,7 @@ from typing import Any
 
 # `specaudit audit` options that only the greedy audit uses: (attribute, its default, why), refused when given
 _GREEDY_ONLY = "it rules greedy divergences; the sampled audit tests distributions"
-_NOT_SAMPLED = "the sampled audit samples with temperature, top-k and top-p alone"
+_NOT_SAMPLED = "the sampled judge cannot apply it (it ends or reports a sample, the tests read tokens up to EOS)"
 REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("engine_dtype", None, "give --dtype D instead, the precision the sampled audit loads the pair in and measures "
                            "its rounding allowance in"),
@@ -30,10 +35,8 @@ REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("pad_token_id", None, "the sampled engines use the pair's own pad id"),
     ("diagnosis", "full", "the sampled audit names no causes"),
     ("diagnosis_budget", None, "the sampled audit names no causes"),
-    ("stop", [], _NOT_SAMPLED), ("stop_token_id", [], _NOT_SAMPLED), ("min_tokens", 0, _NOT_SAMPLED),
-    ("repetition_penalty", 1.0, _NOT_SAMPLED), ("presence_penalty", 0.0, _NOT_SAMPLED),
-    ("frequency_penalty", 0.0, _NOT_SAMPLED), ("logit_bias", [], _NOT_SAMPLED), ("bad_words", [], _NOT_SAMPLED),
-    ("min_p", 0.0, _NOT_SAMPLED), ("logprobs", None, _NOT_SAMPLED),
+    # the penalties, --logit-bias, --bad-words, --min-tokens and --min-p are applied (equivalence/pipeline/sampled.py)
+    ("stop", [], _NOT_SAMPLED), ("stop_token_id", [], _NOT_SAMPLED), ("logprobs", None, _NOT_SAMPLED),
 )
 
 

@@ -51,18 +51,27 @@ def check_budget(outputs: list[list[int]], max_new_tokens: int, eos_token_id: An
                                 "is to stop at the first EOS")
 
 
+def _ask(engine: Any, params: list[Any] | None) -> None:
+    """Set the request parameters of the engine's next `generate` (one per prompt), where the run has any."""
+    if params is not None:
+        unguarded(engine).request_params = list(params)
+
+
 def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, seed: int,
-         chunk: int | None = None, progress: Any = None) -> tuple[list[list[int]], list[list[int]] | None, Any]:
+         chunk: int | None = None, progress: Any = None, params: list[Any] | None = None
+         ) -> tuple[list[list[int]], list[list[int]] | None, Any]:
     """The engine's outputs for `requests`, each token's step offset (or None) and its speculation counters
     (or None). With `chunk`, an engine that takes per-request seeds and keeps no counters of its own
     (`last_speculation`, which a later call would replace) is called `chunk` requests at a time with the
     seeds it would give them itself in one call (`request_seeds(seed, n)`), so its tokens are the same
     (the seed check tests that promise) and `progress` (anything with `update(n)`, e.g. a tqdm bar) moves
-    after each chunk; any other engine is called once."""
+    after each chunk; any other engine is called once. `params`: one `RequestParams` per request, set as the
+    engine's `request_params` before each call (its slice for a chunk)."""
     base = unguarded(engine)
     whole = (chunk is None or chunk >= len(requests) or declares(base, "last_speculation")
              or "seeds" not in inspect.signature(base.generate).parameters)
     if whole:
+        _ask(engine, params)
         outputs = engine.generate(requests, max_new_tokens, eos_token_id)
         if progress is not None:
             progress.update(len(requests))
@@ -73,6 +82,7 @@ def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_
     offsets: list[list[int]] | None = []
     for start in range(0, len(requests), chunk):
         part = slice(start, start + chunk)
+        _ask(engine, params[part] if params is not None else None)
         outputs += engine.generate(requests[part], max_new_tokens, eos_token_id, seeds=seeds[part])
         got = capability(engine, "last_step_offsets")
         offsets = None if offsets is None or got is None else offsets + [list(o) for o in got]
@@ -81,16 +91,23 @@ def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_
     return outputs, offsets, None
 
 
-def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any, seed: int
-                ) -> dict[str, Any]:
-    """Same seed twice, and the first request alone against it inside the batch."""
+def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any, seed: int,
+                params: list[Any] | None = None) -> dict[str, Any]:
+    """Same seed twice, and the first request alone against it inside the batch. `params`: one
+    `RequestParams` per prompt, or None."""
     if "seeds" not in inspect.signature(unguarded(engine).generate).parameters:
         return {"checked": False, "why": "the engine takes no per-request seeds"}
     batch = prompts[:4] if len(prompts) >= 4 else (prompts * 4)[:4]
+    asked = None if params is None else (params[:4] if len(params) >= 4 else (params * 4)[:4])
     seeds = request_seeds(seed + 7919, len(batch))
+    _ask(engine, asked)
     first = engine.generate(batch, max_new_tokens, eos_token_id, seeds=seeds)
+    _ask(engine, asked)
     second = engine.generate(batch, max_new_tokens, eos_token_id, seeds=seeds)
-    alone = [engine.generate([prompt], max_new_tokens, eos_token_id, seeds=[s])[0] for prompt, s in zip(batch, seeds)]
+    alone = []
+    for index, (prompt, s) in enumerate(zip(batch, seeds)):
+        _ask(engine, None if asked is None else [asked[index]])
+        alone.append(engine.generate([prompt], max_new_tokens, eos_token_id, seeds=[s])[0])
     return {"checked": True, "same_seed_same_output": first == second, "alone_equals_batch": alone == first,
             "rows_differing_alone": [i for i, (a, b) in enumerate(zip(alone, first)) if a != b]}
 
@@ -98,31 +115,42 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
                   recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
-                  run_target: Any = None, chunk: int | None = None, progress: Any = None) -> dict[str, Any]:
+                  run_target: Any = None, chunk: int | None = None, progress: Any = None,
+                  request_params: list[Any] | None = None) -> dict[str, Any]:
     """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
     `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
     distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
     device and dtype), for the rounding allowance; an engine's `last_step_offsets` (each token's offset in
-    its step) stratifies the tests; `chunk`, `progress`: see `draw`. Raises whatever the engine raises:
+    its step) stratifies the tests; `chunk`, `progress`: see `draw`; `request_params`: one `RequestParams` per
+    prompt (penalties, logit bias, bad words as ids, min_tokens, min-p beside the sampler's cuts), sent as the
+    engine's `request_params` and applied by the reference, or None. Raises whatever the engine raises:
     `guarded_sampled_audit` guards it."""
+    from specaudit.engines.limits import eos_ids
+
     started = time.perf_counter()
     offsets = None
     if recorded is None:
         requests = spread(prompts, samples)
+        per_sample = None if request_params is None else spread(request_params, samples)
         outputs, offsets, speculation = draw(engine, requests, max_new_tokens, eos_token_id, seed=seed,
-                                             chunk=chunk, progress=progress)
+                                             chunk=chunk, progress=progress, params=per_sample)
         check_budget(outputs, max_new_tokens, eos_token_id)
         drawn: list[Sample] = list(zip(requests, outputs))
     else:
         check_budget([tokens for _, tokens in recorded], max_new_tokens, eos_token_id, recording=True)
         drawn, speculation = recorded, None
+        by_prompt = {tuple(p): r for p, r in zip(prompts, request_params or [])}
+        per_sample = None if request_params is None else [by_prompt.get(tuple(p), request_params[0]) for p, _ in drawn]
     sampling_seconds = time.perf_counter() - started
+    scope = (capability(unguarded(engine), "penalty_scope") if engine is not None else None) or "output"
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
-                           run_model=run_target)
+                           run_model=run_target, requests=per_sample, stop_ids=tuple(sorted(eos_ids(eos_token_id))),
+                           penalty_scope=scope)
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
     report["speculation"] = speculation
-    report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed) if recorded is None and seed_checks
+    report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed, request_params)
+                       if recorded is None and seed_checks
                        else {"checked": False, "why": "a recording cannot be re-run" if recorded is not None
                              else "not asked"})
     seeds = report["seeds"]

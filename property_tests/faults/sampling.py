@@ -1,7 +1,9 @@
 """Planted sampling faults: each a `SpeculativeRule` that breaks one part of speculative sampling the
 way a shipped engine did, for proving that the exact check (`equivalence/sampling/exact.py`) and the
 statistical audit (`equivalence/sampling/audit.py`) catch and name it. `SAMPLING_FAULTS` maps each
-name to its rule; `SharedStream` is an engine fault (the rule is right, the random streams are not).
+name to its rule; `SharedStream` is an engine fault (the rule is right, the random streams are not);
+`PENALTY_FAULTS` are engine faults of the request parameters' processing (a penalty counted once per
+verify step, penalties ignored).
 
 `NOT_FAULTS` are rules that look wrong but are exact: speculative sampling is correct for any draft
 distribution q as long as the draft draws from the very q that the acceptance divides by, so
@@ -11,11 +13,12 @@ nothing else. The checks must pass them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from specaudit.engines.sampling.engine import SampledSpeculative
+from specaudit.engines.sampling.engine import SampledRow, SampledSpeculative
 from specaudit.engines.sampling.process import SamplingParams, process_logits
 from specaudit.engines.sampling.rules import Draws, GeneratorDraws, SpeculativeRule, rejection_sample_row
 
@@ -189,14 +192,49 @@ class SharedStream(SampledSpeculative):
         return [shared] * len(seeds)
 
 
+class PenaltyPerStep(SampledSpeculative):
+    """SGLang PR #33643's shape: under speculation the occurrence counts are updated once per verify step,
+    not once per accepted token. Every verify position of a step is processed with the output committed
+    before the step, so a draft accepted earlier in the same step is not yet counted at the positions after
+    it: a repeated token escapes its presence and frequency penalty (and its repetition penalty) inside a step.
+    Greedy-equivalence suites and one-token steps never see it."""
+
+    name = "penalty_per_step"
+
+    def histories(self, output: list[int], drafts: list[int]) -> list[list[int]]:
+        return [list(output) for _ in range(len(drafts) + 1)]
+
+
+class PenaltiesIgnored(SampledSpeculative):
+    """TensorRT-LLM PR #17701's shape: the speculative path silently ignores the repetition, presence and
+    frequency penalties (the request is accepted, the logits are left as they are)."""
+
+    name = "penalties_ignored"
+
+    def processed_target(self, logits: torch.Tensor, row: SampledRow, drafts: list[int]) -> torch.Tensor:
+        plain = replace(row.params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+        return super().processed_target(logits, replace(row, params=plain), drafts)
+
+
+# faults of the request parameters' processing (the rule itself is right): `fault=NAME` in `make_fault_engine`
+PENALTY_FAULTS: dict[str, type[SampledSpeculative]] = {PenaltyPerStep.name: PenaltyPerStep,
+                                                       PenaltiesIgnored.name: PenaltiesIgnored}
+
+
 def make_fault_engine(target: Any, draft: Any = None, *, fault: str, engine: str = "sampled-spec",
                       **options: Any) -> Any:
     """`specaudit.testing.faults.sampling:make_fault_engine` with `fault=NAME`: a sampled engine with one fault.
     `engine`: `sampled-spec` (default), or one of the project's engines (eqspec, exspec, inplace, batched,
     reference; `REQUEST_ENGINES` in engines/registry.py), the fault's rule then planted in the
     acceptance rule every one of them calls (engines/acceptance.py, engines/sampling/step.py)."""
-    if fault not in SAMPLING_FAULTS and fault != SharedStream.name:
-        raise ValueError(f"unknown sampling fault {fault!r}; known: {', '.join([*SAMPLING_FAULTS, SharedStream.name])}")
+    known = [*SAMPLING_FAULTS, SharedStream.name, *PENALTY_FAULTS]
+    if fault not in known:
+        raise ValueError(f"unknown sampling fault {fault!r}; known: {', '.join(known)}")
+    if fault in PENALTY_FAULTS:
+        if engine != "sampled-spec":
+            raise ValueError(f"{fault} is a fault of sampled-spec's processing; the project's engines process in "
+                             "engines/requests/rows.py")
+        return PENALTY_FAULTS[fault](target, draft, **options)
     if engine != "sampled-spec":
         from specaudit.engines.sampling.process import SamplingParams
         from specaudit.engines.registry import make_engine
