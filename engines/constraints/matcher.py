@@ -116,6 +116,7 @@ class RowMatcher:
             raise ConstraintError("a constraint needs a stop id (an EOS id): a complete sentence must end the row")
         xgr = _xgrammar()
         self.constraint, self.vocab_size = constraint, vocab_size
+        self.stop_ids = sorted(set(int(i) for i in stop_ids))
         self.matcher = xgr.GrammarMatcher(compile_constraint(constraint, tokenizer, vocab_size, stop_ids),
                                           override_stop_tokens=sorted(set(int(i) for i in stop_ids)),
                                           max_rollback_tokens=-1)
@@ -123,7 +124,11 @@ class RowMatcher:
         self.consumed = 0  # tokens consumed (the committed output, then any draft tokens advanced over)
 
     def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar admits next."""
+        """[V] bool: the tokens the grammar admits next (terminated, after a stop id: the stop ids alone)."""
+        if self.matcher.is_terminated():
+            out = torch.zeros(self.vocab_size, dtype=torch.bool)  # [V]
+            out[[i for i in self.stop_ids if i < self.vocab_size]] = True
+            return out
         self.matcher.fill_next_token_bitmask(self.bitmask)
         ids = torch.arange(self.vocab_size)  # [V]
         return ((self.bitmask[0][ids // 32] >> (ids % 32)) & 1).bool()  # [V]

@@ -74,6 +74,7 @@ class RowRequest:
     previous_text: str = ""  # stop strings: the output's text before its last token (the search window's start)
     matcher: RowMatcher | None = None  # a constrained request's grammar state (made at its first pass)
     advanced: list[int] = field(default_factory=list)  # the draft tokens the matcher consumed this pass
+    grammar_refusals: int = 0  # emitted tokens the matcher refused (a wrong mask or state; 0 in a correct engine)
 
 
 class RowRequests:
@@ -253,7 +254,7 @@ class StepRequests:
         self.requests.rollback_rejected(row, kept)
         for token in emitted[kept:]:
             if not row.matcher.advance(token) and not row.matcher.terminated:
-                raise RuntimeError(f"the grammar refused emitted token {token}, chosen under its own mask")
+                row.grammar_refusals += 1  # never under a correct mask; the matcher keeps its state (as vLLM's)
         row.advanced = []
 
 

@@ -5,8 +5,8 @@ explains a token that differs from the constrained reference.
 |--------------------------|-------------------------|-----------|
 | `constraint_violation`   | `constraint-check`      | the returned text is not a sentence of the constraint (a finished output) or not a prefix of one (an output cut at its budget): the JSON does not parse, the regex does not match, no choice is it, the grammar refuses it (engines/constraints/check.py). A finding of its own, beside any token divergence, and checked where no reference runs |
 | `constraint_unmasked`    | `constraint-replay`     | at the first differing token the engine's token is one the grammar forbids there, and it is the argmax of the unmasked logits: no mask was applied at that position (a bonus token left unmasked) |
-| `constraint_mask_offset` | `constraint-replay`     | the engine's token is the argmax of the logits under the mask of the position before or after: the mask applied one position off |
-| `constraint_state`       | `constraint-replay`     | the engine's token is one the grammar forbids after the row's own output, and neither replay above makes it: the grammar state is not the output's (rejected draft tokens left in it, not rolled back) |
+| `constraint_mask_offset` | `constraint-replay`     | the engine's token is the argmax of the logits under the mask of the position before: the mask applied one position late (the bitmask rows shifted) |
+| `constraint_state`       | `constraint-replay`     | the engine's token is one the grammar forbids after the row's own output, and neither replay above makes it: the grammar state is not the output's (rejected draft tokens left in it, not rolled back: a state ahead of the output) |
 
 A token the grammar admits but the reference did not choose is left to the noise-band ruling, as any other.
 """
@@ -89,7 +89,7 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
                         f"token {token} at position {agree} is one the grammar forbids there, and the argmax of the "
                         "unmasked logits: no grammar mask was applied at that position", evidence, ref[agree], token)
     vocab = raw.shape[0]
-    for shift, label in ((-1, "before"), (1, "after")):
+    for shift, label in ((-1, "before"),):  # a state ahead of the output is `constraint_state` (tokens kept)
         upto = agree + shift
         if upto < 0 or upto > len(ref):
             continue
