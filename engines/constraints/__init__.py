@@ -68,7 +68,7 @@ class Constraint:
                 raise ValueError(f"json_schema: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("json_schema: a schema is a JSON object")
-            set_(self, "text", json.dumps(schema, sort_keys=True))  # one spelling per schema
+            set_(self, "text", json.dumps(schema))  # one spelling per schema, its key order kept (xgrammar emits properties in it)
         elif self.kind == "regex":
             if not self.text:
                 raise ValueError("regex: an empty pattern")

@@ -120,6 +120,10 @@ class RequestParams:
         if self.min_p > 0 and self.temperature > 0:
             # vLLM cuts min_p after the temperature; the processors here cut it before: refused, not redefined
             raise ValueError("min_p with temperature > 0 is not supported by the project's engines")
+        if self.constraint is not None and self.min_tokens > 0:
+            # a sentence complete before min_tokens admits only the stop ids, which min_tokens bans: no token left
+            raise ValueError("min_tokens with a constraint is not supported: a complete sentence before min_tokens "
+                             "would leave no token to choose")
         if self.constraint is not None and self.temperature > 0:
             raise ValueError("a constraint with temperature > 0: structured outputs are audited under greedy decoding only")
 
