@@ -225,3 +225,28 @@ def test_prompts_file_gives_each_prompt_its_own_constraint(tmp_path):
     common = RequestParams(constraint=Constraint("json_object"))
     params = prompt_params(str(path), 3, common)
     assert [p.constraint.kind for p in params] == ["regex", "json_object", "choice"]
+
+
+# --- servers' request fields ------------------------------------------------------------------------------
+
+def test_each_dialect_sends_the_constraint_in_its_own_fields():
+    from specaudit.engines.adapters import servers
+    from specaudit.engines.adapters.request_fields import ParameterRefused
+
+    schema, regex, choice, grammar, obj, lark = (RequestParams(constraint=c) for c in ONE_OF_EACH)
+    body = servers.vllm_request([1, 2], 8, EOS, params=schema)
+    assert body["structured_outputs"] == {"json": SCHEMA, "disable_any_whitespace": True}
+    assert servers.vllm_request([1], 8, EOS, params=choice)["structured_outputs"] == {"choice": ["alpha", "beta", "gamma"]}
+    assert servers.vllm_request([1], 8, EOS, params=obj)["structured_outputs"]["json_object"] is True
+    guided = servers.VLLMEngine("http://127.0.0.1:9", structured_fields="guided").request([1], 8, EOS, regex)
+    assert guided["guided_regex"] == ONE_OF_EACH[1].text and "structured_outputs" not in guided
+    sampling = servers.sglang_request([1], 8, EOS, params=regex)["sampling_params"]
+    assert sampling["regex"] == ONE_OF_EACH[1].text
+    assert servers.sglang_request([1], 8, EOS, params=choice)["sampling_params"]["ebnf"] == 'root ::= "alpha" | "beta" | "gamma"'
+    assert servers.llamacpp_request([1], 8, EOS, params=grammar)["grammar"] == ONE_OF_EACH[3].text
+    for refused in (schema, regex, obj, lark):
+        with pytest.raises(ParameterRefused):
+            servers.llamacpp_request([1], 8, EOS, params=refused)
+    assert servers.trtllm_request([1], 8, EOS, params=schema)["response_format"] == {"type": "json", "schema": SCHEMA}
+    with pytest.raises(ParameterRefused):
+        servers.sglang_request([1], 8, EOS, params=lark)
