@@ -21,7 +21,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.registry import make_engine
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.reference import decode_with_params
-from specaudit.equivalence.blackbox.constraints import output_text
+from specaudit.engines.constraints.check import output_bytes
 from specaudit.equivalence.blackbox.requests_run import audit_requests
 from specaudit.testing.constraint_strategies import constraints
 from specaudit.testing.faults.constrained import EXPECTED_CLASS, CONSTRAINT_FAULTS, DraftUnmasked
@@ -104,7 +104,7 @@ def test_reference_takes_the_argmax_of_the_masked_row_and_satisfies_the_constrai
             assert int(row.argmax()) == token
             replayed = allowed_after(p.constraint, pair.tokenizer, row.shape[0], [EOS], ref.tokens[:position])
             assert torch.equal(replayed, ref.allowed[position])
-        text, finished = output_text(ref.tokens, [EOS], pair.tokenizer)
+        text, finished = output_bytes(ref.tokens, pair.tokenizer, [EOS])
         assert violation(p.constraint, text, finished) is None, (p.constraint, text)
     assert any(r.finish_reason == "stop" for r in refs) and any(r.finish_reason == "length" for r in refs)
     unmasked = decode_with_params(pair.target, prompts[2], RequestParams(), N, EOS, pair.tokenizer)

@@ -17,10 +17,10 @@ from typing import Any, Sequence
 
 import torch
 
-from specaudit.engines.constraints.check import violation
+from specaudit.engines.constraints.check import output_bytes, violation
 from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, mask
 from specaudit.engines.requests import RequestParams
-from specaudit.engines.requests.reference import RequestResult, decode_text
+from specaudit.engines.requests.reference import RequestResult
 
 CONSTRAINT_CLASSES = ("constraint_violation", "constraint_unmasked", "constraint_mask_offset", "constraint_state")
 CONSTRAINT_FIXES = {
@@ -44,29 +44,22 @@ def _finding(index: int, position: int | None, cls: str, decided_by: str, reason
             "diagnosis": {"class": cls, "evidence": reason, "named_by": decided_by, "tried": []}}
 
 
-def output_text(tokens: Sequence[int], stop_ids: Sequence[int], tokenizer: Any) -> tuple[str, bool]:
-    """The output's text (without a final stop id) and whether the output finished on a stop id."""
-    finished = bool(tokens) and tokens[-1] in set(stop_ids)
-    return decode_text(tokenizer, list(tokens[:-1] if finished else tokens)), finished
-
-
 def violation_finding(index: int, params: RequestParams, tokens: Sequence[int], stop_ids: Sequence[int],
-                      tokenizer: Any, text: str | None = None) -> dict[str, Any] | None:
-    """`constraint_violation` when the output (its `tokens`, or the server's `text` where it gave one for
-    tokens that end without a stop id) does not satisfy `params.constraint`; None when it does."""
+                      tokenizer: Any) -> dict[str, Any] | None:
+    """`constraint_violation` when the output's bytes (its `tokens` read through the grammar engine's own
+    vocabulary, `output_bytes`) do not satisfy `params.constraint`; None when they do."""
     if params.constraint is None or tokenizer is None:
         return None
-    decoded, finished = output_text(tokens, stop_ids, tokenizer)
     try:
-        why = violation(params.constraint, decoded, finished)
+        data, finished = output_bytes(tokens, tokenizer, stop_ids)
+        why = violation(params.constraint, data, finished)
     except ConstraintError as exc:
-        why = None
         return _finding(index, None, "constraint_violation", "constraint-check", f"cannot check: {exc}", {})
     if why is None:
         return None
     return _finding(index, len(tokens) - 1 if tokens else None, "constraint_violation", "constraint-check", why,
-                    {"constraint": params.constraint.describe(), "text": decoded[-200:], "finished": finished},
-                    detected_by="constraint")
+                    {"constraint": params.constraint.describe(), "text": data[-200:].decode("utf-8", errors="replace"),
+                     "finished": finished}, detected_by="constraint")
 
 
 def constraint_cause(index: int, params: RequestParams, reference: RequestResult, returned: Sequence[int],

@@ -253,6 +253,8 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
         wanted = _texts(tokenizer, prompt, returned)
         if returned and returned[-1] in stop_ids:
             wanted += _texts(tokenizer, prompt, returned[:-1])
+        if wanted and wanted[0].endswith("\ufffd"):  # an unfinished character last: a detokenizer holds its bytes back
+            wanted += [t for held in (1, 2, 3) if len(returned) > held for t in _texts(tokenizer, prompt, returned[:-held])]
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):
