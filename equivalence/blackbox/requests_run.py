@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALTY_SCOPE
+from specaudit.engines.constraints.fields import CONSTRAINED_LOGPROB_DEFINITION
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
@@ -140,8 +141,10 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
             else:
                 row_findings.append(_ruled(index, prompts[index], p, reference, tokens, band, stop_ids, scope, limit))
         named = {(d.get("diagnosis") or {}).get("class") for d in row_findings}
+        reported = (CONSTRAINED_LOGPROB_DEFINITION.get(dialect, definition) if p.constraint is not None
+                    and capability(inner, "black_box") else definition)  # under a grammar, the dialect's own
         row_findings += [d for d in check_report(index, prompts[index], p, reference, returned, report, eos_token_id,
-                                                 pair.tokenizer, definition, band.at)
+                                                 pair.tokenizer, reported, band.at)
                          if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
         broken = violation_finding(index, p, tokens, stop_ids, pair.tokenizer)
         if broken is not None:  # the output itself breaks its constraint: a finding of its own
