@@ -139,8 +139,9 @@ def decode_with_params(model: PreTrainedModel, prompt: list[int], params: Reques
             token = int(processed.greedy.argmax())
         else:
             token = sampling.draws.categorical(process_logits(processed.post_sampling, sampling.params))
-        if matcher is not None and not matcher.advance(token):
-            raise RuntimeError(f"the grammar refused token {token}, the argmax of its own mask")
+        if matcher is not None and not matcher.advance(token):  # every token -inf: bad_words banned all the grammar admits
+            raise ValueError(f"no token left at new token {len(output)}: the constraint and the request's other "
+                             "parameters (bad_words) forbid every token there")
         seen_row = raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))  # what a server's sampler sees
         for definition, row in (("raw", seen_row), ("processed", processed.greedy), ("post_sampling", processed.post_sampling)):
             result.logprobs[definition].append(float(log_softmax(row)[token]))
