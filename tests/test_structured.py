@@ -123,7 +123,7 @@ def test_eos_is_admitted_only_where_the_grammar_accepts(pair):
 
 # --- the engines ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["eqspec", "exspec", "inplace", "batched", "reference"])
+@pytest.mark.parametrize("name", ["eqspec", "exspec", "inplace", "batched", "reference", "fixedshape"])
 def test_own_engines_equal_the_constrained_reference_under_every_kind(pair, kinds, name):
     prompts, params, refs = kinds
     engine, outputs = run(pair, name, prompts, params)
