@@ -40,8 +40,8 @@ def violation(constraint: Constraint, text: str | bytes, finished: bool) -> str 
     for offset, byte in enumerate(data):
         if not matcher.advance(byte):
             shown = data[:offset].decode("utf-8", errors="replace")[-40:]
-            return (f"the output leaves the {constraint.kind} constraint at character {len(data[:offset].decode('utf-8', errors='replace'))}"
-                    f": {data[offset:offset + 1].decode('utf-8', errors='replace')!r} after {shown!r}")
+            return (f"the output leaves the {constraint.kind} constraint at byte {offset}: {data[offset:offset + 1]!r} "
+                    f"after {shown!r}")
     if not finished:
         return None
     if constraint.kind in ("json_schema", "json_object"):
