@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -40,13 +40,10 @@ class Constraint:
     syntax: str = "auto"  # grammar only
     backend: str = "xgrammar"
     any_whitespace: bool = True  # JSON kinds: vLLM's `not disable_any_whitespace`
-    options: tuple[tuple[str, Any], ...] = field(default=())  # further backend options, sorted (none read yet)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "choices", tuple(str(c) for c in self.choices))
-        if isinstance(self.options, Mapping):
-            set_(self, "options", tuple(sorted(self.options.items())))
         if self.kind not in KINDS:
             raise ValueError(f"constraint kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if self.backend not in BACKENDS:
@@ -111,15 +108,13 @@ class Constraint:
             out["backend"] = self.backend
         if not self.any_whitespace:
             out["any_whitespace"] = False
-        if self.options:
-            out["options"] = dict(self.options)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Constraint":
         """From a prompts file's `constraint` object: `kind` and `schema` (an object or its text), `text`
         (regex, grammar), `choices`, `syntax`, `backend`, `any_whitespace`; an unknown key raises ValueError."""
-        known = {"kind", "schema", "text", "choices", "syntax", "backend", "any_whitespace", "options"}
+        known = {"kind", "schema", "text", "choices", "syntax", "backend", "any_whitespace"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown constraint field(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")
