@@ -51,6 +51,9 @@ class Capabilities:
     request_params: Any = None
     request_tokenizer: Any = None
     penalty_scope: str | None = None  # what presence and frequency penalties count: "output" or "context"
+    # structured outputs: the engine applies a `RequestParams.constraint` (engines/constraints/); one that does
+    # not declare it is refused a constrained request (never sent it unconstrained)
+    takes_constraints: bool = False
     # live servers (engines/adapters/server_base.py): what each answer said beside its tokens
     dialect: str | None = None  # the request dialect ("vllm", "sglang", "llamacpp", "trtllm"); None: not a server
     url: str | None = None  # a server's address

@@ -29,6 +29,7 @@ from specaudit.engines.ops import ragged
 from specaudit.engines.ops import layout
 from specaudit.engines.ops import recurrent
 from specaudit.engines.batch import BatchState
+from specaudit.engines.constraints.draft import DraftMask
 from specaudit.engines.sampling.step import StepSampler
 
 
@@ -111,10 +112,19 @@ class Drafts:
                 "drafted_counts": self.drafted.tolist() if self.counted else None}
 
 
-def draft_stage(drafter: Drafter, state: object, k: int, sampling: StepSampler | None, pad_id: int) -> Drafts:
+def draft_stage(drafter: Drafter, state: object, k: int, sampling: StepSampler | None, pad_id: int,
+                mask: DraftMask | None = None) -> Drafts:
     """Step 1 of every speculative engine: up to k tokens per row (a drafter may propose fewer, or none),
-    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py)."""
-    proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
+    a sampled row's drafts drawn from its processed q with its own stream (engines/sampling/step.py);
+    `mask`: the constrained rows' grammar masks (engines/constraints/draft.py), applied by a drafter that
+    declares `takes_draft_mask` to each draft position's logits and rolled back after the proposals."""
+    drafter.draft_mask = mask if drafter.takes_draft_mask else None
+    try:
+        proposals, draft_logits = propose(drafter, state, k, sampling)  # [B, k], [B, k, V] or None
+    finally:
+        if drafter.draft_mask is not None:
+            drafter.draft_mask.finish()
+        drafter.draft_mask = None
     drafted = proposal_lengths(drafter, proposals)  # [B]
     counted = drafter.proposal_lengths is not None
     longest = None if counted else proposals.shape[1]  # a drafter that always proposes k: no read
@@ -152,6 +162,8 @@ class Drafter:
     proposal_lengths: torch.Tensor | None = None  # [B] after `propose`: each row's own count (None: all k)
     draft_logits: torch.Tensor | None = None  # [B, k, V] after a sampled `propose`: what its drafts were drawn from
     fill_seconds: float = 0.0  # its fill passes' time, where it times them (the bench moves it to the draft stage)
+    takes_draft_mask: bool = False  # masks its proposals with `draft_mask` (structured outputs)
+    draft_mask: DraftMask | None = None  # during `propose`: the constrained rows' grammar masks (None: none)
 
     def prefill(self, state: Any) -> None:
         """Before the first step, on the prompts: the draft's cache (`state.draft_cache`, None without one)."""
@@ -178,6 +190,7 @@ class ModelDrafter(Drafter):
     stage (the bench moves them to the draft stage), when a chooser is set."""
 
     proposes_sampled = True
+    takes_draft_mask = True
 
     def __init__(self, draft: PreTrainedModel, shared_vocab_size: int | None = None, chooser: Chooser | None = None,
                  target_vocab_size: int | None = None) -> None:
@@ -209,6 +222,8 @@ class ModelDrafter(Drafter):
         proposed, rows = [], []
         for i in range(k):
             logits = self._draft_pass(state, token, i)  # [B, 1, V]
+            if self.draft_mask is not None:  # a constrained row proposes only what its grammar admits
+                logits = self.draft_mask.apply(logits[:, -1]).unsqueeze(1)  # [B, 1, V]
             if sampling is not None:
                 rows.append(logits[:, -1])
                 token = sampling.draft_tokens(logits[:, -1]).unsqueeze(1)  # [B, 1]
@@ -216,6 +231,8 @@ class ModelDrafter(Drafter):
                 greedy = logits[:, -1].argmax(-1)  # [B]
                 token = (greedy if self.chooser is None else self.chooser.choose(i, greedy)).unsqueeze(1)  # [B, 1]
             proposed.append(token)
+            if self.draft_mask is not None:
+                self.draft_mask.advance(token[:, 0])
         self.draft_logits = torch.stack(rows, dim=1) if rows else None  # [B, k, V]
         self._proposed = torch.cat(proposed, dim=1)  # [B, k]
         # the draft model's own proposals lie inside its vocabulary; a chooser's may not

@@ -233,7 +233,8 @@ def speculative_step(
     # 1. draft (drafters.draft_stage): up to k tokens per row (a drafter may propose fewer, or none),
     #    a sampled row's drawn from its processed q with its own stream (engines/sampling/step.py)
     step_requests = requests.step(rows) if requests is not None else None
-    drafts = draft_stage(drafter, state, k, step_requests.sampler if step_requests is not None else None, pad_id)
+    drafts = draft_stage(drafter, state, k, step_requests.sampler if step_requests is not None else None, pad_id,
+                         step_requests.draft_mask() if step_requests is not None else None)
     draft_tokens = drafts.tokens  # [B, K]: the row's drafts, then pad ids
     k = draft_tokens.shape[1]  # this step's width K: the longest proposal (0: a plain decoding pass)
     draft_seconds = clock.lap()

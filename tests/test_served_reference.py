@@ -329,3 +329,27 @@ def test_a_batch_invariant_reference_is_asked_batch_size_at_a_time(tmp_path, pro
     assert reference["asked"] == "4 prompts in flight (declared batch-invariant)"
     assert [r["in_flight"] for r in reference["runs"]] == [4, N_PROMPTS]
     assert 1 < plain.max_in_flight <= N_PROMPTS
+
+
+def test_an_output_that_breaks_its_constraint_is_a_finding_without_weights(tmp_path, prompts_file):
+    """Both fake servers ignore the regex they are sent (the toy model writes any bytes): the speculative server's
+    tokens equal the served reference's, yet each output that is not `[a-z ]*` is a `constraint_violation`, read
+    from the text alone (docs/structured.md)."""
+    from llamacpp_models import byte_tokenizer_files
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name, text in byte_tokenizer_files().items():
+        (folder / name).write_text(text)
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 300, "eos_token_id": EOS}))
+    lm = ToyLM()
+    with FakeServer(server_answer(lm)) as plain, FakeServer(server_answer(lm)) as spec:
+        result = _audit(f"vllm:{spec.url}", f"vllm:{plain.url}", prompts_file, tmp_path / "out",
+                        "--tokenizer", str(folder), "--regex", "[a-z ]*")
+    assert all(body.get("structured_outputs") == {"regex": "[a-z ]*"} for _, body in plain.requests + spec.requests
+               if "prompt" in body)
+    assert result.returncode == 1, result.stdout + result.stderr
+    run = _audit_json(tmp_path / "out")["runs"][0]
+    assert run["exact_matches"] == N_PROMPTS
+    classes = {d["diagnosis"]["class"] for d in run["divergences"]}
+    assert classes == {"constraint_violation"}

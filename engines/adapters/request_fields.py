@@ -15,6 +15,7 @@ Sending (`*_fields(params, eos_token_id)` -> the JSON fields to add to the diale
 | bad_words           | vLLM `bad_words` (text; ids alone: refused by the client); TensorRT-LLM: refused | refused | refused |
 | min_p, top_k        | `min_p`, `top_k`                        | `min_p`, `top_k`                     | `min_p`, `top_k`                |
 | logprobs            | `logprobs`                              | `top_logprobs_num`                   | `n_probs`                       |
+| constraint          | `structured_outputs`; TensorRT-LLM `response_format` | `json_schema` / `regex` / `ebnf` | `grammar` (engines/constraints/fields.py) |
 
 A parameter the dialect cannot express raises `ParameterRefused` before anything is sent; a server
 that answers HTTP 400 naming a field it was sent is `ParameterRefused` too (engines/adapters/server_base.py):
@@ -31,6 +32,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from specaudit.engines.constraints import fields as constraint_fields
 from specaudit.engines.requests import RequestParams
 
 
@@ -59,6 +61,9 @@ SERVER_NAMES: dict[str, dict[str, str]] = {
                  "logit_bias": "logit_bias", "min_p": "min_p", "top_k": "top_k", "logprobs": "n_probs"},
 }
 SERVER_NAMES["trtllm"] = {k: v for k, v in SERVER_NAMES["vllm"].items() if k != "bad_words"}
+for _dialect, _field in (("vllm", "structured_outputs"), ("sglang", "json_schema"), ("llamacpp", "grammar"),
+                         ("trtllm", "response_format")):
+    SERVER_NAMES[_dialect]["constraint"] = _field
 
 # presence/frequency counted over the output (vLLM, SGLang, TensorRT-LLM) or the whole context (llama.cpp,
 # whose window `repeat_last_n` -1 is the context): engines/requests.py `process`'s penalty_scope
@@ -73,6 +78,12 @@ def refuse_unsupported(dialect: str, params: RequestParams) -> None:
     names = SERVER_NAMES[dialect]
     for field in params.sent():
         if field == "bad_words_text":
+            continue
+        if field == "constraint":
+            assert params.constraint is not None
+            why = constraint_fields.dialect_refusal(dialect, params.constraint)
+            if why is not None:
+                raise ParameterRefused("constraint", why)
             continue
         if field == "bad_words" and dialect == "vllm":
             if not params.bad_words_text:
@@ -108,6 +119,9 @@ def openai_fields(params: RequestParams, eos_ids: list[int], dialect: str = "vll
         body["top_k"] = params.top_k
     if params.logprobs is not None:
         body["logprobs"] = params.logprobs
+    if params.constraint is not None:
+        body.update(constraint_fields.vllm_fields(params.constraint) if dialect == "vllm"
+                    else constraint_fields.trtllm_fields(params.constraint))
     return body
 
 
@@ -134,6 +148,8 @@ def sglang_fields(params: RequestParams, eos_ids: list[int]) -> tuple[dict[str, 
         sampling["top_k"] = params.top_k
     if params.logprobs is not None:
         top["top_logprobs_num"] = params.logprobs
+    if params.constraint is not None:
+        sampling.update(constraint_fields.sglang_fields(params.constraint))
     return sampling, top
 
 
@@ -158,6 +174,8 @@ def llamacpp_fields(params: RequestParams) -> dict[str, Any]:
         body["top_k"] = params.top_k
     if params.logprobs is not None:
         body["n_probs"] = params.logprobs
+    if params.constraint is not None:
+        body.update(constraint_fields.llamacpp_fields(params.constraint))
     return body
 
 

@@ -175,9 +175,22 @@ class VLLMEngine(ServerEngine):
     server_name = "vLLM"
     path = "/v1/completions"
 
+    def __init__(self, url: str, *, structured_fields: str = "structured_outputs", **options: Any) -> None:
+        super().__init__(url, **options)
+        if structured_fields not in ("structured_outputs", "guided"):
+            raise ValueError(f"structured_fields={structured_fields!r}: use structured_outputs (vLLM 0.10.2 on) or "
+                             "guided (guided_json, guided_regex, ...: older vLLM)")
+        self.structured_fields = structured_fields  # how a constraint is sent (engines/constraints/fields.py)
+
     def request(self, prompt: list[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
                 params: RequestParams | None = None) -> dict[str, Any]:
-        return vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model, params)
+        body = vllm_request(prompt, max_new_tokens, eos_token_id, self.top_logprobs, self.model, params)
+        if params is not None and params.constraint is not None and self.structured_fields == "guided":
+            from specaudit.engines.constraints.fields import vllm_fields
+
+            body.pop("structured_outputs", None)
+            body.update(vllm_fields(params.constraint, style="guided"))
+        return body
 
     def parse(self, answer: Any) -> Completion:
         return vllm_parse(answer)

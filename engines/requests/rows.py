@@ -26,6 +26,14 @@ rows sample hands the acceptance rule a `StepSampler` (`StepRequests.sampler`, e
 that decides those rows with the engine's `SpeculativeRule` (the standard one unless a test plants
 another) and the drafter draws their draft tokens through it.
 
+A constrained request (`RequestParams.constraint`, engines/constraints/) keeps its grammar state in
+`RowRequest.matcher` (made at its first pass, the logits' width known): `StepRequests.process` masks
+position `i` with the tokens the grammar admits after the committed output and the row's first `i` draft
+tokens (`verify_masks`, which advances the matcher over the draft tokens and leaves them consumed);
+`commit` then rolls back the draft tokens that were not emitted (`rollback_rejected`) and consumes the
+recovered or bonus token. Before the verify pass the drafter's proposals are masked the same way
+(`StepRequests.draft_mask`, engines/constraints/draft.py), or acceptance falls.
+
 A row whose parameters change no logit (stop strings, stop ids, `max_tokens` alone) skips the
 processing; a step none of whose rows changes a logit returns the logits as they are. Drafts are
 proposals: nothing here touches the drafter.
@@ -38,6 +46,8 @@ from typing import Any, Sequence
 
 import torch
 
+from specaudit.engines.constraints.draft import DraftMask
+from specaudit.engines.constraints.matcher import RowMatcher
 from specaudit.engines.contract import Capabilities
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import PENALTY_SCOPES, RequestParams, process, with_bad_words_resolved
@@ -48,7 +58,7 @@ from specaudit.engines.sampling.step import RowSampling, StepSampler
 
 # the fields whose processors can change a logit row (the others only stop a row or size it)
 LOGIT_FIELDS = ("bad_words", "min_tokens", "logit_bias", "repetition_penalty", "presence_penalty",
-                "frequency_penalty", "min_p", "top_k")
+                "frequency_penalty", "min_p", "top_k", "constraint")
 
 
 @dataclass
@@ -62,6 +72,9 @@ class RowRequest:
     output: list[int] = field(default_factory=list)  # the new tokens committed so far
     sampling: RowSampling | None = None  # a sampled request's parameters and stream (None: greedy)
     previous_text: str = ""  # stop strings: the output's text before its last token (the search window's start)
+    matcher: RowMatcher | None = None  # a constrained request's grammar state (made at its first pass)
+    advanced: list[int] = field(default_factory=list)  # the draft tokens the matcher consumed this pass
+    grammar_refusals: int = 0  # emitted tokens the matcher refused (a wrong mask or state; 0 in a correct engine)
 
 
 class RowRequests:
@@ -100,6 +113,45 @@ class RowRequests:
         before that position."""
         return row.output + list(drafts)
 
+    def matcher(self, row: RowRequest, vocab_size: int) -> RowMatcher:
+        """The row's grammar state, made at its first use over `vocab_size` ids."""
+        if row.matcher is None:
+            assert row.params.constraint is not None
+            row.matcher = RowMatcher(row.params.constraint, self.tokenizer, vocab_size, row.stop_ids)
+        return row.matcher
+
+    def verify_masks(self, row: RowRequest, drafts: Sequence[int], vocab_size: int) -> list[torch.Tensor]:
+        """[V] per verify position 0..len(drafts): the tokens the grammar admits after the committed output
+        and the draft tokens before that position. The matcher consumes the draft tokens (`row.advanced`)
+        until one it forbids (or a stop id): the positions after it repeat the last mask (never accepted)."""
+        matcher = self.matcher(row, vocab_size)
+        row.advanced = []
+        masks = [matcher.allowed()]  # [V]
+        for token in drafts:
+            if len(row.advanced) == len(masks) - 1 and matcher.advance(token):
+                row.advanced.append(token)
+                masks.append(masks[-1] if matcher.terminated else matcher.allowed())
+            else:  # a forbidden draft token, or one after it: never accepted
+                masks.append(masks[-1])
+        return masks
+
+    def rollback_rejected(self, row: RowRequest, kept: int) -> None:
+        """Undo the draft tokens the matcher consumed past the first `kept` (they were not emitted)."""
+        assert row.matcher is not None
+        row.matcher.rollback(len(row.advanced) - kept)
+
+    def draft_mask(self, rows: Sequence[RowRequest | None]) -> DraftMask | None:
+        """What masks the drafter's proposals for `rows` (None when no row is constrained)."""
+        if not any(row is not None and row.params.constraint is not None for row in rows):
+            return None
+        return DraftMask([self.matcher_factory(row) for row in rows])
+
+    def matcher_factory(self, row: RowRequest | None) -> Any:
+        """A function of the logits' width making the row's matcher (None: an unconstrained row)."""
+        if row is None or row.params.constraint is None:
+            return None
+        return lambda vocab_size: self.matcher(row, vocab_size)
+
     def step(self, request_ids: Sequence[int | None]) -> "StepRequests":
         """The requests of one pass's rows, in batch order (None: an idle slot, left unprocessed)."""
         return StepRequests(self, [self.rows[i] if i is not None else None for i in request_ids])
@@ -137,9 +189,13 @@ class StepRequests:
         for b in changing:
             row = self.rows[b]
             assert row is not None
-            for i in range(min(own_counts[b], drafts.shape[1]) + 1):
+            count = min(own_counts[b], drafts.shape[1])
+            masks = (self.requests.verify_masks(row, draft_lists[b][:count], processed.shape[-1])
+                     if row.params.constraint is not None else None)
+            for i in range(count + 1):
                 output = self.requests.history(row, draft_lists[b][:i])
-                rows = process(processed[b, i], row.prompt, output, row.params, row.stop_ids, scope)
+                rows = process(processed[b, i], row.prompt, output, row.params, row.stop_ids, scope,
+                               allowed=masks[i] if masks is not None else None)
                 # a sampled row's cuts (top-k, top-p) and temperature are its sampling rule's to apply
                 processed[b, i] = rows.greedy if row.sampling is not None else rows.post_sampling
         return processed
@@ -161,6 +217,8 @@ class StepRequests:
         stopped = [False] * len(counts)
         for b, row in enumerate(self.rows):
             if row is None or counts[b] <= 0:
+                if row is not None and row.matcher is not None:
+                    self._advance_grammar(row, [])
                 continue
             params, tokenizer = row.params, self.requests.tokenizer
             for j, token in enumerate(token_lists[b][:counts[b]]):
@@ -173,10 +231,31 @@ class StepRequests:
                 if found is not None:
                     cut[b], stopped[b] = j + 1, True
                     break
+        for b, row in enumerate(self.rows):
+            if row is not None and row.matcher is not None and counts[b] > 0:
+                self._advance_grammar(row, token_lists[b][:cut[b]])
         if not any(stopped):
             return emitted, ended
         new_emitted = torch.tensor(cut, dtype=emitted.dtype, device=emitted.device)  # [B]
         return new_emitted, ended | torch.tensor(stopped, dtype=torch.bool, device=ended.device)
+
+
+    def draft_mask(self) -> DraftMask | None:
+        """What masks the drafter's proposals this pass (None: no row is constrained)."""
+        return self.requests.draft_mask(self.rows)
+
+    def _advance_grammar(self, row: RowRequest, emitted: list[int]) -> None:
+        """The matcher after the pass: the draft tokens it consumed that were emitted stay, the rest are
+        rolled back, and the emitted tokens after them (the recovered or bonus token) are consumed."""
+        assert row.matcher is not None
+        kept = 0
+        while kept < min(len(row.advanced), len(emitted)) and row.advanced[kept] == emitted[kept]:
+            kept += 1
+        self.requests.rollback_rejected(row, kept)
+        for token in emitted[kept:]:
+            if not row.matcher.advance(token) and not row.matcher.terminated:
+                row.grammar_refusals += 1  # never under a correct mask; the matcher keeps its state (as vLLM's)
+        row.advanced = []
 
 
 class TakesRequestParams(Capabilities):
@@ -189,6 +268,7 @@ class TakesRequestParams(Capabilities):
     penalty_scope: str = "output"
     row_requests_class: type[RowRequests] = RowRequests
     sampling_rule: SpeculativeRule | None = None  # the rule a sampled request is decided by (None: the standard one)
+    takes_constraints = True  # structured outputs: a constraint in `request_params` is applied (engines/constraints/)
 
     def row_requests(self, prompts: Sequence[Sequence[int]], eos_token_id: int | Sequence[int] | None) -> RowRequests | None:
         """This call's requests, or None when no prompt asks anything of a plain greedy request (the

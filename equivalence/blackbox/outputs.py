@@ -30,10 +30,12 @@ import torch
 
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_text, find_stop
+from specaudit.equivalence.blackbox.constraints import CONSTRAINT_CLASSES, CONSTRAINT_FIXES
 from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
 from specaudit.equivalence.rulings.noise import dtype_noise
 
-REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report")
+REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report",
+                   *CONSTRAINT_CLASSES)  # structured outputs: equivalence/blackbox/constraints.py
 REQUEST_FIXES = {
     "stop_string": "Check stop strings on each token as it is accepted, end the request at the token that completes "
                    "one (drop the accepted tokens after it from token_ids, logprobs and usage), and never before "
@@ -46,6 +48,7 @@ REQUEST_FIXES = {
                      "(EOS, stop token id, stop string, or max_tokens).",
     "text_report": "Build text from exactly the returned token_ids, cut only before a stop string.",
     "usage_report": "Count usage from the tokens actually returned (prompt and completion).",
+    **CONSTRAINT_FIXES,
 }
 # servers compute and serialise log-probabilities in float32 at best: the smallest difference a report check
 # takes for a misreport (with the run's noise band on top), in units of float32's noise at the top logit
@@ -250,6 +253,8 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
         wanted = _texts(tokenizer, prompt, returned)
         if returned and returned[-1] in stop_ids:
             wanted += _texts(tokenizer, prompt, returned[:-1])
+        if wanted and wanted[0].endswith("\ufffd"):  # an unfinished character last: a detokenizer holds its bytes back
+            wanted += [t for held in (1, 2, 3) if len(returned) > held for t in _texts(tokenizer, prompt, returned[:-held])]
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):

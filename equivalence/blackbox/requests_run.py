@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALTY_SCOPE
+from specaudit.engines.constraints.fields import CONSTRAINED_LOGPROB_DEFINITION
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
@@ -31,6 +32,7 @@ from specaudit.equivalence.audit import trace_summary
 from specaudit.equivalence.isolate import failure_finding
 from specaudit.equivalence.run_record import equivalent, run_record
 from specaudit.equivalence import rulings
+from specaudit.equivalence.blackbox.constraints import constraint_cause, violation_finding
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 from specaudit.engines.contract import capability, declares
 from specaudit.equivalence.guard import unguarded
@@ -130,17 +132,24 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         record.update({"exact": exact, "reported_finish": [report.get("finish_reason"), report.get("stop_reason")]})
         prompt_records.append(record)
         row_findings: list[dict[str, Any]] = []
-        if not exact:
-            cause = token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at,
+        if not exact:  # a grammar mistake first (a forbidden token), then the processors' replays
+            cause = constraint_cause(index, p, reference, tokens, stop_ids, pair.tokenizer)
+            cause = cause or token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at,
                                 reported_stop=report.get("stop_reason"))
             if cause is not None:
                 row_findings.append(cause)
             else:
                 row_findings.append(_ruled(index, prompts[index], p, reference, tokens, band, stop_ids, scope, limit))
         named = {(d.get("diagnosis") or {}).get("class") for d in row_findings}
+        reported = (CONSTRAINED_LOGPROB_DEFINITION.get(dialect, definition) if p.constraint is not None
+                    and capability(inner, "black_box") else definition)  # under a grammar, the dialect's own
         row_findings += [d for d in check_report(index, prompts[index], p, reference, returned, report, eos_token_id,
-                                                 pair.tokenizer, definition, band.at)
+                                                 pair.tokenizer, reported, band.at)
                          if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
+        broken = violation_finding(index, p, tokens, stop_ids, pair.tokenizer)
+        if broken is not None:  # the output itself breaks its constraint: a finding of its own
+            row_findings.append(broken)
+            record["constraint_violation"] = broken["evidence"]["reason"]
         divergences += row_findings
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = capability(engine, "describe")
@@ -227,4 +236,29 @@ def _check_usage(config: Any, black_box_prefix: Any) -> None:
                          "and limits alone")
     if config.plain_engine:
         raise ValueError("--plain-engine is not combined with request parameters")
-    prompt_params(config.prompts, 0, config.request_params)  # parses every line's params
+    lines = (sum(1 for line in Path(config.prompts).read_text(encoding="utf-8").splitlines() if line.strip())
+             if config.prompts != "builtin" and Path(config.prompts).is_file() else 0)
+    params = prompt_params(config.prompts, lines, config.request_params)  # parses every line's params
+    constraints = [p.constraint for p in params + [config.request_params or RequestParams()] if p.constraint is not None]
+    if constraints:
+        _check_constraints(config, constraints, black_box_prefix)
+
+
+def _check_constraints(config: Any, constraints: list[Any], black_box_prefix: Any) -> None:
+    """A constraint no engine of the audit may drop: each must take it (in-process: its class declares
+    `takes_constraints`; a server: its dialect carries it, engines/constraints/fields.py)."""
+    from specaudit.engines.constraints.fields import dialect_refusal
+    from specaudit.engines.constraints.matcher import _xgrammar
+    from specaudit.engines.registry import resolve
+
+    _xgrammar()  # the reference's grammar engine installed
+    for name in config.engines:
+        prefix = black_box_prefix(name)
+        if prefix in SERVER_PREFIXES:
+            for constraint in constraints:
+                why = dialect_refusal(prefix, constraint)
+                if why is not None:
+                    raise ValueError(f"{name}: cannot send the {constraint.kind} constraint: {why}")
+        elif not getattr(resolve(name), "takes_constraints", False):
+            raise ValueError(f"engine {name} takes no structured-output constraint (its class declares no "
+                             "`takes_constraints`): it would decode unconstrained")

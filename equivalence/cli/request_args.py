@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from specaudit.engines.constraints import Constraint
 from specaudit.engines.requests import RequestParams
 
 
@@ -39,6 +41,69 @@ def add_request_arguments(audit: argparse.ArgumentParser) -> None:
     group.add_argument("--min-p", type=float, default=0.0, metavar="P", help="min_p (greedy: changes reported probabilities only; with --temperature: the sampler's cut, after the temperature)")
     group.add_argument("--top-k", type=int, default=0, metavar="K", help="top_k (greedy: changes reported probabilities only; with --temperature: the sampling cut; 0: off)")
     group.add_argument("--logprobs", type=int, default=None, metavar="N", help="top log-probabilities to ask for")
+    add_constraint_arguments(audit)
+
+
+def add_constraint_arguments(audit: argparse.ArgumentParser) -> None:
+    """The structured-output flags (docs/structured.md): at most one constraint kind per audit."""
+    group = audit.add_argument_group(
+        "structured outputs (one constraint for every prompt; a prompts file line's `params.constraint` overrides it; "
+        "applied by the reference with xgrammar, as vLLM does)")
+    group.add_argument("--json-schema", metavar="FILE", default=None, help="output: JSON valid under the schema in FILE")
+    group.add_argument("--json-object", action="store_true", help="output: any JSON object")
+    group.add_argument("--regex", metavar="R", default=None, help="output: text matching R in full")
+    group.add_argument("--choice", action="append", default=[], metavar="TEXT",
+                       help="output: exactly one of the choices (repeatable)")
+    group.add_argument("--grammar", metavar="FILE", default=None,
+                       help="output: a sentence of the grammar in FILE (EBNF/GBNF or Lark)")
+    group.add_argument("--grammar-syntax", choices=("auto", "ebnf", "lark"), default="auto",
+                       help="--grammar's syntax (default: auto, Lark unless a line holds ::=, as vLLM reads it)")
+    group.add_argument("--grammar-backend", default="xgrammar", metavar="NAME",
+                       help="the audited server's grammar engine (default: xgrammar; the reference applies no other)")
+    group.add_argument("--no-any-whitespace", action="store_true",
+                       help="JSON kinds: no whitespace between tokens (the server runs with vLLM's disable_any_whitespace)")
+
+
+def constraint_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Constraint | None:
+    """The flags' Constraint, or None; two kinds, an unreadable file or a bad constraint exit 2 with one line."""
+    given = [name for name, on in (("--json-schema", args.json_schema is not None), ("--json-object", args.json_object),
+                                   ("--regex", args.regex is not None), ("--choice", bool(args.choice)),
+                                   ("--grammar", args.grammar is not None)) if on]
+    if len(given) > 1:
+        parser.error(f"structured outputs: one constraint per audit, got {' and '.join(given)} "
+                     "(give prompts their own in the prompts file's params.constraint)")
+    if not given:
+        return None
+    common = {"backend": args.grammar_backend, "any_whitespace": not args.no_any_whitespace}
+    try:
+        if args.json_schema is not None:
+            return Constraint("json_schema", _read(args.json_schema, "--json-schema"), **common)
+        if args.json_object:
+            return Constraint("json_object", **common)
+        if args.regex is not None:
+            return Constraint("regex", args.regex, **common)
+        if args.choice:
+            return Constraint("choice", choices=tuple(args.choice), **common)
+        return Constraint("grammar", _read(args.grammar, "--grammar"), syntax=args.grammar_syntax, **common)
+    except (OSError, ValueError) as exc:
+        parser.error(f"structured outputs: {exc}")
+    return None
+
+
+def constraint_refusal(args: argparse.Namespace) -> str | None:
+    """The usage line for a constraint the chosen audit would drop (the sampled audit), or None."""
+    given = (args.json_schema is not None or args.json_object or args.regex is not None or bool(args.choice)
+             or args.grammar is not None)
+    if given and getattr(args, "temperature", None) is not None:
+        return "structured outputs are audited under greedy decoding: drop --temperature, or the constraint"
+    return None
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
 
 
 def request_params_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RequestParams | None:
@@ -48,6 +113,7 @@ def request_params_from_args(args: argparse.Namespace, parser: argparse.Argument
         "repetition_penalty": args.repetition_penalty, "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty, "logit_bias": tuple(args.logit_bias),
         "bad_words_text": tuple(args.bad_words), "min_p": args.min_p, "top_k": args.top_k, "logprobs": args.logprobs,
+        "constraint": constraint_from_args(args, parser),
     }
     try:
         params = RequestParams(**values)

@@ -360,6 +360,15 @@ class ServedGroup:
                                                           first["logprobs"][index], band, eos,
                                                           reference_finish=(ref_report or {}).get("finish_reason")):
                 divergences.append(served_rulings.as_divergence(finding, prompt, ref, out))
+            params = settings.request_params
+            if params is not None and params.constraint is not None and index not in answered["failures"]:
+                # the output against its own constraint: a finding of its own, whatever the served reference says
+                from specaudit.equivalence.blackbox.constraints import violation_finding
+
+                stops = sorted(set(eos_ids(eos)) | set(params.stop_token_ids))
+                broken = violation_finding(index, params, out, stops, self.served_model.tokenizer)
+                if broken is not None:
+                    divergences.append(broken)
         structural = sum(d["kind"] == "structural" for d in divergences)
         from specaudit.equivalence.acceptance import counters
 

