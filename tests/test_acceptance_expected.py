@@ -200,6 +200,8 @@ def test_a_draft_cache_fault_is_named_acceptance_short_beside_draft_fidelity_and
     assert any(d.get("detected_by") == "draft" for d in fault["divergences"])  # the draft-fidelity finding
     gate = [line for line in result.stderr.splitlines() if line.startswith("acceptance short")]
     assert len(gate) == 1 and FAULTS in gate[0]
+    verdict = [line for line in result.stdout.splitlines() if line.startswith("verdict:")]
+    assert verdict and "acceptance short of 0.9 x expected in 1 run(s) (--require-acceptance: exit 1)" in verdict[-1]
     report = (tmp_path / "report.md").read_text()
     assert "## Acceptance per draft position" in report and "acceptance short at draft position" in report
     assert 'id="bar-observed-' in (tmp_path / "report.html").read_text()

@@ -412,8 +412,16 @@ def verdict_line(audit: dict[str, Any]) -> str:
     failed = [run for run in runs if run.get("error")]
     required = bool((audit.get("config") or {}).get("require_speculation"))
     unseen = speculation.audit_note(runs, required)
+    gated = ""
+    ratio = (audit.get("config") or {}).get("require_acceptance")
+    if ratio is not None:
+        from specaudit.equivalence.acceptance.findings import unmet
+
+        short = sum(1 for run in runs if unmet(run))
+        if short:
+            gated = f"; acceptance short of {ratio} x expected in {short} run(s) (--require-acceptance: exit 1)"
     return ("verdict: " + ("every audited engine is equivalent" if runs and all_passed(audit)
                            else "NOT equivalent: see the divergences in the report" if not failed
                            else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "
                                 "and the report)")
-            + (f"; {unseen}" + (" (--require-speculation: exit 1)" if required else "") if unseen else ""))
+            + (f"; {unseen}" + (" (--require-speculation: exit 1)" if required else "") if unseen else "") + gated)
