@@ -19,7 +19,7 @@ SPECULATING = {"spec_solo_draft"}
 
 @pytest.mark.parametrize("engine", ["arrivals_positions_over_padding", "arrivals_padding_visible",
                                     "at_once_positions_over_padding", "buckets_padding_visible",
-                                    "slots_padding_visible", "spec_solo_draft_positions_over_padding"])
+                                    "slots_padding_visible"])
 def test_an_outside_engine_is_named_by_its_cause(engine: str, tmp_path: Path) -> None:
     twin, cause = outside_styles.BUGGY[engine]
     result = audit("--engine", f"outside_styles:{engine}", "--engine", f"outside_styles:{twin}", *SETTINGS,

@@ -268,13 +268,16 @@ class Diagnoser(Experiments, Observing):
         return observed.cause
 
     def _inputs_observed(self) -> bool:
-        """The inputs behind the divergent token were observed and judged (a violation, or seen right): they decide
-        its input classes, and the replays of hypotheses and the re-run experiments, made for engines whose inputs
-        cannot be seen (servers, recordings, an engine that never calls the target's forward), are not made. Where
-        the observation judged nothing (a token never fed after, a repeated token), they are."""
+        """The inputs behind the divergent token were observed and a replay of them confirmed the verdict (seen
+        right: the reference's token; a violation decides before this): the replays of hypotheses on the target's
+        inputs, made for engines whose inputs cannot be seen (servers, recordings, an engine that never calls the
+        target's forward), are not made (the re-runs still are: they name what comes after the logits, such as
+        results written to other rows). Where the observation judged nothing (a token never fed after, a
+        repeated token) or no replay confirmed it (a violation below float64), they are, and a class they name
+        other than the one seen becomes `unknown` (`_reconcile`)."""
         observation, verdict = self._run_observation, self._observed
         return (isinstance(observation, Judge) and observation.seen.calls > 0 and verdict is not None
-                and verdict.cls is not None)
+                and verdict.cls is not None and verdict.confirmed)
 
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
         if self._inputs_observed():
@@ -318,9 +321,6 @@ class Diagnoser(Experiments, Observing):
         return _cause(found, "the output's length (no cause explains it)") if found else None
 
     def _batch_experiments(self, case: Case, tried: list[str]) -> Cause | None:
-        if self._inputs_observed():
-            tried.append("re-runs alone and in its batch: not made (the engine's own inputs were observed, and decide)")
-            return None
         found = self._in_batch(case.index, case.position, case.q, tried)
         return _cause(found, "re-runs alone and in its batch") if found else None
 

@@ -84,7 +84,7 @@ class Stream:
     unused: list[int]  # the prompts no row of this stream holds yet
     records: list[list[int]]  # per batch row: its call-rows (indices into Recording.records)
     lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
-    masks_columns: bool | None = None  # the engine hid a column holding content from a later query (None: not asked)
+    masks_columns: bool | None = None  # the engine hid a written column from a later query (None: not asked yet)
 
 
 @dataclass
@@ -499,8 +499,8 @@ class Recording:
         return [int(c) for c in np.nonzero(mask & (record.columns < 0))[0]]
 
     def masks_columns(self, slot_id: int) -> bool:
-        """Whether the engine hid, from some query of this slot's cache, an earlier column holding content (a fed
-        token that is not padding; a stacked cache's fill and the row's padding aside): it masks columns."""
+        """Whether the engine hid, from some query of this slot's cache, an earlier written column (padding and a
+        stacked cache's fill among them): it masks columns."""
         stream = self.records[self.slots[slot_id].record].stream
         if stream.masks_columns is None:
             stream.masks_columns = any(self._hides_content(record) for rows in stream.records for record in rows)
@@ -513,7 +513,7 @@ class Recording:
             mask = np.unpackbits(row.allowed[slot.query], count=row.width).astype(bool)
             for column in range(min(slot.column, row.width)):
                 held = int(row.columns[column])
-                if held >= 0 and not mask[column] and self.slots[held].token >= 0 and not self.slots[held].pad:
+                if held >= 0 and not mask[column]:
                     return True
         return False
 
