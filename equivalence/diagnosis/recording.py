@@ -151,6 +151,7 @@ class Recording:
     records: list[CallRow] = field(default_factory=list)
     _streams: dict[int, Stream] = field(default_factory=dict)  # per cache serial
     _caches: dict[int, tuple[Any, int]] = field(default_factory=dict)  # id -> (weak reference, serial), while alive
+    _last_serial: int = 0
     _by_key: dict[int, list[int]] = field(default_factory=dict)  # the slots that left each key (first full layer)
     _claims: dict[int, int] = field(default_factory=dict)  # per prompt: how many rows were matched to it
     _by_record: dict[int, list[int]] | None = None  # per call-row: its slots (built once the re-run is over)
@@ -165,7 +166,8 @@ class Recording:
             known = self._caches.get(id(cache))
             if known is not None and known[0]() is cache:
                 return known[1]
-            serial = max([s for _, s in self._caches.values()] + [0]) + 1
+            self._last_serial += 1
+            serial = self._last_serial
             try:
                 self._caches[id(cache)] = (weakref.ref(cache), serial)
             except TypeError:
