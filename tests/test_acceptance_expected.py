@@ -294,3 +294,11 @@ def test_a_replay_that_fails_leaves_the_run_without_an_expectation_not_without_i
                                outputs=[[3, 4, 5]], failed=set(), dtype="float64", k=2, spec="draft:k=2")
     assert record["expected"] is None and record["unavailable"].startswith("the draft-model replay failed")
     assert "\n" not in record["unavailable"]
+
+
+def test_the_traces_acceptance_rate_is_the_one_definition_no_prefill_counted_as_drafted() -> None:
+    built = pair("tiny-llama")
+    chosen, _ = _reference("tiny-llama")
+    runner = make_engine("eqspec", built.target, built.draft, batch_size=4, draft_tokens=3)
+    runner.generate(chosen, NEW_TOKENS, built.eos_token_id)
+    assert runner.last_trace.totals()["acceptance_rate"] == from_trace(runner.last_trace).rate
