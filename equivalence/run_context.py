@@ -183,6 +183,12 @@ class RunContext:
         self.plain_runs[key] = result
         return result
 
+    def plain_engine_built(self) -> Any:
+        """The configured plain engine (`--plain-engine`), built and guarded, for a run that hands it its
+        requests itself (equivalence/blackbox/requests_run.py); None when none is configured. A plain engine
+        that cannot be built is the run's error."""
+        return self._guarded(self._build(self.plain_engine)) if self.plain_engine else None
+
     # ---- the payoff ----------------------------------------------------------------------------
     def payoff(self, repeats: int) -> dict[str, Any]:
         """Tokens per second of the speculative engine against the plain engine (`--plain-engine`, else the plain

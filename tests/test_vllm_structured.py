@@ -79,3 +79,27 @@ def test_speculative_vllm_is_exact_under_a_constraint(servers, constraint, tmp_p
     speculative = [run for run in report["runs"] if run["engine"] != f"vllm:{started['plain'].url}"]
     for run in speculative:
         assert run["speculation"]["drafted_tokens"] > 0 and run["speculation"]["accepted_tokens"] > 0, run["speculation"]
+
+
+def test_a_whitespace_rule_the_server_ignores_is_a_reference_mismatch_not_the_engines_bug(servers, tmp_path):
+    """vLLM 0.32.0 reads `disable_any_whitespace` from `--structured-outputs-config` only (reports/wild/): told
+    `--no-any-whitespace`, the reference forbids the whitespace both servers emit. The plain server beside the
+    speculative one makes the same divergences, so they are the reference's: `reference_mismatch`, exit 1."""
+    models, started = servers
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    argv = ["audit", "--engine", f"vllm:{started['draft'].url}", "--plain-engine", f"vllm:{started['plain'].url}",
+            "--target", str(models.target), "--dtype", "float32", "--batch-size", "4", "--max-new-tokens", "48",
+            "--num-prompts", "8", "--no-adversarial", "--no-progress", "--json-schema", str(schema),
+            "--no-any-whitespace", "--out", str(tmp_path / "audit")]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(argv)
+    print(printed.getvalue())
+    (run,) = json.loads((tmp_path / "audit" / "audit.json").read_text())["runs"]
+    assert status == 1, printed.getvalue()
+    mismatches = [d for d in run["divergences"] if d["kind"] == "reference_mismatch"]
+    assert mismatches, run["divergences"]
+    # what the plain server does not make identically is a float32 near-tie at most, never the engine's bug
+    assert all(d["kind"] in ("reference_mismatch", "numerical") for d in run["divergences"]), run["divergences"]
+    assert run["equivalent"] and run["reference_mismatches"] == len(mismatches)

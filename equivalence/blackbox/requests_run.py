@@ -82,10 +82,13 @@ def _ending_class(reference: RequestResult, tokens: list[int], position: int, li
 def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list[RequestParams], *,
                    max_new_tokens: int, eos_token_id: Any, dtype: str, engine_name: str, batch_size: int | None,
                    device: str | None = None, engine_dtype: str | None = None,
-                   logit_tolerance: float | None = None) -> dict[str, Any]:
+                   logit_tolerance: float | None = None, plain_engine: Any = None,
+                   plain_name: str | None = None) -> dict[str, Any]:
     """Run `engine` (a live server, engines/adapters/servers.py, or an in-process engine that takes request
     parameters, engines/requests/rows.py) on `prompts` with `params` (one per prompt) and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
-    `refused_parameters` and `reported`)."""
+    `refused_parameters` and `reported`). `plain_engine` (`--plain-engine`, built and guarded): the same
+    requests without speculation, whose identical divergences prove the reference's processing right or
+    wrong (rulings/plain.py `rule_processed`)."""
     inner = unguarded(engine)
     dialect = capability(inner, "dialect") or "vllm"
     scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
@@ -151,6 +154,16 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
             row_findings.append(broken)
             record["constraint_violation"] = broken["evidence"]["reason"]
         divergences += row_findings
+    plain = _plain_run(plain_engine, plain_name, prompts, params, max_new_tokens, eos_token_id, pair.tokenizer)
+    if plain["outputs"] is not None:  # the three-way rulings: reference, plain engine, speculative engine
+        for divergence in divergences:
+            index = divergence.get("prompt_index")
+            if index is None or index in failed or index in refused:
+                continue
+            if divergence.get("detected_by") == "constraint":
+                rulings.plain_rule_violation(divergence, outputs[index], plain["outputs"][index])
+            else:
+                rulings.plain_rule_processed(divergence, references[index].tokens, plain["outputs"][index])
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = capability(engine, "describe")
     trace = None if capability(inner, "black_box") else capability(inner, "last_trace")  # an own engine's steps
@@ -159,14 +172,50 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         device=device or str(pair.target.device), num_prompts=len(prompts),
         exact_matches=sum(1 for r in prompt_records if r["exact"]),
         equivalent=equivalent(divergences, failures), structural_divergences=structural, failures=failures,
-        numerical_divergences=len(divergences) - structural, logit_tolerance=logit_tolerance, seconds=seconds,
+        numerical_divergences=sum(d["kind"] == "numerical" for d in divergences),
+        reference_mismatches=sum(d["kind"] == rulings.REFERENCE_MISMATCH for d in divergences),
+        logit_tolerance=logit_tolerance, seconds=seconds,
         tokens_generated=sum(len(o) for o in outputs), trace=trace_summary(trace), prompts=prompt_records,
         divergences=divergences, noise_band=band.to_dict(), speculation=speculation.of_run(inner, trace),
         engine_description=describe() if callable(describe) else None,
         request_params=[p.to_dict() for p in params], penalty_scope=scope, logprob_definition=definition,
         refused_parameters=[{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
                             for i, exc in sorted(refused.items())],
-        timing={"engine": seconds, "reference": reference_seconds})
+        plain_engine=None if plain_engine is None else rulings.plain_summary(
+            plain["engine"], [r.tokens for r in references], plain["outputs"], outputs, divergences,
+            plain.get("description"), plain.get("speculation"), plain.get("error")),
+        timing={"engine": seconds, "reference": reference_seconds, "plain_control": plain.get("seconds")})
+
+
+def _plain_run(engine: Any, name: str | None, prompts: list[list[int]], params: list[RequestParams],
+               max_new_tokens: int, eos_token_id: Any, tokenizer: Any) -> dict[str, Any]:
+    """The plain engine's outputs under the same requests, or the error that stopped it (the run is then
+    ruled without it); `{"outputs": None}` when there is no plain engine."""
+    from specaudit.equivalence.errors import one_line
+
+    if engine is None:
+        return {"engine": None, "outputs": None, "error": None}
+    inner = unguarded(engine)
+    started = time.perf_counter()
+    try:
+        inner.request_params = list(params)
+        if declares(inner, "request_tokenizer"):
+            inner.request_tokenizer = tokenizer
+        outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
+        failures = [int(index) for index, _ in capability(inner, "last_failures") or []]
+        refused = [int(index) for index, _ in capability(inner, "last_refused") or []]
+        if failures or refused:
+            raise RuntimeError(f"prompt(s) {sorted(set(failures + refused))} failed or were refused")
+        describe = capability(inner, "describe")
+        return {"engine": name, "outputs": outputs, "error": None, "seconds": time.perf_counter() - started,
+                "description": describe() if callable(describe) else None,
+                "speculation": speculation.of_run(inner, capability(inner, "last_trace"))}
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # the audited run goes on, ruled without the plain run
+        return {"engine": name, "outputs": None, "seconds": time.perf_counter() - started,
+                "error": one_line(f"the plain engine {name} failed ({type(exc).__name__}: {exc}); the divergences "
+                                  "are ruled without it")}
 
 
 def _ruled(index: int, prompt: list[int], params: RequestParams, reference: RequestResult, tokens: list[int],
@@ -191,7 +240,7 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
 
 
 def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: Any, dtype: str, engine_name: str,
-                    batch_size: int, black_box: bool) -> dict[str, Any]:
+                    batch_size: int, black_box: bool, plain_engine: Any = None) -> dict[str, Any]:
     """The runner's run of one engine when the audit sends request parameters (equivalence/pipeline/runner.py).
     An engine takes them when it has a `request_params` attribute (every live server; an in-process
     engine that declares it, `engines/registry.takes_request_params`)."""
@@ -205,7 +254,8 @@ def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: An
     params = [with_bad_words_resolved(p, pair.tokenizer) for p in params]
     return audit_requests(engine, pair, prompts, params, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                           dtype=dtype, engine_name=engine_name, batch_size=batch_size, device=config.device,
-                          engine_dtype=config.engine_dtype, logit_tolerance=config.logit_tolerance)
+                          engine_dtype=config.engine_dtype, logit_tolerance=config.logit_tolerance,
+                          plain_engine=plain_engine, plain_name=config.plain_engine)
 
 
 SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")
@@ -234,8 +284,10 @@ def _check_usage(config: Any, black_box_prefix: Any) -> None:
         raise ValueError(f"request parameters are sent to live servers ({', '.join(p + ':URL' for p in SERVER_PREFIXES)}) "
                          f"and to engines whose class declares `request_params`; {', '.join(others)} takes token ids "
                          "and limits alone")
-    if config.plain_engine:
-        raise ValueError("--plain-engine is not combined with request parameters")
+    if config.plain_engine and (black_box_prefix(config.plain_engine) not in SERVER_PREFIXES
+                                and not takes_request_params(config.plain_engine)):
+        raise ValueError(f"the plain engine {config.plain_engine} takes no request parameters: it would decode "
+                         "other requests than the audited engine")
     lines = (sum(1 for line in Path(config.prompts).read_text(encoding="utf-8").splitlines() if line.strip())
              if config.prompts != "builtin" and Path(config.prompts).is_file() else 0)
     params = prompt_params(config.prompts, lines, config.request_params)  # parses every line's params
@@ -252,7 +304,7 @@ def _check_constraints(config: Any, constraints: list[Any], black_box_prefix: An
     from specaudit.engines.registry import resolve
 
     _xgrammar()  # the reference's grammar engine installed
-    for name in config.engines:
+    for name in list(config.engines) + ([config.plain_engine] if config.plain_engine else []):
         prefix = black_box_prefix(name)
         if prefix in SERVER_PREFIXES:
             for constraint in constraints:

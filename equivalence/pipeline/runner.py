@@ -360,7 +360,8 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
                              rerunnable=recorded_prompts is None)
         engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
         if requests_run.has_request_params(config.prompts, config.request_params):
-            return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size, black_box)}
+            return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size,
+                                                           black_box, plain_engine=context.plain_engine_built())}
         run_settings = RunSettings(
             max_new_tokens=config.max_new_tokens, eos_token_id=eos, dtype=dtype, engine_name=engine_name,
             batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
@@ -388,11 +389,13 @@ def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, referen
 def exit_status(audit: dict[str, Any]) -> int:
     """The audit's one exit status, for every composition: 0 when every run passed (`run_record.passed`);
     1 when a served reference failed, no run was made, any run has a structural divergence, a departure or
-    failed, or, with `require_speculation`, any run's engine did not show that it drafted, or, with
+    failed, a reference mismatch (rulings/plain.py: the plain engine makes the reference's divergence), or, with `require_speculation`, any run's engine did not show that it drafted, or, with
     `require_acceptance`, any run's acceptance is short of R x expected (equivalence/acceptance/findings.py)."""
     if (audit.get("reference") or {}).get("error") or not audit.get("runs"):
         return EXIT_NOT_EQUIVALENT
     if not all_passed(audit):
+        return EXIT_NOT_EQUIVALENT
+    if any(r.get("reference_mismatches") for r in audit["runs"]):  # prompts the reference could not judge
         return EXIT_NOT_EQUIVALENT
     if (audit.get("config") or {}).get("require_speculation") and any(speculation.unmet(r) for r in audit["runs"]):
         return EXIT_NOT_EQUIVALENT

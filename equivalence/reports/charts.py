@@ -191,7 +191,7 @@ def divergence_position_chart(audit: dict[str, Any]) -> BarChart:
     positions: dict[str, list[int]] = {"structural": [], "numerical": []}
     for run in _finished_runs(audit):
         for divergence in run.get("divergences") or []:
-            if divergence.get("position") is not None:
+            if divergence.get("position") is not None and divergence.get("kind") != "reference_mismatch":
                 kind = "structural" if divergence.get("kind") == "structural" else "numerical"
                 positions[kind].append(int(divergence["position"]))
     every = positions["structural"] + positions["numerical"]

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from specaudit.equivalence import speculation
+from specaudit.equivalence.rulings.plain import REFERENCE_MISMATCH
 
 STATUS_LABELS = {
     "crashed": "CRASHED",
     "structural": "STRUCTURAL",
     "not-equivalent": "NOT EQUIVALENT",
+    "reference-mismatch": "REFERENCE MISMATCH",
     "numerical": "numerical flips only",
     "exact": "exact",
     "equivalent": "equivalent",
@@ -28,7 +30,8 @@ class DivergenceEntry:
 
     @property
     def kind(self) -> str:
-        return "structural" if self.divergence.get("kind") == "structural" else "numerical"
+        kind = self.divergence.get("kind")
+        return kind if kind in ("structural", REFERENCE_MISMATCH) else "numerical"
 
 
 def format_number(value: float | int | None) -> str:
@@ -50,9 +53,12 @@ def format_share(value: float | None) -> str:
 
 
 def divergence_counts(run: dict[str, Any]) -> dict[str, int]:
-    counts = {"structural": 0, "numerical": 0}
+    """Divergences by kind: `structural`, `numerical`, and `reference_mismatch` (rulings/plain.py: the
+    reference's request processing is not the server's; not the engine's, not judged)."""
+    counts = {"structural": 0, "numerical": 0, REFERENCE_MISMATCH: 0}
     for divergence in run.get("divergences") or []:
-        counts["structural" if divergence.get("kind") == "structural" else "numerical"] += 1
+        kind = divergence.get("kind")
+        counts[kind if kind in counts else "numerical"] += 1
     return counts
 
 
@@ -63,6 +69,8 @@ def run_status(run: dict[str, Any]) -> str:
     counts = divergence_counts(run)
     if counts["structural"]:
         return "structural"
+    if counts[REFERENCE_MISMATCH]:
+        return "reference-mismatch"
     if run.get("equivalent") is False:
         return "not-equivalent"
     if counts["numerical"]:
@@ -144,6 +152,12 @@ def _equivalence_verdict(audit: dict[str, Any]) -> tuple[str, str]:
                  else "no divergence attributed")
         return "fail", (f"NOT EQUIVALENT: {len(failing)} of {len(runs)} runs diverge from greedy decoding "
                         f"({found}; engines: {engines}).{crash_note}")
+    mismatched = sum(divergence_counts(run)[REFERENCE_MISMATCH] for run in runs)
+    if mismatched:
+        return "incomplete", (f"NOT SHOWN EQUIVALENT: {mismatched} divergence(s) made identically by the plain engine "
+                              "beyond the noise band: the reference processes the requests otherwise than the "
+                              "server (its grammar engine or options, or the parameters' scope); give the reference "
+                              f"the server's settings.{crash_note}")
     if crashed:
         return "incomplete", (f"INCOMPLETE:{crash_note} The other {len(runs) - crashed} "
                               f"run{'s are' if len(runs) - crashed != 1 else ' is'} equivalent.")
@@ -312,6 +326,8 @@ def summary_table(audit: dict[str, Any]) -> str:
     for run in audit["runs"]:
         err = run.get("max_logit_error")
         status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
+        if run.get("reference_mismatches") and not run.get("error") and run.get("equivalent"):
+            status = f"NOT JUDGED: {run['reference_mismatches']} reference mismatch(es)"
         if not run.get("error") and speculation.observed(run.get("speculation")) is False:
             status += " (speculation not observed)"
         if run.get("failures"):
@@ -357,6 +373,9 @@ def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, lis
                         f"{plain.get('speculative_divergences')} prompt(s), {plain.get('same_as_plain')} of them "
                         f"exactly as the plain run does; {plain.get('ruled_numerical_by_plain')} divergence(s) "
                         "ruled numerical by the plain run")
+            if plain.get("reference_mismatches"):
+                sentence += (f"; {plain['reference_mismatches']} divergence(s) beyond the noise band made by the plain "
+                             "run too: reference mismatches (the reference's request processing is not the server's)")
             if plain.get("speculation") is not None:
                 sentence += f"; plain run's counters: {speculation.verdict({'speculation': plain['speculation']})}"
         rows = [[str(d.get("prompt_index")), str(d.get("position")), format_token(d.get("reference_token")),
@@ -420,6 +439,11 @@ def verdict_line(audit: dict[str, Any]) -> str:
         short = sum(1 for run in runs if unmet(run))
         if short:
             gated = f"; acceptance short of {ratio} x expected in {short} run(s) (--require-acceptance: exit 1)"
+    mismatched = sum(int(run.get("reference_mismatches") or 0) for run in runs)
+    if mismatched and all_passed(audit):
+        return (f"verdict: NOT shown equivalent: {mismatched} divergence(s) are the reference's, not the engine's "
+                "(the plain engine makes them too: the reference's request processing is not the server's)"
+                + (f"; {unseen}" if unseen else "") + gated)
     return ("verdict: " + ("every audited engine is equivalent" if runs and all_passed(audit)
                            else "NOT equivalent: see the divergences in the report" if not failed
                            else f"NOT shown equivalent: {len(failed)} run(s) failed (their errors are in audit.json "

@@ -12,7 +12,9 @@ each records what decided it in one field, `decided_by`:
   assumed), the evidence it adds beside a ruling, and `rule_on_band` where the reference's logits are
   processed by request parameters (`noise-band`).
 - `plain`: a plain run of the same rows (the built-in `batched` engine for in-process engines,
-  `--plain-engine` for servers) overrules a structural ruling it makes identically (`plain-control`).
+  `--plain-engine` for servers) overrules a structural ruling it makes identically (`plain-control`);
+  under request parameters, beyond the band, it is a `reference_mismatch` (the reference is not the
+  server's processing), never the engine's bug.
 - `draft.DraftPrecision`: below float64, whether a draft proposal that differs from the float64 draft's
   choice lies within the draft's precision (the draft-fidelity check, the diagnosis's kept draft tokens).
 - `record.divergence`: the divergence record of `audit.json` around a ruling (`logits` where tokens
@@ -25,9 +27,11 @@ from __future__ import annotations
 from specaudit.equivalence.rulings.band import NoiseBand, band_evidence, noise_band, rule_on_band
 from specaudit.equivalence.rulings.draft import DraftPrecision, departure_floor
 from specaudit.equivalence.rulings.noise import EPS, dtype_noise
-from specaudit.equivalence.rulings.plain import first_divergence, rule as plain_rule, summary as plain_summary
+from specaudit.equivalence.rulings.plain import (REFERENCE_MISMATCH, first_divergence, rule as plain_rule,
+                                                 rule_processed as plain_rule_processed,
+                                                 rule_violation as plain_rule_violation, summary as plain_summary)
 from specaudit.equivalence.rulings.record import divergence, step_context
 from specaudit.equivalence.rulings.ruler import Ruler
 
-__all__ = ["EPS", "DraftPrecision", "NoiseBand", "Ruler", "departure_floor", "band_evidence", "divergence", "dtype_noise", "first_divergence",
+__all__ = ["EPS", "REFERENCE_MISMATCH", "plain_rule_processed", "plain_rule_violation", "DraftPrecision", "NoiseBand", "Ruler", "departure_floor", "band_evidence", "divergence", "dtype_noise", "first_divergence",
            "noise_band", "plain_rule", "plain_summary", "rule_on_band", "step_context"]

@@ -16,6 +16,15 @@ For each token divergence of the speculative run from the reference, at position
 
 Every divergence of such a run carries `plain_token` (None where the plain output ended before p)
 and `plain_first_divergence` (None where the plain output equals the reference's).
+
+Under request parameters (penalties, stops, a structured-output constraint) the reference also
+processes the logits as it believes the server does: the grammar engine and its options, the
+penalties' scope. The plain run is then the proof that the reference's processing is the server's
+(`rule_processed`): an identical plain divergence within the noise band stays `numerical`
+(`plain-control`, the engine's precision); one beyond it is `reference_mismatch`: the server
+processes the request otherwise than the reference, with or without speculation. That is neither the
+engine's bug nor its precision: the prompt is not judged, and the audit is not shown equivalent
+until the reference is given the server's settings (docs/structured.md).
 """
 
 from __future__ import annotations
@@ -59,6 +68,43 @@ def rule(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> 
                                 f"at position {position} and {where}: this divergence is the speculative run's own")
 
 
+REFERENCE_MISMATCH = "reference_mismatch"
+
+
+def rule_processed(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> None:
+    """`rule` for a run under request parameters (see the module docstring): a divergence the plain run
+    makes identically is `numerical` where the band already ruled it so, else `reference_mismatch`. A
+    finding read from the output alone (a constraint violation) is a reference mismatch when the plain
+    output is the same tokens."""
+    if divergence.get("detected_by", "tokens") != "tokens" or divergence.get("position") is None:
+        return
+    band_kind = divergence["kind"]
+    rule(divergence, reference, plain)
+    if divergence.get("decided_by") != "plain-control" or band_kind == "numerical":
+        return
+    _mismatch(divergence, f"the plain engine (no speculation) makes the same divergence beyond the noise band "
+                          f"(band: {band_kind}): the server processes this request otherwise than the reference "
+                          "(grammar engine, its options, or the parameters' scope), with or without speculation")
+
+
+def rule_violation(finding: dict[str, Any], output: list[int], plain: list[int]) -> None:
+    """A constraint violation read from the engine's output, made identically by the plain engine: the
+    server's grammar accepts what the reference's does not (a reference mismatch)."""
+    if output != plain:
+        return
+    _mismatch(finding, "the plain engine (no speculation) returns the same tokens: the server's grammar accepts "
+                       "what the reference's rejects, with or without speculation")
+
+
+def _mismatch(divergence: dict[str, Any], reason: str) -> None:
+    evidence = divergence.setdefault("evidence", {})
+    evidence.setdefault("band_kind", divergence["kind"])
+    evidence["reason"] = reason
+    divergence["kind"] = REFERENCE_MISMATCH
+    divergence["decided_by"] = evidence["decided_by"] = "plain-control"
+    divergence.pop("diagnosis", None)  # not the engine's: no cause of its own is named
+
+
 def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[list[int]] | None,
             outputs: list[list[int]], divergences: list[dict[str, Any]], description: Any = None,
             speculation: dict[str, Any] | None = None, error: str | None = None) -> dict[str, Any]:
@@ -78,7 +124,9 @@ def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[l
         "num_prompts": len(plain_outputs),
         "speculative_divergences": len(diverging),
         "same_as_plain": len(same),
-        "ruled_numerical_by_plain": sum(d.get("decided_by") == "plain-control" for d in divergences),
+        "ruled_numerical_by_plain": sum(d.get("decided_by") == "plain-control" and d["kind"] == "numerical"
+                                        for d in divergences),
+        "reference_mismatches": sum(d["kind"] == REFERENCE_MISMATCH for d in divergences),
         "outputs": plain_outputs,
     })
     return record
