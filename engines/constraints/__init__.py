@@ -10,8 +10,8 @@ A `Constraint` says what the output must be, in the kinds a server takes:
   llama.cpp's GBNF) or "lark"; "auto" reads it as vLLM does (`grammar_is_likely_lark`: Lark unless a line
   holds `::=`).
 
-`backend` is the grammar engine that applies it ("xgrammar", vLLM's default and the only one the reference
-runs; another is refused, never approximated), `any_whitespace` its whitespace rule for the JSON kinds
+`backend` is the grammar engine that applies it ("xgrammar", vLLM's and SGLang's default; "llguidance", what
+llama.cpp applies to a JSON schema; another is refused, never approximated), `any_whitespace` its whitespace rule for the JSON kinds
 (vLLM's `disable_any_whitespace` is its negation: False allows no whitespace between JSON tokens).
 
 How a constraint is applied to each step's logits (masking, EOS, speculation) is engines/constraints/matcher.py;
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 SYNTAXES = ("auto", "ebnf", "lark")
-BACKENDS = ("xgrammar",)  # the grammar engines the reference applies exactly
+BACKENDS = ("xgrammar", "llguidance")  # the grammar engines the reference applies exactly
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,16 @@
 
 | Constraint  | vLLM 0.32.0 / 0.21.0 (`structured_outputs`) | vLLM before 0.10.2 (`guided_*`) | SGLang (`sampling_params`) | llama.cpp (`/completion`) | TensorRT-LLM (`response_format`) |
 |-------------|--------------------------|------------------------|-------------------------|-------------------------|---------------------------------|
-| json_schema | `json`: the schema       | `guided_json`          | `json_schema` (text)    | refused (its own converter) | `{"type": "json", "schema": ...}` |
-| json_object | `json_object`: true      | `guided_json_object`   | `json_schema` `{"type": "object"}` | refused       | `{"type": "json_object"}`        |
+| json_schema | `json`: the schema       | `guided_json`          | `json_schema` (text)    | `json_schema` (backend llguidance; else refused) | `{"type": "json", "schema": ...}` |
+| json_object | `json_object`: true      | `guided_json_object`   | `json_schema` `{"type": "object"}` | `json_schema` `{"type": "object"}` (llguidance) | `{"type": "json_object"}` |
 | regex       | `regex`                  | `guided_regex`         | `regex`                 | refused (no regex field) | `{"type": "regex", "regex": ...}` |
 | choice      | `choice`                 | `guided_choice`        | `ebnf`: `choice_grammar` | `grammar`: `choice_grammar` | `{"type": "ebnf", "ebnf": choice_grammar}` |
 | grammar     | `grammar`                | `guided_grammar`       | `ebnf` (EBNF only)      | `grammar` (GBNF = EBNF only) | `{"type": "ebnf", "ebnf": ...}` (EBNF only) |
 
-Why llama.cpp is refused the JSON kinds and regex: it turns a schema into a grammar with its own converter
-(json-schema-to-grammar, other whitespace rules than xgrammar's) and takes no regex, so no xgrammar reference
-can say what it must return; a grammar and a choice are the same language in any correct engine. vLLM's
+llama.cpp and the JSON kinds: built with llguidance (as the `xllamacpp` wheels b8672 and b11549 are), it turns
+a schema into the llguidance grammar `%llguidance {}` / `start: %json SCHEMA` and applies llguidance's JSON rules
+(its whitespace, not xgrammar's), so the reference must apply llguidance too: `--grammar-backend llguidance`, else
+refused. It takes no regex; a grammar and a choice are the same language in any correct engine. vLLM's
 whitespace rule is the server's (`--structured-outputs-config '{"disable_any_whitespace": true}'`: vLLM
 0.32.0's xgrammar backend reads no per-request field for it); `any_whitespace` False is sent as
 `disable_any_whitespace` too, and the audited server must be started with it.
@@ -74,15 +75,21 @@ def sglang_fields(constraint: Constraint) -> dict[str, Any]:
 
 
 def llamacpp_fields(constraint: Constraint) -> dict[str, Any]:
-    """llama.cpp `/completion` fields: a GBNF `grammar` (a grammar, or a choice as one)."""
+    """llama.cpp `/completion` fields: a GBNF `grammar` (a grammar, or a choice as one); a JSON schema as
+    `json_schema` when the reference applies it with llguidance, as llama.cpp does
+    (engines/constraints/llguidance_matcher.py)."""
+    if constraint.kind in ("json_schema", "json_object") and constraint.backend == "llguidance":
+        return {"json_schema": json.loads(constraint.text) if constraint.kind == "json_schema" else {"type": "object"}}
     if constraint.kind == "choice":
         return {"grammar": choice_grammar(constraint.choices)}
     if constraint.kind == "grammar" and constraint.grammar_syntax == "ebnf":
         return {"grammar": constraint.text}
     if constraint.kind == "grammar":
         raise ConstraintRefused("llama.cpp takes a GBNF grammar, not Lark")
-    raise ConstraintRefused(f"llama.cpp has no {constraint.kind} the reference can apply (it converts a schema with "
-                            "its own rules and takes no regex): give the constraint as a GBNF --grammar")
+    if constraint.kind == "regex":
+        raise ConstraintRefused("llama.cpp takes no regex: give the constraint as a GBNF --grammar")
+    raise ConstraintRefused(f"llama.cpp applies a {constraint.kind} with llguidance (its json_schema_to_grammar): "
+                            "give --grammar-backend llguidance")
 
 
 def trtllm_fields(constraint: Constraint) -> dict[str, Any]:

@@ -109,7 +109,15 @@ def compile_constraint(constraint: Constraint, tokenizer: Any, vocab_size: int, 
 
 
 class RowMatcher:
-    """One request's grammar state (module docstring)."""
+    """One request's grammar state (module docstring); a constraint whose backend is llguidance gets an
+    `LLGuidanceMatcher` (engines/constraints/llguidance_matcher.py), the same interface."""
+
+    def __new__(cls, constraint: Constraint, *args: Any, **kwargs: Any) -> Any:
+        if cls is RowMatcher and constraint.backend == "llguidance":
+            from specaudit.engines.constraints.llguidance_matcher import LLGuidanceMatcher
+
+            return LLGuidanceMatcher(constraint, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
         if not stop_ids:

@@ -58,8 +58,9 @@ def add_constraint_arguments(audit: argparse.ArgumentParser) -> None:
                        help="output: a sentence of the grammar in FILE (EBNF/GBNF or Lark)")
     group.add_argument("--grammar-syntax", choices=("auto", "ebnf", "lark"), default="auto",
                        help="--grammar's syntax (default: auto, Lark unless a line holds ::=, as vLLM reads it)")
-    group.add_argument("--grammar-backend", default="xgrammar", metavar="NAME",
-                       help="the audited server's grammar engine (default: xgrammar; the reference applies no other)")
+    group.add_argument("--grammar-backend", default="xgrammar", choices=("xgrammar", "llguidance"),
+                       help="the audited server's grammar engine, which the reference applies (default: xgrammar, "
+                            "vLLM's and SGLang's; llguidance: what llama.cpp applies to --json-schema/--json-object)")
     group.add_argument("--no-any-whitespace", action="store_true",
                        help="JSON kinds: no whitespace between tokens (the server runs with vLLM's disable_any_whitespace)")
 
