@@ -21,7 +21,7 @@ import pytest
 import llamacpp_models as lm
 from cli_run import audit, runs, usage_error
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}}, "required": ["name", "age"]}
 GRAMMAR = Path(__file__).resolve().parent.parent / "reports" / "structured" / "expr.gbnf"
 DRAFT_ARGS = ["--spec-type", "draft-simple", "--spec-draft-n-min", "4", "--spec-draft-n-max", "4"]

@@ -203,7 +203,7 @@ def test_cli_audits_and_refuses_constraints(tmp_path):
     assert planted.returncode == 1
     refusals = [(("--engine", "eqspec", "--regex", "a", "--choice", "b"), "one constraint per audit"),
                 (("--engine", "eqspec", "--json-schema", str(tmp_path / "missing.json")), "missing.json"),
-                (("--engine", "eqspec", "--regex", "a", "--grammar-backend", "llguidance"), "xgrammar only"),
+                (("--engine", "eqspec", "--regex", "a", "--grammar-backend", "outlines"), "outlines"),
                 (("--engine", "hf-assisted", "--regex", "a+"), "takes no structured-output constraint"),
                 (("--engine", "llamacpp:http://127.0.0.1:9", "--regex", "a+"), "no regex"),
                 (("--engine", "eqspec", "--regex", "a", "--temperature", "0.5"), "greedy decoding")]

@@ -253,8 +253,10 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
         wanted = _texts(tokenizer, prompt, returned)
         if returned and returned[-1] in stop_ids:
             wanted += _texts(tokenizer, prompt, returned[:-1])
-        if wanted and wanted[0].endswith("\ufffd"):  # an unfinished character last: a detokenizer holds its bytes back
-            wanted += [t for held in (1, 2, 3) if len(returned) > held for t in _texts(tokenizer, prompt, returned[:-held])]
+        if wanted and wanted[0].endswith("\ufffd"):  # an unfinished character last: a detokenizer holds its bytes
+            # back, or (llama.cpp) shows them as one replacement character after the finished text
+            held_back = [t for held in (1, 2, 3) if len(returned) > held for t in _texts(tokenizer, prompt, returned[:-held])]
+            wanted += held_back + [t + "\ufffd" for t in held_back]
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):
