@@ -19,6 +19,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.registry import make_engine
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.reference import decode_with_params
+from cli_run import audit, usage_error
 
 EOS = 258
 N = 20
@@ -97,3 +98,8 @@ def test_own_engines_equal_the_llguidance_reference_under_every_kind(pair, kinds
     engine.request_params, engine.request_tokenizer = list(params), pair.tokenizer
     outputs = engine.generate([list(p) for p in prompts], N, EOS)
     assert outputs == [r.tokens for r in refs]
+
+
+def test_the_cli_refuses_xgrammars_whitespace_rule_under_llguidance(tmp_path):
+    usage_error(audit("--engine", "eqspec", "--pair", "tiny-llama", "--json-object", "--no-any-whitespace",
+                      "--grammar-backend", "llguidance", "--num-prompts", "1", out=tmp_path), "--no-any-whitespace")

@@ -30,6 +30,10 @@ SYNTAXES = ("auto", "ebnf", "lark")
 BACKENDS = ("xgrammar", "llguidance")  # the grammar engines the reference applies exactly
 
 
+class ConstraintError(ValueError):
+    """A constraint that cannot be applied: no grammar engine installed, or a grammar it refuses."""
+
+
 @dataclass(frozen=True)
 class Constraint:
     """One request's structured-output constraint (module docstring)."""

@@ -25,12 +25,10 @@ from typing import Any, Sequence
 
 import torch
 
-from specaudit.engines.constraints import Constraint
+from specaudit.engines.constraints import Constraint, ConstraintError
 
 
 def _llguidance() -> Any:
-    from specaudit.engines.constraints.matcher import ConstraintError
-
     try:
         import llguidance
         import llguidance.torch  # noqa: F401  (the bitmask helpers)
@@ -42,8 +40,6 @@ def _llguidance() -> Any:
 
 def llguidance_grammar(constraint: Constraint) -> str:
     """The grammar text llguidance compiles for `constraint` (module docstring)."""
-    from specaudit.engines.constraints.matcher import ConstraintError
-
     llg = _llguidance()
     if constraint.kind in ("json_schema", "json_object"):
         if not constraint.any_whitespace:
@@ -118,8 +114,6 @@ class LLGuidanceMatcher:
     """One request's grammar state under llguidance (module docstring); `RowMatcher`'s interface."""
 
     def __init__(self, constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
-        from specaudit.engines.constraints.matcher import ConstraintError
-
         if not stop_ids:
             raise ConstraintError("a constraint needs a stop id (an EOS id): a complete sentence must end the row")
         llg = _llguidance()

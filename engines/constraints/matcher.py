@@ -37,11 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
-from specaudit.engines.constraints import Constraint, choice_grammar
-
-
-class ConstraintError(ValueError):
-    """A constraint that cannot be applied: no grammar engine installed, or a grammar it refuses."""
+from specaudit.engines.constraints import Constraint, ConstraintError, choice_grammar
 
 
 def _xgrammar() -> Any:

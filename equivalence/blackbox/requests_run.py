@@ -304,6 +304,11 @@ def _check_constraints(config: Any, constraints: list[Any], black_box_prefix: An
     from specaudit.engines.registry import resolve
 
     _xgrammar()  # the reference's grammar engine installed
+    for constraint in constraints:
+        if constraint.backend == "llguidance":  # installed, and the constraint one it takes
+            from specaudit.engines.constraints.llguidance_matcher import llguidance_grammar
+
+            llguidance_grammar(constraint)
     for name in list(config.engines) + ([config.plain_engine] if config.plain_engine else []):
         prefix = black_box_prefix(name)
         if prefix in SERVER_PREFIXES:
