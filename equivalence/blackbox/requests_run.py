@@ -163,7 +163,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
             if divergence.get("detected_by") == "constraint":
                 rulings.plain_rule_violation(divergence, outputs[index], plain["outputs"][index])
             else:
-                rulings.plain_rule_processed(divergence, references[index].tokens, plain["outputs"][index])
+                rulings.plain_rule_processed(divergence, references[index].tokens, plain["outputs"][index],
+                                             _forbidden(references[index], divergence, eos_token_id, params[index]))
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = capability(engine, "describe")
     trace = None if capability(inner, "black_box") else capability(inner, "last_trace")  # an own engine's steps
@@ -185,6 +186,18 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
             plain["engine"], [r.tokens for r in references], plain["outputs"], outputs, divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),
         timing={"engine": seconds, "reference": reference_seconds, "plain_control": plain.get("seconds")})
+
+
+def _forbidden(reference: RequestResult, divergence: dict[str, Any], eos_token_id: Any, params: RequestParams) -> bool:
+    """Whether the reference's grammar forbids the engine's token at the divergence (None: the engine's row
+    ended there, so its stop ids)."""
+    position = divergence.get("position")
+    if reference.allowed is None or position is None or position >= len(reference.allowed):
+        return False
+    allowed = reference.allowed[position]  # [V]
+    token = divergence.get("engine_token")
+    candidates = [token] if token is not None else sorted(set(eos_ids(eos_token_id)) | set(params.stop_token_ids))
+    return bool(candidates) and not any(0 <= t < allowed.shape[0] and bool(allowed[t]) for t in candidates)
 
 
 def _plain_run(engine: Any, name: str | None, prompts: list[list[int]], params: list[RequestParams],

@@ -155,8 +155,8 @@ def _equivalence_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     mismatched = sum(divergence_counts(run)[REFERENCE_MISMATCH] for run in runs)
     if mismatched:
         return "incomplete", (f"NOT SHOWN EQUIVALENT: {mismatched} divergence(s) made identically by the plain engine "
-                              "beyond the noise band: the reference processes the requests otherwise than the "
-                              "server (its grammar engine or options, or the parameters' scope); give the reference "
+                              "to tokens the reference's grammar forbids: the server applies another grammar than the "
+                              "reference (its grammar engine or options); give the reference "
                               f"the server's settings.{crash_note}")
     if crashed:
         return "incomplete", (f"INCOMPLETE:{crash_note} The other {len(runs) - crashed} "
@@ -374,8 +374,9 @@ def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, lis
                         f"exactly as the plain run does; {plain.get('ruled_numerical_by_plain')} divergence(s) "
                         "ruled numerical by the plain run")
             if plain.get("reference_mismatches"):
-                sentence += (f"; {plain['reference_mismatches']} divergence(s) beyond the noise band made by the plain "
-                             "run too: reference mismatches (the reference's request processing is not the server's)")
+                sentence += (f"; {plain['reference_mismatches']} divergence(s) made by the plain run too, to tokens "
+                             "the reference's grammar forbids: reference mismatches (the server's grammar is not the "
+                             "reference's)")
             if plain.get("speculation") is not None:
                 sentence += f"; plain run's counters: {speculation.verdict({'speculation': plain['speculation']})}"
         rows = [[str(d.get("prompt_index")), str(d.get("position")), format_token(d.get("reference_token")),
@@ -442,7 +443,7 @@ def verdict_line(audit: dict[str, Any]) -> str:
     mismatched = sum(int(run.get("reference_mismatches") or 0) for run in runs)
     if mismatched and all_passed(audit):
         return (f"verdict: NOT shown equivalent: {mismatched} divergence(s) are the reference's, not the engine's "
-                "(the plain engine makes them too: the reference's request processing is not the server's)"
+                "(the plain engine makes them too: the server's grammar is not the reference's)"
                 + (f"; {unseen}" if unseen else "") + gated)
     return ("verdict: " + ("every audited engine is equivalent" if runs and all_passed(audit)
                            else "NOT equivalent: see the divergences in the report" if not failed

@@ -13,7 +13,7 @@ each records what decided it in one field, `decided_by`:
   processed by request parameters (`noise-band`).
 - `plain`: a plain run of the same rows (the built-in `batched` engine for in-process engines,
   `--plain-engine` for servers) overrules a structural ruling it makes identically (`plain-control`);
-  under request parameters, beyond the band, it is a `reference_mismatch` (the reference is not the
+  under a constraint, to a token the reference's grammar forbids, it is a `reference_mismatch` (the reference is not the
   server's processing), never the engine's bug.
 - `draft.DraftPrecision`: below float64, whether a draft proposal that differs from the float64 draft's
   choice lies within the draft's precision (the draft-fidelity check, the diagnosis's kept draft tokens).

@@ -17,14 +17,14 @@ For each token divergence of the speculative run from the reference, at position
 Every divergence of such a run carries `plain_token` (None where the plain output ended before p)
 and `plain_first_divergence` (None where the plain output equals the reference's).
 
-Under request parameters (penalties, stops, a structured-output constraint) the reference also
-processes the logits as it believes the server does: the grammar engine and its options, the
-penalties' scope. The plain run is then the proof that the reference's processing is the server's
-(`rule_processed`): an identical plain divergence within the noise band stays `numerical`
-(`plain-control`, the engine's precision); one beyond it is `reference_mismatch`: the server
-processes the request otherwise than the reference, with or without speculation. That is neither the
-engine's bug nor its precision: the prompt is not judged, and the audit is not shown equivalent
-until the reference is given the server's settings (docs/structured.md).
+Under a structured-output constraint the reference also masks the logits with the grammar it believes
+the server applies (its grammar engine and options). The plain run is then the proof that it is the
+server's (`rule_processed`): a divergence the plain engine makes identically, whose engine token the
+reference's grammar forbids at that position (or an ending it does not admit), is `reference_mismatch`:
+the server's grammar admits what the reference's does not, with or without speculation. That is neither
+the engine's bug nor its precision: the prompt is not judged, and the audit is not shown equivalent until
+the reference is given the server's settings (docs/structured.md). Any other identical divergence is
+ruled by `rule` (the engine's precision).
 """
 
 from __future__ import annotations
@@ -71,20 +71,20 @@ def rule(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> 
 REFERENCE_MISMATCH = "reference_mismatch"
 
 
-def rule_processed(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> None:
+def rule_processed(divergence: dict[str, Any], reference: list[int], plain: list[int], forbidden: bool) -> None:
     """`rule` for a run under request parameters (see the module docstring): a divergence the plain run
-    makes identically is `numerical` where the band already ruled it so, else `reference_mismatch`. A
-    finding read from the output alone (a constraint violation) is a reference mismatch when the plain
-    output is the same tokens."""
+    makes identically is `reference_mismatch` where the reference's grammar `forbidden` the engine's token
+    there, else ruled by `rule`."""
     if divergence.get("detected_by", "tokens") != "tokens" or divergence.get("position") is None:
         return
     band_kind = divergence["kind"]
     rule(divergence, reference, plain)
-    if divergence.get("decided_by") != "plain-control" or band_kind == "numerical":
+    if divergence.get("decided_by") != "plain-control" or not forbidden:
         return
-    _mismatch(divergence, f"the plain engine (no speculation) makes the same divergence beyond the noise band "
-                          f"(band: {band_kind}): the server processes this request otherwise than the reference "
-                          "(grammar engine, its options, or the parameters' scope), with or without speculation")
+    divergence["evidence"]["band_kind"] = band_kind
+    _mismatch(divergence, "the plain engine (no speculation) makes the same divergence, to a token (or an ending) "
+                          "the reference's grammar forbids there: the server's grammar admits it (another grammar "
+                          "engine or other options than the reference's), with or without speculation")
 
 
 def rule_violation(finding: dict[str, Any], output: list[int], plain: list[int]) -> None:
