@@ -61,6 +61,7 @@ def rule(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> 
                               "or batching")
         divergence["kind"] = "numerical"
         divergence["decided_by"] = evidence["decided_by"] = "plain-control"
+        divergence.pop("diagnosis", None)  # a cause named for a structural ruling no longer applies
         return
     where = ("equals the reference" if plain_first is None
              else f"diverges first at position {plain_first}")
