@@ -29,7 +29,8 @@ Proposers:
   vLLM also clips k at its max_model_len, which an audit's short outputs never reach. Exact.
 
 `baseline` reads an earlier audit's observed counts instead: an expectation with sampling error, which the
-findings compare with a two-sample test.
+findings compare with a two-sample test. Under sampling the expectation is a sum of acceptance probabilities
+with its variance (equivalence/acceptance/sampled.py), compared with a z-test.
 """
 
 from __future__ import annotations
@@ -44,21 +45,24 @@ from specaudit.equivalence.acceptance.observed import ObservedAcceptance
 
 @dataclass(frozen=True)
 class ExpectedAcceptance:
-    method: str  # "draft-model replay", "n-gram replay", "baseline"
+    method: str  # "draft-model replay", "n-gram replay", "baseline", "sampled overlap"
     exact: bool  # the counts the engine must show (a replay in the engine's own precision), not an estimate
     k: int
     verify_steps: int
-    accepted_per_position: tuple[int, ...]  # [K] verify steps whose first k+1 proposals the target accepts
+    # [K] verify steps whose first k+1 proposals the target accepts (sampled: the sum of their probabilities)
+    accepted_per_position: tuple[float, ...]
     drafts_per_position: tuple[int, ...]  # [K] verify steps whose proposer made a proposal at k
     note: str = ""  # what bounds it where it is not exact
     per_prompt_accepted: tuple[tuple[int, ...], ...] = field(default=(), compare=False)  # [prompts][K]
+    # sampled: [K] the variance of the accepted count, sum of alpha (1 - alpha) over the steps that reached k
+    variance_per_position: tuple[float, ...] | None = None
 
     @property
     def drafted_tokens(self) -> int:
         return sum(self.drafts_per_position)
 
     @property
-    def accepted_tokens(self) -> int:
+    def accepted_tokens(self) -> float:
         return sum(self.accepted_per_position)
 
     @property
@@ -73,6 +77,8 @@ class ExpectedAcceptance:
         record.pop("per_prompt_accepted")
         record["accepted_per_position"] = list(self.accepted_per_position)
         record["drafts_per_position"] = list(self.drafts_per_position)
+        if self.variance_per_position is not None:
+            record["variance_per_position"] = list(self.variance_per_position)
         record.update(drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens, rate=self.rate)
         return record
 
@@ -80,9 +86,16 @@ class ExpectedAcceptance:
     def from_json(cls, record: dict[str, Any]) -> ExpectedAcceptance:
         return cls(method=record["method"], exact=bool(record["exact"]), k=int(record["k"]),
                    verify_steps=int(record["verify_steps"]),
-                   accepted_per_position=tuple(int(v) for v in record["accepted_per_position"]),
+                   accepted_per_position=tuple(_count(v) for v in record["accepted_per_position"]),
                    drafts_per_position=tuple(int(v) for v in record["drafts_per_position"]),
-                   note=str(record.get("note", "")))
+                   note=str(record.get("note", "")),
+                   variance_per_position=(tuple(float(v) for v in record["variance_per_position"])
+                                          if record.get("variance_per_position") is not None else None))
+
+
+def _count(value: Any) -> float:
+    """A count as JSON kept it: an int where it is one (a replay), else a sum of probabilities (sampled)."""
+    return int(value) if float(value).is_integer() else float(value)
 
 
 class TargetContinuation:
