@@ -36,7 +36,7 @@ with its variance (equivalence/acceptance/sampled.py), compared with a z-test.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -98,16 +98,23 @@ def _count(value: Any) -> float:
     return int(value) if float(value).is_integer() else float(value)
 
 
+# how the target's greedy token is chosen from its raw logits [V] after the tokens so far (a request's processors)
+Chooser = Callable[[torch.Tensor, list[int]], int]
+
+
 class TargetContinuation:
     """The target's greedy tokens after a prompt: the reference's output, then (computed on demand) the
-    target's greedy tokens past its end, EOS or not."""
+    target's greedy tokens past its end, EOS or not. `choose`: the request's processing of the raw logits
+    (penalties, bias, bad words, min_tokens on the tokens so far) where the run has request parameters, so the
+    tokens past the end are the ones the engine's verify pass compares the drafts with; None: the argmax."""
 
-    def __init__(self, target: Any, prompt: list[int], output: list[int]) -> None:
-        self.target, self.prompt, self.tokens = target, list(prompt), list(output)
+    def __init__(self, target: Any, prompt: list[int], output: list[int], choose: Chooser | None = None) -> None:
+        self.target, self.prompt, self.tokens, self.choose = target, list(prompt), list(output), choose
 
     def at(self, index: int) -> int:
         while len(self.tokens) <= index:
-            self.tokens.append(int(_last_logits(self.target, self.prompt + self.tokens).argmax()))
+            logits = _last_logits(self.target, self.prompt + self.tokens)  # [V]
+            self.tokens.append(int(logits.argmax()) if self.choose is None else self.choose(logits, self.tokens))
         return self.tokens[index]
 
 
@@ -188,10 +195,10 @@ class NgramProposer:
 
 @torch.no_grad()
 def replay_row(proposer: Proposer, target: Any, prompt: list[int], output: list[int], k: int,
-               accepted_at: list[int], drafts_at: list[int]) -> int:
+               accepted_at: list[int], drafts_at: list[int], choose: Chooser | None = None) -> int:
     """Replay one prompt's verify steps; adds its counts into `accepted_at` and `drafts_at` [K]. Returns
-    its verify steps."""
-    continuation = TargetContinuation(target, prompt, output)
+    its verify steps. `choose`: the target's greedy choice under the request's parameters (`TargetContinuation`)."""
+    continuation = TargetContinuation(target, prompt, output, choose)
     emitted, steps = 1, 0  # the prefill's token
     while emitted < len(output):
         count, proposals = proposer.proposals(continuation, emitted, k)
@@ -210,14 +217,17 @@ def replay_row(proposer: Proposer, target: Any, prompt: list[int], output: list[
 
 
 def replay(proposer: Proposer, target: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-           k: int, *, exact: bool = True, note: str = "", rows: Sequence[int] | None = None) -> ExpectedAcceptance:
+           k: int, *, exact: bool = True, note: str = "", rows: Sequence[int] | None = None,
+           choosers: Sequence[Chooser | None] | None = None) -> ExpectedAcceptance:
     """The expected counts of `proposer` with k draft tokens along the reference `outputs` of `prompts`
-    (the rows `rows`, default all: a prompt the engine failed on is left out of both sides)."""
+    (the rows `rows`, default all: a prompt the engine failed on is left out of both sides). `choosers`: per
+    prompt, the target's greedy choice under its request parameters (None: the argmax)."""
     accepted_at, drafts_at = [0] * k, [0] * k
     steps, per_prompt = 0, []
     for index in (range(len(prompts)) if rows is None else rows):
         before = list(accepted_at)
-        steps += replay_row(proposer, target, list(prompts[index]), list(outputs[index]), k, accepted_at, drafts_at)
+        steps += replay_row(proposer, target, list(prompts[index]), list(outputs[index]), k, accepted_at, drafts_at,
+                            choosers[index] if choosers is not None else None)
         per_prompt.append(tuple(a - b for a, b in zip(accepted_at, before)))
     return ExpectedAcceptance(method=proposer.name, exact=exact, k=k, verify_steps=steps,
                               accepted_per_position=tuple(accepted_at), drafts_per_position=tuple(drafts_at),
