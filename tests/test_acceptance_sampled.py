@@ -142,6 +142,17 @@ def test_sampled_engines_meet_the_overlap_and_a_stale_draft_cache_is_short(tmp_p
     assert (tmp_path / "charts" / "sampled-acceptance-positions.svg").is_file()
 
 
+def test_under_request_parameters_the_overlap_is_of_the_processed_target(tmp_path) -> None:
+    """A repetition penalty of 2 moves the target's p far from the draft's q (the drafter draws from its raw
+    logits, the target's are processed on each position's history): the expectation follows, no finding."""
+    result = audit("--engine", "eqspec", *SAMPLED, "--repetition-penalty", "2.0", "--require-acceptance", "0.9",
+                   out=tmp_path)
+    assert result.returncode == 0, result.stderr
+    record = runs(tmp_path)[0]["acceptance"]
+    assert record["expected"]["method"] == "sampled overlap" and record["findings"] == []
+    assert record["overall"]["ratio_low"] < 1 < record["overall"]["ratio_high"]
+
+
 def test_a_baseline_of_a_sampled_run_and_the_options_it_refuses(tmp_path) -> None:
     first = audit("--engine", "eqspec", *SAMPLED, "--samples", "64", out=tmp_path / "a")
     assert first.returncode == 0, first.stderr
