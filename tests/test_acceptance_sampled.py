@@ -165,3 +165,19 @@ def test_a_baseline_of_a_sampled_run_and_the_options_it_refuses(tmp_path) -> Non
     usage_error(audit("--engine", "eqspec", *SAMPLED, "--speculation", "draft:k=3", out=tmp_path / "c"),
                 "--speculation", "sampled")
     usage_error(audit("--engine", "eqspec", *SAMPLED, "--payoff", "2", out=tmp_path / "d"), "--payoff")
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_the_plugin_s_sampled_test_gates_acceptance(pytester) -> None:
+    from pathlib import Path
+
+    pytester.syspathinsert(Path(__file__).resolve().parent)
+    args = ["-p", "no:cacheprovider", "--specaudit-pair", "tiny-llama", "--specaudit-temperature", "1.0",
+            "--specaudit-samples", "128", "--specaudit-sampled-new-tokens", "8", "--specaudit-sampled-draft-tokens",
+            "3", "--specaudit-batch-size", "32", "--specaudit-seed", "3", "--specaudit-require-acceptance", "0.9",
+            "-k", "specaudit-sampled"]
+    result = pytester.runpytest_inprocess("--specaudit-engine", "eqspec", "--specaudit-engine", FAULT, *args)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([f"*{FAULT} on tiny-llama, sampled at temperature 1: acceptance below 0.9 x expected*"])
