@@ -114,9 +114,9 @@ SAMPLED = ["--pair", "tiny-llama", "--temperature", "1.0", "--samples", "128", "
 
 
 def test_sampled_engines_meet_the_overlap_and_a_stale_draft_cache_is_short(tmp_path) -> None:
-    """128 samples of 8 tokens, k = 3: about 320 verify steps, sqrt(V) about 6 at position 0, where the fault
-    loses about 85 of 330 expected acceptances (z about 13: seen at any seed); the correct engines' ratio
-    interval is about +-6% wide."""
+    """128 samples of 8 tokens, k = 3: about 320 verify steps; at position 0 the fault loses 85 of 336 expected
+    acceptances against sqrt(V) = 6.8 (z = -12.5 at this seed, where Holm's first step needs -2.7); the correct
+    engines' z are 0.7, 0.7 and 0.0, their overall ratio interval about +-4% wide (reports/acceptance/README.md)."""
     result = audit("--engine", "eqspec", "--engine", "exspec", "--engine", FAULT, *SAMPLED,
                    "--require-acceptance", "0.9", out=tmp_path)
     assert result.returncode == 1, result.stderr
