@@ -181,3 +181,24 @@ def test_the_plugin_s_sampled_test_gates_acceptance(pytester) -> None:
     result = pytester.runpytest_inprocess("--specaudit-engine", "eqspec", "--specaudit-engine", FAULT, *args)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([f"*{FAULT} on tiny-llama, sampled at temperature 1: acceptance below 0.9 x expected*"])
+
+
+def test_the_served_sampled_door_keeps_the_server_s_counters_and_says_why_no_expectation(tmp_path) -> None:
+    """`--temperature 1 --reference vllm:URL` (no weights): the run's acceptance record holds what the server
+    counted and, with no draft distribution to teacher-force, no expectation and the reason."""
+    from fake_server import FakeServer
+    from served_lm import EOS, ToyLM, server_answer
+
+    rng = random.Random(52)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": [rng.randrange(0, 250) for _ in range(5)]}) + "\n"
+                               for _ in range(4)))
+    lm = ToyLM()
+    with FakeServer(server_answer(lm)) as plain, FakeServer(server_answer(lm)) as spec:
+        result = audit("--engine", f"vllm:{spec.url}", "--reference", f"vllm:{plain.url}", "--prompts", str(prompts),
+                       "--eos-token-id", str(EOS), "--max-new-tokens", "6", "--temperature", "1", "--samples", "40",
+                       "--batch-size", "4", "--require-acceptance", "0.9", out=tmp_path / "out")
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = runs(tmp_path / "out")[0]["acceptance"]
+    assert record["expected"] is None and "teacher-force" in record["unavailable"]
+    assert record["positions"] == [] and not unmet({"acceptance": record})
