@@ -71,3 +71,9 @@ def test_no_number_where_the_replay_would_be_wrong() -> None:
     assert "temperature" in unreplayable([RequestParams(temperature=0.5)], draft, black_box=False)
     assert "not known" in unreplayable([RequestParams(repetition_penalty=1.2)], draft, black_box=True)
     assert unreplayable([RequestParams(repetition_penalty=1.2)], draft, black_box=False) is None
+    from specaudit.engines.constraints import Constraint
+    from specaudit.equivalence.acceptance.expected import NgramProposer
+
+    grammar = RequestParams(constraint=Constraint(kind="regex", text="[a-z]+"))
+    assert "grammar" in unreplayable([grammar], NgramProposer(), black_box=False)
+    assert unreplayable([RequestParams(presence_penalty=1.0)], NgramProposer(), black_box=True) is None

@@ -116,17 +116,18 @@ def request_choosers(requests: Sequence[Any], prompts: Sequence[Sequence[int]], 
 
 
 def unreplayable(requests: Sequence[Any], proposer: Any, black_box: bool) -> str | None:
-    """Why a replay along request parameters would give a wrong number, or None: a sampled request; a draft
-    masked by a structured-output grammar; a server's draft model, which may or may not process its logits."""
+    """Why a replay along request parameters would give a wrong number, or None: a sampled request; a
+    structured-output grammar (it masks the draft's proposals and the target's choices past the output's end,
+    engines/constraints/, which the replay does not follow); a server's draft model, which may or may not
+    process its own logits."""
     if any(r.sampled for r in requests):
         return "a request samples (temperature > 0): the greedy replay does not apply; audit it with --temperature"
-    if isinstance(proposer, expected_.DraftModelProposer):
-        if any(r.constraint is not None for r in requests):
-            return ("a structured-output grammar masks the draft's proposals (engines/constraints/draft.py), "
-                    "which the draft-model replay does not")
-        if black_box:
-            return ("whether the server's draft model applies the request's processors to its own logits is not "
-                    "known: give --acceptance-baseline")
+    if any(r.constraint is not None for r in requests):
+        return ("a structured-output grammar masks the proposals and the target's choices (engines/constraints/), "
+                "which the replay does not follow: give --acceptance-baseline")
+    if isinstance(proposer, expected_.DraftModelProposer) and black_box:
+        return ("whether the server's draft model applies the request's processors to its own logits is not "
+                "known: give --acceptance-baseline")
     return None
 
 
