@@ -200,6 +200,8 @@ def sampled_acceptance(verify_log: list[VerifyStep], outputs: list[list[int]], a
     elif not verify_log:
         why = ("the engine shows no verify steps (no trace of its steps): the sampled expectation needs where each "
                "step began; give --acceptance-baseline to compare its counters")
+    elif not any(step.drafted for step in verify_log):
+        why = "the engine proposed no draft token (it does not speculate): nothing to expect"
     elif alphas is None:
         why = "the pair has no draft model to teacher-force"
     exact = run_target is None
