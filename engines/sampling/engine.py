@@ -202,6 +202,11 @@ class RequestSampled:
         self.penalty_scope = getattr(engine, "penalty_scope", "output")
         self.last_step_offsets: list[list[int]] | None = None
 
+    @property
+    def last_trace(self) -> Any:
+        """The engine's trace of the last call: its verify steps, which the sampled audit's acceptance counts."""
+        return getattr(self.engine, "last_trace", None)
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], eos_token_id: Any,
                  seeds: list[int] | None = None) -> list[list[int]]:
         seeds = request_seeds(self.seed, len(prompts)) if seeds is None else list(seeds)

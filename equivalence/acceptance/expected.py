@@ -29,13 +29,14 @@ Proposers:
   vLLM also clips k at its max_model_len, which an audit's short outputs never reach. Exact.
 
 `baseline` reads an earlier audit's observed counts instead: an expectation with sampling error, which the
-findings compare with a two-sample test.
+findings compare with a two-sample test. Under sampling the expectation is a sum of acceptance probabilities
+with its variance (equivalence/acceptance/sampled.py), compared with a z-test.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -44,21 +45,24 @@ from specaudit.equivalence.acceptance.observed import ObservedAcceptance
 
 @dataclass(frozen=True)
 class ExpectedAcceptance:
-    method: str  # "draft-model replay", "n-gram replay", "baseline"
+    method: str  # "draft-model replay", "n-gram replay", "baseline", "sampled overlap"
     exact: bool  # the counts the engine must show (a replay in the engine's own precision), not an estimate
     k: int
     verify_steps: int
-    accepted_per_position: tuple[int, ...]  # [K] verify steps whose first k+1 proposals the target accepts
+    # [K] verify steps whose first k+1 proposals the target accepts (sampled: the sum of their probabilities)
+    accepted_per_position: tuple[float, ...]
     drafts_per_position: tuple[int, ...]  # [K] verify steps whose proposer made a proposal at k
     note: str = ""  # what bounds it where it is not exact
     per_prompt_accepted: tuple[tuple[int, ...], ...] = field(default=(), compare=False)  # [prompts][K]
+    # sampled: [K] the variance of the accepted count, sum of alpha (1 - alpha) over the steps that reached k
+    variance_per_position: tuple[float, ...] | None = None
 
     @property
     def drafted_tokens(self) -> int:
         return sum(self.drafts_per_position)
 
     @property
-    def accepted_tokens(self) -> int:
+    def accepted_tokens(self) -> float:
         return sum(self.accepted_per_position)
 
     @property
@@ -73,6 +77,8 @@ class ExpectedAcceptance:
         record.pop("per_prompt_accepted")
         record["accepted_per_position"] = list(self.accepted_per_position)
         record["drafts_per_position"] = list(self.drafts_per_position)
+        if self.variance_per_position is not None:
+            record["variance_per_position"] = list(self.variance_per_position)
         record.update(drafted_tokens=self.drafted_tokens, accepted_tokens=self.accepted_tokens, rate=self.rate)
         return record
 
@@ -80,21 +86,35 @@ class ExpectedAcceptance:
     def from_json(cls, record: dict[str, Any]) -> ExpectedAcceptance:
         return cls(method=record["method"], exact=bool(record["exact"]), k=int(record["k"]),
                    verify_steps=int(record["verify_steps"]),
-                   accepted_per_position=tuple(int(v) for v in record["accepted_per_position"]),
+                   accepted_per_position=tuple(_count(v) for v in record["accepted_per_position"]),
                    drafts_per_position=tuple(int(v) for v in record["drafts_per_position"]),
-                   note=str(record.get("note", "")))
+                   note=str(record.get("note", "")),
+                   variance_per_position=(tuple(float(v) for v in record["variance_per_position"])
+                                          if record.get("variance_per_position") is not None else None))
+
+
+def _count(value: Any) -> float:
+    """A count as JSON kept it: an int where it is one (a replay), else a sum of probabilities (sampled)."""
+    return int(value) if float(value).is_integer() else float(value)
+
+
+# how the target's greedy token is chosen from its raw logits [V] after the tokens so far (a request's processors)
+Chooser = Callable[[torch.Tensor, list[int]], int]
 
 
 class TargetContinuation:
     """The target's greedy tokens after a prompt: the reference's output, then (computed on demand) the
-    target's greedy tokens past its end, EOS or not."""
+    target's greedy tokens past its end, EOS or not. `choose`: the request's processing of the raw logits
+    (penalties, bias, bad words, min_tokens on the tokens so far) where the run has request parameters, so the
+    tokens past the end are the ones the engine's verify pass compares the drafts with; None: the argmax."""
 
-    def __init__(self, target: Any, prompt: list[int], output: list[int]) -> None:
-        self.target, self.prompt, self.tokens = target, list(prompt), list(output)
+    def __init__(self, target: Any, prompt: list[int], output: list[int], choose: Chooser | None = None) -> None:
+        self.target, self.prompt, self.tokens, self.choose = target, list(prompt), list(output), choose
 
     def at(self, index: int) -> int:
         while len(self.tokens) <= index:
-            self.tokens.append(int(_last_logits(self.target, self.prompt + self.tokens).argmax()))
+            logits = _last_logits(self.target, self.prompt + self.tokens)  # [V]
+            self.tokens.append(int(logits.argmax()) if self.choose is None else self.choose(logits, self.tokens))
         return self.tokens[index]
 
 
@@ -175,10 +195,10 @@ class NgramProposer:
 
 @torch.no_grad()
 def replay_row(proposer: Proposer, target: Any, prompt: list[int], output: list[int], k: int,
-               accepted_at: list[int], drafts_at: list[int]) -> int:
+               accepted_at: list[int], drafts_at: list[int], choose: Chooser | None = None) -> int:
     """Replay one prompt's verify steps; adds its counts into `accepted_at` and `drafts_at` [K]. Returns
-    its verify steps."""
-    continuation = TargetContinuation(target, prompt, output)
+    its verify steps. `choose`: the target's greedy choice under the request's parameters (`TargetContinuation`)."""
+    continuation = TargetContinuation(target, prompt, output, choose)
     emitted, steps = 1, 0  # the prefill's token
     while emitted < len(output):
         count, proposals = proposer.proposals(continuation, emitted, k)
@@ -197,14 +217,17 @@ def replay_row(proposer: Proposer, target: Any, prompt: list[int], output: list[
 
 
 def replay(proposer: Proposer, target: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-           k: int, *, exact: bool = True, note: str = "", rows: Sequence[int] | None = None) -> ExpectedAcceptance:
+           k: int, *, exact: bool = True, note: str = "", rows: Sequence[int] | None = None,
+           choosers: Sequence[Chooser | None] | None = None) -> ExpectedAcceptance:
     """The expected counts of `proposer` with k draft tokens along the reference `outputs` of `prompts`
-    (the rows `rows`, default all: a prompt the engine failed on is left out of both sides)."""
+    (the rows `rows`, default all: a prompt the engine failed on is left out of both sides). `choosers`: per
+    prompt, the target's greedy choice under its request parameters (None: the argmax)."""
     accepted_at, drafts_at = [0] * k, [0] * k
     steps, per_prompt = 0, []
     for index in (range(len(prompts)) if rows is None else rows):
         before = list(accepted_at)
-        steps += replay_row(proposer, target, list(prompts[index]), list(outputs[index]), k, accepted_at, drafts_at)
+        steps += replay_row(proposer, target, list(prompts[index]), list(outputs[index]), k, accepted_at, drafts_at,
+                            choosers[index] if choosers is not None else None)
         per_prompt.append(tuple(a - b for a, b in zip(accepted_at, before)))
     return ExpectedAcceptance(method=proposer.name, exact=exact, k=k, verify_steps=steps,
                               accepted_per_position=tuple(accepted_at), drafts_per_position=tuple(drafts_at),

@@ -17,6 +17,15 @@ position with proposals on both sides:
   estimate (below float64, a baseline) the same excess is "acceptance above expected", a note;
 - "acceptance counters inconsistent": what the counters contradict in themselves (`observed.consistency`).
 
+Under sampling (`expected.method` "sampled overlap", equivalence/acceptance/sampled.py) the expectation at
+position k is E_k = sum of alpha over the verify steps that reached k, each step's acceptance there a
+Bernoulli(alpha) given everything before it, with the predictable variance V_k = sum alpha (1 - alpha). The
+accepted count X_k less E_k is a martingale, so z = (X_k - E_k) / sqrt(V_k) is standard normal in the limit
+(the martingale central limit theorem): "short" is P(Z <= (X_k + 1/2 - E_k) / sqrt(V_k)), "excess"
+P(Z >= (X_k - 1/2 - E_k) / sqrt(V_k)) (half a count of continuity correction each way), the gate the same
+against R alpha (mean R E_k, variance R E_k - R^2 (E_k - V_k)), Holm across positions as above; the ratio's
+interval is (X_k -+ z sqrt(V_k)) / E_k.
+
 The findings never change the outputs' verdict; `--require-acceptance` makes a short acceptance fail the
 audit (`unmet`).
 """
@@ -33,6 +42,7 @@ from specaudit.equivalence.acceptance.observed import ObservedAcceptance, consis
 from specaudit.equivalence.sampling.stats import holm
 
 ALPHA = 0.01  # family-wise, over the draft positions of one run
+SAMPLED = "sampled overlap"  # the expectation's method under sampling (equivalence/acceptance/sampled.py)
 DEFINITION = ("acceptance at draft position k = accepted at k / proposals at k (a proposal at k: one row's verify "
               "step whose proposer made at least k+1 draft tokens; accepted at k: its first k+1 were all "
               "accepted); overall = accepted tokens / drafted tokens")
@@ -43,7 +53,7 @@ class PositionComparison:
     position: int
     observed_accepted: int
     observed_proposals: int
-    expected_accepted: int
+    expected_accepted: float  # a count (a replay, a baseline), or a sum of acceptance probabilities (sampled)
     expected_proposals: int
     observed_rate: float | None
     expected_rate: float | None
@@ -71,7 +81,7 @@ class AcceptanceRecord:
     definition: str
     expected: ExpectedAcceptance | None
     observed: ObservedAcceptance | None
-    positions: tuple[PositionComparison, ...]
+    positions: tuple[PositionComparison, ...]  # the counts of `compared` where given, else `observed`
     overall: dict[str, float | None]
     findings: tuple[AcceptanceFinding, ...]
     required: float | None  # --require-acceptance R
@@ -138,29 +148,58 @@ def _two_sample_p(a: int, n: int, b: int, m: int, factor: float, below: bool) ->
     return NormalDist().cdf(z) if below else 1 - NormalDist().cdf(z)
 
 
+def _normal_p(observed: float, mean: float, variance: float, below: bool) -> float:
+    """One-sided normal p-value of `observed` against `mean` with `variance`, half a count of continuity
+    correction (below: P(X <= observed); else P(X >= observed))."""
+    shifted = observed + 0.5 if below else observed - 0.5
+    if variance <= 0:
+        return 1.0 if (shifted >= mean if below else shifted <= mean) else 0.0
+    z = (shifted - mean) / math.sqrt(variance)
+    return NormalDist().cdf(z) if below else 1 - NormalDist().cdf(z)
+
+
+def _sampled_interval(a: int, b: float, variance: float, alpha: float) -> tuple[float | None, float | None]:
+    """The ratio X/E's interval at level 1 - alpha, (X -+ z sqrt(V)) / E (module docstring)."""
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    spread = z * math.sqrt(max(0.0, variance))
+    return max(0.0, a - spread) / b, (a + spread) / b
+
+
 def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | None, *,
-            required: float | None = None, alpha: float = ALPHA, unavailable: str | None = None) -> AcceptanceRecord:
-    """The run's acceptance record: per-position comparison and findings (module docstring)."""
+            required: float | None = None, alpha: float = ALPHA, unavailable: str | None = None,
+            compared: ObservedAcceptance | None = None) -> AcceptanceRecord:
+    """The run's acceptance record: per-position comparison and findings (module docstring). `compared`: the
+    observed counts the expectation covers, where it covers fewer steps than the engine's counters (sampled:
+    the verify positions the outputs show); the record keeps `observed` and checks its consistency."""
     findings: list[AcceptanceFinding] = []
     problems = consistency(observed) if observed is not None else []
     if problems:
         findings.append(AcceptanceFinding("acceptance counters inconsistent", (), "; ".join(problems)))
-    if observed is None or expected is None or observed.accepted_per_position is None \
-            or observed.drafts_per_position is None:
+    counted = compared if compared is not None else observed
+    if counted is None or expected is None or counted.accepted_per_position is None \
+            or counted.drafts_per_position is None:
         reason = unavailable or ("no per-position counters were observed" if expected is not None
                                  else "no expectation for this proposer")
-        return AcceptanceRecord(DEFINITION, expected, observed, (), _overall(observed, expected, alpha),
+        return AcceptanceRecord(DEFINITION, expected, observed, (), _overall(counted, expected, alpha),
                                 tuple(findings), required, (), alpha, reason)
     rows = []
-    width = max(len(observed.drafts_per_position), len(expected.drafts_per_position))
+    width = max(len(counted.drafts_per_position), len(expected.drafts_per_position))
     for k in range(width):
-        a, n = _at(observed.accepted_per_position, k), _at(observed.drafts_per_position, k)
+        a, n = _at(counted.accepted_per_position, k), _at(counted.drafts_per_position, k)
         b, m = _at(expected.accepted_per_position, k), _at(expected.drafts_per_position, k)
         rows.append((k, a, n, b, m))
     tested = [row for row in rows if row[2] > 0 and row[4] > 0 and row[3] > 0]
+    sampled = expected.method == SAMPLED
+    variances = expected.variance_per_position or ()
     shorts, excesses, gated = {}, {}, {}
     for k, a, n, b, m in tested:
-        if expected.method == "baseline":
+        if sampled:
+            v = variances[k] if k < len(variances) else 0.0
+            shorts[k] = _normal_p(a, b, v, below=True)
+            excesses[k] = _normal_p(a, b, v, below=False)
+            if required is not None:  # each step's acceptance R alpha: mean R E, variance R E - R^2 sum alpha^2
+                gated[k] = _normal_p(a, required * b, max(0.0, required * b - required ** 2 * (b - v)), below=True)
+        elif expected.method == "baseline":
             shorts[k] = _two_sample_p(a, n, b, m, 1.0, below=True)
             excesses[k] = _two_sample_p(a, n, b, m, 1.0, below=False)
             if required is not None:
@@ -176,7 +215,12 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
     gated_holm = dict(zip(order, holm([gated[k] for k in order]))) if required is not None else {}
     comparisons = []
     for k, a, n, b, m in rows:
-        low, high = _ratio_interval(a, n, b, m, expected.method != "baseline", alpha) if (n and m and b) else (None, None)
+        if not (n and m and b):
+            low, high = None, None
+        elif sampled:
+            low, high = _sampled_interval(a, b, variances[k] if k < len(variances) else 0.0, alpha)
+        else:
+            low, high = _ratio_interval(a, n, b, m, expected.method != "baseline", alpha)
         comparisons.append(PositionComparison(
             position=k, observed_accepted=a, observed_proposals=n, expected_accepted=b, expected_proposals=m,
             observed_rate=(a / n) if n else None, expected_rate=(b / m) if m else None,
@@ -190,7 +234,7 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
             f"acceptance short at draft position{'s' if len(short) > 1 else ''} {', '.join(map(str, short))}: below "
             f"expected beyond chance (Holm, alpha {alpha:g}); worst at position {worst.position}: "
             f"{worst.observed_accepted}/{worst.observed_proposals} observed against "
-            f"{worst.expected_accepted}/{worst.expected_proposals} expected ({expected.method}), ratio "
+            f"{_count(worst.expected_accepted)}/{worst.expected_proposals} expected ({expected.method}), ratio "
             f"{_number(worst.ratio)} [{_number(worst.ratio_low)}, {_number(worst.ratio_high)}]")))
     excess = tuple(k for k in order if excess_holm[k] < alpha)
     if excess:
@@ -202,12 +246,17 @@ def compare(observed: ObservedAcceptance | None, expected: ExpectedAcceptance | 
             f"{kind} at draft position{'s' if len(excess) > 1 else ''} {', '.join(map(str, excess))}: "
             f"observed above the {expected.method}'s {_rates(expected, excess)}; {reason}")))
     below = tuple(k for k in order if gated_holm.get(k, 1.0) < alpha)
-    return AcceptanceRecord(DEFINITION, expected, observed, tuple(comparisons), _overall(observed, expected, alpha),
+    return AcceptanceRecord(DEFINITION, expected, observed, tuple(comparisons), _overall(counted, expected, alpha),
                             tuple(findings), required, below, alpha, None)
 
 
-def _at(counts: tuple[int, ...] | None, k: int) -> int:
+def _at(counts: tuple[float, ...] | None, k: int) -> float:
     return counts[k] if counts is not None and k < len(counts) else 0
+
+
+def _count(value: float) -> str:
+    """A count as the reports write it: whole, or a sum of probabilities to one decimal."""
+    return str(int(value)) if float(value).is_integer() else f"{value:.1f}"
 
 
 def _number(value: float | None) -> str:
@@ -228,9 +277,13 @@ def _overall(observed: ObservedAcceptance | None, expected: ExpectedAcceptance |
     if observed_rate is not None and expected_rate:
         overall["ratio"] = observed_rate / expected_rate
         assert observed is not None and expected is not None
-        low, high = _ratio_interval(observed.accepted_tokens or 0, observed.drafted_tokens or 0,
-                                    expected.accepted_tokens, expected.drafted_tokens,
-                                    expected.method != "baseline", alpha)
+        if expected.method == SAMPLED:  # the increments of every position form one martingale: variances add
+            low, high = _sampled_interval(observed.accepted_tokens or 0, expected.accepted_tokens,
+                                          sum(expected.variance_per_position or ()), alpha)
+        else:
+            low, high = _ratio_interval(observed.accepted_tokens or 0, observed.drafted_tokens or 0,
+                                        expected.accepted_tokens, expected.drafted_tokens,
+                                        expected.method != "baseline", alpha)
         overall["ratio_low"], overall["ratio_high"] = low, high
     return overall
 

@@ -103,14 +103,47 @@ def proposer_of(engine: Any, spec: str | None, draft: Any, k: int | None,
     return f"the engine's proposer ({type(drafter).__name__}) has no replay: give --acceptance-baseline"
 
 
+def request_choosers(requests: Sequence[Any], prompts: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]],
+                     penalty_scope: str) -> list[expected_.Chooser]:
+    """Per prompt, the target's greedy choice under its request parameters: the raw logits processed on the
+    tokens so far (engines/requests `process`, what the engines' acceptance rule compares the drafts with)."""
+    from specaudit.engines.requests import process
+
+    def chooser(prompt: Sequence[int], params: Any, stops: Sequence[int]) -> expected_.Chooser:
+        return lambda logits, history: int(process(logits, prompt, history, params, stops, penalty_scope).greedy.argmax())
+
+    return [chooser(prompt, params, stops) for prompt, params, stops in zip(prompts, requests, stop_ids)]
+
+
+def unreplayable(requests: Sequence[Any], proposer: Any, black_box: bool) -> str | None:
+    """Why a replay along request parameters would give a wrong number, or None: a sampled request; a
+    structured-output grammar (it masks the draft's proposals and the target's choices past the output's end,
+    engines/constraints/, which the replay does not follow); a server's draft model, which may or may not
+    process its own logits."""
+    if any(r.sampled for r in requests):
+        return "a request samples (temperature > 0): the greedy replay does not apply; audit it with --temperature"
+    if any(r.constraint is not None for r in requests):
+        return ("a structured-output grammar masks the proposals and the target's choices (engines/constraints/), "
+                "which the replay does not follow: give --acceptance-baseline")
+    if isinstance(proposer, expected_.DraftModelProposer) and black_box:
+        return ("whether the server's draft model applies the request's processors to its own logits is not "
+                "known: give --acceptance-baseline")
+    return None
+
+
 def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any] | None, *, target: Any,
                       draft: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                       failed: set[int], dtype: str, k: int | None, spec: str | None = None,
                       baseline: list[dict[str, Any]] | None = None, baseline_path: str | None = None,
                       required: float | None = None, engine_name: str = "", pair_name: str = "",
-                      batch_size: int | None = None) -> dict[str, Any]:
+                      batch_size: int | None = None, requests: Sequence[Any] | None = None,
+                      stop_ids: Sequence[Sequence[int]] | None = None,
+                      penalty_scope: str = "output") -> dict[str, Any]:
     """The run's `acceptance` record (equivalence/acceptance/findings.py `AcceptanceRecord`, as JSON), with
-    the seconds its replay took. `draft` is the draft model in float64 (the replay's)."""
+    the seconds its replay took. `draft` is the draft model in float64 (the replay's). `requests`: one
+    `RequestParams` per prompt (with each prompt's `stop_ids` and the `penalty_scope` of its processors) where
+    the run sent request parameters: the drafter proposes from its raw logits, as the engines' drafters do, and
+    the target's continuation past an output's end is its processed greedy choice (`request_choosers`)."""
     started = time.perf_counter()
     observed = counters.of_run(engine, trace, evidence)  # a server's or recording's counters, or of_run's
     black_box = bool(capability(engine, "black_box"))
@@ -131,9 +164,12 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
             exact = not black_box and (dtype == "float64" or isinstance(proposer, expected_.NgramProposer))
             note = "" if exact else (BLACK_BOX if black_box else BELOW_FLOAT64.format(dtype=dtype))
             rows = [i for i in range(len(prompts)) if i not in failed and outputs[i]]
+            unavailable = unreplayable(requests, proposer, black_box) if requests is not None else None
+            choosers = (request_choosers(requests, prompts, stop_ids or [[] for _ in prompts], penalty_scope)
+                        if requests is not None else None)
             try:
-                expected = expected_.replay(proposer, target, prompts, outputs, width, exact=exact, note=note,
-                                            rows=rows)
+                expected = None if unavailable else expected_.replay(
+                    proposer, target, prompts, outputs, width, exact=exact, note=note, rows=rows, choosers=choosers)
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # the run keeps its verdict; only the expectation is missing

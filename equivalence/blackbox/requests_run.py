@@ -28,6 +28,7 @@ from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
 from specaudit.equivalence import speculation
+from specaudit.equivalence.acceptance.run import acceptance_of_run, load_baseline
 from specaudit.equivalence.audit import trace_summary
 from specaudit.equivalence.isolate import failure_finding
 from specaudit.equivalence.run_record import equivalent, run_record
@@ -82,13 +83,15 @@ def _ending_class(reference: RequestResult, tokens: list[int], position: int, li
 def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list[RequestParams], *,
                    max_new_tokens: int, eos_token_id: Any, dtype: str, engine_name: str, batch_size: int | None,
                    device: str | None = None, engine_dtype: str | None = None,
-                   logit_tolerance: float | None = None, plain_engine: Any = None,
-                   plain_name: str | None = None) -> dict[str, Any]:
+                   logit_tolerance: float | None = None, acceptance: dict[str, Any] | None = None,
+                   plain_engine: Any = None, plain_name: str | None = None) -> dict[str, Any]:
     """Run `engine` (a live server, engines/adapters/servers.py, or an in-process engine that takes request
     parameters, engines/requests/rows.py) on `prompts` with `params` (one per prompt) and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
-    `refused_parameters` and `reported`). `plain_engine` (`--plain-engine`, built and guarded): the same
-    requests without speculation, whose identical divergences prove the reference's processing right or
-    wrong (rulings/plain.py `rule_processed`)."""
+    `refused_parameters` and `reported`). `acceptance`: `acceptance_of_run`'s options (`spec`, `baseline`,
+    `baseline_path`, `required`, `k`, `engine_name`) for the run's acceptance record, the replay along the
+    requests' processing (equivalence/acceptance/run.py); None: none is made. `plain_engine` (`--plain-engine`,
+    built and guarded): the same requests without speculation, whose identical divergences prove the
+    reference's grammar right or wrong (rulings/plain.py `rule_processed`)."""
     inner = unguarded(engine)
     dialect = capability(inner, "dialect") or "vllm"
     scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
@@ -168,6 +171,23 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
     structural = sum(d["kind"] == "structural" for d in divergences)
     describe = capability(engine, "describe")
     trace = None if capability(inner, "black_box") else capability(inner, "last_trace")  # an own engine's steps
+    evidence = speculation.of_run(inner, trace)
+    accepted = None
+    if acceptance is not None:  # per draft position, the replay with each request's processing of the target
+        started = time.perf_counter()
+        options = dict(acceptance)
+        k = options.pop("k", None) or (trace.draft_tokens if trace is not None else None)
+        target, draft = pair.target, pair.draft
+        if dtype != "float64":  # the replay is float64's
+            from specaudit.engines.models.zoo import float64_copy
+
+            target, draft = float64_copy(target), (float64_copy(draft) if draft is not None else None)
+        accepted = acceptance_of_run(
+            inner, trace, evidence, target=target, draft=draft, prompts=prompts, outputs=outputs,
+            failed=failed | set(refused), dtype=dtype, k=k, requests=params, penalty_scope=scope,
+            stop_ids=[sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids)) for p in params],
+            pair_name=pair.name, batch_size=batch_size, **options)
+        accepted["seconds"] = time.perf_counter() - started
     return run_record(
         engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=device or str(pair.target.device), num_prompts=len(prompts),
@@ -177,7 +197,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         reference_mismatches=sum(d["kind"] == rulings.REFERENCE_MISMATCH for d in divergences),
         logit_tolerance=logit_tolerance, seconds=seconds,
         tokens_generated=sum(len(o) for o in outputs), trace=trace_summary(trace), prompts=prompt_records,
-        divergences=divergences, noise_band=band.to_dict(), speculation=speculation.of_run(inner, trace),
+        divergences=divergences, noise_band=band.to_dict(), speculation=evidence,
+        speculation_observed=speculation.observed(evidence), acceptance=accepted,
         engine_description=describe() if callable(describe) else None,
         request_params=[p.to_dict() for p in params], penalty_scope=scope, logprob_definition=definition,
         refused_parameters=[{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
@@ -185,7 +206,8 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         plain_engine=None if plain_engine is None else rulings.plain_summary(
             plain["engine"], [r.tokens for r in references], plain["outputs"], outputs, divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),
-        timing={"engine": seconds, "reference": reference_seconds, "plain_control": plain.get("seconds")})
+        timing={"engine": seconds, "reference": reference_seconds, "plain_control": plain.get("seconds"),
+                "acceptance": accepted.pop("seconds") if accepted is not None else None})
 
 
 def _forbidden(reference: RequestResult, divergence: dict[str, Any], eos_token_id: Any, params: RequestParams) -> bool:
@@ -265,10 +287,14 @@ def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: An
     file_prompts = config.num_prompts
     params = prompt_params(config.prompts, len(prompts), config.request_params, file_prompts)
     params = [with_bad_words_resolved(p, pair.tokenizer) for p in params]
+    acceptance = {"spec": config.speculation, "baseline_path": config.acceptance_baseline,
+                  "baseline": load_baseline(config.acceptance_baseline) if config.acceptance_baseline else None,
+                  "required": config.require_acceptance, "k": config.draft_tokens if not black_box else None,
+                  "engine_name": engine_name}
     return audit_requests(engine, pair, prompts, params, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                           dtype=dtype, engine_name=engine_name, batch_size=batch_size, device=config.device,
                           engine_dtype=config.engine_dtype, logit_tolerance=config.logit_tolerance,
-                          plain_engine=plain_engine, plain_name=config.plain_engine)
+                          acceptance=acceptance, plain_engine=plain_engine, plain_name=config.plain_engine)
 
 
 SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")

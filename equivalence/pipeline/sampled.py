@@ -186,11 +186,26 @@ def pair_run(settings: AuditSettings, spec: str, engine: Any, pair: Any, oracle:
             recorded=recorded, samples=sampling.samples, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
             seed=sampling.seed, alpha=sampling.alpha, draft=oracle.draft,
             run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar,
-            request_params=prompt_requests(settings, len(prompts), pair.tokenizer))
+            request_params=prompt_requests(settings, len(prompts), pair.tokenizer),
+            require_acceptance=settings.require_acceptance,
+            acceptance_baseline=acceptance_baseline(settings, spec, pair.name, batch_size, dtype))
     finally:
         if bar is not None:
             bar.close()
     return sampled_run(base, report)
+
+
+def acceptance_baseline(settings: AuditSettings, spec: str, pair_name: str, batch_size: int, dtype: str) -> Any:
+    """`--acceptance-baseline`'s run that matches this one best (the same engine, pair, batch size and dtype,
+    else the same engine and pair, else the first with counts), as an expectation (`ExpectedAcceptance`), or None
+    when none is given."""
+    if settings.acceptance_baseline is None:
+        return None
+    from specaudit.equivalence.acceptance.expected import from_baseline
+    from specaudit.equivalence.acceptance.run import baseline_for, load_baseline
+
+    found = baseline_for(load_baseline(settings.acceptance_baseline), spec, pair_name, batch_size, dtype)
+    return None if found is None else from_baseline(found[0], f"{settings.acceptance_baseline}: {found[1]}")
 
 
 def refusal(settings: AuditSettings) -> str | None:

@@ -404,6 +404,7 @@ class ServedGroup:
                 max_new_tokens=settings.max_new_tokens, eos_token_id=self.eos, seed=sampling.seed,
                 alpha=sampling.alpha, recorded=recorded)
             result["seconds"] = {"sampling and testing": time.perf_counter() - started}
+            result["acceptance"] = served_acceptance(engine, result.get("speculation"), settings)
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - a server that fails: a failed run, the others judged
@@ -414,6 +415,24 @@ class ServedGroup:
 
     def close(self) -> None:
         self.sampled_engines = {}
+
+
+def served_acceptance(engine: Any, speculation: dict[str, Any] | None, settings: AuditSettings) -> dict[str, Any]:
+    """A served sampled run's acceptance record: the server's own counters (equivalence/acceptance/counters.py)
+    against `--acceptance-baseline` where given; else no expectation (no draft weights to teacher-force)."""
+    from specaudit.equivalence.acceptance import counters
+    from specaudit.equivalence.acceptance.expected import from_baseline
+    from specaudit.equivalence.acceptance.run import baseline_for, load_baseline
+    from specaudit.equivalence.acceptance.sampled import sampled_record
+
+    observed = counters.of_run(engine, None, speculation) if engine is not None else None
+    baseline = None
+    if settings.acceptance_baseline is not None:
+        found = baseline_for(load_baseline(settings.acceptance_baseline), "", "", None, "")
+        baseline = None if found is None else from_baseline(found[0], f"{settings.acceptance_baseline}: {found[1]}")
+    return sampled_record(None, None, None, observed=observed, exact=False, required=settings.require_acceptance,
+                          baseline=baseline, unavailable="a served reference gives no draft distribution to "
+                          "teacher-force: give --acceptance-baseline to compare the counters")
 
 
 class TimedReference:

@@ -16,7 +16,9 @@ With `--specaudit-require-acceptance R` it also adds one acceptance test per (en
 R x expected.
 
 With `--specaudit-temperature T` it also adds one sampled test per (engine, pair): the sampled audit of the
-engine's samples against the target's distribution (`sampled.py`), failing with the finding in words.
+engine's samples against the target's distribution (`sampled.py`), failing with the finding in words; with
+`--specaudit-require-acceptance R` too, also where its acceptance is below R x the expected overlap of target
+and draft (equivalence/acceptance/sampled.py).
 
 Seeds (`seed.py`): `--specaudit-seed N`, else `SPECAUDIT_SEED`, else a fixed seed when `CI` is set
 (the same examples on every run of the same code), else a fresh random seed; whichever it is, the
@@ -238,7 +240,8 @@ class SampledItem(pytest.Item):
         from specaudit.equivalence.plugin.sampled import run_sampled, setting_from
 
         self.user_properties.append(("specaudit-sampled", self.engine))
-        run_sampled(self.engine, self.pair, setting_from(self.config), self.config.stash[SEED].value)
+        run_sampled(self.engine, self.pair, setting_from(self.config), self.config.stash[SEED].value,
+                    self.config.getoption("specaudit_require_acceptance"))
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
         from specaudit.equivalence.plugin.sampled import SampledDeparture, SampledRunFailed, replay_command

@@ -99,13 +99,19 @@ def check_setting(setting: SampledSetting) -> None:
     setting.requests()
 
 
-def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int) -> dict[str, Any]:
+def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int,
+                required: float | None = None) -> dict[str, Any]:
     """The sampled audit of `engine` on the pair's first built-in prompt (float64, on the CPU); its report.
-    Raises `SampledRunFailed` or `SampledDeparture` with the finding in words."""
+    Raises `SampledRunFailed` or `SampledDeparture` with the finding in words; with `required`
+    (`--specaudit-require-acceptance R`), `AcceptanceShort` where the engine's acceptance is below R x the
+    expected overlap at some draft position, significantly (an engine that shows no verify steps has no
+    expectation under sampling, and no sampled gate)."""
     from specaudit.engines.sampling.process import SamplingParams
     from specaudit.engines.models.zoo import builtin_prompts
     from specaudit.equivalence.reports.sampled import PASS, engine_sentence
     from specaudit.engines.registry import make_engine
+    from specaudit.equivalence.acceptance.findings import headline, unmet
+    from specaudit.equivalence.plugin.acceptance import AcceptanceShort
     from specaudit.equivalence.sampling.run import guarded_sampled_audit
     from specaudit.testing import models
 
@@ -127,11 +133,18 @@ def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int)
         engine, lambda: built, pair.target, builtin_prompts()[:1], params, timeout=None,
         vocab_size=pair.target.config.vocab_size, batch_size=setting.batch_size, device="cpu",
         samples=setting.samples, max_new_tokens=setting.max_new_tokens, eos_token_id=pair.eos_token_id, seed=seed,
-        alpha=setting.alpha, draft=pair.draft, request_params=None if requests is None else [requests])
+        alpha=setting.alpha, draft=pair.draft, request_params=None if requests is None else [requests],
+        require_acceptance=required)
     if report.get("failed"):
         raise SampledRunFailed(engine_sentence(engine, report))
+    record = report.get("acceptance")
+    short = (f"{engine} on {pair_name}, sampled at temperature {setting.temperature:g}: acceptance below "
+             f"{required:g} x expected: {headline(record)}" if required is not None and unmet({"acceptance": record})
+             else None)
     if report["verdict"] != PASS:
-        raise SampledDeparture(engine_sentence(engine, report))
+        raise SampledDeparture(engine_sentence(engine, report) + (f"; and {short}" if short else ""))
+    if short:
+        raise AcceptanceShort(short)
     return report
 
 

@@ -15,11 +15,16 @@ from specaudit.equivalence.acceptance.findings import DEFINITION, headline
 from specaudit.equivalence.acceptance.payoff import headline as payoff_headline
 from specaudit.equivalence.reports.summary import run_title
 
+EXPECTED = ("what the proposer reaches along the run's outputs (a replay; sampled: the sum of min(p, q) over the "
+            "verify steps that reached the position, with its variance), or an earlier audit's counts (a baseline). "
+            "The outputs' verdict does not depend on it")
 POSITION_HEADER = ["position", "observed", "expected", "ratio", "interval", "p short (Holm)"]
 
 
-def _share(accepted: int, proposals: int) -> str:
-    return f"{accepted}/{proposals} ({accepted / proposals:.1%})" if proposals else "—"
+def _share(accepted: float, proposals: int) -> str:
+    """A count (or, sampled, a sum of acceptance probabilities, to one decimal) over the proposals."""
+    count = str(int(accepted)) if float(accepted).is_integer() else f"{accepted:.1f}"
+    return f"{count}/{proposals} ({accepted / proposals:.1%})" if proposals else "—"
 
 
 def _number(value: float | None, digits: int = 3) -> str:
@@ -51,9 +56,7 @@ def markdown_lines(audit: dict[str, Any]) -> list[str]:
     runs = acceptance_runs(audit)
     if not runs:
         return []
-    lines = ["## Acceptance per draft position", "", f"Definition: {DEFINITION}. Expected: what the proposer "
-             "reaches along the run's outputs (a replay), or an earlier audit's counts (a baseline). The outputs' "
-             "verdict does not depend on it.", ""]
+    lines = ["## Acceptance per draft position", "", f"Definition: {DEFINITION}. Expected: {EXPECTED}.", ""]
     for title, text, rows, texts in runs:
         lines += [f"**{title}**: {text}", ""]
         if rows:
@@ -67,9 +70,8 @@ def html_section(audit: dict[str, Any]) -> str:
     runs = acceptance_runs(audit)
     if not runs:
         return ""
-    parts = [f"<h2>Acceptance per draft position</h2><p>Definition: {escape(DEFINITION)}. Expected: what the "
-             "proposer reaches along the run's outputs (a replay), or an earlier audit's counts (a baseline). The "
-             "outputs' verdict does not depend on it.</p>"]
+    parts = [f"<h2>Acceptance per draft position</h2><p>Definition: {escape(DEFINITION)}. Expected: "
+             f"{escape(EXPECTED)}.</p>"]
     head = "".join(f"<th>{escape(name)}</th>" for name in POSITION_HEADER)
     for title, text, rows, texts in runs:
         parts.append(f"<h3>{escape(title)}</h3><p>{escape(text)}</p>")

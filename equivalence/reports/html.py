@@ -336,7 +336,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         charts = {stem: render_svg(chart) for stem, chart in drawn.items()}
     sampled_section = sampled_html(audit, [svg for stem, svg in charts.items() if stem in sampled_stems])
     charts = {stem: svg for stem, svg in charts.items() if stem not in sampled_stems}
-    audit = greedy
+    whole, audit = audit, greedy  # the acceptance section reads sampled runs too
     runs = audit["runs"]
     stamp = " · ".join(part for part in (
         f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
@@ -357,7 +357,7 @@ def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_L
         f"<section><h2>Runs</h2>{_runs_table(runs)}</section>" if runs else "",
         sampled_section,
         f"<section>{_speculation_section(audit)}</section>",
-        f"<section>{acceptance_report.html_section(audit)}</section>",
+        f"<section>{acceptance_report.html_section(whole)}</section>",
         f"<section>{_three_way_section(audit)}</section>",
         f"<section>{_timing_section(audit)}</section>",
         f"<section>{_crashes(runs)}{_failures(audit)}</section>",

@@ -149,7 +149,7 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     sampled_section = sampled_markdown(audit, {title: path for title, path in (chart_files or {}).items()
                                                if title in sampled_titles})
     chart_files = {title: path for title, path in (chart_files or {}).items() if title not in sampled_titles}
-    audit = greedy_view(audit)
+    whole, audit = audit, greedy_view(audit)  # the acceptance section reads sampled runs too
     runs = audit["runs"]
     lines = ["# specaudit report", "", f"**{sentence}**", ""]
     diagnosed = class_lines(audit)
@@ -184,7 +184,7 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
                   "metrics read before and after the run; a built-in engine's trace).", ""]
         lines += _markdown_table(["run", "verdict", "source"], [[title, text, source] for title, text, source in evidence])
         lines.append("")
-    lines += acceptance_report.markdown_lines(audit)
+    lines += acceptance_report.markdown_lines(whole)
     three_way = three_way_runs(audit)
     if three_way:
         lines += ["## Three-way rulings", "", "Each divergence of the speculative run beside the plain run of the same "

@@ -10,10 +10,11 @@ per output position (the TV of each position's PIT bins beyond what sampling noi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from html import escape
 from typing import Any
 
-from specaudit.equivalence.reports.charts import BarChart, Series, series_color
+from specaudit.equivalence.reports.charts import BarChart, Series, acceptance_position_chart, series_color
 from specaudit.equivalence.run_record import SAMPLED  # a run's `mode`; greedy runs: "greedy" (nothing before it was kept)
 
 PASS = "no departure found"
@@ -92,11 +93,23 @@ def position_chart(audit: dict[str, Any]) -> BarChart:
                     value_labels=False)
 
 
+def acceptance_chart(audit: dict[str, Any]) -> BarChart:
+    """Per draft position, the sampled runs' expected acceptance (sum min(p, q) along the samples) against
+    observed: the greedy runs' chart (charts.py) drawn over the sampled runs, under a title of its own."""
+    chart = acceptance_position_chart({"runs": sampled_runs(audit)})
+    return replace(chart, title="Acceptance per draft position under sampling: expected against observed")
+
+
 def sampled_charts(audit: dict[str, Any]) -> dict[str, BarChart]:
-    """The sampled section's charts by file stem; none without sampled runs."""
-    if not sampled_runs(audit):
+    """The sampled section's charts by file stem; none without sampled runs (the acceptance chart where a
+    sampled run has an acceptance comparison)."""
+    runs = sampled_runs(audit)
+    if not runs:
         return {}
-    return {"sampled-pit": pit_chart(audit), "sampled-positions": position_chart(audit)}
+    charts = {"sampled-pit": pit_chart(audit), "sampled-positions": position_chart(audit)}
+    if any((run.get("acceptance") or {}).get("positions") for run in runs):
+        charts["sampled-acceptance-positions"] = acceptance_chart(audit)
+    return charts
 
 
 def engine_sentence(spec: str, report: dict[str, Any]) -> str:

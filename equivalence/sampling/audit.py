@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -132,12 +132,16 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
                   offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None,
                   run_model: PreTrainedModel | None = None, requests: list[Any] | None = None,
-                  stop_ids: tuple[int, ...] = (), penalty_scope: str = "output") -> dict[str, Any]:
+                  stop_ids: tuple[int, ...] = (), penalty_scope: str = "output",
+                  on_tables: Callable[[list[torch.Tensor], list[torch.Tensor] | None], None] | None = None
+                  ) -> dict[str, Any]:
     """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict.
     `offsets`: per sample, each token's offset in the step that emitted it; `draft`: the draft model;
     `run_model`: the target as the engine runs it, for the rounding allowance (module docstring);
     `requests`: one `RequestParams` per sample, whose processors (penalties, logit bias, bad words as ids,
-    min_tokens banning `stop_ids`) and cuts the target's distribution takes (teacher.py `Processing`)."""
+    min_tokens banning `stop_ids`) and cuts the target's distribution takes (teacher.py `Processing`);
+    `on_tables`: called once with each sample's processed target and draft distributions [n, V] (the draft's
+    None without `draft`), which the acceptance record's expectation reads (equivalence/acceptance/sampled.py)."""
     # the PIT's own stream, apart from every request's ((seed << 20) + i, engines/sampling/engine.py)
     generator = torch.Generator().manual_seed((1 << 62) + seed)
     processing = Processing(params, requests, tuple(stop_ids), penalty_scope)
@@ -150,6 +154,8 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
                                                          frequency_penalty=0.0, logit_bias=(), bad_words=(),
                                                          min_tokens=0) for r in requests]))
     draft_probs = _draft_distributions(draft, samples, draft_processing, probs) if draft is not None else None
+    if on_tables is not None:
+        on_tables(probs, draft_probs)
     # [n] per sample: each token's rounding allowance (0 in float64 on the CPU)
     run_probs = target_distributions(run_model, samples, processing) if run_model is not None else None
     allowances = ([ROUNDING_FACTOR * 0.5 * (r - p).abs().sum(-1) for r, p in zip(run_probs, probs)]

@@ -37,6 +37,10 @@ REFUSED: tuple[tuple[str, Any, str], ...] = (
     ("diagnosis_budget", None, "the sampled audit names no causes"),
     # the penalties, --logit-bias, --bad-words, --min-tokens and --min-p are applied (equivalence/pipeline/sampled.py)
     ("stop", [], _NOT_SAMPLED), ("stop_token_id", [], _NOT_SAMPLED), ("logprobs", None, _NOT_SAMPLED),
+    # --require-acceptance and --acceptance-baseline are honored (equivalence/acceptance/sampled.py)
+    ("speculation", None, "the sampled expectation is the pair's draft model's overlap, sum min(p, q) per "
+                          "position; a stated proposer is for greedy runs"),
+    ("payoff", 0, "the payoff times greedy runs"),
 )
 
 

@@ -20,6 +20,9 @@ import torch
 
 from specaudit.engines.sampling.engine import request_seeds
 from specaudit.engines.sampling.process import SamplingParams
+from specaudit.equivalence.acceptance import counters
+from specaudit.equivalence.acceptance.sampled import (BELOW_FLOAT64, VerifyStep, observed_of, overlaps,
+                                                      sampled_record, verify_steps)
 from specaudit.equivalence.errors import one_line
 from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory, unguarded
 from specaudit.equivalence.reports.sampled import PASS
@@ -58,21 +61,25 @@ def _ask(engine: Any, params: list[Any] | None) -> None:
 
 
 def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_id: Any, *, seed: int,
-         chunk: int | None = None, progress: Any = None, params: list[Any] | None = None
-         ) -> tuple[list[list[int]], list[list[int]] | None, Any]:
+         chunk: int | None = None, progress: Any = None, params: list[Any] | None = None,
+         verify_log: list[VerifyStep] | None = None) -> tuple[list[list[int]], list[list[int]] | None, Any]:
     """The engine's outputs for `requests`, each token's step offset (or None) and its speculation counters
     (or None). With `chunk`, an engine that takes per-request seeds and keeps no counters of its own
     (`last_speculation`, which a later call would replace) is called `chunk` requests at a time with the
     seeds it would give them itself in one call (`request_seeds(seed, n)`), so its tokens are the same
     (the seed check tests that promise) and `progress` (anything with `update(n)`, e.g. a tqdm bar) moves
     after each chunk; any other engine is called once. `params`: one `RequestParams` per request, set as the
-    engine's `request_params` before each call (its slice for a chunk)."""
+    engine's `request_params` before each call (its slice for a chunk). `verify_log`: where given, each call's
+    verify steps from the engine's trace are appended to it (equivalence/acceptance/sampled.py), numbered by
+    request in the draw."""
     base = unguarded(engine)
     whole = (chunk is None or chunk >= len(requests) or declares(base, "last_speculation")
              or "seeds" not in inspect.signature(base.generate).parameters)
     if whole:
         _ask(engine, params)
         outputs = engine.generate(requests, max_new_tokens, eos_token_id)
+        if verify_log is not None:
+            verify_log += verify_steps(capability(base, "last_trace"))
         if progress is not None:
             progress.update(len(requests))
         # the draw's own counters, read before the seed checks call the engine again
@@ -84,6 +91,8 @@ def draw(engine: Any, requests: list[list[int]], max_new_tokens: int, eos_token_
         part = slice(start, start + chunk)
         _ask(engine, params[part] if params is not None else None)
         outputs += engine.generate(requests[part], max_new_tokens, eos_token_id, seeds=seeds[part])
+        if verify_log is not None:
+            verify_log += verify_steps(capability(base, "last_trace"), first=start)
         got = capability(engine, "last_step_offsets")
         offsets = None if offsets is None or got is None else offsets + [list(o) for o in got]
         if progress is not None:
@@ -116,24 +125,28 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
                   recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
                   run_target: Any = None, chunk: int | None = None, progress: Any = None,
-                  request_params: list[Any] | None = None) -> dict[str, Any]:
+                  request_params: list[Any] | None = None, require_acceptance: float | None = None,
+                  acceptance_baseline: Any = None) -> dict[str, Any]:
     """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
     `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
     distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
     device and dtype), for the rounding allowance; an engine's `last_step_offsets` (each token's offset in
     its step) stratifies the tests; `chunk`, `progress`: see `draw`; `request_params`: one `RequestParams` per
     prompt (penalties, logit bias, bad words as ids, min_tokens, min-p beside the sampler's cuts), sent as the
-    engine's `request_params` and applied by the reference, or None. Raises whatever the engine raises:
-    `guarded_sampled_audit` guards it."""
+    engine's `request_params` and applied by the reference, or None; `require_acceptance` (the gate's R) and
+    `acceptance_baseline` (an `ExpectedAcceptance` from an earlier audit) go into the `acceptance` record
+    (`sampled_acceptance`). Raises whatever the engine raises: `guarded_sampled_audit` guards it."""
     from specaudit.engines.limits import eos_ids
 
     started = time.perf_counter()
     offsets = None
+    verify_log: list[VerifyStep] = []  # every verify step of the draw, from the engine's trace
     if recorded is None:
         requests = spread(prompts, samples)
         per_sample = None if request_params is None else spread(request_params, samples)
         outputs, offsets, speculation = draw(engine, requests, max_new_tokens, eos_token_id, seed=seed,
-                                             chunk=chunk, progress=progress, params=per_sample)
+                                             chunk=chunk, progress=progress, params=per_sample,
+                                             verify_log=verify_log)
         check_budget(outputs, max_new_tokens, eos_token_id)
         drawn: list[Sample] = list(zip(requests, outputs))
     else:
@@ -143,11 +156,22 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
         per_sample = None if request_params is None else [by_prompt.get(tuple(p), request_params[0]) for p, _ in drawn]
     sampling_seconds = time.perf_counter() - started
     scope = (capability(unguarded(engine), "penalty_scope") if engine is not None else None) or "output"
+    alphas: list[torch.Tensor] = []  # per sample [n]: sum_x min(p, q) before each token
+
+    def keep_overlaps(target_probs: list[torch.Tensor], draft_probs: list[torch.Tensor] | None) -> None:
+        if draft_probs is not None:
+            alphas.extend(overlaps(target_probs, draft_probs))
+
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
                            run_model=run_target, requests=per_sample, stop_ids=tuple(sorted(eos_ids(eos_token_id))),
-                           penalty_scope=scope)
-    report["seconds"] = {"sampling": sampling_seconds,
-                         "testing": time.perf_counter() - started - sampling_seconds}
+                           penalty_scope=scope, on_tables=keep_overlaps)
+    testing_done = time.perf_counter()
+    report["acceptance"] = sampled_acceptance(
+        verify_log, [tokens for _, tokens in drawn], alphas or None, speculation=speculation, engine=engine,
+        recorded=recorded is not None, run_target=run_target, required=require_acceptance,
+        baseline=acceptance_baseline)
+    report["seconds"] = {"sampling": sampling_seconds, "testing": testing_done - started - sampling_seconds,
+                         "acceptance": time.perf_counter() - testing_done}
     report["speculation"] = speculation
     report["seeds"] = (check_seeds(engine, prompts, max_new_tokens, eos_token_id, seed, request_params)
                        if recorded is None and seed_checks
@@ -159,6 +183,31 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                                                                              and seeds["alone_equals_batch"])
                          else PASS)
     return report
+
+
+def sampled_acceptance(verify_log: list[VerifyStep], outputs: list[list[int]], alphas: list[torch.Tensor] | None, *,
+                       speculation: dict[str, Any] | None, engine: Any, recorded: bool, run_target: Any,
+                       required: float | None, baseline: Any) -> dict[str, Any]:
+    """The sampled run's `acceptance` record (equivalence/acceptance/sampled.py): observed from the verify steps
+    of the engine's trace (else a server's counters), expected sum_x min(p, q) along the samples (exact in
+    law where the engine runs the float64 pair in process; else an estimate), or why there is none."""
+    base = unguarded(engine) if engine is not None else None
+    observed = (observed_of(verify_log, "the engine's trace: every verify step of the draw") if verify_log
+                else counters.of_run(base, None, speculation) if base is not None else None)
+    why = None
+    if recorded:
+        why = "a recording keeps no verify steps: give --acceptance-baseline to compare its counters"
+    elif not verify_log:
+        why = ("the engine shows no verify steps (no trace of its steps): the sampled expectation needs where each "
+               "step began; give --acceptance-baseline to compare its counters")
+    elif not any(step.drafted for step in verify_log):
+        why = "the engine proposed no draft token (it does not speculate): nothing to expect"
+    elif alphas is None:
+        why = "the pair has no draft model to teacher-force"
+    exact = run_target is None
+    note = "" if exact else BELOW_FLOAT64.format(dtype=str(next(run_target.parameters()).dtype).removeprefix("torch."))
+    return sampled_record(verify_log, outputs, alphas if why is None else None, observed=observed, exact=exact,
+                          note=note, required=required, baseline=baseline, unavailable=why)
 
 
 def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | None, device: str,
@@ -178,8 +227,9 @@ def sampled_run(base: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
     if report.get("failed"):
         return run_record(**base, mode=SAMPLED, **verdict, failed=True, error=report["error"],
                           traceback=report["traceback"], seconds=report.get("seconds"))
+    acceptance = report.pop("acceptance", None)  # the run's, beside a greedy run's (equivalence/acceptance/)
     return run_record(**base, mode=SAMPLED, **verdict, seconds=sum((report.get("seconds") or {}).values()),
-                      sampled=report)
+                      sampled=report, acceptance=acceptance)
 
 
 def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: Any, prompts: list[list[int]],
