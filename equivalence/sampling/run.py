@@ -116,19 +116,24 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                   max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
                   recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
                   run_target: Any = None, chunk: int | None = None, progress: Any = None,
-                  request_params: list[Any] | None = None) -> dict[str, Any]:
+                  request_params: list[Any] | None = None, tokenizer: Any = None,
+                  draft_tokens: int | None = None) -> dict[str, Any]:
     """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
     `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
     distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
     device and dtype), for the rounding allowance; an engine's `last_step_offsets` (each token's offset in
     its step) stratifies the tests; `chunk`, `progress`: see `draw`; `request_params`: one `RequestParams` per
     prompt (penalties, logit bias, bad words as ids, min_tokens, min-p beside the sampler's cuts), sent as the
-    engine's `request_params` and applied by the reference, or None. Raises whatever the engine raises:
+    engine's `request_params` and applied by the reference, or None; `tokenizer`: the target's (a constraint's
+    grammar vocabulary; set as the engine's `request_tokenizer`); `draft_tokens`: the engine's k (which step
+    offset is the bonus token's, for naming a structured-output fault). Raises whatever the engine raises:
     `guarded_sampled_audit` guards it."""
     from specaudit.engines.limits import eos_ids
 
     started = time.perf_counter()
     offsets = None
+    if engine is not None and tokenizer is not None and declares(unguarded(engine), "request_tokenizer"):
+        unguarded(engine).request_tokenizer = tokenizer
     if recorded is None:
         requests = spread(prompts, samples)
         per_sample = None if request_params is None else spread(request_params, samples)
@@ -145,7 +150,10 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
     scope = (capability(unguarded(engine), "penalty_scope") if engine is not None else None) or "output"
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
                            run_model=run_target, requests=per_sample, stop_ids=tuple(sorted(eos_ids(eos_token_id))),
-                           penalty_scope=scope)
+                           penalty_scope=scope, tokenizer=tokenizer)
+    if per_sample is not None:
+        _judge_constraints(report, drawn, per_sample, offsets, draft_tokens, tuple(sorted(eos_ids(eos_token_id))),
+                           tokenizer, int(target.config.vocab_size))
     report["seconds"] = {"sampling": sampling_seconds,
                          "testing": time.perf_counter() - started - sampling_seconds}
     report["speculation"] = speculation
@@ -159,6 +167,25 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                                                                              and seeds["alone_equals_batch"])
                          else PASS)
     return report
+
+
+def _judge_constraints(report: dict[str, Any], samples: list[Sample], requests: list[Any], offsets: Any,
+                       draft_tokens: int | None, stop_ids: tuple[int, ...], tokenizer: Any, vocab_size: int) -> None:
+    """The structured-output findings in `report["constraints"]` (equivalence/blackbox/constraints.py): an output
+    that violates its constraint is a departure of its own, and the class that explains the forbidden tokens
+    names the finding."""
+    from specaudit.equivalence.blackbox.constraints import sampled_constraint_findings
+
+    found = sampled_constraint_findings(samples, requests, offsets, draft_tokens, stop_ids, tokenizer, vocab_size)
+    report["constraints"] = found
+    if found is None or not (found["violations"] or found["class"]):
+        return
+    report["departs"] = True
+    words = [f"{found['violations']} of {found['constrained_samples']} outputs violate their constraint "
+             "(constraint_violation)"] if found["violations"] else []
+    if found["class"]:
+        words.append(f"{found['class']}: {found['reason']}")
+    report["finding"] = "; ".join(words + ([report["finding"]] if report.get("finding") else []))
 
 
 def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | None, device: str,
