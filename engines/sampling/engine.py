@@ -116,6 +116,7 @@ class _SampledEngine:
             if self.request_tokenizer is None:
                 raise ValueError("a constrained request needs the target's tokenizer (request_tokenizer)")
             row.matcher = RowMatcher(row.params.constraint, self.request_tokenizer, vocab_size, row.stop_ids)
+            _consume(row, row.output)  # a row that begins with output already (a continued request)
         return row.matcher.allowed()
 
     def draws_for(self, seeds: list[int]) -> list[Draws]:
@@ -190,6 +191,7 @@ class SampledSpeculative(_SampledEngine):
     committed output and the first j drafts), so a penalty counts each token once, accepted drafts included."""
 
     name = "sampled-spec"
+    masks_drafts = True  # a constrained row's draft proposes from its masked q (False: exact, fewer accepted)
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, draft_tokens: int = 4,
                  rule: SpeculativeRule | None = None, **options: object) -> None:
@@ -238,13 +240,13 @@ class SampledSpeculative(_SampledEngine):
         extended = [row.prompt + row.output for row in rows]
         constrained = [row.params.constraint is not None for row in rows]
         consumed = [0] * len(rows)  # draft tokens each constrained row's matcher took
-        width = getattr(self.target.config, "vocab_size", None)
+        width = getattr(getattr(self.target, "config", None), "vocab_size", None)  # the target's ids: the grammar's
         draft_logits = []
         for j in range(k + int(self.rule.needs_last_draft_row)):
             logits = _last_logits(self.draft, extended, 1)[:, 0]  # [B, V]
             for b, row in enumerate(rows):
                 allowed = self.allowed(row, width or logits.shape[-1]) if constrained[b] else None  # [V]
-                if allowed is not None:  # the draft proposes from its masked q
+                if allowed is not None and self.masks_drafts:  # the draft proposes from its masked q
                     logits[b] = logits[b].masked_fill(~_width(allowed, logits.shape[-1]), float("-inf"))
             draft_logits.append(logits)
             if j < k:

@@ -176,7 +176,10 @@ def _check_constraints(built: dict[str, Any], constraints: list[Any]) -> None:
             why = next((w for w in (dialect_refusal(dialect, c) for c in constraints) if w is not None), None)
             if why is not None:
                 raise UsageError(f"{spec}: cannot send the constraint: {why}")
-        elif source_of(spec) == "recording" or not getattr(engine, "takes_constraints", False):
+        elif source_of(spec) == "recording":
+            raise UsageError(f"engine {spec}: a recording says nothing of the constraint it was sampled under: "
+                             "audit the engine itself")
+        elif not getattr(engine, "takes_constraints", False):
             raise UsageError(f"engine {spec} takes no structured-output constraint (it declares no "
                              "`takes_constraints`): it would sample unconstrained")
 
