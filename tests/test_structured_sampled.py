@@ -170,9 +170,10 @@ def test_eqspec_under_every_kind_passes_and_satisfies_its_constraints(eqspec_run
     assert report["impossible_count"] == 0
 
 
-def test_sampled_spec_passes_under_a_constraint(pair) -> None:
-    engine = make_engine("sampled-spec", pair.target, pair.draft, batch_size=8, draft_tokens=K,
-                         sampling=SamplingParams(1.0), seed=2)
+@pytest.mark.parametrize("spec", ["sampled-spec", "sampled-reference"])
+def test_the_small_sampled_engines_pass_under_a_constraint(pair, spec: str) -> None:
+    engine = make_engine(spec, pair.target, pair.draft, batch_size=8, draft_tokens=K, sampling=SamplingParams(1.0),
+                         seed=2)
     report = sampled_audit(engine, pair.target, PROMPTS[:2], SamplingParams(1.0), samples=16, max_new_tokens=10,
                            eos_token_id=pair.eos_token_id, seed=2, request_params=PARAMS[:2],
                            tokenizer=pair.tokenizer, draft_tokens=K, seed_checks=False)
