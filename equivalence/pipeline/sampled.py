@@ -171,7 +171,8 @@ def _check_constraints(built: dict[str, Any], constraints: list[Any]) -> None:
     from specaudit.engines.constraints.fields import dialect_refusal
 
     for spec, engine in built.items():
-        dialect = getattr(engine, "dialect", None) if source_of(spec) != "recording" else None
+        server = getattr(engine, "server", engine)  # a sampled server wraps the dialect's engine
+        dialect = getattr(server, "dialect", None) if source_of(spec) != "recording" else None
         if dialect is not None:
             why = next((w for w in (dialect_refusal(dialect, c) for c in constraints) if w is not None), None)
             if why is not None:
