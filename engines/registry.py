@@ -148,7 +148,8 @@ def make_engine(spec: str, target: Any, draft: Any, *, batch_size: int, draft_to
     Sampled (`sampling` a `SamplingParams`, `seed` the run's): a live server asked for seeded samples
     (engines/adapters/sampled_servers.py); one of the project's engines (`REQUEST_ENGINES`) sampled through its
     request parameters (`sampling.engine.RequestSampled`; `rule` the `SpeculativeRule` it decides sampled rows
-    by, for planting a fault); a sampled factory (`SAMPLED_ENGINES`, `package.module:factory`) called as
+    by, for planting a fault), and so is a `package.module:Class` whose class takes request parameters
+    (`engines/requests/rows.TakesRequestParams`, e.g. a planted structured-output fault); a sampled factory (`SAMPLED_ENGINES`, `package.module:factory`) called as
     `factory(target, draft, temperature=, top_k=, top_p=, seed=, draft_tokens=, [batch_size=,] **options)`."""
     if sampling is not None:
         return _make_sampled(spec, target, draft, sampling, seed=seed, batch_size=batch_size,
@@ -175,6 +176,13 @@ def _accepted(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str,
     return {k: v for k, v in options.items() if takes_any or k in params}
 
 
+def _takes_request_params(factory: Any) -> bool:
+    """Whether `factory` is an engine class that samples through its request parameters (`TakesRequestParams`)."""
+    from specaudit.engines.requests.rows import TakesRequestParams
+
+    return isinstance(factory, type) and issubclass(factory, TakesRequestParams)
+
+
 def _make_sampled(spec: str, target: Any, draft: Any, params: Any, *, seed: int, batch_size: int, draft_tokens: int,
                   rule: Any, options: dict[str, Any]) -> Any:
     from specaudit.engines.adapters.sampled_servers import SAMPLED_DIALECTS, make_sampled_server
@@ -186,6 +194,15 @@ def _make_sampled(spec: str, target: Any, draft: Any, params: Any, *, seed: int,
 
         options = dict(options)
         batch_size = int(options.pop("batch_size", batch_size))  # an --engine-option's batch wins
+        engine = make_engine(spec, target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
+        engine.sampling_rule = rule
+        return RequestSampled(engine, params, seed)
+    if not black_box_prefix(spec) and ":" in spec and _takes_request_params(resolve(spec)):
+        # a user engine built like the project's (engines/requests/rows.py): sampled through its request parameters
+        from specaudit.engines.sampling.engine import RequestSampled
+
+        options = dict(options)
+        batch_size = int(options.pop("batch_size", batch_size))
         engine = make_engine(spec, target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
         engine.sampling_rule = rule
         return RequestSampled(engine, params, seed)

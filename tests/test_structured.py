@@ -76,8 +76,7 @@ def test_constraint_round_trips_and_refuses_bad_input():
                 {"kind": "json_object", "text": "x"}):
         with pytest.raises(ValueError):
             Constraint.from_dict(bad)
-    with pytest.raises(ValueError, match="temperature"):
-        RequestParams(constraint=ONE_OF_EACH[1], temperature=0.5)
+    assert RequestParams(constraint=ONE_OF_EACH[1], temperature=0.5).sampled  # sampled: tests/test_structured_sampled.py
 
 
 def test_violation_reads_each_kind_from_the_text():
@@ -201,12 +200,14 @@ def test_cli_audits_and_refuses_constraints(tmp_path):
     planted = cli_audit(*common, "--engine", "specaudit.testing.faults.constrained:BonusTokenUnmasked",
                         "--regex", "[a-f]{2,5}-[0-9]+", out=tmp_path / "bad")
     assert planted.returncode == 1
+    recording = tmp_path / "recorded.jsonl"
+    recording.write_text(json.dumps({"prompt_ids": [72, 101], "output_ids": [97, 98]}) + "\n")
     refusals = [(("--engine", "eqspec", "--regex", "a", "--choice", "b"), "one constraint per audit"),
                 (("--engine", "eqspec", "--json-schema", str(tmp_path / "missing.json")), "missing.json"),
                 (("--engine", "eqspec", "--regex", "a", "--grammar-backend", "outlines"), "outlines"),
                 (("--engine", "hf-assisted", "--regex", "a+"), "takes no structured-output constraint"),
                 (("--engine", "llamacpp:http://127.0.0.1:9", "--regex", "a+"), "no regex"),
-                (("--engine", "eqspec", "--regex", "a", "--temperature", "0.5"), "greedy decoding")]
+                (("--engine", f"recorded:{recording}", "--regex", "a", "--temperature", "0.5"), "a recording says nothing")]
     for flags, why in refusals:
         result = cli_audit(*common, *flags, out=tmp_path / "no")
         assert result.returncode == 2, (flags, result.stderr)

@@ -169,3 +169,19 @@ def allowed_after(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_
         if not matcher.advance(token):
             return None
     return matcher.allowed()
+
+
+def masks_along(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
+                tokens: Sequence[int], before: Sequence[int] = ()) -> list[torch.Tensor]:
+    """[V] per token of `tokens`: what the grammar admits at its position, after `before` and the tokens of
+    `tokens` ahead of it (one matcher advanced along them: a sampled output's masks, teacher-forced). A token
+    the grammar refuses is not consumed (the matcher keeps its state, as vLLM's does), so the positions after
+    it are masked with the state before it."""
+    matcher = RowMatcher(constraint, tokenizer, vocab_size, stop_ids)
+    for token in before:
+        matcher.advance(token)
+    masks = []
+    for token in tokens:
+        masks.append(matcher.allowed())  # [V]
+        matcher.advance(token)
+    return masks

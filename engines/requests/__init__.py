@@ -122,8 +122,6 @@ class RequestParams:
             # a sentence complete before min_tokens admits only the stop ids, which min_tokens bans: no token left
             raise ValueError("min_tokens with a constraint is not supported: a complete sentence before min_tokens "
                              "would leave no token to choose")
-        if self.constraint is not None and self.temperature > 0:
-            raise ValueError("a constraint with temperature > 0: structured outputs are audited under greedy decoding only")
 
     @property
     def sampled(self) -> bool:

@@ -10,7 +10,9 @@ vLLM's order (vllm/v1/sample/sampler.py, `Sampler.forward` then `Sampler.sample`
 
 Under speculation the history of verify position j is the committed output and the first j draft tokens
 (`request_table`): a penalty counts every token before the one it decides, accepted drafts included, once
-each. The sampled audit's reference (equivalence/sampling/teacher.py) and the project's sampled engines
+each. A constrained request's grammar mask comes before step 1 (vLLM applies its bitmask to the logits before
+its sampler): every token the grammar forbids at that position is `-inf`, so the temperature and the cuts
+renormalize over the admitted tokens alone. The sampled audit's reference (equivalence/sampling/teacher.py) and the project's sampled engines
 (engines/sampling/engine.py, engines/requests/rows.py) compute the same rows with these functions.
 """
 
@@ -40,19 +42,24 @@ def has_processors(params: RequestParams) -> bool:
 
 
 def processed_row(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], params: RequestParams,
-                  stop_ids: Iterable[int], penalty_scope: str = "output") -> torch.Tensor:
-    """[V] raw logits -> [V] float64 logits after the processors (step 1), with `output` the tokens before."""
-    if not has_processors(params):
+                  stop_ids: Iterable[int], penalty_scope: str = "output",
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """[V] raw logits -> [V] float64 logits after the processors (step 1), with `output` the tokens before;
+    `allowed` [V]: the tokens a constraint's grammar admits there, masked first (None: unconstrained)."""
+    if not has_processors(params) and allowed is None:
         return logits.to(torch.float64)
-    return process(logits, prompt, output, params, stop_ids, penalty_scope).greedy
+    return process(logits, prompt, output, params, stop_ids, penalty_scope, allowed=allowed).greedy
 
 
 def request_table(logits: torch.Tensor, prompt: Sequence[int], output: Sequence[int], continuation: Sequence[int],
-                  params: RequestParams, stop_ids: Iterable[int], penalty_scope: str = "output") -> torch.Tensor:
+                  params: RequestParams, stop_ids: Iterable[int], penalty_scope: str = "output",
+                  allowed: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """[n, V] raw logits -> [n, V] float64 probabilities: position j's distribution given the prompt, `output`
-    and the first j tokens of `continuation` (a verify step's drafts, or the sampled tokens themselves)."""
+    and the first j tokens of `continuation` (a verify step's drafts, or the sampled tokens themselves);
+    `allowed`: a constrained request's grammar mask [V] per position (engines/constraints/matcher.py), first."""
     stops = list(stop_ids)
-    rows = [processed_row(logits[j], prompt, list(output) + list(continuation[:j]), params, stops, penalty_scope)
+    rows = [processed_row(logits[j], prompt, list(output) + list(continuation[:j]), params, stops, penalty_scope,
+                          allowed[j] if allowed is not None else None)
             for j in range(logits.shape[0])]
     table = torch.stack(rows) if rows else logits.to(torch.float64)  # [n, V]
     return process_logits(table, sampling_of(params))

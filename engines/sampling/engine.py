@@ -7,6 +7,14 @@ per prompt) they also apply its penalties, logit bias, bad words (ids), min_toke
 order (engines/requests/sampled.py): the processors on the row's history at each position, then the
 temperature and the cuts; a speculative step processes verify position j after the first j drafts.
 
+A constrained request (`RequestParams.constraint`; `request_tokenizer` the target's, set by the audit) keeps its
+grammar state in `SampledRow.matcher` (engines/constraints/matcher.py): the mask of each position comes first,
+before every processor. The reference draws from the masked, renormalized distribution and the matcher
+consumes the token. A speculative step masks draft position j with the state after the committed output and
+the first j drafts (the draft draws from its masked q), masks verify position j with the same state (the bonus
+position after all k drafts), verifies with the masked p and q (a recovered token from the masked residual),
+then rolls the matcher back over the k drafts and advances it over the emitted tokens.
+
 No cache: each pass runs the whole sequence, right-padded in a batch. With causal attention a row's
 logits at its own positions never see the padding after them, so batching changes nothing but the
 rounding of the batched matrix products (float64: 1e-16, far below any decision's resolution).
@@ -20,6 +28,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines.constraints.matcher import RowMatcher
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.sampled import processed_row, request_table, sampling_of
@@ -62,6 +71,24 @@ class SampledRow:
     output: list[int]
     params: RequestParams
     stop_ids: tuple[int, ...]
+    matcher: RowMatcher | None = None  # a constrained request's grammar state (made at its first step)
+    grammar_refusals: int = 0  # emitted tokens the matcher refused (0 under a correct mask)
+
+
+def _width(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    """`allowed` [V] over another model's `width` ids (a draft vocabulary of another size): ids past V forbidden."""
+    if allowed.shape[0] >= width:
+        return allowed[:width]
+    return torch.cat([allowed, torch.zeros(width - allowed.shape[0], dtype=torch.bool)])
+
+
+def _consume(row: SampledRow, tokens: list[int]) -> None:
+    """The matcher advanced over the row's emitted `tokens` (a refused one counted, the state kept)."""
+    if row.matcher is None:
+        return
+    for token in tokens:
+        if not row.matcher.advance(token) and not row.matcher.terminated:
+            row.grammar_refusals += 1
 
 
 class _SampledEngine:
@@ -72,12 +99,25 @@ class _SampledEngine:
     # and min-p; None: every request asks for `self.params` alone
     request_params: list[RequestParams] | None = None
     penalty_scope = "output"  # presence and frequency count the output (vLLM)
+    request_tokenizer: Any = None  # the target's: a constraint's grammar is compiled over its vocabulary
+    takes_constraints = True  # structured outputs (docs/structured.md)
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, batch_size: int = 64, **_: object) -> None:
         self.target, self.draft = target, draft
         self.params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         self.seed, self.batch_size = seed, batch_size
+
+    def allowed(self, row: SampledRow, vocab_size: int) -> torch.Tensor | None:
+        """[V] what the row's grammar admits next (its matcher made at the first call); None unconstrained."""
+        if row.params.constraint is None:
+            return None
+        if row.matcher is None:
+            if self.request_tokenizer is None:
+                raise ValueError("a constrained request needs the target's tokenizer (request_tokenizer)")
+            row.matcher = RowMatcher(row.params.constraint, self.request_tokenizer, vocab_size, row.stop_ids)
+            _consume(row, row.output)  # a row that begins with output already (a continued request)
+        return row.matcher.allowed()
 
     def draws_for(self, seeds: list[int]) -> list[Draws]:
         """Each request's own stream."""
@@ -134,9 +174,14 @@ class SampledReference(_SampledEngine):
 
     def step(self, rows: list[SampledRow], draws: list[Draws]) -> list[list[int]]:
         logits = _last_logits(self.target, [row.prompt + row.output for row in rows], 1)  # [B, 1, V]
-        probs = [request_table(logits[b], row.prompt, row.output, [], row.params, row.stop_ids, self.penalty_scope)[0]
-                 for b, row in enumerate(rows)]  # B x [V]
-        return [[d.categorical(probs[b])] for b, d in enumerate(draws)]
+        emitted = []
+        for b, row in enumerate(rows):
+            allowed = self.allowed(row, logits.shape[-1])  # [V] or None
+            probs = request_table(logits[b], row.prompt, row.output, [], row.params, row.stop_ids, self.penalty_scope,
+                                  None if allowed is None else [allowed])[0]  # [V]
+            emitted.append([draws[b].categorical(probs)])
+            _consume(row, emitted[-1])
+        return emitted
 
 
 class SampledSpeculative(_SampledEngine):
@@ -146,6 +191,7 @@ class SampledSpeculative(_SampledEngine):
     committed output and the first j drafts), so a penalty counts each token once, accepted drafts included."""
 
     name = "sampled-spec"
+    masks_drafts = True  # a constrained row's draft proposes from its masked q (False: exact, fewer accepted)
 
     def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None, *, draft_tokens: int = 4,
                  rule: SpeculativeRule | None = None, **options: object) -> None:
@@ -159,30 +205,68 @@ class SampledSpeculative(_SampledEngine):
         """The output each verify position's processors see: position j after the first j drafts."""
         return [output + drafts[:j] for j in range(len(drafts) + 1)]
 
-    def processed_target(self, logits: torch.Tensor, row: SampledRow, drafts: list[int]) -> torch.Tensor:
-        """[k+1, V] raw target logits of one row -> [k+1, V] after the request's processors (before its temperature)."""
-        return torch.stack([processed_row(logits[j], row.prompt, history, row.params, row.stop_ids, self.penalty_scope)
+    def processed_target(self, logits: torch.Tensor, row: SampledRow, drafts: list[int],
+                         masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """[k+1, V] raw target logits of one row -> [k+1, V] after the request's grammar mask (`masks`: [V] per
+        verify position, None unconstrained) and processors (before its temperature)."""
+        return torch.stack([processed_row(logits[j], row.prompt, history, row.params, row.stop_ids, self.penalty_scope,
+                                          None if masks is None else _width(masks[j], logits.shape[-1]))
                             for j, history in enumerate(self.histories(row.output, drafts))])
+
+    def verify_masks(self, row: SampledRow, drafts: list[int], vocab_size: int) -> list[torch.Tensor] | None:
+        """[V] per verify position 0..k: the grammar state after the committed output and the first j drafts
+        (the masks the drafts were drawn under, recomputed); the matcher is left at the committed output."""
+        if self.allowed(row, vocab_size) is None:
+            return None
+        assert row.matcher is not None
+        masks, consumed = [row.matcher.allowed()], 0  # [V]
+        for token in drafts:
+            if consumed == len(masks) - 1 and row.matcher.advance(token):
+                consumed += 1
+                masks.append(masks[-1] if row.matcher.terminated else row.matcher.allowed())
+            else:  # past a stop id (or a forbidden draft): never accepted
+                masks.append(masks[-1])
+        self.rollback_drafts(row, consumed)
+        return masks
+
+    def rollback_drafts(self, row: SampledRow, consumed: int) -> None:
+        """The matcher back over the `consumed` draft tokens, at the committed output."""
+        assert row.matcher is not None
+        row.matcher.rollback(consumed)
 
     def step(self, rows: list[SampledRow], draws: list[Draws]) -> list[list[int]]:
         k = self.k
         sampling = [sampling_of(row.params) for row in rows]
         extended = [row.prompt + row.output for row in rows]
+        constrained = [row.params.constraint is not None for row in rows]
+        consumed = [0] * len(rows)  # draft tokens each constrained row's matcher took
+        width = getattr(getattr(self.target, "config", None), "vocab_size", None)  # the target's ids: the grammar's
         draft_logits = []
         for j in range(k + int(self.rule.needs_last_draft_row)):
             logits = _last_logits(self.draft, extended, 1)[:, 0]  # [B, V]
+            for b, row in enumerate(rows):
+                allowed = self.allowed(row, width or logits.shape[-1]) if constrained[b] else None  # [V]
+                if allowed is not None and self.masks_drafts:  # the draft proposes from its masked q
+                    logits[b] = logits[b].masked_fill(~_width(allowed, logits.shape[-1]), float("-inf"))
             draft_logits.append(logits)
             if j < k:
                 for b, row in enumerate(extended):
                     row.append(draws[b].categorical(self.rule.draft_probs(logits[b], sampling[b])))
+                    if constrained[b] and consumed[b] == j and rows[b].matcher.advance(row[-1]):
+                        consumed[b] += 1
+        for b, row in enumerate(rows):
+            if constrained[b]:
+                self.rollback_drafts(row, consumed[b])
         draft_table = torch.stack(draft_logits, dim=1)  # [B, k(+1), V]
         target_table = _last_logits(self.target, extended, k + 1)  # [B, k+1, V]
         emitted = []
         for b, row in enumerate(rows):
             drafts = extended[b][len(row.prompt) + len(row.output):]  # [k]
-            p = self.rule.target_probs(self.processed_target(target_table[b], row, drafts), sampling[b])  # [k+1, V]
+            masks = self.verify_masks(row, drafts, target_table.shape[-1])  # k+1 x [V] or None
+            p = self.rule.target_probs(self.processed_target(target_table[b], row, drafts, masks), sampling[b])  # [k+1, V]
             q_used = self.rule.acceptance_q(draft_table[b], sampling[b])  # [k(+1), V]
             emitted.append(self.rule.verify(p, q_used, drafts, draws[b]))
+            _consume(row, emitted[-1])
         return emitted
 
 
@@ -195,10 +279,12 @@ class RequestSampled:
     # one `RequestParams` per prompt of the next `generate` (the sampled audit's penalties and the rest), each
     # given its seed here; None: `params` alone
     request_params: list[RequestParams] | None = None
+    request_tokenizer: Any = None  # the target's, handed to the engine (a constraint's vocabulary, stop strings)
 
     def __init__(self, engine: Any, params: SamplingParams, seed: int) -> None:
         self.engine, self.params, self.seed = engine, params, seed
         self.name = engine.name
+        self.takes_constraints = bool(getattr(engine, "takes_constraints", False))
         self.penalty_scope = getattr(engine, "penalty_scope", "output")
         self.last_step_offsets: list[list[int]] | None = None
 
@@ -217,6 +303,8 @@ class RequestSampled:
                               min_p=self.params.min_p)
         self.engine.request_params = [replace(given[i] if given is not None else plain, seed=s)
                                       for i, s in enumerate(seeds)]
+        if self.request_tokenizer is not None:
+            self.engine.request_tokenizer = self.request_tokenizer
         try:
             outputs = self.engine.generate(prompts, max_new_tokens, eos_token_id)
         finally:

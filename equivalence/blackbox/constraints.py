@@ -9,6 +9,16 @@ explains a token that differs from the constrained reference.
 | `constraint_state`       | `constraint-replay`     | the engine's token is one the grammar forbids after the row's own output, and neither replay above makes it: the grammar state is not the output's (rejected draft tokens left in it, not rolled back: a state ahead of the output) |
 
 A token the grammar admits but the reference did not choose is left to the noise-band ruling, as any other.
+
+Under sampling (`sampled_constraint_findings`) there is no reference token to compare: each sample's output is
+checked against its constraint (`constraint_violation`), and its first token the grammar forbids after the
+sample's own output (a token the masked target gives probability 0) is placed by where it sits in its step
+(the engine's step offsets) and whether the grammar admits it one position earlier. The faults leave these
+marks: an unmasked bonus token sits at offset k alone (the other positions are masked); a mask one position
+late never touches offset 0 (verify position 0 keeps its own mask) and admits its token one position earlier;
+a state left ahead of the output (rejected drafts kept) puts forbidden tokens anywhere, offset 0 included. So the
+class named for a run is `constraint_unmasked` when every such token is a bonus token, `constraint_mask_offset`
+when none sits at offset 0 and every one is admitted one position earlier, else `constraint_state`.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from specaudit.engines.constraints.check import output_bytes, violation
-from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, mask
+from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, mask, masks_along
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.reference import RequestResult
 
@@ -99,3 +109,61 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
                     f"token {token} at position {agree} is one the grammar forbids after the row's own output, and "
                     "neither the unmasked logits nor a neighbouring position's mask choose it: the grammar state was "
                     "not the output's (rejected draft tokens left in it)", evidence, ref[agree], token)
+
+
+def _first_forbidden(params: RequestParams, tokens: Sequence[int], stop_ids: Sequence[int], tokenizer: Any,
+                     vocab_size: int) -> int | None:
+    """The position of the output's first token its grammar forbids after the output before it, or None."""
+    assert params.constraint is not None
+    masks = masks_along(params.constraint, tokenizer, vocab_size, stop_ids, tokens)
+    return next((j for j, (token, allowed) in enumerate(zip(tokens, masks))
+                 if not (0 <= token < allowed.shape[0] and bool(allowed[token]))), None)
+
+
+def sampled_constraint_findings(samples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                                requests: Sequence[RequestParams], offsets: Sequence[Sequence[int]] | None,
+                                draft_tokens: int | None, stop_ids: Sequence[int], tokenizer: Any,
+                                vocab_size: int) -> dict[str, Any] | None:
+    """The sampled audit's structured-output findings (module docstring): per sample its `constraint_violation`
+    (`violation_finding`) and its first forbidden token with the marks that place it; the class named for the
+    run (None where no token is forbidden). None when no request carries a constraint."""
+    if not any(r.constraint is not None for r in requests):
+        return None
+    violations, forbidden = [], []
+    for index, ((_, tokens), params) in enumerate(zip(samples, requests)):
+        if params.constraint is None:
+            continue
+        found = violation_finding(index, params, tokens, stop_ids, tokenizer)
+        if found is not None:
+            violations.append(found)
+        position = _first_forbidden(params, tokens, stop_ids, tokenizer, vocab_size)
+        if position is None:
+            continue
+        token = int(tokens[position])
+        before = (allowed_after(params.constraint, tokenizer, vocab_size, stop_ids, tokens[:position - 1])
+                  if position >= 1 else None)
+        offset = int(offsets[index][position]) if offsets is not None and position < len(offsets[index]) else None
+        forbidden.append({"sample": index, "position": position, "token": token, "step_offset": offset,
+                          "admitted_one_position_earlier": before is not None and 0 <= token < before.shape[0]
+                          and bool(before[token])})
+    cls, reason = None, ""
+    if forbidden:
+        offsets_seen = [f["step_offset"] for f in forbidden]
+        known = all(o is not None for o in offsets_seen)
+        if known and draft_tokens and all(o == draft_tokens for o in offsets_seen):
+            cls, reason = "constraint_unmasked", (f"every one of the {len(forbidden)} first forbidden tokens is a bonus "
+                                                  f"token (step offset {draft_tokens}): the bonus position is not masked")
+        elif known and 0 not in offsets_seen and all(f["admitted_one_position_earlier"] for f in forbidden):
+            cls, reason = "constraint_mask_offset", (f"the {len(forbidden)} first forbidden tokens sit at verify positions "
+                                                     "after the first, each admitted by the mask one position earlier: "
+                                                     "the masks applied one position late")
+        else:
+            at_zero = sum(1 for o in offsets_seen if o == 0)
+            cls, reason = "constraint_state", (f"{len(forbidden)} first forbidden tokens, {at_zero} at a step's first "
+                                               "position (masked there with the step's starting state) and not all "
+                                               "explained by a bonus or a shifted mask: the grammar state is not the "
+                                               "output's (rejected draft tokens left in it)")
+    return {"constrained_samples": sum(1 for r in requests if r.constraint is not None),
+            "violations": len(violations), "violation_findings": violations[:10],
+            "forbidden_samples": len(forbidden), "forbidden_tokens": forbidden[:20],
+            "class": cls, "reason": reason, "fix": CONSTRAINT_FIXES.get(cls) if cls else None}

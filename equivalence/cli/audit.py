@@ -201,12 +201,12 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     combination that cannot run is one usage line here (exit 2), whichever the composition."""
     from specaudit.engines.models.zoo import builtin_pair_names
     from specaudit.engines.registry import black_box_prefix
-    from specaudit.equivalence.cli.request_args import constraint_refusal, request_params_from_args
+    from specaudit.equivalence.cli.request_args import request_params_from_args
     from specaudit.equivalence.pipeline import sampled
     from specaudit.equivalence.pipeline.settings import AuditSettings, SamplingSettings, UserPair
     from specaudit.equivalence.sampling.cli import refusal as sampled_refusal
 
-    refusal = (served_refusal(args) or constraint_refusal(args)
+    refusal = (served_refusal(args)
                or (sampled_refusal(args) if args.temperature is not None else None))
     if refusal is not None:
         parser.error(refusal)

@@ -91,15 +91,6 @@ def constraint_from_args(args: argparse.Namespace, parser: argparse.ArgumentPars
     return None
 
 
-def constraint_refusal(args: argparse.Namespace) -> str | None:
-    """The usage line for a constraint the chosen audit would drop (the sampled audit), or None."""
-    given = (args.json_schema is not None or args.json_object or args.regex is not None or bool(args.choice)
-             or args.grammar is not None)
-    if given and getattr(args, "temperature", None) is not None:
-        return "structured outputs are audited under greedy decoding: drop --temperature, or the constraint"
-    return None
-
-
 def _read(path: str, flag: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")

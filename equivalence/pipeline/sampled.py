@@ -151,14 +151,38 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
             check_ids(f"the recording's prompt {number}", ids, vocab_size, None, settings.max_new_tokens)
     else:
         prompts = load_prompts(settings.prompts, pair.tokenizer, settings.num_prompts, vocab_size=vocab_size)
-    if prompt_requests(settings, len(prompts), pair.tokenizer) is not None:
+    asked = prompt_requests(settings, len(prompts), pair.tokenizer)
+    if asked is not None:
         from specaudit.engines.contract import declares
 
         for spec, engine in built.items():
             if source_of(spec) != "recording" and not declares(engine, "request_params"):
                 raise UsageError(f"engine {spec} takes no request parameters (it declares no `request_params`): "
                                  "audit it with the temperature and cuts alone, or drop the request parameters")
+        _check_constraints(built, [p.constraint for p in asked if p.constraint is not None])
     return oracle, prompts, eos, built
+
+
+def _check_constraints(built: dict[str, Any], constraints: list[Any]) -> None:
+    """`UsageError` for an engine that would drop a constraint: a server whose dialect cannot carry it, an
+    in-process engine that declares no `takes_constraints`, a recording (what was asked of it is unknown)."""
+    if not constraints:
+        return
+    from specaudit.engines.constraints.fields import dialect_refusal
+
+    for spec, engine in built.items():
+        server = getattr(engine, "server", engine)  # a sampled server wraps the dialect's engine
+        dialect = getattr(server, "dialect", None) if source_of(spec) != "recording" else None
+        if dialect is not None:
+            why = next((w for w in (dialect_refusal(dialect, c) for c in constraints) if w is not None), None)
+            if why is not None:
+                raise UsageError(f"{spec}: cannot send the constraint: {why}")
+        elif source_of(spec) == "recording":
+            raise UsageError(f"engine {spec}: a recording says nothing of the constraint it was sampled under: "
+                             "audit the engine itself")
+        elif not getattr(engine, "takes_constraints", False):
+            raise UsageError(f"engine {spec} takes no structured-output constraint (it declares no "
+                             "`takes_constraints`): it would sample unconstrained")
 
 
 def pair_run(settings: AuditSettings, spec: str, engine: Any, pair: Any, oracle: Any, prompts: list[list[int]],
@@ -186,8 +210,8 @@ def pair_run(settings: AuditSettings, spec: str, engine: Any, pair: Any, oracle:
             recorded=recorded, samples=sampling.samples, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
             seed=sampling.seed, alpha=sampling.alpha, draft=oracle.draft,
             run_target=None if oracle is pair else pair.target, chunk=chunk, progress=bar,
-            request_params=prompt_requests(settings, len(prompts), pair.tokenizer),
-            require_acceptance=settings.require_acceptance,
+            request_params=prompt_requests(settings, len(prompts), pair.tokenizer), tokenizer=pair.tokenizer,
+            draft_tokens=settings.draft_tokens, require_acceptance=settings.require_acceptance,
             acceptance_baseline=acceptance_baseline(settings, spec, pair.name, batch_size, dtype))
     finally:
         if bar is not None:

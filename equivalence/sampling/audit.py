@@ -132,27 +132,30 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
                   offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None,
                   run_model: PreTrainedModel | None = None, requests: list[Any] | None = None,
-                  stop_ids: tuple[int, ...] = (), penalty_scope: str = "output",
+                  stop_ids: tuple[int, ...] = (), penalty_scope: str = "output", tokenizer: Any = None,
                   on_tables: Callable[[list[torch.Tensor], list[torch.Tensor] | None], None] | None = None
                   ) -> dict[str, Any]:
     """The sampled audit of `samples` against `model` (the float64 target). Returns the report's dict.
     `offsets`: per sample, each token's offset in the step that emitted it; `draft`: the draft model;
     `run_model`: the target as the engine runs it, for the rounding allowance (module docstring);
     `requests`: one `RequestParams` per sample, whose processors (penalties, logit bias, bad words as ids,
-    min_tokens banning `stop_ids`) and cuts the target's distribution takes (teacher.py `Processing`);
-    `on_tables`: called once with each sample's processed target and draft distributions [n, V] (the draft's
-    None without `draft`), which the acceptance record's expectation reads (equivalence/acceptance/sampled.py)."""
+    min_tokens banning `stop_ids`), grammar mask (a constraint, over `tokenizer`'s vocabulary) and cuts the
+    target's distribution takes (teacher.py `Processing`); `on_tables`: called once with each sample's processed
+    target and draft distributions [n, V] (the draft's None without `draft`), which the acceptance record's
+    expectation reads (equivalence/acceptance/sampled.py)."""
     # the PIT's own stream, apart from every request's ((seed << 20) + i, engines/sampling/engine.py)
     generator = torch.Generator().manual_seed((1 << 62) + seed)
-    processing = Processing(params, requests, tuple(stop_ids), penalty_scope)
+    processing = Processing(params, requests, tuple(stop_ids), penalty_scope, tokenizer)
     if requests is not None and len(requests) != len(samples):
         raise ValueError(f"{len(requests)} request parameter sets for {len(samples)} samples: give one per sample")
     probs = target_distributions(model, samples, processing)
-    # the draft's q as the engines' drafters draw from it: the request's temperature and cuts on its raw logits
+    # the draft's q as the engines' drafters draw from it: the request's temperature and cuts on its raw logits,
+    # under the request's grammar mask where it has a constraint
     draft_processing = (params if requests is None
                         else Processing(params, [replace(r, repetition_penalty=1.0, presence_penalty=0.0,
                                                          frequency_penalty=0.0, logit_bias=(), bad_words=(),
-                                                         min_tokens=0) for r in requests]))
+                                                         min_tokens=0) for r in requests], tuple(stop_ids),
+                                        penalty_scope, tokenizer))
     draft_probs = _draft_distributions(draft, samples, draft_processing, probs) if draft is not None else None
     if on_tables is not None:
         on_tables(probs, draft_probs)

@@ -126,7 +126,8 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
                   recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
                   run_target: Any = None, chunk: int | None = None, progress: Any = None,
                   request_params: list[Any] | None = None, require_acceptance: float | None = None,
-                  acceptance_baseline: Any = None) -> dict[str, Any]:
+                  acceptance_baseline: Any = None, tokenizer: Any = None,
+                  draft_tokens: int | None = None) -> dict[str, Any]:
     """Draw (or take `recorded`) samples, audit them, check the seeds; the report's dict. `target` (and
     `draft`) teacher-force in float64: the oracle; `draft`: for the tests ordered toward the draft's
     distribution (equivalence/sampling/audit.py); `run_target`: the target as the engine runs it (its
@@ -135,12 +136,16 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
     prompt (penalties, logit bias, bad words as ids, min_tokens, min-p beside the sampler's cuts), sent as the
     engine's `request_params` and applied by the reference, or None; `require_acceptance` (the gate's R) and
     `acceptance_baseline` (an `ExpectedAcceptance` from an earlier audit) go into the `acceptance` record
-    (`sampled_acceptance`). Raises whatever the engine raises: `guarded_sampled_audit` guards it."""
+    (`sampled_acceptance`); `tokenizer`: the target's (a constraint's grammar vocabulary; set as the engine's
+    `request_tokenizer`); `draft_tokens`: the engine's k (which step offset is the bonus token's, for naming a
+    structured-output fault). Raises whatever the engine raises: `guarded_sampled_audit` guards it."""
     from specaudit.engines.limits import eos_ids
 
     started = time.perf_counter()
     offsets = None
     verify_log: list[VerifyStep] = []  # every verify step of the draw, from the engine's trace
+    if engine is not None and tokenizer is not None and declares(unguarded(engine), "request_tokenizer"):
+        unguarded(engine).request_tokenizer = tokenizer
     if recorded is None:
         requests = spread(prompts, samples)
         per_sample = None if request_params is None else spread(request_params, samples)
@@ -164,7 +169,10 @@ def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: Sa
 
     report = audit_samples(target, drawn, params, alpha=alpha, seed=seed, offsets=offsets, draft=draft,
                            run_model=run_target, requests=per_sample, stop_ids=tuple(sorted(eos_ids(eos_token_id))),
-                           penalty_scope=scope, on_tables=keep_overlaps)
+                           penalty_scope=scope, tokenizer=tokenizer, on_tables=keep_overlaps)
+    if per_sample is not None:
+        _judge_constraints(report, drawn, per_sample, offsets, draft_tokens, tuple(sorted(eos_ids(eos_token_id))),
+                           tokenizer, int(target.config.vocab_size))
     testing_done = time.perf_counter()
     report["acceptance"] = sampled_acceptance(
         verify_log, [tokens for _, tokens in drawn], alphas or None, speculation=speculation, engine=engine,
@@ -208,6 +216,25 @@ def sampled_acceptance(verify_log: list[VerifyStep], outputs: list[list[int]], a
     note = "" if exact else BELOW_FLOAT64.format(dtype=str(next(run_target.parameters()).dtype).removeprefix("torch."))
     return sampled_record(verify_log, outputs, alphas if why is None else None, observed=observed, exact=exact,
                           note=note, required=required, baseline=baseline, unavailable=why)
+
+
+def _judge_constraints(report: dict[str, Any], samples: list[Sample], requests: list[Any], offsets: Any,
+                       draft_tokens: int | None, stop_ids: tuple[int, ...], tokenizer: Any, vocab_size: int) -> None:
+    """The structured-output findings in `report["constraints"]` (equivalence/blackbox/constraints.py): an output
+    that violates its constraint is a departure of its own, and the class that explains the forbidden tokens
+    names the finding."""
+    from specaudit.equivalence.blackbox.constraints import sampled_constraint_findings
+
+    found = sampled_constraint_findings(samples, requests, offsets, draft_tokens, stop_ids, tokenizer, vocab_size)
+    report["constraints"] = found
+    if found is None or not (found["violations"] or found["class"]):
+        return
+    report["departs"] = True
+    words = [f"{found['violations']} of {found['constrained_samples']} outputs violate their constraint "
+             "(constraint_violation)"] if found["violations"] else []
+    if found["class"]:
+        words.append(f"{found['class']}: {found['reason']}")
+    report["finding"] = "; ".join(words + ([report["finding"]] if report.get("finding") else []))
 
 
 def failed_report(engine_name: str, exc: BaseException, *, batch_size: int | None, device: str,

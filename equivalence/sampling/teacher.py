@@ -5,16 +5,20 @@ the engine itself produced (the first token too: it comes from the prompt's pass
 (`SamplingParams`), or, with `requests` (one `RequestParams` per sample), each request's whole chain in vLLM's
 order (engines/requests/sampled.py): bad words, min_tokens, logit bias, the penalties, on the sample's own
 history before each token (its prompt and the tokens it sampled before), then temperature, min-p, top-k,
-top-p."""
+top-p. A constrained request (`RequestParams.constraint`) is masked first at each position with what its
+grammar admits after the prompt's output so far (engines/constraints/matcher.py `masks_along`, over the
+tokenizer's vocabulary as the engines build it: `tokenizer`), so the distribution is the masked, renormalized
+one a constrained sampler draws from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
+from specaudit.engines.constraints.matcher import masks_along
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.sampled import request_table
 from specaudit.engines.sampling.process import SamplingParams, process_logits
@@ -49,28 +53,42 @@ class Processing:
     """How raw logits become the distribution sample `index`'s tokens were drawn from (module docstring).
     `requests`: one `RequestParams` per sample (bad words as ids), or None for `params` alone; `stop_ids`: what
     `min_tokens` bans (the EOS ids); `penalty_scope`: what presence and frequency count ("output": vLLM,
-    SGLang; "context": llama.cpp)."""
+    SGLang; "context": llama.cpp); `tokenizer`: the target's, whose vocabulary a constraint's grammar is compiled
+    over (needed when a request carries a constraint)."""
 
     params: SamplingParams
     requests: Sequence[RequestParams] | None = None
     stop_ids: tuple[int, ...] = ()
     penalty_scope: str = "output"
+    tokenizer: Any = None
+
+    def masks(self, index: int, before: Sequence[int], tokens: Sequence[int], vocab_size: int
+              ) -> list[torch.Tensor] | None:
+        """[V] per token of `tokens` (after `before`): what sample `index`'s grammar admits; None unconstrained."""
+        constraint = self.requests[index].constraint if self.requests is not None else None
+        if constraint is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("a constrained request's distribution needs the target's tokenizer (Processing.tokenizer)")
+        return masks_along(constraint, self.tokenizer, vocab_size, self.stop_ids, tokens, before)
 
     def table(self, index: int, sample: Sample, logits: torch.Tensor) -> torch.Tensor:
         """[n, V] raw logits before each of the sample's tokens -> [n, V] float64 probabilities."""
         if self.requests is None:
             return process_logits(logits, self.params)
         prompt, tokens = sample
-        return request_table(logits, prompt, [], tokens[: logits.shape[0]], self.requests[index], self.stop_ids,
-                             self.penalty_scope)
+        continuation = tokens[: logits.shape[0]]
+        return request_table(logits, prompt, [], continuation, self.requests[index], self.stop_ids,
+                             self.penalty_scope, self.masks(index, [], continuation, logits.shape[-1]))
 
     def row(self, index: int, sample: Sample, position: int, logits: torch.Tensor) -> torch.Tensor:
         """[V] raw logits before the sample's token at `position` -> [V] float64 probabilities."""
         if self.requests is None:
             return process_logits(logits, self.params)
         prompt, tokens = sample
+        masks = self.masks(index, tokens[:position], tokens[position:position + 1], logits.shape[-1])
         return request_table(logits.unsqueeze(0), prompt, tokens[:position], [], self.requests[index],
-                             self.stop_ids, self.penalty_scope)[0]
+                             self.stop_ids, self.penalty_scope, masks)[0]
 
 
 def target_distributions(model: PreTrainedModel, samples: list[Sample], params: SamplingParams | Processing,

@@ -211,9 +211,10 @@ class PenaltiesIgnored(SampledSpeculative):
 
     name = "penalties_ignored"
 
-    def processed_target(self, logits: torch.Tensor, row: SampledRow, drafts: list[int]) -> torch.Tensor:
+    def processed_target(self, logits: torch.Tensor, row: SampledRow, drafts: list[int],
+                         masks: list[torch.Tensor] | None = None) -> torch.Tensor:
         plain = replace(row.params, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
-        return super().processed_target(logits, replace(row, params=plain), drafts)
+        return super().processed_target(logits, replace(row, params=plain), drafts, masks)
 
 
 # faults of the request parameters' processing (the rule itself is right): `fault=NAME` in `make_fault_engine`

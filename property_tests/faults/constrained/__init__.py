@@ -2,15 +2,16 @@
 
 Each is EQSPEC itself with request state (`row_requests_class`, engines/requests/rows.py) that changes one
 thing of how the grammar masks a step; audited with a constraint (`--json-schema`, `--regex`, ...) as
-`--engine specaudit.testing.faults.constrained:NAME`, and named by the class of
-equivalence/blackbox/constraints.py:
+`--engine specaudit.testing.faults.constrained:NAME`, greedy or with `--temperature` (a class that takes request
+parameters is sampled through them, engines/registry.py), and named by the class of
+equivalence/blackbox/constraints.py (under sampling from the forbidden tokens' step offsets):
 
 | fault                          | what goes wrong                                              | class                    |
 |--------------------------------|--------------------------------------------------------------|--------------------------|
 | `GrammarNotRolledBack`         | the rejected draft tokens stay consumed by the matcher       | `constraint_state`       |
 | `BonusTokenUnmasked`           | the bonus position is taken from the unmasked logits         | `constraint_unmasked`    |
 | `MaskOnePositionOff`           | verify position i gets the mask of position i-1              | `constraint_mask_offset` |
-| `DraftUnmasked`                | the draft proposes unmasked: exact, acceptance falls         | none (exact)             |
+| `DraftUnmasked`                | the draft proposes unmasked: exact, acceptance falls         | none (exact; sampled: exact in distribution) |
 """
 
 from __future__ import annotations
