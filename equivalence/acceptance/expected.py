@@ -108,14 +108,34 @@ class TargetContinuation:
     (penalties, bias, bad words, min_tokens on the tokens so far) where the run has request parameters, so the
     tokens past the end are the ones the engine's verify pass compares the drafts with; None: the argmax."""
 
-    def __init__(self, target: Any, prompt: list[int], output: list[int], choose: Chooser | None = None) -> None:
+    def __init__(self, target: Any, prompt: list[int], output: list[int], choose: Chooser | None = None,
+                 grammar: Any = None) -> None:
         self.target, self.prompt, self.tokens, self.choose = target, list(prompt), list(output), choose
+        self.grammar = grammar  # a structured-output request's matcher (engines/constraints/matcher.py), or None
+        self._advanced = 0  # tokens the grammar consumed
 
     def at(self, index: int) -> int:
         while len(self.tokens) <= index:
             logits = _last_logits(self.target, self.prompt + self.tokens)  # [V]
             self.tokens.append(int(logits.argmax()) if self.choose is None else self.choose(logits, self.tokens))
         return self.tokens[index]
+
+    def allowed_at(self, index: int) -> torch.Tensor | None:
+        """[V] the tokens the request's grammar admits after the first `index` tokens, as a constrained
+        drafter's mask there (engines/constraints/draft.py `DraftMask`); None without a grammar, or where it
+        has ended (the drafter is not masked past a stop id)."""
+        if self.grammar is None:
+            return None
+        if index > 0:
+            self.at(index - 1)
+        if index < self._advanced:
+            self.grammar.rollback(self._advanced - index)
+            self._advanced = index
+        while self._advanced < index:
+            if not self.grammar.advance(self.tokens[self._advanced]):
+                return None  # a token the grammar forbids: the drafter's mask stops there too
+            self._advanced += 1
+        return None if self.grammar.terminated else self.grammar.allowed()
 
 
 class Proposer(Protocol):
@@ -142,25 +162,29 @@ def _logits(model: Any, sequence: list[int]) -> torch.Tensor:
 
 
 class DraftModelProposer:
-    """The draft model's k greedy tokens (argmax over its whole vocabulary, as `ModelDrafter` takes them):
-    proposal i after `emitted` tokens is the draft's choice after prompt + continuation[:emitted + i], read
-    off one teacher-forced pass over prompt + continuation (again only when the continuation grew)."""
+    """The draft model's k greedy tokens (argmax over its whole vocabulary, as `ModelDrafter` takes them; under
+    a structured-output grammar over the tokens it admits there, as `ModelDrafter` masks them): proposal i
+    after `emitted` tokens is the draft's choice after prompt + continuation[:emitted + i], read off one
+    teacher-forced pass over prompt + continuation (again only when the continuation grew)."""
 
     name = "draft-model replay"
 
     def __init__(self, draft: Any) -> None:
         self.draft = draft
-        self._choices: tuple[TargetContinuation | None, list[int]] = (None, [])  # the continuation, its choices [n]
+        # the continuation, and the draft's logits after each of its prefixes [n, V]
+        self._logits: tuple[TargetContinuation | None, torch.Tensor | None] = (None, None)
 
     def _choice(self, continuation: TargetContinuation, index: int) -> int:
         """The draft's greedy token after prompt + continuation[:index]."""
-        of, choices = self._choices
+        of, logits = self._logits
         position = len(continuation.prompt) + index - 1
-        if of is not continuation or position >= len(choices):
-            sequence = continuation.prompt + continuation.tokens
-            choices = _logits(self.draft, sequence).argmax(-1).tolist()  # [n]
-            self._choices = (continuation, choices)
-        return choices[position]
+        if of is not continuation or logits is None or position >= logits.shape[0]:
+            logits = _logits(self.draft, continuation.prompt + continuation.tokens)  # [n, V]
+            self._logits = (continuation, logits)
+        allowed = continuation.allowed_at(index)  # [V] or None
+        row = logits[position] if allowed is None else logits[position].masked_fill(~allowed.to(logits.device),
+                                                                                     float("-inf"))
+        return int(row.argmax())
 
     def proposals(self, continuation: TargetContinuation, emitted: int, k: int) -> tuple[int, Iterator[int]]:
         def tokens() -> Iterator[int]:
@@ -195,10 +219,11 @@ class NgramProposer:
 
 @torch.no_grad()
 def replay_row(proposer: Proposer, target: Any, prompt: list[int], output: list[int], k: int,
-               accepted_at: list[int], drafts_at: list[int], choose: Chooser | None = None) -> int:
+               accepted_at: list[int], drafts_at: list[int], choose: Chooser | None = None, grammar: Any = None) -> int:
     """Replay one prompt's verify steps; adds its counts into `accepted_at` and `drafts_at` [K]. Returns
-    its verify steps. `choose`: the target's greedy choice under the request's parameters (`TargetContinuation`)."""
-    continuation = TargetContinuation(target, prompt, output, choose)
+    its verify steps. `choose`: the target's greedy choice under the request's parameters; `grammar`: the
+    request's fresh matcher, the draft's mask (`TargetContinuation`)."""
+    continuation = TargetContinuation(target, prompt, output, choose, grammar)
     emitted, steps = 1, 0  # the prefill's token
     while emitted < len(output):
         count, proposals = proposer.proposals(continuation, emitted, k)
@@ -218,16 +243,19 @@ def replay_row(proposer: Proposer, target: Any, prompt: list[int], output: list[
 
 def replay(proposer: Proposer, target: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
            k: int, *, exact: bool = True, note: str = "", rows: Sequence[int] | None = None,
-           choosers: Sequence[Chooser | None] | None = None) -> ExpectedAcceptance:
+           choosers: Sequence[Chooser | None] | None = None,
+           grammars: Sequence[Callable[[], Any] | None] | None = None) -> ExpectedAcceptance:
     """The expected counts of `proposer` with k draft tokens along the reference `outputs` of `prompts`
     (the rows `rows`, default all: a prompt the engine failed on is left out of both sides). `choosers`: per
-    prompt, the target's greedy choice under its request parameters (None: the argmax)."""
+    prompt, the target's greedy choice under its request parameters (None: the argmax); `grammars`: per
+    prompt, a maker of its structured-output matcher (None: unconstrained), which masks the draft model."""
     accepted_at, drafts_at = [0] * k, [0] * k
     steps, per_prompt = 0, []
     for index in (range(len(prompts)) if rows is None else rows):
         before = list(accepted_at)
+        make = grammars[index] if grammars is not None else None
         steps += replay_row(proposer, target, list(prompts[index]), list(outputs[index]), k, accepted_at, drafts_at,
-                            choosers[index] if choosers is not None else None)
+                            choosers[index] if choosers is not None else None, make() if make is not None else None)
         per_prompt.append(tuple(a - b for a, b in zip(accepted_at, before)))
     return ExpectedAcceptance(method=proposer.name, exact=exact, k=k, verify_steps=steps,
                               accepted_per_position=tuple(accepted_at), drafts_per_position=tuple(drafts_at),

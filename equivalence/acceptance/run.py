@@ -104,31 +104,80 @@ def proposer_of(engine: Any, spec: str | None, draft: Any, k: int | None,
 
 
 def request_choosers(requests: Sequence[Any], prompts: Sequence[Sequence[int]], stop_ids: Sequence[Sequence[int]],
-                     penalty_scope: str) -> list[expected_.Chooser]:
+                     penalty_scope: str, grammars: Sequence[Any] | None = None) -> list[expected_.Chooser]:
     """Per prompt, the target's greedy choice under its request parameters: the raw logits processed on the
-    tokens so far (engines/requests `process`, what the engines' acceptance rule compares the drafts with)."""
+    tokens so far (engines/requests `process`, what the engines' acceptance rule compares the drafts with),
+    masked first by its grammar where it has one (`grammars`: per prompt a maker of its matcher, or None)."""
     from specaudit.engines.requests import process
 
-    def chooser(prompt: Sequence[int], params: Any, stops: Sequence[int]) -> expected_.Chooser:
-        return lambda logits, history: int(process(logits, prompt, history, params, stops, penalty_scope).greedy.argmax())
+    def chooser(prompt: Sequence[int], params: Any, stops: Sequence[int], make: Any) -> expected_.Chooser:
+        grammar = _GrammarAlong(make()) if make is not None else None
 
-    return [chooser(prompt, params, stops) for prompt, params, stops in zip(prompts, requests, stop_ids)]
+        def choose(logits: Any, history: list[int]) -> int:
+            allowed = grammar.allowed_after(history) if grammar is not None else None
+            return int(process(logits, prompt, history, params, stops, penalty_scope, allowed=allowed).greedy.argmax())
+        return choose
+
+    makers = list(grammars) if grammars is not None else [None] * len(prompts)
+    return [chooser(prompt, params, stops, make)
+            for prompt, params, stops, make in zip(prompts, requests, stop_ids, makers)]
 
 
-def unreplayable(requests: Sequence[Any], proposer: Any, black_box: bool) -> str | None:
+class _GrammarAlong:
+    """A matcher kept at the end of a growing history: `allowed_after(history)` [V] (None once the history
+    leaves the grammar: the target's choice there is unmasked, as nothing constrains it)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher, self.advanced, self.broken = matcher, [], False
+
+    def allowed_after(self, history: Sequence[int]) -> Any:
+        kept = 0
+        while kept < min(len(self.advanced), len(history)) and self.advanced[kept] == history[kept]:
+            kept += 1
+        if kept < len(self.advanced):
+            self.matcher.rollback(len(self.advanced) - kept)
+            self.advanced, self.broken = self.advanced[:kept], False
+        for token in history[kept:]:
+            if self.broken or not self.matcher.advance(token):
+                self.broken = True
+                break
+            self.advanced.append(int(token))
+        return None if self.broken else self.matcher.allowed()
+
+
+def grammar_makers(requests: Sequence[Any], tokenizer: Any, vocab_size: int,
+                   stop_ids: Sequence[Sequence[int]]) -> list[Any]:
+    """Per request, a maker of a fresh matcher of its constraint (None: unconstrained)."""
+    from specaudit.engines.constraints.matcher import RowMatcher
+
+    def maker(constraint: Any, stops: Sequence[int]) -> Any:
+        return lambda: RowMatcher(constraint, tokenizer, vocab_size, list(stops))
+
+    return [maker(r.constraint, stops) if r.constraint is not None else None for r, stops in zip(requests, stop_ids)]
+
+
+def unreplayable(requests: Sequence[Any], proposer: Any, black_box: bool, tokenizer: Any = None) -> str | None:
     """Why a replay along request parameters would give a wrong number, or None: a sampled request; a
-    structured-output grammar (it masks the draft's proposals and the target's choices past the output's end,
-    engines/constraints/, which the replay does not follow); a server's draft model, which may or may not
-    process its own logits."""
+    structured-output grammar on a server (whether its drafter is masked is the server's: vLLM 0.32.0 does not
+    mask it, reports/wild) or without the tokenizer its matcher needs; a server's draft model, which may or
+    may not process its own logits. In process, a grammar masks the draft model's proposals (`ModelDrafter`
+    with `DraftMask`) and the target's choices, and the replay does both."""
     if any(r.sampled for r in requests):
         return "a request samples (temperature > 0): the greedy replay does not apply; audit it with --temperature"
-    if any(r.constraint is not None for r in requests):
-        return ("a structured-output grammar masks the proposals and the target's choices (engines/constraints/), "
-                "which the replay does not follow: give --acceptance-baseline")
+    if any(r.constraint is not None for r in requests) and (black_box or tokenizer is None):
+        return ("a structured-output grammar: whether the server masks its drafter's proposals is its own "
+                "(engines/constraints/): give --acceptance-baseline")
     if isinstance(proposer, expected_.DraftModelProposer) and black_box:
         return ("whether the server's draft model applies the request's processors to its own logits is not "
                 "known: give --acceptance-baseline")
     return None
+
+
+def _vocab_width(model: Any) -> int:
+    """The width of the model's logits (the matcher's vocabulary size, as the engines make theirs)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
 
 
 def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any] | None, *, target: Any,
@@ -138,7 +187,7 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
                       required: float | None = None, engine_name: str = "", pair_name: str = "",
                       batch_size: int | None = None, requests: Sequence[Any] | None = None,
                       stop_ids: Sequence[Sequence[int]] | None = None,
-                      penalty_scope: str = "output") -> dict[str, Any]:
+                      penalty_scope: str = "output", tokenizer: Any = None) -> dict[str, Any]:
     """The run's `acceptance` record (equivalence/acceptance/findings.py `AcceptanceRecord`, as JSON), with
     the seconds its replay took. `draft` is the draft model in float64 (the replay's). `requests`: one
     `RequestParams` per prompt (with each prompt's `stop_ids` and the `penalty_scope` of its processors) where
@@ -164,12 +213,18 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
             exact = not black_box and (dtype == "float64" or isinstance(proposer, expected_.NgramProposer))
             note = "" if exact else (BLACK_BOX if black_box else BELOW_FLOAT64.format(dtype=dtype))
             rows = [i for i in range(len(prompts)) if i not in failed and outputs[i]]
-            unavailable = unreplayable(requests, proposer, black_box) if requests is not None else None
-            choosers = (request_choosers(requests, prompts, stop_ids or [[] for _ in prompts], penalty_scope)
+            unavailable = unreplayable(requests, proposer, black_box, tokenizer) if requests is not None else None
+            stops = stop_ids or [[] for _ in prompts]
+            grammars = (grammar_makers(requests, tokenizer, _vocab_width(target), stops)
+                        if requests is not None and not unavailable else None)
+            choosers = (request_choosers(requests, prompts, stops, penalty_scope, grammars)
                         if requests is not None else None)
+            # the draft model is masked by the grammar (`ModelDrafter`); n-gram proposals are not (no logits)
+            draft_grammars = grammars if isinstance(proposer, expected_.DraftModelProposer) else None
             try:
                 expected = None if unavailable else expected_.replay(
-                    proposer, target, prompts, outputs, width, exact=exact, note=note, rows=rows, choosers=choosers)
+                    proposer, target, prompts, outputs, width, exact=exact, note=note, rows=rows, choosers=choosers,
+                    grammars=draft_grammars)
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # the run keeps its verdict; only the expectation is missing

@@ -186,7 +186,7 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
             inner, trace, evidence, target=target, draft=draft, prompts=prompts, outputs=outputs,
             failed=failed | set(refused), dtype=dtype, k=k, requests=params, penalty_scope=scope,
             stop_ids=[sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids)) for p in params],
-            pair_name=pair.name, batch_size=batch_size, **options)
+            pair_name=pair.name, batch_size=batch_size, tokenizer=pair.tokenizer, **options)
         accepted["seconds"] = time.perf_counter() - started
     return run_record(
         engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
