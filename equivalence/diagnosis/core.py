@@ -28,7 +28,8 @@ of the divergent batch that observes what it fed the target (`diagnosis/observe.
 correct engine feeds that a replay of exactly the observed inputs reproduces decides; then logit replays with
 shifted positions or a widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
 bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
-choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
+choice) and the length symptom; last, re-runs alone and beside a copy of itself. Where the audited run itself
+was watched, the observation ranks first. `evidence` says
 what was tried and what it showed, and `named_by` which evidence decided. A class that the observation
 positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
 class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not

@@ -16,7 +16,11 @@ with the engine's (observe.py).
     padding visible                               attention_mask
     a token of the row hidden (pad id: pad_as_content) attention_mask / pad_as_content
     a stale slot visible (a token not in the row)  attention_mask where the engine masks columns of this
-                                                   cache, else kv_cache
+                                                   cache, else kv_cache; kv_cache too where the stale slots
+                                                   were cached by earlier calls and the query's own position
+                                                   is its index in the row (the engine numbers the row by its
+                                                   accepted tokens, and its mask never hides a fed token:
+                                                   it meant them gone, not masked)
     another row's tokens                           cross_row
     a token fed a position other than its index    position_ids
     a sliding-window query that does not read      attention_mask
@@ -333,6 +337,13 @@ class Judge:
         if _subsequence(want, content):
             extra = _extra(want, content, content_ids)
             stale = ", ".join(f"token {self.seen.slots[v].token} at column {self.seen.slots[v].column}" for v in extra[:3])
+            query = self.seen.slots[slot_id]
+            cached = all(self.seen.slots[v].call < query.call for v in extra)
+            if masks and cached and query.position == len(want) - 1 and not self.seen.masks_fed_columns(slot_id):
+                return ("kv_cache", f"{fed} reads {len(extra)} cached column(s) not in the row's sequence ({stale}), "
+                        f"written by earlier calls, while its own position {query.position} is its index in the row: "
+                        "the engine numbers the row by its accepted tokens alone, and its cache keeps entries the row "
+                        "did not accept (its mask hides padding of this cache, never a token it fed)")
             if masks:
                 return ("attention_mask", f"{fed} reads {len(extra)} column(s) not in the row's sequence ({stale}) "
                         "that the engine's mask leaves visible (it hides other columns of this cache)")

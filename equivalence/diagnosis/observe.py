@@ -37,7 +37,8 @@ over the weights) shows nothing, and the replays decide.
    judged at the divergence. Where the inputs were observed they decide the input classes: the logit replays of
    hypotheses and the re-run experiments are for engines whose inputs cannot be seen (core.py).
 2. A violation is confirmed by a replay of the observed inputs that reproduces the engine's logits (within the
-   float64 tolerance or the dtype's measured noise) or, without them, chooses its token; a clean verdict by one
+   float64 tolerance or the dtype's measured noise) or, without them, chooses its token (below float64, or puts it
+   within the dtype's own noise of its top); a clean verdict by one
    that chooses the reference's token. A replay that chooses another token looks for another query fed the same
    token (`_other_producer`).
 3. A recurrent state seen wrong: its replay, else a re-run with the attention layers silenced (`_observed_state`).

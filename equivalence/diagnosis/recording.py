@@ -85,6 +85,7 @@ class Stream:
     records: list[list[int]]  # per batch row: its call-rows (indices into Recording.records)
     lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
     masks_columns: bool | None = None  # the engine hid a written column from a later query (None: not asked yet)
+    masks_fed: bool | None = None  # and one holding a fed token that is not padding (None: not asked yet)
 
 
 @dataclass
@@ -508,14 +509,24 @@ class Recording:
             stream.masks_columns = any(self._hides_content(record) for rows in stream.records for record in rows)
         return stream.masks_columns
 
-    def _hides_content(self, record: int) -> bool:
+    def masks_fed_columns(self, slot_id: int) -> bool:
+        """Whether the engine hid, from some query of this slot's cache, an earlier column holding a token it fed
+        that is not padding (a hole it meant to mask), not only padding and a stacked cache's fill."""
+        stream = self.records[self.slots[slot_id].record].stream
+        if stream.masks_fed is None:
+            stream.masks_fed = any(self._hides_content(record, fed_only=True) for rows in stream.records
+                                   for record in rows)
+        return stream.masks_fed
+
+    def _hides_content(self, record: int, fed_only: bool = False) -> bool:
         row = self.records[record]
         for slot_id in self.record_slots(record):
             slot = self.slots[slot_id]
             mask = np.unpackbits(row.allowed[slot.query], count=row.width).astype(bool)
             for column in range(min(slot.column, row.width)):
                 held = int(row.columns[column])
-                if held >= 0 and not mask[column]:
+                if held >= 0 and not mask[column] and not (fed_only and (self.slots[held].pad
+                                                                          or self.slots[held].token < 0)):
                     return True
         return False
 
