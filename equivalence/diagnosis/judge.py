@@ -101,19 +101,39 @@ class Judge:
         (`missing`), the first fed at position m where one was (a rejected proposal of the same token, read
         among stale columns, is rarely fed at the row's own index)."""
         want = sequence[:m + 1]
+        twins = self._twins(local)
         near: list[tuple[int, str]] = []
+        exact: list[int] = []
         for slot_id, slot in enumerate(self.seen.slots):
-            if self.seen.records[slot.record].local != local or slot.token != sequence[m] or slot.pad or slot_id in exclude:
+            if self.seen.records[slot.record].local not in twins or slot.token != sequence[m] or slot.pad \
+                    or slot_id in exclude:
                 continue
             content = [self.seen.slots[v].token for v in self.seen.visible(slot_id) if not self.seen.slots[v].pad]
             if content == want:
-                return slot_id, "exact"
+                if len(twins) == 1:
+                    return slot_id, "exact"
+                exact.append(slot_id)
+                continue
             if content and content[-1] == sequence[m] and _subsequence(want, content):
                 near.append((slot_id, "extra"))
             elif self._misses_hidden(slot_id, content, want):  # its own token among them, if the mask hides it
                 near.append((slot_id, "missing"))
+        if exact:  # rows of identical prompts: the one then fed the row's next token, else the first
+            followed = [p for p in exact if m + 1 < len(sequence) and self._fed_after(p, sequence[m + 1])]
+            return (followed or exact)[0], "exact"
         at_index = [found for found in near if self.seen.slots[found[0]].position == m]
         return (at_index or near or [None])[0]
+
+    def _twins(self, local: int) -> frozenset[int]:
+        """The prompts identical to prompt `local` (itself included): rows are matched to prompts by content, so
+        which of identical prompts a row was labelled with is arbitrary; the row's own output tells them apart."""
+        prompt = self.seen.prompts[local]
+        return frozenset(j for j, other in enumerate(self.seen.prompts) if other == prompt)
+
+    def _fed_after(self, slot_id: int, token: int) -> bool:
+        """Whether some later slot holding `token` reads slot `slot_id` (its row was fed that token next)."""
+        return any(slot.token == token and not slot.pad and other > slot_id and slot_id in self.seen.visible(other)
+                   for other, slot in enumerate(self.seen.slots))
 
     def reads_ahead(self, local: int, position: int, slot_id: int) -> bool:
         """Whether the query of `slot_id` reads more copies of prompt `local`'s new token `position` than the row
@@ -135,8 +155,9 @@ class Judge:
         those and stale columns): a token the engine emitted but never continued from (a bonus doubled, a
         token added after the target's choice) was not chosen by a query of the target."""
         want = sequence[:m + 2]
+        twins = self._twins(local)
         for slot_id, slot in enumerate(self.seen.slots):
-            if self.seen.records[slot.record].local != local or slot.token != sequence[m + 1] or slot.pad:
+            if self.seen.records[slot.record].local not in twins or slot.token != sequence[m + 1] or slot.pad:
                 continue
             content = [self.seen.slots[v].token for v in self.seen.visible(slot_id) if not self.seen.slots[v].pad]
             if content == want or (content and _subsequence(want, content)) or self._misses_hidden(slot_id, content,
