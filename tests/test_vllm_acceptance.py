@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -122,13 +123,33 @@ def kinds(run: dict) -> list[str]:
     return [finding["kind"] for finding in run["acceptance"]["findings"]]
 
 
+# vLLM 0.32.0 sometimes counts one verify step past a request that has finished at its token budget, async
+# scheduling off or on (docs/vllm.md): the audit names it, and it is the only inconsistency tolerated here
+ONE_STEP_PAST = re.compile(r"(?:^|; )[^;]*?: (\d+) tokens returned for (\d+) verify steps; each verify step emits at "
+                           r"least one token and the prefill one more")
+
+
+def unexplained_inconsistencies(run: dict) -> list[str]:
+    """The "acceptance counters inconsistent" text left once vLLM's one step past a finished request is removed."""
+    left = []
+    for finding in run["acceptance"]["findings"]:
+        if finding["kind"] != "acceptance counters inconsistent":
+            continue
+        for match in ONE_STEP_PAST.finditer(finding["text"]):
+            assert int(match.group(1)) == int(match.group(2)), finding["text"]  # exactly one step past the last
+        rest = ONE_STEP_PAST.sub("", finding["text"]).strip("; ")
+        if rest:
+            left.append(rest)
+    return left
+
+
 def test_every_output_exact_and_the_counters_agree_with_themselves(served):
     results, prompts = served
     for name, (_status, run, printed) in results.items():
         assert run["exact_matches"] == run["num_prompts"] == len(prompts), (name, printed)
         observed = run["acceptance"]["observed"]
         assert observed is not None and observed["verify_steps"] > 0, (name, run["speculation"])
-        assert "acceptance counters inconsistent" not in kinds(run), (name, run["acceptance"]["findings"])
+        assert unexplained_inconsistencies(run) == [], (name, run["acceptance"]["findings"])
         per_request = run["speculation"]["per_request"]
         assert all(r is not None for r in per_request)  # every response carried its counters
         assert sum(r["verify_steps"] for r in per_request) == observed["verify_steps"]
@@ -149,7 +170,8 @@ def test_a_wrong_draft_checkpoint_is_short_and_gated_while_every_output_is_exact
     assert short and short[0]["positions"][0] == 0, run["acceptance"]["findings"]
     status, run, printed = results["near"]
     assert status == 0, printed
-    assert kinds(run) == [], run["acceptance"]["findings"]
+    assert [k for k in kinds(run) if k != "acceptance counters inconsistent"] == [], run["acceptance"]["findings"]
+    assert unexplained_inconsistencies(run) == [], run["acceptance"]["findings"]
     assert run["acceptance"]["overall"]["ratio"] > 0.8, run["acceptance"]["overall"]
 
 
