@@ -136,6 +136,7 @@ KINDS = [Constraint("json_schema", json.dumps(SCHEMA), any_whitespace=False), Co
 PROMPTS = [list(b"Hello"), list(b"The JSON is"), list(b"x"), list(b"answer: ")]
 PARAMS = [RequestParams(temperature=1.0, constraint=c) for c in KINDS]
 SAMPLES, NEW_TOKENS, K = 40, 16, 4
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +225,13 @@ def test_the_cli_audits_a_constraint_with_temperature(tmp_path) -> None:
     assert record["sampled"]["constraints"]["class"] == "constraint_unmasked"
     refused = cli_audit(*common, "--engine", "hf-assisted", out=tmp_path / "no")
     assert refused.returncode == 2 and "engine hf-assisted takes no" in refused.stderr, refused.stderr
+
+
+def test_the_plugins_sampled_test_takes_a_constraint(pytester) -> None:
+    """`--specaudit-request-params` with a constraint: EQSPEC's sampled test passes, the unmasked bonus token fails."""
+    pytester.makepyfile(test_own="def test_own():\n    assert True\n")
+    plugin = ["-p", "no:cacheprovider", "--specaudit-pair", "tiny-llama", "--specaudit-temperature", "1.0",
+              "--specaudit-samples", "40", "--specaudit-seed", "3", "-k", "specaudit-sampled",
+              "--specaudit-request-params", json.dumps({"constraint": {"kind": "regex", "text": "[a-f]{2,5}-[0-9]+"}})]
+    pytester.runpytest_inprocess("--specaudit-engine", "eqspec", *plugin).assert_outcomes(passed=1)
+    pytester.runpytest_inprocess("--specaudit-engine", f"{FAULTS}:BonusTokenUnmasked", *plugin).assert_outcomes(failed=1)

@@ -134,7 +134,7 @@ def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int,
         vocab_size=pair.target.config.vocab_size, batch_size=setting.batch_size, device="cpu",
         samples=setting.samples, max_new_tokens=setting.max_new_tokens, eos_token_id=pair.eos_token_id, seed=seed,
         alpha=setting.alpha, draft=pair.draft, request_params=None if requests is None else [requests],
-        require_acceptance=required)
+        require_acceptance=required, tokenizer=pair.tokenizer, draft_tokens=setting.draft_tokens)
     if report.get("failed"):
         raise SampledRunFailed(engine_sentence(engine, report))
     record = report.get("acceptance")
