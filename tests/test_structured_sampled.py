@@ -228,10 +228,10 @@ def test_the_cli_audits_a_constraint_with_temperature(tmp_path) -> None:
 
 
 def test_the_plugins_sampled_test_takes_a_constraint(pytester) -> None:
-    """`--specaudit-request-params` with a constraint: EQSPEC's sampled test passes, the unmasked bonus token fails."""
+    """`--specaudit-request-params` with a constraint: EQSPEC's sampled test runs under it and passes (without the
+    pair's tokenizer passed on, the constraint cannot be applied and the test fails)."""
     pytester.makepyfile(test_own="def test_own():\n    assert True\n")
     plugin = ["-p", "no:cacheprovider", "--specaudit-pair", "tiny-llama", "--specaudit-temperature", "1.0",
               "--specaudit-samples", "40", "--specaudit-seed", "3", "-k", "specaudit-sampled",
               "--specaudit-request-params", json.dumps({"constraint": {"kind": "regex", "text": "[a-f]{2,5}-[0-9]+"}})]
     pytester.runpytest_inprocess("--specaudit-engine", "eqspec", *plugin).assert_outcomes(passed=1)
-    pytester.runpytest_inprocess("--specaudit-engine", f"{FAULTS}:BonusTokenUnmasked", *plugin).assert_outcomes(failed=1)
