@@ -28,3 +28,20 @@ class TableModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: object):
         return SimpleNamespace(logits=self.table[input_ids])  # [B, n, V]
+
+
+class PositionTableModel(torch.nn.Module):
+    """logits at position t = table[t] whatever the tokens (`table` [L, V]): one fixed step to enumerate."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table  # [L, V]
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        length = input_ids.shape[1]
+        return SimpleNamespace(logits=self.table[:length].unsqueeze(0).expand(input_ids.shape[0], -1, -1))

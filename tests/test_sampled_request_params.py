@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cli_run import audit, usage_error
 from repeat_models import repeat_pair
+from table_models import PositionTableModel
 from specaudit import read_report
 from specaudit.engines import acceptance
 from specaudit.engines.adapters.sampled_servers import sampled_request
@@ -55,23 +55,6 @@ def test_the_chain_is_vllms_order() -> None:
     assert float(biased[1]) == 1.0
 
 
-class _TableModel(torch.nn.Module):
-    """A model whose logits at position t are `table[t]` whatever the tokens: one fixed step to enumerate."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        super().__init__()
-        self.table = table  # [L, V]
-        self.anchor = torch.nn.Parameter(torch.zeros(()))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
-        length = input_ids.shape[1]
-        return SimpleNamespace(logits=self.table[:length].unsqueeze(0).expand(input_ids.shape[0], -1, -1))
-
-
 def _conditional_departure(outcomes: dict[tuple[int, ...], float], target: torch.Tensor, params: RequestParams,
                            output: list[int]) -> float:
     """The largest TV between the step's next token given each emitted prefix and the target's distribution
@@ -93,7 +76,7 @@ def _conditional_departure(outcomes: dict[tuple[int, ...], float], target: torch
 
 def _engine_step(engine_class: type, target: torch.Tensor, draft: torch.Tensor, params: RequestParams, k: int,
                  output: list[int]) -> dict[tuple[int, ...], float]:
-    engine = engine_class(_TableModel(target), _TableModel(draft), temperature=1.0, draft_tokens=k)
+    engine = engine_class(PositionTableModel(target), PositionTableModel(draft), temperature=1.0, draft_tokens=k)
 
     def run(draws) -> list[int]:
         return engine.step([SampledRow(list(PROMPT), list(output), params, (STOP,))], [draws])[0]

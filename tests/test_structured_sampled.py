@@ -9,7 +9,6 @@ planted fault; a teacher without the mask rejects a correct engine; the command 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.exact import outcomes_of
 from specaudit.equivalence.sampling.run import sampled_audit
 from specaudit.testing.faults.constrained import EXPECTED_CLASS
+from table_models import PositionTableModel
 
 EXACT = 1e-9
 FAULTS = "specaudit.testing.faults.constrained"
@@ -45,22 +45,6 @@ LETTERS, STOP, PROMPT = _Letters(), 4, [0]
 REGEX = RequestParams(temperature=1.0, constraint=Constraint("regex", "[ab]{1,3}-1"))
 
 
-class _TableModel(torch.nn.Module):
-    """Logits `table[t]` at position t whatever the tokens: one fixed step to enumerate."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        super().__init__()
-        self.table = table  # [L, V]
-        self.anchor = torch.nn.Parameter(torch.zeros(()))
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.table[: input_ids.shape[1]].unsqueeze(0).expand(input_ids.shape[0], -1, -1))
-
-
 class _NotRolledBack(SampledSpeculative):
     def rollback_drafts(self, row, consumed):  # the drafts stay in the grammar state
         return None
@@ -77,7 +61,7 @@ class _BonusUnmasked(SampledSpeculative):
 
 
 def _step(engine_class: type, target: torch.Tensor, draft: torch.Tensor, output: list[int], k: int = 2):
-    engine = engine_class(_TableModel(target), _TableModel(draft), temperature=1.0, draft_tokens=k)
+    engine = engine_class(PositionTableModel(target), PositionTableModel(draft), temperature=1.0, draft_tokens=k)
     engine.request_tokenizer = LETTERS
 
     def run(draws) -> list[int]:
