@@ -143,3 +143,14 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
         return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
 
     return "root ::= " + " | ".join('"' + "".join(escape(c) for c in choice) + '"' for choice in choices)
+
+
+def vocabulary_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:
+    """Each of `vocab_size` ids as bytes, for a grammar engine's vocabulary: a tokenizer's own `token_bytes()`
+    (the built-in byte tokenizer), else each id decoded alone; ids past the tokenizer's are empty (specials)."""
+    own = getattr(tokenizer, "token_bytes", None)
+    if callable(own):
+        encoded = list(own())
+    else:
+        encoded = [tokenizer.decode([i]).encode("utf-8") for i in range(getattr(tokenizer, "vocab_size", vocab_size))]
+    return (encoded + [b""] * vocab_size)[:vocab_size]

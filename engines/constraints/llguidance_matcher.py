@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from specaudit.engines.constraints import Constraint, ConstraintError
+from specaudit.engines.constraints import Constraint, ConstraintError, vocabulary_bytes
 
 
 def _llguidance() -> Any:
@@ -65,13 +65,7 @@ class _Vocabulary:
     with a leading 0xff as llama.cpp marks its control tokens), the stop id as EOS, and an encoder."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
-        own = getattr(tokenizer, "token_bytes", None)
-        if callable(own):
-            encoded = list(own())
-        else:
-            encoded = [tokenizer.decode([i]).encode("utf-8")
-                       for i in range(getattr(tokenizer, "vocab_size", vocab_size))]
-        encoded = (encoded + [b""] * vocab_size)[:vocab_size]
+        encoded = vocabulary_bytes(tokenizer, vocab_size)
         self.special_token_ids = [i for i, piece in enumerate(encoded) if not piece or i in stop_ids]
         self.tokens = [b"\xff<special_%d>" % i if i in self.special_token_ids else piece
                        for i, piece in enumerate(encoded)]

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
-from specaudit.engines.constraints import Constraint, ConstraintError, choice_grammar
+from specaudit.engines.constraints import Constraint, ConstraintError, choice_grammar, vocabulary_bytes
 
 
 def _xgrammar() -> Any:
@@ -59,12 +59,7 @@ def token_vocabulary(tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -
         PreTrainedTokenizerBase = ()  # type: ignore[assignment]
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
-    own = getattr(tokenizer, "token_bytes", None)
-    if callable(own):
-        encoded = list(own())
-    else:
-        encoded = [tokenizer.decode([i]).encode("utf-8") for i in range(getattr(tokenizer, "vocab_size", vocab_size))]
-    encoded = (encoded + [b""] * vocab_size)[:vocab_size]  # past the tokenizer's ids: specials
+    encoded = vocabulary_bytes(tokenizer, vocab_size)
     return xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stops)
 
 
