@@ -28,7 +28,8 @@ of the divergent batch that observes what it fed the target (`diagnosis/observe.
 correct engine feeds that a replay of exactly the observed inputs reproduces decides; then logit replays with
 shifted positions or a widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
 bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
-choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
+choice) and the length symptom; last, re-runs alone and beside a copy of itself. Where the audited run itself
+was watched, the observation ranks first. `evidence` says
 what was tried and what it showed, and `named_by` which evidence decided. A class that the observation
 positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
 class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not
@@ -212,7 +213,14 @@ class Diagnoser(Experiments, Observing):
     def _ranked_checks(self) -> tuple[Check, ...]:
         """Causes before symptoms, experiments before coincidences: the order is the ranking. Each check reads
         the divergence (and notes what it tried) and returns its verdict, a cause or None; the first cause
-        decides."""
+        decides. Where the run's own call was watched, its observed inputs rank first: the output against other
+        prompts' references is a coincidence of tokens, and the pad-id re-run runs a batch of consecutive prompts
+        the engine may never have formed, while a violation seen in the run and reproduced by a replay is the
+        cause (a row whose pad-id tokens were hidden is `pad_as_content` there too)."""
+        if self.facts.watch is not None:
+            return (self._observed_inputs, self._output_order, self._answered_elsewhere, self._truncation,
+                    self._pad_cause, self._stop_eos, self._trace_and_logits, self._overlong, self._reproducing_replay,
+                    self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
         return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
                 self._trace_and_logits, self._overlong, self._observed_inputs, self._reproducing_replay,
                 self._doubled_token, self._draft_choice, self._length, self._batch_experiments)

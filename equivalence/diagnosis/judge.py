@@ -16,7 +16,11 @@ with the engine's (observe.py).
     padding visible                               attention_mask
     a token of the row hidden (pad id: pad_as_content) attention_mask / pad_as_content
     a stale slot visible (a token not in the row)  attention_mask where the engine masks columns of this
-                                                   cache, else kv_cache
+                                                   cache, else kv_cache; kv_cache too where the stale slots
+                                                   were cached by earlier calls and the query's own position
+                                                   is its index in the row (the engine numbers the row by its
+                                                   accepted tokens, and its mask never hides a fed token:
+                                                   it meant them gone, not masked)
     another row's tokens                           cross_row
     a token fed a position other than its index    position_ids
     a sliding-window query that does not read      attention_mask
@@ -97,19 +101,39 @@ class Judge:
         (`missing`), the first fed at position m where one was (a rejected proposal of the same token, read
         among stale columns, is rarely fed at the row's own index)."""
         want = sequence[:m + 1]
+        twins = self._twins(local)
         near: list[tuple[int, str]] = []
+        exact: list[int] = []
         for slot_id, slot in enumerate(self.seen.slots):
-            if self.seen.records[slot.record].local != local or slot.token != sequence[m] or slot.pad or slot_id in exclude:
+            if self.seen.records[slot.record].local not in twins or slot.token != sequence[m] or slot.pad \
+                    or slot_id in exclude:
                 continue
             content = [self.seen.slots[v].token for v in self.seen.visible(slot_id) if not self.seen.slots[v].pad]
             if content == want:
-                return slot_id, "exact"
+                if len(twins) == 1:
+                    return slot_id, "exact"
+                exact.append(slot_id)
+                continue
             if content and content[-1] == sequence[m] and _subsequence(want, content):
                 near.append((slot_id, "extra"))
             elif self._misses_hidden(slot_id, content, want):  # its own token among them, if the mask hides it
                 near.append((slot_id, "missing"))
+        if exact:  # rows of identical prompts: the one then fed the row's next token, else the first
+            followed = [p for p in exact if m + 1 < len(sequence) and self._fed_after(p, sequence[m + 1])]
+            return (followed or exact)[0], "exact"
         at_index = [found for found in near if self.seen.slots[found[0]].position == m]
         return (at_index or near or [None])[0]
+
+    def _twins(self, local: int) -> frozenset[int]:
+        """The prompts identical to prompt `local` (itself included): rows are matched to prompts by content, so
+        which of identical prompts a row was labelled with is arbitrary; the row's own output tells them apart."""
+        prompt = self.seen.prompts[local]
+        return frozenset(j for j, other in enumerate(self.seen.prompts) if other == prompt)
+
+    def _fed_after(self, slot_id: int, token: int) -> bool:
+        """Whether some later slot holding `token` reads slot `slot_id` (its row was fed that token next)."""
+        return any(slot.token == token and not slot.pad and other > slot_id and slot_id in self.seen.visible(other)
+                   for other, slot in enumerate(self.seen.slots))
 
     def reads_ahead(self, local: int, position: int, slot_id: int) -> bool:
         """Whether the query of `slot_id` reads more copies of prompt `local`'s new token `position` than the row
@@ -131,8 +155,9 @@ class Judge:
         those and stale columns): a token the engine emitted but never continued from (a bonus doubled, a
         token added after the target's choice) was not chosen by a query of the target."""
         want = sequence[:m + 2]
+        twins = self._twins(local)
         for slot_id, slot in enumerate(self.seen.slots):
-            if self.seen.records[slot.record].local != local or slot.token != sequence[m + 1] or slot.pad:
+            if self.seen.records[slot.record].local not in twins or slot.token != sequence[m + 1] or slot.pad:
                 continue
             content = [self.seen.slots[v].token for v in self.seen.visible(slot_id) if not self.seen.slots[v].pad]
             if content == want or (content and _subsequence(want, content)) or self._misses_hidden(slot_id, content,
@@ -333,6 +358,13 @@ class Judge:
         if _subsequence(want, content):
             extra = _extra(want, content, content_ids)
             stale = ", ".join(f"token {self.seen.slots[v].token} at column {self.seen.slots[v].column}" for v in extra[:3])
+            query = self.seen.slots[slot_id]
+            cached = all(self.seen.slots[v].call < query.call for v in extra)
+            if masks and cached and query.position == len(want) - 1 and not self.seen.masks_fed_columns(slot_id):
+                return ("kv_cache", f"{fed} reads {len(extra)} cached column(s) not in the row's sequence ({stale}), "
+                        f"written by earlier calls, while its own position {query.position} is its index in the row: "
+                        "the engine numbers the row by its accepted tokens alone, and its cache keeps entries the row "
+                        "did not accept (its mask hides padding of this cache, never a token it fed)")
             if masks:
                 return ("attention_mask", f"{fed} reads {len(extra)} column(s) not in the row's sequence ({stale}) "
                         "that the engine's mask leaves visible (it hides other columns of this cache)")

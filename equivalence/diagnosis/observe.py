@@ -37,7 +37,8 @@ over the weights) shows nothing, and the replays decide.
    judged at the divergence. Where the inputs were observed they decide the input classes: the logit replays of
    hypotheses and the re-run experiments are for engines whose inputs cannot be seen (core.py).
 2. A violation is confirmed by a replay of the observed inputs that reproduces the engine's logits (within the
-   float64 tolerance or the dtype's measured noise) or, without them, chooses its token; a clean verdict by one
+   float64 tolerance or the dtype's measured noise) or, without them, chooses its token (below float64, or puts it
+   within the dtype's own noise of its top); a clean verdict by one
    that chooses the reference's token. A replay that chooses another token looks for another query fed the same
    token (`_other_producer`).
 3. A recurrent state seen wrong: its replay, else a re-run with the attention layers silenced (`_observed_state`).
@@ -167,6 +168,28 @@ def _observed_mechanism(verdict: Verdict) -> str:
     return OBSERVED_MECHANISMS[verdict.cls]
 
 
+def _chooses(replayed: torch.Tensor, token: int | None, noise: float) -> bool:
+    """Whether a replay's logits [V] choose `token`: its top, or below the float64 audit (`noise` > 0: the audit
+    dtype's own logit error on the prompt, `Experiments.precision_noise`) within that noise of the top, where the
+    engine's rounding may have put it first. The replay runs in float64 while the engine computed in its dtype."""
+    if token is None or not 0 <= token < replayed.shape[-1]:
+        return False
+    if int(replayed.argmax()) == token:
+        return True
+    return noise > 0 and _gap(replayed, token) <= noise
+
+
+def _gap(replayed: torch.Tensor, token: int) -> float:
+    """How far below the top of a replay's logits [V] `token` lies."""
+    replayed = replayed.to(torch.float64)
+    return float(replayed.max() - replayed[token])
+
+
+def _within(replayed: torch.Tensor, token: int | None, noise: float) -> str:
+    return (f" (the engine's token {token} lies {_gap(replayed, token):.3g} below it, within the dtype's noise "
+            f"{noise:.3g})")
+
+
 def _logit_error(replayed: torch.Tensor, engine_row: torch.Tensor) -> float:
     """The largest difference between a replay's logits and the engine's own, in float64."""
     return float((replayed.to(torch.float64).cpu() - engine_row.to(torch.float64).cpu()).abs().max())
@@ -262,21 +285,24 @@ class Observing:
 
     def _confirmed_by_token(self, observation: Judge, verdict: Verdict, local: int, position: int, index: int,
                             tried: list[str]) -> Verdict:
-        """Without the engine's logits: a violation whose replay chooses the engine's token, inputs seen right whose
+        """Without the engine's logits: a violation whose replay chooses the engine's token (below float64, or puts it
+        within the dtype's own noise of its top: `_chooses`), inputs seen right whose
         replay chooses another (right inputs cannot give a wrong token: one that chooses the engine's leaves the
         verdict empty); else another query fed the same token may have chosen it (`_other_producer`)."""
         replayed = observation.replay(self.facts.replay_target or self.facts.target, verdict.producer)
         chosen = None if replayed is None else int(replayed.argmax())
+        noise = self.precision_noise(index)
         if verdict.cls == CLEAN:
             confirmed = chosen is not None and chosen != verdict.engine_token
             if chosen == verdict.engine_token:  # right inputs cannot give a wrong token: something unseen
                 verdict = replace(verdict, cls=None, evidence=verdict.evidence + "; yet a replay of them chooses the "
                                   "engine's token: the engine reads something the hooks did not see")
         else:
-            confirmed = chosen is not None and chosen == verdict.engine_token
+            confirmed = replayed is not None and _chooses(replayed, verdict.engine_token, noise)
         verdict = replace(verdict, confirmed=confirmed)
         shown = "not made" if chosen is None else f"chooses token {chosen}" + (
-            " (the engine's)" if chosen == verdict.engine_token else " (not the engine's)")
+            " (the engine's)" if chosen == verdict.engine_token else
+            _within(replayed, verdict.engine_token, noise) if confirmed and verdict.cls != CLEAN else " (not the engine's)")
         tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
         if verdict.cls != CLEAN and verdict.confirmed:
             return verdict
@@ -342,12 +368,15 @@ class Observing:
             if other.cls not in INPUT_CLASSES or observation.reads_ahead(local, position, other.producer):
                 continue
             replayed = observation.replay(self.facts.replay_target or self.facts.target, other.producer)
-            if replayed is None or int(replayed.argmax()) != other.engine_token:
+            noise = self.precision_noise(index)
+            if replayed is None or not _chooses(replayed, other.engine_token, noise):
                 continue
             other = replace(other, confirmed=True, evidence=other.evidence + " (a query fed the same token elsewhere "
                             "chose another token, which the engine did not emit)")
+            shown = (" (the engine's)" if int(replayed.argmax()) == other.engine_token
+                     else _within(replayed, other.engine_token, noise))
             tried.append(f"{other.evidence}; a replay of the target with the observed inputs chooses token "
-                         f"{other.engine_token} (the engine's)")
+                         f"{int(replayed.argmax())}{shown}")
             return other
         return first
 

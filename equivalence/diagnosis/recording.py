@@ -85,6 +85,7 @@ class Stream:
     records: list[list[int]]  # per batch row: its call-rows (indices into Recording.records)
     lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
     masks_columns: bool | None = None  # the engine hid a written column from a later query (None: not asked yet)
+    masks_fed: bool | None = None  # and one holding a fed token that is not padding (None: not asked yet)
 
 
 @dataclass
@@ -287,7 +288,19 @@ class Recording:
             for record in stream.records[b] + [self.slots[s].record for s in slot_ids if self.slots[s].record >= 0]:
                 if self.records[record].local is None:
                     self.records[record].local = local
+                    self._label_earlier_padding(record, slot_ids[start:])
             return
+
+    def _label_earlier_padding(self, record: int, content: list[int]) -> None:
+        """An earlier call-row of a row matched only now (a prefill of all but the prompt's last token, split into
+        per-row caches without its padding): the pad ids and fill before the prompt's first token in its columns are
+        that call's padding, which the split dropped."""
+        columns = [int(c) for c in self.records[record].columns]
+        held = set(content)
+        first = next((i for i, c in enumerate(columns) if c in held), None)
+        for c in columns[:first or 0]:
+            if c >= 0 and c not in held and (self.slots[c].token == self.pad_token_id or self.slots[c].token < 0):
+                self.slots[c].pad = True
 
     def _partial(self, row: list[int], unused: list[int], local: int) -> bool:
         """Whether the row's tokens, after some of its leading pad ids, begin a longer unused prompt than the one
@@ -453,11 +466,19 @@ class Recording:
         if prior_keys is None or b >= prior_keys.shape[0] or length == 0:
             return None
         columns, known, zeros = [], 0, 0
-        for column, key in enumerate(prior_keys[b, :length].tolist()):
-            slots = [s for s in self._by_key.get(key, []) if self.records[self.slots[s].record].local is None]
+        keys = prior_keys[b, :length].tolist()
+        candidates = [[s for s in self._by_key.get(key, []) if self.records[self.slots[s].record].local is None]
+                      for key in keys]
+        votes: dict[int, int] = {}  # per call-row: how many columns its slots' keys explain (rows that share a
+        for slots in candidates:  # prefix leave equal keys: the columns are taken from the one row that holds most)
+            for record in {self.slots[s].record for s in slots}:
+                votes[record] = votes.get(record, 0) + 1
+        best = max(votes, key=lambda r: (votes[r], r)) if votes else None
+        for column, (key, slots) in enumerate(zip(keys, candidates)):
             if slots:
                 known += 1
-                columns.append(slots[-1])
+                own = [s for s in slots if self.slots[s].record == best]
+                columns.append((own or slots)[-1])
             else:
                 zeros += key == 0  # keys of zeros: a stacked cache's fill
                 columns.append(len(self.slots))
@@ -508,14 +529,24 @@ class Recording:
             stream.masks_columns = any(self._hides_content(record) for rows in stream.records for record in rows)
         return stream.masks_columns
 
-    def _hides_content(self, record: int) -> bool:
+    def masks_fed_columns(self, slot_id: int) -> bool:
+        """Whether the engine hid, from some query of this slot's cache, an earlier column holding a token it fed
+        that is not padding (a hole it meant to mask), not only padding and a stacked cache's fill."""
+        stream = self.records[self.slots[slot_id].record].stream
+        if stream.masks_fed is None:
+            stream.masks_fed = any(self._hides_content(record, fed_only=True) for rows in stream.records
+                                   for record in rows)
+        return stream.masks_fed
+
+    def _hides_content(self, record: int, fed_only: bool = False) -> bool:
         row = self.records[record]
         for slot_id in self.record_slots(record):
             slot = self.slots[slot_id]
             mask = np.unpackbits(row.allowed[slot.query], count=row.width).astype(bool)
             for column in range(min(slot.column, row.width)):
                 held = int(row.columns[column])
-                if held >= 0 and not mask[column]:
+                if held >= 0 and not mask[column] and not (fed_only and (self.slots[held].pad
+                                                                          or self.slots[held].token < 0)):
                     return True
         return False
 
