@@ -99,11 +99,11 @@ class Judge:
         whose visible content is sequence[:m + 1]; failing that the first that reads extra tokens besides
         them (`extra`), or misses some of them while written columns of its row are hidden from it
         (`missing`), the first fed at position m where one was (a rejected proposal of the same token, read
-        among stale columns, is rarely fed at the row's own index)."""
+        among stale columns, is rarely fed at the row's own index). Among rows of identical prompts, the row
+        then fed the next token first, then the row labelled with the prompt."""
         want = sequence[:m + 1]
         twins = self._twins(local)
-        near: list[tuple[int, str]] = []
-        exact: list[int] = []
+        found: list[tuple[int, str]] = []
         for slot_id, slot in enumerate(self.seen.slots):
             if self.seen.records[slot.record].local not in twins or slot.token != sequence[m] or slot.pad \
                     or slot_id in exclude:
@@ -112,17 +112,34 @@ class Judge:
             if content == want:
                 if len(twins) == 1:
                     return slot_id, "exact"
-                exact.append(slot_id)
-                continue
-            if content and content[-1] == sequence[m] and _subsequence(want, content):
-                near.append((slot_id, "extra"))
+                found.append((slot_id, "exact"))
+            elif content and content[-1] == sequence[m] and _subsequence(want, content):
+                found.append((slot_id, "extra"))
             elif self._misses_hidden(slot_id, content, want):  # its own token among them, if the mask hides it
-                near.append((slot_id, "missing"))
-        if exact:  # rows of identical prompts: the one then fed the row's next token, else the first
-            followed = [p for p in exact if m + 1 < len(sequence) and self._fed_after(p, sequence[m + 1])]
-            return (followed or exact)[0], "exact"
-        at_index = [found for found in near if self.seen.slots[found[0]].position == m]
-        return (at_index or near or [None])[0]
+                found.append((slot_id, "missing"))
+
+        def follows(slot_id: int) -> bool:  # the row was then fed this row's next token
+            return m + 1 < len(sequence) and self._fed_after(slot_id, sequence[m + 1])
+
+        def own(slot_id: int) -> bool:
+            return self.seen.records[self.seen.slots[slot_id].record].local == local
+
+        if len(twins) > 1:
+            # rows of identical prompts: a row labelled with another of them is this row only if it was then fed
+            # this row's next token, or if no row labelled with this prompt was fed this token at all (labels
+            # among identical prompts are arbitrary; a twin whose query read right inputs is not evidence here)
+            reached = any(self.seen.records[slot.record].local == local and slot.token == sequence[m] and not slot.pad
+                          for slot in self.seen.slots)
+            found = [(slot_id, kind) for slot_id, kind in found if own(slot_id) or not reached or follows(slot_id)]
+
+        def rank(candidate: tuple[int, str]) -> tuple[bool, bool, int]:
+            # the row then fed the next token, the row labelled with the prompt; exact content, then a query
+            # at the row's own index
+            slot_id, kind = candidate
+            return (len(twins) == 1 or not follows(slot_id), not own(slot_id),
+                    0 if kind == "exact" else 1 if self.seen.slots[slot_id].position == m else 2)
+
+        return min(found, key=rank, default=None)  # min keeps the first of equal rank
 
     def _twins(self, local: int) -> frozenset[int]:
         """The prompts identical to prompt `local` (itself included): rows are matched to prompts by content, so

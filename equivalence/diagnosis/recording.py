@@ -380,7 +380,7 @@ class Recording:
             if (moved or (stream.rows[b] is None and not stream.unused)) and length > 0 and not stream.lost[b]:
                 # entries moved or rewritten between calls (rows realigned, reordered or dropped): the row is
                 # followed by the keys its slots left in the cache, or no more
-                found = self._remap(prior_keys, b, length, {r for r in stream.rows[:b] if r is not None})
+                found = self._remap(prior_keys, b, length, {r for r in stream.rows[:b] if r is not None}, stream.rows[b])
                 stream.rows[b] = None if found is None else found[0]
                 stream.lost[b] = found is None
                 if found is not None:
@@ -418,8 +418,8 @@ class Recording:
                         self.slots[slot_id].key = found[b][columns[i]]
                         self._by_key.setdefault(self.slots[slot_id].key, []).append(slot_id)
 
-    def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int, taken: set[int] = frozenset()
-               ) -> tuple[int, list[int]] | None:
+    def _remap(self, prior_keys: torch.Tensor | None, b: int, length: int, taken: set[int] = frozenset(),
+               held: int | None = None) -> tuple[int, list[int]] | None:
         """The prompt and the slot of each column of row `b` of a cache whose entries moved, found by their keys:
         the prompt whose fed content left most of the row's columns' keys (at least half of those some content
         left) and its last one's; a padding column maps to padding with its keys, and a column whose keys no slot
@@ -442,8 +442,13 @@ class Recording:
                 votes[local] = votes.get(local, 0) + 1
         if not votes:
             return None
-        # among prompts whose content left as many of the keys (duplicate prompts), one no earlier row took
-        local = max(votes, key=lambda j: (votes[j], j not in taken, -j))
+        # among prompts whose content left as many of the keys (identical prompts leave identical keys, and so do
+        # equal tokens at equal positions): one no earlier row took, the one the row held before (`held`), the one
+        # with the fewest fed tokens the row does not hold (a prompt fed further is another row), else the first
+        top = max(votes.values())
+        tied = [j for j in votes if votes[j] == top]
+        beyond = self._content_beyond(set(keys), tied) if len(tied) > 1 else {}
+        local = max(votes, key=lambda j: (votes[j], j not in taken, j == held, -beyond.get(j, 0), -j))
         if votes[local] * 2 < content or local not in owners(keys[-1]):
             return None
         columns = []
@@ -457,6 +462,15 @@ class Recording:
                 columns.append(len(self.slots))
                 self.slots.append(Slot(-1, -1, True, self.calls, column, -1, -1, key))
         return local, columns
+
+    def _content_beyond(self, keys: set[int], prompts: list[int]) -> dict[int, int]:
+        """Per prompt of `prompts`: how many of its fed tokens (not padding) left keys outside `keys`."""
+        beyond = dict.fromkeys(prompts, 0)
+        for slot in self.slots:
+            local = self.records[slot.record].local if slot.record >= 0 else None
+            if local in beyond and not slot.pad and slot.key is not None and slot.key not in keys:
+                beyond[local] += 1
+        return beyond
 
     def _unmatched(self, prior_keys: torch.Tensor | None, b: int, length: int) -> list[int] | None:
         """The slot of each column of row `b` of a cache whose entries moved, where the slots that left its keys
