@@ -99,10 +99,12 @@ class Judge:
         whose visible content is sequence[:m + 1]; failing that the first that reads extra tokens besides
         them (`extra`), or misses some of them while written columns of its row are hidden from it
         (`missing`), the first fed at position m where one was (a rejected proposal of the same token, read
-        among stale columns, is rarely fed at the row's own index). Among rows of identical prompts, the row
-        then fed the next token first, then the row labelled with the prompt."""
+        among stale columns, is rarely fed at the row's own index). Where the row's label is ambiguous (rows of
+        identical prompts; a prompt of pad ids alone, which a row of padding also holds), the row then fed the
+        next token first, then the row labelled with the prompt."""
         want = sequence[:m + 1]
         twins = self._twins(local)
+        ambiguous = len(twins) > 1 or all(t == self.seen.pad_token_id for t in self.seen.prompts[local])
         found: list[tuple[int, str]] = []
         for slot_id, slot in enumerate(self.seen.slots):
             if self.seen.records[slot.record].local not in twins or slot.token != sequence[m] or slot.pad \
@@ -110,7 +112,7 @@ class Judge:
                 continue
             content = [self.seen.slots[v].token for v in self.seen.visible(slot_id) if not self.seen.slots[v].pad]
             if content == want:
-                if len(twins) == 1:
+                if not ambiguous:
                     return slot_id, "exact"
                 found.append((slot_id, "exact"))
             elif content and content[-1] == sequence[m] and _subsequence(want, content):
@@ -136,7 +138,7 @@ class Judge:
             # the row then fed the next token, the row labelled with the prompt; exact content, then a query
             # at the row's own index
             slot_id, kind = candidate
-            return (len(twins) == 1 or not follows(slot_id), not own(slot_id),
+            return (not ambiguous or not follows(slot_id), not own(slot_id),
                     0 if kind == "exact" else 1 if self.seen.slots[slot_id].position == m else 2)
 
         return min(found, key=rank, default=None)  # min keeps the first of equal rank
@@ -260,7 +262,9 @@ class Judge:
         violations.sort(key=lambda v: v[0])
         (call, column, _), cls, evidence = violations[0]
         state = column < 0  # a recurrent state a call started from (`_state_violation` orders it first in its call)
-        if repeated and call >= self.seen.slots[producer].call:
+        # stale entries of earlier calls read at the row's own position (`kv_cache`) are no token fed one position
+        # off: a token emitted twice leaves the row's queries short of a token, never reading extra ones
+        if repeated and call >= self.seen.slots[producer].call and cls != "kv_cache":
             return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
                            "the token before it in an engine that speculates, and the first input out of order is "
                            "in the pass that fed it: a token emitted twice and a token fed one position off look "
@@ -407,12 +411,14 @@ def _subsequence(short: list[int], long: list[int]) -> bool:
 
 
 def _extra(short: list[int], long: list[int], ids: list[int]) -> list[int]:
-    """The ids of `long`'s items left over when `short` is matched in it greedily."""
-    extra, at = [], 0
-    for i, token in enumerate(long):
-        if at < len(short) and token == short[at]:
-            at += 1
+    """The ids of `long`'s items left over when `short` is matched in it greedily from the end: the row's tokens
+    taken as their latest copies (a query reads its own token last, and a cache that keeps rejected entries holds
+    them before the tokens written after them)."""
+    extra, at = [], len(short) - 1
+    for i in range(len(long) - 1, -1, -1):
+        if at >= 0 and long[i] == short[at]:
+            at -= 1
         else:
             extra.append(ids[i])
-    return extra
+    return extra[::-1]
 

@@ -86,6 +86,7 @@ class Stream:
     lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
     masks_columns: bool | None = None  # the engine hid a written column from a later query (None: not asked yet)
     masks_fed: bool | None = None  # and one holding a fed token that is not padding (None: not asked yet)
+    copied: bool = False  # first seen holding entries: its rows are followed by their keys at that call
 
 
 @dataclass
@@ -257,6 +258,7 @@ class Recording:
                          lost=[False] * ids.shape[0])
         if length > 0:  # a cache whose batch changed, or one first seen holding entries (a copy): its rows are
             stream.unused = []  # followed by the keys of their entries, or not at all
+            stream.copied = True
         if cache is not None:
             self._streams[cache] = stream
         return stream
@@ -290,6 +292,9 @@ class Recording:
                     self.records[record].local = local
                     self._label_earlier_padding(record, slot_ids[start:])
             return
+
+    def _pad_only(self, local: int) -> bool:
+        return all(t == self.pad_token_id for t in self.prompts[local])
 
     def _label_earlier_padding(self, record: int, content: list[int]) -> None:
         """An earlier call-row of a row matched only now (a prefill of all but the prompt's last token, split into
@@ -377,7 +382,11 @@ class Recording:
             if not explicit_columns:
                 del row_columns[length:]  # a cropped cache
             moved = stream.rows[b] is not None and not self._unchanged(row_columns, prior_keys, b, length)
-            if (moved or (stream.rows[b] is None and not stream.unused)) and length > 0 and not stream.lost[b]:
+            # every row of a copy, not only those before the first one followed to a row not matched yet (which
+            # makes prompts unused again)
+            first_seen = stream.copied and not row_columns
+            if (moved or (stream.rows[b] is None and (first_seen or not stream.unused))) and length > 0 \
+                    and not stream.lost[b]:
                 # entries moved or rewritten between calls (rows realigned, reordered or dropped): the row is
                 # followed by the keys its slots left in the cache, or no more
                 found = self._remap(prior_keys, b, length, {r for r in stream.rows[:b] if r is not None}, stream.rows[b])
@@ -390,8 +399,10 @@ class Recording:
                     if unmatched is not None:
                         row_columns[:] = unmatched
                         stream.lost[b] = False
-                        if not stream.unused:  # the prompts no row holds yet (all again where each is held)
-                            stream.unused = ([j for j in range(len(self.prompts)) if not self._claims.get(j)]
+                        if not stream.unused:  # the prompts no row holds yet (all again where each is held); a
+                            # prompt of pad ids alone stays open (a row of padding elsewhere may have claimed it)
+                            stream.unused = ([j for j in range(len(self.prompts))
+                                              if not self._claims.get(j) or self._pad_only(j)]
                                              or list(range(len(self.prompts))))
             row_columns.extend([-1] * (kv - len(row_columns)))
             tokens = ids[b].tolist()
@@ -545,7 +556,8 @@ class Recording:
 
     def masks_fed_columns(self, slot_id: int) -> bool:
         """Whether the engine hid, from some query of this slot's cache, an earlier column holding a token it fed
-        that is not padding (a hole it meant to mask), not only padding and a stacked cache's fill."""
+        that is not padding (a hole it meant to mask), not only padding and a stacked cache's fill (a pad id counts
+        as padding: a row of pad ids alone is never matched to a prompt, so never labelled)."""
         stream = self.records[self.slots[slot_id].record].stream
         if stream.masks_fed is None:
             stream.masks_fed = any(self._hides_content(record, fed_only=True) for rows in stream.records
@@ -560,7 +572,8 @@ class Recording:
             for column in range(min(slot.column, row.width)):
                 held = int(row.columns[column])
                 if held >= 0 and not mask[column] and not (fed_only and (self.slots[held].pad
-                                                                          or self.slots[held].token < 0)):
+                                                                          or self.slots[held].token < 0
+                                                                          or self.slots[held].token == self.pad_token_id)):
                     return True
         return False
 
