@@ -26,6 +26,8 @@ SPECULATING = {"spec_solo_draft"}
                                           ("buckets_padding_visible", "float64"),
                                           ("slots_padding_visible", "float64"),
                                           ("spec_solo_draft_positions_over_padding", "float64"),
+                                          ("spec_solo_draft_padding_visible", "float64"),
+                                          ("spec_solo_draft_stale_cache", "float64"),
                                           ("slots_positions_over_padding", "bfloat16"),
                                           ("right_padded_padding_visible", "bfloat16")])
 def test_an_outside_engine_is_named_by_its_cause(engine: str, dtype: str, tmp_path: Path) -> None:

@@ -262,9 +262,10 @@ class Judge:
         violations.sort(key=lambda v: v[0])
         (call, column, _), cls, evidence = violations[0]
         state = column < 0  # a recurrent state a call started from (`_state_violation` orders it first in its call)
-        # stale entries of earlier calls read at the row's own position (`kv_cache`) are no token fed one position
+        # stale entries read by a query fed its own index as position (`kv_cache`) are no token fed one position
         # off: a token emitted twice leaves the row's queries short of a token, never reading extra ones
-        if repeated and call >= self.seen.slots[producer].call and cls != "kv_cache":
+        stale_at_index = cls == "kv_cache" and self.seen.slots[producer].position == m
+        if repeated and call >= self.seen.slots[producer].call and not stale_at_index:
             return Verdict(None, f"observed, not judged: prompt {index}'s new token {position} ({sequence[m]}) repeats "
                            "the token before it in an engine that speculates, and the first input out of order is "
                            "in the pass that fed it: a token emitted twice and a token fed one position off look "

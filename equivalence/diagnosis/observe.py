@@ -277,9 +277,16 @@ class Observing:
         inputs must reproduce them."""
         replayed = observation.replay(self.facts.replay_target or self.facts.target, verdict.producer)
         error = None if replayed is None else _logit_error(replayed, engine_row)
-        confirmed = error is not None and error <= max(FLOAT64_LOGIT_TOLERANCE, self.precision_noise(index))
-        shown = "not made" if error is None else (f"{'reproduces' if confirmed else 'does not reproduce'} "
+        noise = self.precision_noise(index)
+        reproduced = error is not None and error <= max(FLOAT64_LOGIT_TOLERANCE, noise)
+        shown = "not made" if error is None else (f"{'reproduces' if reproduced else 'does not reproduce'} "
                                                    f"the engine's logits at new token {position} (error {error:.3g})")
+        # logits reproduced that do not choose the engine's token: the inputs were wrong, yet the token came after
+        # the logits (a rule that emits another token than the target's choice), so they do not explain it
+        confirmed = reproduced and _chooses(replayed, verdict.engine_token, noise)
+        if reproduced and not confirmed:
+            shown += (f", which choose token {int(replayed.argmax())}, not the engine's {verdict.engine_token}: the "
+                      "engine's token came after its logits")
         tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
         return replace(verdict, confirmed=confirmed)
 
