@@ -445,10 +445,12 @@ class Recording:
                                         if not self.slots[s].pad) if local is not None}
 
         votes: dict[int, int] = {}
-        content = 0  # columns whose keys some prompt's content left
-        for key in keys:
+        content = 0  # columns whose keys some fed token left (a row not matched yet counts: a prompt's content
+        for key in keys:  # holding one equal key, an equal token at an equal position, is no majority of them)
             found = owners(key)
-            content += bool(found)
+            content += bool(found) or any(not self.slots[s].pad and self.slots[s].token >= 0
+                                          and self.records[self.slots[s].record].local is None
+                                          for s in self._by_key.get(key, []))
             for local in found:
                 votes[local] = votes.get(local, 0) + 1
         if not votes:
