@@ -453,6 +453,10 @@ class Recording:
                                           for s in self._by_key.get(key, []))
             for local in found:
                 votes[local] = votes.get(local, 0) + 1
+        # a prompt an earlier row of this cache holds is no other row's (unless another prompt is identical to it, or
+        # it is pad ids alone): rows of prompts that share their last tokens, end-aligned, leave equal keys there
+        votes = {j: n for j, n in votes.items()
+                 if j not in taken or self.prompts.count(self.prompts[j]) > 1 or self._pad_only(j)}
         if not votes:
             return None
         # among prompts whose content left as many of the keys (identical prompts leave identical keys, and so do
