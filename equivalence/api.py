@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specaudit.engines.models import zoo
-from specaudit.equivalence.pipeline.runner import AuditConfig, UserPair, exit_status, run_audit
+from specaudit.equivalence.pipeline.runner import AuditSettings, UserPair, exit_status, run_audit
 from specaudit.equivalence.reports.summary import summary_table
 
 
@@ -128,7 +128,7 @@ def audit(
         pair_specs.append(UserPair(str(target), None if draft is None else str(draft), trust_remote_code))
     if not engine_names or not pair_specs:
         raise ValueError("give at least one engine and one pair (a built-in name, or target and draft)")
-    config = AuditConfig(engines=engine_names, pairs=pair_specs, batch_sizes=list(batch_sizes),
+    config = AuditSettings(engines=engine_names, pairs=pair_specs, batch_sizes=list(batch_sizes),
                          dtypes=list(dtypes), device=device, prompts=prompts, num_prompts=num_prompts,
                          max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
                          eos_token_id=list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else eos_token_id,

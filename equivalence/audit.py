@@ -21,6 +21,7 @@ from specaudit.engines.reference import ReferenceDecoder, greedy_decode
 from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import rulings, speculation
+from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.observe import watch_for
@@ -138,6 +139,9 @@ class RunSettings:
     acceptance_baseline: str | None = None
     require_acceptance: float | None = None
     payoff_repeats: int = 0  # --payoff N: time the speculative and the plain engine N times each (0: not)
+    # one RequestParams per prompt (bad words resolved), handed to the engine and applied by the reference; None:
+    # the plain path of every engine (equivalence/blackbox/requests_run.py)
+    requests: tuple[Any, ...] | None = None
 
 
 def audit_engine(
@@ -185,51 +189,74 @@ def audit_engine(
     """
     max_new_tokens, eos_token_id, dtype = settings.max_new_tokens, settings.eos_token_id, settings.dtype
     batch_size, pad_token_id, diagnosis = settings.batch_size, settings.pad_token_id, settings.diagnosis
+    requests = list(settings.requests) if settings.requests is not None else None
     if context is None:
         context = RunContext(pair, [list(p) for p in prompts], max_new_tokens, eos_token_id, dtype, batch_size,
                              engine=engine, reruns=rerun,
                              options={} if pad_token_id is None else {"pad_token_id": pad_token_id})
+    if requests is not None:  # the reference under each prompt's parameters, the engine handed the same
+        requests_run.hand_requests(engine, requests, pair.tokenizer)
+        if reference is None:
+            reference = requests_run.request_reference(pair, prompts, requests, max_new_tokens, eos_token_id,
+                                                       requests_run.penalty_scope(engine))
     if reference is None:
         reference = Reference(pair, prompts, max_new_tokens, eos_token_id)
     if replay_target is None:
         replay_target = pair.target if dtype == "float64" else float64_copy(pair.target)
 
-    # 1. run the engine (the prompts that make it fail found by bisection); an in-process engine's own call is
-    #    watched: what it fed the target, kept compactly for the diagnosis (diagnosis/observe.py)
+    # 1. run the engine (the prompts that make it fail found by bisection, without request parameters: a fresh
+    #    engine would run without them); an in-process engine's own call is watched: what it fed the target, kept
+    #    compactly for the diagnosis (diagnosis/observe.py)
     watch = None
     if diagnosis != "off" and not capability(engine, "black_box"):
         watch = watch_for(prompts, pair.target, pair.draft, pad_token_id if pad_token_id is not None
                           else pair.pad_token_id)
-    run = run_engine(engine, prompts, max_new_tokens, eos_token_id, context, watch)
+    run = run_engine(engine, prompts, max_new_tokens, eos_token_id, context, watch, isolate=requests is None)
     # 2. compare with the reference and rule each divergence: in float64 every mismatch is a bug; below it,
-    #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py)
-    band = None
-    if capability(engine, "black_box"):
-        band = rulings.noise_band(dtype, settings.engine_dtype, settings.logit_tolerance, run.logprobs, run.outputs, reference.outputs,
-                                  reference.logits)
+    #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py); under
+    #    request parameters, against the processed logits, a parameter's own class first (blackbox/requests_run.py)
+    band, refused = None, {}
+    if requests is not None:  # prompts whose parameters the engine refused are not judged
+        refused = {int(i): exc for i, exc in capability(engine, "last_refused") or []}
+    if capability(engine, "black_box") or requests is not None:
+        skipped = run.failed | set(refused)
+        logprobs = [lp if i not in skipped else None for i, lp in enumerate(run.logprobs)] if run.logprobs else None
+        band = rulings.noise_band(dtype, settings.engine_dtype, settings.logit_tolerance, logprobs, run.outputs,
+                                  reference.outputs, reference.logits)
     ruler = Ruler(dtype, pair.target, replay_target, band)
-    judged = compare_and_rule(run, pair, prompts, reference, ruler, band, dtype, max_new_tokens, eos_token_id)
+    if requests is None:
+        judged = compare_and_rule(run, pair, prompts, reference, ruler, band, dtype, max_new_tokens, eos_token_id)
+    else:
+        ruled = requests_run.rule_requests(engine, pair, prompts, requests, reference, run.outputs, band,
+                                           eos_token_id, run.failed, max_new_tokens)
+        judged = Ruled(ruled.prompt_records, ruled.divergences, None)
     # 3. the plain run: a configured plain engine, or the plain control made only when a flip needs it
-    plain = context.plain(any(d["kind"] == "structural" for d in judged.divergences), band is not None)
+    plain = context.plain(any(d["kind"] == "structural" for d in judged.divergences), band is not None,
+                          requests=requests)
     plain_outputs = plain.get("outputs") if plain is not None else None
-    if plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
+    if plain_outputs is not None and requests is not None:
+        requests_run.rule_against_plain(judged.divergences, plain_outputs, run.outputs, reference, requests,
+                                        eos_token_id, run.failed | set(refused))
+    elif plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
         for divergence in judged.divergences:
             index = divergence["prompt_index"]
             rulings.plain_rule(divergence, divergence.get("continued_reference", reference.outputs[index]),
                                plain_outputs[index])
     # 4. the draft's own proposals against the draft model's choices
-    judged.divergences += draft_findings(run, pair, prompts, judged.divergences, dtype, replay_draft)
+    if requests is None:  # under request parameters a constraint masks the proposals
+        judged.divergences += draft_findings(run, pair, prompts, judged.divergences, dtype, replay_draft)
     # 5. name the cause of every structural divergence
     diagnosed_at = time.perf_counter()
     diagnoser = None
-    if diagnosis != "off" and any(d["kind"] == "structural" for d in judged.divergences):
+    if diagnosis != "off" and any(unnamed(d) for d in judged.divergences):
         below = dtype != "float64"
         facts = RunFacts(
             prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs], outputs=run.outputs,
             max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
             pad_token_id=pad_token_id if pad_token_id is not None else pair.pad_token_id,
             trace=run.trace, engine_logits=list(run.logits), target=pair.target, draft=pair.draft,
-            run=context if context.can_rerun else None, batch_size=batch_size,
+            # a fresh engine would run without the request parameters: no re-run under them
+            run=context if context.can_rerun and requests is None else None, batch_size=batch_size,
             draft_tokens=settings.draft_tokens or (run.trace.draft_tokens if run.trace is not None else 0),
             ruler=ruler if below else None, replay_target=replay_target if below else None,
             replay_draft=replay_draft if below else None, reference_logits=list(reference.logits),
@@ -259,12 +286,16 @@ def audit_engine(
         engine, run.trace, evidence, target=replay_target,
         draft=(pair.draft if dtype == "float64" or pair.draft is None
                else replay_draft if replay_draft is not None else float64_copy(pair.draft)),
-        prompts=prompts, outputs=run.outputs, failed=run.failed, dtype=dtype,
+        prompts=prompts, outputs=run.outputs, failed=run.failed | set(refused), dtype=dtype,
         k=settings.draft_tokens or (run.trace.draft_tokens if run.trace is not None else None),
         spec=settings.speculation, baseline_path=settings.acceptance_baseline,
         baseline=load_baseline(settings.acceptance_baseline) if settings.acceptance_baseline else None,
         required=settings.require_acceptance, engine_name=settings.engine_name, pair_name=pair.name,
-        batch_size=batch_size)
+        batch_size=batch_size, tokenizer=pair.tokenizer,
+        # under request parameters the replay continues with the target's processed choices (acceptance/run.py)
+        **({} if requests is None else {
+            "requests": requests, "penalty_scope": requests_run.penalty_scope(engine),
+            "stop_ids": [sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids)) for p in requests]}))
     timing["acceptance"] = acceptance.pop("seconds")
     if settings.payoff_repeats:  # tokens per second against the plain engine, the ratio and its spread
         payoff_started = time.perf_counter()
@@ -280,11 +311,11 @@ def audit_engine(
     record = run_record(
         engine=settings.engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=settings.device or str(pair.target.device), num_prompts=len(prompts),
-        exact_matches=sum(c.exact for c in judged.comparisons), equivalent=equivalent(divergences, sorted(run.failed)),
+        exact_matches=judged.exact_matches, equivalent=equivalent(divergences, sorted(run.failed)),
         structural_divergences=structural, numerical_divergences=len(divergences) - structural,
         max_logit_error=judged.worst_error, logit_tolerance=LOGIT_TOLERANCE.get(dtype), seconds=run.seconds,
         tokens_generated=sum(len(o) for o in run.outputs), trace=trace_summary(run.trace),
-        prompts=[c.to_dict() for c in judged.comparisons], divergences=divergences,
+        prompts=judged.prompts, divergences=divergences,
         noise_band=band.to_dict() if band is not None else None, speculation=evidence,
         speculation_observed=speculation.observed(evidence), acceptance=acceptance,
         plain_engine=None if plain is None else rulings.plain_summary(
@@ -293,7 +324,8 @@ def audit_engine(
         engine_description=describe() if callable(describe) else None,
         failures=run.isolation.failures if run.isolation is not None else [],
         isolation=None if run.isolation is None else {"reruns": run.isolation.reruns, "notes": run.isolation.notes},
-        timing=timing)
+        timing=timing,
+        **({} if requests is None else requests_run.request_fields(engine, requests, refused, divergences)))
     if bundle_dir is not None and divergences:
         from specaudit.equivalence.blackbox.bundles import write_bundles
 
@@ -319,7 +351,7 @@ class EngineRun:
 
 
 def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Any,
-               context: RunContext, watch: Any = None) -> EngineRun:
+               context: RunContext, watch: Any = None, isolate: bool = True) -> EngineRun:
     """Stage 1: the engine's one call on every prompt, inside `watch` when given (the hooks that record what it
     fed the target). When `generate` raises, the prompts that make it fail are found by bisection
     (`equivalence/isolate.py`, `context.run_subset`); a server's requests that errored (`last_failures`) are
@@ -335,7 +367,7 @@ def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_t
         if not isinstance(trace, Trace):  # the contract's trace or none: anything else an engine keeps is not read
             trace = None
     except Exception as exc:
-        if not isolatable(exc) or len(prompts) < 1:
+        if not isolate or not isolatable(exc) or len(prompts) < 1:
             raise
         isolation = isolate_failures(context.run_subset, len(prompts), exc)
         if not any(out is not None for out in isolation.outputs):
@@ -353,16 +385,20 @@ def run_engine(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_t
 
 
 @dataclass
-class Judged:
-    """Stage 2's result: each prompt's comparison and every divergence, ruled."""
+class Ruled:
+    """Stage 2's result: each prompt's record (`audit.json` `prompts`) and every divergence, ruled."""
 
-    comparisons: list[Any]
+    prompts: list[dict[str, Any]]
     divergences: list[Divergence]
     worst_error: float | None  # the largest logit error over every prompt
 
+    @property
+    def exact_matches(self) -> int:
+        return sum(1 for p in self.prompts if p.get("exact"))
+
 
 def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], reference: Reference, ruler: Ruler,
-                     band: Any, dtype: str, max_new_tokens: int, eos_token_id: Any) -> Judged:
+                     band: Any, dtype: str, max_new_tokens: int, eos_token_id: Any) -> Ruled:
     """Stage 2: each prompt's tokens against the reference, each first difference ruled (`rulings.divergence`);
     past a numerical flip the engine is judged on against a correct decoder continued on its own prefix;
     an exact prompt whose logits stray past the dtype's tolerance is a logit divergence."""
@@ -373,12 +409,12 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
         return (logprobs[index][position] if logprobs and logprobs[index] and position < len(logprobs[index])
                 else None)
 
-    judged = Judged([], [], None)
+    judged, comparisons = Ruled([], [], None), []
     for index, (prompt, ref_out, eng_out) in enumerate(zip(prompts, reference.outputs, run.outputs)):
         comparison = compare_tokens(index, ref_out, eng_out)
         if index in run.failed:  # a failure finding, not a comparison
             comparison.exact, comparison.first_divergence, comparison.failed = False, None, True
-            judged.comparisons.append(comparison)
+            comparisons.append(comparison)
             continue
         error_so_far, same_dtype = None, None
         if run.logits[index] is not None:
@@ -393,7 +429,7 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
             comparison.max_logit_error, comparison.worst_logit_position = error, where
             if error is not None:
                 judged.worst_error = error if judged.worst_error is None else max(judged.worst_error, error)
-        judged.comparisons.append(comparison)
+        comparisons.append(comparison)
         if not comparison.exact:
             outputs = PromptOutputs(index, prompt, ref_out, eng_out, reference.logits[index], run.trace, pair.tokenizer)
             record = rulings.divergence(
@@ -426,6 +462,7 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
                 PromptOutputs(index, prompt, ref_out, eng_out, reference.logits[index], run.trace, pair.tokenizer),
                 comparison.worst_logit_position, ruler, detected_by="logits",
                 logit_error_value=comparison.max_logit_error))
+    judged.prompts = [c.to_dict() for c in comparisons]
     return judged
 
 
@@ -453,7 +490,13 @@ def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], di
     return [draft_divergence(index, mismatch, trace) for index, mismatch in sorted(mismatches.items())]
 
 
-def diagnose(judged: Judged, facts: RunFacts) -> Diagnoser:
+def unnamed(divergence: Divergence) -> bool:
+    """A structural divergence whose cause no ruling named yet (a request parameter's check names its own)."""
+    named = (divergence.get("diagnosis") or {}).get("class")
+    return divergence["kind"] == "structural" and named in (None, "unknown")
+
+
+def diagnose(judged: Ruled, facts: RunFacts) -> Diagnoser:
     """Stage 5: name the bug of every structural divergence (equivalence/diagnosis/core.py) from the run's `facts`;
     the run context runs a fresh engine for its experiments, and one hooked re-run of it observes what an
     in-process engine fed the target (`facts.observe_inputs`; equivalence/diagnosis/observe.py). Each divergence
@@ -462,7 +505,7 @@ def diagnose(judged: Judged, facts: RunFacts) -> Diagnoser:
     diagnoser = Diagnoser(facts)
     originals = diagnoser.references
     for divergence in judged.divergences:
-        if divergence["kind"] != "structural":
+        if not unnamed(divergence):
             continue
         index = divergence["prompt_index"]
         if "continued_reference" in divergence:

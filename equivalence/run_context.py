@@ -144,10 +144,19 @@ class RunContext:
         return self._guarded(self._build(self.engine_name)).generate(prompts, self.max_new_tokens, self.eos_token_id)
 
     # ---- the plain run -------------------------------------------------------------------------
-    def plain(self, needed: bool, black_box: bool) -> dict[str, Any] | None:
+    def plain(self, needed: bool, black_box: bool, requests: list[Any] | None = None) -> dict[str, Any] | None:
         """The plain run of the same rows for the three-way rulings (rulings/plain.py): the configured
-        plain engine, always; else, below float64 for an in-process engine with a batch size, the plain
-        control (`batched`), made only when a flip `needed` it. None when there is none."""
+        plain engine, always (handed the same `requests` where the run has request parameters); else, below
+        float64 for an in-process engine with a batch size and no request parameters, the plain control
+        (`batched`), made only when a flip `needed` it. None when there is none."""
+        if self.plain_engine and requests is not None:
+            from specaudit.equivalence.blackbox.requests_run import plain_under_requests
+
+            engine = self._guarded(self._build(self.plain_engine))  # one that cannot be built: the run's error
+            return plain_under_requests(engine, self.plain_engine, self.prompts, requests, self.max_new_tokens,
+                                        self.eos_token_id, self.pair.tokenizer)
+        if requests is not None:
+            return None
         if self.plain_engine:
             return self._plain_run(self.plain_engine)
         if needed and not black_box and self.dtype != "float64" and self.batch_size:
@@ -182,12 +191,6 @@ class RunContext:
         result["seconds"] = time.perf_counter() - started
         self.plain_runs[key] = result
         return result
-
-    def plain_engine_built(self) -> Any:
-        """The configured plain engine (`--plain-engine`), built and guarded, for a run that hands it its
-        requests itself (equivalence/blackbox/requests_run.py); None when none is configured. A plain engine
-        that cannot be built is the run's error."""
-        return self._guarded(self._build(self.plain_engine)) if self.plain_engine else None
 
     # ---- the payoff ----------------------------------------------------------------------------
     def payoff(self, repeats: int) -> dict[str, Any]:

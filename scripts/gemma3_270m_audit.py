@@ -1,7 +1,7 @@
 """Audit EQSPEC and EXSPEC on the Gemma-3 270M pair of `scripts/gemma3_270m.sh`.
 
 What `specaudit audit --engine eqspec --engine exspec --target T --draft D --prompts P ...` does,
-with one difference: the adversarial prompts are left out (`AuditConfig(adversarial=False)`),
+with one difference: the adversarial prompts are left out (`AuditSettings(adversarial=False)`),
 because on a 270M model with a 262144-token vocabulary their longest cases (thousands of tokens)
 would take hours on a 2-core CPU. The Spec-Bench prompts chosen (`select_prompts`) include long
 retrieval and summarisation prompts, so prompt plus output crosses the 512-token sliding window.
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from specaudit.equivalence.reports.markdown import write_reports
-from specaudit.equivalence.pipeline.runner import AuditConfig, UserPair, exit_status, run_audit
+from specaudit.equivalence.pipeline.runner import AuditSettings, UserPair, exit_status, run_audit
 from specaudit.equivalence.reports.summary import summary_table
 
 
@@ -50,7 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = select_prompts(args.questions, args.per_category, args.out / "prompts.jsonl")
-    config = AuditConfig(
+    config = AuditSettings(
         engines=["eqspec", "exspec"], pairs=[UserPair(str(args.pair / "target"), str(args.pair / "draft"))],
         batch_sizes=[args.batch_size], dtypes=args.dtype or ["float32", "bfloat16"], prompts=str(prompts),
         max_new_tokens=args.max_new_tokens, draft_tokens=4, adversarial=False,

@@ -104,11 +104,11 @@ def test_eos_token_id_set_with_a_bad_id(tmp_path: Path, value: str, fragments) -
 
 
 def test_eos_token_id_set_from_python(tmp_path: Path) -> None:
-    from specaudit.equivalence.pipeline.runner import AuditConfig, run_audit
+    from specaudit.equivalence.pipeline.runner import AuditSettings, run_audit
 
     for eos, fragment in (([], "the set of EOS ids is empty"), ([258, 1.5], "1.5 is not a token id"),
                           ([258, 300], "300 is outside the vocabulary")):
-        config = AuditConfig(engines=["eqspec"], pairs=["tiny-gpt2"], batch_sizes=[1], eos_token_id=eos)
+        config = AuditSettings(engines=["eqspec"], pairs=["tiny-gpt2"], batch_sizes=[1], eos_token_id=eos)
         with pytest.raises(UsageError, match=fragment):
             run_audit(config, tmp_path)
 

@@ -14,7 +14,7 @@ from specaudit.engines.models import zoo
 from specaudit.engines.reference import greedy_decode
 from specaudit.engines.requests.reference import decode_text
 from specaudit.engines.requests import RequestParams
-from specaudit.equivalence.blackbox.requests_run import audit_requests
+from specaudit.equivalence.audit import RunSettings, audit_engine
 
 N = 10
 EOS = 258
@@ -33,8 +33,8 @@ def prompts(pair):
 def audit(pair, prompts, params, bug=None, engine_class=VLLMEngine, answer=None):
     with FakeServer(answer or vllm_answer(pair.target, pair.tokenizer, EOS, bug)) as server:
         engine = engine_class(server.url)
-        run = audit_requests(engine, pair, prompts, params, max_new_tokens=N, eos_token_id=EOS, dtype="float64",
-                             engine_name="vllm:fake", batch_size=1)
+        run = audit_engine(engine, pair, prompts, RunSettings(max_new_tokens=N, eos_token_id=EOS, dtype="float64",
+                         engine_name="vllm:fake", batch_size=1, requests=tuple(params)))
     return run, server
 
 

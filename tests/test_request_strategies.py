@@ -13,7 +13,7 @@ from request_server import vllm_answer
 from specaudit.engines.adapters.servers import VLLMEngine
 from specaudit.engines.models import zoo
 from specaudit.engines.requests import RequestParams
-from specaudit.equivalence.blackbox.requests_run import audit_requests
+from specaudit.equivalence.audit import RunSettings, audit_engine
 from specaudit.testing.request_strategies import request_params
 
 EOS = 258
@@ -57,8 +57,8 @@ def pair():
 def test_correct_server_is_clean_under_drawn_params(pair, params):
     prompt = list(b"Once")
     with FakeServer(vllm_answer(pair.target, pair.tokenizer, EOS)) as server:
-        run = audit_requests(VLLMEngine(server.url), pair, [prompt], [params], max_new_tokens=6, eos_token_id=EOS,
-                             dtype="float64", engine_name="vllm:fake", batch_size=1)
+        run = audit_engine(VLLMEngine(server.url), pair, [prompt], RunSettings(max_new_tokens=6, eos_token_id=EOS, dtype="float64",
+                         engine_name="vllm:fake", batch_size=1, requests=(params,)))
     assert run["divergences"] == []
     if params.bad_words:
         assert run["refused_parameters"][0]["parameter"] == "bad_words"

@@ -22,7 +22,7 @@ from specaudit.engines.registry import make_engine
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.reference import decode_with_params
 from specaudit.engines.constraints.check import output_bytes
-from specaudit.equivalence.blackbox.requests_run import audit_requests
+from specaudit.equivalence.audit import RunSettings, audit_engine
 from specaudit.testing.constraint_strategies import constraints
 from specaudit.testing.faults.constrained import EXPECTED_CLASS, CONSTRAINT_FAULTS, DraftUnmasked
 
@@ -167,8 +167,8 @@ def test_each_grammar_fault_diverges_breaks_the_constraint_and_is_named(pair, fa
     prompts = PROMPTS[:3]
     params = [RequestParams(constraint=c) for c in ONE_OF_EACH[:3]]
     engine = fault(pair.target, pair.draft, batch_size=3, draft_tokens=4)
-    record = audit_requests(engine, pair, prompts, params, max_new_tokens=N, eos_token_id=EOS, dtype="float64",
-                            engine_name=fault.__name__, batch_size=3)
+    record = audit_engine(engine, pair, prompts, RunSettings(max_new_tokens=N, eos_token_id=EOS, dtype="float64",
+                         engine_name=fault.__name__, batch_size=3, requests=tuple(params)))
     assert not record["equivalent"] and record["structural_divergences"] > 0
     classes = [d["diagnosis"]["class"] for d in record["divergences"]]
     assert EXPECTED_CLASS[fault.__name__] in classes
@@ -180,8 +180,8 @@ def test_each_grammar_fault_diverges_breaks_the_constraint_and_is_named(pair, fa
 def test_a_correct_engine_has_no_constraint_finding(pair):
     params = [RequestParams(constraint=c) for c in ONE_OF_EACH[:3]]
     engine = make_engine("eqspec", pair.target, pair.draft, batch_size=3, draft_tokens=4)
-    record = audit_requests(engine, pair, PROMPTS[:3], params, max_new_tokens=N, eos_token_id=EOS, dtype="float64",
-                            engine_name="eqspec", batch_size=3)
+    record = audit_engine(engine, pair, PROMPTS[:3], RunSettings(max_new_tokens=N, eos_token_id=EOS, dtype="float64",
+                         engine_name="eqspec", batch_size=3, requests=tuple(params)))
     assert record["equivalent"] and record["divergences"] == []
 
 

@@ -1,13 +1,14 @@
-"""One audit run of a live server with request parameters: the reference decodes each prompt under its
-parameters (engines/requests/reference.py), the server is sent the same parameters in its own names
-(engines/adapters/request_fields.py), and its tokens and everything it says beside them are checked
+"""The greedy judge's rulings under request parameters (equivalence/audit.py `audit_engine`, stages 2 and 3): the
+reference decodes each prompt under its parameters (engines/requests/reference.py), the engine is handed the same
+parameters (a live server sends them in its own names, engines/adapters/request_fields.py; an in-process engine
+declares `request_params`), and its tokens and everything it says beside them are checked
 (equivalence/blackbox/outputs.py).
 
 A token divergence that a parameter explains gets its class there (`stop_string`, `logits_processor`);
 any other token divergence is ruled against the run's noise band on the PROCESSED logits (a near-tie
 there is `numerical`) and, when structural, named by how the row ended (`stop_eos`, `stop_length`) or
-`unknown`. A parameter the server refuses (HTTP 400 naming it) or its dialect cannot carry is listed
-under `refused_parameters` and that prompt is not judged: it is not a divergence.
+left to the diagnosis. A parameter the server refuses (HTTP 400 naming it) or its dialect cannot carry is
+listed under `refused_parameters` and that prompt is not judged: it is not a divergence.
 
 Per-prompt parameters come from the prompts file: a `params` object on a JSONL line
 (`RequestParams.from_dict`), merged over the one set given on the command line (`prompt_params`).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,8 @@ from specaudit.engines.adapters.request_fields import LOGPROB_DEFINITION, PENALT
 from specaudit.engines.constraints.fields import CONSTRAINED_LOGPROB_DEFINITION
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
-from specaudit.engines.requests import RequestParams, process, with_bad_words_resolved
+from specaudit.engines.requests import RequestParams, process
 from specaudit.equivalence import speculation
-from specaudit.equivalence.acceptance.run import acceptance_of_run, load_baseline
-from specaudit.equivalence.audit import trace_summary
-from specaudit.equivalence.isolate import failure_finding
-from specaudit.equivalence.run_record import equivalent, run_record
 from specaudit.equivalence import rulings
 from specaudit.equivalence.blackbox.constraints import constraint_cause, violation_finding
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
@@ -80,47 +78,79 @@ def _ending_class(reference: RequestResult, tokens: list[int], position: int, li
     return "unknown"
 
 
-def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list[RequestParams], *,
-                   max_new_tokens: int, eos_token_id: Any, dtype: str, engine_name: str, batch_size: int | None,
-                   device: str | None = None, engine_dtype: str | None = None,
-                   logit_tolerance: float | None = None, acceptance: dict[str, Any] | None = None,
-                   plain_engine: Any = None, plain_name: str | None = None) -> dict[str, Any]:
-    """Run `engine` (a live server, engines/adapters/servers.py, or an in-process engine that takes request
-    parameters, engines/requests/rows.py) on `prompts` with `params` (one per prompt) and return its run record (the keys of `equivalence/audit.py`'s, plus `request_params`,
-    `refused_parameters` and `reported`). `acceptance`: `acceptance_of_run`'s options (`spec`, `baseline`,
-    `baseline_path`, `required`, `k`, `engine_name`) for the run's acceptance record, the replay along the
-    requests' processing (equivalence/acceptance/run.py); None: none is made. `plain_engine` (`--plain-engine`,
-    built and guarded): the same requests without speculation, whose identical divergences prove the
-    reference's grammar right or wrong (rulings/plain.py `rule_processed`)."""
+@dataclass
+class RequestReference:
+    """The reference under each prompt's request parameters (engines/requests/reference.py `decode_with_params`):
+    the tokens the greedy judge compares, the raw float64 logits each was chosen from, and how each ended."""
+
+    results: list[RequestResult]
+    seconds: float
+    kept: bool = False  # never read back from the reference memo
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        return [r.tokens for r in self.results]
+
+    @property
+    def logits(self) -> list[torch.Tensor | None]:
+        return [r.logits for r in self.results]
+
+
+def penalty_scope(engine: Any) -> str:
+    """What the engine's penalties count (its dialect's documented scope, or what an own engine declares)."""
+    inner = unguarded(engine)
+    return capability(inner, "penalty_scope") or PENALTY_SCOPE.get(capability(inner, "dialect") or "vllm", "output")
+
+
+def logprob_definition(engine: Any) -> str:
+    return LOGPROB_DEFINITION.get(capability(unguarded(engine), "dialect") or "vllm", "raw")
+
+
+def request_reference(pair: Any, prompts: list[list[int]], params: list[RequestParams], max_new_tokens: int,
+                      eos_token_id: Any, scope: str) -> RequestReference:
+    started = time.perf_counter()
+    results = [decode_with_params(pair.target, prompt, p, max_new_tokens, eos_token_id, pair.tokenizer,
+                                  penalty_scope=scope) for prompt, p in zip(prompts, params)]
+    return RequestReference(results, time.perf_counter() - started)
+
+
+def hand_requests(engine: Any, params: list[RequestParams], tokenizer: Any) -> None:
+    """Set each prompt's parameters on the engine before its call (and the tokenizer an in-process engine needs
+    for stop strings, engines/requests/rows.py)."""
+    inner = unguarded(engine)
+    if not declares(inner, "request_params"):
+        raise ValueError("the engine takes no request parameters (its class declares no `request_params`): they are "
+                         "sent to live servers (llamacpp:, vllm:, sglang:, trtllm:) and to engines that take them")
+    inner.request_params = list(params)
+    if declares(inner, "request_tokenizer"):
+        inner.request_tokenizer = tokenizer
+
+
+@dataclass
+class RequestRulings:
+    """Stage 2 of the greedy judge under request parameters: per prompt its record (`audit.json` `prompts`), every
+    divergence ruled and named where a parameter explains it, and the prompts whose parameters were refused."""
+
+    prompt_records: list[dict[str, Any]]
+    divergences: list[dict[str, Any]]
+    refused: dict[int, Any]
+
+
+def rule_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list[RequestParams],
+                  reference: RequestReference, outputs: list[list[int]], band: Any, eos_token_id: Any,
+                  failed: set[int], max_new_tokens: int) -> RequestRulings:
+    """Each prompt's tokens, and everything the engine reported beside them, against the reference under the
+    prompt's own parameters (module docstring)."""
     inner = unguarded(engine)
     dialect = capability(inner, "dialect") or "vllm"
-    scope, definition = PENALTY_SCOPE.get(dialect, "output"), LOGPROB_DEFINITION.get(dialect, "raw")
-    scope = capability(inner, "penalty_scope") or scope  # an own engine says what its penalties count
-    started = time.perf_counter()
-    references = [decode_with_params(pair.target, prompt, p, max_new_tokens, eos_token_id, pair.tokenizer,
-                                     penalty_scope=scope) for prompt, p in zip(prompts, params)]
-    reference_seconds = time.perf_counter() - started
-    inner.request_params = list(params)
-    if declares(inner, "request_tokenizer"):  # an in-process engine (engines/requests/rows.py): for stop strings
-        inner.request_tokenizer = pair.tokenizer
-    started = time.perf_counter()
-    outputs = engine.generate([list(p) for p in prompts], max_new_tokens, eos_token_id)
-    seconds = time.perf_counter() - started
-    refused = {index: exc for index, exc in capability(inner, "last_refused")}
-    # a request that errored is a failure of its prompt, not a divergence (the others are judged)
-    failures = [failure_finding(int(index), exc) for index, exc in capability(inner, "last_failures")]
-    failed = {failure["prompt_index"] for failure in failures}
+    scope, definition = penalty_scope(engine), logprob_definition(engine)
+    refused = {index: exc for index, exc in capability(inner, "last_refused") or []}
     completions = capability(inner, "last_completions") or [None] * len(prompts)  # an own engine reports nothing
-    reported_logprobs = capability(inner, "last_logprobs") or [None] * len(prompts)
-    judged = [i for i in range(len(prompts)) if i not in refused and i not in failed]
-    band = rulings.noise_band(dtype, engine_dtype, logit_tolerance,
-                              [reported_logprobs[i] if i in judged else None for i in range(len(prompts))],
-                              outputs, [r.tokens for r in references], [r.logits for r in references])
     divergences: list[dict[str, Any]] = []
     prompt_records: list[dict[str, Any]] = []
     for index in range(len(prompts)):
-        reference, tokens, p = references[index], outputs[index], params[index]
-        record = {"index": index, "params": p.to_dict(), "reference_finish": [reference.finish_reason, reference.stop_reason]}
+        result, tokens, p = reference.results[index], outputs[index], params[index]
+        record = {"index": index, "params": p.to_dict(), "reference_finish": [result.finish_reason, result.stop_reason]}
         if index in failed:
             record.update({"exact": False, "failed": True})
             prompt_records.append(record)
@@ -134,22 +164,20 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
         report = completion.report if completion is not None else {}
         stop_ids = sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids))
         limit = p.max_tokens if p.max_tokens is not None else max_new_tokens
-        exact = tokens == reference.tokens
+        exact = tokens == result.tokens
         record.update({"exact": exact, "reported_finish": [report.get("finish_reason"), report.get("stop_reason")]})
         prompt_records.append(record)
         row_findings: list[dict[str, Any]] = []
         if not exact:  # a grammar mistake first (a forbidden token), then the processors' replays
-            cause = constraint_cause(index, p, reference, tokens, stop_ids, pair.tokenizer)
-            cause = cause or token_cause(index, prompts[index], p, reference, tokens, eos_token_id, pair.tokenizer, scope, band.at,
-                                reported_stop=report.get("stop_reason"))
-            if cause is not None:
-                row_findings.append(cause)
-            else:
-                row_findings.append(_ruled(index, prompts[index], p, reference, tokens, band, stop_ids, scope, limit))
+            cause = constraint_cause(index, p, result, tokens, stop_ids, pair.tokenizer)
+            cause = cause or token_cause(index, prompts[index], p, result, tokens, eos_token_id, pair.tokenizer, scope,
+                                         band.at, reported_stop=report.get("stop_reason"))
+            row_findings.append(cause if cause is not None else
+                                _ruled(index, prompts[index], p, result, tokens, band, stop_ids, scope, limit))
         named = {(d.get("diagnosis") or {}).get("class") for d in row_findings}
         reported = (CONSTRAINED_LOGPROB_DEFINITION.get(dialect, definition) if p.constraint is not None
                     and capability(inner, "black_box") else definition)  # under a grammar, the dialect's own
-        row_findings += [d for d in check_report(index, prompts[index], p, reference, returned, report, eos_token_id,
+        row_findings += [d for d in check_report(index, prompts[index], p, result, returned, report, eos_token_id,
                                                  pair.tokenizer, reported, band.at)
                          if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
         broken = violation_finding(index, p, tokens, stop_ids, pair.tokenizer)
@@ -157,57 +185,33 @@ def audit_requests(engine: Any, pair: Any, prompts: list[list[int]], params: lis
             row_findings.append(broken)
             record["constraint_violation"] = broken["evidence"]["reason"]
         divergences += row_findings
-    plain = _plain_run(plain_engine, plain_name, prompts, params, max_new_tokens, eos_token_id, pair.tokenizer)
-    if plain["outputs"] is not None:  # the three-way rulings: reference, plain engine, speculative engine
-        for divergence in divergences:
-            index = divergence.get("prompt_index")
-            if index is None or index in failed or index in refused:
-                continue
-            if divergence.get("detected_by") == "constraint":
-                rulings.plain_rule_violation(divergence, outputs[index], plain["outputs"][index])
-            else:
-                rulings.plain_rule_processed(divergence, references[index].tokens, plain["outputs"][index],
-                                             _forbidden(references[index], divergence, eos_token_id, params[index]))
-    structural = sum(d["kind"] == "structural" for d in divergences)
-    describe = capability(engine, "describe")
-    trace = None if capability(inner, "black_box") else capability(inner, "last_trace")  # an own engine's steps
-    evidence = speculation.of_run(inner, trace)
-    accepted = None
-    if acceptance is not None:  # per draft position, the replay with each request's processing of the target
-        started = time.perf_counter()
-        options = dict(acceptance)
-        k = options.pop("k", None) or (trace.draft_tokens if trace is not None else None)
-        target, draft = pair.target, pair.draft
-        if dtype != "float64":  # the replay is float64's
-            from specaudit.engines.models.zoo import float64_copy
+    return RequestRulings(prompt_records, divergences, refused)
 
-            target, draft = float64_copy(target), (float64_copy(draft) if draft is not None else None)
-        accepted = acceptance_of_run(
-            inner, trace, evidence, target=target, draft=draft, prompts=prompts, outputs=outputs,
-            failed=failed | set(refused), dtype=dtype, k=k, requests=params, penalty_scope=scope,
-            stop_ids=[sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids)) for p in params],
-            pair_name=pair.name, batch_size=batch_size, tokenizer=pair.tokenizer, **options)
-        accepted["seconds"] = time.perf_counter() - started
-    return run_record(
-        engine=engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
-        device=device or str(pair.target.device), num_prompts=len(prompts),
-        exact_matches=sum(1 for r in prompt_records if r["exact"]),
-        equivalent=equivalent(divergences, failures), structural_divergences=structural, failures=failures,
-        numerical_divergences=sum(d["kind"] == "numerical" for d in divergences),
-        reference_mismatches=sum(d["kind"] == rulings.REFERENCE_MISMATCH for d in divergences),
-        logit_tolerance=logit_tolerance, seconds=seconds,
-        tokens_generated=sum(len(o) for o in outputs), trace=trace_summary(trace), prompts=prompt_records,
-        divergences=divergences, noise_band=band.to_dict(), speculation=evidence,
-        speculation_observed=speculation.observed(evidence), acceptance=accepted,
-        engine_description=describe() if callable(describe) else None,
-        request_params=[p.to_dict() for p in params], penalty_scope=scope, logprob_definition=definition,
-        refused_parameters=[{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
-                            for i, exc in sorted(refused.items())],
-        plain_engine=None if plain_engine is None else rulings.plain_summary(
-            plain["engine"], [r.tokens for r in references], plain["outputs"], outputs, divergences,
-            plain.get("description"), plain.get("speculation"), plain.get("error")),
-        timing={"engine": seconds, "reference": reference_seconds, "plain_control": plain.get("seconds"),
-                "acceptance": accepted.pop("seconds") if accepted is not None else None})
+
+def rule_against_plain(divergences: list[dict[str, Any]], plain_outputs: list[list[int]], outputs: list[list[int]],
+                       reference: RequestReference, params: list[RequestParams], eos_token_id: Any,
+                       skipped: set[int]) -> None:
+    """Stage 3 under request parameters: the three-way rulings (reference, plain engine, speculative engine) of
+    every divergence of a judged prompt (rulings/plain.py)."""
+    for divergence in divergences:
+        index = divergence.get("prompt_index")
+        if index is None or index in skipped:
+            continue
+        if divergence.get("detected_by") == "constraint":
+            rulings.plain_rule_violation(divergence, outputs[index], plain_outputs[index])
+        else:
+            rulings.plain_rule_processed(divergence, reference.results[index].tokens, plain_outputs[index],
+                                         _forbidden(reference.results[index], divergence, eos_token_id, params[index]))
+
+
+def request_fields(engine: Any, params: list[RequestParams], refused: dict[int, Any],
+                   divergences: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run under request parameters adds to its record."""
+    return {"request_params": [p.to_dict() for p in params], "penalty_scope": penalty_scope(engine),
+            "logprob_definition": logprob_definition(engine),
+            "reference_mismatches": sum(d["kind"] == rulings.REFERENCE_MISMATCH for d in divergences),
+            "refused_parameters": [{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
+                                   for i, exc in sorted(refused.items())]}
 
 
 def _forbidden(reference: RequestResult, divergence: dict[str, Any], eos_token_id: Any, params: RequestParams) -> bool:
@@ -222,7 +226,7 @@ def _forbidden(reference: RequestResult, divergence: dict[str, Any], eos_token_i
     return bool(candidates) and not any(0 <= t < allowed.shape[0] and bool(allowed[t]) for t in candidates)
 
 
-def _plain_run(engine: Any, name: str | None, prompts: list[list[int]], params: list[RequestParams],
+def plain_under_requests(engine: Any, name: str | None, prompts: list[list[int]], params: list[RequestParams],
                max_new_tokens: int, eos_token_id: Any, tokenizer: Any) -> dict[str, Any]:
     """The plain engine's outputs under the same requests, or the error that stopped it (the run is then
     ruled without it); `{"outputs": None}` when there is no plain engine."""
@@ -272,29 +276,6 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
         cls = _ending_class(reference, tokens, position, limit, stop_ids)
         record["diagnosis"] = {"class": cls, "evidence": evidence.get("reason"), "named_by": "ending", "tried": []}
     return record
-
-
-def run_with_params(engine: Any, pair: Any, prompts: list[list[int]], config: Any, dtype: str, engine_name: str,
-                    batch_size: int, black_box: bool, plain_engine: Any = None) -> dict[str, Any]:
-    """The runner's run of one engine when the audit sends request parameters (equivalence/pipeline/runner.py).
-    An engine takes them when it has a `request_params` attribute (every live server; an in-process
-    engine that declares it, `engines/registry.takes_request_params`)."""
-    inner = unguarded(engine)
-    if not declares(inner, "request_params"):
-        raise ValueError(f"engine {engine_name} takes no request parameters (its class declares no `request_params`): "
-                         "they are sent to live servers (llamacpp:, vllm:, sglang:, trtllm:) and to engines that take them")
-    eos = pair.eos_token_id if config.eos_token_id == "pair" else config.eos_token_id
-    file_prompts = config.num_prompts
-    params = prompt_params(config.prompts, len(prompts), config.request_params, file_prompts)
-    params = [with_bad_words_resolved(p, pair.tokenizer) for p in params]
-    acceptance = {"spec": config.speculation, "baseline_path": config.acceptance_baseline,
-                  "baseline": load_baseline(config.acceptance_baseline) if config.acceptance_baseline else None,
-                  "required": config.require_acceptance, "k": config.draft_tokens if not black_box else None,
-                  "engine_name": engine_name}
-    return audit_requests(engine, pair, prompts, params, max_new_tokens=config.max_new_tokens, eos_token_id=eos,
-                          dtype=dtype, engine_name=engine_name, batch_size=batch_size, device=config.device,
-                          engine_dtype=config.engine_dtype, logit_tolerance=config.logit_tolerance,
-                          acceptance=acceptance, plain_engine=plain_engine, plain_name=config.plain_engine)
 
 
 SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")

@@ -1,16 +1,21 @@
 """The one audit pipeline: every run of `specaudit audit`, whatever its composition, through one loop.
 
 A run composes three choices (equivalence/pipeline/settings.py): how outputs are obtained (an in-process
-engine, a live server, a recording), the oracle (the in-process reference with the weights, or a served
-reference) and the judge (greedy tokens, or sampled statistics). The loop is the same for all:
+engine, a live server, a recording), the oracle (the weights of a pair in a dtype, or a served reference) and
+the judge (greedy tokens, or sampled statistics; equivalence/pipeline/judges.py). `compose` is the one place
+that reads those choices off the settings: it checks the inputs of the composition and builds the judge and
+the oracles. The loop is the same for all:
 
-1. `preflight`: every input checked before a model is loaded or a request sent (`UsageError`, exit 2);
+1. `compose`: every input checked before a model is loaded or a request sent (`UsageError`, exit 2); the judge
+   and the oracle groups;
 2. the header: `audit.json`'s top level (`specaudit_version`, `created`, `machine`, `config`), written at once;
-3. per oracle group (a pair in a dtype, or the served reference), `open`: the models, prompts and the
-   reference's outputs. A pair that fails to load records a failed run for each of its (engine, batch size)
-   and the audit goes on; a served reference that fails or hangs ends the audit (`reference.error`, exit 1);
-4. per engine and batch size, one run behind the guard (`guard.GuardedEngine`: `--timeout`, the output
-   contract, crash isolation): its record (`run_record`), or a failed run; never an exception but Ctrl-C;
+3. per oracle, `judge.open(oracle)`: the models, prompts (equivalence/pipeline/prompt_set.py) and the
+   reference's outputs or teacher forcing. A pair that fails to load records a failed run for each of its
+   (engine, batch size) and the audit goes on; a served reference that fails or hangs ends the audit
+   (`reference.error`, exit 1);
+4. per engine and batch size, `judge.run(engine, batch size, oracle)`: one run behind the guard
+   (`guard.GuardedEngine`: `--timeout`, the output contract, crash isolation): its record (`run_record`), or a
+   failed run; never an exception but Ctrl-C;
 5. `audit.json` rewritten (atomically) after every run, so a crash or Ctrl-C keeps every finished run.
 
 One verdict (`run_record.passed`), one exit status (`exit_status`), one terminal summary
@@ -23,46 +28,34 @@ import datetime as _dt
 import json
 import os
 import platform
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import torch
 import transformers
 
-from specaudit.engines.limits import eos_ids
-from specaudit.engines.models import zoo
-from specaudit.engines.adapters._http import ServerDied
-from specaudit.engines.ops.layout import UnsupportedModel
-from specaudit.engines.registry import black_box_prefix, make_engine
-from specaudit.equivalence import speculation, validate
+from specaudit.equivalence import speculation
 from specaudit.equivalence.acceptance import findings as acceptance_findings
-from specaudit.equivalence.adversarial import declare_pad_token_id, with_adversarial_prompts
-from specaudit.equivalence.audit import Reference, RunSettings, audit_engine
-from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
+from specaudit.equivalence.pipeline.judges import GreedyJudge, Judge, Oracle, SampledJudge
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
-from specaudit.equivalence.run_record import all_passed, failed_run
-from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory
-from specaudit.equivalence.prompts import load_prompts
-from specaudit.equivalence.run_context import RunContext
+from specaudit.equivalence.run_record import all_passed
 
 from specaudit import __version__ as VERSION
-from specaudit.engines.contract import capability
 
 EXIT_EQUIVALENT, EXIT_NOT_EQUIVALENT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-AuditConfig = AuditSettings  # the name earlier versions gave the settings
+__all__ = ["AuditSettings", "UserPair", "compose", "exit_status", "run_audit"]
 
 
-class Group(Protocol):
-    """The runs judged against one oracle: a pair in a dtype, or the served reference."""
-
-    title: str
-
-    def open(self) -> None: ...
-    def describe(self, audit: dict[str, Any]) -> None: ...
-    def failed_runs(self, exc: BaseException) -> list[dict[str, Any]]: ...
-    def run(self, engine: str, batch_size: int, progress: Any = None) -> dict[str, Any]: ...
-    def close(self) -> None: ...
+def __getattr__(name: str) -> Any:
+    if name == "AuditConfig":  # the name earlier versions gave the settings: it works, and says so once
+        warnings.warn("AuditConfig is AuditSettings now (specaudit.equivalence.pipeline.settings); AuditConfig "
+                      "will be removed in a later version", DeprecationWarning, stacklevel=2)
+        globals()["AuditConfig"] = AuditSettings  # warned once: later lookups find it here
+        return AuditSettings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def machine_info(device: str) -> dict[str, Any]:
@@ -90,51 +83,22 @@ def machine_info(device: str) -> dict[str, Any]:
     return info
 
 
-def load(pair: str | UserPair, dtype: str, device: str) -> zoo.ModelPair:
-    if isinstance(pair, UserPair):
-        return zoo.load_pair(target_path=pair.target, draft_path=pair.draft, dtype=dtype, device=device,
-                             trust_remote_code=pair.trust_remote_code,
-                             allow_pickle_weights=pair.allow_pickle_weights)
-    return zoo.load_pair(pair, dtype=dtype, device=device)
-
-
 def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     os.replace(tmp, path)
 
 
-def header(settings: AuditSettings) -> dict[str, Any]:
+def header(settings: AuditSettings, device: str) -> dict[str, Any]:
     """`audit.json`'s top level before any run, the same for every composition."""
     return {
         "specaudit_version": VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(settings.device if settings.oracle == "weights" else "cpu"),
+        "machine": machine_info(device),
         "config": settings.to_dict(),
         "complete": False,
         "runs": [],
     }
-
-
-def preflight(settings: AuditSettings) -> None:
-    """Every input checked before a model is loaded or a request is sent: `UsageError` (exit 2)."""
-    if settings.oracle == "served":
-        from specaudit.equivalence.pipeline import served
-
-        served.preflight(settings)
-    elif settings.judge == "sampled":  # engine names are the sampled ones; the pair's limits are checked on opening it
-        validate.check_numbers(settings)
-        validate.check_dtypes(settings.dtypes)
-        validate.check_device(settings.device, settings.dtypes)
-    else:
-        validate.preflight(settings)
-    if settings.judge == "sampled":  # request parameters the sampled judge applies; which engines take them: on opening
-        from specaudit.equivalence.pipeline import sampled
-
-        sampled.preflight(settings)
-    else:
-        requests_run.preflight(settings)  # request parameters go to engines that take them
-    acceptance_preflight(settings)
 
 
 def acceptance_preflight(settings: AuditSettings) -> None:
@@ -155,19 +119,64 @@ def acceptance_preflight(settings: AuditSettings) -> None:
         raise UsageError(str(exc)) from None
 
 
-def groups(settings: AuditSettings, out_dir: Path) -> Iterator[Group]:
-    """The oracle groups in order: the served reference, or each pair in each dtype."""
-    if settings.oracle == "served":
-        from specaudit.equivalence.pipeline.served import ServedGroup
+@dataclass(frozen=True)
+class Composition:
+    """The judge and the oracles of one audit, built by `compose`."""
 
-        yield ServedGroup(settings)
-        return
-    first = True  # the engines' factories are checked once, on the first pair loaded
-    for dtype in settings.dtypes:
-        for pair_spec in settings.pairs:
-            group = PairGroup(settings, pair_spec, dtype, out_dir, check_factories=first)
-            yield group
-            first = first and not group.loaded  # a pair that failed to load leaves the check to the next
+    judge: Judge
+    oracles: Callable[[], Iterator[Oracle]]  # opened one after another, in order
+    planned: int  # runs: engines x batch sizes x oracles
+    device: str  # where the oracle computes ("cpu" for a served reference)
+
+
+def compose(settings: AuditSettings, out_dir: Path) -> Composition:
+    """The one place that reads the composition's choices off the settings: every input checked before a model
+    is loaded or a request sent (`UsageError`, exit 2), then the judge and the oracles."""
+    served_reference, sampled_mode = settings.oracle == "served", settings.mode == "sampled"
+    if served_reference:
+        from specaudit.equivalence.pipeline import served
+
+        served.preflight(settings)
+        refused = served.sampled_refusal(settings) if sampled_mode else None
+        if refused is not None:
+            raise UsageError(refused)
+    elif sampled_mode:  # engine names are the sampled ones; the pair's limits are checked on opening it
+        from specaudit.equivalence import validate
+
+        validate.check_numbers(settings)
+        validate.check_dtypes(settings.dtypes)
+        validate.check_device(settings.device, settings.dtypes)
+    else:
+        from specaudit.equivalence.pipeline import weights
+
+        weights.preflight(settings)
+    if sampled_mode:  # request parameters the sampled judge applies; which engines take them: on opening
+        from specaudit.equivalence.pipeline import sampled
+
+        sampled.preflight(settings, served=served_reference)
+    else:
+        from specaudit.equivalence.blackbox import requests_run
+
+        requests_run.preflight(settings)  # request parameters go to engines that take them
+    acceptance_preflight(settings)
+    judge: Judge = SampledJudge() if sampled_mode else GreedyJudge()
+    runs = len(settings.engines) * len(settings.batch_sizes)
+    if served_reference:
+        from specaudit.equivalence.pipeline.served import ServedOracle
+
+        return Composition(judge, lambda: iter([ServedOracle(settings)]), runs, "cpu")
+
+    def pair_oracles() -> Iterator[Oracle]:
+        from specaudit.equivalence.pipeline.weights import WeightsOracle
+
+        first = True  # the engines' factories are checked once, on the first pair loaded
+        for dtype in settings.dtypes:
+            for pair_spec in settings.pairs:
+                oracle = WeightsOracle(settings, pair_spec, dtype, out_dir, check_factories=first)
+                yield oracle
+                first = first and not oracle.loaded  # a pair that failed to load leaves the check to the next
+
+    return Composition(judge, pair_oracles, runs * len(settings.pairs) * len(settings.dtypes), settings.device)
 
 
 def run_audit(
@@ -178,14 +187,13 @@ def run_audit(
 ) -> dict[str, Any]:
     """Every run of the audit (module docstring); returns the audit dict (also in `out_dir/audit.json`).
     Raises `UsageError` (before any run) for bad input, and KeyboardInterrupt (the finished runs kept)."""
-    preflight(settings)
+    composition = compose(settings, out_dir)
+    judge = composition.judge
     out_dir.mkdir(parents=True, exist_ok=True)
-    audit = header(settings)
+    audit = header(settings, composition.device)
     json_path = out_dir / "audit.json"
     write_json(json_path, audit)
-    planned = len(settings.engines) * len(settings.batch_sizes) * (
-        1 if settings.oracle == "served" else len(settings.pairs) * len(settings.dtypes))
-    bar = progress(planned) if progress else None
+    bar = progress(composition.planned) if progress else None
 
     def record(run: dict[str, Any]) -> None:  # kept at once: a crash or Ctrl-C loses no finished run
         audit["runs"].append(run)
@@ -196,9 +204,9 @@ def run_audit(
             bar.update(1)
 
     try:
-        for group in groups(settings, out_dir):
+        for oracle in composition.oracles():
             try:
-                group.open()
+                judge.open(oracle)
             except UsageError:
                 if bar is not None:  # no run was made: clear the bar, leave the error line alone
                     bar.leave = False
@@ -210,180 +218,24 @@ def run_audit(
             except KeyboardInterrupt:
                 raise
             except Exception as exc:  # a pair that fails to load: each of its runs failed, the next pair goes on
-                for run in group.failed_runs(exc):
+                for run in oracle.failed_runs(exc):
                     record(run)
-                group.close()
+                oracle.close()
                 continue
-            group.describe(audit)
+            oracle.describe(audit)
             write_json(json_path, audit)
             for engine_name in settings.engines:
                 for batch_size in settings.batch_sizes:
                     if bar is not None:
-                        bar.set_description(f"{engine_name} {group.title} B={batch_size}")
-                    record(group.run(engine_name, batch_size, progress=None if bar is None else progress))
-            group.close()
+                        bar.set_description(f"{engine_name} {oracle.title} B={batch_size}")
+                    record(judge.run(engine_name, batch_size, oracle, progress=None if bar is None else progress))
+            oracle.close()
     finally:
         if bar is not None:
             bar.close()
     audit["complete"] = True
     write_json(json_path, audit)
     return audit
-
-
-class PairGroup:
-    """The runs judged against the in-process reference: one pair, loaded in one dtype."""
-
-    def __init__(self, settings: AuditSettings, pair_spec: str | UserPair, dtype: str, out_dir: Path, *,
-                 check_factories: bool = True) -> None:
-        self.settings, self.pair_spec, self.dtype, self.out_dir = settings, pair_spec, dtype, out_dir
-        self.check_factories = check_factories
-        self.loaded = False  # the pair loaded and its engines' factories checked
-        self.title = f"{pair_spec if isinstance(pair_spec, str) else pair_spec.name} {dtype}"
-        self.stage = "loading the pair"
-        self.pair = self.replay = self.reference = self.prompts = self.adversarial = self.eos = None
-        self.plain_runs: dict[Any, dict[str, Any]] = {}  # one plain run per batch size and prompt set
-        self.sampled: dict[str, Any] = {}  # the sampled judge's engines, built before any draw
-
-    def open(self) -> None:
-        settings, dtype = self.settings, self.dtype
-        try:
-            self.pair = load(self.pair_spec, dtype, settings.device)
-        except UnsupportedModel as exc:  # an architecture the engines cannot batch: bad usage
-            raise UsageError(f"{exc}; audit it with the reference or a black-box engine") from exc
-        pair = self.pair
-        if settings.judge == "sampled":
-            return self._open_sampled()
-        if self.check_factories:
-            validate.check_factories(settings, pair)  # a UsageError here ends the audit before any run
-        self.loaded = True
-        # the float64 target (and draft) that rule flips below float64
-        self.replay = pair if dtype == "float64" else load(self.pair_spec, "float64", settings.device)
-        prompts = load_prompts(settings.prompts, pair.tokenizer, settings.num_prompts)
-        eos = pair.eos_token_id if settings.eos_token_id == "pair" else settings.eos_token_id
-        declared_pad = settings.pad_token_id
-        if declared_pad is None and isinstance(settings.engine_options.get("pad_token_id"), int):
-            declared_pad = settings.engine_options["pad_token_id"]  # the engines' pad id: the pair's too
-        if declared_pad is not None:
-            vocab = pair.target.config.vocab_size
-            if declared_pad >= vocab:
-                raise UsageError(f"--pad-token-id {declared_pad}: pair {pair.name} has {vocab} token ids "
-                                 f"(0 to {vocab - 1})")
-            declare_pad_token_id(pair, declared_pad)
-        if settings.adversarial:
-            prompts, self.adversarial = with_adversarial_prompts(
-                pair, prompts, eos_token_id=eos, max_new_tokens=settings.max_new_tokens,
-                draft_tokens=settings.draft_tokens)
-        self.stage = "the reference (greedy decoding, one prompt at a time)"
-        # recordings bring their own prompts (decoded in _one_run): skip the unused reference
-        only_recordings = all(black_box_prefix(name) == "recorded" for name in settings.engines)
-        self.reference = None if only_recordings else Reference(pair, prompts, settings.max_new_tokens, eos)
-        self.prompts, self.eos = prompts, eos
-
-    def _open_sampled(self) -> None:
-        """The sampled judge: the oracle is the target (and draft) in float64 on the CPU, teacher forcing;
-        every engine is built before any draw (a name, file or factory that fails is bad usage)."""
-        from specaudit.equivalence.pipeline import sampled
-
-        self.oracle_pair, self.prompts, self.eos, self.sampled = sampled.open_pair(self.settings, self.pair,
-                                                                                   self.pair_spec, self.dtype)
-
-    def describe(self, audit: dict[str, Any]) -> None:
-        audit["config"]["num_prompts"] = len(self.prompts) if self.prompts is not None else None
-        if self.settings.judge == "greedy" and self.reference is None:  # only recordings: each run says how many
-            audit["config"]["prompts"], audit["config"]["num_prompts"] = "the recordings' own", None
-
-    def failed_runs(self, exc: BaseException) -> list[dict[str, Any]]:
-        return _pair_failure(self.pair_spec, self.dtype, self.settings, self.stage, exc)
-
-    def run(self, engine: str, batch_size: int, progress: Any = None) -> dict[str, Any]:
-        settings = self.settings
-        if settings.judge == "sampled":
-            from specaudit.equivalence.pipeline import sampled
-
-            return sampled.pair_run(settings, engine, self.sampled[engine], self.pair, self.oracle_pair,
-                                    self.prompts, self.eos, batch_size, self.dtype, progress)
-        return _one_run(engine, self.pair, self.prompts, batch_size, self.dtype, settings, self.eos,
-                        self.reference, self.replay, self.out_dir / "bundles" if settings.bundles else None,
-                        self.adversarial, self.plain_runs)
-
-    def close(self) -> None:
-        self.pair = self.replay = self.reference = None
-        self.sampled = {}
-        _free_device_memory(self.settings.device)
-
-
-def _free_device_memory(device: str) -> None:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _pair_failure(pair_spec, dtype: str, config: AuditConfig, stage: str, exc: Exception) -> list[dict[str, Any]]:
-    name = pair_spec if isinstance(pair_spec, str) else "+".join(
-        Path(p).name for p in (pair_spec.target, pair_spec.draft) if p is not None)
-    if out_of_memory(exc):
-        _free_device_memory(config.device)
-        why = f"out of memory on {config.device} during {stage} (batch size 1)"
-    else:
-        why = f"{stage} failed: {type(exc).__name__}: {exc}"
-    message = f"pair {name} in {dtype}: {why}; no engine was run on it"
-    return [failed_run({"engine": engine_name, "pair": name, "batch_size": batch_size, "dtype": dtype,
-                         "device": config.device, "num_prompts": config.num_prompts or 0}, message, exc)
-            for engine_name in config.engines for batch_size in config.batch_sizes]
-
-
-def _one_run(engine_name, pair, prompts, batch_size, dtype, config, eos, reference, replay,
-             bundle_dir: Path | None = None, adversarial: dict[str, Any] | None = None,
-             plain_runs: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
-    base = {"engine": engine_name, "mode": "greedy", "pair": pair.name, "batch_size": batch_size, "dtype": dtype,
-            "device": config.device, "num_prompts": len(prompts),
-            "eos_token_ids": list(eos_ids(eos)),  # the set the run stopped at (config "pair": the pair's own)
-            "pair_info": dict(pair.info)}  # layouts and float64 switches (eager experts, float64 softmax)
-    try:
-        options = {"pad_token_id": pair.pad_token_id, "record_logits": True, **config.engine_options}
-        engine = make_engine(engine_name, pair.target, pair.draft, batch_size=batch_size,
-                             draft_tokens=config.draft_tokens, **options)
-        recorded_prompts = capability(engine, "recorded_prompts")
-        if recorded_prompts is not None:  # a recording brings its own prompts: the reference decodes those
-            prompts = recorded_prompts[: config.num_prompts] if config.num_prompts else recorded_prompts
-            base["num_prompts"] = len(prompts)
-            reference = Reference(pair, prompts, config.max_new_tokens, eos)
-            adversarial = None  # a recording's prompts are its own
-
-        black_box = bool(capability(engine, "black_box"))
-        # what the audit may run besides the engine's one call: fresh engines for the crash isolation and
-        # the diagnosis (their re-runs share --diagnosis-budget, else --timeout), and the plain run
-        budget = config.diagnosis_budget if config.diagnosis_budget is not None else config.timeout
-        context = RunContext(pair, [list(p) for p in prompts], config.max_new_tokens, eos, dtype, batch_size,
-                             engine_name=engine_name, engine=engine, draft_tokens=config.draft_tokens, options=options,
-                             timeout=config.timeout, rerun_budget=budget, plain_engine=config.plain_engine,
-                             plain_runs={} if plain_runs is None else plain_runs,
-                             rerunnable=recorded_prompts is None)
-        engine = GuardedEngine(engine, timeout=config.timeout, vocab_size=getattr(pair.target.config, "vocab_size", None))
-        if requests_run.has_request_params(config.prompts, config.request_params):
-            return {**base, **requests_run.run_with_params(engine, pair, prompts, config, dtype, engine_name, batch_size,
-                                                           black_box, plain_engine=context.plain_engine_built())}
-        run_settings = RunSettings(
-            max_new_tokens=config.max_new_tokens, eos_token_id=eos, dtype=dtype, engine_name=engine_name,
-            batch_size=batch_size, device=config.device, engine_dtype=config.engine_dtype,
-            logit_tolerance=config.logit_tolerance, pad_token_id=options.get("pad_token_id", pair.pad_token_id),
-            draft_tokens=config.draft_tokens, diagnosis=config.diagnosis, diagnosis_budget=config.diagnosis_budget,
-            speculation=config.speculation, acceptance_baseline=config.acceptance_baseline,
-            require_acceptance=config.require_acceptance, payoff_repeats=config.payoff)
-        run = audit_engine(engine, pair, prompts, run_settings, reference=reference, replay_target=replay.target,
-                           replay_draft=replay.draft if dtype != "float64" else None, bundle_dir=bundle_dir,
-                           context=context)
-        run.update({k: v for k, v in base.items() if k not in run or run[k] is None})
-        run["adversarial"] = adversarial
-        return run
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # one engine failing must not lose the others' runs
-        if out_of_memory(exc):
-            _free_device_memory(config.device)
-        failed = failed_run(base, failure_message(engine_name, exc, batch_size=batch_size, device=config.device), exc)
-        if isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
-            failed["server_died"] = exc.details
-        return failed
 
 
 def exit_status(audit: dict[str, Any]) -> int:

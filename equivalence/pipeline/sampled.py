@@ -1,5 +1,5 @@
 """The sampled judge against the in-process oracle: a pair's target (and draft) in float64 on the CPU, which
-teacher-forces every sampled token (equivalence/sampling/). The pipeline's `PairGroup` opens it once per pair
+teacher-forces every sampled token (equivalence/sampling/). The pipeline's `WeightsOracle` (pipeline/weights.py) opens it once per pair
 (`open_pair`) and asks it for one run per engine (`pair_run`); the run is guarded as every run is
 (equivalence/sampling/run.py `guarded_sampled_audit`: `--timeout`, the output contract, a failed run).
 
@@ -66,7 +66,7 @@ UNSAMPLED_FIELDS = {"stop": "stop strings end a sample on its text, which the sa
                     "seed": "the run seeds every request itself (--seed)"}
 
 
-def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list[Any] | None:
+def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any, *, served: bool = False) -> list[Any] | None:
     """One `RequestParams` per prompt: the sampler's temperature, top-k and top-p, the command line's request
     parameters (penalties, logit bias, bad words, min_tokens, min-p) and a prompts file line's `params` over
     them; bad words resolved to ids with the target's tokenizer. None when nothing but the sampler is asked
@@ -85,7 +85,7 @@ def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list
         raise UsageError(str(exc)) from None
     if all(p == sampler for p in params):  # --top-k alone: the sampler's own cut, as before
         return None
-    if settings.oracle == "served":
+    if served:  # against a served reference
         raise UsageError("request parameters with --temperature need the weights (--pair, or --target): a served "
                          "reference's log-probabilities are the raw model's, before any penalty")
     for number, p in enumerate(params, 1):
@@ -96,9 +96,9 @@ def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list
     return [with_bad_words_resolved(p, tokenizer) for p in params]
 
 
-def preflight(settings: AuditSettings) -> None:
+def preflight(settings: AuditSettings, *, served: bool = False) -> None:
     """`UsageError` for request parameters the sampled judge cannot apply, before a model is loaded (the
-    prompts file's `params` of every line, the command line's)."""
+    prompts file's `params` of every line, the command line's); `served`: against a served reference."""
     from specaudit.equivalence.blackbox.requests_run import has_request_params
 
     if not has_request_params(settings.prompts, settings.request_params):
@@ -106,16 +106,15 @@ def preflight(settings: AuditSettings) -> None:
     lines = 1
     if settings.prompts != "builtin" and Path(settings.prompts).is_file():
         lines = max(1, sum(1 for line in Path(settings.prompts).read_text(encoding="utf-8").splitlines() if line.strip()))
-    prompt_requests(settings, lines, None)
+    prompt_requests(settings, lines, None, served=served)
 
 
 def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dtype: str
-              ) -> tuple[Any, list[list[int]], Any, dict[str, Any]]:
-    """(the float64 oracle pair, the prompts, the EOS ids, each engine built or its recorded samples);
+              ) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(the float64 oracle pair, the prompt set, the EOS ids, each engine built or its recorded samples);
     `UsageError` for what cannot run (a float64 copy that does not fit, EOS ids or prompts outside the
     vocabulary, an engine that cannot be built)."""
     from specaudit.equivalence import validate
-    from specaudit.equivalence.prompts import load_prompts
     from specaudit.engines.registry import make_engine
 
     device, sampling = settings.device, settings.sampling
@@ -141,16 +140,13 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
         except Exception as exc:  # noqa: BLE001 - a bad name, file or factory: one line, exit 2
             what = str(exc) if isinstance(exc, (ValueError, ImportError, OSError)) else f"{type(exc).__name__}: {exc}"
             raise UsageError(f"engine {spec}: {what}" if spec not in what else what) from None
-    recordings = [samples for spec, samples in built.items() if source_of(spec) == "recording"]
-    if settings.prompts == "builtin" and recordings and len(recordings) == len(built):
-        prompts = list(dict.fromkeys(tuple(prompt) for samples in recordings for prompt, _ in samples))
-        prompts = [list(p) for p in prompts][: settings.num_prompts] if settings.num_prompts else [list(p) for p in prompts]
-        from specaudit.equivalence.prompts import check_ids
+    from specaudit.equivalence.pipeline.prompt_set import recording_specs, resolve_prompts
 
-        for number, ids in enumerate(prompts, 1):
-            check_ids(f"the recording's prompt {number}", ids, vocab_size, None, settings.max_new_tokens)
-    else:
-        prompts = load_prompts(settings.prompts, pair.tokenizer, settings.num_prompts, vocab_size=vocab_size)
+    recordings = recording_specs(settings.engines)
+    prompt_set = resolve_prompts(  # a recording holds one line per sample: each prompt once
+        settings, tokenizer=pair.tokenizer, vocab_size=vocab_size, unique=True, with_requests=False,
+        from_recordings=recordings if len(recordings) == len(settings.engines) else ())
+    prompts = prompt_set.prompts
     asked = prompt_requests(settings, len(prompts), pair.tokenizer)
     if asked is not None:
         from specaudit.engines.contract import declares
@@ -160,7 +156,7 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
                 raise UsageError(f"engine {spec} takes no request parameters (it declares no `request_params`): "
                                  "audit it with the temperature and cuts alone, or drop the request parameters")
         _check_constraints(built, [p.constraint for p in asked if p.constraint is not None])
-    return oracle, prompts, eos, built
+    return oracle, prompt_set, eos, built
 
 
 def _check_constraints(built: dict[str, Any], constraints: list[Any]) -> None:
@@ -239,7 +235,7 @@ def refusal(settings: AuditSettings) -> str | None:
         return "--samples must be at least 1"
     if not 0 < sampling.alpha < 1:
         return f"--alpha {sampling.alpha}: give a family-wise false-positive rate between 0 and 1, e.g. 0.01"
-    if settings.oracle == "weights" and len(settings.pairs) != 1:
+    if len(settings.pairs) > 1:  # a served reference has none
         return "the sampled audit takes one pair: one --pair, or --target (and --draft for a speculative engine)"
     for flag, values in (("--batch-size", settings.batch_sizes), ("--dtype", settings.dtypes)):
         if len(values) != 1:

@@ -1,7 +1,7 @@
 """The served oracle (`specaudit audit --engine E --reference R [--tokenizer DIR]`): no weights in the process.
 
 The reference is an engine of the same model with speculation off (a plain vLLM, SGLang, llama.cpp or TensorRT-LLM
-server, or a recording of one). `ServedGroup` is the pipeline's group for it (equivalence/pipeline/runner.py):
+server, or a recording of one). `ServedOracle` is the pipeline's oracle for it (equivalence/pipeline/runner.py):
 
 1. `open`: the prompts, in the served model's tokens (`--tokenizer DIR`: its tokenizer and config files, never
    its weights; or a prompts file of ids; a recording's own prompts), with the adversarial prompts sized from
@@ -159,40 +159,29 @@ def served_eos(settings: AuditSettings, served_model: Served) -> Any:
     return served_model.eos_token_id if settings.eos_token_id == "pair" else settings.eos_token_id
 
 
-def served_prompts(settings: AuditSettings, served_model: Served) -> tuple[list[list[int]], dict[str, Any] | None]:
-    """The prompts, and the adversarial cases among them (None when none were added). A recording (an audited
-    engine's or the reference's) brings its own prompts, unless a prompts file is given."""
+def served_prompts(settings: AuditSettings, served_model: Served, *, adversarial: bool, unique: bool) -> Any:
+    """The group's prompt set (equivalence/pipeline/prompt_set.py): a recording (an audited engine's or the
+    reference's) brings its own prompts, unless a prompts file is given; the adversarial cases are sized from the
+    served model's config where `adversarial`."""
     from specaudit.equivalence.adversarial import adversarial_prompts
-    from specaudit.equivalence.prompts import PromptError, load_prompts
+    from specaudit.equivalence.pipeline.prompt_set import recording_specs, resolve_prompts
 
-    recordings = [spec for spec in [*settings.engines, settings.reference] if source_of(spec) == "recording"]
-    if recordings and settings.prompts == "builtin":
-        from specaudit.engines.adapters.recorded import read_recording
+    def additions(prompts: list[list[int]]) -> tuple[list[list[int]], dict[str, Any]]:
+        cases, skipped = adversarial_prompts(
+            [t for p in prompts for t in p], pad_token_id=served_model.pad_token_id,
+            eos_token_id=served_eos(settings, served_model), bos_token_id=served_model.bos_token_id,
+            max_positions=served_model.max_positions, max_new_tokens=settings.max_new_tokens,
+            draft_tokens=settings.draft_tokens)
+        first = len(prompts)
+        return prompts + [list(c.tokens) for c in cases], {
+            "first_index": first, "skipped": skipped,
+            "cases": [{"prompt_index": first + i, **c.describe()} for i, c in enumerate(cases)]}
 
-        prompts = [line.prompt_ids for line in read_recording(recordings[0].partition(":")[2])]
-        if settings.judge == "sampled":  # one line per sample: each prompt once, in order
-            prompts = [list(p) for p in dict.fromkeys(tuple(p) for p in prompts)]
-        return (prompts[: settings.num_prompts] if settings.num_prompts else prompts), None
-    if settings.prompts == "builtin" and served_model.tokenizer is None:
-        raise UsageError("--reference with the built-in prompts needs the served model's tokenizer: give "
-                         "--tokenizer DIR, or --prompts FILE with input_ids")
-    try:
-        prompts = load_prompts(settings.prompts, served_model.tokenizer, settings.num_prompts,
-                               vocab_size=served_model.vocab_size, max_positions=served_model.max_positions,
-                               max_new_tokens=settings.max_new_tokens)
-    except PromptError as exc:
-        raise UsageError(str(exc)) from None
-    if not settings.adversarial or settings.judge == "sampled":
-        return prompts, None
-    cases, skipped = adversarial_prompts(
-        [t for p in prompts for t in p], pad_token_id=served_model.pad_token_id,
-        eos_token_id=served_eos(settings, served_model), bos_token_id=served_model.bos_token_id,
-        max_positions=served_model.max_positions, max_new_tokens=settings.max_new_tokens,
-        draft_tokens=settings.draft_tokens)
-    first = len(prompts)
-    return prompts + [list(c.tokens) for c in cases], {
-        "first_index": first, "skipped": skipped,
-        "cases": [{"prompt_index": first + i, **c.describe()} for i, c in enumerate(cases)]}
+    # the reference is asked once for the group's prompts: every recording defines them
+    return resolve_prompts(settings, tokenizer=served_model.tokenizer, vocab_size=served_model.vocab_size,
+                           max_positions=served_model.max_positions, unique=unique, with_requests=False,
+                           from_recordings=recording_specs([*settings.engines, settings.reference]),
+                           adversarial=additions if adversarial else None)
 
 
 def preflight(settings: AuditSettings) -> None:
@@ -203,16 +192,20 @@ def preflight(settings: AuditSettings) -> None:
     if inprocess:
         raise UsageError(f"--reference audits served or recorded engines only: engine {inprocess[0]} runs in this "
                          "process and needs the weights (give --target instead of --reference)")
-    if settings.judge == "sampled":
-        sampling = settings.sampling
-        if sampling.temperature != 1.0 or sampling.top_p != 1.0 or sampling.top_k != 0:
-            raise UsageError(f"--reference with --temperature {sampling.temperature:g} (top-p {sampling.top_p:g}, "
-                             f"top-k {sampling.top_k}): the reference's prompt log-probabilities describe "
-                             "temperature 1 without cuts; give --temperature 1 (no --top-p, --top-k), or --target "
-                             "for other settings")
-        if black_box_prefix(settings.reference) != "vllm":
-            raise UsageError(f"--reference {settings.reference}: the sampled audit teacher-forces through "
-                             "prompt_logprobs, which only vllm:URL gives here")
+
+
+def sampled_refusal(settings: AuditSettings) -> str | None:
+    """Why a served reference cannot teacher-force these sampled settings, or None."""
+    sampling = settings.sampling
+    if sampling.temperature != 1.0 or sampling.top_p != 1.0 or sampling.top_k != 0:
+        return (f"--reference with --temperature {sampling.temperature:g} (top-p {sampling.top_p:g}, "
+                f"top-k {sampling.top_k}): the reference's prompt log-probabilities describe "
+                "temperature 1 without cuts; give --temperature 1 (no --top-p, --top-k), or --target "
+                "for other settings")
+    if black_box_prefix(settings.reference) != "vllm":
+        return (f"--reference {settings.reference}: the sampled audit teacher-forces through "
+                "prompt_logprobs, which only vllm:URL gives here")
+    return None
 
 
 def reference_failure(spec: str, exc: BaseException) -> str:
@@ -228,7 +221,7 @@ def reference_failure(spec: str, exc: BaseException) -> str:
 
 # ---- the group ---------------------------------------------------------------------------------------
 
-class ServedGroup:
+class ServedOracle:
     """The runs judged against a served reference (module docstring)."""
 
     def __init__(self, settings: AuditSettings) -> None:
@@ -240,13 +233,16 @@ class ServedGroup:
         self.record: dict[str, Any] = {"engine": settings.reference, "error": None}
         self.sampled_engines: dict[str, Any] = {}
 
-    def open(self) -> None:
+    def _open(self, *, adversarial: bool, unique: bool) -> None:
         settings = self.settings
         self.served_model = load_served(settings.tokenizer)
         self.eos = served_eos(settings, self.served_model)
-        self.prompts, self.adversarial = served_prompts(settings, self.served_model)
-        if settings.judge == "sampled":
-            return self._open_sampled()
+        prompt_set = served_prompts(settings, self.served_model, adversarial=adversarial, unique=unique)
+        self.prompts, self.adversarial = prompt_set.prompts, prompt_set.adversarial
+
+    def open_greedy(self) -> None:
+        settings = self.settings
+        self._open(adversarial=True, unique=False)
         first_batch = max(settings.batch_sizes) if settings.reference_batch_invariant else 1
         second_batch = max(first_batch, min(RERUN_IN_FLIGHT, len(self.prompts)))
         self.record["asked"] = (f"{first_batch} prompts in flight (declared batch-invariant)"
@@ -282,7 +278,8 @@ class ServedGroup:
         })
         self.force = teacher_forcer(engine, self.eos, settings.timeout)
 
-    def _open_sampled(self) -> None:
+    def open_sampled(self) -> None:
+        self._open(adversarial=False, unique=True)  # one recorded line per sample: each prompt once
         from specaudit.engines.adapters.sampled_servers import make_sampled_server
         from specaudit.engines.sampling.process import SamplingParams
         from specaudit.equivalence.sampling.served import TOP
@@ -322,9 +319,7 @@ class ServedGroup:
         return {"engine": spec, "pair": self.name, "batch_size": batch_size, "dtype": "served", "device": "server",
                 "num_prompts": len(self.prompts)}
 
-    def run(self, spec: str, batch_size: int, progress: Any = None) -> dict[str, Any]:
-        if self.settings.judge == "sampled":
-            return self._sampled_run(spec, batch_size)
+    def greedy_run(self, spec: str, batch_size: int) -> dict[str, Any]:
         try:
             return self._greedy_run(spec, batch_size)
         except KeyboardInterrupt:
@@ -383,7 +378,7 @@ class ServedGroup:
                          equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)), acceptance=acceptance)
         return run
 
-    def _sampled_run(self, spec: str, batch_size: int) -> dict[str, Any]:
+    def sampled_run(self, spec: str, batch_size: int, progress: Any = None) -> dict[str, Any]:
         from specaudit.equivalence.sampling.run import failed_report, sampled_run
         from specaudit.equivalence.sampling.served import served_sampled_audit
 

@@ -7,7 +7,10 @@ A run is a composition of three choices, each read off the settings:
 |---|---|---|
 | how outputs are obtained (`source_of`) | an in-process engine, a live server, a recording | the engine spec: `recorded:FILE`, `vllm:URL` (and the other server prefixes), anything else |
 | the oracle (`oracle`) | the in-process reference with the weights, or a served reference | `reference`: None, or `vllm:URL` etc. |
-| how outputs are judged (`judge`) | greedy tokens, or sampled statistics | `sampling`: None, or the temperature, cuts, samples and seed |
+| how outputs are judged (`mode`) | greedy tokens, or sampled statistics | `sampling`: None, or the temperature, cuts, samples and seed |
+
+Only `runner.compose` reads `oracle` and `mode` to choose; it builds the judge (equivalence/pipeline/judges.py)
+and the oracles from them.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from specaudit.equivalence.rulings.thresholds import ALPHA
+
 TEACHER_FORCING_TOP = 20  # a served reference's top log-probabilities per position (vLLM's default max_logprobs)
 Source = Literal["in-process", "server", "recording"]
 Oracle = Literal["weights", "served"]
-Judge = Literal["greedy", "sampled"]
+Mode = Literal["greedy", "sampled"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ class SamplingSettings:
     top_p: float = 1.0
     samples: int = 400
     seed: int = 0
-    alpha: float = 0.01  # the family-wise false-positive rate of the tests together (Holm)
+    alpha: float = ALPHA  # the family-wise false-positive rate of the tests together (Holm)
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,8 @@ class AuditSettings:
         return "weights" if self.reference is None else "served"
 
     @property
-    def judge(self) -> Judge:
+    def mode(self) -> Mode:
+        """How outputs are judged: greedy tokens, or sampled statistics (`--temperature`)."""
         return "greedy" if self.sampling is None else "sampled"
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +116,7 @@ class AuditSettings:
             "require_acceptance": self.require_acceptance, "payoff": self.payoff,
             "diagnosis": self.diagnosis, "diagnosis_budget": self.diagnosis_budget,
             "request_params": self.request_params.to_dict() if self.request_params is not None else None,
-            "oracle": self.oracle, "judge": self.judge,
+            "oracle": self.oracle, "judge": self.mode,  # "judge": the key earlier versions wrote
         }
         if self.reference is not None:
             data.update(reference=self.reference, tokenizer=self.tokenizer,

@@ -51,3 +51,7 @@ NOISY_EXPLAIN_RATIO = 0.25
 # choose at least this share of the engine's tokens over the window compared (and more than the plain replay):
 # the masked replay must follow the engine's output on most of the window, not agree by chance on a few tokens.
 MASKED_REPLAY_AGREEMENT = 0.75
+
+# the family-wise false-positive rate of a run's tests together (Holm): one false alarm in a hundred audits of
+# a correct engine, small enough for a merge gate, large enough that the tests keep their power
+ALPHA = 0.01
