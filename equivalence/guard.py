@@ -104,6 +104,13 @@ def _token(value: Any) -> int | None:
     return int(value)
 
 
+def check_recorded_samples(recorded: list[tuple[list[int], Any]], vocab_size: int | None
+                           ) -> list[tuple[list[int], list[int]]]:
+    """A recording's samples (prompt, tokens) held to the output contract as an engine's outputs are."""
+    checked = check_outputs([tokens for _, tokens in recorded], len(recorded), vocab_size)
+    return [(prompt, tokens) for (prompt, _), tokens in zip(recorded, checked)]
+
+
 def check_outputs(outputs: Any, num_prompts: int, vocab_size: int | None) -> list[list[int]]:
     """The engine's outputs as plain int lists, or `EngineFailure` saying what breaks the contract."""
     if isinstance(outputs, torch.Tensor):

@@ -14,7 +14,7 @@ import pytest
 
 import failing_engines
 from cli_run import audit, runs
-from specaudit.equivalence.pipeline import runner
+from specaudit.equivalence.pipeline import weights
 
 SMALL = ("--num-prompts", "2", "--max-new-tokens", "4")
 
@@ -112,14 +112,14 @@ def test_host_memory_error_is_a_failed_run(tmp_path: Path) -> None:
 def test_reference_failure_is_recorded_per_run_and_other_pairs_go_on(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # stands for a model that fails in its own forward pass (as an MoE did in float64): planted on tiny-gpt2
-    real_reference = runner.Reference
+    real_reference = weights.Reference
 
     def reference(pair, *args, **kwargs):
         if pair.name == "tiny-gpt2":
             raise RuntimeError("planted: this model cannot run in float64")
         return real_reference(pair, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "Reference", reference)
+    monkeypatch.setattr(weights, "Reference", reference)
     result = audit("--engine", "eqspec", "--engine", "reference", "--pair", "tiny-gpt2", "--pair", "tiny-llama",
                    "--batch-size", "2", *SMALL, out=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -179,7 +179,7 @@ def test_ctrl_c_before_the_first_run_leaves_a_clear_message(tmp_path: Path, monk
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runner.validate, "preflight", interrupted)
+    monkeypatch.setattr(weights.validate, "preflight", interrupted)
     result = audit("--engine", "eqspec", "--pair", "tiny-gpt2", out=tmp_path)
     assert result.returncode == 130 and "nothing was written" in result.stderr
 

@@ -167,3 +167,26 @@ def sampled_constraint_findings(samples: Sequence[tuple[Sequence[int], Sequence[
             "violations": len(violations), "violation_findings": violations[:10],
             "forbidden_samples": len(forbidden), "forbidden_tokens": forbidden[:20],
             "class": cls, "reason": reason, "fix": CONSTRAINT_FIXES.get(cls) if cls else None}
+
+
+def constraint_refusal(spec: str, constraints: Sequence[Any], *, dialect: str | None, recording: bool,
+                       takes_constraints: bool, verb: str = "decode") -> str | None:
+    """Why engine `spec` would drop one of `constraints`, or None: a server whose dialect cannot carry it, a
+    recording (what was asked of it is unknown), an in-process engine that declares no `takes_constraints`."""
+    from specaudit.engines.constraints.fields import dialect_refusal
+
+    if not constraints:
+        return None
+    if dialect is not None:
+        for constraint in constraints:
+            why = dialect_refusal(dialect, constraint)
+            if why is not None:
+                return f"{spec}: cannot send the {constraint.kind} constraint: {why}"
+        return None
+    if recording:
+        return (f"engine {spec}: a recording says nothing of the constraint it was {verb}d under: audit the "
+                "engine itself")
+    if not takes_constraints:
+        return (f"engine {spec} takes no structured-output constraint (it declares no `takes_constraints`): it "
+                f"would {verb} unconstrained")
+    return None

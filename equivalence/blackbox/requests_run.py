@@ -31,7 +31,7 @@ from specaudit.engines.requests.reference import RequestResult, decode_with_para
 from specaudit.engines.requests import RequestParams, process
 from specaudit.equivalence import speculation
 from specaudit.equivalence import rulings
-from specaudit.equivalence.blackbox.constraints import constraint_cause, violation_finding
+from specaudit.equivalence.blackbox.constraints import constraint_cause, constraint_refusal, violation_finding
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 from specaudit.engines.contract import capability, declares
 from specaudit.equivalence.guard import unguarded
@@ -319,7 +319,6 @@ def _check_usage(config: Any, black_box_prefix: Any) -> None:
 def _check_constraints(config: Any, constraints: list[Any], black_box_prefix: Any) -> None:
     """A constraint no engine of the audit may drop: each must take it (in-process: its class declares
     `takes_constraints`; a server: its dialect carries it, engines/constraints/fields.py)."""
-    from specaudit.engines.constraints.fields import dialect_refusal
     from specaudit.engines.constraints.matcher import _xgrammar
     from specaudit.engines.registry import resolve
 
@@ -331,11 +330,8 @@ def _check_constraints(config: Any, constraints: list[Any], black_box_prefix: An
             llguidance_grammar(constraint)
     for name in list(config.engines) + ([config.plain_engine] if config.plain_engine else []):
         prefix = black_box_prefix(name)
-        if prefix in SERVER_PREFIXES:
-            for constraint in constraints:
-                why = dialect_refusal(prefix, constraint)
-                if why is not None:
-                    raise ValueError(f"{name}: cannot send the {constraint.kind} constraint: {why}")
-        elif not getattr(resolve(name), "takes_constraints", False):
-            raise ValueError(f"engine {name} takes no structured-output constraint (its class declares no "
-                             "`takes_constraints`): it would decode unconstrained")
+        server = prefix in SERVER_PREFIXES
+        why = constraint_refusal(name, constraints, dialect=prefix if server else None, recording=False,
+                                 takes_constraints=server or bool(getattr(resolve(name), "takes_constraints", False)))
+        if why is not None:
+            raise ValueError(why)

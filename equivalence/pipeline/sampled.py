@@ -162,23 +162,16 @@ def open_pair(settings: AuditSettings, pair: Any, pair_spec: str | UserPair, dty
 def _check_constraints(built: dict[str, Any], constraints: list[Any]) -> None:
     """`UsageError` for an engine that would drop a constraint: a server whose dialect cannot carry it, an
     in-process engine that declares no `takes_constraints`, a recording (what was asked of it is unknown)."""
-    if not constraints:
-        return
-    from specaudit.engines.constraints.fields import dialect_refusal
+    from specaudit.equivalence.blackbox.constraints import constraint_refusal
 
     for spec, engine in built.items():
         server = getattr(engine, "server", engine)  # a sampled server wraps the dialect's engine
-        dialect = getattr(server, "dialect", None) if source_of(spec) != "recording" else None
-        if dialect is not None:
-            why = next((w for w in (dialect_refusal(dialect, c) for c in constraints) if w is not None), None)
-            if why is not None:
-                raise UsageError(f"{spec}: cannot send the constraint: {why}")
-        elif source_of(spec) == "recording":
-            raise UsageError(f"engine {spec}: a recording says nothing of the constraint it was sampled under: "
-                             "audit the engine itself")
-        elif not getattr(engine, "takes_constraints", False):
-            raise UsageError(f"engine {spec} takes no structured-output constraint (it declares no "
-                             "`takes_constraints`): it would sample unconstrained")
+        recording = source_of(spec) == "recording"
+        why = constraint_refusal(spec, constraints, dialect=None if recording else getattr(server, "dialect", None),
+                                 recording=recording, takes_constraints=bool(getattr(engine, "takes_constraints", False)),
+                                 verb="sample")
+        if why is not None:
+            raise UsageError(why)
 
 
 def pair_run(settings: AuditSettings, spec: str, engine: Any, pair: Any, oracle: Any, prompts: list[list[int]],

@@ -31,7 +31,7 @@ from specaudit.engines.contract import capability
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.registry import black_box_prefix, make_engine
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
-from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, check_outputs, failure_message
+from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, check_recorded_samples, failure_message
 from specaudit.equivalence.pipeline import sampled
 from specaudit.equivalence.pipeline.settings import AuditSettings, source_of
 from specaudit.equivalence.rulings import served as served_rulings
@@ -389,9 +389,7 @@ class ServedOracle:
             recorded, engine = engine, None
         try:  # behind the guard: a time limit on the engine and on each reference call, the output contract
             if recorded is not None:
-                checked = check_outputs([tokens for _, tokens in recorded], len(recorded),
-                                        self.served_model.vocab_size)
-                recorded = [(prompt, tokens) for (prompt, _), tokens in zip(recorded, checked)]
+                recorded = check_recorded_samples(recorded, self.served_model.vocab_size)
             result = served_sampled_audit(
                 None if engine is None else GuardedEngine(engine, timeout=settings.timeout,
                                                           vocab_size=self.served_model.vocab_size),

@@ -269,11 +269,9 @@ def guarded_sampled_audit(engine_name: str, build: Callable[[], Any], target: An
     started = time.perf_counter()
     try:
         if recorded is not None:
-            from specaudit.equivalence.guard import check_outputs
+            from specaudit.equivalence.guard import check_recorded_samples
 
-            checked = check_outputs([tokens for _, tokens in recorded], len(recorded), vocab_size)
-            recorded = [(prompt, tokens) for (prompt, _), tokens in zip(recorded, checked)]
-            engine = None
+            recorded, engine = check_recorded_samples(recorded, vocab_size), None
         else:
             engine = GuardedEngine(build(), timeout=timeout, vocab_size=vocab_size)
         report = sampled_audit(engine, target, prompts, params, recorded=recorded, **audit_options)
