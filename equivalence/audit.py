@@ -24,6 +24,8 @@ from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
+from specaudit.equivalence.diagnosis.judge import INPUT_CLASSES
+from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE
 from specaudit.equivalence.diagnosis.observe import watch_for
 from specaudit.equivalence.acceptance.run import acceptance_of_run, load_baseline
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
@@ -248,7 +250,7 @@ def audit_engine(
     # 5. name the cause of every structural divergence
     diagnosed_at = time.perf_counter()
     diagnoser = None
-    if diagnosis != "off" and any(unnamed(d) for d in judged.divergences):
+    if diagnosis != "off" and any(d["kind"] == "structural" for d in judged.divergences):
         below = dtype != "float64"
         facts = RunFacts(
             prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs], outputs=run.outputs,
@@ -496,16 +498,26 @@ def unnamed(divergence: Divergence) -> bool:
     return divergence["kind"] == "structural" and named in (None, "unknown")
 
 
+def seen_input(diagnosis: dict[str, Any]) -> bool:
+    """A wrong input the watched run was seen feeding and a replay (or the state's re-run) confirmed: the cause,
+    before a class named from outputs alone (a processor replay whose token the wrong input chose by chance)."""
+    named_by = str(diagnosis.get("named_by") or "")
+    return diagnosis.get("class") in INPUT_CLASSES and (
+        named_by in ("a reproducing replay", "the observed inputs") or named_by.startswith(OBSERVED_STATE))
+
+
 def diagnose(judged: Ruled, facts: RunFacts) -> Diagnoser:
     """Stage 5: name the bug of every structural divergence (equivalence/diagnosis/core.py) from the run's `facts`;
     the run context runs a fresh engine for its experiments, and one hooked re-run of it observes what an
     in-process engine fed the target (`facts.observe_inputs`; equivalence/diagnosis/observe.py). Each divergence
     judged past a numerical flip is diagnosed against the reference it was judged by, decoded on to the end of the
-    budget."""
+    budget. A class a request parameter's check named from outputs stands unless the watched run shows a wrong
+    input behind the token (`seen_input`)."""
     diagnoser = Diagnoser(facts)
     originals = diagnoser.references
     for divergence in judged.divergences:
-        if not unnamed(divergence):
+        named = divergence["kind"] == "structural" and not unnamed(divergence)
+        if not unnamed(divergence) and not (named and facts.watch is not None):
             continue
         index = divergence["prompt_index"]
         if "continued_reference" in divergence:
@@ -514,7 +526,13 @@ def diagnose(judged: Ruled, facts: RunFacts) -> Diagnoser:
             whole = head if left <= 0 or not head or head[-1] in eos_ids(facts.eos_token_id) else head + greedy_decode(
                 facts.target, list(facts.prompts[index]) + head, left, facts.eos_token_id)[0]
             diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
-        divergence["diagnosis"] = diagnoser.diagnose(divergence)
+        found = diagnoser.diagnose(divergence)
+        if not named:
+            divergence["diagnosis"] = found
+        elif seen_input(found):  # the output check's class was a symptom of the input seen
+            earlier = divergence["diagnosis"]
+            found["tried"] = [f"{earlier.get('named_by')}: {earlier.get('evidence')}", *found.get("tried", [])]
+            divergence["diagnosis"] = found
         diagnoser.references = originals
     note_shared_mechanisms(judged.divergences)
     return diagnoser
