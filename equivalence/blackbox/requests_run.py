@@ -16,6 +16,7 @@ Per-prompt parameters come from the prompts file: a `params` object on a JSONL l
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -37,6 +38,21 @@ from specaudit.engines.contract import capability, declares
 from specaudit.equivalence.guard import unguarded
 
 
+def file_params(source: str) -> list[dict[str, Any] | None]:
+    """Each non-blank line's `params` object of a prompts file (None: none on that line, or the built-in set), read
+    once per file and version (equivalence/prompts.py reads the same lines, in the same order)."""
+    if source == "builtin" or not Path(source).is_file():
+        return []
+    stat = Path(source).stat()
+    return list(_file_params(str(Path(source).resolve()), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=8)
+def _file_params(path: str, _mtime_ns: int, _size: int) -> tuple[dict[str, Any] | None, ...]:
+    records = (json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip())
+    return tuple((r.get("params") or None) if isinstance(r, dict) else None for r in records)
+
+
 def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
                   from_file: int | None = None) -> list[RequestParams]:
     """Each prompt's parameters: the prompts file's `params` object on its line (non-blank lines, in order,
@@ -45,15 +61,11 @@ def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
     audit uses (`--num-prompts`), None for all."""
     base = common or RequestParams()
     per_line: list[RequestParams] = []
-    if source != "builtin" and Path(source).is_file():
-        lines = [line for line in Path(source).read_text(encoding="utf-8").splitlines() if line.strip()]
-        for number, line in enumerate(lines, 1):
-            record = json.loads(line)
-            given = record.get("params") if isinstance(record, dict) else None
-            try:
-                per_line.append(base.merged(RequestParams.from_dict(given)) if given else base)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{source}:{number}: params: {exc}") from None
+    for number, given in enumerate(file_params(source), 1):
+        try:
+            per_line.append(base.merged(RequestParams.from_dict(given)) if given else base)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{source}:{number}: params: {exc}") from None
     if from_file is not None:
         per_line = per_line[:from_file]
     return [per_line[i] if i < len(per_line) else base for i in range(num_prompts)]
@@ -63,10 +75,7 @@ def has_request_params(source: str, common: RequestParams | None) -> bool:
     """Whether the audit sends any request parameter: a common set, or a `params` object in the prompts file."""
     if common is not None and not (common.is_plain() and common.logprobs is None):
         return True
-    if source == "builtin" or not Path(source).is_file():
-        return False
-    return any(isinstance(r, dict) and r.get("params") for r in
-               (json.loads(line) for line in Path(source).read_text(encoding="utf-8").splitlines() if line.strip()))
+    return any(file_params(source))
 
 
 def _ending_class(reference: RequestResult, tokens: list[int], position: int, limit: int, stop_ids: list[int]) -> str:
@@ -308,8 +317,7 @@ def _check_usage(config: Any, black_box_prefix: Any) -> None:
                                 and not takes_request_params(config.plain_engine)):
         raise ValueError(f"the plain engine {config.plain_engine} takes no request parameters: it would decode "
                          "other requests than the audited engine")
-    lines = (sum(1 for line in Path(config.prompts).read_text(encoding="utf-8").splitlines() if line.strip())
-             if config.prompts != "builtin" and Path(config.prompts).is_file() else 0)
+    lines = len(file_params(config.prompts))
     params = prompt_params(config.prompts, lines, config.request_params)  # parses every line's params
     constraints = [p.constraint for p in params + [config.request_params or RequestParams()] if p.constraint is not None]
     if constraints:

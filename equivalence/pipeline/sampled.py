@@ -103,9 +103,9 @@ def preflight(settings: AuditSettings, *, served: bool = False) -> None:
 
     if not has_request_params(settings.prompts, settings.request_params):
         return
-    lines = 1
-    if settings.prompts != "builtin" and Path(settings.prompts).is_file():
-        lines = max(1, sum(1 for line in Path(settings.prompts).read_text(encoding="utf-8").splitlines() if line.strip()))
+    from specaudit.equivalence.blackbox.requests_run import file_params
+
+    lines = max(1, len(file_params(settings.prompts)))
     prompt_requests(settings, lines, None, served=served)
 
 
