@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Final, Literal
 
 # a run's `mode` (the same strings as run_record.GREEDY and SAMPLED, which builds today's runs)
