@@ -16,6 +16,7 @@ its tokens.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, fields
 from typing import Any, TypeVar
@@ -31,8 +32,7 @@ KEYS = {"cls": "class"}  # a field whose JSON key is not its name (a Python keyw
 SAMPLED_ORDER = ("engine", "mode", "pair", "batch_size", "dtype", "device", "num_prompts", "error", "verdict",
                  "equivalent", "failed", "traceback", "seconds", "sampled", "acceptance")
 
-
-# a greedy run's fields before anything was compared, as JSON (run_record.GREEDY_DEFAULTS)
+# a greedy run's fields before anything was compared (run_record.GREEDY_DEFAULTS, with tuples for its lists)
 GREEDY_FIELD_DEFAULTS = {f.name: f.default for f in fields(Run) if f.name in GREEDY_FIELDS}
 
 
@@ -40,6 +40,7 @@ def _key(name: str) -> str:
     return KEYS.get(name, name)
 
 
+@functools.cache
 def _names(record_type: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(record_type) if f.name != "extra")
 
@@ -127,7 +128,8 @@ def divergence_from_json(data: Mapping[str, Any]) -> Divergence:
 
 def run_to_json(run: Run) -> dict[str, Any]:
     """A run as `audit.json` keeps it: a greedy run's keys in the in-process audit's order, its greedy fields
-    always; a sampled run's in `sampling/run.sampled_run`'s, without the greedy fields."""
+    always; a sampled run's in `sampling/run.sampled_run`'s, without the greedy fields. (A failed greedy run's
+    come in the greedy order too, where `run_record.failed_run` writes its base's first: the same object.)"""
     names = _names(Run)
     if run.mode == GREEDY:
         return _to_json(run, names)
