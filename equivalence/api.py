@@ -6,6 +6,7 @@
                              out="audit-out")
     report.equivalent, report.exit_status, report.runs[0]["exact_matches"]
     same = specaudit.read_report("audit-out")                     # a folder or its audit.json
+    same.records[0].exact_matches, same.records[0].divergence_classes  # typed runs (equivalence/records/)
 
 `audit` is `specaudit audit` without the command line: the same runs, the same `audit.json`,
 `report.md` and `report.html` when `out` is given, the same exit status.
@@ -16,17 +17,19 @@ from __future__ import annotations
 import json
 import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
 from specaudit.engines.models import zoo
 from specaudit.equivalence.pipeline.runner import AuditSettings, UserPair, exit_status, run_audit
+from specaudit.equivalence.records import Run
 from specaudit.equivalence.reports.summary import summary_table
 
 
 @dataclass(frozen=True)
 class AuditReport:
-    """An audit's result: `data` is exactly what `audit.json` holds."""
+    """An audit's result: `data` is exactly what `audit.json` holds, `records` its runs typed."""
 
     data: dict[str, Any]
     path: Path | None = None  # the audit.json it came from or was written to
@@ -34,6 +37,14 @@ class AuditReport:
     @property
     def runs(self) -> list[dict[str, Any]]:
         return self.data["runs"]
+
+    @cached_property
+    def records(self) -> tuple[Run, ...]:
+        """Every run as a frozen `Run` (equivalence/records/), read by the one serializer
+        (equivalence/records/serialize.py), an older file's in this version's names."""
+        from specaudit.equivalence.records.serialize import run_from_json
+
+        return tuple(run_from_json(run) for run in self.runs)
 
     @property
     def exit_status(self) -> int:
@@ -148,8 +159,8 @@ def audit(
 
 def read_report(path: str | Path) -> AuditReport:
     """An `audit.json` written by `specaudit audit` or `audit(out=...)`: the file or its folder; one of an
-    earlier version is read in this version's field names (`run_record.upgrade`)."""
-    from specaudit.equivalence.run_record import upgrade
+    earlier version is read in this version's field names (`serialize.upgrade`); `.records` its typed runs."""
+    from specaudit.equivalence.records.serialize import upgrade
 
     path = Path(path)
     if path.is_dir():

@@ -58,27 +58,9 @@ def all_passed(audit: dict[str, Any]) -> bool:
 
 
 def upgrade(audit: dict[str, Any]) -> dict[str, Any]:
-    """An `audit.json` of an earlier version in this version's names, so its readers keep working: a served
-    audit's run kept its noise band as `band` (now `noise_band`, as every run) and its divergences' class,
-    `needs_weights` and reason at top level, its report checks apart in `findings` (now each divergence's
-    `diagnosis = {class, evidence, named_by, needs_weights, tried}`, the checks among the divergences)."""
-    for run in audit.get("runs") or []:
-        if "band" in run and "noise_band" not in run:
-            run["noise_band"] = run.pop("band")
-        findings = run.pop("findings", None) or []
-        divergences = list(run.get("divergences") or []) + list(findings)
-        for divergence in divergences:
-            if "diagnosis" in divergence or "class" not in divergence:
-                continue
-            cls, needs = divergence.pop("class"), bool(divergence.pop("needs_weights", False))
-            reason = divergence.pop("reason", None)
-            divergence.setdefault("evidence", {})
-            if isinstance(divergence["evidence"], dict):
-                divergence["evidence"].setdefault("reason", reason)
-            if divergence.get("kind") == "structural":
-                divergence["diagnosis"] = {"class": cls or "unknown", "evidence": reason,
-                                           "named_by": divergence.get("decided_by"), "needs_weights": needs,
-                                           "tried": []}
-        if "divergences" in run or findings:
-            run["divergences"] = divergences
-    return audit
+    """An `audit.json` of an earlier version in this version's names, so its readers keep working: a copy, read
+    by the one serializer (`equivalence/records/serialize.py` `upgrade`: a served run's `band`, its divergences'
+    top-level `class`, its `findings`; a run without `mode` or `failures`)."""
+    from specaudit.equivalence.records.serialize import upgrade as upgraded
+
+    return upgraded(audit)
