@@ -11,12 +11,16 @@ request parameters and structured outputs, rules every divergence, runs the plai
 acceptance and the payoff (equivalence/audit.py `audit_engine` against the weights; equivalence/rulings/served.py
 against a served reference); `SampledJudge` tests samples against the target's distribution by teacher forcing
 (equivalence/sampling/). A judge opens an oracle for what it needs and runs one engine at one batch size against
-it, returning the run's `audit.json` record; a run never raises but for Ctrl-C.
+it, returning the run as one frozen record (`equivalence/records` `Run`, every mode and every failed run alike;
+`records/serialize.py` writes it into `audit.json`); a run never raises but for Ctrl-C.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Protocol
+
+from specaudit.equivalence.records import Run
+from specaudit.equivalence.records.serialize import run_from_json
 
 Mode = Literal["greedy", "sampled"]
 
@@ -39,7 +43,7 @@ class Judge(Protocol):
     mode: Mode
 
     def open(self, oracle: Oracle) -> None: ...
-    def run(self, engine: str, batch_size: int, oracle: Oracle, progress: Any = None) -> dict[str, Any]: ...
+    def run(self, engine: str, batch_size: int, oracle: Oracle, progress: Any = None) -> Run: ...
 
 
 class GreedyJudge:
@@ -51,8 +55,8 @@ class GreedyJudge:
     def open(self, oracle: Oracle) -> None:
         oracle.open_greedy()
 
-    def run(self, engine: str, batch_size: int, oracle: Oracle, progress: Any = None) -> dict[str, Any]:
-        return oracle.greedy_run(engine, batch_size)
+    def run(self, engine: str, batch_size: int, oracle: Oracle, progress: Any = None) -> Run:
+        return run_from_json(oracle.greedy_run(engine, batch_size))
 
 
 class SampledJudge:
@@ -64,5 +68,5 @@ class SampledJudge:
     def open(self, oracle: Oracle) -> None:
         oracle.open_sampled()
 
-    def run(self, engine: str, batch_size: int, oracle: Oracle, progress: Any = None) -> dict[str, Any]:
-        return oracle.sampled_run(engine, batch_size, progress)
+    def run(self, engine: str, batch_size: int, oracle: Oracle, progress: Any = None) -> Run:
+        return run_from_json(oracle.sampled_run(engine, batch_size, progress))

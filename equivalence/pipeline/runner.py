@@ -41,6 +41,8 @@ from specaudit.equivalence.acceptance import findings as acceptance_findings
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
 from specaudit.equivalence.pipeline.judges import GreedyJudge, Judge, Oracle, SampledJudge
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
+from specaudit.equivalence.records import Run
+from specaudit.equivalence.records.serialize import run_from_json, run_to_json
 from specaudit.equivalence.run_record import all_passed
 
 from specaudit import __version__ as VERSION
@@ -195,11 +197,11 @@ def run_audit(
     write_json(json_path, audit)
     bar = progress(composition.planned) if progress else None
 
-    def record(run: dict[str, Any]) -> None:  # kept at once: a crash or Ctrl-C loses no finished run
-        audit["runs"].append(run)
+    def record(run: Run | dict[str, Any]) -> None:  # kept at once: a crash or Ctrl-C loses no finished run
+        audit["runs"].append(run_to_json(run if isinstance(run, Run) else run_from_json(run)))
         write_json(json_path, audit)
         if on_run is not None:
-            on_run(run)
+            on_run(audit["runs"][-1])
         if bar is not None:
             bar.update(1)
 
