@@ -133,7 +133,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                           "than one device; the reference and the plain control run so placed")
     add_engine_path_options(how)
     how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
-                     help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
+                     help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns, or a "
+                          "recording (its prompt_ids, each distinct prompt once)")
     how.add_argument("--num-prompts", type=_positive, default=None, metavar="N", help="use the first N prompts (default: all)")
     how.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="new tokens per prompt")
     how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
