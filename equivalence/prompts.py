@@ -4,6 +4,13 @@ A JSONL line holds token ids (`input_ids` or `tokens`) or text: a `prompt` or `t
 Spec-Bench's `turns` (the first turn is used). Text is tokenised with the target's tokenizer.
 Blank lines are skipped.
 
+A recording (engines/adapters/recorded.py: lines with `prompt_ids` and `output_ids`) is a prompt set too:
+its `prompt_ids` are the prompt, the outputs are ignored. A recorded line whose prompt an earlier recorded
+line of the file already gave is skipped (a sampled run's recording has one line per sample, its prompt
+repeated), so a recording yields each distinct prompt once, in the order they first appear;
+`--num-prompts N` counts these distinct prompts. Lines without `output_ids` are never merged: a prompts
+file may hold the same prompt twice on purpose.
+
 Every problem is a `PromptError` (exit 2) naming the file and line: a missing or empty file, a
 line that is not a JSON object, no usable field, an empty prompt, token ids that are not integers,
 negative or outside the vocabulary (given `vocab_size`), and a prompt that leaves no room for
@@ -36,13 +43,23 @@ def _text_of(record: dict[str, Any]) -> str | None:
     return None
 
 
+# the fields that hold a prompt as token ids, first present wins: a prompts file's, then a recording's
+ID_FIELDS = ("input_ids", "tokens", "prompt_ids")
+
+
 def _ids_of(record: dict[str, Any], where: str) -> list[int] | None:
-    ids = record.get("input_ids", record.get("tokens"))
-    if ids is None:
+    name = next((key for key in ID_FIELDS if record.get(key) is not None), None)
+    if name is None:
         return None
+    ids = record[name]
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise PromptError(f"{where}: input_ids must be a list of integer token ids")
+        raise PromptError(f"{where}: {name} must be a list of integer token ids")
     return list(ids)
+
+
+def _is_recorded(record: Any) -> bool:
+    """Whether a parsed line is a recording's (its prompt's `prompt_ids` with the engine's `output_ids`)."""
+    return isinstance(record, dict) and "prompt_ids" in record and "output_ids" in record
 
 
 def _read_lines(source: str) -> list[tuple[str, str]]:
@@ -81,10 +98,16 @@ def load_prompts(
                    for n, text in enumerate(zoo.builtin_prompt_texts(), 1)]
     else:
         located = []
+        recorded: set[tuple[int, ...]] = set()  # the prompts recorded lines gave so far
         for where, line in _read_lines(source):
             if num_prompts is not None and len(located) >= num_prompts:
                 break
-            located.append((where, _parse_line(where, line, tokenizer)))
+            ids, from_recording = _parse_line(where, line, tokenizer)
+            if from_recording:
+                if tuple(ids) in recorded:  # another sample of a prompt already taken
+                    continue
+                recorded.add(tuple(ids))
+            located.append((where, ids))
     if num_prompts is not None:
         located = located[:num_prompts]
     for where, ids in located:
@@ -92,7 +115,8 @@ def load_prompts(
     return [ids for _, ids in located]
 
 
-def _parse_line(where: str, line: str, tokenizer: Any | None) -> list[int]:
+def _parse_line(where: str, line: str, tokenizer: Any | None) -> tuple[list[int], bool]:
+    """The line's prompt as token ids, and whether the line is a recording's."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -103,14 +127,15 @@ def _parse_line(where: str, line: str, tokenizer: Any | None) -> list[int]:
                           '{"input_ids": [...]} or {"prompt": "..."}')
     ids = _ids_of(record, where)
     if ids is not None:
-        return ids
+        return ids, _is_recorded(record)
     text = _text_of(record)
     if text is None:
         keys = ", ".join(sorted(record)) or "none"
-        raise PromptError(f"{where}: no usable field (found: {keys}): give input_ids, prompt, text or turns")
+        raise PromptError(f"{where}: no usable field (found: {keys}): give input_ids, prompt, text or turns, "
+                          "or a recording's prompt_ids")
     if tokenizer is None:
         raise PromptError(f"{where}: a text prompt, but the target has no tokenizer: give input_ids instead")
-    return _encode(tokenizer, text, where)
+    return _encode(tokenizer, text, where), False
 
 
 def check_ids(where: str, ids: list[int], vocab_size: int | None, max_positions: int | None,

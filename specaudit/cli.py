@@ -25,9 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     audit_cli.add_parsers(commands, Formatter)
     blackbox_cli.add_parsers(commands, Formatter)
     bench_cli.add_parser(commands, Formatter)
-    from specaudit.equivalence.sampling import cli as sampling_cli
-
-    sampling_cli.add_options(commands.choices["audit"])  # --temperature etc.: the sampled audit
     return parser
 
 

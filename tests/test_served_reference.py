@@ -225,7 +225,7 @@ def test_an_in_process_engine_or_reference_and_reference_options_alone_are_refus
 def test_help_explains_the_served_reference():
     from cli_run import cli
 
-    text = " ".join(cli("audit", "--help").stdout.split())
+    text = " ".join(cli("audit", "--help=reference").stdout.split())
     assert "--reference ENGINE" in text and "no weights in this process" in text
     assert "--tokenizer DIR" in text and "--reference-batch-invariant" in text
 

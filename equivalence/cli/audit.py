@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.equivalence.cli import blackbox as cli_blackbox
-from specaudit.equivalence.cli.args import DTYPE_CHOICES, EXIT_USAGE
+from specaudit.equivalence.cli.args import COMMON, DTYPE_CHOICES, EXIT_USAGE, GroupHelp, named_group
 from specaudit.equivalence.cli.args import add_engine_path_options, engine_options
 from specaudit.equivalence.cli.args import dtype as _dtype
 from specaudit.equivalence.cli.args import eos_token_ids
@@ -80,11 +80,14 @@ def _ratio(value: str) -> float:
 def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """`audit`, `pairs` and `engines` on the `specaudit` parser's subcommands."""
     from specaudit.equivalence.cli.request_args import add_request_arguments
+    from specaudit.equivalence.sampling import cli as sampling_cli
     from specaudit.engines.registry import BUILTIN_ENGINES
     from specaudit.engines.models.zoo import builtin_pair_names
 
     audit = commands.add_parser(
-        "audit", formatter_class=formatter,
+        "audit", formatter_class=formatter, add_help=False,
+        usage="%(prog)s --engine E [--pair P | --target PATH [--draft PATH] | --reference ENGINE]\n"
+              "                       --out DIR [OPTION ...]",
         help="audit engines for output equivalence with greedy decoding",
         description="Run each engine on each model pair, batch size and dtype; compare every token (and, in "
                     "float64, every logit) with plain greedy decoding of one prompt at a time; attribute each "
@@ -105,57 +108,65 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                "exit status: 0 equivalent, 1 structural divergence, departure, engine failure or a served reference "
                "that failed, 2 bad usage",
     )
-    what = audit.add_argument_group("what to audit")
-    what.add_argument("--engine", action="append", required=True, metavar="E",
-                      help=f"engine to audit (repeatable): a built-in name ({', '.join(BUILTIN_ENGINES)}), "
-                           "a recording recorded:FILE, a live server llamacpp:URL, vllm:URL, sglang:URL or "
-                           "trtllm:URL (--batch-size N: N requests in flight), or package.module:factory, called "
-                           "as factory(target, draft, batch_size=..., draft_tokens=..., **options)")
-    what.add_argument("--engine-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
-                      help="extra keyword for every engine factory (JSON value), e.g. window_size=16")
-    what.add_argument("--pair", action="append", default=[], metavar="P",
-                      help=f"built-in model pair (repeatable): {', '.join(builtin_pair_names())}")
-    what.add_argument("--target", metavar="PATH", help="a local Hugging Face target model folder (safetensors)")
-    what.add_argument("--draft", metavar="PATH", help="its draft model folder (same tokenizer; a padded vocabulary of another size is "
-                                                            "compared over the ids both have)")
-    what.add_argument("--trust-remote-code", action="store_true", help="allow custom model code in --target/--draft")
-    what.add_argument("--allow-pickle-weights", action="store_true",
-                      help="allow --target/--draft weights that are not safetensors (*.bin, *.pt: pickle, which "
-                           "can run code when loaded)")
+    # the common case first (plain --help); every other option in a named group (--help=GROUP, --help=all)
+    common = named_group(audit, COMMON, "common options (what to audit, and how much)", "")
+    common.add_argument("-h", "--help", action=GroupHelp)
+    common.add_argument("--engine", action="append", required=True, metavar="E",
+                        help=f"engine to audit (repeatable): a built-in name ({', '.join(BUILTIN_ENGINES)}), "
+                             "a recording recorded:FILE, a live server llamacpp:URL, vllm:URL, sglang:URL or "
+                             "trtllm:URL (--batch-size N: N requests in flight), or package.module:factory, called "
+                             "as factory(target, draft, batch_size=..., draft_tokens=..., **options)")
+    common.add_argument("--pair", action="append", default=[], metavar="P",
+                        help=f"built-in model pair (repeatable): {', '.join(builtin_pair_names())}")
+    common.add_argument("--target", metavar="PATH", help="a local Hugging Face target model folder (safetensors)")
+    common.add_argument("--draft", metavar="PATH",
+                        help="its draft model folder (same tokenizer; a padded vocabulary of another size is "
+                             "compared over the ids both have)")
+    common.add_argument("--trust-remote-code", action="store_true", help="allow custom model code in --target/--draft")
+    common.add_argument("--allow-pickle-weights", action="store_true",
+                        help="allow --target/--draft weights that are not safetensors (*.bin, *.pt: pickle, which "
+                             "can run code when loaded)")
+    common.add_argument("--batch-size", nargs="+", type=_positive, default=[8], metavar="N", help="batch sizes")
+    common.add_argument("--dtype", nargs="+", type=_dtype, default=["float64"], metavar="DTYPE",
+                        help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
+    common.add_argument("--device", default="cpu",
+                        help="torch device: cpu, cuda[:N], or auto: the target (and draft) split over this "
+                             "machine's devices by accelerate's device_map=\"auto\" (pip install accelerate), for "
+                             "a target larger than one device; the reference and the plain control run so placed")
+    common.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
+                        help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns, or a "
+                             "recording (its prompt_ids, each distinct prompt once)")
+    common.add_argument("--num-prompts", type=_positive, default=None, metavar="N",
+                        help="use the first N prompts (default: all)")
+    common.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="new tokens per prompt")
+    common.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
+    common.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
+                        help="per-run time limit, on every engine and server: a run past it is recorded as failed "
+                             "and the audit goes on (its engine abandoned in a background thread, not killed; the "
+                             "command still exits when the audit ends); a served reference past it ends the audit, "
+                             "exit 1; the diagnosis's re-runs of a run share a second limit as long")
+    common.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
 
-    how = audit.add_argument_group("how to run")
-    how.add_argument("--batch-size", nargs="+", type=_positive, default=[8], metavar="N", help="batch sizes")
-    how.add_argument("--dtype", nargs="+", type=_dtype, default=["float64"], metavar="DTYPE",
-                     help=f"dtypes ({', '.join(DTYPE_CHOICES)}); float64 is exact, so any mismatch is a bug")
-    how.add_argument("--device", default="cpu",
-                     help="torch device: cpu, cuda[:N], or auto: the target (and draft) split over this machine's "
-                          "devices by accelerate's device_map=\"auto\" (pip install accelerate), for a target larger "
-                          "than one device; the reference and the plain control run so placed")
-    add_engine_path_options(how)
-    how.add_argument("--prompts", default="builtin", metavar="FILE|builtin",
-                     help="prompt set: builtin, or JSONL with input_ids, prompt, text or Spec-Bench turns")
-    how.add_argument("--num-prompts", type=_positive, default=None, metavar="N", help="use the first N prompts (default: all)")
-    how.add_argument("--max-new-tokens", type=_positive, default=32, metavar="N", help="new tokens per prompt")
-    how.add_argument("--draft-tokens", type=_positive, default=4, metavar="K", help="draft tokens per step (k)")
-    how.add_argument("--timeout", type=_seconds, default=3600.0, metavar="SECONDS",
-                     help="per-run time limit, on every engine and server: a run past it is recorded as failed "
-                          "and the audit goes on (the engine is abandoned in a background thread, not killed; the "
-                          "command still exits when the audit ends); a served reference (--reference) past it "
-                          "ends the audit, exit 1; the diagnosis's re-runs of a run share a second limit of the "
-                          "same length")
-    how.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID[,ID...]|pair|none",
-                     help="stop tokens: the pair's own EOS ids (every id its target's generation config declares), "
-                          "an id, a set of ids A,B (stopping at any of them ends a row), or none")
-    how.add_argument("--pad-token-id", type=_token_id, default=None, metavar="ID",
-                     help="the pad id the pair declares (its configs' pad_token_id) to the engines under audit "
-                          "(default: the pair's own); the EOS id here audits the pad-equals-EOS set-up")
-    how.add_argument("--no-adversarial", action="store_true",
-                     help="leave out the adversarial prompts that every audit adds to each pair's prompts by "
-                          "default (pad, EOS and BOS ids inside prompts, identical prompts, one-token prompts, "
-                          "prompts past 1024 and 2048 tokens where the model allows them)")
-    cli_blackbox.add_audit_options(audit)
+    prompts = named_group(audit, "prompts", "prompts and token ids",
+                          "stop and pad ids, the adversarial prompts every audit adds")
+    prompts.add_argument("--eos-token-id", type=_eos, default="pair", metavar="ID[,ID...]|pair|none",
+                         help="stop tokens: the pair's own EOS ids (every id its target's generation config "
+                              "declares), an id, a set of ids A,B (stopping at any of them ends a row), or none")
+    prompts.add_argument("--pad-token-id", type=_token_id, default=None, metavar="ID",
+                         help="the pad id the pair declares (its configs' pad_token_id) to the engines under audit "
+                              "(default: the pair's own); the EOS id here audits the pad-equals-EOS set-up")
+    prompts.add_argument("--no-adversarial", action="store_true",
+                         help="leave out the adversarial prompts that every audit adds to each pair's prompts by "
+                              "default (pad, EOS and BOS ids inside prompts, identical prompts, one-token prompts, "
+                              "prompts past 1024 and 2048 tokens where the model allows them)")
+    engines = named_group(audit, "engines", "in-process engines", "a factory's keywords, CUDA graphs")
+    engines.add_argument("--engine-option", action="append", type=_option, default=[], metavar="KEY=VALUE",
+                         help="extra keyword for every engine factory (JSON value), e.g. window_size=16")
+    add_engine_path_options(engines)
+    cli_blackbox.add_audit_options(audit)  # servers, precision, reference
 
-    diagnosis = audit.add_argument_group("diagnosis (naming the cause of each structural divergence)")
+    diagnosis = named_group(audit, "diagnosis", "diagnosis (naming the cause of each structural divergence)",
+                            "naming a structural divergence's cause: quick or full, a budget")
     diagnosis.add_argument("--diagnosis", choices=("quick", "full"), default="full",
                            help="full (default): checks, logit replays and re-runs of the engine (alone, beside a "
                                 "copy, with another pad id, with layers silenced); quick: checks and replays only, "
@@ -165,9 +176,8 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                            help="seconds per run for the diagnosis's re-runs; once spent, the remaining "
                                 "divergences are diagnosed without re-runs (default: --timeout)")
 
-    add_request_arguments(audit)
-
-    accept = audit.add_argument_group("acceptance per draft position (observed against expected)")
+    accept = named_group(audit, "acceptance", "acceptance per draft position (observed against expected)",
+                         "acceptance per draft position: proposer, baseline, gate, payoff")
     accept.add_argument("--speculation", type=_speculation, default=None, metavar="SPEC",
                         help="the audited engine's proposer, for the expected acceptance: draft:k=K (the pair's draft "
                              "model, greedy) or ngram:k=K,min=N,max=M[,occurrence=earliest|latest] (prompt lookup; "
@@ -184,8 +194,14 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                              "plain control batched) on the same prompts, N times each: the ratio of tokens per "
                              "second and its spread; 'speculation slower than plain' when every repeat is below 1 "
                              "(default: 0, not measured)")
-    out = audit.add_argument_group("output")
-    out.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory for audit.json and reports")
+
+    add_request_arguments(audit)  # requests, structured
+    sampling_cli.add_options(audit)  # sampling
+
+    out = named_group(audit, "output", "output", "repro bundles, the progress bar")
+    out.add_argument("--no-bundles", action="store_true",
+                     help="do not write OUT/bundles/*.json (one self-contained repro bundle per divergence, "
+                          "for any engine; re-check one with specaudit replay)")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     pairs = commands.add_parser("pairs", help="list the built-in model pairs", formatter_class=formatter)

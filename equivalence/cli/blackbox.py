@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from specaudit.equivalence.cli.args import eos_token_ids
+from specaudit.equivalence.cli.args import eos_token_ids, named_group
 
 COMMANDS = ("diff", "replay", "record")
 ENGINE_DTYPES = ["float32", "bfloat16", "float16"]
@@ -45,10 +45,11 @@ def _add_band_options(group: Any) -> None:
 
 
 def add_audit_options(audit: argparse.ArgumentParser) -> None:
-    """The audit's options for black-box engines (recordings, live servers)."""
-    group = audit.add_argument_group("black-box engines (recorded:FILE, llamacpp:URL, vllm:URL, sglang:URL, "
-                                     "trtllm:URL; --target alone is enough)")
-    _add_band_options(group)
+    """The audit's options for black-box engines (recordings, live servers), in three help groups: `servers`,
+    `precision` (the noise band) and `reference` (a served reference)."""
+    group = named_group(audit, "servers", "black-box engines (recorded:FILE, llamacpp:URL, vllm:URL, sglang:URL, "
+                        "trtllm:URL; --target alone is enough)",
+                        "servers and recordings: speculation required, a plain engine")
     group.add_argument("--require-speculation", action="store_true",
                        help="fail (exit 1) unless every run shows that its engine drafted tokens: a server's "
                             "metrics counters (vLLM, llama.cpp, TensorRT-LLM) or a built-in engine's trace. "
@@ -59,8 +60,12 @@ def add_audit_options(audit: argparse.ArgumentParser) -> None:
                             "vllm:URL, or recorded:FILE recorded from one), run on the same prompts at each batch "
                             "size: a divergence it makes identically (same position, same token) is ruled "
                             "numerical whatever the noise band says; the reports show the three-way table")
-    served = audit.add_argument_group(
-        "a served reference (no weights in this process: the reference is a plain server of the same model)")
+    band = named_group(audit, "precision", "precision: the noise band (a divergence within it is numerical)",
+                       "the noise band: the engine's dtype or a tolerance in logits")
+    _add_band_options(band)
+    served = named_group(
+        audit, "reference", "a served reference (no weights in this process: the reference is a plain server of "
+        "the same model)", "a served reference in place of the weights (--reference)")
     served.add_argument("--reference", default=None, metavar="ENGINE",
                         help="the reference is this engine instead of the target in process: a plain (non-"
                              "speculative) server of the same model, vllm:URL, sglang:URL, llamacpp:URL, trtllm:URL, "
@@ -83,9 +88,6 @@ def add_audit_options(audit: argparse.ArgumentParser) -> None:
                              "VLLM_BATCH_INVARIANT=1): ask it --batch-size prompts at a time instead of one")
     served.add_argument("--reference-top-logprobs", type=int, default=5, metavar="N",
                         help="with --reference: top log-probabilities asked of the reference per token")
-    audit.add_argument("--no-bundles", action="store_true",
-                       help="do not write OUT/bundles/*.json (one self-contained repro bundle per divergence, "
-                            "for any engine; re-check one with specaudit replay)")
 
 
 def _add_target_options(parser: argparse.ArgumentParser) -> None:

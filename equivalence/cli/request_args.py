@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from specaudit.engines.constraints import Constraint
+from specaudit.equivalence.cli.args import named_group
 from specaudit.engines.requests import RequestParams
 
 
@@ -23,17 +24,20 @@ def _logit_bias(value: str) -> tuple[int, float]:
 
 def add_request_arguments(audit: argparse.ArgumentParser) -> None:
     """The request-parameter flags, in their own group."""
-    group = audit.add_argument_group(
-        "request parameters (sent to live servers in each one's names; the reference applies the same; a prompts "
-        "file line's `params` object overrides them for that prompt)")
+    group = named_group(
+        audit, "requests", "request parameters (sent to live servers in each one's names; the reference applies the "
+        "same; a prompts file line's `params` object overrides them for that prompt)",
+        "request parameters: stops, penalties, logit bias, min_p, top_k...")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
     group.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                        help="a stop token id besides EOS (repeatable)")
     group.add_argument("--min-tokens", type=int, default=0, metavar="N", help="no stop before N new tokens")
     group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
                        help="divide positive / multiply negative logits of tokens seen in prompt and output")
-    group.add_argument("--presence-penalty", type=float, default=0.0, metavar="X")
-    group.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X")
+    group.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                       help="subtract X from the logit of every token already seen")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                       help="subtract X from a token's logit per time it was already seen")
     group.add_argument("--logit-bias", action="append", type=_logit_bias, default=[], metavar="ID:BIAS",
                        help="add BIAS to token ID's logit (repeatable; BIAS in [-100, 100])")
     group.add_argument("--bad-words", action="append", default=[], metavar="TEXT",
@@ -46,9 +50,10 @@ def add_request_arguments(audit: argparse.ArgumentParser) -> None:
 
 def add_constraint_arguments(audit: argparse.ArgumentParser) -> None:
     """The structured-output flags (docs/structured.md): at most one constraint kind per audit."""
-    group = audit.add_argument_group(
-        "structured outputs (one constraint for every prompt; a prompts file line's `params.constraint` overrides it; "
-        "applied by the reference with xgrammar, as vLLM does)")
+    group = named_group(
+        audit, "structured", "structured outputs (one constraint for every prompt; a prompts file line's "
+        "`params.constraint` overrides it; applied by the reference with xgrammar, as vLLM does)",
+        "structured outputs: JSON schema or object, regex, choice, grammar")
     group.add_argument("--json-schema", metavar="FILE", default=None, help="output: JSON valid under the schema in FILE")
     group.add_argument("--json-object", action="store_true", help="output: any JSON object")
     group.add_argument("--regex", metavar="R", default=None, help="output: text matching R in full")

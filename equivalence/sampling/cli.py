@@ -74,8 +74,11 @@ def _non_negative(value: str) -> float:
 
 def add_options(audit: argparse.ArgumentParser) -> None:
     """The sampled audit's options on the `audit` parser."""
-    group = audit.add_argument_group("sampled audit (with --temperature: test sampled outputs against the target's "
-                                     "distribution instead of greedy equality)")
+    from specaudit.equivalence.cli.args import named_group
+
+    group = named_group(audit, "sampling", "sampled audit (with --temperature: test sampled outputs against the "
+                        "target's distribution instead of greedy equality)",
+                        "the sampled audit (--temperature): top-p, samples, seed, alpha")
     group.add_argument("--temperature", type=_non_negative, default=None, metavar="T",
                        help="audit sampling at this temperature (0: greedy through the sampler)")
     group.add_argument("--top-p", type=_probability, default=1.0, metavar="P", help="nucleus cut (1: off)")
