@@ -57,7 +57,7 @@ def _ids_of(record: dict[str, Any], where: str) -> list[int] | None:
     return list(ids)
 
 
-def _is_recorded(record: Any) -> bool:
+def is_recorded(record: Any) -> bool:
     """Whether a parsed line is a recording's (its prompt's `prompt_ids` with the engine's `output_ids`)."""
     return isinstance(record, dict) and "prompt_ids" in record and "output_ids" in record
 
@@ -127,7 +127,7 @@ def _parse_line(where: str, line: str, tokenizer: Any | None) -> tuple[list[int]
                           '{"input_ids": [...]} or {"prompt": "..."}')
     ids = _ids_of(record, where)
     if ids is not None:
-        return ids, _is_recorded(record)
+        return ids, is_recorded(record)
     text = _text_of(record)
     if text is None:
         keys = ", ".join(sorted(record)) or "none"

@@ -93,3 +93,21 @@ def test_a_servers_recording_is_the_prompt_set_of_a_live_server_audit(tmp_path: 
         asked = sorted(body["prompt"] for _, body in server.requests if "prompt" in body)
     assert result.returncode == 0, result.stdout + result.stderr
     assert asked == sorted(line.prompt_ids for line in read_recording(recording))
+
+
+def test_a_recordings_params_follow_its_distinct_prompts(tmp_path: Path) -> None:
+    """A recording's `params` are matched to each distinct prompt as the reader yields it (the repeated samples of
+    a prompt give no prompt and no parameters of their own)."""
+    from specaudit.engines.requests import RequestParams
+    from specaudit.equivalence.blackbox.requests_run import prompt_params
+    from specaudit.equivalence.prompts import load_prompts
+
+    lines = [{"prompt_ids": [5, 6], "output_ids": [1], "params": {"min_tokens": 1}},
+             {"prompt_ids": [5, 6], "output_ids": [2], "params": {"min_tokens": 1}},
+             {"prompt_ids": [7], "output_ids": [3], "params": {"min_tokens": 2}}]
+    path = tmp_path / "rec.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    prompts = load_prompts(str(path), None)
+    params = prompt_params(str(path), len(prompts), RequestParams())
+    assert prompts == [[5, 6], [7]]
+    assert [p.min_tokens for p in params] == [1, 2]

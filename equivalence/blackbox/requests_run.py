@@ -49,8 +49,21 @@ def file_params(source: str) -> list[dict[str, Any] | None]:
 
 @functools.lru_cache(maxsize=8)
 def _file_params(path: str, _mtime_ns: int, _size: int) -> tuple[dict[str, Any] | None, ...]:
-    records = (json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip())
-    return tuple((r.get("params") or None) if isinstance(r, dict) else None for r in records)
+    from specaudit.equivalence.prompts import is_recorded
+
+    params: list[dict[str, Any] | None] = []
+    recorded: set[tuple[int, ...]] = set()  # a recording's prompts are taken once each, as equivalence/prompts.py does
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if is_recorded(record):
+            key = tuple(record["prompt_ids"]) if isinstance(record["prompt_ids"], list) else ()
+            if key in recorded:
+                continue
+            recorded.add(key)
+        params.append((record.get("params") or None) if isinstance(record, dict) else None)
+    return tuple(params)
 
 
 def prompt_params(source: str, num_prompts: int, common: RequestParams | None,
