@@ -79,6 +79,12 @@ def cell(speculation: dict[str, Any] | None) -> str:
     return f"{speculation['drafted_tokens']}/{speculation['accepted_tokens']}" + (f" ({rate:.0%})" if rate is not None else "")
 
 
+def adds_to_cell(speculation: dict[str, Any] | None) -> bool:
+    """Whether `verdict` says more than `cell`: always, but where the counters were read and show drafted
+    tokens and nothing else (no preemption count), the cell's drafted/accepted (rate) already says it all."""
+    return observed(speculation) is not True or speculation.get("preemptions") is not None
+
+
 def unmet(run: dict[str, Any]) -> bool:
     """Whether this run fails `--require-speculation` (a failed run fails on its own)."""
     return not run.get("error") and observed(run.get("speculation")) is not True

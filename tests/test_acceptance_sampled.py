@@ -185,7 +185,8 @@ def test_the_plugin_s_sampled_test_gates_acceptance(pytester) -> None:
 
 def test_the_served_sampled_door_keeps_the_server_s_counters_and_says_why_no_expectation(tmp_path) -> None:
     """`--temperature 1 --reference vllm:URL` (no weights): the run's acceptance record holds what the server
-    counted and, with no draft distribution to teacher-force, no expectation and the reason."""
+    counted and, with no draft distribution to teacher-force, no expectation and the reason; so `--require-acceptance`
+    cannot be applied, and fails the audit with one line saying what would apply it (equivalence/gates.py)."""
     from fake_server import FakeServer
     from served_lm import EOS, ToyLM, server_answer
 
@@ -198,7 +199,9 @@ def test_the_served_sampled_door_keeps_the_server_s_counters_and_says_why_no_exp
         result = audit("--engine", f"vllm:{spec.url}", "--reference", f"vllm:{plain.url}", "--prompts", str(prompts),
                        "--eos-token-id", str(EOS), "--max-new-tokens", "6", "--temperature", "1", "--samples", "40",
                        "--batch-size", "4", "--require-acceptance", "0.9", out=tmp_path / "out")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr  # the gate was asked for and could not be applied
+    (gate,) = [line for line in result.stderr.splitlines() if line.startswith("--require-acceptance")]
+    assert "was not applied" in gate and "teacher-force" in gate and "give --acceptance-baseline FILE" in gate
     record = runs(tmp_path / "out")[0]["acceptance"]
     assert record["expected"] is None and "teacher-force" in record["unavailable"]
     assert record["positions"] == [] and not unmet({"acceptance": record})

@@ -89,6 +89,7 @@ class AcceptanceRecord:
     alpha: float = ALPHA
     unavailable: str | None = None  # why no comparison was made
     payoff: dict[str, Any] | None = field(default=None)
+    implied: str | None = None  # where no flag stated the proposer and one was implied (--draft for a server): why
 
     def to_json(self) -> dict[str, Any]:
         return {"definition": self.definition,
@@ -98,7 +99,7 @@ class AcceptanceRecord:
                 "findings": [{**asdict(f), "positions": list(f.positions)} for f in self.findings],
                 "required": self.required, "below_required": list(self.below_required), "alpha": self.alpha,
                 "unavailable": self.unavailable,
-                "payoff": self.payoff}
+                "payoff": self.payoff, **({"implied": self.implied} if self.implied is not None else {})}
 
 
 def binomial_cdf(successes: int, trials: int, rate: float) -> float:

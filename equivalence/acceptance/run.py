@@ -6,6 +6,9 @@ The expectation, in this order:
    the same engine, pair, batch size and dtype (else the same engine and pair, else the first run that has
    them);
 2. `--speculation draft:k=..` or `ngram:k=..,min=..,max=..`: the proposer the user states (a server's);
+   for a live server (llamacpp:, vllm:, sglang:, trtllm:) audited with a draft model folder (`--draft`) and
+   no `--speculation`, `draft:k=<--draft-tokens>`: the draft given is the one the server is meant to serve
+   (`implied_spec`; the record's `implied` says so);
 3. an in-process engine's own drafter (the engine contract's `drafter`): the draft model's greedy
    proposals (`ModelDrafter` without a chooser) or prompt lookup (`PromptLookupDrafter`, its latest
    occurrence and n-gram sizes);
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -74,6 +78,21 @@ def baseline_for(runs: list[dict[str, Any]], engine: str, pair: str, batch_size:
                 return observed, (f"{run.get('engine')}, {run.get('pair')}, batch {run.get('batch_size')}, "
                                   f"{run.get('dtype')}")
     return None
+
+
+SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")
+
+
+def implied_spec(engine_name: str, draft: Any, k: int | None) -> tuple[str, str] | None:
+    """(`draft:k=K`, why) where a live server is audited with a draft model loaded from a folder (`--draft`)
+    and nothing states its proposer; else None. A built-in pair's draft (built in memory, no folder) implies
+    nothing: the server was given no weights of it."""
+    prefix, sep, _ = engine_name.partition(":")
+    folder = getattr(getattr(draft, "config", None), "name_or_path", "") if draft is not None else ""
+    if not sep or prefix not in SERVER_PREFIXES or not folder or k is None:
+        return None
+    return f"draft:k={k}", (f"implied by --draft {folder} for the server {engine_name} (no --speculation given): "
+                            f"the server's proposer is taken to be that draft model, k={k}")
 
 
 def proposer_of(engine: Any, spec: str | None, draft: Any, k: int | None,
@@ -196,7 +215,7 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
     started = time.perf_counter()
     observed = counters.of_run(engine, trace, evidence)  # a server's or recording's counters, or of_run's
     black_box = bool(capability(engine, "black_box"))
-    expected, unavailable = None, None
+    expected, unavailable, implied = None, None, None
     if baseline is not None:
         found = baseline_for(baseline, engine_name, pair_name, batch_size, dtype)
         if found is None:
@@ -204,6 +223,9 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
         else:
             expected = expected_.from_baseline(found[0], f"{baseline_path}: {found[1]}")
     else:
+        implied = implied_spec(engine_name, draft, k) if spec is None else None
+        if implied is not None:
+            spec = implied[0]
         chosen = proposer_of(engine, spec, draft, k if k is not None else (trace.draft_tokens if trace else None),
                              trace)
         if isinstance(chosen, str):
@@ -229,7 +251,9 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
                 raise
             except Exception as exc:  # the run keeps its verdict; only the expectation is missing
                 unavailable = one_line(f"the {proposer.name} failed ({type(exc).__name__}: {exc})")
-    record = counters.with_server_problems(
-        compare(observed, expected, required=required, unavailable=unavailable).to_json(), engine, evidence)
+    compared = compare(observed, expected, required=required, unavailable=unavailable)
+    if implied is not None:
+        compared = replace(compared, implied=implied[1])
+    record = counters.with_server_problems(compared.to_json(), engine, evidence)
     record["seconds"] = time.perf_counter() - started
     return record

@@ -1,7 +1,8 @@
 """`specaudit audit`, `specaudit pairs` and `specaudit engines`: their parsers and what they run.
 
 Exit status of `specaudit audit`: 0 when every audited engine is equivalent, 1 when any run has a
-structural divergence (or its engine failed), 2 on bad usage.
+structural divergence (or its engine failed) or a gate failed or could not be applied (equivalence/gates.py),
+2 on bad usage.
 """
 
 from __future__ import annotations
@@ -304,7 +305,7 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from specaudit.engines.registry import EngineSpecError
     from specaudit.equivalence.errors import UsageError, one_line
     from specaudit.equivalence.pipeline.runner import EXIT_INTERRUPTED, EXIT_NOT_EQUIVALENT, exit_status, run_audit
-    from specaudit.equivalence.acceptance import findings as acceptance_findings
+    from specaudit.equivalence.gates import gate_failures
     from specaudit.equivalence.reports.summary import summary_table, verdict_line
 
     settings = settings_from_args(args, parser)
@@ -342,11 +343,8 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
         if run.get("error"):
             print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
                   file=sys.stderr)
-    for run in audit["runs"]:
-        if acceptance_findings.unmet(run):
-            print(f"acceptance short: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: below "
-                  f"--require-acceptance {run['acceptance']['required']:g} x expected; "
-                  f"{acceptance_findings.headline(run['acceptance'])}", file=sys.stderr)
+    for failure in gate_failures(audit):  # one line per gate that failed runs or was not applied to them
+        print(failure.message, file=sys.stderr)
     return EXIT_INTERRUPTED if interrupted else exit_status(audit)
 
 

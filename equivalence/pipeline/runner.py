@@ -243,17 +243,17 @@ def run_audit(
 def exit_status(audit: dict[str, Any]) -> int:
     """The audit's one exit status, for every composition: 0 when every run passed (`run_record.passed`);
     1 when a served reference failed, no run was made, any run has a structural divergence, a departure or
-    failed, a reference mismatch (rulings/plain.py: the plain engine makes the reference's divergence), or, with `require_speculation`, any run's engine did not show that it drafted, or, with
-    `require_acceptance`, any run's acceptance is short of R x expected (equivalence/acceptance/findings.py)."""
+    failed, a reference mismatch (rulings/plain.py: the plain engine makes the reference's divergence), or
+    a gate that failed or could not be applied (`require_speculation`, `require_acceptance`:
+    equivalence/gates.py)."""
+    from specaudit.equivalence.gates import gate_failures
+
     if (audit.get("reference") or {}).get("error") or not audit.get("runs"):
         return EXIT_NOT_EQUIVALENT
     if not all_passed(audit):
         return EXIT_NOT_EQUIVALENT
     if any(r.get("reference_mismatches") for r in audit["runs"]):  # prompts the reference could not judge
         return EXIT_NOT_EQUIVALENT
-    if (audit.get("config") or {}).get("require_speculation") and any(speculation.unmet(r) for r in audit["runs"]):
-        return EXIT_NOT_EQUIVALENT
-    if (audit.get("config") or {}).get("require_acceptance") is not None and any(
-            acceptance_findings.unmet(r) for r in audit["runs"]):
+    if gate_failures(audit):  # a gate that failed a run, or could not be applied to one
         return EXIT_NOT_EQUIVALENT
     return EXIT_EQUIVALENT

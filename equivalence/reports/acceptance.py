@@ -44,6 +44,8 @@ def acceptance_runs(audit: dict[str, Any]) -> list[tuple[str, str, list[list[str
                  _number(p.get("p_short_holm"), 4)] for p in record.get("positions") or []]
         texts = [finding["text"] for finding in record.get("findings") or []]
         expected = record.get("expected") or {}
+        if record.get("implied"):
+            texts.append(f"proposer: {record['implied']}")
         if expected.get("note"):
             texts.append(f"expectation: {expected['note']}")
         if record.get("payoff"):

@@ -1,10 +1,12 @@
 """The report's charts: what each shows is a `BarChart` (data only, testable), drawn by matplotlib.
 
 Every chart here is a bar chart: categories along x, one bar per series in each category (side by
-side, or stacked). `render_svg` draws one with matplotlib's Agg backend into an SVG string, text
+side, or stacked), or small multiples of them (`panels`: one bar chart per panel, e.g. one per pair,
+each with its own legend). `render_svg` draws one with matplotlib's Agg backend into an SVG string, text
 kept as text (`svg.fonttype: none`) so that a browser renders it crisply and a reader can search it.
-Each bar carries the id `bar-<series>-<category>`, so a test finds the bars that were drawn without
-looking at pixels. The HTML report embeds the SVGs; the markdown report links them as files.
+Each bar carries the id `bar-<series>-<category>` (`-<panel>` after it in small multiples), so a test
+finds the bars that were drawn without looking at pixels. The HTML report embeds the SVGs (small
+multiples across the page's width); the markdown report links them as files.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ NUMERICAL_COLOR = "#e69f00"
 SERIES_COLORS = ("#0072b2", "#56b4e9", "#009e73", "#cc79a7", "#d55e00", "#8c6bb1", "#7f8c8d", "#f0c419")
 MAX_POSITION_BINS = 32
 FIGURE_SIZE = (6.4, 3.2)  # inches; 100 dpi in the SVG's viewBox
+PANEL_SIZE = (3.6, 2.4)  # inches per panel of small multiples (its legend below): three across the report at 100 dpi
+LEGEND_LINE = 0.17  # inches per legend entry below a panel
+PANEL_COLUMNS = 3
+MAX_RUN_SERIES = 4  # observed bars per panel, one per run; past it (or where every run agrees) the runs are pooled
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class Series:
     label: str
     values: tuple[float, ...]  # one per category; NaN: no bar there
     color: str
+    # per category (lowest, highest) of what the bar pools, drawn as a whisker; None: no whiskers
+    spread: tuple[tuple[float, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,9 +52,12 @@ class BarChart:
     empty_message: str = ""  # drawn instead of bars when there is nothing to show
     value_labels: bool = True
     notes: dict[str, Any] = field(default_factory=dict)
+    panels: tuple["BarChart", ...] = ()  # small multiples: each panel a chart of its own (its title, its legend)
 
     @property
     def empty(self) -> bool:
+        if self.panels:
+            return all(panel.empty for panel in self.panels)
         return not self.categories or not any(
             not math.isnan(v) and v > 0 for s in self.series for v in s.values)
 
@@ -71,30 +82,35 @@ def render_svg(chart: BarChart) -> str:
     from matplotlib import pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
+    panels = chart.panels if chart.panels and not chart.empty else ()
     with matplotlib.rc_context({"svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
                                 "axes.spines.right": False, "svg.hashsalt": "specaudit"}):
-        fig, ax = plt.subplots(figsize=FIGURE_SIZE, dpi=100)
+        if panels:
+            columns = min(PANEL_COLUMNS, len(panels))
+            rows = math.ceil(len(panels) / columns)
+            # each panel's legend below it, one entry a line: the row grows by its longest legend, and the
+            # constrained layout keeps axes, labels and legends apart
+            legend = LEGEND_LINE * max(len(panel.series) for panel in panels)
+            fig, grid = plt.subplots(rows, columns, figsize=(PANEL_SIZE[0] * columns, (PANEL_SIZE[1] + legend) * rows),
+                                     dpi=100, squeeze=False, layout="constrained")
+        else:
+            fig, ax = plt.subplots(figsize=FIGURE_SIZE, dpi=100)
         try:
-            ax.set_title(chart.title, fontsize=11, loc="left")
-            ax.set_xlabel(chart.x_title)
-            ax.set_ylabel(chart.y_title)
-            if chart.empty:
-                ax.set_xticks([])
-                ax.set_yticks([])
-                ax.text(0.5, 0.5, chart.empty_message or "nothing to show", transform=ax.transAxes,
-                        ha="center", va="center", color="#57606a", fontsize=11)
+            if panels:
+                fig.suptitle(chart.title, fontsize=11, x=0.01, ha="left")
+                axes = [ax for row in grid for ax in row]
+                for index, (ax, panel) in enumerate(zip(axes, panels)):
+                    _draw_chart(ax, panel, FuncFormatter, title_size=10, suffix=f"-{_slug(panel.title)}")
+                    if index % columns:
+                        ax.set_ylabel("")
+                for ax in axes[len(panels):]:
+                    ax.set_visible(False)
             else:
-                _draw_bars(ax, chart)
-                if chart.percent:
-                    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.0%}"))
-                ax.grid(axis="y", color="#eaeef2")
-                ax.set_axisbelow(True)
-                if len(chart.series) > 1 or chart.stacked:
-                    ax.legend(frameon=False, fontsize=8, ncols=min(4, len(chart.series)),
-                              loc="upper left", bbox_to_anchor=(0, -0.28 if _rotated(chart) else -0.18))
+                _draw_chart(ax, chart, FuncFormatter, title_size=11, suffix="")
             with warnings.catch_warnings(record=True) as refused:
                 warnings.simplefilter("always")
-                fig.tight_layout()  # warns, and leaves the layout, where the labels outgrow the figure
+                if not panels:
+                    fig.tight_layout()  # warns, and leaves the layout, where the labels outgrow the figure
             # then the saved figure grows to its labels instead of cutting them
             grown = {"bbox_inches": "tight"} if refused else {}
             buffer = io.StringIO()
@@ -105,7 +121,34 @@ def render_svg(chart: BarChart) -> str:
     svg = svg[svg.index("<svg"):]
     svg = re.sub(r"\s*<metadata>.*?</metadata>", "", svg, flags=re.S)  # RDF licence boilerplate
     label = chart.title.replace('"', "'")
-    return svg.replace("<svg ", f'<svg class="chart" role="img" aria-label="{label}" ', 1)
+    css = "chart chart-panels" if panels else "chart"  # small multiples take the report's whole width
+    return svg.replace("<svg ", f'<svg class="{css}" role="img" aria-label="{label}" ', 1)
+
+
+def _draw_chart(ax: Any, chart: BarChart, formatter: Any, title_size: int, suffix: str) -> None:
+    """One chart (or one panel of small multiples) on `ax`: title, axes, bars (their ids end in `suffix`),
+    legend below."""
+    ax.set_title(chart.title, fontsize=title_size, loc="left")
+    ax.set_xlabel(chart.x_title)
+    ax.set_ylabel(chart.y_title)
+    if chart.empty:
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.text(0.5, 0.5, chart.empty_message or "nothing to show", transform=ax.transAxes,
+                ha="center", va="center", color="#57606a", fontsize=11)
+        return
+    _draw_bars(ax, chart, suffix)
+    if chart.percent:
+        ax.yaxis.set_major_formatter(formatter(lambda v, _: f"{v:.0%}"))
+    ax.grid(axis="y", color="#eaeef2")
+    ax.set_axisbelow(True)
+    if len(chart.series) > 1 or chart.stacked:
+        if suffix:  # a panel's legend: one entry a line, full text, under the axis title
+            ax.legend(frameon=False, fontsize=8, ncols=1, loc="upper left",
+                      bbox_to_anchor=(0, -0.3 if _rotated(chart) else -0.24))
+        else:
+            ax.legend(frameon=False, fontsize=8, ncols=min(4, len(chart.series)),
+                      loc="upper left", bbox_to_anchor=(0, -0.28 if _rotated(chart) else -0.18))
 
 
 def _rotated(chart: BarChart) -> bool:
@@ -116,7 +159,7 @@ def _first_bar(series: Series) -> int:
     return next((i for i, v in enumerate(series.values) if not math.isnan(v) and v > 0), -1)
 
 
-def _draw_bars(ax: Any, chart: BarChart) -> None:
+def _draw_bars(ax: Any, chart: BarChart, suffix: str = "") -> None:
     count = len(chart.categories)
     groups = 1 if chart.stacked else max(1, len(chart.series))
     width = 0.8 / groups
@@ -130,7 +173,12 @@ def _draw_bars(ax: Any, chart: BarChart) -> None:
             base = bottoms[position] if chart.stacked else 0.0
             (bar,) = ax.bar(position + offset, value, width * 0.95, bottom=base, color=series.color,
                             label=series.label if position == _first_bar(series) else None)
-            bar.set_gid(f"bar-{_slug(series.label)}-{position}")
+            bar.set_gid(f"bar-{_slug(series.label)}-{position}{suffix}")
+            if series.spread is not None and not chart.stacked:
+                low, high = series.spread[position]
+                if high > low:  # the pooled runs' lowest and highest
+                    ax.errorbar(position + offset, value, yerr=[[value - low], [high - value]], fmt="none",
+                                ecolor="#24292f", elinewidth=1, capsize=2)
             if chart.stacked:
                 bottoms[position] += value
             top = max(top, base + value)
@@ -235,33 +283,91 @@ def acceptance_chart(audit: dict[str, Any]) -> BarChart:
 
 
 def acceptance_position_chart(audit: dict[str, Any]) -> BarChart:
-    """Per draft position, the expected acceptance and each run's observed acceptance (accepted at k /
-    proposals at k: equivalence/acceptance/observed.py), from the runs' acceptance records."""
+    """Per draft position, expected against observed acceptance (accepted at k / proposals at k:
+    equivalence/acceptance/observed.py), from the runs' acceptance records: small multiples, one panel per
+    pair (and dtype, where the audit has several), so that a panel holds the runs of one expectation.
+
+    In a panel: the expectation (one bar per distinct one), then the observed acceptance, one bar per run
+    while there are at most MAX_RUN_SERIES and they differ; where every run agrees (equivalent engines at
+    every batch size), or past MAX_RUN_SERIES, one bar pooling the panel's runs (accepted / proposals summed),
+    its whisker the lowest and highest run. So a panel has at most 1 + MAX_RUN_SERIES observed bars per
+    position, whatever the count of runs."""
     title = "Acceptance per draft position: expected against observed"
     records = [(run, run["acceptance"]) for run in _finished_runs(audit)
                if (run.get("acceptance") or {}).get("positions")]
     if not records:
         return BarChart(title, "draft position", "acceptance", (), (),
                         empty_message="no run has both observed and expected acceptance per position")
-    width = max(len(record["positions"]) for _, record in records)
-
-    def rates(record: dict[str, Any], side: str) -> tuple[float, ...]:
-        by_position = {p["position"]: p.get(f"{side}_rate") for p in record["positions"]}
-        return tuple(math.nan if by_position.get(k) is None else float(by_position[k]) for k in range(width))
-
-    several = len(records) > 1
-    series, expectations = [], []
+    several_dtypes = len({run.get("dtype") for run, _ in records}) > 1
+    grouped: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for run, record in records:
-        expected = rates(record, "expected")
-        if expected not in expectations:
-            expectations.append(expected)
-            method = (record.get("expected") or {}).get("method", "expected")
-            label = f"expected ({method}" + (f", {run.get('engine')} B={run.get('batch_size')})" if several else ")")
-            series.append(Series(label, expected, "#7f8c8d"))
-        label = f"observed {run.get('engine')} B={run.get('batch_size')}" + (f" {run.get('dtype')}" if several else "")
-        series.append(Series(label, rates(record, "observed"), series_color(len(series) - len(expectations))))
-    return BarChart(title, "draft position", "acceptance", tuple(str(k) for k in range(width)), tuple(series),
+        key = f"{run.get('pair', '?')} · {run.get('dtype')}" if several_dtypes else str(run.get("pair", "?"))
+        grouped.setdefault(key, []).append((run, record))
+    panels = tuple(_acceptance_panel(name, members) for name, members in grouped.items())
+    return BarChart(title, "draft position", "acceptance", panels[0].categories, (), percent=True, y_max=1.08,
+                    value_labels=False, panels=panels)
+
+
+def _position_counts(record: dict[str, Any], side: str, width: int) -> list[tuple[float, int]]:
+    """Per position (accepted, proposals) of one side ("observed" or "expected") of an acceptance record."""
+    by_position = {p["position"]: p for p in record["positions"]}
+    counts = []
+    for k in range(width):
+        p = by_position.get(k) or {}
+        counts.append((float(p.get(f"{side}_accepted") or 0), int(p.get(f"{side}_proposals") or 0)))
+    return counts
+
+
+def _rates(counts: list[tuple[float, int]]) -> tuple[float, ...]:
+    return tuple(accepted / proposals if proposals else math.nan for accepted, proposals in counts)
+
+
+def _pooled(members: list[list[tuple[float, int]]]) -> tuple[float, ...]:
+    """Per position, the members' accepted summed over their proposals summed."""
+    return _rates([(sum(m[k][0] for m in members), sum(m[k][1] for m in members)) for k in range(len(members[0]))])
+
+
+def _acceptance_panel(name: str, members: list[tuple[dict[str, Any], dict[str, Any]]]) -> BarChart:
+    width = max(len(record["positions"]) for _, record in members)
+    expected = [_position_counts(record, "expected", width) for _, record in members]
+    observed = [_position_counts(record, "observed", width) for _, record in members]
+    methods = list(dict.fromkeys((record.get("expected") or {}).get("method", "expected") for _, record in members))
+    distinct = list(dict.fromkeys(_rates(counts) for counts in observed))
+    per_run = 1 < len(distinct) and len(members) <= MAX_RUN_SERIES
+    series: list[Series] = []
+    expectations = list(dict.fromkeys(_rates(counts) for counts in expected))
+    if per_run and len(expectations) > 1:  # the runs' outputs differ, so do their replays: one each
+        for (run, _), counts in zip(members, expected):
+            series.append(Series(f"expected {_run_name(run)}", _rates(counts), EXPECTED_COLORS[len(series) % 2]))
+    else:
+        label = f"expected ({', '.join(methods)}" + (f", {len(members)} runs pooled)" if len(expectations) > 1 else ")")
+        series.append(Series(label, _pooled(expected) if len(expectations) > 1 else expectations[0], EXPECTED_COLORS[0]))
+    if per_run:
+        for index, ((run, _), counts) in enumerate(zip(members, observed)):
+            series.append(Series(f"observed {_run_name(run)}", _rates(counts), series_color(index)))
+    else:
+        rates = [_rates(counts) for counts in observed]
+        spread = tuple((min(r[k] for r in rates if not math.isnan(r[k])), max(r[k] for r in rates if not math.isnan(r[k])))
+                       if any(not math.isnan(r[k]) for r in rates) else (math.nan, math.nan) for k in range(width))
+        alike = len(distinct) == 1
+        label = (f"observed ({len(members)} run{'s' if len(members) != 1 else ''}"
+                 + (", alike)" if alike and len(members) > 1 else ")" if alike else
+                    " pooled; whisker: lowest to highest)"))
+        series.append(Series(label, _pooled(observed), series_color(0), spread=None if alike else spread))
+    return BarChart(name, "draft position", "acceptance", tuple(str(k) for k in range(width)), tuple(series),
                     percent=True, y_max=1.08, value_labels=False)
+
+
+EXPECTED_COLORS = ("#7f8c8d", "#b8c0c2")
+RUN_NAME_WIDTH = 28  # characters of an engine's name in a panel's legend (elided in the middle)
+
+
+def _run_name(run: dict[str, Any]) -> str:
+    """A run within its panel (the pair and dtype are the panel's): engine and batch size."""
+    engine = str(run.get("engine", "?"))
+    if len(engine) > RUN_NAME_WIDTH:
+        engine = engine[: RUN_NAME_WIDTH // 2] + "…" + engine[-(RUN_NAME_WIDTH - RUN_NAME_WIDTH // 2 - 1):]
+    return f"{engine} B={run.get('batch_size')}"
 
 
 def audit_charts(audit: dict[str, Any]) -> dict[str, BarChart]:

@@ -75,23 +75,24 @@ def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
 
 
 def adversarial_note(audit: dict[str, Any]) -> str | None:
-    """One sentence on the adversarial prompts of the audit (how many, what was left out)."""
-    seen: dict[str, dict[str, Any]] = {}
+    """One sentence on the adversarial prompts of the audit (how many, what was left out), said once for
+    every pair whose prompts got the same ones: "tiny-gpt2, tiny-opt: 9 adversarial prompts ..."."""
+    seen: dict[str, str] = {}  # pair -> what its runs got
     for run in audit.get("runs") or []:
         info = run.get("adversarial")
-        if info and run.get("pair") not in seen:
-            seen[str(run.get("pair"))] = info
+        if info and str(run.get("pair")) not in seen:
+            cases = info.get("cases") or []
+            names = list(dict.fromkeys(str(c.get("case")) for c in cases))
+            text = f"{len(cases)} adversarial prompts from index {info.get('first_index')} ({', '.join(names)})"
+            if info.get("skipped"):
+                text += "; " + "; ".join(info["skipped"])
+            seen[str(run.get("pair"))] = text
     if not seen:
         return None
-    parts = []
-    for pair, info in seen.items():
-        cases = info.get("cases") or []
-        names = list(dict.fromkeys(str(c.get("case")) for c in cases))
-        text = f"{pair}: {len(cases)} adversarial prompts from index {info.get('first_index')} ({', '.join(names)})"
-        if info.get("skipped"):
-            text += "; " + "; ".join(info["skipped"])
-        parts.append(text)
-    return ". ".join(parts) + "."
+    pairs_of: dict[str, list[str]] = {}
+    for pair, text in seen.items():
+        pairs_of.setdefault(text, []).append(pair)
+    return ". ".join(f"{', '.join(pairs)}: {text}" for text, pairs in pairs_of.items()) + "."
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ dl.pairs { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px;
 dl.pairs dt { color: var(--muted); } dl.pairs dd { margin: 0; overflow-wrap: anywhere; }
 .charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(500px, 1fr)); gap: 16px; }
 figure { margin: 0; border: 1px solid var(--line); border-radius: 8px; padding: 12px 12px 6px; }
+figure.wide { grid-column: 1 / -1; }
 svg.chart { width: 100%; height: auto; display: block; font-family: inherit; }
 .table-wrap { overflow-x: auto; }
 table.runs { border-collapse: collapse; width: 100%; font-size: 13.5px; }
@@ -322,7 +323,9 @@ def _timing_section(audit: dict[str, Any]) -> str:
 
 
 def _figure(svg: str) -> str:
-    return f"<figure>{svg}</figure>"  # the chart's own title is its caption
+    # the chart's own title is its caption; small multiples (charts.py `panels`) take the whole row
+    wide = ' class="wide"' if 'class="chart chart-panels"' in svg.split(">", 1)[0] else ""
+    return f"<figure{wide}>{svg}</figure>"
 
 
 def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT,

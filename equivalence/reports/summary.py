@@ -111,7 +111,31 @@ def expected_acceptance_rate(run: dict[str, Any]) -> float | None:
 def verdict(audit: dict[str, Any]) -> tuple[str, str]:
     """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty". A run whose
     engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`).
-    Sampled runs (reports/sampled.py) add their own verdict; an audit of sampled runs alone has theirs."""
+    Sampled runs (reports/sampled.py) add their own verdict; an audit of sampled runs alone has theirs.
+    `--require-acceptance` adds the runs it fails, short or never compared (equivalence/gates.py)."""
+    status, sentence = _judged_verdict(audit)
+    gated = _acceptance_gate_sentence(audit)
+    if gated and status != "empty":
+        return "fail", f"{sentence} {gated}"
+    return status, sentence
+
+
+def _acceptance_gate_sentence(audit: dict[str, Any]) -> str:
+    """What `--require-acceptance R` failed: the runs short of R x expected, and each reason it could not be
+    applied with its runs; "" when it failed none."""
+    from specaudit.equivalence.gates import ACCEPTANCE, gate_failures
+
+    failures = [f for f in gate_failures(audit) if f.gate == ACCEPTANCE]
+    if not failures:
+        return ""
+    ratio = (audit.get("config") or {}).get("require_acceptance")
+    short = [label for f in failures if f.applied for label in f.runs]
+    parts = [f"acceptance short of {ratio:g} x expected in {len(short)} run(s) ({', '.join(short)})"] if short else []
+    parts += [f.message for f in failures if not f.applied]
+    return "; ".join(parts) + ": --require-acceptance fails the audit."
+
+
+def _judged_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     from specaudit.equivalence.reports.sampled import greedy_view, sampled_runs, sampled_verdict
 
     if not sampled_runs(audit):
@@ -309,8 +333,9 @@ def text_table(header: list[str], rows: list[list[str]], right_aligned: set[int]
 
 
 def summary_table(audit: dict[str, Any]) -> str:
-    """The terminal table: one line per run, every column apart however long its names; then one line
-    per run on what its speculation counters showed."""
+    """The terminal table: one line per run, every column apart however long its names; then, per run whose
+    speculation counters say more than the table's drafted/accepted column (nothing drafted, not measured,
+    preemptions), one line naming the run and what they showed."""
     from specaudit.equivalence.reports.sampled import greedy_view, summary_lines
     from specaudit.equivalence.reports.served import determinism_line
 
@@ -340,11 +365,16 @@ def summary_table(audit: dict[str, Any]) -> str:
     header = ["engine", "pair", "B", "dtype", "exact", "max logit err", "struct", "numer", "drafted/accepted", "status"]
     lines = [text_table(header, rows, right_aligned={2, 4, 5, 6, 7, 8})]
     for run in audit["runs"]:
-        if not run.get("error") and "speculation" in run:
-            lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {speculation.verdict(run)}")
+        if not run.get("error") and "speculation" in run and speculation.adds_to_cell(run.get("speculation")):
+            lines.append(f"{_run_name(run)}: {speculation.verdict(run)}")
     for run, sentence, _ in three_way_runs(audit):
-        lines.append(f"{run['engine']} B={run['batch_size']} {run['dtype']}: {sentence}")
+        lines.append(f"{_run_name(run)}: {sentence}")
     return "\n".join(served + lines + sampled[len(served):])
+
+
+def _run_name(run: dict[str, Any]) -> str:
+    """A run on one terminal line: engine, pair, batch size and dtype."""
+    return f"{run['engine']} {run.get('pair', '?')} B={run['batch_size']} {run['dtype']}"
 
 
 def speculation_lines(audit: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -436,10 +466,14 @@ def verdict_line(audit: dict[str, Any]) -> str:
     ratio = (audit.get("config") or {}).get("require_acceptance")
     if ratio is not None:
         from specaudit.equivalence.acceptance.findings import unmet
+        from specaudit.equivalence.gates import ACCEPTANCE, gate_failures
 
         short = sum(1 for run in runs if unmet(run))
         if short:
             gated = f"; acceptance short of {ratio} x expected in {short} run(s) (--require-acceptance: exit 1)"
+        not_applied = sum(len(f.runs) for f in gate_failures(audit) if f.gate == ACCEPTANCE and not f.applied)
+        if not_applied:
+            gated += f"; --require-acceptance {ratio:g} not applied to {not_applied} run(s) (exit 1)"
     mismatched = sum(int(run.get("reference_mismatches") or 0) for run in runs)
     if mismatched and all_passed(audit):
         return (f"verdict: NOT shown equivalent: {mismatched} divergence(s) are the reference's, not the engine's "
