@@ -36,8 +36,6 @@ from typing import Any, Callable, Iterator
 import torch
 import transformers
 
-from specaudit.equivalence import speculation
-from specaudit.equivalence.acceptance import findings as acceptance_findings
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
 from specaudit.equivalence.pipeline.judges import GreedyJudge, Judge, Oracle, SampledJudge
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
