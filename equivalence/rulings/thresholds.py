@@ -51,3 +51,10 @@ NOISY_EXPLAIN_RATIO = 0.25
 # choose at least this share of the engine's tokens over the window compared (and more than the plain replay):
 # the masked replay must follow the engine's output on most of the window, not agree by chance on a few tokens.
 MASKED_REPLAY_AGREEMENT = 0.75
+
+# An output that is another prompt's reference names `output_order` (the engine answered for the wrong prompt:
+# rulings/outputs.other_references_matched, the served `output-match` and the diagnosis's check) only where at
+# least this many of its tokens lie at or past where it leaves its own reference. One token is a single flipped
+# choice, and a wrong first token often is some other prompt's first token (a common word, or every reference at
+# max_new_tokens 1): that match is chance, not a row answered for another prompt; two tokens in a row are not.
+OTHER_REFERENCE_TOKENS = 2
