@@ -13,27 +13,23 @@ from specaudit.equivalence.rulings.thresholds import OTHER_REFERENCE_TOKENS
 
 
 def first_divergence(reference: Sequence[int], output: Sequence[int]) -> int | None:
-    """The first position where `output` differs from `reference` (a shorter or longer output differs where it
-    ends), or None when they are equal."""
+    """Where `output` first differs from `reference` (an output differs where it ends); None when equal."""
     agree = matched_prefix(reference, output)
     return None if agree == len(reference) == len(output) else agree
 
 
 def token_at(tokens: Sequence[int], position: int | None) -> int | None:
-    """The token at `position`, or None where the output has ended there (or there is no position)."""
+    """The token at `position`; None where the tokens have ended (or no position is given)."""
     return tokens[position] if position is not None and position < len(tokens) else None
 
 
 def departs_at(reference: Sequence[int], other: Sequence[int], position: int, token: int | None) -> bool:
-    """Whether `other` first differs from `reference` at `position`, with `token` there (None: it ends there):
-    whether it makes the same divergence as an output that departs there with that token."""
+    """Whether `other` makes the divergence (`position`, `token`; None: it ends there) from `reference`."""
     return first_divergence(reference, other) == position and token_at(other, position) == token
 
 
 def other_references_matched(index: int, references: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
-    """The other prompts whose reference `output` (prompt `index`'s) is, where that is evidence of an answer to
-    the wrong prompt: at least `OTHER_REFERENCE_TOKENS` of its tokens lie at or past where it leaves its own
-    reference. Empty otherwise."""
+    """The other prompts whose reference `output` is, with `OTHER_REFERENCE_TOKENS` past where it leaves its own."""
     own = references[index]
     position = first_divergence(own, output)
     if position is None or len(output) - position < OTHER_REFERENCE_TOKENS:

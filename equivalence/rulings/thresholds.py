@@ -56,7 +56,8 @@ MASKED_REPLAY_AGREEMENT = 0.75
 # rulings/outputs.other_references_matched, the served `output-match` and the diagnosis's check) only where at
 # least this many of its tokens lie at or past where it leaves its own reference. One token is a single flipped
 # choice, and a wrong first token often is some other prompt's first token (a common word, or every reference at
-# max_new_tokens 1): that match is chance, not a row answered for another prompt; two tokens in a row are not.
+# max_new_tokens 1): that match is chance, not a row answered for another prompt. Two or more tokens past the
+# split that follow the other prompt's reference are not one flip.
 OTHER_REFERENCE_TOKENS = 2
 
 # ---- the dtype noise (rulings/noise.py) ---------------------------------------------------------------------------
