@@ -123,16 +123,23 @@ def takes_option(spec: str, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def takes_request_params(spec: str) -> bool:
+def takes_request_params(spec: str, *, sampled: bool = False) -> bool:
     """Whether the engine named `spec` takes request parameters (engines/requests/): its factory (a class)
     declares a `request_params` attribute, which the audit sets to one `RequestParams` per prompt before
-    `generate`. False when the name does not resolve."""
+    `generate`. With `sampled`: whether it also samples through them, as the project's engines do (a class of
+    `engines/requests/rows.TakesRequestParams`: its rows decided by its `sampling_rule`, driven by
+    `sampling.engine.RequestSampled`); a class that only declares `request_params` (hf-assisted) decodes
+    greedily with them. False when the name does not resolve."""
     from specaudit.engines.contract import Capabilities
 
     try:
         factory = resolve(spec)
     except EngineSpecError:
         return False
+    if sampled:
+        from specaudit.engines.requests.rows import TakesRequestParams
+
+        return isinstance(factory, type) and issubclass(factory, TakesRequestParams)
     if isinstance(factory, type):  # declared by the class or a base other than the contract's defaults
         return any("request_params" in vars(cls) for cls in factory.__mro__ if cls is not Capabilities)
     return hasattr(factory, "request_params")
@@ -176,13 +183,6 @@ def _accepted(factory: Callable[..., Any], options: dict[str, Any]) -> dict[str,
     return {k: v for k, v in options.items() if takes_any or k in params}
 
 
-def _takes_request_params(factory: Any) -> bool:
-    """Whether `factory` is an engine class that samples through its request parameters (`TakesRequestParams`)."""
-    from specaudit.engines.requests.rows import TakesRequestParams
-
-    return isinstance(factory, type) and issubclass(factory, TakesRequestParams)
-
-
 def _make_sampled(spec: str, target: Any, draft: Any, params: Any, *, seed: int, batch_size: int, draft_tokens: int,
                   rule: Any, options: dict[str, Any]) -> Any:
     from specaudit.engines.adapters.sampled_servers import SAMPLED_DIALECTS, make_sampled_server
@@ -197,7 +197,7 @@ def _make_sampled(spec: str, target: Any, draft: Any, params: Any, *, seed: int,
         engine = make_engine(spec, target, draft, batch_size=batch_size, draft_tokens=draft_tokens, **options)
         engine.sampling_rule = rule
         return RequestSampled(engine, params, seed)
-    if not black_box_prefix(spec) and ":" in spec and _takes_request_params(resolve(spec)):
+    if not black_box_prefix(spec) and ":" in spec and takes_request_params(spec, sampled=True):
         # a user engine built like the project's (engines/requests/rows.py): sampled through its request parameters
         from specaudit.engines.sampling.engine import RequestSampled
 

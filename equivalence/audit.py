@@ -277,7 +277,7 @@ def audit_engine(
                     if diagnoser is not None else 0.0),
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
         # the hooks inside the engine's own call (part of "engine"), and reading what they kept or a hooked re-run
-        "observation_hooks": watch.recording.hook_seconds if watch is not None else 0.0,
+        "observation_hooks": watch.call_log.hook_seconds if watch is not None else 0.0,
         "observation": diagnoser.observe_seconds if diagnoser is not None else 0.0,
         "diagnosis": diagnosis_seconds,  # replays, re-runs and observation included
         "diagnosis_mode": diagnosis,

@@ -47,7 +47,7 @@ from specaudit.engines.trace import Trace
 from specaudit.equivalence.acceptance import observed as observed_module
 from specaudit.equivalence.acceptance.observed import ObservedAcceptance, consistency
 
-MEAN_TOLERANCE = 1e-6  # relative: a server's mean of tokens per step against the same counts' ratio
+from specaudit.equivalence.rulings.thresholds import MEAN_TOLERANCE  # relative: a server's mean against its counts
 
 
 def _requests(speculation: dict[str, Any]) -> tuple[list[RequestCounters], list[int], bool]:

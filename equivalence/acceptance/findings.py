@@ -41,7 +41,7 @@ from specaudit.equivalence.acceptance.expected import ExpectedAcceptance
 from specaudit.equivalence.acceptance.observed import ObservedAcceptance, consistency
 from specaudit.equivalence.sampling.stats import holm
 
-ALPHA = 0.01  # family-wise, over the draft positions of one run
+from specaudit.equivalence.rulings.thresholds import ALPHA  # family-wise, over the draft positions of one run
 SAMPLED = "sampled overlap"  # the expectation's method under sampling (equivalence/acceptance/sampled.py)
 DEFINITION = ("acceptance at draft position k = accepted at k / proposals at k (a proposal at k: one row's verify "
               "step whose proposer made at least k+1 draft tokens; accepted at k: its first k+1 were all "

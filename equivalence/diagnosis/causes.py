@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specaudit.engines.limits import eos_ids
-from specaudit.equivalence.rulings.thresholds import MASKED_REPLAY_AGREEMENT, float64_equal
+from specaudit.equivalence.rulings.thresholds import MASKED_REPLAY_AGREEMENT, MASKED_WINDOW, float64_equal
 
 TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most common first
 
@@ -214,7 +214,6 @@ def masked_replay(target: Any, prompt: list[int], reference: list[int], output: 
     return masked_along_output(target, prompt, output, position, pad, evidence, tried)
 
 
-MASKED_WINDOW = 8  # new tokens from the divergence on that the replay along the engine's output compares
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ import torch
 
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.trace import Trace
+from specaudit.equivalence.rulings.outputs import other_references_matched
 
 
 @dataclass
@@ -24,11 +25,8 @@ class Finding:
 
 
 def output_order(index: int, references: list[list[int]], outputs: list[list[int]]) -> Finding | None:
-    """The output of prompt `index` is another prompt's reference."""
-    mine = outputs[index]
-    if not mine or mine == references[index]:
-        return None
-    others = [j for j, ref in enumerate(references) if j != index and ref == mine and ref != references[index]]
+    """The output of prompt `index` is another prompt's reference (`outputs.other_references_matched`)."""
+    others = other_references_matched(index, references, outputs[index])
     if not others:
         return None
     permuted = sorted(map(tuple, outputs)) == sorted(map(tuple, references)) and outputs != references
@@ -49,7 +47,7 @@ def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[i
         return Finding("stop_eos", f"the reference ends with EOS {reference[-1]}{_of_set(ends)} at position "
                        f"{position - 1}; the engine went on with {len(output) - position} more token(s) "
                        f"({output[position:position + 4]})")
-    if position == len(output) < len(reference) and (not output or output[-1] not in ends):
+    if _stopped_without_eos(reference, output, position, ends):
         at = [i for i, t in enumerate(prompt) if t in ends]
         if at:
             return Finding("stop_eos", f"the engine stopped after {len(output)} token(s) with no EOS of its own; "
@@ -69,6 +67,11 @@ def stop_eos(index: int, prompt: list[int], reference: list[int], output: list[i
                                f"prompt {same[0]} of its batch ended with EOS {outputs[same[0]][-1]} as its new token "
                                f"{len(output) - 1}, the same count: the row stopped at another row's EOS")
     return None
+
+
+def _stopped_without_eos(reference: list[int], output: list[int], position: int, ends: Sequence[int]) -> bool:
+    """Whether the engine's output ends at the divergence `position`, before the reference's, on no EOS of its own."""
+    return position == len(output) < len(reference) and (not output or output[-1] not in ends)
 
 
 def _of_set(ends: tuple[int, ...]) -> str:
@@ -216,8 +219,7 @@ def length_stop(reference: list[int], output: list[int], position: int, max_new_
                 if same else "")
         return Finding("stop_length", f"{len(output)} tokens for max_new_tokens = {max_new_tokens} "
                        f"({len(extra)} past the budget: {extra[:4]}).{tail}")
-    if (position == len(output) < len(reference) and len(output) < max_new_tokens
-            and (not output or output[-1] not in eos_ids(eos))):
+    if _stopped_without_eos(reference, output, position, eos_ids(eos)) and len(output) < max_new_tokens:
         return Finding("stop_length", f"the engine stopped after {len(output)} token(s), with no EOS and "
                        f"max_new_tokens = {max_new_tokens}; the reference goes on to {len(reference)}")
     return None
@@ -225,10 +227,7 @@ def length_stop(reference: list[int], output: list[int], position: int, max_new_
 
 def group_of_unequal_rows(index: int, position: int, trace: Trace | None) -> Finding | None:
     """A step recorded as a same-length group (no realignment) whose rows had different lengths."""
-    emitted_at = trace.emitted_at if trace is not None else []
-    last = None
-    if index < len(emitted_at) and emitted_at[index]:
-        last = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
+    last = _emitting_step(index, position, trace)
     for s, record in enumerate(trace.steps if trace is not None else []):
         if last is not None and s > last:
             break
@@ -242,10 +241,9 @@ def group_of_unequal_rows(index: int, position: int, trace: Trace | None) -> Fin
 def rejection_before(index: int, position: int, trace: Trace | None) -> int | None:
     """The last step before the one that emitted new token `position` in which the row rejected
     draft tokens; None when it rejected none (or the trace does not say)."""
-    emitted_at = trace.emitted_at if trace is not None else []
-    if index >= len(emitted_at) or not emitted_at[index]:
+    until = _emitting_step(index, position, trace)
+    if until is None:
         return None
-    until = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
     k = trace.draft_tokens
     found = None
     for s, record in enumerate(trace.steps):
@@ -260,11 +258,10 @@ def rejection_before(index: int, position: int, trace: Trace | None) -> int | No
 
 def finished_beside(index: int, position: int, trace: Trace | None) -> tuple[int, int] | None:
     """A step before the divergence where another row of the batch finished: (step, row)."""
-    emitted_at = trace.emitted_at if trace is not None else []
-    if index >= len(emitted_at) or not emitted_at[index]:
+    until = _emitting_step(index, position, trace)
+    if until is None:
         return None
-    until = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
-    last_step = {row: max(steps) for row, steps in enumerate(emitted_at) if steps}
+    last_step = {row: max(steps) for row, steps in enumerate(trace.emitted_at) if steps}
     found = None
     for s, record in enumerate(trace.steps):
         if s >= until:
@@ -279,10 +276,9 @@ def finished_beside(index: int, position: int, trace: Trace | None) -> tuple[int
 def uneven_acceptance(index: int, position: int, trace: Trace | None) -> tuple[int, list[int], list[int]] | None:
     """The last step before the divergence where the row accepted more draft tokens than some other
     row of its batch: (step, rows, accepted counts)."""
-    emitted_at = trace.emitted_at if trace is not None else []
-    if index >= len(emitted_at) or not emitted_at[index]:
+    until = _emitting_step(index, position, trace)
+    if until is None:
         return None
-    until = emitted_at[index][min(position, len(emitted_at[index]) - 1)]
     found = None
     for s, record in enumerate(trace.steps):
         if s >= until:
@@ -292,3 +288,12 @@ def uneven_acceptance(index: int, position: int, trace: Trace | None) -> tuple[i
             if mine > min(record.accepted_counts):
                 found = (s, list(record.rows), list(record.accepted_counts))
     return found
+
+
+def _emitting_step(index: int, position: int, trace: Trace | None) -> int | None:
+    """The step that emitted new token `position` of row `index` (its last step where the row emitted fewer
+    tokens), or None where the trace records no step of that row."""
+    emitted_at = trace.emitted_at if trace is not None else []
+    if index >= len(emitted_at) or not emitted_at[index]:
+        return None
+    return emitted_at[index][min(position, len(emitted_at[index]) - 1)]

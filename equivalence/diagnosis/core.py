@@ -65,7 +65,7 @@ from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.judge import Judge
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
-from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
+from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PAD_RERUN_BUDGET, RERUN_BUDGET
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -97,8 +97,6 @@ FIXES: dict[str, str] = {
     "unknown": "Read the evidence and the divergence context; the diagnosis could not name the mechanism.",
 }
 
-RERUN_BUDGET = 24  # engine re-runs per audited run; the rest of the divergences get evidence only
-PAD_RERUN_BUDGET = 8  # re-runs with another pad id, apart from the budget above
 
 
 WOULD_DECIDE = ("the engine's target logits at the divergence (a trace with record_logits), replayed under the "

@@ -1,7 +1,7 @@
 """The judge: what a correct engine would have fed the target, and the first input the engine fed otherwise.
 
-Contract: `Judge.judge(prompt, position, index)` reads a `Recording` and returns a `Verdict` on one divergence;
-it changes nothing the recording holds (its state checks and their caches aside). `Judge.replay` computes the
+Contract: `Judge.judge(prompt, position, index)` reads a `CallLog` and returns a `Verdict` on one divergence;
+it changes nothing the call log holds (its state checks and their caches aside). `Judge.replay` computes the
 target's logits on exactly the observed inputs behind a slot (`forward.replay_all`), which the diagnosis compares
 with the engine's (observe.py).
 
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from specaudit.equivalence.diagnosis.forward import replay_all
-from specaudit.equivalence.diagnosis.recording import Recording, columns_text
+from specaudit.equivalence.diagnosis.capture import CallLog, columns_text
 from specaudit.equivalence.diagnosis.states import StateChecks, Violation
 
 # what a verdict may be: a violation of a class, inputs seen correct, or nothing judged
@@ -75,9 +75,9 @@ class Verdict:
 
 @dataclass
 class Judge:
-    """The verdicts on one recording; see the module."""
+    """The verdicts on one call log; see the module."""
 
-    seen: Recording
+    seen: CallLog
     model: Any = field(default=None, repr=False)  # the target, to compute the states a row's own tokens leave
     states: StateChecks | None = field(default=None, init=False)  # on a target with recurrent layers
 

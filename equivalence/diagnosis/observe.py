@@ -3,8 +3,8 @@
 An in-process engine runs on the models the audit hands it, so its inputs can be seen. The audit holds a `Watch`
 (forward hooks on the target and its draft) around the engine's own `generate` call in the audited run: the
 batches, order, padding and schedule are the engine's own, read from its calls, never assumed from
-`--batch-size`. The hooks keep each call compactly (`recording.CallSeen`) and time themselves
-(`Recording.hook_seconds`, the observation's cost to the run); `Watch.judge` reads what they kept into a `Judge`
+`--batch-size`. The hooks keep each call compactly (`capture.CallSeen`) and time themselves
+(`CallLog.hook_seconds`, the observation's cost to the run); `Watch.judge` reads what they kept into a `Judge`
 only when a divergence needs it. A run that was not watched (a run made elsewhere) is observed by `observe_run`,
 the run's call made again once with the hooks (every prompt, in the run's order, in one `generate`, through the
 run's context); a re-run that gives other tokens than the run is not the run: it decides nothing, and says so.
@@ -13,7 +13,7 @@ The engine's code is untouched. The layers, each a module:
 1. `anatomy.py`: where the hooks go in a transformers model (the module that takes the input ids, the one that
    consumes the position ids, the first full-attention and sliding-window layers) and how a hook reads a cache,
    a mask and a config; `observable` says which targets can be observed.
-2. `recording.py` (the recorder): per target call and batch row, the tokens fed, their cache columns and
+2. `capture.py` (the capture): per target call and batch row, the tokens fed, their cache columns and
    positions, which columns each query could read, and on hybrids the recurrent state each call found and left;
    every token fed a slot, each row matched to its prompt and followed by its keys when the engine moves entries.
 3. `judge.py` and `states.py` (the judge): what a correct engine would have fed each query behind the engine's
@@ -61,7 +61,7 @@ from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.judge import CLEAN, INPUT_CLASSES, Judge, Verdict
 from specaudit.equivalence.diagnosis.layers import diverges_silenced
-from specaudit.equivalence.diagnosis.recording import Recorder, Recording
+from specaudit.equivalence.diagnosis.capture import CallHooks, CallLog
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
 from specaudit.equivalence.run_context import RunContext
 
@@ -80,26 +80,26 @@ OBSERVED_STATE = "the recurrent state a call started from, observed"
 class Watch:
     """The hooks on the target (and its draft) held around one `generate` call of the engine: entered around the
     audited run's own call (`audit.run_engine`), it records what the engine fed the target in the batches, order
-    and padding the engine chose, compactly (`recording.CallSeen`); `judge` reads it once the run is over."""
+    and padding the engine chose, compactly (`capture.CallSeen`); `judge` reads it once the run is over."""
 
     def __init__(self, prompts: list[list[int]], target: Any, draft: Any, pad_token_id: int | None) -> None:
         self.target = target
-        self.recording = Recording([list(p) for p in prompts], [], pad_token_id, window=sliding_window(target),
+        self.call_log = CallLog([list(p) for p in prompts], [], pad_token_id, window=sliding_window(target),
                                    recurrent=has_recurrent_layers(target))
-        self.recorders = [Recorder(self.recording, target, "target")]
+        self.hooks = [CallHooks(self.call_log, target, "target")]
         if draft is not None and draft is not target:
-            self.recorders.append(Recorder(self.recording, draft, "draft"))
+            self.hooks.append(CallHooks(self.call_log, draft, "draft"))
         self.spoiled: str | None = None  # why what was recorded is not the run (the call raised, ...)
 
     def __enter__(self) -> "Watch":
-        self.recording.entered += 1
-        for recorder in self.recorders:
-            recorder.install()
+        self.call_log.entered += 1
+        for hooks in self.hooks:
+            hooks.install()
         return self
 
     def __exit__(self, kind: Any, exc: Any, traceback: Any) -> None:
-        for recorder in self.recorders:
-            recorder.remove()
+        for hooks in self.hooks:
+            hooks.remove()
         if exc is not None and self.spoiled is None:
             self.spoiled = f"the engine's call raised {type(exc).__name__}"
 
@@ -108,11 +108,11 @@ class Watch:
         sentence saying why nothing was observed."""
         if self.spoiled:
             return self.spoiled
-        if self.recording.entered != 1:
-            return f"the engine's generate was entered {self.recording.entered} times: nothing is judged"
-        self.recording.outputs = [[int(t) for t in out] for out in outputs]
-        self.recording.process()
-        return Judge(self.recording, self.target)
+        if self.call_log.entered != 1:
+            return f"the engine's generate was entered {self.call_log.entered} times: nothing is judged"
+        self.call_log.outputs = [[int(t) for t in out] for out in outputs]
+        self.call_log.process()
+        return Judge(self.call_log, self.target)
 
 
 def watch_for(prompts: list[list[int]], target: Any, draft: Any, pad_token_id: int | None) -> Watch | None:
@@ -140,8 +140,8 @@ def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | N
     except Exception as exc:  # an observation that fails tells that, not more
         return f"the hooked re-run failed: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
-        for recorder in watch.recorders:
-            recorder.remove()
+        for hooks in watch.hooks:
+            hooks.remove()
     rerun = [[int(t) for t in out] for out in rerun]
     if rerun != [[int(t) for t in out] for out in outputs]:
         changed = [k for k, (a, b) in enumerate(zip(rerun, outputs)) if a != [int(t) for t in b]]

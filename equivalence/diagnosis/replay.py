@@ -34,7 +34,7 @@ import torch
 
 from specaudit.engines.trace import Trace
 from specaudit.equivalence.diagnosis.forward import GrowingReplay, PrefixReplay, replay_all, replay_last
-from specaudit.equivalence.rulings.thresholds import EXPLAIN_RATIO, NOISY_EXPLAIN_RATIO
+from specaudit.equivalence.rulings.thresholds import EXPLAIN_RATIO, NOISY_EXPLAIN_RATIO, TOKEN_WINDOW
 
 CONSTANT_SHIFTS = (1, -1, 2)
 
@@ -646,7 +646,6 @@ def _ordered(found: list[Hypothesis], prefer: tuple[str, ...]) -> list[Hypothesi
 # further token replays for the new tokens up to a query: (prompt, output, q) -> hypotheses whose build
 # gives (ids, positions, allowed, rows), as `doubled.doubled_bonus_hypotheses` does
 MoreHypotheses = Callable[[list[int], list[int], int], list[Hypothesis]]
-TOKEN_WINDOW = 8  # new tokens from the divergence on that a replay without the engine's logits must reproduce
 
 
 def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, trace: Trace | None, index: int,

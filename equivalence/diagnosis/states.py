@@ -1,6 +1,6 @@
 """The judge of recurrent states: whether each call of a hybrid started from the row's own state.
 
-Contract: `StateChecks.violation(record, ...)` says whether the recurrent state a call-row of a `Recording`
+Contract: `StateChecks.violation(record, ...)` says whether the recurrent state a call-row of a `CallLog`
 started from is the one the row's own tokens before the call leave (the target run on them alone, batch 1), and
 whether a call that fed padding before the row's tokens left the state its tokens leave; None where it is, or
 where nothing can tell. It judges one call-row once (cached) and reads the target only to compute the states
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from specaudit.equivalence.diagnosis.anatomy import recurrent_states
-from specaudit.equivalence.diagnosis.recording import Recording, columns_text
+from specaudit.equivalence.diagnosis.capture import CallLog, columns_text
 from specaudit.equivalence.rulings.thresholds import state_resolution
 
 
@@ -46,9 +46,9 @@ class Violation(NamedTuple):
 
 @dataclass
 class StateChecks:
-    """The recurrent-state verdicts on one recording's call-rows; see the module."""
+    """The recurrent-state verdicts on one call log's call-rows; see the module."""
 
-    seen: Recording
+    seen: CallLog
     model: Any = field(default=None, repr=False)  # the target, to compute the states a row's own tokens leave
     _states: dict[tuple[Any, ...], dict[str, np.ndarray]] = field(default_factory=dict)  # per token sequence
     _checks: dict[int, Violation | None] = field(default_factory=dict)  # per call-row: its state's violation

@@ -19,7 +19,10 @@ each records what decided it in one field, `decided_by`:
   choice lies within the draft's precision (the draft-fidelity check, the diagnosis's kept draft tokens).
 - `record.divergence`: the divergence record of `audit.json` around a ruling (`logits` where tokens
   agree but logits do not): the step, the batch, the margin, the context.
-- `noise`: the dtype noise all of them start from.
+- `outputs`: what an output's tokens say before any logit is read (where it leaves the reference, the token
+  there, whether another output departs alike, whether it is another prompt's reference), for every ruling and
+  the diagnosis's checks.
+- `noise`: the dtype noise all of them start from; `thresholds`: every threshold they decide by, with its reason.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from __future__ import annotations
 from specaudit.equivalence.rulings.band import NoiseBand, band_evidence, noise_band, rule_on_band
 from specaudit.equivalence.rulings.draft import DraftPrecision, departure_floor
 from specaudit.equivalence.rulings.noise import EPS, dtype_noise
-from specaudit.equivalence.rulings.plain import (REFERENCE_MISMATCH, first_divergence, rule as plain_rule,
+from specaudit.equivalence.rulings.outputs import first_divergence
+from specaudit.equivalence.rulings.plain import (REFERENCE_MISMATCH, rule as plain_rule,
                                                  rule_processed as plain_rule_processed,
                                                  rule_violation as plain_rule_violation, summary as plain_summary)
 from specaudit.equivalence.rulings.record import divergence, step_context

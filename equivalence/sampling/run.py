@@ -26,6 +26,7 @@ from specaudit.equivalence.acceptance.sampled import (BELOW_FLOAT64, VerifyStep,
 from specaudit.equivalence.errors import one_line
 from specaudit.equivalence.guard import GuardedEngine, failure_message, out_of_memory, unguarded
 from specaudit.equivalence.reports.sampled import PASS
+from specaudit.equivalence.rulings.thresholds import ALPHA
 from specaudit.equivalence.run_record import SAMPLED, run_record
 from specaudit.equivalence.sampling.audit import audit_samples
 from specaudit.equivalence.sampling.teacher import Sample
@@ -122,7 +123,7 @@ def check_seeds(engine: Any, prompts: list[list[int]], max_new_tokens: int, eos_
 
 
 def sampled_audit(engine: Any, target: Any, prompts: list[list[int]], params: SamplingParams, *, samples: int,
-                  max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = 0.01,
+                  max_new_tokens: int, eos_token_id: Any, seed: int, alpha: float = ALPHA,
                   recorded: list[Sample] | None = None, seed_checks: bool = True, draft: Any = None,
                   run_target: Any = None, chunk: int | None = None, progress: Any = None,
                   request_params: list[Any] | None = None, require_acceptance: float | None = None,

@@ -27,9 +27,8 @@ import torch
 
 from specaudit.engines.contract import capability
 from specaudit.equivalence.reports.sampled import PASS
+from specaudit.equivalence.rulings.thresholds import PIT_BINS, POWER, SERVED_PIT_BINS
 from specaudit.equivalence.sampling import stats
-
-PIT_BINS = 10
 from specaudit.equivalence.pipeline.settings import TEACHER_FORCING_TOP as TOP  # noqa: E402
 
 
@@ -83,13 +82,13 @@ def served_sampled_audit(engine: Any, reference: Any, prompts: list[list[int]], 
     if u.numel() == 0:
         return {"verdict": "not tested", "samples": len(outputs), "tokens": 0, "tests": [],
                 "reason": "no sampled token could be teacher-forced through the reference"}
-    tests = [stats.chi_square_uniform(u, PIT_BINS), stats.ks_uniform(u)]
+    tests = [stats.chi_square_uniform(u, SERVED_PIT_BINS), stats.ks_uniform(u)]
     adjusted = stats.holm([t["p_value"] for t in tests])
     for test, p in zip(tests, adjusted):
         test["p_holm"] = p
     worst = min(range(len(tests)), key=lambda i: adjusted[i])
     rejected = adjusted[worst] < alpha
-    detectable = stats.detectable_tv(int(u.numel()), PIT_BINS - 1, alpha)
+    detectable = stats.detectable_tv(int(u.numel()), SERVED_PIT_BINS - 1, alpha, POWER)
     tail = sum(p[-1] for p, _ in distributions) / len(distributions)
     # the report's fields (equivalence/reports/sampled.py), as the sampled audit with the weights gives them
     return {
@@ -98,13 +97,13 @@ def served_sampled_audit(engine: Any, reference: Any, prompts: list[list[int]], 
         "samples": len(outputs), "tokens": int(u.numel()), "top_n": top, "tests": tests,
         "effect_tv": tests[0].get("tv_observed"),
         "mean_tail_mass": tail, "detectable_tv_pooled": detectable, "detectable_tv_first_token": None,
-        "power": 0.8, "rounding": None,
-        "pit_histogram": torch.bincount((u * 20).long().clamp(0, 19), minlength=20).tolist(),
+        "power": POWER, "rounding": None,
+        "pit_histogram": stats.pit_histogram(u, PIT_BINS),  # the chart's bins, as the sampled audit's
         "seeds": {"checked": False, "why": "a server's seeds are its own"},
         "speculation": capability(engine, "last_speculation"),
         "teacher_forcing": f"the reference's prompt_logprobs: its top {top} tokens and the rest as one bin",
         "power_note": (f"the chi-square test on these PIT values detects a departure of total variation {detectable:.3f} "
-                       f"between its bins with power 0.8 at alpha {alpha}; a departure inside the reference's tail "
+                       f"between its bins with power {POWER} at alpha {alpha}; a departure inside the reference's tail "
                        f"(below its top {top}, mean tail mass {tail:.3g}) is not seen"),
         **({"finding": f"all tokens: {'sharper' if float(u.mean()) < 0.5 else 'flatter'} than the reference "
                        f"(mean PIT {float(u.mean()):.3f})"} if rejected else {}),

@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from specaudit.equivalence.rulings.thresholds import MIN_EXPECTED_PER_BIN, POWER
+
 F64 = torch.float64
 
 
@@ -88,7 +90,7 @@ def noncentral_chi_square_critical(df: int, alpha: float, noncentrality: float) 
     return high
 
 
-def detectable_tv(n: int, df: int, alpha: float, power: float = 0.8, null_noncentrality: float = 0.0) -> float:
+def detectable_tv(n: int, df: int, alpha: float, power: float = POWER, null_noncentrality: float = 0.0) -> float:
     """The smallest total variation between a test's bins that it detects with `power` at level alpha on n draws;
     `null_noncentrality`: the test is held against a departure of that noncentrality (rounding), not against none."""
     if n <= 0 or df <= 0:
@@ -105,6 +107,11 @@ def detectable_tv(n: int, df: int, alpha: float, power: float = 0.8, null_noncen
         else:
             low = middle
     return high
+
+
+def pit_histogram(u: torch.Tensor, bins: int) -> list[int]:
+    """The counts of PIT values `u` [n] in `bins` equal bins of [0, 1) (uniform under a correct sampler)."""
+    return torch.bincount((u * bins).long().clamp(0, bins - 1), minlength=bins).tolist()
 
 
 def chi_square_uniform(u: torch.Tensor, bins: int) -> dict[str, float]:
@@ -141,15 +148,15 @@ def chi_square_counts(counts: torch.Tensor, probs: torch.Tensor) -> dict[str, fl
     are merged into one bin (dropped when that bin still expects less than 5, folded into the smallest kept)."""
     n = float(counts.sum())
     expected = probs * n
-    big = expected >= 5
+    big = expected >= MIN_EXPECTED_PER_BIN
     observed_bins = [counts[big]]
     expected_bins = [expected[big]]
     rest_expected, rest_observed = float(expected[~big].sum()), float(counts[~big].sum())
-    if rest_expected >= 5:
+    if rest_expected >= MIN_EXPECTED_PER_BIN:
         observed_bins.append(torch.tensor([rest_observed], dtype=F64))
         expected_bins.append(torch.tensor([rest_expected], dtype=F64))
     observed, wanted = torch.cat(observed_bins), torch.cat(expected_bins)
-    if rest_expected < 5 and observed.numel():  # fold the small rest into the least likely kept bin
+    if rest_expected < MIN_EXPECTED_PER_BIN and observed.numel():  # fold the small rest into the least likely kept bin
         smallest = int(wanted.argmin())
         observed[smallest] += rest_observed
         wanted[smallest] += rest_expected

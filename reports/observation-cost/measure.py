@@ -1,5 +1,5 @@
 """Time each engine's own generate call with and without the observation's hooks (interleaved repeats), and the
-hooks' own time inside the watched call (`Recording.hook_seconds`). Usage: measure.py PAIRS ENGINES [REPEATS]."""
+hooks' own time inside the watched call (`CallLog.hook_seconds`). Usage: measure.py PAIRS ENGINES [REPEATS]."""
 import sys, time, statistics, torch
 from specaudit.engines.models.zoo import load_pair, builtin_prompts
 from specaudit.engines.models.bench_pair import load_bench_pair
@@ -26,7 +26,7 @@ for pair_name in pairs:
                         engine.generate(prompts, 32, None)
                 (plain if kind == "plain" else watched).append(time.perf_counter() - started)
         p, w = statistics.median(plain), statistics.median(watched)
-        hooks = watch.recording.hook_seconds
+        hooks = watch.call_log.hook_seconds
         print(f"   hooks {hooks:.3f}s of the watched call {watched[-1] if repeats % 2 else watched[-1]:.3f}s = {hooks / watched[-1]:.1%}")
-        calls = len(watch.recording.captured) if watch else 0
+        calls = len(watch.call_log.captured) if watch else 0
         print(f"{pair_name:12s} {spec:10s} plain {p:.3f}s watched {w:.3f}s overhead {w / p - 1:+.1%} ({calls} target calls kept)", flush=True)

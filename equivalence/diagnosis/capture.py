@@ -1,7 +1,8 @@
-"""The recorder: what the hooks saw an engine feed the target, row by row, matched to the run's prompts.
+"""The capture: the target calls the hooks saw an engine make, what each fed it row by row, matched to the run's
+prompts.
 
-Contract: a `Recording` holds what one `generate` call of the engine fed the target (the audited run's own, through
-`observe.Watch`, or a hooked re-run of it) and judges nothing; the judge (`judge.py`) reads it. Its `Recorder`s are
+Contract: a `CallLog` holds what one `generate` call of the engine fed the target (the audited run's own, through
+`observe.Watch`, or a hooked re-run of it) and judges nothing; the judge (`judge.py`) reads it. Its `CallHooks` are
 the forward hooks on the target (and the draft, whose calls are only counted); they change nothing the engine
 computes, and keep each call compactly (`CallSeen`: copies of the ids, positions and 2-D mask, the layer's mask as
 booleans, the cache's serial, key fingerprints) for `process` to read once the call is over.
@@ -47,7 +48,7 @@ class Slot:
     pad: bool
     call: int  # the target call that fed it (counted from 0)
     column: int
-    record: int  # index into Recording.records (the call-row whose query it was)
+    record: int  # index into CallLog.records (the call-row whose query it was)
     query: int  # its query's index among that call-row's new tokens
     key: int | None = None  # its first layer's keys' fingerprint as the call left them in the cache (None: not read)
 
@@ -82,7 +83,7 @@ class Stream:
     rows: list[int | None]  # the rerun's prompt index of each batch row (None: not matched yet)
     columns: list[list[int]]  # per batch row: slot id per column (-1: none)
     unused: list[int]  # the prompts no row of this stream holds yet
-    records: list[list[int]]  # per batch row: its call-rows (indices into Recording.records)
+    records: list[list[int]]  # per batch row: its call-rows (indices into CallLog.records)
     lost: list[bool]  # per batch row: its entries were moved or rewritten, so it is no longer followed
     masks_columns: bool | None = None  # the engine hid a written column from a later query (None: not asked yet)
     masks_fed: bool | None = None  # and one holding a fed token that is not padding (None: not asked yet)
@@ -96,7 +97,7 @@ class CallSeen:
     fingerprints), and what the position module and the first attention layers were handed."""
 
     input_ids: Any  # [B, q] (anything else: the call is not recorded)
-    cache: int | None  # the cache object's serial in this recording (None: the call had none)
+    cache: int | None  # the cache object's serial in this log (None: the call had none)
     length: int  # the cache's length before the call (-1: it could not say)
     states: dict[str, torch.Tensor] | None  # the first recurrent layer's state as the call found it (hybrids)
     prior_keys: torch.Tensor | None  # [B, length] int64: fingerprints of the first full layer's keys before the call
@@ -133,7 +134,7 @@ _MULTIPLIERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 @dataclass
-class Recording:
+class CallLog:
     """What one hooked re-run of a batch fed the target, row by row, matched to its prompts; see the module."""
 
     prompts: list[list[int]]  # the re-run's prompts, in its order
@@ -159,7 +160,7 @@ class Recording:
     _by_record: dict[int, list[int]] | None = None  # per call-row: its slots (built once the re-run is over)
     _lock: Any = field(default_factory=threading.Lock)
 
-    # ---- recording ---------------------------------------------------------------------------
+    # ---- capture -----------------------------------------------------------------------------
     def cache_serial(self, cache: Any) -> int | None:
         """A serial for a cache object, stable while it lives (an id can be reused once it is gone)."""
         if cache is None:
@@ -177,7 +178,7 @@ class Recording:
             return serial
 
     def capture(self, call: CallSeen, family: str) -> None:
-        """One target call kept as the hooks saw it (`Recorder`); `process` reads them once the run is over."""
+        """One target call kept as the hooks saw it (`CallHooks`); `process` reads them once the run is over."""
         with self._lock:
             self.captured.append((call, family))
 
@@ -632,11 +633,11 @@ class Recording:
         return self.draft_calls > 0 or self.verified > 0
 
 
-class Recorder:
+class CallHooks:
     """The hooks on one model; for the target it builds the slots as each call ends."""
 
-    def __init__(self, recording: "Recording", model: Any, role: str) -> None:
-        self.recording, self.model, self.role = recording, model, role
+    def __init__(self, call_log: "CallLog", model: Any, role: str) -> None:
+        self.call_log, self.model, self.role = call_log, model, role
         self.base = embedding_owner(model)
         self.handles: list[Any] = []
         self.current: CallSeen | None = None
@@ -655,7 +656,7 @@ class Recorder:
         attention = attention_module(self.base, types)
         if attention is not None:
             self.handles.append(attention.register_forward_pre_hook(self._attention("mask"), with_kwargs=True))
-        window = attention_module(self.base, types, sliding=True) if self.recording.window else None
+        window = attention_module(self.base, types, sliding=True) if self.call_log.window else None
         if window is not None:
             self.handles.append(window.register_forward_pre_hook(self._attention("window_mask"), with_kwargs=True))
 
@@ -670,11 +671,11 @@ class Recorder:
         try:
             self._keep_start(module, args, kwargs)
         finally:
-            self.recording.hook_seconds += time.perf_counter() - started
+            self.call_log.hook_seconds += time.perf_counter() - started
 
     def _keep_start(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         if self.role != "target":
-            self.recording.draft_calls += 1
+            self.call_log.draft_calls += 1
             return
         bound = bind_arguments(module.forward, args, kwargs)
         cache = bound.get("cache", bound.get("past_key_values"))
@@ -685,11 +686,11 @@ class Recorder:
             except Exception:  # a cache that cannot say: its calls are not observed
                 length = -1
         prior = first_keys(cache) if cache is not None and length > 0 else None
-        states = recurrent_states(cache) if self.recording.recurrent and cache is not None else None
+        states = recurrent_states(cache) if self.call_log.recurrent and cache is not None else None
         ids = bound.get("input_ids")
         self.live_cache = cache
         self.current = CallSeen(ids.detach().to("cpu", copy=True) if isinstance(ids, torch.Tensor) else ids,
-                                self.recording.cache_serial(cache), length, states,
+                                self.call_log.cache_serial(cache), length, states,
                                 None if prior is None else key_fingerprints(prior[:, :, :length]),
                                 _kept(bound.get("cache_position")), _kept(bound.get("position_ids")),
                                 _kept(bound.get("attention_mask")))
@@ -704,7 +705,7 @@ class Recorder:
             try:
                 keep(args, kwargs)
             finally:
-                self.recording.hook_seconds += time.perf_counter() - started
+                self.call_log.hook_seconds += time.perf_counter() - started
 
         def keep(args: tuple, kwargs: dict[str, Any]) -> None:
             bound = bind_arguments(module.forward, args, kwargs)
@@ -730,7 +731,7 @@ class Recorder:
             if kind == "mask":
                 self.current.empty_reads = empty_reads_of(mask)
             self.current.masks[kind] = _compact_mask(mask)
-            self.recording.hook_seconds += time.perf_counter() - started
+            self.call_log.hook_seconds += time.perf_counter() - started
         return hook
 
     def _end(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
@@ -738,7 +739,7 @@ class Recorder:
         try:
             self._keep_end(output)
         finally:
-            self.recording.hook_seconds += time.perf_counter() - started
+            self.call_log.hook_seconds += time.perf_counter() - started
 
     def _keep_end(self, output: Any) -> None:
         call, self.current = self.current, None
@@ -747,13 +748,13 @@ class Recorder:
             return
         if cache is None:  # the cache the model made for the call: followed when the engine hands it back
             cache = output_cache(output)
-            call.cache = self.recording.cache_serial(cache)
-        if self.recording.recurrent:  # the states the call left
+            call.cache = self.call_log.cache_serial(cache)
+        if self.call_log.recurrent:  # the states the call left
             call.end_states = recurrent_states(cache) if cache is not None else None
         keys = first_keys(cache) if cache is not None else None
         if keys is not None:
             call.new_keys = key_fingerprints(keys)
-        self.recording.capture(call, self.family)
+        self.call_log.capture(call, self.family)
 
 
 def _kept(value: Any) -> Any:
