@@ -24,7 +24,7 @@ from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.judge import INPUT_CLASSES
+from specaudit.equivalence.diagnosis.feed_check import INPUT_CLASSES
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE
 from specaudit.equivalence.diagnosis.observe import watch_for
 from specaudit.equivalence.acceptance.run import acceptance_of_run, load_baseline

@@ -18,7 +18,7 @@ from cli_run import audit, runs
 from specaudit.equivalence.diagnosis.causes import Cause
 from specaudit.equivalence.diagnosis.core import Diagnoser
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.judge import CLEAN, Verdict
+from specaudit.equivalence.diagnosis.feed_check import CLEAN, Verdict
 
 EXPECTED = {"loop_padded_positions": "position_ids", "holes_all_slots": "position_ids",
             "recompute_sees_padding": "attention_mask", "generate_all_ones": "attention_mask",

@@ -2,7 +2,7 @@
 prompts.
 
 Contract: a `CallLog` holds what one `generate` call of the engine fed the target (the audited run's own, through
-`observe.Watch`, or a hooked re-run of it) and judges nothing; the judge (`judge.py`) reads it. Its `CallHooks` are
+`observe.Watch`, or a hooked re-run of it) and judges nothing; the feed check (`feed_check.py`) reads it. Its `CallHooks` are
 the forward hooks on the target (and the draft, whose calls are only counted); they change nothing the engine
 computes, and keep each call compactly (`CallSeen`: copies of the ids, positions and 2-D mask, the layer's mask as
 booleans, the cache's serial, key fingerprints) for `process` to read once the call is over.

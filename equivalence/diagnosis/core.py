@@ -62,7 +62,7 @@ from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.judge import Judge
+from specaudit.equivalence.diagnosis.feed_check import FeedCheck
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PAD_RERUN_BUDGET, RERUN_BUDGET
@@ -282,7 +282,7 @@ class Diagnoser(Experiments, Observing):
         repeated token) or no replay confirmed it (a violation below float64), they are, and a class they name
         other than the one seen becomes `unknown` (`_reconcile`)."""
         observation, verdict = self._run_observation, self._observed
-        return (isinstance(observation, Judge) and observation.seen.calls > 0 and verdict is not None
+        return (isinstance(observation, FeedCheck) and observation.seen.calls > 0 and verdict is not None
                 and verdict.cls is not None and verdict.confirmed)
 
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:

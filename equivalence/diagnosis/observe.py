@@ -4,7 +4,7 @@ An in-process engine runs on the models the audit hands it, so its inputs can be
 (forward hooks on the target and its draft) around the engine's own `generate` call in the audited run: the
 batches, order, padding and schedule are the engine's own, read from its calls, never assumed from
 `--batch-size`. The hooks keep each call compactly (`capture.CallSeen`) and time themselves
-(`CallLog.hook_seconds`, the observation's cost to the run); `Watch.judge` reads what they kept into a `Judge`
+(`CallLog.hook_seconds`, the observation's cost to the run); `Watch.feed_check` reads what they kept into a `FeedCheck`
 only when a divergence needs it. A run that was not watched (a run made elsewhere) is observed by `observe_run`,
 the run's call made again once with the hooks (every prompt, in the run's order, in one `generate`, through the
 run's context); a re-run that gives other tokens than the run is not the run: it decides nothing, and says so.
@@ -16,12 +16,12 @@ The engine's code is untouched. The layers, each a module:
 2. `capture.py` (the capture): per target call and batch row, the tokens fed, their cache columns and
    positions, which columns each query could read, and on hybrids the recurrent state each call found and left;
    every token fed a slot, each row matched to its prompt and followed by its keys when the engine moves entries.
-3. `judge.py` and `states.py` (the judge): what a correct engine would have fed each query behind the engine's
+3. `feed_check.py` and `states.py` (the feed check): what a correct engine would have fed each query behind the engine's
    token at the divergence, and the first input fed otherwise, which names the class; on hybrids, whether each
    call started from the row's own recurrent state.
 
 A replay of the target (float64 where the audit has it) on exactly the observed slots, positions and
-visibility (`Judge.replay`, `forward.replay_all`) that reproduces the engine's logits (where it records them;
+visibility (`FeedCheck.replay`, `forward.replay_all`) that reproduces the engine's logits (where it records them;
 the diagnosis then judges the first new token whose logits are off) or chooses its token confirms a violation
 (`Observing`, below). Inputs observed correct (the replay of them chooses the reference's token) rule out the input
 classes: the divergence comes after the logits (acceptance, stops). A recurrent state seen wrong is confirmed by
@@ -59,7 +59,7 @@ from specaudit.equivalence.diagnosis.anatomy import has_recurrent_layers, observ
 from specaudit.equivalence.diagnosis.causes import Cause
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.judge import CLEAN, INPUT_CLASSES, Judge, Verdict
+from specaudit.equivalence.diagnosis.feed_check import CLEAN, INPUT_CLASSES, FeedCheck, Verdict
 from specaudit.equivalence.diagnosis.layers import diverges_silenced
 from specaudit.equivalence.diagnosis.capture import CallHooks, CallLog
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
@@ -80,7 +80,7 @@ OBSERVED_STATE = "the recurrent state a call started from, observed"
 class Watch:
     """The hooks on the target (and its draft) held around one `generate` call of the engine: entered around the
     audited run's own call (`audit.run_engine`), it records what the engine fed the target in the batches, order
-    and padding the engine chose, compactly (`capture.CallSeen`); `judge` reads it once the run is over."""
+    and padding the engine chose, compactly (`capture.CallSeen`); `feed_check` reads it once the run is over."""
 
     def __init__(self, prompts: list[list[int]], target: Any, draft: Any, pad_token_id: int | None) -> None:
         self.target = target
@@ -103,8 +103,8 @@ class Watch:
         if exc is not None and self.spoiled is None:
             self.spoiled = f"the engine's call raised {type(exc).__name__}"
 
-    def judge(self, outputs: list[list[int]]) -> Judge | str:
-        """A `Judge` over what the call fed the target, its rows labelled by `outputs` (the call's own), or a
+    def feed_check(self, outputs: list[list[int]]) -> FeedCheck | str:
+        """A `FeedCheck` over what the call fed the target, its rows labelled by `outputs` (the call's own), or a
         sentence saying why nothing was observed."""
         if self.spoiled:
             return self.spoiled
@@ -112,7 +112,7 @@ class Watch:
             return f"the engine's generate was entered {self.call_log.entered} times: nothing is judged"
         self.call_log.outputs = [[int(t) for t in out] for out in outputs]
         self.call_log.process()
-        return Judge(self.call_log, self.target)
+        return FeedCheck(self.call_log, self.target)
 
 
 def watch_for(prompts: list[list[int]], target: Any, draft: Any, pad_token_id: int | None) -> Watch | None:
@@ -122,7 +122,7 @@ def watch_for(prompts: list[list[int]], target: Any, draft: Any, pad_token_id: i
     return Watch(prompts, target, draft, pad_token_id)
 
 
-def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | None) -> Judge | str:
+def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | None) -> FeedCheck | str:
     """The run's call made again with hooks, where the run itself was not watched: every prompt of the run, in
     its order, in one `generate` through the run's context (a fresh engine on the run's pair, guarded as its
     re-runs are). The run's `outputs` label the rows; a re-run that returns other tokens is not the run and is not
@@ -147,7 +147,7 @@ def observe_run(run: RunContext, outputs: list[list[int]], pad_token_id: int | N
         changed = [k for k, (a, b) in enumerate(zip(rerun, outputs)) if a != [int(t) for t in b]]
         return (f"the hooked re-run of the run's call (every prompt, in the run's order) gave other tokens than the "
                 f"run for prompt(s) {changed}: a re-run that is not the run decides nothing")
-    return watch.judge(outputs)
+    return watch.feed_check(outputs)
 
 
 
@@ -200,7 +200,7 @@ class Observing:
 
     facts: RunFacts
     observe_seconds: float
-    _run_observation: Judge | str | None  # the hooked re-run of the run's call, once made
+    _run_observation: FeedCheck | str | None  # the hooked re-run of the run's call, once made
     _observed: Verdict | None
 
     # and what `Diagnoser` and `Experiments` answer: the rows of a prompt's batch, the engine's logits of a prompt,
@@ -209,14 +209,14 @@ class Observing:
     _logits: Callable[[int], torch.Tensor | None]
     precision_noise: Callable[[int], float]
 
-    def _observation(self) -> Judge | str:
+    def _observation(self) -> FeedCheck | str:
         """What the run's own call fed the target (`Watch`, recorded during the run), else the hooked re-run of
         the run's call, made once (or why none was made)."""
         if self._run_observation is None:
             started = time.perf_counter()
             try:
                 if self.facts.watch is not None:
-                    self._run_observation = self.facts.watch.judge(self.facts.outputs)
+                    self._run_observation = self.facts.watch.feed_check(self.facts.outputs)
                 elif self.facts.mode == "quick":
                     self._run_observation = "quick diagnosis: no hooked re-run (--diagnosis full runs it)"
                 elif self.facts.run is None:
@@ -271,7 +271,7 @@ class Observing:
                                            _observed_mechanism(verdict)))
         return Observed(verdict)
 
-    def _confirmed_by_logits(self, observation: Judge, verdict: Verdict, index: int, position: int,
+    def _confirmed_by_logits(self, observation: FeedCheck, verdict: Verdict, index: int, position: int,
                              engine_row: torch.Tensor, tried: list[str]) -> Verdict:
         """A violation, against the engine's own logits at the first corrupted token: the replay of its observed
         inputs must reproduce them."""
@@ -290,7 +290,7 @@ class Observing:
         tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
         return replace(verdict, confirmed=confirmed)
 
-    def _confirmed_by_token(self, observation: Judge, verdict: Verdict, local: int, position: int, index: int,
+    def _confirmed_by_token(self, observation: FeedCheck, verdict: Verdict, local: int, position: int, index: int,
                             tried: list[str]) -> Verdict:
         """Without the engine's logits: a violation whose replay chooses the engine's token (below float64, or puts it
         within the dtype's own noise of its top: `_chooses`), inputs seen right whose
@@ -315,7 +315,7 @@ class Observing:
             return verdict
         return self._other_producer(observation, verdict, local, position, index, tried)
 
-    def _observed_state(self, observation: Judge, verdict: Verdict, index: int, batch: list[int], tried: list[str],
+    def _observed_state(self, observation: FeedCheck, verdict: Verdict, index: int, batch: list[int], tried: list[str],
                         engine_row: torch.Tensor | None) -> Observed:
         """A call seen starting from a recurrent state that is not the row's own, or feeding it padding the model was
         not told of (states.py). A replay that feeds the recurrent layers the history the state was found to be (the
@@ -359,7 +359,7 @@ class Observing:
                                        "silenced target",
                                        f"{OBSERVED_STATE}, then a re-run with the attention layers silenced", mechanism))
 
-    def _other_producer(self, observation: Judge, first: Verdict, local: int, position: int, index: int,
+    def _other_producer(self, observation: FeedCheck, first: Verdict, local: int, position: int, index: int,
                         tried: list[str], attempts: int = 6) -> Verdict:
         """The query taken to choose the engine's token did not (its inputs replayed choose another): a token fed
         more than once (a proposal rejected, then fed again; a step's choice the engine set aside, as a rule that
@@ -399,7 +399,7 @@ class Observing:
         class as the checks named it (the replays of hypotheses are not made where the inputs were observed)."""
         verdict, self._observed = self._observed, None
         observation = self._run_observation
-        if (found is not None and found.cls == "acceptance_rule" and isinstance(observation, Judge)
+        if (found is not None and found.cls == "acceptance_rule" and isinstance(observation, FeedCheck)
                 and observation.seen.calls and not (observation.seen.speculated or self._drafted())):
             return Cause("unknown", f"acceptance_rule was suggested ({found.evidence}), but the engine was not seen "
                          f"speculating (no draft model call, no target call verifying several new tokens of a row, "

@@ -19,7 +19,7 @@ says what the engine kept:
    the row's tokens that no 2-D mask handed to the model marks enters it (its recurrent layers zero only what
    such a mask marks).
 3. The history a state was found to be (slots fed, rejected ones and padding kept) is kept per call-row
-   (`histories`): a replay feeds it to the recurrent layers (`judge.Judge.replay`).
+   (`histories`): a replay feeds it to the recurrent layers (`feed_check.FeedCheck.replay`).
 """
 
 from __future__ import annotations

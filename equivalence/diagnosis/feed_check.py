@@ -1,7 +1,7 @@
 """The judge: what a correct engine would have fed the target, and the first input the engine fed otherwise.
 
-Contract: `Judge.judge(prompt, position, index)` reads a `CallLog` and returns a `Verdict` on one divergence;
-it changes nothing the call log holds (its state checks and their caches aside). `Judge.replay` computes the
+Contract: `FeedCheck.judge(prompt, position, index)` reads a `CallLog` and returns a `Verdict` on one divergence;
+it changes nothing the call log holds (its state checks and their caches aside). `FeedCheck.replay` computes the
 target's logits on exactly the observed inputs behind a slot (`forward.replay_all`), which the diagnosis compares
 with the engine's (observe.py).
 
@@ -74,7 +74,7 @@ class Verdict:
 
 
 @dataclass
-class Judge:
+class FeedCheck:
     """The verdicts on one call log; see the module."""
 
     seen: CallLog
