@@ -264,7 +264,9 @@ def audit_engine(
             replay_draft=replay_draft if below else None, reference_logits=list(reference.logits),
             logit_paths=[list(r) for r in reference.outputs], mode=diagnosis,
             observe_inputs=not capability(engine, "black_box"), watch=watch if run.isolation is None else None,
-            deadline=None if settings.diagnosis_budget is None else time.monotonic() + settings.diagnosis_budget)
+            deadline=None if settings.diagnosis_budget is None else time.monotonic() + settings.diagnosis_budget,
+            processed=None if requests is None else requests_run.processed_logits(
+                prompts, run.outputs, requests, eos_token_id, requests_run.penalty_scope(engine)))
         diagnoser = diagnose(judged, facts)
     diagnosis_seconds = time.perf_counter() - diagnosed_at
     timing = {

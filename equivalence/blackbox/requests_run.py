@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -208,6 +208,19 @@ def rule_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list
             record["constraint_violation"] = broken["evidence"]["reason"]
         divergences += row_findings
     return RequestRulings(prompt_records, divergences, refused)
+
+
+def processed_logits(prompts: list[list[int]], outputs: list[list[int]], params: list[RequestParams],
+                     eos_token_id: Any, scope: str) -> Callable[[int, int, torch.Tensor], torch.Tensor]:
+    """(prompt index, new token position, raw logits [V]) -> the logits a correct decoder chooses from there:
+    the prompt's processors on the engine's own output before that position (the diagnosis's choices under
+    request parameters, diagnosis/facts.py `RunFacts.processed`)."""
+    def processed(index: int, position: int, logits: torch.Tensor) -> torch.Tensor:
+        p = params[index]
+        stop_ids = sorted(set(eos_ids(eos_token_id)) | set(p.stop_token_ids))
+        return process(logits.to(torch.float64), prompts[index], outputs[index][:position], p, stop_ids,
+                       scope).greedy
+    return processed
 
 
 def rule_against_plain(divergences: list[dict[str, Any]], plain_outputs: list[list[int]], outputs: list[list[int]],

@@ -165,12 +165,18 @@ def doubled_token(reference: list[int], output: list[int], position: int) -> Fin
                    "without it the output agrees with the reference: the bonus token was emitted twice")
 
 
-def own_logits_not_chosen(output: list[int], position: int, engine_logits: torch.Tensor | None) -> Finding | None:
+# (output position, raw logits [V]) -> the token a correct decoder chooses from them there (request parameters
+# processed); None: the argmax
+Choice = Callable[[int, torch.Tensor], int]
+
+
+def own_logits_not_chosen(output: list[int], position: int, engine_logits: torch.Tensor | None,
+                          choice: Choice | None = None) -> Finding | None:
     """The engine emitted a token that its own recorded target logits did not choose."""
     if engine_logits is None:
         return None
     for j in range(min(position + 1, len(output), engine_logits.shape[0])):
-        chosen = int(engine_logits[j].argmax())
+        chosen = choice(j, engine_logits[j]) if choice is not None else int(engine_logits[j].argmax())
         if chosen != output[j]:
             return Finding("acceptance_rule", f"at new token {j} the engine emitted {output[j]}, but its own target "
                            f"logits there choose {chosen}: it kept a token the target did not choose")
@@ -182,7 +188,8 @@ DraftChose = Callable[[list[int], int, int], bool]  # (prefix, the draft's choic
 
 @torch.no_grad()
 def draft_token_kept(prompt: list[int], reference: list[int], output: list[int], position: int, draft: Any,
-                     engine_logits: torch.Tensor | None, chose: DraftChose | None = None) -> Finding | None:
+                     engine_logits: torch.Tensor | None, chose: DraftChose | None = None,
+                     choice: Choice | None = None) -> Finding | None:
     """The engine's token at the split is the draft model's greedy choice, not the target's.
 
     `chose(prefix, choice, token)` says whether a draft that chooses `choice` on `prefix` (the audit-dtype
@@ -190,7 +197,9 @@ def draft_token_kept(prompt: list[int], reference: list[int], output: list[int],
     differently and flips its near-ties (the draft ruling of `draft_fidelity`); without it, only `choice` itself."""
     if draft is None or position >= len(output) or position >= len(reference):
         return None
-    if engine_logits is not None and position < engine_logits.shape[0] and int(engine_logits[position].argmax()) == output[position]:
+    if engine_logits is not None and position < engine_logits.shape[0] and (
+            choice(position, engine_logits[position]) if choice is not None
+            else int(engine_logits[position].argmax())) == output[position]:
         return None  # the token came from the engine's target logits, not from the draft
     prefix = list(prompt) + list(output[:position])
     ids = torch.tensor([prefix], dtype=torch.long, device=draft.device)

@@ -252,11 +252,18 @@ class Diagnoser(Experiments, Observing):
                                 self.facts.trace, self.facts.outputs, self._batch_rows(case.index))
         return _cause(found, "the output's length against its EOS") if found else None
 
+    def _choice(self, index: int) -> checks.Choice | None:
+        """How a correct decoder chooses from raw logits at each new token of prompt `index` (request parameters
+        processed: `RunFacts.processed`); None: the argmax."""
+        if self.facts.processed is None:
+            return None
+        return lambda position, logits: self.facts.choice(index, position, logits)
+
     def _trace_and_logits(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("the trace's proposals and counts against the target's choices")
         found = (checks.acceptance_from_trace(case.index, case.reference, case.output, case.position,
                                               self.facts.max_new_tokens, self.facts.eos_token_id, self.facts.trace)
-                 or checks.own_logits_not_chosen(case.output, case.position, case.logits))
+                 or checks.own_logits_not_chosen(case.output, case.position, case.logits, self._choice(case.index)))
         return _cause(found, "the engine's own trace and logits") if found else None
 
     def _overlong(self, case: Case, tried: list[str]) -> Cause | None:
@@ -318,7 +325,7 @@ class Diagnoser(Experiments, Observing):
     def _draft_choice(self, case: Case, tried: list[str]) -> Cause | None:
         tried.append("the engine's token against the draft model's own choice")
         found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.facts.draft,
-                                        case.logits, self._draft_chose)
+                                        case.logits, self._draft_chose, self._choice(case.index))
         return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)") if found else None
 
     def _length(self, case: Case, tried: list[str]) -> Cause | None:

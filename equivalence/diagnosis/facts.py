@@ -10,7 +10,7 @@ judged past a numerical flip is diagnosed against) lives on `core.Diagnoser`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -49,3 +49,15 @@ class RunFacts:
     observe_inputs: bool = True  # an in-process engine: its inputs to the target can be observed (observe.py)
     watch: Any = None  # the hooks held around the run's own call (observe.Watch; None: the run was not watched)
     deadline: float | None = None  # time.monotonic() after which no re-run starts (the time budget)
+    # under request parameters: (prompt index, output position, raw logits [V]) -> the logits a correct decoder
+    # chooses from there (the prompt's processors on the output's history); None: the raw logits are chosen from
+    processed: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
+
+    def choice(self, index: int, position: int, logits: torch.Tensor) -> int:
+        """The token a correct decoder chooses from raw target `logits` [V] at new token `position` of prompt `index`."""
+        row = logits if self.processed is None else self.processed(index, position, logits)
+        return int(row.argmax())
+
+    def chosen_from(self, index: int, position: int, logits: torch.Tensor) -> torch.Tensor:
+        """The logits [V] the choice at `position` of prompt `index` is made from (`choice`)."""
+        return logits if self.processed is None else self.processed(index, position, logits)

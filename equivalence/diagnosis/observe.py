@@ -283,9 +283,11 @@ class Observing:
                                                    f"the engine's logits at new token {position} (error {error:.3g})")
         # logits reproduced that do not choose the engine's token: the inputs were wrong, yet the token came after
         # the logits (a rule that emits another token than the target's choice), so they do not explain it
-        confirmed = reproduced and _chooses(replayed, verdict.engine_token, noise)
+        # the engine's token is chosen from these logits as the prompt's request parameters process them
+        chosen_from = self.facts.chosen_from(index, position, replayed) if replayed is not None else None
+        confirmed = reproduced and _chooses(chosen_from, verdict.engine_token, noise)
         if reproduced and not confirmed:
-            shown += (f", which choose token {int(replayed.argmax())}, not the engine's {verdict.engine_token}: the "
+            shown += (f", which choose token {int(chosen_from.argmax())}, not the engine's {verdict.engine_token}: the "
                       "engine's token came after its logits")
         tried.append(f"{verdict.evidence}; a replay of the target with the observed inputs {shown}")
         return replace(verdict, confirmed=confirmed)
@@ -297,6 +299,8 @@ class Observing:
         replay chooses another (right inputs cannot give a wrong token: one that chooses the engine's leaves the
         verdict empty); else another query fed the same token may have chosen it (`_other_producer`)."""
         replayed = observation.replay(self.facts.replay_target or self.facts.target, verdict.producer)
+        if replayed is not None:  # chosen from as the prompt's request parameters process them
+            replayed = self.facts.chosen_from(index, position, replayed)
         chosen = None if replayed is None else int(replayed.argmax())
         noise = self.precision_noise(index)
         if verdict.cls == CLEAN:
@@ -375,6 +379,8 @@ class Observing:
             if other.cls not in INPUT_CLASSES or observation.reads_ahead(local, position, other.producer):
                 continue
             replayed = observation.replay(self.facts.replay_target or self.facts.target, other.producer)
+            if replayed is not None:  # chosen from as the prompt's request parameters process them
+                replayed = self.facts.chosen_from(index, position, replayed)
             noise = self.precision_noise(index)
             if replayed is None or not _chooses(replayed, other.engine_token, noise):
                 continue
