@@ -97,39 +97,36 @@ def audit(
     pairs: Sequence[str] = (),
     target: str | Path | None = None,
     draft: str | Path | None = None,
-    batch_sizes: Sequence[int] = (8,),
-    dtypes: Sequence[str] = ("float64",),
-    device: str = "cpu",
-    prompts: str = "builtin",
-    num_prompts: int | None = None,
-    max_new_tokens: int = 32,
-    draft_tokens: int = 4,
-    eos_token_id: int | Sequence[int] | None | str = "pair",
-    engine_options: dict[str, Any] | None = None,
     out: str | Path | None = None,
     trust_remote_code: bool = False,
-    adversarial: bool = True,
-    pad_token_id: int | None = None,
-    engine_dtype: str | None = None,
-    logit_tolerance: float | None = None,
-    require_speculation: bool = False,
-    plain_engine: str | None = None,
+    **options: Any,
 ) -> AuditReport:
-    """Audit `engines` (built-in names or `package.module:factory`) on built-in `pairs` and/or a
-    user pair (`target` and `draft` folders). With `out`, writes `audit.json` and the reports there.
-    `adversarial=False` leaves out the adversarial prompts added to every pair's prompts by default;
-    `pad_token_id` is the pad id the pair declares to the engines (default: the pair's own);
-    `eos_token_id`: "pair" (every EOS id the pair's target declares), an id, a set of ids (any of them
-    ends a row) or None (never stop early).
-    Recordings and servers (`recorded:FILE`, `llamacpp:URL`, ...) need only `target` (or a pair);
-    `engine_dtype` / `logit_tolerance` declare their noise band (equivalence/rulings/band.py);
-    `require_speculation=True` makes a run whose engine shows no drafted token a failure
-    (equivalence/speculation.py); `plain_engine` names the same engine without speculation, whose
-    identical divergences are ruled numerical (equivalence/rulings/plain.py)."""
-    engine_names = [engines] if isinstance(engines, str) else list(engines)
-    pair_specs: list[str | UserPair] = list(pairs)
+    """Audit `engines` (built-in names, `package.module:factory`, `recorded:FILE` or a server `vllm:URL`, ...) on
+    built-in `pairs` and/or a user pair (`target` and `draft` folders). With `out`, writes `audit.json` and the
+    reports there.
+
+    `options` are the audit's settings by their names in `AuditSettings` (equivalence/pipeline/settings.py), each
+    the `specaudit audit` option of the same name, with the same default: `batch_sizes` ([8]), `dtypes`
+    (["float64"]), `device`, `prompts` ("builtin" or a JSONL file), `num_prompts`, `max_new_tokens` (32),
+    `draft_tokens` (4), `eos_token_id` ("pair": every EOS id the target declares; an id, ids, or None),
+    `engine_options`, `adversarial` (True: the adversarial prompts are added), `pad_token_id`, `engine_dtype` /
+    `logit_tolerance` (a black box's noise band, equivalence/rulings/band.py), `require_speculation`,
+    `plain_engine` (the same engine without speculation: three-way rulings), `speculation`,
+    `acceptance_baseline`, `require_acceptance`, `payoff`, `diagnosis`, `request_params` (one `RequestParams`),
+    `reference` / `tokenizer` (a served reference, no weights: then no pair), `sampling` (`SamplingSettings`),
+    and the rest of `AuditSettings`. An unknown name is a `TypeError` naming the known ones.
+    Recordings and servers need only `target` (or a pair)."""
+    from dataclasses import fields
+
     from specaudit.engines.registry import black_box_prefix
 
+    known = {f.name for f in fields(AuditSettings)} - {"engines", "pairs"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"audit() got unknown option(s) {', '.join(unknown)}; the options are: {', '.join(sorted(known))}")
+    engine_names = [engines] if isinstance(engines, str) else list(engines)
+    pair_specs: list[str | UserPair] = list(pairs)
+    plain_engine = options.get("plain_engine")
     if draft is not None and target is None:
         raise ValueError("a draft needs its target")
     if target is not None and draft is None and not all(black_box_prefix(name) for name in
@@ -137,15 +134,16 @@ def audit(
         raise ValueError("target needs a draft, except when every engine is a recording or a server")
     if target is not None:
         pair_specs.append(UserPair(str(target), None if draft is None else str(draft), trust_remote_code))
-    if not engine_names or not pair_specs:
+    if not engine_names or (not pair_specs and options.get("reference") is None):
         raise ValueError("give at least one engine and one pair (a built-in name, or target and draft)")
-    config = AuditSettings(engines=engine_names, pairs=pair_specs, batch_sizes=list(batch_sizes),
-                         dtypes=list(dtypes), device=device, prompts=prompts, num_prompts=num_prompts,
-                         max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
-                         eos_token_id=list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else eos_token_id,
-                         engine_options=dict(engine_options or {}), adversarial=adversarial,
-                         pad_token_id=pad_token_id, engine_dtype=engine_dtype, logit_tolerance=logit_tolerance,
-                         require_speculation=require_speculation, plain_engine=plain_engine)
+    for name in ("batch_sizes", "dtypes"):  # sequences as the settings keep them
+        if name in options:
+            options[name] = list(options[name])
+    if isinstance(options.get("eos_token_id"), tuple):
+        options["eos_token_id"] = list(options["eos_token_id"])
+    if "engine_options" in options:
+        options["engine_options"] = dict(options["engine_options"] or {})
+    config = AuditSettings(engines=engine_names, pairs=pair_specs, **options)
     if out is None:
         with tempfile.TemporaryDirectory() as scratch:
             return AuditReport(run_audit(config, Path(scratch)))

@@ -33,3 +33,13 @@ def test_load_pair_and_argument_errors() -> None:
     with pytest.raises(ValueError, match="at least one engine and one pair"):
         specaudit.audit("eqspec")
     assert specaudit.__version__.count(".") >= 2
+
+
+def test_audit_takes_every_setting_by_name_and_refuses_unknown_ones(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="batch_size.*the options are:.*batch_sizes"):
+        specaudit.audit("eqspec", pairs=["tiny-gpt2"], batch_size=[2])
+    report = specaudit.audit("eqspec", pairs=["tiny-gpt2"], batch_sizes=(2,), num_prompts=2, max_new_tokens=4,
+                             adversarial=False, diagnosis="quick", speculation="draft:k=4", require_acceptance=0.5)
+    [run] = report.runs
+    assert run["equivalent"] and report.data["config"]["require_acceptance"] == 0.5
+    assert run["acceptance"]["required"] == 0.5 and report.exit_status == 0
