@@ -79,9 +79,6 @@ def resolve_prompts(settings: AuditSettings, *, tokenizer: Any, vocab_size: int 
         for number, ids in enumerate(prompts, 1):  # a PromptError is a UsageError: exit 2
             check_ids(f"{spec}: prompt {number}", ids, vocab_size, None, settings.max_new_tokens)
         return PromptSet(prompts, None, None, spec)
-    if settings.prompts == "builtin" and tokenizer is None:
-        raise UsageError("--reference with the built-in prompts needs the served model's tokenizer: give "
-                         "--tokenizer DIR, or --prompts FILE with input_ids")
     prompts = load_prompts(settings.prompts, tokenizer, settings.num_prompts, vocab_size=vocab_size,
                            max_positions=max_positions, max_new_tokens=settings.max_new_tokens)
     extra = None

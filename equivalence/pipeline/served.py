@@ -177,10 +177,14 @@ def served_prompts(settings: AuditSettings, served_model: Served, *, adversarial
             "first_index": first, "skipped": skipped,
             "cases": [{"prompt_index": first + i, **c.describe()} for i, c in enumerate(cases)]}
 
+    recordings = recording_specs([*settings.engines, settings.reference])
+    if settings.prompts == "builtin" and not recordings and served_model.tokenizer is None:
+        raise UsageError("--reference with the built-in prompts needs the served model's tokenizer: give "
+                         "--tokenizer DIR, or --prompts FILE with input_ids")
     # the reference is asked once for the group's prompts: every recording defines them
     return resolve_prompts(settings, tokenizer=served_model.tokenizer, vocab_size=served_model.vocab_size,
                            max_positions=served_model.max_positions, unique=unique, with_requests=False,
-                           from_recordings=recording_specs([*settings.engines, settings.reference]),
+                           from_recordings=recordings,
                            adversarial=additions if adversarial else None)
 
 
