@@ -11,9 +11,13 @@ from `GREEDY_DEFAULTS`, what a run that compared nothing holds; a sampled run ke
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from specaudit.equivalence.errors import one_line
+
+if TYPE_CHECKING:
+    from specaudit.equivalence.records import Audit, Run
 
 GREEDY, SAMPLED = "greedy", "sampled"
 
@@ -48,13 +52,17 @@ def equivalent(divergences: list[dict[str, Any]], failures: list[Any] = ()) -> b
     return not failures and not any(d["kind"] == "structural" for d in divergences)
 
 
-def passed(run: dict[str, Any]) -> bool:
+def passed(run: Run | Mapping[str, Any]) -> bool:
     """The run finished and is equivalent: no structural divergence (greedy), no departure found (sampled)."""
-    return bool(run.get("equivalent")) and not run.get("error")
+    from specaudit.equivalence.records.serialize import as_run
+
+    return as_run(run).passed
 
 
-def all_passed(audit: dict[str, Any]) -> bool:
-    return all(passed(run) for run in audit.get("runs") or [])
+def all_passed(audit: Audit | Mapping[str, Any]) -> bool:
+    from specaudit.equivalence.records.serialize import as_audit
+
+    return all(run.passed for run in as_audit(audit).runs)
 
 
 def upgrade(audit: dict[str, Any]) -> dict[str, Any]:
