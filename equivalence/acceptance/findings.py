@@ -298,7 +298,13 @@ def unmet(run: Run | Mapping[str, Any]) -> bool:
     some draft position, beyond chance. `run`: a `Run`, or the JSON object of one (`serialize.as_run`)."""
     from specaudit.equivalence.records.serialize import as_run
 
-    record = as_run(run).acceptance or {}  # its open-ended bag: `Comparison.to_json`
+    return short_of_required(as_run(run).acceptance or None)
+
+
+def short_of_required(record: Mapping[str, Any] | None) -> bool:
+    """Whether an acceptance record (`Comparison.to_json`, a run's `acceptance`) fails the ratio it was
+    compared with: short at some draft position, beyond chance; False without a record or a ratio."""
+    record = record or {}
     return record.get("required") is not None and bool(record.get("below_required"))
 
 
