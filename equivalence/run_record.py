@@ -11,13 +11,13 @@ from `GREEDY_DEFAULTS`, what a run that compared nothing holds; a sampled run ke
 from __future__ import annotations
 
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from specaudit.equivalence.errors import one_line
 
 if TYPE_CHECKING:
-    from specaudit.equivalence.records import Audit, Run
+    from specaudit.equivalence.records import Audit, Divergence, Run
 
 GREEDY, SAMPLED = "greedy", "sampled"
 
@@ -46,10 +46,12 @@ def failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[s
                       traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def equivalent(divergences: list[dict[str, Any]], failures: list[Any] = ()) -> bool:
+def equivalent(divergences: Sequence[Divergence | Mapping[str, Any]], failures: Sequence[Any] = ()) -> bool:
     """A greedy run's verdict from what it found, every kind of run alike (in process, a server with request
     parameters, a served reference): no structural divergence, and no prompt that made the engine fail."""
-    return not failures and not any(d["kind"] == "structural" for d in divergences)
+    from specaudit.equivalence.records.serialize import as_divergence
+
+    return not failures and not any(as_divergence(d).structural for d in divergences)
 
 
 def passed(run: Run | Mapping[str, Any]) -> bool:

@@ -257,3 +257,10 @@ def as_run(run: Run | Mapping[str, Any]) -> Run:
     if isinstance(run, Run):
         return run
     return run_from_json(_completed(Run, upgrade_run(run)))
+
+
+def as_divergence(divergence: Divergence | Mapping[str, Any]) -> Divergence:
+    """`divergence` as a `Divergence` (`as_audit`, for one divergence)."""
+    if isinstance(divergence, Divergence):
+        return divergence
+    return divergence_from_json(_completed(Divergence, divergence))
