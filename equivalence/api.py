@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from specaudit.engines.models import zoo
 from specaudit.equivalence.pipeline.runner import AuditSettings, UserPair, exit_status, run_audit
-from specaudit.equivalence.records import Run
+from specaudit.equivalence.records import Audit, Run, thaw
 from specaudit.equivalence.reports.summary import summary_table
 
 
@@ -46,10 +46,18 @@ class AuditReport:
 
         return tuple(run_from_json(run) for run in self.runs)
 
+    @cached_property
+    def record(self) -> Audit:
+        """The whole audit as a frozen `Audit` (equivalence/records/), read once by the one serializer; what
+        the properties below read."""
+        from specaudit.equivalence.records.serialize import as_audit
+
+        return as_audit(self.data)
+
     @property
     def exit_status(self) -> int:
         """0 when every run is equivalent, 1 otherwise (as `specaudit audit` exits)."""
-        return exit_status(self.data)
+        return exit_status(self.record)
 
     @property
     def equivalent(self) -> bool:
@@ -58,8 +66,10 @@ class AuditReport:
     @property
     def divergences(self) -> list[dict[str, Any]]:
         """Every divergence of every run, each with its run's engine, pair, batch size and dtype."""
-        keys = ("engine", "pair", "batch_size", "dtype")
-        return [{**{k: run.get(k) for k in keys}, **d} for run in self.runs for d in run.get("divergences", [])]
+        from specaudit.equivalence.records.serialize import divergence_to_json
+
+        return [{"engine": run.engine, "pair": run.pair, "batch_size": run.batch_size, "dtype": run.dtype,
+                 **divergence_to_json(d)} for run in self.record.runs for d in run.divergences]
 
     @property
     def sampled(self) -> dict[str, dict[str, Any]]:
@@ -67,11 +77,11 @@ class AuditReport:
         test that decided, the power; a failed run's `error` (equivalence/reports/sampled.py)."""
         from specaudit.equivalence.reports.sampled import sampled_reports
 
-        return sampled_reports(self.data)
+        return {spec: thaw(report) for spec, report in sampled_reports(self.record).items()}
 
     def summary(self) -> str:
         """The terminal table `specaudit audit` prints: one line per run."""
-        return summary_table(self.data)
+        return summary_table(self.record)
 
 
 def load_pair(

@@ -17,11 +17,14 @@ a gate was not applied or not met, naming every run it covers, what is missing a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from specaudit.equivalence import speculation
 from specaudit.equivalence.acceptance import findings as acceptance_findings
+from specaudit.equivalence.records import Audit, Run
+from specaudit.equivalence.records.serialize import as_audit, as_run
 
 ACCEPTANCE = "--require-acceptance"
 SPECULATION = "--require-speculation"
@@ -50,22 +53,23 @@ class GateFailure:
     message: str  # one line: the gate, the runs, what is missing or short, and how to give it
 
 
-def run_label(run: dict[str, Any]) -> str:
-    return f"{run.get('engine', '?')} {run.get('pair', '?')} B={run.get('batch_size', '?')} {run.get('dtype', '?')}"
+def run_label(run: Run | Mapping[str, Any]) -> str:
+    run = as_run(run)
+    return f"{run.engine} {run.pair} B={run.batch_size} {run.dtype}"
 
 
-def runs_text(runs: list[dict[str, Any]]) -> str:
+def runs_text(runs: list[Run]) -> str:
     """The runs in a few words: per engine, pair and dtype, its batch sizes ("vllm:URL p B=4, 16 float32")."""
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for run in runs:
-        key = (str(run.get("engine", "?")), str(run.get("pair", "?")), str(run.get("dtype", "?")))
-        grouped.setdefault(key, []).append(str(run.get("batch_size", "?")))
+        key = (str(run.engine), str(run.pair), str(run.dtype))
+        grouped.setdefault(key, []).append(str(run.batch_size))
     return "; ".join(f"{engine} {pair} B={', '.join(sizes)} {dtype}" for (engine, pair, dtype), sizes in grouped.items())
 
 
-def _acceptance_gap(run: dict[str, Any], config: dict[str, Any]) -> tuple[str, str] | None:
+def _acceptance_gap(run: Run, config: Mapping[str, Any]) -> tuple[str, str] | None:
     """(what is missing, how to give it) when the run's acceptance could not be compared, else None."""
-    record = run.get("acceptance")
+    record = run.acceptance  # an open-ended bag (equivalence/acceptance/findings.py `Comparison.to_json`)
     if not record:
         return "no acceptance record", "audit it with this version of specaudit"
     if record.get("positions"):
@@ -84,28 +88,30 @@ def _acceptance_gap(run: dict[str, Any], config: dict[str, Any]) -> tuple[str, s
     return f"no per-position counters observed ({reason})", PER_POSITION_ADVICE
 
 
-def _counter_gap(run: dict[str, Any]) -> tuple[str, str]:
+def _counter_gap(run: Run) -> tuple[str, str]:
     """(what is missing, how to give it) for a run that fails --require-speculation."""
-    evidence = run.get("speculation")
+    evidence = run.speculation
     if speculation.observed(evidence) is False:
         return ("speculation not observed: the engine drafted no token",
                 "start the engine with speculation on (a server's speculative config, an engine's draft)")
-    note = (run.get("engine_description") or {}).get("metrics_note")
+    note = (run.engine_description or {}).get("metrics_note")
     missing = "no draft counters" + (f" ({note})" if note else "")
     if evidence and evidence.get("acceptance_rate") is not None:
         missing += f" (only an acceptance rate, {evidence['acceptance_rate']:.2f})"
-    prefix, sep, _ = str(run.get("engine", "")).partition(":")
+    prefix, sep, _ = str(run.engine).partition(":")
     return missing, COUNTER_ADVICE.get(prefix, IN_PROCESS_COUNTER_ADVICE) if sep else IN_PROCESS_COUNTER_ADVICE
 
 
-def gate_failures(audit: dict[str, Any]) -> list[GateFailure]:
-    """Every gate's failures (module docstring), in run order; [] when no gate was asked for or all passed."""
-    config = audit.get("config") or {}
-    runs = [run for run in audit.get("runs") or [] if not run.get("error")]
+def gate_failures(audit: Audit | Mapping[str, Any]) -> list[GateFailure]:
+    """Every gate's failures (module docstring), in run order; [] when no gate was asked for or all passed.
+    `audit`: an `Audit`, or the JSON object of `audit.json` (read once, `serialize.as_audit`)."""
+    audit = as_audit(audit)
+    config = audit.config
+    runs = [run for run in audit.runs if not run.error]
     found: list[GateFailure] = []
     ratio = config.get("require_acceptance")
     if ratio is not None:
-        gaps: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        gaps: dict[tuple[str, str], list[Run]] = {}
         for run in runs:
             gap = _acceptance_gap(run, config)
             if gap is not None:
@@ -113,17 +119,17 @@ def gate_failures(audit: dict[str, Any]) -> list[GateFailure]:
             elif acceptance_findings.unmet(run):
                 found.append(GateFailure(ACCEPTANCE, True, (run_label(run),), (
                     f"acceptance short: {run_label(run)}: below {ACCEPTANCE} {ratio:g} x expected; "
-                    f"{acceptance_findings.headline(run['acceptance'])}")))
+                    f"{acceptance_findings.headline(run.acceptance)}")))
         for (missing, how), covered in gaps.items():
             found.append(GateFailure(ACCEPTANCE, False, tuple(run_label(r) for r in covered), (
                 f"{ACCEPTANCE} {ratio:g} was not applied to {runs_text(covered)}: {missing}; {how}")))
     if config.get("require_speculation"):
-        unmet: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        unmet: dict[tuple[str, str], list[Run]] = {}
         for run in runs:
             if speculation.unmet(run):
                 unmet.setdefault(_counter_gap(run), []).append(run)
         for (missing, how), covered in unmet.items():
-            applied = speculation.observed(covered[0].get("speculation")) is False
+            applied = speculation.observed(covered[0].speculation) is False
             verb = "failed on" if applied else "could not be checked on"
             found.append(GateFailure(SPECULATION, applied, tuple(run_label(r) for r in covered),
                                      f"{SPECULATION} {verb} {runs_text(covered)}: {missing}; {how}"))

@@ -11,9 +11,13 @@ from `GREEDY_DEFAULTS`, what a run that compared nothing holds; a sampled run ke
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from specaudit.equivalence.errors import one_line
+
+if TYPE_CHECKING:
+    from specaudit.equivalence.records import Audit, Divergence, Run
 
 GREEDY, SAMPLED = "greedy", "sampled"
 
@@ -42,19 +46,25 @@ def failed_run(base: dict[str, Any], message: str, exc: BaseException) -> dict[s
                       traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
 
 
-def equivalent(divergences: list[dict[str, Any]], failures: list[Any] = ()) -> bool:
+def equivalent(divergences: Sequence[Divergence | Mapping[str, Any]], failures: Sequence[Any] = ()) -> bool:
     """A greedy run's verdict from what it found, every kind of run alike (in process, a server with request
     parameters, a served reference): no structural divergence, and no prompt that made the engine fail."""
-    return not failures and not any(d["kind"] == "structural" for d in divergences)
+    from specaudit.equivalence.records.serialize import as_divergence
+
+    return not failures and not any(as_divergence(d).structural for d in divergences)
 
 
-def passed(run: dict[str, Any]) -> bool:
+def passed(run: Run | Mapping[str, Any]) -> bool:
     """The run finished and is equivalent: no structural divergence (greedy), no departure found (sampled)."""
-    return bool(run.get("equivalent")) and not run.get("error")
+    from specaudit.equivalence.records.serialize import as_run
+
+    return as_run(run).passed
 
 
-def all_passed(audit: dict[str, Any]) -> bool:
-    return all(passed(run) for run in audit.get("runs") or [])
+def all_passed(audit: Audit | Mapping[str, Any]) -> bool:
+    from specaudit.equivalence.records.serialize import as_audit
+
+    return all(run.passed for run in as_audit(audit).runs)
 
 
 def upgrade(audit: dict[str, Any]) -> dict[str, Any]:

@@ -16,9 +16,13 @@ speculation), None when nothing was exposed. With `--require-speculation` a run 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
+
 from specaudit.engines.contract import capability
 from specaudit.engines.trace import Trace
+from specaudit.equivalence.records import ABSENT, Run
+from specaudit.equivalence.records.serialize import as_run
 
 
 def from_trace(trace: Trace | None) -> dict[str, Any] | None:
@@ -41,16 +45,20 @@ def of_run(engine: Any, trace: Any) -> dict[str, Any] | None:
     return from_trace(trace)
 
 
-def observed(speculation: dict[str, Any] | None) -> bool | None:
+def observed(speculation: Mapping[str, Any] | None) -> bool | None:
     """True when at least one token was drafted, False when counted as none, None when not counted."""
     if not speculation or speculation.get("drafted_tokens") is None:
         return None
     return speculation["drafted_tokens"] > 0
 
 
-def verdict(run: dict[str, Any]) -> str:
-    """One phrase for reports and the terminal: what the counters showed."""
-    speculation = run.get("speculation")
+def verdict(run: Run | Mapping[str, Any]) -> str:
+    """One phrase for reports and the terminal: what the run's counters showed (`phrase`)."""
+    return phrase(as_run(run).speculation)
+
+
+def phrase(speculation: Mapping[str, Any] | None) -> str:
+    """What the counters `speculation` (a run's `speculation` record, or None) showed, in one phrase."""
     seen = observed(speculation)
     if seen is None:
         if speculation and speculation.get("acceptance_rate") is not None:
@@ -68,7 +76,7 @@ def verdict(run: dict[str, Any]) -> str:
     return text
 
 
-def cell(speculation: dict[str, Any] | None) -> str:
+def cell(speculation: Mapping[str, Any] | None) -> str:
     """A short table cell: `drafted/accepted (rate)`, `0 drafted`, or `-`."""
     seen = observed(speculation)
     if seen is None:
@@ -79,27 +87,29 @@ def cell(speculation: dict[str, Any] | None) -> str:
     return f"{speculation['drafted_tokens']}/{speculation['accepted_tokens']}" + (f" ({rate:.0%})" if rate is not None else "")
 
 
-def adds_to_cell(speculation: dict[str, Any] | None) -> bool:
+def adds_to_cell(speculation: Mapping[str, Any] | None) -> bool:
     """Whether `verdict` says more than `cell`: always, but where the counters were read and show drafted
     tokens and nothing else (no preemption count), the cell's drafted/accepted (rate) already says it all."""
     return observed(speculation) is not True or speculation.get("preemptions") is not None
 
 
-def unmet(run: dict[str, Any]) -> bool:
+def unmet(run: Run | Mapping[str, Any]) -> bool:
     """Whether this run fails `--require-speculation` (a failed run fails on its own)."""
-    return not run.get("error") and observed(run.get("speculation")) is not True
+    run = as_run(run)
+    return not run.error and observed(run.speculation) is not True
 
 
-def audit_note(runs: list[dict[str, Any]], required: bool) -> str:
+def audit_note(runs: Iterable[Run | Mapping[str, Any]], required: bool) -> str:
     """What the verdict adds about speculation: the runs whose engine drafted nothing, and the runs
-    of a black-box engine (or any run, with `required`) that exposed no counters; "" when none."""
-    finished = [run for run in runs if not run.get("error") and "speculation" in run]
-    zero = [run for run in finished if observed(run.get("speculation")) is False]
-    unknown = [run for run in finished if observed(run.get("speculation")) is None
-               and (required or run.get("noise_band") is not None)]
+    of a black-box engine (its noise band written: a server, a recording; or any run, with `required`) that
+    exposed no counters; "" when none."""
+    finished = [run for run in map(as_run, runs) if not run.error and run.speculation is not ABSENT]
+    zero = [run for run in finished if observed(run.speculation) is False]
+    unknown = [run for run in finished if observed(run.speculation) is None
+               and (required or run.noise_band not in (None, ABSENT))]
     parts = []
     for found, what in ((zero, "speculation not observed"), (unknown, "speculation not measured")):
         if found:
-            engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in found))
+            engines = ", ".join(dict.fromkeys(str(run.engine) for run in found))
             parts.append(f"{what} in {len(found)} run{'s' if len(found) != 1 else ''} ({engines})")
     return "; ".join(parts)

@@ -33,11 +33,15 @@ audit (`unmet`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from statistics import NormalDist
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specaudit.equivalence.acceptance.expected import ExpectedAcceptance
+
+if TYPE_CHECKING:
+    from specaudit.equivalence.records import Run
 from specaudit.equivalence.acceptance.observed import ObservedAcceptance, consistency
 from specaudit.equivalence.sampling.stats import holm
 
@@ -289,14 +293,22 @@ def _overall(observed: ObservedAcceptance | None, expected: ExpectedAcceptance |
     return overall
 
 
-def unmet(run: dict[str, Any]) -> bool:
+def unmet(run: Run | Mapping[str, Any]) -> bool:
     """Whether the run fails `--require-acceptance`: acceptance short of the required ratio of the expected at
-    some draft position, beyond chance."""
-    record = run.get("acceptance") or {}
+    some draft position, beyond chance. `run`: a `Run`, or the JSON object of one (`serialize.as_run`)."""
+    from specaudit.equivalence.records.serialize import as_run
+
+    return short_of_required(as_run(run).acceptance or None)
+
+
+def short_of_required(record: Mapping[str, Any] | None) -> bool:
+    """Whether an acceptance record (`Comparison.to_json`, a run's `acceptance`) fails the ratio it was
+    compared with: short at some draft position, beyond chance; False without a record or a ratio."""
+    record = record or {}
     return record.get("required") is not None and bool(record.get("below_required"))
 
 
-def headline(record: dict[str, Any] | None) -> str:
+def headline(record: Mapping[str, Any] | None) -> str:
     """One line for reports and the terminal: observed against expected, overall, and the findings."""
     if not record:
         return "acceptance not measured"

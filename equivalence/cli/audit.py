@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specaudit.equivalence.cli import blackbox as cli_blackbox
 from specaudit.equivalence.cli.args import COMMON, DTYPE_CHOICES, EXIT_USAGE, GroupHelp, named_group
@@ -20,6 +20,9 @@ from specaudit.equivalence.cli.args import dtype as _dtype
 from specaudit.equivalence.cli.args import eos_token_ids
 from specaudit.equivalence.cli.args import engine_option as _option
 from specaudit.equivalence.cli.args import positive as _positive
+
+if TYPE_CHECKING:
+    from specaudit.equivalence.records import Audit
 
 def _seconds(value: str) -> float:
     try:
@@ -306,6 +309,7 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     from specaudit.equivalence.errors import UsageError, one_line
     from specaudit.equivalence.pipeline.runner import EXIT_INTERRUPTED, EXIT_NOT_EQUIVALENT, exit_status, run_audit
     from specaudit.equivalence.gates import gate_failures
+    from specaudit.equivalence.records.serialize import as_audit
     from specaudit.equivalence.reports.summary import summary_table, verdict_line
 
     settings = settings_from_args(args, parser)
@@ -330,25 +334,25 @@ def run_audit_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
             return EXIT_INTERRUPTED
         audit = json.loads(json_path.read_text())
         print("\ninterrupted: the finished runs are kept in audit.json", file=sys.stderr)
-    written = _write_reports(audit, args.out)
-    failed_reference = (audit.get("reference") or {}).get("error")
+    record = as_audit(audit)  # read once: everything below reads the typed records
+    written = _write_reports(record, args.out)
+    failed_reference = (record.reference or {}).get("error")
     if failed_reference:  # nothing was judged: one line
         print(f"specaudit audit: {failed_reference}; no engine was audited (see {args.out / 'audit.json'})",
               file=sys.stderr)
         return EXIT_INTERRUPTED if interrupted else EXIT_NOT_EQUIVALENT
-    print(summary_table(audit))
+    print(summary_table(record))
     print(f"\nwrote {args.out / 'audit.json'}" + "".join(f", {p}" for p in written))
-    print(verdict_line(audit))
-    for run in audit["runs"]:
-        if run.get("error"):
-            print(f"failed: {run['engine']} {run['pair']} B={run['batch_size']} {run['dtype']}: {run['error']}",
-                  file=sys.stderr)
-    for failure in gate_failures(audit):  # one line per gate that failed runs or was not applied to them
+    print(verdict_line(record))
+    for run in record.runs:
+        if run.error:
+            print(f"failed: {run.engine} {run.pair} B={run.batch_size} {run.dtype}: {run.error}", file=sys.stderr)
+    for failure in gate_failures(record):  # one line per gate that failed runs or was not applied to them
         print(failure.message, file=sys.stderr)
-    return EXIT_INTERRUPTED if interrupted else exit_status(audit)
+    return EXIT_INTERRUPTED if interrupted else exit_status(record)
 
 
-def _write_reports(audit: dict[str, Any], out: Path) -> list[Path]:
+def _write_reports(audit: Audit | dict[str, Any], out: Path) -> list[Path]:
     from specaudit.equivalence.reports.markdown import write_reports
 
     return list(write_reports(audit, out).values())

@@ -39,8 +39,8 @@ import transformers
 from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
 from specaudit.equivalence.pipeline.judges import GreedyJudge, Judge, Oracle, SampledJudge
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
-from specaudit.equivalence.records import Run
-from specaudit.equivalence.records.serialize import run_from_json, run_to_json
+from specaudit.equivalence.records import Audit, Run
+from specaudit.equivalence.records.serialize import as_audit, run_from_json, run_to_json
 from specaudit.equivalence.run_record import all_passed
 
 from specaudit import __version__ as VERSION
@@ -238,7 +238,7 @@ def run_audit(
     return audit
 
 
-def exit_status(audit: dict[str, Any]) -> int:
+def exit_status(audit: Audit | dict[str, Any]) -> int:
     """The audit's one exit status, for every composition: 0 when every run passed (`run_record.passed`);
     1 when a served reference failed, no run was made, any run has a structural divergence, a departure or
     failed, a reference mismatch (rulings/plain.py: the plain engine makes the reference's divergence), or
@@ -246,11 +246,12 @@ def exit_status(audit: dict[str, Any]) -> int:
     equivalence/gates.py)."""
     from specaudit.equivalence.gates import gate_failures
 
-    if (audit.get("reference") or {}).get("error") or not audit.get("runs"):
+    audit = as_audit(audit)
+    if (audit.reference or {}).get("error") or not audit.runs:
         return EXIT_NOT_EQUIVALENT
     if not all_passed(audit):
         return EXIT_NOT_EQUIVALENT
-    if any(r.get("reference_mismatches") for r in audit["runs"]):  # prompts the reference could not judge
+    if any(r.reference_mismatches for r in audit.runs):  # prompts the reference could not judge
         return EXIT_NOT_EQUIVALENT
     if gate_failures(audit):  # a gate that failed a run, or could not be applied to one
         return EXIT_NOT_EQUIVALENT

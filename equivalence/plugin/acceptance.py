@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from specaudit.engines.registry import make_engine
-from specaudit.equivalence.acceptance.findings import headline, unmet
+from specaudit.equivalence.acceptance.findings import headline, short_of_required
 from specaudit.equivalence.acceptance.run import acceptance_of_run
 
 PROMPTS = 8  # the first built-in prompts
@@ -42,7 +42,7 @@ def run_acceptance(engine_name: str, pair_name: str, batch_size: int, required: 
     record = acceptance_of_run(engine, trace, None, target=pair.target, draft=pair.draft, prompts=prompts,
                                outputs=outputs, failed=set(), dtype="float64", k=DRAFT_TOKENS, required=required,
                                engine_name=engine_name, pair_name=pair_name, batch_size=batch_size)
-    if unmet({"acceptance": record}):
+    if short_of_required(record):
         raise AcceptanceShort(f"{engine_name} on {pair_name}, batch size {batch_size}: acceptance below "
                               f"{required:g} x expected: {headline(record)}")
     if record.get("expected") is None:

@@ -9,19 +9,22 @@ the audit of the shrunk counterexample; for the adversarial prompts, the audit o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from specaudit.engines.registry import BUILTIN_ENGINES, make_engine, resolve
+from specaudit.equivalence.records import Divergence
+from specaudit.equivalence.records.serialize import as_run, diagnosis_to_json
 
 
 class AdversarialDivergence(AssertionError):
     """The engine diverges from greedy decoding on the adversarial prompts."""
 
 
-def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> list[dict[str, Any]]:
+def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> tuple[Divergence, ...]:
     """The audit's divergences (diagnosed) for the engine on one decoding case, float64, with the
     drafter the property used; re-runs keep each row's acceptance schedule."""
     from specaudit.engines.drafters import ScriptedDrafter
@@ -52,16 +55,17 @@ def audit_case(factory: Callable[..., Any], case: Any, drafter: str) -> list[dic
     everyone = list(range(len(case.prompts)))
     record = audit_engine(engine_for(everyone, None), pair, case.prompt_tokens, RunSettings(max_new_tokens=case.max_new_tokens, eos_token_id=eos, dtype=case.dtype, batch_size=case.batch_size, pad_token_id=case.pad_token_id),
                           rerun=rerun)
-    return record["divergences"]
+    return as_run(record).divergences
 
 
-def first_diagnosis(divergences: list[dict[str, Any]]) -> dict[str, Any] | None:
-    structural = [d for d in divergences if d.get("kind") == "structural" and d.get("diagnosis")]
+def first_diagnosis(divergences: Sequence[Divergence]) -> dict[str, Any] | None:
+    """The first diagnosed structural divergence's diagnosis as `exc.specaudit_diagnosis` carries it (its
+    JSON object, with the divergence's prompt and position), or None."""
+    structural = [d for d in divergences if d.structural and d.diagnosis]
     if not structural:
         return None
-    found = dict(structural[0]["diagnosis"])
-    found.update(prompt_index=structural[0].get("prompt_index"), position=structural[0].get("position"))
-    return found
+    first = structural[0]
+    return {**diagnosis_to_json(first.diagnosis), "prompt_index": first.prompt_index, "position": first.position}
 
 
 def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tokens: int, draft_tokens: int) -> int:
@@ -89,14 +93,14 @@ def run_adversarial(engine: str, pair_name: str, batch_size: int, *, max_new_tok
 
     record = audit_engine(build(), pair, prompts, RunSettings(max_new_tokens=max_new_tokens, eos_token_id=pair.eos_token_id, dtype="float64", engine_name=engine, batch_size=batch_size),
                           rerun=rerun)
-    structural = [d for d in record["divergences"] if d["kind"] == "structural"]
+    structural = as_run(record).structural
     if structural:
         first = structural[0]
-        case = cases[first["prompt_index"]]
+        case = cases[first.prompt_index]
         failure = AdversarialDivergence(
             f"{len(structural)} structural divergence(s) on the adversarial prompts; first: prompt "
-            f"{first['prompt_index']} ({case.case}, {len(case.tokens)} tokens: {case.why}), new token "
-            f"{first['position']}: reference {first['reference_token']}, engine {first['engine_token']}")
+            f"{first.prompt_index} ({case.case}, {len(case.tokens)} tokens: {case.why}), new token "
+            f"{first.position}: reference {first.reference_token}, engine {first.engine_token}")
         failure.specaudit_diagnosis = first_diagnosis(structural)
         raise failure
     return len(prompts)

@@ -110,7 +110,7 @@ def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int,
     from specaudit.engines.models.zoo import builtin_prompts
     from specaudit.equivalence.reports.sampled import PASS, engine_sentence
     from specaudit.engines.registry import make_engine
-    from specaudit.equivalence.acceptance.findings import headline, unmet
+    from specaudit.equivalence.acceptance.findings import headline, short_of_required
     from specaudit.equivalence.plugin.acceptance import AcceptanceShort
     from specaudit.equivalence.sampling.run import guarded_sampled_audit
     from specaudit.testing import models
@@ -139,7 +139,7 @@ def run_sampled(engine: str, pair_name: str, setting: SampledSetting, seed: int,
         raise SampledRunFailed(engine_sentence(engine, report))
     record = report.get("acceptance")
     short = (f"{engine} on {pair_name}, sampled at temperature {setting.temperature:g}: acceptance below "
-             f"{required:g} x expected: {headline(record)}" if required is not None and unmet({"acceptance": record})
+             f"{required:g} x expected: {headline(record)}" if required is not None and short_of_required(record)
              else None)
     if report["verdict"] != PASS:
         raise SampledDeparture(engine_sentence(engine, report) + (f"; and {short}" if short else ""))

@@ -46,6 +46,12 @@ class Absent(enum.Enum):
 ABSENT: Final = Absent.ABSENT
 
 
+def given(value: Any, default: Any = None) -> Any:
+    """An optional field's value, `default` where its key is not written (`ABSENT`): what a reader that
+    tells "not written" from null only by `default` reads."""
+    return default if value is ABSENT else value
+
+
 class FrozenDict(dict):  # type: ignore[type-arg]  # a JSON object: str keys, JSON values
     """A dict that refuses every change after it is made: a record's open-ended bag. It is still a dict, so
     `json.dumps`, `==` against a plain dict and `{**bag}` work as on one; it hashes, so a record does too."""
@@ -75,6 +81,16 @@ def freeze(value: Any) -> Any:
         return FrozenDict({key: freeze(item) for key, item in value.items()})
     if isinstance(value, (list, tuple)):
         return tuple(freeze(item) for item in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """`freeze` undone: every mapping a plain dict and every tuple a list, all the way down (a bag handed to
+    a caller that may change it, or compare it with lists); records and scalars as they are."""
+    if isinstance(value, Mapping):
+        return {key: thaw(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(item) for item in value]
     return value
 
 

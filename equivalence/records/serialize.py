@@ -204,3 +204,63 @@ def upgrade_run(run: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"audit.json: run {run.get('engine', '?')} has mode {run['mode']!r}; expected "
                          f"{GREEDY!r} or {SAMPLED!r}")
     return run
+
+
+# ---- readers' entry points: a record as it is, or the JSON object of one ----------------------------------
+
+# What a hand-built object (a test's, a script's: `{"runs": [...]}`) may leave out of the keys every producer
+# writes, read as "not given": a name "?", a number or token None, a sequence empty. A file specaudit wrote has
+# every one of them, so it reads exactly as `*_from_json` reads it.
+HAND_DEFAULTS: dict[type, dict[str, Any]] = {
+    Audit: {"specaudit_version": "", "created": "", "machine": {}, "config": {}, "complete": True, "runs": ()},
+    Run: {"engine": "?", "pair": "?", "batch_size": None, "dtype": "?", "device": "?", "num_prompts": None,
+          "equivalent": None, "seconds": None, "error": None},
+    Divergence: {"prompt_index": None, "position": None, "reference_token": None, "engine_token": None,
+                 "kind": None, "detected_by": "tokens", "evidence": {}},
+    Diagnosis: {"class": None, "evidence": None, "tried": ()},
+    Context: {"common": (), "reference": (), "engine": ()},
+    ContextText: {"common": "", "reference": "", "engine": ""},
+    StepBatch: {"kind": "?", "rows": (), "pad_lengths": ()},
+}
+_NESTED = {"context": Context, "text": ContextText, "batch": StepBatch}
+
+
+def _completed(record_type: type, data: Any) -> Any:
+    """`data` (a JSON object of `record_type`) with each missing key of HAND_DEFAULTS given, its nested
+    records' too; anything but an object as it is (`*_from_json` says what is wrong with it)."""
+    if not isinstance(data, Mapping):
+        return data
+    done = {**HAND_DEFAULTS[record_type], **data}
+    if record_type is Audit and isinstance(done["runs"], (list, tuple)):
+        done["runs"] = [_completed(Run, run) for run in done["runs"]]
+    elif record_type is Run and isinstance(done.get("divergences"), (list, tuple)):
+        done["divergences"] = [_completed(Divergence, d) for d in done["divergences"]]
+    elif record_type is Divergence:
+        if isinstance(done.get("diagnosis"), Mapping):
+            done["diagnosis"] = _completed(Diagnosis, done["diagnosis"])
+        for key, nested in _NESTED.items():
+            if isinstance(done.get(key), Mapping):
+                done[key] = _completed(nested, done[key])
+    return done
+
+
+def as_audit(audit: Audit | Mapping[str, Any]) -> Audit:
+    """`audit` as an `Audit`: a record as it is, the JSON object of one (`audit.json`, of this version or an
+    earlier one) read once by `audit_from_json`, the keys a hand-built one leaves out as not given."""
+    if isinstance(audit, Audit):
+        return audit
+    return audit_from_json(_completed(Audit, upgrade(audit)))
+
+
+def as_run(run: Run | Mapping[str, Any]) -> Run:
+    """`run` as a `Run` (`as_audit`, for one run)."""
+    if isinstance(run, Run):
+        return run
+    return run_from_json(_completed(Run, upgrade_run(run)))
+
+
+def as_divergence(divergence: Divergence | Mapping[str, Any]) -> Divergence:
+    """`divergence` as a `Divergence` (`as_audit`, for one divergence)."""
+    if isinstance(divergence, Divergence):
+        return divergence
+    return divergence_from_json(_completed(Divergence, divergence))

@@ -8,11 +8,14 @@ render the same rows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
 from typing import Any
 
 from specaudit.equivalence.acceptance.findings import DEFINITION, headline
 from specaudit.equivalence.acceptance.payoff import headline as payoff_headline
+from specaudit.equivalence.records import Audit
+from specaudit.equivalence.records.serialize import as_audit
 from specaudit.equivalence.reports.summary import run_title
 
 EXPECTED = ("what the proposer reaches along the run's outputs (a replay; sampled: the sum of min(p, q) over the "
@@ -31,12 +34,13 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def acceptance_runs(audit: dict[str, Any]) -> list[tuple[str, str, list[list[str]], list[str]]]:
-    """For every finished run with an acceptance record: (title, headline, position rows, findings' texts)."""
+def acceptance_runs(audit: Audit | Mapping[str, Any]) -> list[tuple[str, str, list[list[str]], list[str]]]:
+    """For every finished run with an acceptance record: (title, headline, position rows, findings' texts).
+    The record is an open-ended bag (findings.py `Comparison.to_json`), read by its keys."""
     found = []
-    for run in audit.get("runs") or []:
-        record = run.get("acceptance")
-        if run.get("error") or not record:
+    for run in as_audit(audit).runs:
+        record = run.acceptance
+        if run.error or not record:
             continue
         rows = [[str(p["position"]), _share(p["observed_accepted"], p["observed_proposals"]),
                  _share(p["expected_accepted"], p["expected_proposals"]), _number(p.get("ratio")),
@@ -54,7 +58,7 @@ def acceptance_runs(audit: dict[str, Any]) -> list[tuple[str, str, list[list[str
     return found
 
 
-def markdown_lines(audit: dict[str, Any]) -> list[str]:
+def markdown_lines(audit: Audit | Mapping[str, Any]) -> list[str]:
     runs = acceptance_runs(audit)
     if not runs:
         return []
@@ -68,7 +72,7 @@ def markdown_lines(audit: dict[str, Any]) -> list[str]:
     return lines
 
 
-def html_section(audit: dict[str, Any]) -> str:
+def html_section(audit: Audit | Mapping[str, Any]) -> str:
     runs = acceptance_runs(audit)
     if not runs:
         return ""

@@ -15,9 +15,13 @@ import io
 import math
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from specaudit.equivalence.records import Audit, Run
+from specaudit.equivalence.records.serialize import as_audit
 
 STRUCTURAL_COLOR = "#c0392b"
 NUMERICAL_COLOR = "#e69f00"
@@ -206,20 +210,20 @@ def write_svg(chart: BarChart, path: Path) -> Path:
 
 # ---- the audit report's three charts ----------------------------------------------------------
 
-def _finished_runs(audit: dict[str, Any]) -> list[dict[str, Any]]:
-    return [run for run in audit.get("runs") or [] if not run.get("error")]
+def _finished_runs(audit: Audit) -> list[Run]:
+    return [run for run in audit.runs if not run.error]
 
 
-def equivalence_rate_chart(audit: dict[str, Any]) -> BarChart:
+def equivalence_rate_chart(audit: Audit) -> BarChart:
     """Share of prompts whose output matches the reference exactly, per engine (and dtype) and batch size."""
     runs = _finished_runs(audit)
-    several_dtypes = len({run.get("dtype") for run in runs}) > 1
+    several_dtypes = len({run.dtype for run in runs}) > 1
     exact: dict[tuple[str, int], list[int]] = {}
     for run in runs:
-        engine_key = f"{run.get('engine', '?')} · {run.get('dtype')}" if several_dtypes else str(run.get("engine", "?"))
-        totals = exact.setdefault((engine_key, int(run.get("batch_size") or 0)), [0, 0])
-        totals[0] += int(run.get("exact_matches") or 0)
-        totals[1] += int(run.get("num_prompts") or 0)
+        engine_key = f"{run.engine} · {run.dtype}" if several_dtypes else str(run.engine)
+        totals = exact.setdefault((engine_key, int(run.batch_size or 0)), [0, 0])
+        totals[0] += int(run.exact_matches or 0)
+        totals[1] += int(run.num_prompts or 0)
     engines = tuple(dict.fromkeys(key[0] for key in exact))
     batch_sizes = sorted({key[1] for key in exact})
     series = []
@@ -233,19 +237,19 @@ def equivalence_rate_chart(audit: dict[str, Any]) -> BarChart:
                     engines, tuple(series), percent=True, y_max=1.08, empty_message="no finished run")
 
 
-def divergence_position_chart(audit: dict[str, Any]) -> BarChart:
+def divergence_position_chart(audit: Audit) -> BarChart:
     """Histogram of the output positions where divergences start, stacked by kind."""
     title = "Where in the output divergences start"
     positions: dict[str, list[int]] = {"structural": [], "numerical": []}
     for run in _finished_runs(audit):
-        for divergence in run.get("divergences") or []:
-            if divergence.get("position") is not None and divergence.get("kind") != "reference_mismatch":
-                kind = "structural" if divergence.get("kind") == "structural" else "numerical"
-                positions[kind].append(int(divergence["position"]))
+        for divergence in run.divergences:
+            if divergence.position is not None and divergence.kind != "reference_mismatch":
+                kind = "structural" if divergence.structural else "numerical"
+                positions[kind].append(int(divergence.position))
     every = positions["structural"] + positions["numerical"]
     if not every:
         return BarChart(title, "position in the new tokens", "divergences", (), (), empty_message="no divergences")
-    span = max(max(every) + 1, int((audit.get("config") or {}).get("max_new_tokens") or 0))
+    span = max(max(every) + 1, int(audit.config.get("max_new_tokens") or 0))
     width = max(1, math.ceil(span / MAX_POSITION_BINS))
     bins = math.ceil(span / width)
     labels = tuple(str(i * width) if width == 1 else f"{i * width}–{i * width + width - 1}" for i in range(bins))
@@ -257,15 +261,15 @@ def divergence_position_chart(audit: dict[str, Any]) -> BarChart:
     return BarChart(title, "position in the new tokens", "divergences", labels, series, stacked=True)
 
 
-def acceptance_chart(audit: dict[str, Any]) -> BarChart:
+def acceptance_chart(audit: Audit) -> BarChart:
     """Per engine, the share of (step, row) pairs that accepted 0, 1, .., k draft tokens."""
     title = "Accepted draft tokens per step and row"
     histograms: dict[str, list[int]] = {}
     for run in _finished_runs(audit):
-        counts = (run.get("trace") or {}).get("accepted_histogram") or []
+        counts = (run.trace or {}).get("accepted_histogram") or []
         if not counts:
             continue
-        pooled = histograms.setdefault(str(run.get("engine", "?")), [])
+        pooled = histograms.setdefault(str(run.engine), [])
         pooled.extend([0] * (len(counts) - len(pooled)))
         for accepted, hits in enumerate(counts):
             pooled[accepted] += int(hits)
@@ -282,7 +286,7 @@ def acceptance_chart(audit: dict[str, Any]) -> BarChart:
                     series, percent=True, value_labels=False)
 
 
-def acceptance_position_chart(audit: dict[str, Any]) -> BarChart:
+def acceptance_position_chart(audit: Audit | Mapping[str, Any]) -> BarChart:
     """Per draft position, expected against observed acceptance (accepted at k / proposals at k:
     equivalence/acceptance/observed.py), from the runs' acceptance records: small multiples, one panel per
     pair (and dtype, where the audit has several), so that a panel holds the runs of one expectation.
@@ -293,22 +297,22 @@ def acceptance_position_chart(audit: dict[str, Any]) -> BarChart:
     its whisker the lowest and highest run. So a panel has at most 1 + MAX_RUN_SERIES observed bars per
     position, whatever the count of runs."""
     title = "Acceptance per draft position: expected against observed"
-    records = [(run, run["acceptance"]) for run in _finished_runs(audit)
-               if (run.get("acceptance") or {}).get("positions")]
+    records = [(run, run.acceptance) for run in _finished_runs(as_audit(audit))
+               if (run.acceptance or {}).get("positions")]
     if not records:
         return BarChart(title, "draft position", "acceptance", (), (),
                         empty_message="no run has both observed and expected acceptance per position")
-    several_dtypes = len({run.get("dtype") for run, _ in records}) > 1
-    grouped: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    several_dtypes = len({run.dtype for run, _ in records}) > 1
+    grouped: dict[str, list[tuple[Run, Mapping[str, Any]]]] = {}
     for run, record in records:
-        key = f"{run.get('pair', '?')} · {run.get('dtype')}" if several_dtypes else str(run.get("pair", "?"))
+        key = f"{run.pair} · {run.dtype}" if several_dtypes else str(run.pair)
         grouped.setdefault(key, []).append((run, record))
     panels = tuple(_acceptance_panel(name, members) for name, members in grouped.items())
     return BarChart(title, "draft position", "acceptance", panels[0].categories, (), percent=True, y_max=1.08,
                     value_labels=False, panels=panels)
 
 
-def _position_counts(record: dict[str, Any], side: str, width: int) -> list[tuple[float, int]]:
+def _position_counts(record: Mapping[str, Any], side: str, width: int) -> list[tuple[float, int]]:
     """Per position (accepted, proposals) of one side ("observed" or "expected") of an acceptance record."""
     by_position = {p["position"]: p for p in record["positions"]}
     counts = []
@@ -327,7 +331,7 @@ def _pooled(members: list[list[tuple[float, int]]]) -> tuple[float, ...]:
     return _rates([(sum(m[k][0] for m in members), sum(m[k][1] for m in members)) for k in range(len(members[0]))])
 
 
-def _acceptance_panel(name: str, members: list[tuple[dict[str, Any], dict[str, Any]]]) -> BarChart:
+def _acceptance_panel(name: str, members: list[tuple[Run, Mapping[str, Any]]]) -> BarChart:
     width = max(len(record["positions"]) for _, record in members)
     expected = [_position_counts(record, "expected", width) for _, record in members]
     observed = [_position_counts(record, "observed", width) for _, record in members]
@@ -362,16 +366,17 @@ EXPECTED_COLORS = ("#7f8c8d", "#b8c0c2")
 RUN_NAME_WIDTH = 28  # characters of an engine's name in a panel's legend (elided in the middle)
 
 
-def _run_name(run: dict[str, Any]) -> str:
+def _run_name(run: Run) -> str:
     """A run within its panel (the pair and dtype are the panel's): engine and batch size."""
-    engine = str(run.get("engine", "?"))
+    engine = str(run.engine)
     if len(engine) > RUN_NAME_WIDTH:
         engine = engine[: RUN_NAME_WIDTH // 2] + "…" + engine[-(RUN_NAME_WIDTH - RUN_NAME_WIDTH // 2 - 1):]
-    return f"{engine} B={run.get('batch_size')}"
+    return f"{engine} B={run.batch_size}"
 
 
-def audit_charts(audit: dict[str, Any]) -> dict[str, BarChart]:
+def audit_charts(audit: Audit | Mapping[str, Any]) -> dict[str, BarChart]:
     """The report's charts by file stem, in the order the reports show them."""
+    audit = as_audit(audit)
     return {"equivalence-rate": equivalence_rate_chart(audit),
             "divergence-positions": divergence_position_chart(audit),
             "acceptance": acceptance_chart(audit),

@@ -9,11 +9,14 @@ the pytest plugin's failure message, so all three say the same.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from specaudit.equivalence.blackbox.outputs import REQUEST_CLASSES, REQUEST_FIXES
 from specaudit.equivalence.diagnosis.core import CLASSES, FIXES
+from specaudit.equivalence.records import Audit, Divergence, Run, given
+from specaudit.equivalence.records.serialize import as_audit
 
 
 @dataclass(frozen=True)
@@ -27,38 +30,39 @@ class ClassLine:
     fix: str
 
 
-def adversarial_case(run: dict[str, Any], prompt_index: Any) -> dict[str, Any] | None:
-    """The adversarial case of `prompt_index` in `run`, or None for an ordinary prompt."""
-    for case in (run.get("adversarial") or {}).get("cases") or []:
+def adversarial_case(run: Run, prompt_index: Any) -> Mapping[str, Any] | None:
+    """The adversarial case of `prompt_index` in `run` (a mapping of the run's open-ended `adversarial` bag:
+    case, length, why, prompt_index), or None for an ordinary prompt."""
+    for case in (run.adversarial or {}).get("cases") or []:
         if case.get("prompt_index") == prompt_index:
             return case
     return None
 
 
-def example_text(run: dict[str, Any], divergence: dict[str, Any]) -> str:
-    where = (f"{run.get('engine', '?')} · {run.get('pair', '?')} · batch {run.get('batch_size', '?')} · "
-             f"{run.get('dtype', '?')}: prompt {divergence.get('prompt_index', '?')}, new token "
-             f"{divergence.get('position', '?')}")
-    case = adversarial_case(run, divergence.get("prompt_index"))
+def example_text(run: Run, divergence: Divergence) -> str:
+    where = (f"{run.engine} · {run.pair} · batch {run.batch_size} · "
+             f"{run.dtype}: prompt {divergence.prompt_index}, new token "
+             f"{divergence.position}")
+    case = adversarial_case(run, divergence.prompt_index)
     if case is not None:
         where += f" (adversarial prompt `{case.get('case')}`: {case.get('why')})"
     return where
 
 
-def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
+def class_lines(audit: Audit | Mapping[str, Any]) -> list[ClassLine]:
     """One line per diagnosed class, most frequent first (`unknown` last)."""
     counts: dict[str, int] = {}
     deciders: dict[str, dict[str, int]] = {}
-    first: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-    for run in audit.get("runs") or []:
-        for divergence in run.get("divergences") or []:
-            if divergence.get("kind") != "structural":
-                continue
-            found = divergence.get("diagnosis") or {}
-            cls = found.get("class") or "unknown"
+    first: dict[str, tuple[Run, Divergence]] = {}
+    for run in as_audit(audit).runs:
+        for divergence in run.structural:
+            found = divergence.diagnosis or None
+            cls = (found.cls if found else None) or "unknown"
             counts[cls] = counts.get(cls, 0) + 1
-            decider = (f"would decide: {found['would_decide']}" if cls == "unknown" and found.get("would_decide")
-                       else str(found.get("named_by") or "not recorded"))
+            would_decide = given(found.would_decide) if found else None
+            named_by = given(found.named_by) if found else None
+            decider = (f"would decide: {would_decide}" if cls == "unknown" and would_decide
+                       else str(named_by or "not recorded"))
             deciders.setdefault(cls, {})[decider] = deciders.setdefault(cls, {}).get(decider, 0) + 1
             first.setdefault(cls, (run, divergence))
     total = sum(counts.values())
@@ -67,26 +71,26 @@ def class_lines(audit: dict[str, Any]) -> list[ClassLine]:
     lines = []
     for cls in order:
         run, divergence = first[cls]
-        evidence = str((divergence.get("diagnosis") or {}).get("evidence") or "not diagnosed")
+        evidence = str((divergence.diagnosis.evidence if divergence.diagnosis else None) or "not diagnosed")
         decided = "; ".join(f"{name} ({n})" for name, n in sorted(deciders[cls].items(), key=lambda kv: -kv[1]))
         lines.append(ClassLine(cls, counts[cls], counts[cls] / total, decided, example_text(run, divergence),
                                evidence, FIXES.get(cls) or REQUEST_FIXES.get(cls) or FIXES["unknown"]))
     return lines
 
 
-def adversarial_note(audit: dict[str, Any]) -> str | None:
+def adversarial_note(audit: Audit) -> str | None:
     """One sentence on the adversarial prompts of the audit (how many, what was left out), said once for
     every pair whose prompts got the same ones: "tiny-gpt2, tiny-opt: 9 adversarial prompts ..."."""
     seen: dict[str, str] = {}  # pair -> what its runs got
-    for run in audit.get("runs") or []:
-        info = run.get("adversarial")
-        if info and str(run.get("pair")) not in seen:
+    for run in audit.runs:
+        info = run.adversarial  # an open-ended bag: cases, first_index, skipped
+        if info and str(run.pair) not in seen:
             cases = info.get("cases") or []
             names = list(dict.fromkeys(str(c.get("case")) for c in cases))
             text = f"{len(cases)} adversarial prompts from index {info.get('first_index')} ({', '.join(names)})"
             if info.get("skipped"):
                 text += "; " + "; ".join(info["skipped"])
-            seen[str(run.get("pair"))] = text
+            seen[str(run.pair)] = text
     if not seen:
         return None
     pairs_of: dict[str, list[str]] = {}
@@ -104,13 +108,12 @@ class FailureLine:
     case: str  # why the prompt is in the audit, for an adversarial one
 
 
-def failure_lines(audit: dict[str, Any], tail_lines: int = 6) -> list[FailureLine]:
+def failure_lines(audit: Audit | Mapping[str, Any], tail_lines: int = 6) -> list[FailureLine]:
     """One line per prompt that made an engine fail (crash isolation), run by run."""
     lines = []
-    for run in audit.get("runs") or []:
-        title = (f"{run.get('engine', '?')} · {run.get('pair', '?')} · batch {run.get('batch_size', '?')} · "
-                 f"{run.get('dtype', '?')}")
-        for failure in run.get("failures") or []:
+    for run in as_audit(audit).runs:
+        title = f"{run.engine} · {run.pair} · batch {run.batch_size} · {run.dtype}"
+        for failure in run.failures:  # each an open-ended mapping (equivalence/isolate.py)
             case = adversarial_case(run, failure.get("prompt_index"))
             tail = "\n".join(str(failure.get("traceback") or "").rstrip().splitlines()[-tail_lines:])
             lines.append(FailureLine(title, failure.get("prompt_index"), str(failure.get("reason")), tail,

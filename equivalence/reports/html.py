@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
 from typing import Any
+
+from specaudit.equivalence.records import Audit, Run, StepBatch, given
+from specaudit.equivalence.records.serialize import as_audit
 
 from specaudit.equivalence.reports.charts import audit_charts, render_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
@@ -123,11 +127,11 @@ def _pairs(rows: list[tuple[str, str]]) -> str:
     return '<dl class="pairs">' + "".join(f"<dt>{escape(k)}</dt><dd>{v}</dd>" for k, v in rows) + "</dl>"
 
 
-def _cards(audit: dict[str, Any]) -> str:
-    runs = audit.get("runs") or []
-    finished = [run for run in runs if not run.get("error")]
-    exact = sum(int(run.get("exact_matches") or 0) for run in finished)
-    prompts = sum(int(run.get("num_prompts") or 0) for run in finished)
+def _cards(audit: Audit) -> str:
+    runs = audit.runs
+    finished = [run for run in runs if not run.error]
+    exact = sum(int(run.exact_matches or 0) for run in finished)
+    prompts = sum(int(run.num_prompts or 0) for run in finished)
     structural = sum(divergence_counts(run)["structural"] for run in finished)
     numerical = sum(divergence_counts(run)["numerical"] for run in finished)
     crashed = len(runs) - len(finished)
@@ -140,38 +144,38 @@ def _cards(audit: dict[str, Any]) -> str:
         for css, number, what in cards) + "</section>"
 
 
-def _runs_table(runs: list[dict[str, Any]]) -> str:
+def _runs_table(runs: tuple[Run, ...]) -> str:
     header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "expected", "drafted/accepted",
               "structural", "numerical", "steps", "seconds", "status"]
     rows = []
     for index, run in enumerate(runs):
-        counts, status, trace = divergence_counts(run), run_status(run), run.get("trace") or {}
-        exact = "—" if run.get("error") else f"{run.get('exact_matches', '?')}/{run.get('num_prompts', '?')}"
+        counts, status, trace = divergence_counts(run), run_status(run), run.trace or {}  # trace: a summary bag
+        exact = "—" if run.error else f"{run.exact_matches}/{run.num_prompts}"
         kinds = ", ".join(f"{kind} {n}" for kind, n in (trace.get("step_kinds") or {}).items())
         steps = f'<td class="number" title="{escape(kinds)}">{escape(format_number(trace.get("steps")))}</td>'
         target = f"crash-{index}" if status == "crashed" else ""
         label = escape(STATUS_LABELS[status])
         pill = f'<a href="#{target}" class="pill {status}">{label}</a>' if target else f'<span class="pill {status}">{label}</span>'
-        rows.append("<tr>" + _cell(run.get("engine", "?")) + _cell(run.get("pair", "?"))
-                    + _cell(run.get("batch_size", "?"), "number") + _cell(run.get("dtype", "?"))
+        rows.append("<tr>" + _cell(run.engine) + _cell(run.pair)
+                    + _cell(run.batch_size, "number") + _cell(run.dtype)
                     + _cell(exact, "number") + _cell(logit_error_text(run), "number")
                     + _cell(format_share(acceptance_rate(run)), "number")
                     + _cell(format_share(expected_acceptance_rate(run)), "number")
-                    + _cell(speculation.cell(run.get("speculation")), "number") + _cell(counts["structural"], "number")
-                    + _cell(counts["numerical"], "number") + steps + _cell(format_number(run.get("seconds")), "number")
+                    + _cell(speculation.cell(run.speculation), "number") + _cell(counts["structural"], "number")
+                    + _cell(counts["numerical"], "number") + steps + _cell(format_number(run.seconds), "number")
                     + f"<td>{pill}</td></tr>")
     head = "".join(f"<th>{escape(name)}</th>" for name in header)
     return f'<div class="table-wrap"><table class="runs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>'
 
 
-def _crashes(runs: list[dict[str, Any]]) -> str:
+def _crashes(runs: tuple[Run, ...]) -> str:
     parts = [f'<details class="crash" id="crash-{index}" open><summary>{escape(run_title(run))}</summary>'
-             f"<pre>{escape(str(run['error']).rstrip())}</pre></details>"
-             for index, run in enumerate(runs) if run.get("error")]
+             f"<pre>{escape(str(run.error).rstrip())}</pre></details>"
+             for index, run in enumerate(runs) if run.error]
     return ("<h2>Crashed runs</h2>" + "".join(parts)) if parts else ""
 
 
-def _failures(audit: dict[str, Any]) -> str:
+def _failures(audit: Audit) -> str:
     parts = [f'<details class="crash" open><summary>{escape(f.run)}: prompt {escape(str(f.prompt_index))}: '
              f"{escape(f.reason)}{escape(' (' + f.case + ')') if f.case else ''}</summary>"
              f"<pre>{escape(f.traceback_tail)}</pre></details>" for f in failure_lines(audit)]
@@ -196,59 +200,59 @@ def _chips(values: list[int], here: int | None = None) -> str:
         f'<span class="chip{" here" if i == here else ""}">{escape(str(v))}</span>' for i, v in enumerate(values)) + "</span>"
 
 
-def _batch_html(batch: dict[str, Any] | None, prompt_index: int | None) -> str:
+def _batch_html(batch: StepBatch | None, prompt_index: int | None) -> str:
     if not batch:
         return "not traced"
-    rows, pads = batch.get("rows") or [], batch.get("pad_lengths") or []
+    rows, pads = batch.rows, batch.pad_lengths
     labels = [f"prompt {row}" + (f" · pad {pads[i]}" if i < len(pads) else "") for i, row in enumerate(rows)]
     here = rows.index(prompt_index) if prompt_index in rows else None
     chips = '<span class="chips">' + "".join(
         f'<span class="chip{" here" if i == here else ""}">{escape(label)}</span>' for i, label in enumerate(labels)) + "</span>"
-    return f"{escape(str(batch.get('kind', '?')))} step, {rows_count(len(rows))}: {chips}"
+    return f"{escape(str(batch.kind))} step, {rows_count(len(rows))}: {chips}"
 
 
 def _divergence_article(number: int, entry: DivergenceEntry) -> str:
-    divergence, evidence = entry.divergence, entry.divergence.get("evidence") or {}
+    divergence, evidence = entry.divergence, entry.divergence.evidence  # evidence: an open-ended bag
     common, reference, engine = split_ids(divergence)
     grids = []
-    text = divergence.get("text")
+    text = divergence.text
     if text:
-        grids.append(_split_grid("…" + _visible(str(text.get("common", ""))), _visible(str(text.get("reference", ""))),
-                                 _visible(str(text.get("engine", ""))), "text"))
+        grids.append(_split_grid("…" + _visible(str(text.common)), _visible(str(text.reference)),
+                                 _visible(str(text.engine)), "text"))
     grids.append(_split_grid("…" + _token_spans(common, False), _token_spans(reference, True),
                              _token_spans(engine, True), "mono ids"))
-    history = divergence.get("accepted_history")
-    rows = [("tokens", f"reference <code>{escape(str(divergence.get('reference_token')))}</code>, engine "
-                       f"<code>{escape(str(divergence.get('engine_token')))}</code> "
-                       f"(detected by {escape(str(divergence.get('detected_by', 'tokens')))})"),
+    history = given(divergence.accepted_history)
+    rows = [("tokens", f"reference <code>{escape(str(divergence.reference_token))}</code>, engine "
+                       f"<code>{escape(str(divergence.engine_token))}</code> "
+                       f"(detected by {escape(str(divergence.detected_by))})"),
             ("target top-2 margin", escape(margin_description(divergence))),
             ("float64 replay", escape(replay_description(evidence)))]
-    found = divergence.get("diagnosis") or {}
+    found = divergence.diagnosis
     if found:
-        rows.insert(0, ("diagnosis", f"<strong>{escape(str(found.get('class')))}{' (needs the weights)' if found.get('needs_weights') else ''}</strong>: "
-                                     f"{escape(str(found.get('evidence')))}"))
-        if found.get("tried"):
-            rows.insert(1, ("tried", escape("; ".join(str(t) for t in found["tried"]))))
-    case = adversarial_case(entry.run, divergence.get("prompt_index"))
+        rows.insert(0, ("diagnosis", f"<strong>{escape(str(found.cls))}{' (needs the weights)' if found.needs_weights else ''}</strong>: "
+                                     f"{escape(str(found.evidence))}"))
+        if found.tried:
+            rows.insert(1, ("tried", escape("; ".join(str(t) for t in found.tried))))
+    case = adversarial_case(entry.run, divergence.prompt_index)
     if case is not None:
         rows.insert(0, ("adversarial prompt", f"<code>{escape(str(case.get('case')))}</code> "
                                               f"({escape(str(case.get('length')))} tokens): {escape(str(case.get('why')))}"))
     if evidence.get("reason"):
         rows.append((ruling_text(entry.kind, divergence), escape(str(evidence["reason"]))))
-    if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
-        rows.append(("noise band", escape(str(entry.run["noise_band"]["how"]))))
-    if divergence.get("logit_error") is not None:
-        rows.append(("logit error", escape(format_number(divergence["logit_error"]))))
+    if (entry.run.noise_band or {}).get("how"):  # a black-box engine (recording, server)
+        rows.append(("noise band", escape(str(entry.run.noise_band["how"]))))
+    if given(divergence.logit_error) is not None:
+        rows.append(("logit error", escape(format_number(divergence.logit_error))))
     rows.append(("accepted per step", _chips(history, len(history) - 1) if history else "not traced"))
-    rows.append(("batch at that step", _batch_html(divergence.get("batch"), divergence.get("prompt_index"))))
-    where = (f"prompt {divergence.get('prompt_index', '?')} · position {divergence.get('position', '?')} · "
-             f"step {format_number(divergence.get('step'))}")
+    rows.append(("batch at that step", _batch_html(given(divergence.batch), divergence.prompt_index)))
+    where = (f"prompt {divergence.prompt_index} · position {divergence.position} · "
+             f"step {format_number(given(divergence.step))}")
     return (f'<article class="divergence {entry.kind}" id="divergence-{number}"><header>'
             f'<span class="pill {entry.kind}">{entry.kind}</span><h3>{number}. {escape(run_title(entry.run))}</h3>'
             f'<span class="where">{escape(where)}</span></header>{"".join(grids)}{_pairs(rows)}</article>')
 
 
-def _divergences(audit: dict[str, Any], limit: int) -> str:
+def _divergences(audit: Audit, limit: int) -> str:
     entries = ordered_divergences(audit)
     if not entries:
         return ""
@@ -262,7 +266,7 @@ def _divergences(audit: dict[str, Any], limit: int) -> str:
     return "".join(parts)
 
 
-def _diagnosis_section(audit: dict[str, Any]) -> str:
+def _diagnosis_section(audit: Audit) -> str:
     lines = class_lines(audit)
     note = adversarial_note(audit)
     parts = []
@@ -282,7 +286,7 @@ def _diagnosis_section(audit: dict[str, Any]) -> str:
     return f'<section class="diagnosis">{"".join(parts)}</section>' if parts else ""
 
 
-def _speculation_section(audit: dict[str, Any]) -> str:
+def _speculation_section(audit: Audit) -> str:
     lines = speculation_lines(audit)
     if not lines:
         return ""
@@ -293,7 +297,7 @@ def _speculation_section(audit: dict[str, Any]) -> str:
             f"</tr></thead><tbody>{rows}</tbody></table></div>")
 
 
-def _three_way_section(audit: dict[str, Any]) -> str:
+def _three_way_section(audit: Audit) -> str:
     parts = []
     for run, sentence, rows in three_way_runs(audit):
         parts.append(f"<h3>{escape(run_title(run))}</h3><p>{escape(sentence)}</p>")
@@ -309,7 +313,7 @@ def _three_way_section(audit: dict[str, Any]) -> str:
             "engine's precision, ruled numerical.</p>" + "".join(parts))
 
 
-def _timing_section(audit: dict[str, Any]) -> str:
+def _timing_section(audit: Audit) -> str:
     rows = timing_rows(audit)
     if not rows:
         return ""
@@ -328,22 +332,23 @@ def _figure(svg: str) -> str:
     return f"<figure{wide}>{svg}</figure>"
 
 
-def render_html(audit: dict[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT,
+def render_html(audit: Audit | Mapping[str, Any], divergence_limit: int = HTML_DIVERGENCE_LIMIT,
                 charts: dict[str, str] | None = None) -> str:
     """The page; `charts` are the SVGs of `audit_charts` (and `sampled_charts`) by stem when the caller has
     drawn them already. Sampled runs have a section of their own; every other section reads the greedy runs."""
+    audit = as_audit(audit)
     status, sentence = verdict(audit)
     greedy, sampled_stems = greedy_view(audit), sampled_charts(audit)
     if charts is None:
-        drawn = {**(audit_charts(greedy) if greedy["runs"] or not sampled_runs(audit) else {}), **sampled_stems}
+        drawn = {**(audit_charts(greedy) if greedy.runs or not sampled_runs(audit) else {}), **sampled_stems}
         charts = {stem: render_svg(chart) for stem, chart in drawn.items()}
     sampled_section = sampled_html(audit, [svg for stem, svg in charts.items() if stem in sampled_stems])
     charts = {stem: svg for stem, svg in charts.items() if stem not in sampled_stems}
     whole, audit = audit, greedy  # the acceptance section reads sampled runs too
-    runs = audit["runs"]
+    runs = audit.runs
     stamp = " · ".join(part for part in (
-        f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
-        f"created {audit['created']}" if audit.get("created") else "") if part)
+        f"specaudit {audit.specaudit_version}" if audit.specaudit_version else "",
+        f"created {audit.created}" if audit.created else "") if part)
     machine = [(name, escape(value)) for name, value in machine_summary(audit)]
     config = [(name, escape(value)) for name, value in config_summary(audit)]
     figures = "".join(_figure(svg) for svg in charts.values())

@@ -1,12 +1,17 @@
 """Human reports of an audit: `report.md` for terminals and pull requests, `report.html` for a browser.
 
-Both are drawn from the same dict that is written to `audit.json`; optional fields may be missing.
+Both are drawn from the typed records of `audit.json` (equivalence/records/); optional fields may be missing
+(`ABSENT`). `write_reports` and the renderers also take the JSON object and read it once (`serialize.as_audit`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from specaudit.equivalence.records import Audit, Run, given
+from specaudit.equivalence.records.serialize import as_audit
 
 from specaudit.equivalence.reports.charts import audit_charts, render_svg, standalone_svg
 from specaudit.equivalence.reports.diagnosis import adversarial_case, adversarial_note, class_lines, failure_lines
@@ -69,14 +74,14 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def _markdown_runs(runs: list[dict[str, Any]]) -> list[str]:
+def _markdown_runs(runs: tuple[Run, ...]) -> list[str]:
     rows = []
     for run in runs:
         counts = divergence_counts(run)
-        exact = (f"{run.get('exact_matches', '?')}/{run.get('num_prompts', '?')}" if not run.get("error") else "—")
-        rows.append([str(run.get("engine", "?")), str(run.get("pair", "?")), str(run.get("batch_size", "?")),
-                     str(run.get("dtype", "?")), exact, logit_error_text(run), format_share(acceptance_rate(run)),
-                     format_share(expected_acceptance_rate(run)), speculation.cell(run.get("speculation")),
+        exact = f"{run.exact_matches}/{run.num_prompts}" if not run.error else "—"
+        rows.append([str(run.engine), str(run.pair), str(run.batch_size),
+                     str(run.dtype), exact, logit_error_text(run), format_share(acceptance_rate(run)),
+                     format_share(expected_acceptance_rate(run)), speculation.cell(run.speculation),
                      str(counts["structural"]), str(counts["numerical"]), STATUS_LABELS[run_status(run)]])
     header = ["engine", "pair", "batch", "dtype", "exact", "max logit error", "acceptance", "expected",
               "drafted/accepted", "structural", "numerical", "status"]
@@ -84,73 +89,74 @@ def _markdown_runs(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _markdown_divergence(number: int, entry: DivergenceEntry) -> list[str]:
-    divergence, evidence = entry.divergence, entry.divergence.get("evidence") or {}
-    history = divergence.get("accepted_history")
+    divergence, evidence = entry.divergence, entry.divergence.evidence  # evidence: an open-ended bag
+    history = given(divergence.accepted_history)
     lines = [f"### {number}. {entry.kind.upper()} · {run_title(entry.run)} · prompt "
-             f"{divergence.get('prompt_index', '?')}, position {divergence.get('position', '?')}, "
-             f"step {format_number(divergence.get('step'))}", ""]
+             f"{divergence.prompt_index}, position {divergence.position}, "
+             f"step {format_number(given(divergence.step))}", ""]
     bullets = [
-        f"tokens: reference `{divergence.get('reference_token')}`, engine `{divergence.get('engine_token')}` "
-        f"(detected by {divergence.get('detected_by', 'tokens')})",
+        f"tokens: reference `{divergence.reference_token}`, engine `{divergence.engine_token}` "
+        f"(detected by {divergence.detected_by})",
         f"target top-2 margin on the common prefix: {margin_description(divergence)}",
         f"float64 replay of the target: {replay_description(evidence)}",
     ]
-    found = divergence.get("diagnosis") or {}
+    found = divergence.diagnosis
     if found:
-        needs = " (needs the weights)" if found.get("needs_weights") else ""
-        bullets.insert(0, f"**diagnosis: {found.get('class')}{needs}**: {found.get('evidence')}")
-        if found.get("tried"):
-            bullets.insert(1, "tried: " + "; ".join(str(t) for t in found["tried"]))
-    case = adversarial_case(entry.run, divergence.get("prompt_index"))
+        needs = " (needs the weights)" if found.needs_weights else ""
+        bullets.insert(0, f"**diagnosis: {found.cls}{needs}**: {found.evidence}")
+        if found.tried:
+            bullets.insert(1, "tried: " + "; ".join(str(t) for t in found.tried))
+    case = adversarial_case(entry.run, divergence.prompt_index)
     if case is not None:
         bullets.insert(0, f"adversarial prompt `{case.get('case')}` ({case.get('length')} tokens): {case.get('why')}")
     if evidence.get("reason"):
         bullets.append(f"{ruling_text(entry.kind, divergence)}: {evidence['reason']}")
     if evidence.get("plain_engine"):
         bullets.append(f"plain engine: {evidence['plain_engine']}")
-    if (entry.run.get("noise_band") or {}).get("how"):  # a black-box engine (recording, server)
-        bullets.append(f"noise band: {entry.run['noise_band']['how']}")
-    if divergence.get("logit_error") is not None:
-        bullets.append(f"logit error at this position: {format_number(divergence['logit_error'])}")
+    if (entry.run.noise_band or {}).get("how"):  # a black-box engine (recording, server)
+        bullets.append(f"noise band: {entry.run.noise_band['how']}")
+    if given(divergence.logit_error) is not None:
+        bullets.append(f"logit error at this position: {format_number(divergence.logit_error)}")
     bullets.append("accepted draft tokens per step: "
                    + (", ".join(str(count) for count in history) if history else "not traced"))
-    bullets.append(f"batch at that step: {batch_description(divergence.get('batch'), divergence.get('prompt_index'))}")
+    bullets.append(f"batch at that step: {batch_description(given(divergence.batch), divergence.prompt_index)}")
     lines += [f"- {bullet}" for bullet in bullets] + [""]
     common, reference, engine = split_ids(divergence)
     rows = []
-    text = divergence.get("text")
+    text = divergence.text
     if text:
-        rows.append(["text", _code_cell("…" + str(text.get("common", ""))), _code_cell(str(text.get("reference", ""))),
-                     _code_cell(str(text.get("engine", "")))])
+        rows.append(["text", _code_cell("…" + str(text.common)), _code_cell(str(text.reference)),
+                     _code_cell(str(text.engine))])
     rows.append(["ids", _code_cell("… " + _ids_text(common)), _code_cell(_ids_text(reference, True)),
                  _code_cell(_ids_text(engine, True))])
     lines += _markdown_table(["", "before the split", "reference continues", "engine continues"], rows)
     return lines + [""]
 
 
-def _float64_switches(runs: list[dict[str, Any]]) -> list[str]:
+def _float64_switches(runs: tuple[Run, ...]) -> list[str]:
     """One line per pair and model that `engines/models/float64.py` switched to compute in float64."""
     lines, seen = [], set()
     for run in runs:
-        for role, notes in ((run.get("pair_info") or {}).get("float64_switches") or {}).items():
-            key = (run.get("pair"), role)
+        for role, notes in ((run.pair_info or {}).get("float64_switches") or {}).items():
+            key = (run.pair, role)
             if key not in seen:
                 seen.add(key)
-                lines.append(f"- {run.get('pair')} {role}: " + "; ".join(notes))
+                lines.append(f"- {run.pair} {role}: " + "; ".join(notes))
     return lines
 
 
-def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVERGENCE_LIMIT,
+def render_markdown(audit: Audit | Mapping[str, Any], divergence_limit: int = MARKDOWN_DIVERGENCE_LIMIT,
                     chart_files: dict[str, str] | None = None) -> str:
     """The report; `chart_files` (title -> path relative to the report) are linked as images. Sampled runs
     have a section of their own (reports/sampled.py); every other section reads the greedy runs."""
+    audit = as_audit(audit)
     _, sentence = verdict(audit)
     sampled_titles = {chart.title for chart in sampled_charts(audit).values()}
     sampled_section = sampled_markdown(audit, {title: path for title, path in (chart_files or {}).items()
                                                if title in sampled_titles})
     chart_files = {title: path for title, path in (chart_files or {}).items() if title not in sampled_titles}
     whole, audit = audit, greedy_view(audit)  # the acceptance section reads sampled runs too
-    runs = audit["runs"]
+    runs = audit.runs
     lines = ["# specaudit report", "", f"**{sentence}**", ""]
     diagnosed = class_lines(audit)
     if diagnosed:
@@ -160,8 +166,8 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
                                  [[f"**{line.cls}**", str(line.count), f"{line.share:.0%}", line.named_by,
                                    line.example, line.evidence, line.fix] for line in diagnosed])
         lines.append("")
-    stamp = [f"specaudit {audit['specaudit_version']}" if audit.get("specaudit_version") else "",
-             f"created {audit['created']}" if audit.get("created") else ""]
+    stamp = [f"specaudit {audit.specaudit_version}" if audit.specaudit_version else "",
+             f"created {audit.created}" if audit.created else ""]
     if any(stamp):
         lines += [" · ".join(part for part in stamp if part), ""]
     machine, config = machine_summary(audit), config_summary(audit)
@@ -204,13 +210,13 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     switches = _float64_switches(runs)
     if switches:
         lines += ["## How the models ran in float64", ""] + switches + [""]
-    crashed = [run for run in runs if run.get("error")]
+    crashed = [run for run in runs if run.error]
     if crashed:
         lines += ["## Crashed runs", ""]
         for run in crashed:
-            error_lines = str(run["error"]).rstrip().splitlines()
+            error_lines = str(run.error).rstrip().splitlines()
             shown = [visible_text(line) for line in error_lines[-ERROR_TAIL_LINES:]]
-            fence = "````" if "```" in str(run["error"]) else "```"
+            fence = "````" if "```" in str(run.error) else "```"
             lines += [f"**{run_title(run)}**" + (f" (last {len(shown)} of {len(error_lines)} lines)"
                                                  if len(shown) < len(error_lines) else ""), "", fence]
             lines += shown + [fence, ""]
@@ -239,13 +245,15 @@ def render_markdown(audit: dict[str, Any], divergence_limit: int = MARKDOWN_DIVE
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_reports(audit: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+def write_reports(audit: Audit | Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
     """Write `report.md`, `report.html` and the charts (`charts/*.svg`, linked from report.md, embedded in
-    report.html) into `out_dir`; returns the two reports' paths keyed "markdown" and "html"."""
+    report.html) into `out_dir`; returns the two reports' paths keyed "markdown" and "html". `audit`: an
+    `Audit`, or the JSON object of `audit.json` (read once, `serialize.as_audit`)."""
+    audit = as_audit(audit)
     out_dir = Path(out_dir)
     (out_dir / "charts").mkdir(parents=True, exist_ok=True)
     greedy = greedy_view(audit)
-    charts = {**(audit_charts(greedy) if greedy["runs"] or not sampled_runs(audit) else {}), **sampled_charts(audit)}
+    charts = {**(audit_charts(greedy) if greedy.runs or not sampled_runs(audit) else {}), **sampled_charts(audit)}
     svgs = {stem: render_svg(chart) for stem, chart in charts.items()}
     for stem, svg in svgs.items():
         (out_dir / "charts" / f"{stem}.svg").write_text(standalone_svg(svg), encoding="utf-8")

@@ -10,51 +10,57 @@ per output position (the TV of each position's PIT bins beyond what sampling noi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from html import escape
 from typing import Any
 
+from specaudit.equivalence.records import SAMPLED, Audit, Run, given, thaw
+from specaudit.equivalence.records.serialize import as_audit
 from specaudit.equivalence.reports.charts import BarChart, Series, acceptance_position_chart, series_color
-from specaudit.equivalence.run_record import SAMPLED  # a run's `mode`; greedy runs: "greedy" (nothing before it was kept)
 
 PASS = "no departure found"
 
-
-def is_sampled(run: dict[str, Any]) -> bool:
-    return run.get("mode") == SAMPLED
-
-
-def sampled_runs(audit: dict[str, Any]) -> list[dict[str, Any]]:
-    return [run for run in audit.get("runs") or [] if is_sampled(run)]
+# Below, a sampled run's report (`run_report`: its `sampled` bag, sampling/audit.py's tests' report) is an
+# open-ended mapping, read by its keys.
 
 
-def greedy_view(audit: dict[str, Any]) -> dict[str, Any]:
+def is_sampled(run: Run) -> bool:
+    return run.mode == SAMPLED
+
+
+def sampled_runs(audit: Audit) -> list[Run]:
+    return [run for run in audit.runs if is_sampled(run)]
+
+
+def greedy_view(audit: Audit) -> Audit:
     """The audit with its greedy runs alone: what the greedy report's sections read."""
-    return {**audit, "runs": [run for run in audit.get("runs") or [] if not is_sampled(run)]}
+    return replace(audit, runs=tuple(run for run in audit.runs if not is_sampled(run)))
 
 
-def run_report(run: dict[str, Any]) -> dict[str, Any]:
-    """A sampled run's report: the tests' dict (`sampled`) of a finished run; for a failed one its verdict
+def run_report(run: Run) -> Mapping[str, Any]:
+    """A sampled run's report: the tests' mapping (`sampled`) of a finished run; for a failed one its verdict
     ("run failed"), one-line `error`, traceback and seconds."""
-    if run.get("failed") or run.get("error"):
-        return {"verdict": "run failed", "failed": True, "error": run.get("error"),
-                "traceback": run.get("traceback"), "seconds": run.get("seconds")}
-    return run["sampled"]
+    if run.failed or run.error:
+        return {"verdict": "run failed", "failed": True, "error": run.error,
+                "traceback": given(run.traceback), "seconds": run.seconds}
+    return run.sampled
 
 
-def sampled_reports(audit: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each sampled run's report (`run_report`) by engine (`engine B=.. dtype` when an engine ran twice)."""
-    runs = sampled_runs(audit)
-    engines = [run.get("engine") for run in runs]
-    return {(str(run.get("engine")) if engines.count(run.get("engine")) == 1
-             else f"{run.get('engine')} B={run.get('batch_size')} {run.get('dtype')}"): run_report(run) for run in runs}
+def sampled_reports(audit: Audit | Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Each sampled run's report (`run_report`) by engine (`engine B=.. dtype` when an engine ran twice).
+    `audit`: an `Audit`, or the JSON object of `audit.json` (read once, `serialize.as_audit`)."""
+    runs = sampled_runs(as_audit(audit))
+    engines = [run.engine for run in runs]
+    return {(str(run.engine) if engines.count(run.engine) == 1
+             else f"{run.engine} B={run.batch_size} {run.dtype}"): run_report(run) for run in runs}
 
 
-def _finished(audit: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _finished(audit: Audit) -> dict[str, Mapping[str, Any]]:
     return {spec: report for spec, report in sampled_reports(audit).items() if not report.get("failed")}
 
 
-def pit_chart(audit: dict[str, Any]) -> BarChart:
+def pit_chart(audit: Audit) -> BarChart:
     """Each finished engine's pooled PIT values, as shares of 20 equal bins: a correct sampler's are flat at
     5% (up to sampling noise); one too sharp piles them at the left, one too flat at the right."""
     histograms = {spec: report["pit_histogram"] for spec, report in _finished(audit).items()
@@ -72,7 +78,7 @@ def pit_chart(audit: dict[str, Any]) -> BarChart:
 POSITION_SCOPE = "output position "  # the scope of the per-position tests (equivalence/sampling/audit.py)
 
 
-def departure_by_position(report: dict[str, Any]) -> dict[int, float]:
+def departure_by_position(report: Mapping[str, Any]) -> dict[int, float]:
     """Output position -> the TV of its PIT bins beyond sampling noise (`tv_excess` of its chi-square test);
     positions with too few tokens for a test are absent."""
     return {int(test["scope"][len(POSITION_SCOPE):]): float(test.get("tv_excess") or 0.0)
@@ -80,7 +86,7 @@ def departure_by_position(report: dict[str, Any]) -> dict[int, float]:
             if test.get("scope", "").startswith(POSITION_SCOPE) and test.get("test") == "chi_square_pit"}
 
 
-def position_chart(audit: dict[str, Any]) -> BarChart:
+def position_chart(audit: Audit) -> BarChart:
     """Per output position and engine, how far its tokens' PIT values depart from uniform beyond noise: a
     fault of the k-th token of a step, or of a bonus token, shows at the positions it reaches first."""
     per_engine = {spec: departure_by_position(report) for spec, report in _finished(audit).items()}
@@ -93,26 +99,26 @@ def position_chart(audit: dict[str, Any]) -> BarChart:
                     value_labels=False)
 
 
-def acceptance_chart(audit: dict[str, Any]) -> BarChart:
+def acceptance_chart(audit: Audit) -> BarChart:
     """Per draft position, the sampled runs' expected acceptance (sum min(p, q) along the samples) against
     observed: the greedy runs' chart (charts.py) drawn over the sampled runs, under a title of its own."""
-    chart = acceptance_position_chart({"runs": sampled_runs(audit)})
+    chart = acceptance_position_chart(replace(audit, runs=tuple(sampled_runs(audit))))
     return replace(chart, title="Acceptance per draft position under sampling: expected against observed")
 
 
-def sampled_charts(audit: dict[str, Any]) -> dict[str, BarChart]:
+def sampled_charts(audit: Audit) -> dict[str, BarChart]:
     """The sampled section's charts by file stem; none without sampled runs (the acceptance chart where a
     sampled run has an acceptance comparison)."""
     runs = sampled_runs(audit)
     if not runs:
         return {}
     charts = {"sampled-pit": pit_chart(audit), "sampled-positions": position_chart(audit)}
-    if any((run.get("acceptance") or {}).get("positions") for run in runs):
+    if any((run.acceptance or {}).get("positions") for run in runs):
         charts["sampled-acceptance-positions"] = acceptance_chart(audit)
     return charts
 
 
-def engine_sentence(spec: str, report: dict[str, Any]) -> str:
+def engine_sentence(spec: str, report: Mapping[str, Any]) -> str:
     """The finding for one engine, in words."""
     if report.get("failed"):
         return f"{spec}: the run failed: {report['error']}"
@@ -132,7 +138,7 @@ def engine_sentence(spec: str, report: dict[str, Any]) -> str:
             f"{report['detectable_tv_pooled']:.3f} pooled with probability {report.get('power', 0.8):.0%}{allowed}")
 
 
-def summary_line(spec: str, report: dict[str, Any]) -> str:
+def summary_line(spec: str, report: Mapping[str, Any]) -> str:
     """The terminal's line for one sampled run."""
     if report.get("failed"):
         return f"{spec}: run failed: {report['error']}"
@@ -147,7 +153,7 @@ def summary_line(spec: str, report: dict[str, Any]) -> str:
             + (f"; {report['power_note']}" if report.get("power_note") else ""))
 
 
-def _speculation_summary(speculation: dict[str, Any] | None) -> str:
+def _speculation_summary(speculation: Mapping[str, Any] | None) -> str:
     if not speculation:
         return ""
     if speculation.get("drafted_tokens") is None:
@@ -157,11 +163,11 @@ def _speculation_summary(speculation: dict[str, Any] | None) -> str:
             f"tokens accepted" + (f" ({rate:.2f})" if rate is not None else ""))
 
 
-def summary_lines(audit: dict[str, Any]) -> list[str]:
+def summary_lines(audit: Audit) -> list[str]:
     return [summary_line(spec, report) for spec, report in sampled_reports(audit).items()]
 
 
-def _rows(audit: dict[str, Any]) -> list[list[str]]:
+def _rows(audit: Audit) -> list[list[str]]:
     rows = []
     for spec, report in sampled_reports(audit).items():
         if report.get("failed"):
@@ -183,13 +189,13 @@ HEADER = ["engine", "verdict", "p-value", "decided by", "detectable TV (pooled /
           "rounding allowance (mean TV)", "samples / tokens", "seed"]
 
 
-def sampled_verdict(audit: dict[str, Any]) -> tuple[str, str]:
+def sampled_verdict(audit: Audit) -> tuple[str, str]:
     """(status, sentence) of the sampled runs: status "pass", "fail" or "empty"."""
     reports = sampled_reports(audit)
     if not reports:
         return "empty", "NO RUNS: the audit recorded no runs."
     if all(report["verdict"] == PASS for report in reports.values()):
-        dtypes = {run.get("dtype") for run in sampled_runs(audit)} - {"float64"}
+        dtypes = {run.dtype for run in sampled_runs(audit)} - {"float64"}
         allowed = f" and {', '.join(sorted(map(str, dtypes)))} rounding" if dtypes else ""
         return "pass", ("No departure found: no engine's samples depart from the target's distribution by more "
                         f"than its tests see{allowed}")
@@ -197,11 +203,11 @@ def sampled_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     return "fail", f"NOT shown to sample the target's distribution: {', '.join(failed)}"
 
 
-def sampled_setting(audit: dict[str, Any]) -> list[tuple[str, str]]:
-    config = audit.get("config") or {}
-    params = config.get("sampling") or {}
-    forcing = config.get("teacher_forcing") or {}
-    asked = {k: v for k, v in (config.get("request_params") or {}).items() if k not in ("top_k", "temperature", "top_p")}
+def sampled_setting(audit: Audit) -> list[tuple[str, str]]:
+    config = audit.config
+    params = thaw(config.get("sampling") or {})  # plain values: a list shows as the JSON list it is
+    forcing = thaw(config.get("teacher_forcing") or {})
+    asked = {k: v for k, v in thaw(config.get("request_params") or {}).items() if k not in ("top_k", "temperature", "top_p")}
     rows = [("samples per engine", config.get("samples")), ("sampling", ", ".join(f"{k} {v}" for k, v in params.items())),
             # the command line's request parameters (a prompts file's per-line ones are in each run's `request_params`)
             ("request parameters", ", ".join(f"{k} {v}" for k, v in asked.items())),
@@ -215,7 +221,7 @@ def _markdown_cell(cell: str) -> str:
     return cell.replace("|", "\\|")
 
 
-def sampled_markdown(audit: dict[str, Any], chart_files: dict[str, str] | None = None) -> list[str]:
+def sampled_markdown(audit: Audit, chart_files: dict[str, str] | None = None) -> list[str]:
     """The sampled section of report.md; `chart_files`: chart title -> path relative to the report."""
     if not sampled_runs(audit):
         return []
@@ -231,7 +237,7 @@ def sampled_markdown(audit: dict[str, Any], chart_files: dict[str, str] | None =
     return lines + [""]
 
 
-def sampled_html(audit: dict[str, Any], chart_svgs: list[str]) -> str:
+def sampled_html(audit: Audit, chart_svgs: list[str]) -> str:
     """The sampled section of report.html, its charts' SVGs embedded."""
     if not sampled_runs(audit):
         return ""

@@ -3,15 +3,21 @@ asked, its determinism (the two runs' agreement), and each run's noise band with
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
 from typing import Any
+
+from specaudit.equivalence.records import ABSENT, Audit, Run
+
+# The reference's record (`Audit.reference`: how it was asked, its runs, its determinism) and a run's noise band
+# are open-ended mappings, read by their keys.
 
 
 def _number(value: Any) -> str:
     return "?" if value is None else format(value, ".3g")
 
 
-def determinism_line(reference: dict[str, Any]) -> str:
+def determinism_line(reference: Mapping[str, Any]) -> str:
     """The reference's own agreement with itself, in one sentence."""
     det = reference.get("determinism") or {}
     flips = det.get("flips") or []
@@ -21,20 +27,20 @@ def determinism_line(reference: dict[str, Any]) -> str:
                                       for f in flips) if flips else "") + ".")
 
 
-def band_line(run: dict[str, Any]) -> str:
-    band = run.get("noise_band") or {}
+def band_line(run: Run) -> str:
+    band = run.noise_band or {}
     parts = ", ".join(f"{name} {value:.3g}" for name, value in (band.get("parts") or {}).items() if value is not None)
     return (f"band {_number(band.get('width'))} ({parts or 'nothing measured'})"
             + "".join(f"; {note}" for note in band.get("notes") or []))
 
 
-def _served_runs(audit: dict[str, Any]) -> list[dict[str, Any]]:
-    return [run for run in audit.get("runs") or [] if run.get("dtype") == "served" and "noise_band" in run]
+def _served_runs(audit: Audit) -> list[Run]:
+    return [run for run in audit.runs if run.dtype == "served" and run.noise_band is not ABSENT]
 
 
-def served_markdown(audit: dict[str, Any]) -> list[str]:
+def served_markdown(audit: Audit) -> list[str]:
     """`report.md`'s section; nothing for an audit without a served reference."""
-    reference = audit.get("reference")
+    reference = audit.reference
     if not reference:
         return []
     lines = ["## The served reference", "", f"`{reference.get('engine')}`, asked {reference.get('asked', '?')}; no "
@@ -49,13 +55,13 @@ def served_markdown(audit: dict[str, Any]) -> list[str]:
     if reference.get("determinism"):
         lines += [determinism_line(reference), ""]
     for run in _served_runs(audit):
-        lines.append(f"- {run['engine']}, {run['batch_size']} in flight: {band_line(run)}")
+        lines.append(f"- {run.engine}, {run.batch_size} in flight: {band_line(run)}")
     return lines + [""]
 
 
-def served_html(audit: dict[str, Any]) -> str:
+def served_html(audit: Audit) -> str:
     """`report.html`'s section; "" for an audit without a served reference."""
-    reference = audit.get("reference")
+    reference = audit.reference
     if not reference:
         return ""
     parts = [f"<h2>The served reference</h2><p><code>{escape(str(reference.get('engine')))}</code>, asked "
@@ -72,7 +78,7 @@ def served_html(audit: dict[str, Any]) -> str:
                      f"<th>s per request</th></tr></thead><tbody>{rows}</tbody></table>")
     if reference.get("determinism"):
         parts.append(f"<p>{escape(determinism_line(reference))}</p>")
-    bands = "".join(f"<li>{escape(str(run['engine']))}, {run['batch_size']} in flight: {escape(band_line(run))}</li>"
+    bands = "".join(f"<li>{escape(str(run.engine))}, {run.batch_size} in flight: {escape(band_line(run))}</li>"
                     for run in _served_runs(audit))
     if bands:
         parts.append(f"<ul>{bands}</ul>")

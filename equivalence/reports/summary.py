@@ -1,14 +1,19 @@
-"""What the human reports say about an audit dict: run status, verdict, ordering and wording of evidence.
+"""What the human reports say about an audit: run status, verdict, ordering and wording of evidence.
 
-Shared by the Markdown and HTML reports, so both tell the same story.
+Shared by the Markdown and HTML reports, so both tell the same story. Every function reads the typed records
+(equivalence/records/); a public entry point also takes the JSON object of `audit.json` and reads it once
+(`serialize.as_audit`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from specaudit.equivalence import speculation
+from specaudit.equivalence.records import ABSENT, Audit, Divergence, Run, StepBatch, given, thaw
+from specaudit.equivalence.records.serialize import as_audit, as_run
 from specaudit.equivalence.rulings.plain import REFERENCE_MISMATCH
 
 STATUS_LABELS = {
@@ -25,12 +30,12 @@ FAILING_STATUSES = ("structural", "not-equivalent")
 
 @dataclass(frozen=True)
 class DivergenceEntry:
-    run: dict[str, Any]
-    divergence: dict[str, Any]
+    run: Run
+    divergence: Divergence
 
     @property
     def kind(self) -> str:
-        kind = self.divergence.get("kind")
+        kind = self.divergence.kind
         return kind if kind in ("structural", REFERENCE_MISMATCH) else "numerical"
 
 
@@ -52,67 +57,73 @@ def format_share(value: float | None) -> str:
     return "—" if value is None else f"{value * 100:.1f}%"
 
 
-def divergence_counts(run: dict[str, Any]) -> dict[str, int]:
+def divergence_counts(run: Run | Mapping[str, Any]) -> dict[str, int]:
     """Divergences by kind: `structural`, `numerical`, and `reference_mismatch` (rulings/plain.py: the
     reference's request processing is not the server's; not the engine's, not judged)."""
     counts = {"structural": 0, "numerical": 0, REFERENCE_MISMATCH: 0}
-    for divergence in run.get("divergences") or []:
-        kind = divergence.get("kind")
+    for divergence in as_run(run).divergences:
+        kind = divergence.kind
         counts[kind if kind in counts else "numerical"] += 1
     return counts
 
 
-def run_status(run: dict[str, Any]) -> str:
+def run_status(run: Run | Mapping[str, Any]) -> str:
     """One of the keys of STATUS_LABELS."""
-    if run.get("error"):
+    run = as_run(run)
+    if run.error:
         return "crashed"
     counts = divergence_counts(run)
     if counts["structural"]:
         return "structural"
     if counts[REFERENCE_MISMATCH]:
         return "reference-mismatch"
-    if run.get("equivalent") is False:
+    if run.equivalent is False:
         return "not-equivalent"
     if counts["numerical"]:
         return "numerical"
-    if run.get("exact_matches") is not None and run.get("exact_matches") == run.get("num_prompts"):
+    if run.greedy and run.exact_matches == run.num_prompts:  # a sampled run compares no token exactly
         return "exact"
     return "equivalent"
 
 
-def run_title(run: dict[str, Any]) -> str:
-    return (f"{run.get('engine', '?')} · {run.get('pair', '?')} · batch {run.get('batch_size', '?')}"
-            f" · {run.get('dtype', '?')}")
+def run_title(run: Run) -> str:
+    return f"{run.engine} · {run.pair} · batch {run.batch_size} · {run.dtype}"
 
 
-def logit_error_text(run: dict[str, Any]) -> str:
-    error, tolerance = run.get("max_logit_error"), run.get("logit_tolerance")
-    if error is None or run.get("error"):
+def logit_error_text(run: Run) -> str:
+    error, tolerance = run.max_logit_error, run.logit_tolerance
+    if error is None or run.error:
         return "—"
     if tolerance is not None and error > tolerance:
         return f"{format_number(error)} > {format_number(tolerance)}"
     return format_number(error)
 
 
-def acceptance_rate(run: dict[str, Any]) -> float | None:
+def _overall(run: Run) -> Mapping[str, Any]:
+    """The overall observed and expected rates of the run's acceptance record ({} without one)."""
+    return (run.acceptance or {}).get("overall") or {}
+
+
+def acceptance_rate(run: Run) -> float | None:
     """The run's observed acceptance, accepted tokens / drafted tokens (the one definition:
     equivalence/acceptance/findings.py `DEFINITION`), from its acceptance record, else its counters."""
-    observed = ((run.get("acceptance") or {}).get("overall") or {}).get("observed_rate")
+    observed = _overall(run).get("observed_rate")
     if observed is not None:
         return observed
-    return (run.get("speculation") or {}).get("acceptance_rate", (run.get("trace") or {}).get("acceptance_rate"))
+    return (run.speculation or {}).get("acceptance_rate", (run.trace or {}).get("acceptance_rate"))
 
 
-def expected_acceptance_rate(run: dict[str, Any]) -> float | None:
+def expected_acceptance_rate(run: Run) -> float | None:
     """What the proposer reaches along the run's outputs (equivalence/acceptance/expected.py), or None."""
-    return ((run.get("acceptance") or {}).get("overall") or {}).get("expected_rate")
+    return _overall(run).get("expected_rate")
 
 
-def verdict(audit: dict[str, Any]) -> tuple[str, str]:
+def verdict(audit: Audit | Mapping[str, Any]) -> tuple[str, str]:
     """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty". A run whose
     engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`).
     Sampled runs (reports/sampled.py) add their own verdict; an audit of sampled runs alone has theirs.
     `--require-acceptance` adds the runs it fails, short or never compared (equivalence/gates.py)."""
+    audit = as_audit(audit)
     status, sentence = _judged_verdict(audit)
     gated = _acceptance_gate_sentence(audit)
     if gated and status != "empty":
@@ -120,7 +131,7 @@ def verdict(audit: dict[str, Any]) -> tuple[str, str]:
     return status, sentence
 
 
-def _acceptance_gate_sentence(audit: dict[str, Any]) -> str:
+def _acceptance_gate_sentence(audit: Audit) -> str:
     """What `--require-acceptance R` failed: the runs short of R x expected, and each reason it could not be
     applied with its runs; "" when it failed none."""
     from specaudit.equivalence.gates import ACCEPTANCE, gate_failures
@@ -128,30 +139,30 @@ def _acceptance_gate_sentence(audit: dict[str, Any]) -> str:
     failures = [f for f in gate_failures(audit) if f.gate == ACCEPTANCE]
     if not failures:
         return ""
-    ratio = (audit.get("config") or {}).get("require_acceptance")
+    ratio = audit.config.get("require_acceptance")
     short = [label for f in failures if f.applied for label in f.runs]
     parts = [f"acceptance short of {ratio:g} x expected in {len(short)} run(s) ({', '.join(short)})"] if short else []
     parts += [f.message for f in failures if not f.applied]
     return "; ".join(parts) + ": --require-acceptance fails the audit."
 
 
-def _judged_verdict(audit: dict[str, Any]) -> tuple[str, str]:
+def _judged_verdict(audit: Audit) -> tuple[str, str]:
     from specaudit.equivalence.reports.sampled import greedy_view, sampled_runs, sampled_verdict
 
     if not sampled_runs(audit):
         return _greedy_verdict(audit)
     sampled_status, sampled_sentence = sampled_verdict(audit)
     greedy = greedy_view(audit)
-    if not greedy["runs"]:
+    if not greedy.runs:
         return sampled_status, sampled_sentence
     status, sentence = _greedy_verdict(greedy)
     return ("fail" if sampled_status == "fail" else status), f"{sentence} Sampled runs: {sampled_sentence}."
 
 
-def _greedy_verdict(audit: dict[str, Any]) -> tuple[str, str]:
+def _greedy_verdict(audit: Audit) -> tuple[str, str]:
     status, sentence = _equivalence_verdict(audit)
-    runs = audit.get("runs") or []
-    required = bool((audit.get("config") or {}).get("require_speculation"))
+    runs = audit.runs
+    required = bool(audit.config.get("require_speculation"))
     note = speculation.audit_note(runs, required)
     if not note:
         return status, sentence
@@ -161,8 +172,8 @@ def _greedy_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     return status, sentence + note + ": those runs prove nothing about speculation."
 
 
-def _equivalence_verdict(audit: dict[str, Any]) -> tuple[str, str]:
-    runs = audit.get("runs") or []
+def _equivalence_verdict(audit: Audit) -> tuple[str, str]:
+    runs = audit.runs
     if not runs:
         return "empty", "NO RUNS: the audit recorded no runs."
     statuses = [run_status(run) for run in runs]
@@ -170,7 +181,7 @@ def _equivalence_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     crashed = statuses.count("crashed")
     crash_note = f" {crashed} run{'s' if crashed != 1 else ''} crashed." if crashed else ""
     if failing:
-        engines = ", ".join(dict.fromkeys(str(run.get("engine", "?")) for run in failing))
+        engines = ", ".join(dict.fromkeys(str(run.engine) for run in failing))
         structural = sum(divergence_counts(run)["structural"] for run in failing)
         found = (f"{structural} structural divergence{'s' if structural != 1 else ''}" if structural
                  else "no divergence attributed")
@@ -193,19 +204,19 @@ def _equivalence_verdict(audit: dict[str, Any]) -> tuple[str, str]:
     return "pass", f"EQUIVALENT: every token of all {len(runs)} runs matches the reference decoder."
 
 
-def ordered_divergences(audit: dict[str, Any]) -> list[DivergenceEntry]:
+def ordered_divergences(audit: Audit) -> list[DivergenceEntry]:
     """Structural divergences first, then numerical ones; each in run order, then prompt and position."""
     entries = [DivergenceEntry(run, divergence)
-               for run in audit.get("runs") or [] if not run.get("error")
-               for divergence in run.get("divergences") or []]
-    run_order = {id(run): index for index, run in enumerate(audit.get("runs") or [])}
+               for run in audit.runs if not run.error
+               for divergence in run.divergences]
+    run_order = {id(run): index for index, run in enumerate(audit.runs)}
     return sorted(entries, key=lambda entry: (entry.kind != "structural", run_order[id(entry.run)],
-                                              entry.divergence.get("prompt_index") or 0,
-                                              entry.divergence.get("position") or 0))
+                                              entry.divergence.prompt_index or 0,
+                                              entry.divergence.position or 0))
 
 
-def machine_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
-    machine = audit.get("machine") or {}
+def machine_summary(audit: Audit) -> list[tuple[str, str]]:
+    machine = audit.machine
     device = str(machine.get("device") or "?")
     if machine.get("device_name"):
         device += f" ({machine['device_name']})"
@@ -216,12 +227,12 @@ def machine_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
     return [(name, str(value)) for name, value in rows if value not in (None, "")]
 
 
-def config_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
-    config = audit.get("config") or {}
+def config_summary(audit: Audit) -> list[tuple[str, str]]:
+    config = audit.config
 
     def listed(key: str) -> str | None:
-        values = config.get(key)
-        return ", ".join(str(value) for value in values) if values else None
+        values = config.get(key)  # a pair may be a mapping (target, draft): shown as the JSON object it is
+        return ", ".join(str(thaw(value)) for value in values) if values else None
 
     prompts = config.get("prompts")
     if prompts is not None and config.get("num_prompts") is not None:
@@ -232,19 +243,19 @@ def config_summary(audit: dict[str, Any]) -> list[tuple[str, str]]:
     return [(name, str(value)) for name, value in rows if value not in (None, "")]
 
 
-def eos_summary(audit: dict[str, Any]) -> str | None:
+def eos_summary(audit: Audit) -> str | None:
     """The EOS ids the audit stopped at: "258, 157", or "the pair's own (258, 157)" with the sets the runs
     resolved, or "none (never stop early)"."""
-    config = audit.get("config") or {}
+    config = audit.config
     if "eos_token_id" not in config:
         return None
     eos = config["eos_token_id"]
     if eos is None:
         return "none (never stop early)"
     if eos != "pair":
-        return ", ".join(str(i) for i in eos) if isinstance(eos, list) else str(eos)
-    sets = list(dict.fromkeys(tuple(run["eos_token_ids"]) for run in audit.get("runs") or []
-                              if isinstance(run.get("eos_token_ids"), list)))
+        return ", ".join(str(i) for i in eos) if isinstance(eos, (list, tuple)) else str(eos)
+    sets = list(dict.fromkeys(tuple(run.eos_token_ids) for run in audit.runs
+                              if isinstance(run.eos_token_ids, tuple)))
     resolved = "; ".join(", ".join(str(i) for i in ids) or "none" for ids in sets)
     return f"the pair's own ({resolved})" if resolved else "the pair's own"
 
@@ -253,20 +264,19 @@ def rows_count(rows: int) -> str:
     return f"{rows} row" if rows == 1 else f"{rows} rows"
 
 
-def batch_description(batch: dict[str, Any] | None, prompt_index: int | None) -> str:
+def batch_description(batch: StepBatch | None, prompt_index: int | None) -> str:
     if not batch:
         return "not traced"
-    rows = batch.get("rows") or []
-    pads = batch.get("pad_lengths") or []
+    rows, pads = batch.rows, batch.pad_lengths
     described = []
     for position, row in enumerate(rows):
         pad = f" pad {pads[position]}" if position < len(pads) else ""
         marker = " ◀" if row == prompt_index else ""
         described.append(f"prompt {row}{pad}{marker}")
-    return f"{batch.get('kind', '?')} step, {rows_count(len(rows))}: " + ", ".join(described)
+    return f"{batch.kind} step, {rows_count(len(rows))}: " + ", ".join(described)
 
 
-def replay_description(evidence: dict[str, Any]) -> str:
+def replay_description(evidence: Mapping[str, Any]) -> str:
     margin = evidence.get("replay_float64_margin")
     top2 = evidence.get("replay_float64_top2")
     if margin is None and not top2:
@@ -277,9 +287,9 @@ def replay_description(evidence: dict[str, Any]) -> str:
     return text
 
 
-def margin_description(divergence: dict[str, Any]) -> str:
-    margin = divergence.get("margin")
-    noise = (divergence.get("evidence") or {}).get("dtype_noise")
+def margin_description(divergence: Divergence) -> str:
+    margin = given(divergence.margin)
+    noise = divergence.evidence.get("dtype_noise")
     text = format_number(margin)
     if margin is not None and noise is not None:
         relation = "within" if margin <= noise else "above"
@@ -303,10 +313,11 @@ def visible_text(text: str) -> str:
     return "".join(shown)
 
 
-def split_ids(divergence: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
-    context = divergence.get("context") or {}
-    return (list(context.get("common") or []), list(context.get("reference") or []),
-            list(context.get("engine") or []))
+def split_ids(divergence: Divergence) -> tuple[list[int], list[int], list[int]]:
+    context = divergence.context
+    if not context:
+        return [], [], []
+    return list(context.common), list(context.reference), list(context.engine)
 
 
 TERMINAL_NAME_WIDTH = 40  # engine and pair names longer than this are elided in the middle
@@ -332,68 +343,69 @@ def text_table(header: list[str], rows: list[list[str]], right_aligned: set[int]
     return "\n".join(line(cells) for cells in [header, *rows])
 
 
-def summary_table(audit: dict[str, Any]) -> str:
+def summary_table(audit: Audit | Mapping[str, Any]) -> str:
     """The terminal table: one line per run, every column apart however long its names; then, per run whose
     speculation counters say more than the table's drafted/accepted column (nothing drafted, not measured,
     preemptions), one line naming the run and what they showed."""
     from specaudit.equivalence.reports.sampled import greedy_view, summary_lines
     from specaudit.equivalence.reports.served import determinism_line
 
-    reference = audit.get("reference") or {}
+    audit = as_audit(audit)
+    reference = audit.reference or {}
     served = ([f"reference {reference.get('engine')} ({reference.get('asked', '?')}): "
                + determinism_line(reference)[0].lower() + determinism_line(reference)[1:]]
               if reference.get("determinism") else [])
     sampled = served + summary_lines(audit)
     audit = greedy_view(audit)
-    if sampled and not audit["runs"]:
+    if sampled and not audit.runs:
         return "\n".join(sampled)
     rows = []
-    for run in audit["runs"]:
-        err = run.get("max_logit_error")
-        status = "ERROR" if run.get("error") else ("ok" if run.get("equivalent") else "DIVERGES")
-        if run.get("reference_mismatches") and not run.get("error") and run.get("equivalent"):
-            status = f"NOT JUDGED: {run['reference_mismatches']} reference mismatch(es)"
-        if not run.get("error") and speculation.observed(run.get("speculation")) is False:
+    for run in audit.runs:
+        err = run.max_logit_error
+        status = "ERROR" if run.error else ("ok" if run.equivalent else "DIVERGES")
+        if run.reference_mismatches and not run.error and run.equivalent:
+            status = f"NOT JUDGED: {run.reference_mismatches} reference mismatch(es)"
+        if not run.error and speculation.observed(run.speculation) is False:
             status += " (speculation not observed)"
-        if run.get("failures"):
-            status += f", {len(run['failures'])} prompt(s) FAILED"
-        rows.append([elide_middle(str(run["engine"]), TERMINAL_NAME_WIDTH),
-                     elide_middle(str(run["pair"]), TERMINAL_NAME_WIDTH), str(run["batch_size"]), str(run["dtype"]),
-                     f"{run['exact_matches']}/{run['num_prompts']}", "%.2e" % err if err is not None else "-",
-                     str(run.get("structural_divergences", 0)), str(run.get("numerical_divergences", 0)),
-                     speculation.cell(run.get("speculation")), status])
+        if run.failures:
+            status += f", {len(run.failures)} prompt(s) FAILED"
+        rows.append([elide_middle(str(run.engine), TERMINAL_NAME_WIDTH),
+                     elide_middle(str(run.pair), TERMINAL_NAME_WIDTH), str(run.batch_size), str(run.dtype),
+                     f"{run.exact_matches}/{run.num_prompts}", "%.2e" % err if err is not None else "-",
+                     str(run.structural_divergences), str(run.numerical_divergences),
+                     speculation.cell(run.speculation), status])
     header = ["engine", "pair", "B", "dtype", "exact", "max logit err", "struct", "numer", "drafted/accepted", "status"]
     lines = [text_table(header, rows, right_aligned={2, 4, 5, 6, 7, 8})]
-    for run in audit["runs"]:
-        if not run.get("error") and "speculation" in run and speculation.adds_to_cell(run.get("speculation")):
+    for run in audit.runs:
+        if not run.error and run.speculation is not ABSENT and speculation.adds_to_cell(run.speculation):
             lines.append(f"{_run_name(run)}: {speculation.verdict(run)}")
     for run, sentence, _ in three_way_runs(audit):
         lines.append(f"{_run_name(run)}: {sentence}")
     return "\n".join(served + lines + sampled[len(served):])
 
 
-def _run_name(run: dict[str, Any]) -> str:
+def _run_name(run: Run) -> str:
     """A run on one terminal line: engine, pair, batch size and dtype."""
-    return f"{run['engine']} {run.get('pair', '?')} B={run['batch_size']} {run['dtype']}"
+    return f"{run.engine} {run.pair} B={run.batch_size} {run.dtype}"
 
 
-def speculation_lines(audit: dict[str, Any]) -> list[tuple[str, str, str]]:
+def speculation_lines(audit: Audit) -> list[tuple[str, str, str]]:
     """(run title, verdict, source) for every finished run that carries speculation evidence."""
-    return [(run_title(run), speculation.verdict(run), (run.get("speculation") or {}).get("source") or "—")
-            for run in audit.get("runs") or [] if not run.get("error") and "speculation" in run]
+    return [(run_title(run), speculation.verdict(run), (run.speculation or {}).get("source") or "—")
+            for run in audit.runs if not run.error and run.speculation is not ABSENT]
 
 
 THREE_WAY_HEADER = ["prompt", "position", "reference", "speculative", "plain", "plain diverges first at", "kind",
                     "ruled by"]
 
 
-def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, list[list[str]]]]:
+def three_way_runs(audit: Audit) -> list[tuple[Run, str, list[list[str]]]]:
     """For every finished run audited beside a plain engine: (run, a sentence, the table rows of its
     divergences: the reference's, the speculative run's and the plain run's token at the split)."""
     result = []
-    for run in audit.get("runs") or []:
-        plain = run.get("plain_engine")
-        if run.get("error") or not plain:
+    for run in audit.runs:
+        plain = run.plain_engine  # an open-ended bag: the plain run's summary (rulings/plain.py)
+        if run.error or not plain:
             continue
         if plain.get("error"):
             sentence = plain["error"]
@@ -408,13 +420,13 @@ def three_way_runs(audit: dict[str, Any]) -> list[tuple[dict[str, Any], str, lis
                              "the reference's grammar forbids: reference mismatches (the server's grammar is not the "
                              "reference's)")
             if plain.get("speculation") is not None:
-                sentence += f"; plain run's counters: {speculation.verdict({'speculation': plain['speculation']})}"
-        rows = [[str(d.get("prompt_index")), str(d.get("position")), format_token(d.get("reference_token")),
-                 format_token(d.get("engine_token")), format_token(d.get("plain_token")) if "plain_token" in d else "—",
-                 format_number(d.get("plain_first_divergence")) if d.get("plain_first_divergence") is not None
-                 else ("equal to the reference" if "plain_token" in d else "—"),
-                 str(d.get("kind")), str(d.get("decided_by") or "—")]
-                for d in run.get("divergences") or [] if d.get("detected_by", "tokens") == "tokens"]
+                sentence += f"; plain run's counters: {speculation.phrase(plain['speculation'])}"
+        rows = [[str(d.prompt_index), str(d.position), format_token(d.reference_token),
+                 format_token(d.engine_token), format_token(d.plain_token) if d.plain_token is not ABSENT else "—",
+                 format_number(d.plain_first_divergence) if given(d.plain_first_divergence) is not None
+                 else ("equal to the reference" if d.plain_token is not ABSENT else "—"),
+                 str(d.kind), str(given(d.decided_by) or "—")]
+                for d in run.divergences if d.detected_by == "tokens"]
         result.append((run, sentence, rows))
     return result
 
@@ -427,14 +439,14 @@ TIMING_HEADER = ["run", "engine s", "reference s (shared)", "controls s", "plain
                  "re-runs s", "observation s", "diagnosis"]
 
 
-def timing_rows(audit: dict[str, Any]) -> list[list[str]]:
+def timing_rows(audit: Audit) -> list[list[str]]:
     """Where each finished run's time went: the engine's run, the reference (computed once per pair and dtype),
     the rulings' float64 and same-dtype replays, the plain control's run (once per batch composition), and
     the diagnosis's replays, re-runs and hooked re-runs (observation; its total, mode in brackets)."""
     rows = []
-    for run in audit.get("runs") or []:
-        timing = run.get("timing")
-        if run.get("error") or not timing:
+    for run in audit.runs:
+        timing = run.timing  # an open-ended bag: seconds per stage, and diagnosis_mode
+        if run.error or not timing:
             continue
 
         def seconds(key: str) -> str:
@@ -447,23 +459,24 @@ def timing_rows(audit: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def ruling_text(kind: str, divergence: dict[str, Any]) -> str:
+def ruling_text(kind: str, divergence: Divergence) -> str:
     """`why structural (decided by float64-replay)`: the ruling's label with what decided it."""
-    decided = divergence.get("decided_by") or (divergence.get("evidence") or {}).get("decided_by")
+    decided = given(divergence.decided_by) or divergence.evidence.get("decided_by")
     return f"why {kind}" + (f" (decided by {decided})" if decided else "")
 
 
-def verdict_line(audit: dict[str, Any]) -> str:
+def verdict_line(audit: Audit | Mapping[str, Any]) -> str:
     """The terminal's last line, for every composition: whether every audited engine passed, and what the
     engines' speculation counters add."""
     from specaudit.equivalence.run_record import all_passed
 
-    runs = audit.get("runs") or []
-    failed = [run for run in runs if run.get("error")]
-    required = bool((audit.get("config") or {}).get("require_speculation"))
+    audit = as_audit(audit)
+    runs = audit.runs
+    failed = [run for run in runs if run.error]
+    required = bool(audit.config.get("require_speculation"))
     unseen = speculation.audit_note(runs, required)
     gated = ""
-    ratio = (audit.get("config") or {}).get("require_acceptance")
+    ratio = audit.config.get("require_acceptance")
     if ratio is not None:
         from specaudit.equivalence.acceptance.findings import unmet
         from specaudit.equivalence.gates import ACCEPTANCE, gate_failures
@@ -474,7 +487,7 @@ def verdict_line(audit: dict[str, Any]) -> str:
         not_applied = sum(len(f.runs) for f in gate_failures(audit) if f.gate == ACCEPTANCE and not f.applied)
         if not_applied:
             gated += f"; --require-acceptance {ratio:g} not applied to {not_applied} run(s) (exit 1)"
-    mismatched = sum(int(run.get("reference_mismatches") or 0) for run in runs)
+    mismatched = sum(int(given(run.reference_mismatches) or 0) for run in runs)
     if mismatched and all_passed(audit):
         return (f"verdict: NOT shown equivalent: {mismatched} divergence(s) are the reference's, not the engine's "
                 "(the plain engine makes them too: the server's grammar is not the reference's)"
