@@ -68,3 +68,15 @@ def test_request_parameters_taken_and_sampled_through() -> None:
     assert takes_request_params("eqspec") and takes_request_params("eqspec", sampled=True)
     assert not takes_request_params("no.such.module:Engine")
     assert not takes_request_params("no.such.module:Engine", sampled=True)
+
+
+def test_a_served_divergence_has_the_one_context_window() -> None:
+    # the same window as an in-process divergence: 16 tokens of the output before it, 16 of each side
+    reference = list(range(100, 140))
+    output = reference[:20] + list(range(200, 220))
+    ruling = served.rule(0, [1, 2], reference, output, eos_token_id=None, reference_lps=None,
+                         band=served.ServedBand(0.0))
+    assert isinstance(ruling, Divergence) and ruling.position == 20
+    assert ruling.context.common == tuple(reference[4:20])
+    assert ruling.context.reference == tuple(reference[20:36]) and ruling.context.engine == tuple(output[20:36])
+    assert ruling.diagnosis_class == "unknown" and ruling.diagnosis.needs_weights
