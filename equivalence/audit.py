@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,9 @@ from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable
 from specaudit.equivalence.compare import compare_tokens, logit_error, replay_logits
 from specaudit.equivalence.rulings.thresholds import LOGIT_TOLERANCE
 from specaudit.equivalence.rulings import DraftPrecision, Ruler, departure_floor
-from specaudit.equivalence.rulings.record import Divergence, PromptOutputs
+from specaudit.equivalence.records import ABSENT, Diagnosis, Divergence
+from specaudit.equivalence.records.serialize import divergence_to_json
+from specaudit.equivalence.rulings.record import PromptOutputs
 from specaudit.equivalence.run_context import Reruns, RunContext
 from specaudit.equivalence.run_record import equivalent, run_record
 from specaudit.engines.contract import capability, declares
@@ -233,24 +235,21 @@ def audit_engine(
                                            eos_token_id, run.failed, max_new_tokens)
         judged = Ruled(ruled.prompt_records, ruled.divergences, None)
     # 3. the plain run: a configured plain engine, or the plain control made only when a flip needs it
-    plain = context.plain(any(d["kind"] == "structural" for d in judged.divergences), band is not None,
-                          requests=requests)
+    plain = context.plain(any(d.structural for d in judged.divergences), band is not None, requests=requests)
     plain_outputs = plain.get("outputs") if plain is not None else None
     if plain_outputs is not None and requests is not None:
-        requests_run.rule_against_plain(judged.divergences, plain_outputs, run.outputs, reference, requests,
-                                        eos_token_id, run.failed | set(refused))
+        judged.divergences = requests_run.rule_against_plain(judged.divergences, plain_outputs, run.outputs, reference,
+                                                             requests, eos_token_id, run.failed | set(refused))
     elif plain_outputs is not None:  # three-way rulings: reference, plain run (the plain control), speculative run
-        for divergence in judged.divergences:
-            index = divergence["prompt_index"]
-            rulings.plain_rule(divergence, divergence.get("continued_reference", reference.outputs[index]),
-                               plain_outputs[index])
+        judged.divergences = [rulings.plain_rule(d, list(judged_against(d, reference.outputs)),
+                                                 plain_outputs[d.prompt_index]) for d in judged.divergences]
     # 4. the draft's own proposals against the draft model's choices
     if requests is None:  # under request parameters a constraint masks the proposals
         judged.divergences += draft_findings(run, pair, prompts, judged.divergences, dtype, replay_draft)
     # 5. name the cause of every structural divergence
     diagnosed_at = time.perf_counter()
     diagnoser = None
-    if diagnosis != "off" and any(d["kind"] == "structural" for d in judged.divergences):
+    if diagnosis != "off" and any(d.structural for d in judged.divergences):
         below = dtype != "float64"
         facts = RunFacts(
             prompts=[list(p) for p in prompts], references=[list(r) for r in reference.outputs], outputs=run.outputs,
@@ -308,34 +307,39 @@ def audit_engine(
             if not capability(engine, "black_box") or context.plain_engine else
             {"plain_engine": None, "error": "a server or recording needs --plain-engine beside it"})
         timing["payoff"] = time.perf_counter() - payoff_started
-    # 7. the run record
+    # 7. the run record, its divergences serialized once (records/serialize.py), each naming its repro bundle
     divergences = judged.divergences
-    structural = sum(d["kind"] == "structural" for d in divergences)
+    structural = sum(d.structural for d in divergences)
     describe = capability(engine, "describe")
-    record = run_record(
+    description = describe() if callable(describe) else None
+    noise_band = band.to_dict() if band is not None else None
+    if bundle_dir is not None and divergences:
+        from specaudit.equivalence.blackbox.bundles import BundleRun, write_bundles
+
+        divergences = write_bundles(
+            bundle_dir, BundleRun(engine=settings.engine_name, pair=pair.name, dtype=dtype,
+                                  device=settings.device or str(pair.target.device), batch_size=batch_size,
+                                  engine_description=description, noise_band=noise_band),
+            divergences, prompts, reference.outputs, run.outputs, run.logprobs, max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id)
+    written = [divergence_to_json(d) for d in divergences]
+    return run_record(
         engine=settings.engine_name, pair=pair.name, batch_size=batch_size, dtype=dtype,
         device=settings.device or str(pair.target.device), num_prompts=len(prompts),
-        exact_matches=judged.exact_matches, equivalent=equivalent(divergences, sorted(run.failed)),
+        exact_matches=judged.exact_matches, equivalent=equivalent(written, sorted(run.failed)),
         structural_divergences=structural, numerical_divergences=len(divergences) - structural,
         max_logit_error=judged.worst_error, logit_tolerance=LOGIT_TOLERANCE.get(dtype), seconds=run.seconds,
         tokens_generated=sum(len(o) for o in run.outputs), trace=trace_summary(run.trace),
-        prompts=judged.prompts, divergences=divergences,
-        noise_band=band.to_dict() if band is not None else None, speculation=evidence,
+        prompts=judged.prompts, divergences=written, noise_band=noise_band, speculation=evidence,
         speculation_observed=speculation.observed(evidence), acceptance=acceptance,
         plain_engine=None if plain is None else rulings.plain_summary(
             plain["engine"], reference.outputs, plain_outputs, run.outputs, divergences,
             plain.get("description"), plain.get("speculation"), plain.get("error")),
-        engine_description=describe() if callable(describe) else None,
+        engine_description=description,
         failures=run.isolation.failures if run.isolation is not None else [],
         isolation=None if run.isolation is None else {"reruns": run.isolation.reruns, "notes": run.isolation.notes},
         timing=timing,
         **({} if requests is None else requests_run.request_fields(engine, requests, refused, divergences)))
-    if bundle_dir is not None and divergences:
-        from specaudit.equivalence.blackbox.bundles import write_bundles
-
-        write_bundles(bundle_dir, record, prompts, reference.outputs, run.outputs, run.logprobs,
-                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-    return record
 
 
 @dataclass
@@ -445,11 +449,11 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
             # what it chooses from there, so a bug that shows after a rounding flip is still seen
             along = None  # [n + 1, V] audit-dtype logits after each prefix of the engine's output
             for _ in range(MAX_CONTINUATIONS):
-                if record["kind"] != "numerical" or record["engine_token"] is None:
+                if record.kind != "numerical" or record.engine_token is None:
                     break
                 if along is None:
                     along = replay_logits(pair.target, prompt, eng_out + [0])
-                continued = next_difference(along.argmax(-1).tolist(), eng_out, int(record["position"]),
+                continued = next_difference(along.argmax(-1).tolist(), eng_out, int(record.position),  # type: ignore[arg-type]
                                             max_new_tokens, eos_token_id)
                 if continued is None:
                     break
@@ -459,7 +463,7 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
                     position, ruler, logit_error_value=comparison.max_logit_error, band=band,
                     engine_entry=reported(index, position), same_dtype=along[position] if position < along.shape[0] else None)
                 # judged against a correct decoder from the engine's prefix after the flip at `continued_after`
-                record["continued_after"], record["continued_reference"] = continued.after, continued.tokens
+                record = replace(record, continued_after=continued.after, continued_reference=tuple(continued.tokens))
                 judged.divergences.append(record)
         elif tolerance is not None and comparison.max_logit_error is not None and comparison.max_logit_error > tolerance:
             judged.divergences.append(rulings.divergence(
@@ -470,15 +474,15 @@ def compare_and_rule(run: EngineRun, pair: ModelPair, prompts: list[list[int]], 
     return judged
 
 
-def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], divergences: list[dict[str, Any]],
-                   dtype: str, replay_draft: PreTrainedModel | None) -> list[dict[str, Any]]:
+def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], divergences: list[Divergence],
+                   dtype: str, replay_draft: PreTrainedModel | None) -> list[Divergence]:
     """Stage 4: for an engine whose proposals come from the draft model, each row's first proposal the draft
     would not have made (rows that diverged left out); below float64 a proposal within the draft's precision
     of its float64 choice passes."""
     trace = run.trace
     if trace is None or not trace.proposals_from_draft_model or pair.draft is None:
         return []
-    diverged = {d["prompt_index"] for d in divergences}
+    diverged = {d.prompt_index for d in divergences}
     draft, accept = pair.draft, None
     if dtype != "float64":  # the float64 draft chooses; a proposal within the precision's reach passes
         draft = replay_draft if replay_draft is not None else float64_copy(pair.draft)
@@ -494,17 +498,24 @@ def draft_findings(run: EngineRun, pair: ModelPair, prompts: list[list[int]], di
     return [draft_divergence(index, mismatch, trace) for index, mismatch in sorted(mismatches.items())]
 
 
+def judged_against(divergence: Divergence, references: list[list[int]]) -> tuple[int, ...] | list[int]:
+    """The output `divergence` was judged against: a correct decoder's past a numerical flip, else the
+    reference's."""
+    if divergence.continued_reference is not ABSENT:
+        return divergence.continued_reference
+    return references[divergence.prompt_index]
+
+
 def unnamed(divergence: Divergence) -> bool:
     """A structural divergence whose cause no ruling named yet (a request parameter's check names its own)."""
-    named = (divergence.get("diagnosis") or {}).get("class")
-    return divergence["kind"] == "structural" and named in (None, "unknown")
+    return divergence.structural and divergence.diagnosis_class in (None, "unknown")
 
 
-def seen_input(diagnosis: dict[str, Any]) -> bool:
+def seen_input(diagnosis: Diagnosis) -> bool:
     """A wrong input the watched run was seen feeding and a replay (or the state's re-run) confirmed: the cause,
     before a class named from outputs alone (a processor replay whose token the wrong input chose by chance)."""
-    named_by = str(diagnosis.get("named_by") or "")
-    return diagnosis.get("class") in INPUT_CLASSES and (
+    named_by = str(diagnosis.named_by or "")
+    return diagnosis.cls in INPUT_CLASSES and (
         named_by in ("a reproducing replay", "the observed inputs") or named_by.startswith(OBSERVED_STATE))
 
 
@@ -514,27 +525,31 @@ def diagnose(judged: Ruled, facts: RunFacts) -> Diagnoser:
     in-process engine fed the target (`facts.observe_inputs`; equivalence/diagnosis/observe.py). Each divergence
     judged past a numerical flip is diagnosed against the reference it was judged by, decoded on to the end of the
     budget. A class a request parameter's check named from outputs stands unless the watched run shows a wrong
-    input behind the token (`seen_input`)."""
+    input behind the token (`seen_input`). `judged.divergences` become the diagnosed ones."""
     diagnoser = Diagnoser(facts)
     originals = diagnoser.references
+    diagnosed: list[Divergence] = []
     for divergence in judged.divergences:
-        named = divergence["kind"] == "structural" and not unnamed(divergence)
+        named = divergence.structural and not unnamed(divergence)
         if not unnamed(divergence) and not (named and facts.watch is not None):
+            diagnosed.append(divergence)
             continue
-        index = divergence["prompt_index"]
-        if "continued_reference" in divergence:
-            head = divergence["continued_reference"]
+        index = divergence.prompt_index
+        if divergence.continued_reference is not ABSENT:
+            head = list(divergence.continued_reference)
             left = facts.max_new_tokens - len(head)
             whole = head if left <= 0 or not head or head[-1] in eos_ids(facts.eos_token_id) else head + greedy_decode(
                 facts.target, list(facts.prompts[index]) + head, left, facts.eos_token_id)[0]
             diagnoser.references = [whole if i == index else r for i, r in enumerate(originals)]
         found = diagnoser.diagnose(divergence)
         if not named:
-            divergence["diagnosis"] = found
+            divergence = replace(divergence, diagnosis=found)
         elif seen_input(found):  # the output check's class was a symptom of the input seen
-            earlier = divergence["diagnosis"]
-            found["tried"] = [f"{earlier.get('named_by')}: {earlier.get('evidence')}", *found.get("tried", [])]
-            divergence["diagnosis"] = found
+            earlier = divergence.diagnosis
+            assert earlier  # named
+            found = replace(found, tried=(f"{earlier.named_by or None}: {earlier.evidence}", *found.tried))
+            divergence = replace(divergence, diagnosis=found)
+        diagnosed.append(divergence)
         diagnoser.references = originals
-    note_shared_mechanisms(judged.divergences)
+    judged.divergences = note_shared_mechanisms(diagnosed)
     return diagnoser

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specaudit.engines.trace import Trace
+from specaudit.equivalence.records import Divergence
 
 
 @torch.no_grad()
@@ -58,19 +59,17 @@ def first_draft_mismatches(
     return found
 
 
-def draft_divergence(prompt_index: int, mismatch: dict[str, Any], trace: Trace) -> dict[str, Any]:
-    """A divergence record (kind structural, detected by the draft check)."""
-    from specaudit.equivalence.rulings import step_context
+def draft_divergence(prompt_index: int, mismatch: dict[str, Any], trace: Trace) -> Divergence:
+    """A divergence record (kind structural, detected by the draft check), at the step that proposed the token."""
+    from dataclasses import replace
 
-    record: dict[str, Any] = {
-        "prompt_index": prompt_index, "position": mismatch["position"],
-        "reference_token": mismatch["draft_token"], "engine_token": mismatch["proposed_token"],
-        "margin": None, "kind": "structural", "detected_by": "draft", "logit_error": None,
-        "evidence": {"reason": "the engine proposed a token that the draft model, run alone on the same "
-                               "prefix, does not choose: its draft cache is out of step with the row "
-                               "(outputs stay exact; acceptance drops)"},
-        "context": None, "text": None,
-    }
-    record.update(step_context(trace, prompt_index, mismatch["position"]))
-    record["step"] = mismatch["step"]
-    return record
+    from specaudit.equivalence.rulings.record import make_divergence, step_context
+
+    return make_divergence(
+        prompt_index=prompt_index, position=mismatch["position"], reference_token=mismatch["draft_token"],
+        engine_token=mismatch["proposed_token"], margin=None, kind="structural", detected_by="draft",
+        logit_error=None, evidence={"reason": "the engine proposed a token that the draft model, run alone on the same "
+                                              "prefix, does not choose: its draft cache is out of step with the row "
+                                              "(outputs stay exact; acceptance drops)"},
+        context=None, text=None,
+        emitted=replace(step_context(trace, prompt_index, mismatch["position"]), step=mismatch["step"]))

@@ -109,11 +109,14 @@ def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -
 def _diagnose(prompts, references, outputs, index, position, *, pad, eos, run=None):
     from specaudit.equivalence.diagnosis.core import Diagnoser
     from specaudit.equivalence.diagnosis.facts import RunFacts
+    from specaudit.equivalence.records.serialize import diagnosis_to_json
+    from specaudit.equivalence.rulings.record import make_divergence
 
     diagnoser = Diagnoser(RunFacts(prompts=prompts, references=references, outputs=outputs, max_new_tokens=8,
                                    eos_token_id=eos, pad_token_id=pad, run=run))
-    return diagnoser.diagnose({"prompt_index": index, "position": position, "kind": "structural",
-                               "detected_by": "tokens"})
+    found = diagnoser.diagnose(make_divergence(prompt_index=index, position=position, reference_token=None,
+                                               engine_token=None, kind="structural", detected_by="tokens", evidence={}))
+    return diagnosis_to_json(found)
 
 
 def test_a_leading_pad_id_taken_for_padding_still_names_the_output_slice() -> None:

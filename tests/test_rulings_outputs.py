@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from specaudit.engines.registry import takes_request_params
 from specaudit.equivalence.diagnosis import checks
+from specaudit.equivalence.records import Divergence
 from specaudit.equivalence.rulings import served
 from specaudit.equivalence.rulings.outputs import departs_at, first_divergence, other_references_matched, token_at
 
@@ -31,7 +32,7 @@ def test_another_output_departs_alike_only_at_the_same_position_with_the_same_to
     assert not departs_at(reference, reference, 2, 9)  # does not depart at all
 
 
-def _served(index: int, references: list[list[int]], output: list[int]) -> dict | None:
+def _served(index: int, references: list[list[int]], output: list[int]) -> Divergence | None:
     return served.rule(index, [1, 2], references[index], output, eos_token_id=None, reference_lps=None,
                        band=served.ServedBand(0.0), all_references=references)
 
@@ -42,7 +43,7 @@ def test_a_one_token_output_equal_to_another_prompts_reference_is_not_output_ord
     assert other_references_matched(0, references, outputs[0]) == []
     assert checks.output_order(0, references, outputs) is None
     ruling = _served(0, references, outputs[0])
-    assert ruling is not None and ruling["decided_by"] != "output-match" and ruling["class"] != "output_order"
+    assert ruling is not None and ruling.decided_by != "output-match" and ruling.diagnosis_class != "output_order"
 
 
 def test_one_token_past_the_split_is_not_output_order_either() -> None:
@@ -58,7 +59,7 @@ def test_a_two_token_output_that_is_another_prompts_reference_is_output_order_in
     found = checks.output_order(0, references, outputs)
     assert found is not None and found.cls == "output_order" and "prompt 1" in found.evidence
     ruling = _served(0, references, outputs[0])
-    assert ruling is not None and (ruling["decided_by"], ruling["class"]) == ("output-match", "output_order")
+    assert ruling is not None and (ruling.decided_by, ruling.diagnosis_class) == ("output-match", "output_order")
     assert other_references_matched(2, references, outputs[2]) == []  # its own reference
 
 
@@ -67,3 +68,15 @@ def test_request_parameters_taken_and_sampled_through() -> None:
     assert takes_request_params("eqspec") and takes_request_params("eqspec", sampled=True)
     assert not takes_request_params("no.such.module:Engine")
     assert not takes_request_params("no.such.module:Engine", sampled=True)
+
+
+def test_a_served_divergence_has_the_one_context_window() -> None:
+    # the same window as an in-process divergence: 16 tokens of the output before it, 16 of each side
+    reference = list(range(100, 140))
+    output = reference[:20] + list(range(200, 220))
+    ruling = served.rule(0, [1, 2], reference, output, eos_token_id=None, reference_lps=None,
+                         band=served.ServedBand(0.0))
+    assert isinstance(ruling, Divergence) and ruling.position == 20
+    assert ruling.context.common == tuple(reference[4:20])
+    assert ruling.context.reference == tuple(reference[20:36]) and ruling.context.engine == tuple(output[20:36])
+    assert ruling.diagnosis_class == "unknown" and ruling.diagnosis.needs_weights

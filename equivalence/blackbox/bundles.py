@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from specaudit import __version__ as VERSION
+from specaudit.equivalence.records import Divergence
+from specaudit.equivalence.records.serialize import divergence_to_json
 
 BUNDLE_FORMAT = "specaudit-repro-bundle/1"
 
@@ -31,29 +35,42 @@ def _slug(text: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("_")[:60] or "x"
 
 
-def bundle_name(run: dict[str, Any], divergence: dict[str, Any]) -> str:
-    return (f"{_slug(run['engine'])}-{_slug(run['pair'])}-b{run.get('batch_size')}-{run['dtype']}"
-            f"-p{divergence['prompt_index']}-{divergence.get('detected_by', 'tokens')}.json")
+@dataclass(frozen=True)
+class BundleRun:
+    """What a bundle says of the run its divergence came from."""
+
+    engine: str
+    pair: str
+    dtype: str
+    device: str | None
+    batch_size: int | None
+    engine_description: Mapping[str, Any] | None
+    noise_band: Mapping[str, Any] | None  # a black-box run's (rulings.NoiseBand.to_dict), else None
 
 
-def write_bundles(bundle_dir: Path | str, run: dict[str, Any], prompts: list[list[int]],
-                  reference_outputs: list[list[int]], outputs: list[list[int]],
+def bundle_name(run: BundleRun, divergence: Divergence) -> str:
+    return (f"{_slug(run.engine)}-{_slug(run.pair)}-b{run.batch_size}-{run.dtype}"
+            f"-p{divergence.prompt_index}-{divergence.detected_by}.json")
+
+
+def write_bundles(bundle_dir: Path | str, run: BundleRun, divergences: Sequence[Divergence],
+                  prompts: list[list[int]], reference_outputs: list[list[int]], outputs: list[list[int]],
                   engine_logprobs: list[list[dict[int, float]] | None] | None, *,
-                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> list[Path]:
-    """One bundle per divergence of `run`; each divergence record gets its bundle's name."""
+                  max_new_tokens: int, eos_token_id: int | Sequence[int] | None) -> list[Divergence]:
+    """One bundle per divergence of `run`; returns the divergences, each naming its bundle's file."""
     folder = Path(bundle_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    for divergence in run["divergences"]:
-        index = divergence["prompt_index"]
+    named = []
+    for divergence in divergences:
+        index = divergence.prompt_index
         per_token = engine_logprobs[index] if engine_logprobs and index < len(engine_logprobs) else None
         bundle = {
             "format": BUNDLE_FORMAT,
             "specaudit_version": VERSION,
-            "engine": run["engine"],
-            "engine_description": run.get("engine_description"),
-            "pair": run["pair"],
-            "settings": {"dtype": run["dtype"], "device": run.get("device"), "batch_size": run.get("batch_size"),
+            "engine": run.engine,
+            "engine_description": run.engine_description,
+            "pair": run.pair,
+            "settings": {"dtype": run.dtype, "device": run.device, "batch_size": run.batch_size,
                          "max_new_tokens": max_new_tokens, "eos_token_id": eos_token_id},
             "prompt_index": index,
             "prompt_ids": [int(t) for t in prompts[index]],
@@ -61,14 +78,13 @@ def write_bundles(bundle_dir: Path | str, run: dict[str, Any], prompts: list[lis
             "engine_output": [int(t) for t in outputs[index]],
             "engine_logprobs": ([{str(k): v for k, v in entry.items()} for entry in per_token]
                                 if per_token is not None else None),
-            "noise_band": run.get("noise_band"),
-            "divergence": divergence,
+            "noise_band": run.noise_band,
+            "divergence": divergence_to_json(divergence),
         }
         path = folder / bundle_name(run, divergence)
         path.write_text(json.dumps(bundle, indent=1, default=str))
-        divergence["bundle"] = f"{folder.name}/{path.name}"
-        written.append(path)
-    return written
+        named.append(replace(divergence, bundle=f"{folder.name}/{path.name}"))
+    return named
 
 
 class BundleError(ValueError):

@@ -31,6 +31,9 @@ from specaudit.engines.constraints.check import output_bytes, violation
 from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, mask, masks_along
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.reference import RequestResult
+from specaudit.equivalence.records import Divergence
+from specaudit.equivalence.records.serialize import divergence_to_json
+from specaudit.equivalence.rulings.record import finding
 
 CONSTRAINT_CLASSES = ("constraint_violation", "constraint_unmasked", "constraint_mask_offset", "constraint_state")
 CONSTRAINT_FIXES = {
@@ -45,17 +48,8 @@ CONSTRAINT_FIXES = {
 }
 
 
-def _finding(index: int, position: int | None, cls: str, decided_by: str, reason: str, evidence: dict[str, Any],
-             reference_token: int | None = None, engine_token: int | None = None,
-             detected_by: str = "tokens") -> dict[str, Any]:
-    return {"prompt_index": index, "position": position, "reference_token": reference_token,
-            "engine_token": engine_token, "kind": "structural", "decided_by": decided_by,
-            "detected_by": detected_by, "evidence": {"reason": reason, **evidence},
-            "diagnosis": {"class": cls, "evidence": reason, "named_by": decided_by, "tried": []}}
-
-
 def violation_finding(index: int, params: RequestParams, tokens: Sequence[int], stop_ids: Sequence[int],
-                      tokenizer: Any) -> dict[str, Any] | None:
+                      tokenizer: Any) -> Divergence | None:
     """`constraint_violation` when the output's bytes (its `tokens` read through the grammar engine's own
     vocabulary, `output_bytes`) do not satisfy `params.constraint`; None when they do."""
     if params.constraint is None or tokenizer is None:
@@ -64,16 +58,16 @@ def violation_finding(index: int, params: RequestParams, tokens: Sequence[int], 
         data, finished = output_bytes(tokens, tokenizer, stop_ids)
         why = violation(params.constraint, data, finished)
     except ConstraintError as exc:
-        return _finding(index, None, "constraint_violation", "constraint-check", f"cannot check: {exc}", {})
+        return finding(index, None, "constraint_violation", "constraint-check", f"cannot check: {exc}", {})
     if why is None:
         return None
-    return _finding(index, len(tokens) - 1 if tokens else None, "constraint_violation", "constraint-check", why,
+    return finding(index, len(tokens) - 1 if tokens else None, "constraint_violation", "constraint-check", why,
                     {"constraint": params.constraint.describe(), "text": data[-200:].decode("utf-8", errors="replace"),
                      "finished": finished}, detected_by="constraint")
 
 
 def constraint_cause(index: int, params: RequestParams, reference: RequestResult, returned: Sequence[int],
-                     stop_ids: Sequence[int], tokenizer: Any) -> dict[str, Any] | None:
+                     stop_ids: Sequence[int], tokenizer: Any) -> Divergence | None:
     """Which grammar mistake explains the first token that differs from the reference (module table), or
     None (no constraint, the token is one the grammar admits there, or no logits to replay)."""
     if params.constraint is None or reference.allowed is None or reference.logits is None:
@@ -88,7 +82,7 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
     raw = reference.logits[agree].to(torch.float64)  # [V]
     evidence = {"constraint": params.constraint.describe(), "position": agree}
     if int(raw.argmax()) == token:
-        return _finding(index, agree, "constraint_unmasked", "constraint-replay",
+        return finding(index, agree, "constraint_unmasked", "constraint-replay",
                         f"token {token} at position {agree} is one the grammar forbids there, and the argmax of the "
                         "unmasked logits: no grammar mask was applied at that position", evidence, ref[agree], token)
     vocab = raw.shape[0]
@@ -101,11 +95,11 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
         except ConstraintError:
             other = None
         if other is not None and bool(other.any()) and int(mask(raw, other).argmax()) == token:
-            return _finding(index, agree, "constraint_mask_offset", "constraint-replay",
+            return finding(index, agree, "constraint_mask_offset", "constraint-replay",
                             f"token {token} at position {agree} is forbidden by the grammar there, and the argmax "
                             f"under the mask of the position {label} it: the mask was applied one position off",
                             {**evidence, "offset": shift}, ref[agree], token)
-    return _finding(index, agree, "constraint_state", "constraint-replay",
+    return finding(index, agree, "constraint_state", "constraint-replay",
                     f"token {token} at position {agree} is one the grammar forbids after the row's own output, and "
                     "neither the unmasked logits nor a neighbouring position's mask choose it: the grammar state was "
                     "not the output's (rejected draft tokens left in it)", evidence, ref[agree], token)
@@ -123,7 +117,7 @@ def _first_forbidden(params: RequestParams, tokens: Sequence[int], stop_ids: Seq
 def sampled_constraint_findings(samples: Sequence[tuple[Sequence[int], Sequence[int]]],
                                 requests: Sequence[RequestParams], offsets: Sequence[Sequence[int]] | None,
                                 draft_tokens: int | None, stop_ids: Sequence[int], tokenizer: Any,
-                                vocab_size: int) -> dict[str, Any] | None:
+                                vocab_size: int) -> Divergence | None:
     """The sampled audit's structured-output findings (module docstring): per sample its `constraint_violation`
     (`violation_finding`) and its first forbidden token with the marks that place it; the class named for the
     run (None where no token is forbidden). None when no request carries a constraint."""
@@ -164,7 +158,7 @@ def sampled_constraint_findings(samples: Sequence[tuple[Sequence[int], Sequence[
                                                "explained by a bonus or a shifted mask: the grammar state is not the "
                                                "output's (rejected draft tokens left in it)")
     return {"constrained_samples": sum(1 for r in requests if r.constraint is not None),
-            "violations": len(violations), "violation_findings": violations[:10],
+            "violations": len(violations), "violation_findings": [divergence_to_json(v) for v in violations[:10]],
             "forbidden_samples": len(forbidden), "forbidden_tokens": forbidden[:20],
             "class": cls, "reason": reason, "fix": CONSTRAINT_FIXES.get(cls) if cls else None}
 

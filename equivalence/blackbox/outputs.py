@@ -32,7 +32,9 @@ from specaudit.engines.limits import eos_ids
 from specaudit.engines.requests.reference import RequestResult, decode_text, find_stop
 from specaudit.equivalence.blackbox.constraints import CONSTRAINT_CLASSES, CONSTRAINT_FIXES
 from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
+from specaudit.equivalence.records import Divergence
 from specaudit.equivalence.rulings.noise import dtype_noise
+from specaudit.equivalence.rulings.record import finding
 
 REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report",
                    *CONSTRAINT_CLASSES)  # structured outputs: equivalence/blackbox/constraints.py
@@ -53,15 +55,6 @@ REQUEST_FIXES = {
 # servers compute and serialise log-probabilities in float32 at best: the smallest difference a report check
 # takes for a misreport (with the run's noise band on top), in units of float32's noise at the top logit
 FLOAT32 = "float32"
-
-
-def _finding(index: int, position: int | None, cls: str, decided_by: str, reason: str,
-             evidence: dict[str, Any], reference_token: int | None = None, engine_token: int | None = None,
-             detected_by: str = "tokens") -> dict[str, Any]:
-    return {"prompt_index": index, "position": position, "reference_token": reference_token,
-            "engine_token": engine_token, "kind": "structural", "decided_by": decided_by,
-            "detected_by": detected_by, "evidence": {"reason": reason, **evidence},
-            "diagnosis": {"class": cls, "evidence": reason, "named_by": decided_by, "tried": []}}
 
 
 def _stop_ids(params: RequestParams, eos_token_id: Any) -> list[int]:
@@ -105,7 +98,7 @@ def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
 
 def token_cause(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
                 returned: list[int], eos_token_id: Any, tokenizer: Any, penalty_scope: str,
-                band_at: Callable[[float], float], reported_stop: Any = None) -> dict[str, Any] | None:
+                band_at: Callable[[float], float], reported_stop: Any = None) -> Divergence | None:
     """The cause of a token divergence that request parameters explain, or None (left to the noise-band
     ruling). `returned` is the server's token_ids as it returned them; `reported_stop` its stop_reason."""
     ref = reference.tokens
@@ -128,13 +121,13 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
                            f"of the stop strings completed in one step it did not take the earliest")
                 evidence.update(server_stop=reported_stop, server_stop_completed_by=later[0] - 1,
                                 earliest_stop_not_taken=True)
-            return _finding(index, agree, "stop_string", "stop-string-replay", reason, evidence,
+            return finding(index, agree, "stop_string", "stop-string-replay", reason, evidence,
                             None, returned[agree])
         return None  # EOS / length: the usual stop rulings
     if agree == len(returned):  # the server ended where the reference went on
         last = returned[-1] if returned else None
         if last in stop_ids and len(returned) <= params.min_tokens:
-            return _finding(index, agree - 1, "logits_processor", "processor-replay",
+            return finding(index, agree - 1, "logits_processor", "processor-replay",
                             f"the server ended on stop id {last} after {len(returned)} token(s), inside min_tokens "
                             f"= {params.min_tokens}: min_tokens was not applied there", {"processor": "min_tokens"},
                             ref[agree - 1] if agree else None, last)
@@ -143,7 +136,7 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
             if found is None:
                 early = first_stop_completion(tokenizer, returned, RequestParams(stop=params.stop))
                 if early is not None and early[0] == len(returned):
-                    return _finding(index, agree, "stop_string", "stop-string-replay",
+                    return finding(index, agree, "stop_string", "stop-string-replay",
                                     f"the server ended on stop string {early[1]!r} after {len(returned)} token(s), "
                                     f"inside min_tokens = {params.min_tokens} (or outside the new text)",
                                     {"stop": early[1]}, ref[agree], None)
@@ -164,7 +157,7 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
     for name, row in candidates:
         if int(row.argmax()) == engine_token:
             what = "no processor applied (the raw logits' argmax)" if name == "all" else f"{name} not applied"
-            return _finding(index, agree, "logits_processor", "processor-replay",
+            return finding(index, agree, "logits_processor", "processor-replay",
                             f"at new token {agree} the server's token {engine_token} is the reference's choice with "
                             f"{what}; with every processor the reference chooses {reference_token}, {gap:.3g} above",
                             {"processor": name, "processed_gap": gap, "applied": full.applied},
@@ -174,7 +167,7 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
         # counts only its committed output, not the drafts accepted in the same step)
         stretched = process(raw, prompt, output, replace(params, min_tokens=agree + 1), stop_ids, penalty_scope)
         if "min_tokens" in stretched.applied and int(stretched.greedy.argmax()) == engine_token:
-            return _finding(index, agree, "logits_processor", "processor-replay",
+            return finding(index, agree, "logits_processor", "processor-replay",
                             f"at new token {agree} the server's token {engine_token} is the reference's choice with "
                             f"the stop ids masked: min_tokens = {params.min_tokens} was applied past its end "
                             f"({agree} tokens generated); the reference chooses {reference_token}, {gap:.3g} above",
@@ -185,9 +178,9 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
 
 def check_report(index: int, prompt: list[int], params: RequestParams, reference: RequestResult,
                  returned: list[int], report: dict[str, Any], eos_token_id: Any, tokenizer: Any,
-                 definition: str = "raw", band_at: Callable[[float], float] = lambda top: 0.0) -> list[dict[str, Any]]:
+                 definition: str = "raw", band_at: Callable[[float], float] = lambda top: 0.0) -> list[Divergence]:
     """The report checks of one prompt (module table): finish, text, usage, log-probabilities."""
-    findings: list[dict[str, Any]] = []
+    findings: list[Divergence] = []
     stop_ids = _stop_ids(params, eos_token_id)
     ref = reference.tokens
     # llama.cpp does not return the EOS it stopped on: the tokens before it are the same tokens
@@ -202,7 +195,7 @@ def check_report(index: int, prompt: list[int], params: RequestParams, reference
         if reference.finish_ambiguous and finish == "stop" and (stop_reason is None or stop_reason in stop_ids):
             ok = True
         if not ok:
-            findings.append(_finding(index, len(returned) - 1 if returned else None, "finish_reason", "finish-compare",
+            findings.append(finding(index, len(returned) - 1 if returned else None, "finish_reason", "finish-compare",
                                      f"the tokens equal the reference's, which ends with finish_reason "
                                      f"{expected[0]!r} (stop_reason {expected[1]!r}); the server says {finish!r} "
                                      f"(stop_reason {stop_reason!r})",
@@ -219,7 +212,7 @@ def check_report(index: int, prompt: list[int], params: RequestParams, reference
         counts["completion_tokens"].append(len(returned) + 1)  # the stop token counted but not returned
     wrong = {k: v for k, v in usage.items() if k in counts and v not in counts[k]}
     if wrong:
-        findings.append(_finding(index, None, "usage_report", "usage-count",
+        findings.append(finding(index, None, "usage_report", "usage-count",
                                  "usage says " + ", ".join(f"{k} {v}" for k, v in wrong.items()) + f" for a "
                                  f"{len(prompt)}-token prompt and {len(returned)} returned token(s)",
                                  {"usage": usage, "prompt_tokens": len(prompt), "returned_tokens": len(returned)},
@@ -232,16 +225,16 @@ def check_report(index: int, prompt: list[int], params: RequestParams, reference
 
 
 def _text_findings(index: int, prompt: list[int], params: RequestParams, returned: list[int], text: str,
-                   stop_reason: Any, stop_ids: list[int], tokenizer: Any) -> list[dict[str, Any]]:
+                   stop_reason: Any, stop_ids: list[int], tokenizer: Any) -> list[Divergence]:
     if isinstance(stop_reason, str) and stop_reason:
         found = first_stop_completion(tokenizer, returned, params, only=stop_reason)
         if found is None:
-            return [_finding(index, len(returned) - 1 if returned else None, "stop_string", "stop-string-replay",
+            return [finding(index, len(returned) - 1 if returned else None, "stop_string", "stop-string-replay",
                              f"the server says it stopped at stop string {stop_reason!r}, which the returned tokens "
                              "do not complete (after min_tokens)", {"stop": stop_reason}, detected_by="text")]
         completes_at, _, start = found
         if completes_at < len(returned):
-            return [_finding(index, completes_at, "stop_string", "stop-string-replay",
+            return [finding(index, completes_at, "stop_string", "stop-string-replay",
                              f"stop string {stop_reason!r} is completed by token {completes_at - 1}, but token_ids "
                              f"keep {len(returned) - completes_at} token(s) after it (text cut at the stop)",
                              {"stop": stop_reason, "completed_by": completes_at - 1,
@@ -260,7 +253,7 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):
-                return [_finding(index, cut[0], "stop_string", "stop-string-replay",
+                return [finding(index, cut[0], "stop_string", "stop-string-replay",
                                  f"stop string {cut[1]!r} is completed by token {cut[0] - 1}, but token_ids keep "
                                  f"{len(returned) - cut[0]} token(s) after it", {"stop": cut[1], "text": text},
                                  engine_token=returned[cut[0]], detected_by="text")]
@@ -268,13 +261,13 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
                 wanted += _cut_at(_texts(tokenizer, prompt, returned), cut[1], cut[2])
     if text in wanted:
         return []
-    return [_finding(index, None, "text_report", "detokenize",
+    return [finding(index, None, "text_report", "detokenize",
                      f"text {text[:60]!r} is not the detokenized token_ids {wanted[0][:60]!r}",
                      {"text": text, "detokenized": wanted[0]}, detected_by="text")]
 
 
 def _logprob_findings(index: int, reference: RequestResult, returned: list[int], chosen: list[float | None],
-                      definition: str, band_at: Callable[[float], float]) -> list[dict[str, Any]]:
+                      definition: str, band_at: Callable[[float], float]) -> list[Divergence]:
     ref_lps = reference.logprobs.get(definition) or []
     agree = next((i for i, (a, b) in enumerate(zip(reference.tokens, returned)) if a != b),
                  min(len(reference.tokens), len(returned)))
@@ -295,7 +288,7 @@ def _logprob_findings(index: int, reference: RequestResult, returned: list[int],
     pattern = "every reported log-probability is 0.0 (p = 1)" if all_zero else f"{len(off)} of {compared} positions off"
     reason = (f"{pattern}: at new token {position} the server reports {reported:.6g} for token {returned[position]}, "
               f"the reference's {definition} log-probability is {expected:.6g} (tolerance {tolerance:.3g})")
-    return [_finding(index, position, "logprob_report", "logprob-compare", reason,
+    return [finding(index, position, "logprob_report", "logprob-compare", reason,
                      {"definition": definition, "positions_off": [p for p, *_ in off], "compared": compared,
                       "all_zero": all_zero, "reported": reported, "expected": expected, "tolerance": tolerance},
                      reference.tokens[position], returned[position], detected_by="logprobs")]

@@ -32,6 +32,8 @@ from specaudit.engines.requests.reference import RequestResult, decode_with_para
 from specaudit.engines.requests import RequestParams, process
 from specaudit.equivalence import speculation
 from specaudit.equivalence import rulings
+from specaudit.equivalence.records import ABSENT, Divergence
+from specaudit.equivalence.rulings.record import make_divergence, named
 from specaudit.equivalence.blackbox.constraints import constraint_cause, constraint_refusal, violation_finding
 from specaudit.equivalence.blackbox.outputs import check_report, token_cause
 from specaudit.engines.contract import capability, declares
@@ -154,7 +156,7 @@ class RequestRulings:
     divergence ruled and named where a parameter explains it, and the prompts whose parameters were refused."""
 
     prompt_records: list[dict[str, Any]]
-    divergences: list[dict[str, Any]]
+    divergences: list[Divergence]
     refused: dict[int, Any]
 
 
@@ -168,7 +170,7 @@ def rule_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list
     scope, definition = penalty_scope(engine), logprob_definition(engine)
     refused = {index: exc for index, exc in capability(inner, "last_refused") or []}
     completions = capability(inner, "last_completions") or [None] * len(prompts)  # an own engine reports nothing
-    divergences: list[dict[str, Any]] = []
+    divergences: list[Divergence] = []
     prompt_records: list[dict[str, Any]] = []
     for index in range(len(prompts)):
         result, tokens, p = reference.results[index], outputs[index], params[index]
@@ -189,23 +191,23 @@ def rule_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list
         exact = tokens == result.tokens
         record.update({"exact": exact, "reported_finish": [report.get("finish_reason"), report.get("stop_reason")]})
         prompt_records.append(record)
-        row_findings: list[dict[str, Any]] = []
+        row_findings: list[Divergence] = []
         if not exact:  # a grammar mistake first (a forbidden token), then the processors' replays
             cause = constraint_cause(index, p, result, tokens, stop_ids, pair.tokenizer)
             cause = cause or token_cause(index, prompts[index], p, result, tokens, eos_token_id, pair.tokenizer, scope,
                                          band.at, reported_stop=report.get("stop_reason"))
             row_findings.append(cause if cause is not None else
                                 _ruled(index, prompts[index], p, result, tokens, band, stop_ids, scope, limit))
-        named = {(d.get("diagnosis") or {}).get("class") for d in row_findings}
+        named = {d.diagnosis_class for d in row_findings}
         reported = (CONSTRAINED_LOGPROB_DEFINITION.get(dialect, definition) if p.constraint is not None
                     and capability(inner, "black_box") else definition)  # under a grammar, the dialect's own
         row_findings += [d for d in check_report(index, prompts[index], p, result, returned, report, eos_token_id,
                                                  pair.tokenizer, reported, band.at)
-                         if d["diagnosis"]["class"] not in named]  # one finding per cause and prompt
+                         if d.diagnosis_class not in named]  # one finding per cause and prompt
         broken = violation_finding(index, p, tokens, stop_ids, pair.tokenizer)
         if broken is not None:  # the output itself breaks its constraint: a finding of its own
             row_findings.append(broken)
-            record["constraint_violation"] = broken["evidence"]["reason"]
+            record["constraint_violation"] = broken.evidence["reason"]
         divergences += row_findings
     return RequestRulings(prompt_records, divergences, refused)
 
@@ -223,40 +225,42 @@ def processed_logits(prompts: list[list[int]], outputs: list[list[int]], params:
     return processed
 
 
-def rule_against_plain(divergences: list[dict[str, Any]], plain_outputs: list[list[int]], outputs: list[list[int]],
+def rule_against_plain(divergences: list[Divergence], plain_outputs: list[list[int]], outputs: list[list[int]],
                        reference: RequestReference, params: list[RequestParams], eos_token_id: Any,
-                       skipped: set[int]) -> None:
-    """Stage 3 under request parameters: the three-way rulings (reference, plain engine, speculative engine) of
-    every divergence of a judged prompt (rulings/plain.py)."""
-    for divergence in divergences:
-        index = divergence.get("prompt_index")
-        if index is None or index in skipped:
-            continue
-        if divergence.get("detected_by") == "constraint":
-            rulings.plain_rule_violation(divergence, outputs[index], plain_outputs[index])
-        else:
-            rulings.plain_rule_processed(divergence, reference.results[index].tokens, plain_outputs[index],
-                                         _forbidden(reference.results[index], divergence, eos_token_id, params[index]))
+                       skipped: set[int]) -> list[Divergence]:
+    """Stage 3 under request parameters: `divergences` with the three-way rulings (reference, plain engine,
+    speculative engine) of every divergence of a judged prompt (rulings/plain.py)."""
+    return [_against_plain(d, plain_outputs, outputs, reference, params, eos_token_id)
+            if d.prompt_index not in skipped else d for d in divergences]
+
+
+def _against_plain(divergence: Divergence, plain_outputs: list[list[int]], outputs: list[list[int]],
+                   reference: RequestReference, params: list[RequestParams], eos_token_id: Any) -> Divergence:
+    index = divergence.prompt_index
+    if divergence.detected_by == "constraint":
+        return rulings.plain_rule_violation(divergence, outputs[index], plain_outputs[index])
+    return rulings.plain_rule_processed(divergence, reference.results[index].tokens, plain_outputs[index],
+                                        _forbidden(reference.results[index], divergence, eos_token_id, params[index]))
 
 
 def request_fields(engine: Any, params: list[RequestParams], refused: dict[int, Any],
-                   divergences: list[dict[str, Any]]) -> dict[str, Any]:
+                   divergences: list[Divergence]) -> dict[str, Any]:
     """What a run under request parameters adds to its record."""
     return {"request_params": [p.to_dict() for p in params], "penalty_scope": penalty_scope(engine),
             "logprob_definition": logprob_definition(engine),
-            "reference_mismatches": sum(d["kind"] == rulings.REFERENCE_MISMATCH for d in divergences),
+            "reference_mismatches": sum(d.kind == rulings.REFERENCE_MISMATCH for d in divergences),
             "refused_parameters": [{"prompt_index": i, "parameter": exc.parameter, "why": exc.why}
                                    for i, exc in sorted(refused.items())]}
 
 
-def _forbidden(reference: RequestResult, divergence: dict[str, Any], eos_token_id: Any, params: RequestParams) -> bool:
+def _forbidden(reference: RequestResult, divergence: Divergence, eos_token_id: Any, params: RequestParams) -> bool:
     """Whether the reference's grammar forbids the engine's token at the divergence (None: the engine's row
     ended there, so its stop ids)."""
-    position = divergence.get("position")
+    position = divergence.position
     if reference.allowed is None or position is None or position >= len(reference.allowed):
         return False
     allowed = reference.allowed[position]  # [V]
-    token = divergence.get("engine_token")
+    token = divergence.engine_token
     candidates = [token] if token is not None else sorted(set(eos_ids(eos_token_id)) | set(params.stop_token_ids))
     return bool(candidates) and not any(0 <= t < allowed.shape[0] and bool(allowed[t]) for t in candidates)
 
@@ -293,7 +297,7 @@ def plain_under_requests(engine: Any, name: str | None, prompts: list[list[int]]
 
 
 def _ruled(index: int, prompt: list[int], params: RequestParams, reference: RequestResult, tokens: list[int],
-           band: rulings.NoiseBand, stop_ids: list[int], scope: str, limit: int) -> dict[str, Any]:
+           band: rulings.NoiseBand, stop_ids: list[int], scope: str, limit: int) -> Divergence:
     """A token divergence no parameter explains: the noise band on the processed logits at the split."""
     position = next((i for i, (a, b) in enumerate(zip(reference.tokens, tokens)) if a != b),
                     min(len(reference.tokens), len(tokens)))
@@ -304,13 +308,11 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
         row = process(reference.logits[position].to(torch.float64), prompt, reference.tokens[:position], params,
                       stop_ids, scope).greedy
     kind, evidence = rulings.rule_on_band(band, row, reference_token, engine_token)
-    record = {"prompt_index": index, "position": position, "reference_token": reference_token,
-              "engine_token": engine_token, "kind": kind, "decided_by": evidence["decided_by"], "detected_by": "tokens",
-              "evidence": evidence}
-    if kind == "structural":
-        cls = _ending_class(reference, tokens, position, limit, stop_ids)
-        record["diagnosis"] = {"class": cls, "evidence": evidence.get("reason"), "named_by": "ending", "tried": []}
-    return record
+    return make_divergence(
+        prompt_index=index, position=position, reference_token=reference_token, engine_token=engine_token, kind=kind,
+        decided_by=evidence["decided_by"], detected_by="tokens", evidence=evidence,
+        diagnosis=named(_ending_class(reference, tokens, position, limit, stop_ids), evidence.get("reason"), "ending")
+        if kind == "structural" else ABSENT)
 
 
 SERVER_PREFIXES = ("llamacpp", "vllm", "sglang", "trtllm")

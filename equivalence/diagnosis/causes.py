@@ -17,12 +17,14 @@ there, and how the rows without pad ids fared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from specaudit.engines.limits import eos_ids
+from specaudit.equivalence.records import Divergence
 from specaudit.equivalence.rulings.thresholds import MASKED_REPLAY_AGREEMENT, MASKED_WINDOW, float64_equal
 
 TRUNCATION_LIMITS = (1024, 2048, 512, 4096)  # common prompt limits, the most common first
@@ -265,16 +267,21 @@ def masked_along_output(target: Any, prompt: list[int], output: list[int], posit
                  "a replay along the engine's output with the pad-id tokens masked", "pad-id tokens treated as padding")
 
 
-def note_shared_mechanisms(divergences: list[dict[str, Any]]) -> None:
-    """Say so on every diagnosis whose mechanism explains more than one divergence of the run."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for divergence in divergences:
-        found = divergence.get("diagnosis") or {}
-        if found.get("mechanism"):
-            groups.setdefault((found["class"], found["mechanism"]), []).append(found)
+def note_shared_mechanisms(divergences: Sequence[Divergence]) -> list[Divergence]:
+    """`divergences`, each diagnosis whose mechanism explains more than one divergence of the run saying so
+    (`shared`, and a sentence of its evidence)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for at, divergence in enumerate(divergences):
+        found = divergence.diagnosis
+        if found and found.mechanism:
+            groups.setdefault((found.cls, found.mechanism), []).append(at)
+    noted = list(divergences)
     for (cls, mechanism), members in groups.items():
         if len(members) > 1:
-            for found in members:
-                found["shared"] = len(members)
-                found["evidence"] += (f" One mechanism: {mechanism} explains {len(members)} divergences of this run "
-                                      f"(all `{cls}`).")
+            for at in members:
+                found = noted[at].diagnosis
+                assert found  # grouped above
+                noted[at] = replace(noted[at], diagnosis=replace(found, shared=len(members), evidence=(
+                    f"{found.evidence} One mechanism: {mechanism} explains {len(members)} divergences of this run "
+                    f"(all `{cls}`).")))
+    return noted

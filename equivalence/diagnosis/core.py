@@ -1,6 +1,6 @@
 """Name the bug: a diagnosis for every structural divergence.
 
-Each structural divergence gets `diagnosis = {"class": ..., "evidence": ...}`. The class says what
+Each structural divergence gets a `records.Diagnosis` (`diagnosis`): its class and evidence. The class says what
 the user must fix, from one vocabulary (`CLASSES`, each with its fix in one sentence in `FIXES`):
 
     position_ids     a token numbered by anything but its index in its own row's sequence
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -65,6 +66,7 @@ from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.feed_check import FeedCheck
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
+from specaudit.equivalence.records import ABSENT, Diagnosis, Divergence
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PAD_RERUN_BUDGET, RERUN_BUDGET
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
@@ -103,20 +105,15 @@ WOULD_DECIDE = ("the engine's target logits at the divergence (a trace with reco
                 "position and mask hypotheses; or re-runs of the row beside other neighbours of the same length")
 
 
-def diagnosis(cls: str, evidence: str, tried: list[str] | None = None, named_by: str | None = None,
-              mechanism: str | None = None, would_decide: str | None = None) -> dict[str, Any]:
+def diagnosis(cls: str, evidence: str, tried: Sequence[str] | None = None, named_by: str | None = None,
+              mechanism: str | None = None, would_decide: str | None = None) -> Diagnosis:
     """A named class carries `named_by` (the experiment that decided it) and `tried` (every check,
     replay and re-run made, with what it showed: the alternatives ruled out); `unknown` carries
     `would_decide`, the experiment that would name it."""
     assert cls in CLASSES, cls
-    found: dict[str, Any] = {"class": cls, "evidence": evidence, "tried": list(tried or [])}
-    if named_by:
-        found["named_by"] = named_by
-    if mechanism:
-        found["mechanism"] = mechanism
-    if cls == "unknown":
-        found["would_decide"] = would_decide or WOULD_DECIDE
-    return found
+    return Diagnosis(cls=cls, evidence=evidence, tried=tuple(tried or ()), named_by=named_by or ABSENT,
+                     mechanism=mechanism or ABSENT,
+                     would_decide=(would_decide or WOULD_DECIDE) if cls == "unknown" else ABSENT)
 
 
 @dataclass(frozen=True)
@@ -178,15 +175,15 @@ class Diagnoser(Experiments, Observing):
         self.replay_draft = self.facts.replay_draft
 
     # ---- the diagnosis -----------------------------------------------------------------------
-    def diagnose(self, divergence: dict[str, Any]) -> dict[str, Any]:
-        if divergence.get("detected_by") == "draft":
+    def diagnose(self, divergence: Divergence) -> Diagnosis:
+        if divergence.detected_by == "draft":
             return diagnosis("draft_cache", "the engine proposed a token that the draft model, run alone on the "
                              "same prefix, does not choose: the draft cache is out of step (outputs stay exact; "
                              "acceptance drops)", ["draft fidelity check"], "the draft fidelity check")
         tried: list[str] = []
         try:
             self._observed = None
-            found = self._decide(int(divergence["prompt_index"]), int(divergence["position"]), tried)
+            found = self._decide(divergence.prompt_index, int(divergence.position), tried)  # type: ignore[arg-type]
             found = self._reconcile(found, tried)
         except Exception as exc:  # a diagnosis must never lose the divergence it describes
             tried.append(f"diagnosis failed: {type(exc).__name__}: {exc}".splitlines()[0])
@@ -197,7 +194,7 @@ class Diagnoser(Experiments, Observing):
             return diagnosis("unknown", found.evidence, tried, would_decide=found.named_by or None)
         if str(found.named_by).startswith(OBSERVED_STATE):  # the state was seen and its re-run made
             return diagnosis(found.cls, found.evidence, tried, found.named_by, found.mechanism or None)
-        cls, evidence, decided = recurrent_or_attention(self, int(divergence["prompt_index"]), found, tried)
+        cls, evidence, decided = recurrent_or_attention(self, divergence.prompt_index, found, tried)
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
 
     def _logits(self, index: int) -> torch.Tensor | None:

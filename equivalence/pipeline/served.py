@@ -14,7 +14,7 @@ server, or a recording of one). `ServedOracle` is the pipeline's oracle for it (
    A reference that fails or hangs raises `ReferenceFailed`: the audit ends, exit 1, one line.
 2. `run`: each audited engine at each batch size, guarded; greedy: its outputs ruled by `rulings/served.py`
    (exact, numerical where the reference's margin lies within the band measured for this deployment,
-   structural otherwise), in the greedy audit's divergence schema (`rulings.served.as_divergence`), and its
+   structural otherwise), each a `records.Divergence` of the one divergence schema (rulings/record.py), and its
    reports (usage, finish_reason, log-probabilities) checked against the reference server's; sampled: its
    samples teacher-forced through the reference (equivalence/sampling/served.py).
 """
@@ -34,6 +34,8 @@ from specaudit.equivalence.errors import ReferenceFailed, UsageError, one_line
 from specaudit.equivalence.guard import GuardedEngine, call_with_timeout, check_recorded_samples, failure_message
 from specaudit.equivalence.pipeline import sampled
 from specaudit.equivalence.pipeline.settings import AuditSettings, source_of
+from specaudit.equivalence.records import Divergence
+from specaudit.equivalence.records.serialize import divergence_to_json
 from specaudit.equivalence.rulings import served as served_rulings
 from specaudit.equivalence.run_record import equivalent, failed_run, run_record
 
@@ -341,12 +343,10 @@ class ServedOracle:
         gap = served_rulings.engine_logprob_gap(reference, outputs, first["logprobs"], answered["logprobs"])
         band = served_rulings.measure_band(self.determinism, gap, logit_tolerance=settings.logit_tolerance,
                                            engine_dtype=settings.engine_dtype)
-        divergences = []
+        divergences: list[Divergence] = []
         for index, (prompt, ref, out) in enumerate(zip(prompts, reference, outputs)):
             if index in answered["failures"]:
-                divergences.append(served_rulings.as_divergence(
-                    {"prompt_index": index, "position": 0, "kind": "structural", "class": "unknown",
-                     "decided_by": "request-failed", "reason": answered["failures"][index]}, prompt, ref, out))
+                divergences.append(served_rulings.request_failed(index, answered["failures"][index], prompt, ref, out))
                 continue
             ref_report = first["reports"][index] if index < len(first["reports"]) else {}
             record = served_rulings.rule(index, prompt, ref, out, eos_token_id=eos, reference_lps=first["logprobs"][index],
@@ -354,11 +354,10 @@ class ServedOracle:
                                          teacher_force=self.force, params=settings.request_params,
                                          reference_report=ref_report)
             if record is not None:
-                divergences.append(served_rulings.as_divergence(record, prompt, ref, out))
-            for finding in served_rulings.report_findings(index, prompt, ref, out, answered["reports"][index] or {},
+                divergences.append(record)
+            divergences += served_rulings.report_findings(index, prompt, ref, out, answered["reports"][index] or {},
                                                           first["logprobs"][index], band, eos,
-                                                          reference_finish=(ref_report or {}).get("finish_reason")):
-                divergences.append(served_rulings.as_divergence(finding, prompt, ref, out))
+                                                          reference_finish=(ref_report or {}).get("finish_reason"))
             params = settings.request_params
             if params is not None and params.constraint is not None and index not in answered["failures"]:
                 # the output against its own constraint: a finding of its own, whatever the served reference says
@@ -368,18 +367,19 @@ class ServedOracle:
                 broken = violation_finding(index, params, out, stops, self.served_model.tokenizer)
                 if broken is not None:
                     divergences.append(broken)
-        structural = sum(d["kind"] == "structural" for d in divergences)
+        structural = sum(d.structural for d in divergences)
+        written = [divergence_to_json(d) for d in divergences]  # the run's divergences, serialized once
         from specaudit.equivalence.acceptance import counters
 
         acceptance = counters.served_record(engine, answered["speculation"], settings.require_acceptance)
         run = run_record(**self._base(spec, batch_size), seconds=answered["seconds"],
                          seconds_per_request=answered["seconds"] / max(1, len(prompts)),
                          description=answered["description"], speculation=answered["speculation"], outputs=outputs,
-                         noise_band=band.to_dict(), divergences=divergences,
+                         noise_band=band.to_dict(), divergences=written,
                          exact_matches=sum(ref == out for ref, out in zip(reference, outputs)),
                          structural_divergences=structural,
-                         numerical_divergences=sum(d["kind"] == "numerical" for d in divergences),
-                         equivalent=equivalent(divergences), eos_token_ids=list(eos_ids(eos)), acceptance=acceptance)
+                         numerical_divergences=sum(d.kind == "numerical" for d in divergences),
+                         equivalent=equivalent(written), eos_token_ids=list(eos_ids(eos)), acceptance=acceptance)
         return run
 
     def sampled_run(self, spec: str, batch_size: int, progress: Any = None) -> dict[str, Any]:

@@ -29,82 +29,80 @@ ruled by `rule` (the engine's precision).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from specaudit.equivalence.records import ABSENT, Divergence
 from specaudit.equivalence.rulings.outputs import departs_at, first_divergence, token_at
 
 
-def is_token_divergence(divergence: dict[str, Any]) -> bool:
+def is_token_divergence(divergence: Divergence) -> bool:
     """Whether `divergence` is one of tokens (not of logits, nor a finding of a report check)."""
-    return divergence.get("detected_by", "tokens") == "tokens"
+    return divergence.detected_by == "tokens"
 
 
-def rule(divergence: dict[str, Any], reference: list[int], plain: list[int]) -> None:
-    """Add the plain run's evidence to one divergence (in place) and overrule its kind when the
-    plain run makes the same divergence (see the module docstring)."""
-    position = int(divergence["position"])
+def rule(divergence: Divergence, reference: list[int], plain: list[int]) -> Divergence:
+    """`divergence` with the plain run's evidence beside it, its kind overruled when the plain run makes the
+    same divergence (see the module docstring)."""
+    position = int(divergence.position)  # type: ignore[arg-type]  # a token divergence has a position
     plain_token = token_at(plain, position)
     plain_first = first_divergence(reference, plain)
-    divergence["plain_token"] = plain_token
-    divergence["plain_first_divergence"] = plain_first
-    evidence = divergence.setdefault("evidence", {})
-    same = is_token_divergence(divergence) and departs_at(reference, plain, position, divergence.get("engine_token"))
+    evidence = dict(divergence.evidence)
+    same = is_token_divergence(divergence) and departs_at(reference, plain, position, divergence.engine_token)
     if same:
-        evidence["band_kind"] = divergence["kind"]
-        evidence["band_reason"] = evidence.get("reason")
         shown = "ends" if plain_token is None else f"makes token {plain_token}"
-        evidence["reason"] = (f"the plain engine (no speculation) also diverges first here and {shown} at position "
-                              f"{position}, as the speculative run does: the engine's precision, not speculation "
-                              "or batching")
-        divergence["kind"] = "numerical"
-        divergence["decided_by"] = evidence["decided_by"] = "plain-control"
-        divergence.pop("diagnosis", None)  # a cause named for a structural ruling no longer applies
-        return
+        evidence.update(band_kind=divergence.kind, band_reason=evidence.get("reason"), reason=(
+            f"the plain engine (no speculation) also diverges first here and {shown} at position {position}, as the "
+            "speculative run does: the engine's precision, not speculation or batching"), decided_by="plain-control")
+        # a cause named for a structural ruling no longer applies
+        return replace(divergence, plain_token=plain_token, plain_first_divergence=plain_first, evidence=evidence,
+                       kind="numerical", decided_by="plain-control", diagnosis=ABSENT)
     where = ("equals the reference" if plain_first is None
              else f"diverges first at position {plain_first}")
     evidence["plain_engine"] = (f"the plain engine makes {'no token' if plain_token is None else f'token {plain_token}'} "
                                 f"at position {position} and {where}: this divergence is the speculative run's own")
+    return replace(divergence, plain_token=plain_token, plain_first_divergence=plain_first, evidence=evidence)
 
 
 REFERENCE_MISMATCH = "reference_mismatch"
 
 
-def rule_processed(divergence: dict[str, Any], reference: list[int], plain: list[int], forbidden: bool) -> None:
+def rule_processed(divergence: Divergence, reference: list[int], plain: list[int], forbidden: bool) -> Divergence:
     """`rule` for a run under request parameters (see the module docstring): a divergence the plain run
     makes identically is `reference_mismatch` where the reference's grammar `forbidden` the engine's token
     there, else ruled by `rule`."""
-    if not is_token_divergence(divergence) or divergence.get("position") is None:
-        return
-    band_kind = divergence["kind"]
-    rule(divergence, reference, plain)
-    if divergence.get("decided_by") != "plain-control" or not forbidden:
-        return
-    divergence["evidence"]["band_kind"] = band_kind
-    _mismatch(divergence, "the plain engine (no speculation) makes the same divergence, to a token (or an ending) "
-                          "the reference's grammar forbids there: the server's grammar admits it (another grammar "
-                          "engine or other options than the reference's), with or without speculation")
+    if not is_token_divergence(divergence) or divergence.position is None:
+        return divergence
+    band_kind = divergence.kind
+    ruled = rule(divergence, reference, plain)
+    if ruled.decided_by != "plain-control" or not forbidden:
+        return ruled
+    ruled = replace(ruled, evidence={**ruled.evidence, "band_kind": band_kind})
+    return _mismatch(ruled, "the plain engine (no speculation) makes the same divergence, to a token (or an ending) "
+                            "the reference's grammar forbids there: the server's grammar admits it (another grammar "
+                            "engine or other options than the reference's), with or without speculation")
 
 
-def rule_violation(finding: dict[str, Any], output: list[int], plain: list[int]) -> None:
+def rule_violation(finding: Divergence, output: list[int], plain: list[int]) -> Divergence:
     """A constraint violation read from the engine's output, made identically by the plain engine: the
     server's grammar accepts what the reference's does not (a reference mismatch)."""
     if output != plain:
-        return
-    _mismatch(finding, "the plain engine (no speculation) returns the same tokens: the server's grammar accepts "
-                       "what the reference's rejects, with or without speculation")
+        return finding
+    return _mismatch(finding, "the plain engine (no speculation) returns the same tokens: the server's grammar accepts "
+                              "what the reference's rejects, with or without speculation")
 
 
-def _mismatch(divergence: dict[str, Any], reason: str) -> None:
-    evidence = divergence.setdefault("evidence", {})
-    evidence.setdefault("band_kind", divergence["kind"])
-    evidence["reason"] = reason
-    divergence["kind"] = REFERENCE_MISMATCH
-    divergence["decided_by"] = evidence["decided_by"] = "plain-control"
-    divergence.pop("diagnosis", None)  # not the engine's: no cause of its own is named
+def _mismatch(divergence: Divergence, reason: str) -> Divergence:
+    evidence = dict(divergence.evidence)
+    evidence.setdefault("band_kind", divergence.kind)
+    evidence.update(reason=reason, decided_by="plain-control")
+    # not the engine's: no cause of its own is named
+    return replace(divergence, evidence=evidence, kind=REFERENCE_MISMATCH, decided_by="plain-control",
+                   diagnosis=ABSENT)
 
 
 def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[list[int]] | None,
-            outputs: list[list[int]], divergences: list[dict[str, Any]], description: Any = None,
+            outputs: list[list[int]], divergences: list[Divergence], description: Any = None,
             speculation: dict[str, Any] | None = None, error: str | None = None) -> dict[str, Any]:
     """The run's `plain_engine` record: how the plain run compares with the reference and with the
     speculative run."""
@@ -122,9 +120,9 @@ def summary(name: str, reference_outputs: list[list[int]], plain_outputs: list[l
         "num_prompts": len(plain_outputs),
         "speculative_divergences": len(diverging),
         "same_as_plain": len(same),
-        "ruled_numerical_by_plain": sum(d.get("decided_by") == "plain-control" and d["kind"] == "numerical"
+        "ruled_numerical_by_plain": sum(d.decided_by == "plain-control" and d.kind == "numerical"
                                         for d in divergences),
-        "reference_mismatches": sum(d["kind"] == REFERENCE_MISMATCH for d in divergences),
+        "reference_mismatches": sum(d.kind == REFERENCE_MISMATCH for d in divergences),
         "outputs": plain_outputs,
     })
     return record

@@ -1,53 +1,73 @@
 """One divergence record: where it arises, what the engine and the reference chose, and its ruling.
 
+Every divergence of a run, whichever producer finds it, is built by `make_divergence` as a
+`records.Divergence` (frozen): the in-process and black-box token rulings (`divergence`), the findings
+that name their own class (`finding`: request parameters, constraints, report checks), the served
+rulings (rulings/served.py), the draft check (draft_fidelity.py). A later stage changes one with
+`dataclasses.replace`; the run serializes them once (records/serialize.py).
+
 Beside the ruling (`Ruler.rule`, ruler.py) a record keeps the engine step that emitted the token,
 the row's accepted counts at every step up to it, the batch at that step (rows, pad lengths, group or
-fallback), the reference's top-2 margin at the position, and the tokens around it.
+fallback), the reference's top-2 margin at the position, and the tokens around it (`window`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
 from specaudit.engines.trace import Trace
 from specaudit.equivalence.compare import top2
+from specaudit.equivalence.records import ABSENT, Absent, Context, ContextText, Diagnosis, Divergence, StepBatch
 from specaudit.equivalence.rulings.thresholds import LOGIT_TOLERANCE
 from specaudit.equivalence.rulings.band import NoiseBand, band_evidence
 from specaudit.equivalence.rulings.ruler import Ruler
 
+# the context window of every divergence, every mode alike: the last CONTEXT_TOKENS tokens of the output before
+# it (the common prefix), then CONTEXT_TOKENS tokens of each side's continuation
 CONTEXT_TOKENS = 16
 
 
-def step_context(trace: Trace | None, prompt_index: int, position: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class StepContext:
+    """The engine step that emitted a token, the row's accepted counts up to it, and that step's batch (each
+    None: not traced)."""
+
+    step: int | None = None
+    accepted_history: tuple[int, ...] | None = None
+    batch: StepBatch | None = None
+
+
+def step_context(trace: Trace | None, prompt_index: int, position: int) -> StepContext:
     """Step, accepted history and batch composition for the engine token at `position`."""
     if trace is None or prompt_index >= len(trace.emitted_at):
-        return {"step": None, "accepted_history": None, "batch": None}
+        return StepContext()
     emitted_at = trace.emitted_at[prompt_index]
     if not emitted_at:
-        return {"step": None, "accepted_history": None, "batch": None}
+        return StepContext()
     step = emitted_at[min(position, len(emitted_at) - 1)]
     record = trace.steps[step]
-    return {
-        "step": step,
-        "accepted_history": trace.accepted_history(prompt_index, up_to_step=step),
-        "batch": {"kind": record.kind, "rows": record.rows, "pad_lengths": record.pad_lengths},
-    }
+    return StepContext(step, tuple(trace.accepted_history(prompt_index, up_to_step=step)),
+                       StepBatch(kind=record.kind, rows=tuple(record.rows), pad_lengths=tuple(record.pad_lengths)))
 
 
-def context(common: list[int], reference: list[int], engine: list[int], position: int, tokenizer: Any | None) -> tuple[dict, dict | None]:
+def window(common: Sequence[int], reference: Sequence[int], engine: Sequence[int], position: int,
+           tokenizer: Any | None = None) -> tuple[Context, ContextText | None]:
+    """The tokens around a divergence at `position` (`CONTEXT_TOKENS` each side): `common` is the output before
+    it, `reference` and `engine` each side's whole output; with a tokenizer, their text too."""
     start = max(0, position - CONTEXT_TOKENS)
-    ids = {
-        "common": list(common[start:position]),
-        "reference": list(reference[position : position + CONTEXT_TOKENS]),
-        "engine": list(engine[position : position + CONTEXT_TOKENS]),
-    }
+    ids = Context(common=tuple(common[start:position]),
+                  reference=tuple(reference[position:position + CONTEXT_TOKENS]),
+                  engine=tuple(engine[position:position + CONTEXT_TOKENS]))
     text = None
     if tokenizer is not None:
         try:
-            text = {key: tokenizer.decode(value) for key, value in ids.items()}
+            text = ContextText(common=tokenizer.decode(list(ids.common)),
+                               reference=tokenizer.decode(list(ids.reference)),
+                               engine=tokenizer.decode(list(ids.engine)))
         except Exception:  # a tokenizer that cannot decode some ids: ids alone still tell the story
             text = None
     return ids, text
@@ -61,43 +81,39 @@ def reference_margin_at(reference_logits: torch.Tensor | None, position: int) ->
     return margin, pairs[0][1]
 
 
-class Diagnosis(TypedDict, total=False):
-    """A structural divergence's cause (equivalence/diagnosis/): its class, what showed it, the check that named
-    it, every check tried; a served ruling says whether naming it needs the weights."""
+def make_divergence(*, prompt_index: int, position: int | None, reference_token: int | None,
+                    engine_token: int | None, kind: str, detected_by: str, evidence: Mapping[str, Any],
+                    decided_by: str | None | Absent = ABSENT, margin: float | None | Absent = ABSENT,
+                    logit_error: float | None | Absent = ABSENT, context: Context | None | Absent = ABSENT,
+                    text: ContextText | None | Absent = ABSENT, emitted: StepContext | None = None,
+                    step: int | None | Absent = ABSENT, diagnosis: Diagnosis | Absent = ABSENT) -> Divergence:
+    """The one constructor of a divergence: what every producer knows (where, the two tokens, the ruling and
+    what decided it), and what some add (the margin, the logit error, the context, the step that emitted it,
+    a class named by the ruling itself). `emitted`: the step, accepted history and batch of a traced run;
+    `step` alone otherwise (a served run: None, not traced). An optional field left out is not
+    written to `audit.json` (`records.ABSENT`)."""
+    return Divergence(prompt_index=prompt_index, position=position, reference_token=reference_token,
+                      engine_token=engine_token, margin=margin, kind=kind, decided_by=decided_by,
+                      detected_by=detected_by, logit_error=logit_error, evidence=evidence, context=context, text=text,
+                      step=emitted.step if emitted is not None else step,
+                      accepted_history=emitted.accepted_history if emitted is not None else ABSENT,
+                      batch=emitted.batch if emitted is not None else ABSENT, diagnosis=diagnosis)
 
-    cls: str  # (the JSON key is "class")
-    evidence: str
-    named_by: str | None
-    tried: list[str]
-    needs_weights: bool  # served rulings: outputs alone cannot name it
-    decided_by: str | None
-    mechanism: str | None
-    shared: Any
+
+def named(cls: str, evidence: str | None, named_by: str | None, *, needs_weights: bool | Absent = ABSENT) -> Diagnosis:
+    """The diagnosis of a divergence whose ruling names its class itself (nothing else tried)."""
+    return Diagnosis(cls=cls, evidence=evidence, named_by=named_by, tried=(), needs_weights=needs_weights)
 
 
-class Divergence(TypedDict, total=False):
-    """One divergence of `audit.json`, every mode alike (greedy, black-box, served; docs/reports.md#auditjson)."""
-
-    prompt_index: int
-    position: int | None  # the new token's index in the output
-    step: int | None  # the engine step that emitted it (None: not traced)
-    reference_token: int | None  # None: the reference ends there
-    engine_token: int | None  # None: the engine ends there
-    margin: float | None  # the reference's top-2 margin on the common prefix
-    kind: str  # "structural" or "numerical"
-    decided_by: str | None  # the ruling's control
-    detected_by: str  # "tokens", "logits", "draft", or a report check's
-    logit_error: float | None
-    evidence: dict[str, Any]
-    context: dict[str, list[int]]  # the common prefix's end, then each side's continuation
-    text: dict[str, str] | None
-    accepted_history: list[int] | None
-    batch: dict[str, Any] | None
-    # past a numerical flip: the flip it was judged past, and the output of a correct decoder on the engine's own
-    # prefix it was judged against (the reference's output otherwise)
-    continued_after: int
-    continued_reference: list[int]
-    diagnosis: dict[str, Any]  # a `Diagnosis` ("class" for `cls`)
+def finding(index: int, position: int | None, cls: str, decided_by: str, reason: str, evidence: Mapping[str, Any],
+            reference_token: int | None = None, engine_token: int | None = None,
+            detected_by: str = "tokens") -> Divergence:
+    """A structural divergence a check names itself (request parameters, constraints, a report check): its
+    reason first in the evidence, its class named by the check that decided it."""
+    return make_divergence(prompt_index=index, position=position, reference_token=reference_token,
+                           engine_token=engine_token, kind="structural", decided_by=decided_by,
+                           detected_by=detected_by, evidence={"reason": reason, **evidence},
+                           diagnosis=named(cls, reason, decided_by))
 
 
 @dataclass(frozen=True)
@@ -137,12 +153,9 @@ def divergence(outputs: PromptOutputs, position: int, ruler: Ruler, *, detected_
             evidence.update(band_evidence(band, evidence, engine_token, reference_token, engine_entry))
     if logit_error_so_far is not None:
         evidence["logit_error_so_far"] = logit_error_so_far
-    ids, text = context(engine_out[:position], reference_out, engine_out, position, outputs.tokenizer)
-    record: Divergence = {
-        "prompt_index": outputs.index, "position": position, "reference_token": reference_token,
-        "engine_token": engine_token, "margin": margin, "kind": kind, "decided_by": evidence.get("decided_by"),
-        "detected_by": detected_by, "logit_error": logit_error_value, "evidence": evidence, "context": ids,
-        "text": text,
-    }
-    record.update(step_context(outputs.trace, outputs.index, position))
-    return record
+    ids, text = window(engine_out[:position], reference_out, engine_out, position, outputs.tokenizer)
+    return make_divergence(
+        prompt_index=outputs.index, position=position, reference_token=reference_token, engine_token=engine_token,
+        margin=margin, kind=kind, decided_by=evidence.get("decided_by"), detected_by=detected_by,
+        logit_error=logit_error_value, evidence=evidence, context=ids, text=text,
+        emitted=step_context(outputs.trace, outputs.index, position))

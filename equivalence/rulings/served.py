@@ -32,16 +32,22 @@ A structural token divergence gets a class only where outputs alone support one:
 one side), `output_order`, `stop_length`; the report checks add `logprob_report`, `finish_reason` and
 `usage_report`. Every other structural divergence (position ids, masks, caches, the acceptance rule,
 rows crossing) is `unknown` with `needs_weights` true: telling those apart needs the target's logits.
+
+Every ruling is a `records.Divergence` (`served_divergence`, through rulings/record.py `make_divergence`),
+with the one context window of every divergence (rulings/record.py `window`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
 from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.compare import matched_prefix
+from specaudit.equivalence.records import ABSENT, Divergence
+from specaudit.equivalence.rulings.record import make_divergence, named, window
 from specaudit.equivalence.rulings.noise import dtype_noise
 from specaudit.equivalence.rulings.outputs import departs_at, first_divergence, other_references_matched, token_at
 from specaudit.equivalence.rulings.thresholds import REPORT_FLOOR
@@ -148,8 +154,8 @@ def engine_logprob_gap(reference: list[list[int]], outputs: list[list[int]], ref
 def rule(index: int, prompt: list[int], reference: list[int], output: list[int], *, eos_token_id: Any,
          reference_lps: Any, band: ServedBand, all_references: list[list[int]] | None = None,
          second_reference: list[int] | None = None, teacher_force: TeacherForce | None = None,
-         params: Any = None, reference_report: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The divergence record of prompt `index` (None when the output equals the reference's). `params`: the
+         params: Any = None, reference_report: dict[str, Any] | None = None) -> Divergence | None:
+    """The divergence of prompt `index` (None when the output equals the reference's). `params`: the
     request parameters both were sent (their stop ids stop a row; `min_tokens` names `logits_processor`)."""
     position = first_divergence(reference, output)
     if position is None:
@@ -157,45 +163,47 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
     ends = set(eos_ids(eos_token_id)) | set(params.stop_token_ids if params is not None else ())
     min_tokens = params.min_tokens if params is not None else 0
     r, e = token_at(reference, position), token_at(output, position)
-    record: dict[str, Any] = {"prompt_index": index, "position": position, "reference_token": r,
-                              "engine_token": e, "kind": "structural", "class": None, "needs_weights": False,
-                              "decided_by": None, "margin": None, "margin_exact": None, "band": band.width}
+
+    def ruled(kind: str, cls: str | None, decided_by: str, reason: str, margin: float | None = None,
+              exact: bool | None = None, bound: float | None = None, needs_weights: bool = False) -> Divergence:
+        evidence: dict[str, Any] = {"reason": reason, "margin_exact": exact}
+        if bound is not None:
+            evidence["margin_bound"] = bound
+        evidence["band"] = band.width
+        return served_divergence(index, position, r, e, kind, decided_by, evidence, prompt, reference, output,
+                                 cls=cls, margin=margin, needs_weights=needs_weights)
+
     # 1. another prompt's output
     if all_references is not None:
         others = other_references_matched(index, all_references, output)
         if others:
-            record.update({"class": "output_order", "decided_by": "output-match", "reason": (
-                f"the output is the reference's output for prompt {others[0]}, not this prompt's")})
-            return record
+            return ruled("structural", "output_order", "output-match",
+                         f"the output is the reference's output for prompt {others[0]}, not this prompt's")
     # 1b. min_tokens: a stop id the reference takes at or past min_tokens, or the engine takes before it
     if min_tokens and ((r in ends and e not in ends and position >= min_tokens)
                        or (e in ends and position < min_tokens)):
         who = (f"the reference stops with {r} at new token {position}, past min_tokens {min_tokens}, where the engine "
                f"goes on with {e}" if r in ends else
                f"the engine stops with {e} at new token {position}, inside min_tokens {min_tokens}")
-        record.update({"class": "logits_processor", "decided_by": "min-tokens", "reason": (
-            f"{who}: min_tokens applied past its end or not at all (both were sent the same request)")})
-        return record
+        return ruled("structural", "logits_processor", "min-tokens",
+                     f"{who}: min_tokens applied past its end or not at all (both were sent the same request)")
     # 2. one side ends
     stopped_on = (reference_report or {}).get("stop_reason")
     if r is None and isinstance(stopped_on, str) and params is not None and stopped_on in params.stop:
-        record.update({"class": "stop_string", "decided_by": "stop-string", "reason": (
+        return ruled("structural", "stop_string", "stop-string", (
             f"the reference stops at stop string {stopped_on!r} after {len(reference)} token(s); the engine, sent the "
-            f"same stop strings, returns {len(output) - len(reference)} token(s) after it")})
-        return record
+            f"same stop strings, returns {len(output) - len(reference)} token(s) after it"))
     if r is None or e is None:
         ended, other = ("reference", e) if r is None else ("engine", r)
         stop_eos = (reference and reference[-1] in ends) or (output and output[-1] in ends)
-        record.update({"class": "stop_eos" if stop_eos else "stop_length", "decided_by": "length", "reason": (
+        return ruled("structural", "stop_eos" if stop_eos else "stop_length", "length", (
             f"the {ended} output ends at position {position} where the other goes on with token {other}: a stop "
-            "decision, not a near-tie")})
-        return record
+            "decision, not a near-tie"))
     # 3. the reference's own re-run makes the same divergence
     if second_reference is not None and departs_at(reference, second_reference, position, e):
-        record.update({"kind": "numerical", "decided_by": "reference-rerun", "reason": (
+        return ruled("numerical", None, "reference-rerun", (
             f"the reference, asked again at another batch mix, also makes token {e} at position {position}: the "
-            "deployment's own nondeterminism")})
-        return record
+            "deployment's own nondeterminism"))
     # 4. the reference's margin at the common prefix
     top = reference_lps[position] if reference_lps and position < len(reference_lps) else None
     margin, exact = margin_in(top, r, e)
@@ -210,47 +218,66 @@ def rule(index: int, prompt: list[int], reference: list[int], output: list[int],
             m2, exact2 = margin_in(merged, r, e)
             if m2 is not None and exact2:
                 margin, exact, how = m2, True, "teacher-forced: the prefix and the engine's token sent as a prompt"
-    record.update(margin=margin, margin_exact=exact)
-    flip_class = "stop_eos" if (e in ends or r in ends) else None
     if margin is not None and exact and margin <= band.width:
-        record.update({"kind": "numerical", "decided_by": "reference-margin", "reason": (
+        return ruled("numerical", None, "reference-margin", (
             f"the reference's margin log p({r}) - log p({e}) = {margin:.3g} ({how}) lies within the band "
-            f"{band.width:.3g} measured for this deployment")})
-        return record
+            f"{band.width:.3g} measured for this deployment"), margin, exact)
+    bound = None
     if margin is None:
-        record.update({"decided_by": "reference-margin", "reason": (
-            "the reference reports no log-probabilities at this position: no margin, so no precision "
-            "control explains the divergence")})
+        reason = ("the reference reports no log-probabilities at this position: no margin, so no precision "
+                  "control explains the divergence")
     elif exact:
-        record.update({"decided_by": "reference-margin", "reason": (
-            f"the reference's margin log p({r}) - log p({e}) = {margin:.3g} ({how}) lies beyond the band "
-            f"{band.width:.3g} measured for this deployment")})
+        reason = (f"the reference's margin log p({r}) - log p({e}) = {margin:.3g} ({how}) lies beyond the band "
+                  f"{band.width:.3g} measured for this deployment")
     else:
-        record.update({"decided_by": "reference-margin", "margin_bound": margin, "reason": (
-            f"token {e} is outside the reference's top {len(top or {})} there: its margin is at least {margin:.3g}"
-            + (f", beyond the band {band.width:.3g}" if margin > band.width else
-               f" (within the band {band.width:.3g} only as a bound; teacher forcing gave nothing)"))})
-    if flip_class is not None:
-        record["class"] = flip_class
-    else:
-        record.update({"class": "unknown", "needs_weights": True, "cause": NEEDS_WEIGHTS})
-    return record
+        bound = margin
+        reason = (f"token {e} is outside the reference's top {len(top or {})} there: its margin is at least {margin:.3g}"
+                  + (f", beyond the band {band.width:.3g}" if margin > band.width else
+                     f" (within the band {band.width:.3g} only as a bound; teacher forcing gave nothing)"))
+    if e in ends or r in ends:
+        return ruled("structural", "stop_eos", "reference-margin", reason, margin, exact, bound)
+    return ruled("structural", "unknown", "reference-margin", reason, margin, exact, bound, needs_weights=True)
+
+
+def served_divergence(index: int, position: int | None, reference_token: int | None, engine_token: int | None,
+                      kind: str, decided_by: str, evidence: Mapping[str, Any], prompt: Sequence[int],
+                      reference: Sequence[int], output: Sequence[int], *, cls: str | None = None,
+                      margin: float | None = None, needs_weights: bool = False,
+                      detected_by: str = "tokens") -> Divergence:
+    """A served ruling (`rule`, `report_findings`, a failed request) as a divergence (rulings/record.py
+    `make_divergence`): no step traced, the context window around `position` (none for a finding about the
+    whole output), and for a structural one the class the ruling named (`named_by` its `decided_by`; `unknown`
+    with what would name it where outputs alone cannot, `needs_weights`)."""
+    reason = evidence.get("reason")
+    return make_divergence(
+        prompt_index=index, position=position, reference_token=reference_token, engine_token=engine_token,
+        margin=margin, kind=kind, decided_by=decided_by, detected_by=detected_by, evidence=evidence, step=None,
+        context=ABSENT if position is None else window(reference[:position], reference, output, position)[0],
+        diagnosis=ABSENT if kind != "structural" else named(
+            cls or "unknown", f"{reason}; {NEEDS_WEIGHTS}" if needs_weights else reason, decided_by,
+            needs_weights=needs_weights))
+
+
+def request_failed(index: int, reason: str, prompt: Sequence[int], reference: Sequence[int],
+                   output: Sequence[int]) -> Divergence:
+    """A request the engine answered with an error: structural, its class unknown (no tokens compared)."""
+    return served_divergence(index, 0, None, None, "structural",
+                             "request-failed", {"reason": reason}, prompt, reference, output)
 
 
 def report_findings(index: int, prompt: list[int], reference: list[int], output: list[int], report: dict[str, Any],
                     reference_lps: Any, band: ServedBand, eos_token_id: Any,
-                    reference_finish: str | None = None) -> list[dict[str, Any]]:
+                    reference_finish: str | None = None) -> list[Divergence]:
     """What the engine says beside its tokens, against the reference server's answer for the same
     prompt: usage counts, finish_reason where the tokens agree, reported log-probabilities of the chosen
     tokens against the reference's at the same prefix (beyond twice the band, at least `REPORT_FLOOR`)."""
-    findings: list[dict[str, Any]] = []
+    findings: list[Divergence] = []
     ends = set(eos_ids(eos_token_id))
 
     def finding(cls: str, decided_by: str, reason: str, position: int | None = None, **evidence: Any) -> None:
-        findings.append({"prompt_index": index, "position": position, "kind": "structural", "class": cls,
-                         "needs_weights": False, "decided_by": decided_by, "reason": reason,
-                         "reference_token": token_at(reference, position), "engine_token": token_at(output, position),
-                         "evidence": evidence, "detected_by": cls.split("_")[0]})
+        findings.append(served_divergence(index, position, token_at(reference, position), token_at(output, position),
+                                          "structural", decided_by, {**evidence, "reason": reason}, prompt, reference,
+                                          output, cls=cls, detected_by=cls.split("_")[0]))
 
     usage = report.get("usage") or {}
     returned = report.get("returned_tokens", len(output))
@@ -286,36 +313,3 @@ def report_findings(index: int, prompt: list[int], reference: list[int], output:
                     f"reference server {expected:.6g} at the same prefix (tolerance {tolerance:.3g})", p,
                     positions_off=[q for q, *_ in off], all_zero=zero)
     return findings
-
-
-CONTEXT_TOKENS = 16  # tokens of the common prefix a divergence's context shows; 8 after the split
-
-
-def as_divergence(record: dict[str, Any], prompt: Sequence[int], reference: Sequence[int],
-                  output: Sequence[int]) -> dict[str, Any]:
-    """A served ruling (`rule`, `report_findings`, a failed request) in the greedy audit's divergence schema:
-    `kind`, `decided_by`, `detected_by`, `margin`, `evidence` (the reason and the margin's details), `context`,
-    and for a structural one `diagnosis = {class, evidence, named_by, needs_weights, tried}`: the check that
-    named it is its ruling (`named_by` = `decided_by`)."""
-    flat = dict(record)
-    cls, needs = flat.pop("class", None), bool(flat.pop("needs_weights", False))
-    reason, cause = flat.pop("reason", None), flat.pop("cause", None)
-    evidence = {**(flat.pop("evidence", None) or {}), "reason": reason}
-    for key in ("margin_exact", "margin_bound", "band"):
-        if key in flat:
-            evidence[key] = flat.pop(key)
-    position = flat.get("position")
-    divergence: dict[str, Any] = {
-        "prompt_index": flat["prompt_index"], "position": position, "step": None,
-        "reference_token": flat.get("reference_token"), "engine_token": flat.get("engine_token"),
-        "margin": flat.get("margin"), "kind": flat["kind"], "decided_by": flat.get("decided_by"),
-        "detected_by": flat.get("detected_by", "tokens"), "evidence": evidence,
-    }
-    if position is not None:
-        common = list(prompt) + list(reference[:position])
-        divergence["context"] = {"common": common[-CONTEXT_TOKENS:], "reference": list(reference[position:position + 8]),
-                                 "engine": list(output[position:position + 8])}
-    if flat["kind"] == "structural":
-        divergence["diagnosis"] = {"class": cls or "unknown", "evidence": reason if not needs else f"{reason}; {cause}",
-                                   "named_by": flat.get("decided_by"), "needs_weights": needs, "tried": []}
-    return divergence

@@ -27,5 +27,5 @@ for cls in (EQSpec, GrammarNotRolledBack, BonusTokenUnmasked, MaskOnePositionOff
     for i,(o,r,p) in enumerate(zip(out, refs, params)):
         c = constraint_cause(i, p, r, o, [pair.eos_token_id], tok)
         v = violation_finding(i, p, o, [pair.eos_token_id], tok)
-        names.append(((c or {}).get("diagnosis",{}).get("class"), (v or {}).get("diagnosis",{}).get("class")))
+        names.append((c.diagnosis_class if c else None, v.diagnosis_class if v else None))
     print(cls.__name__, [o == r.tokens for o, r in zip(out, refs)], "accepted", acc, names)
