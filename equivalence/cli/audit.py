@@ -80,6 +80,7 @@ def _ratio(value: str) -> float:
 def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """`audit`, `pairs` and `engines` on the `specaudit` parser's subcommands."""
     from specaudit.equivalence.cli.request_args import add_request_arguments
+    from specaudit.equivalence.cli.search_args import add_search_arguments
     from specaudit.engines.registry import BUILTIN_ENGINES
     from specaudit.engines.models.zoo import builtin_pair_names
 
@@ -166,6 +167,7 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                                 "divergences are diagnosed without re-runs (default: --timeout)")
 
     add_request_arguments(audit)
+    add_search_arguments(audit)
 
     accept = audit.add_argument_group("acceptance per draft position (observed against expected)")
     accept.add_argument("--speculation", type=_speculation, default=None, metavar="SPEC",
@@ -202,6 +204,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     from specaudit.engines.models.zoo import builtin_pair_names
     from specaudit.engines.registry import black_box_prefix
     from specaudit.equivalence.cli.request_args import request_params_from_args
+    from specaudit.equivalence.cli.search_args import search_settings_from_args
     from specaudit.equivalence.pipeline import sampled
     from specaudit.equivalence.pipeline.settings import AuditSettings, SamplingSettings, UserPair
     from specaudit.equivalence.sampling.cli import refusal as sampled_refusal
@@ -250,6 +253,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         reference=args.reference, tokenizer=args.tokenizer,
         reference_batch_invariant=args.reference_batch_invariant,
         reference_top_logprobs=args.reference_top_logprobs, sampling=sampling,
+        search=search_settings_from_args(args),
     )
     if sampling is not None:
         refused = sampled.refusal(settings)
