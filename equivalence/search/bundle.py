@@ -81,3 +81,31 @@ def replay_search_bundle(bundle: dict[str, Any], pair: Any, engine: Any, engine_
              if d.get("kind") == "structural"]
     return {"exit_status": 1, "run": run,
             "message": "the finding reproduces: " + ("; ".join(found) or str(run.get("error")))}
+
+
+def is_search_bundle(path: Path | str) -> bool:
+    try:
+        return json.loads(Path(path).read_text()).get("format") == SEARCH_BUNDLE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def replay_from_args(args: Any, load_target: Any) -> int:
+    """`specaudit replay SEARCH_BUNDLE [--engine E] (--pair P | --target DIR)`: the bundle's requests sent again to
+    E (default: the engine the bundle was found on) and judged; exit 1 when the finding reproduces, else 0."""
+    from specaudit.engines.registry import make_engine
+
+    bundle = json.loads(Path(args.bundle).read_text())
+    s = bundle["settings"]
+    dtype = args.dtype or s["dtype"]
+    pair = load_target(args, dtype)
+    replay = pair if dtype == "float64" else load_target(args, "float64")
+    name = args.engine or bundle["engine"]
+    engine = make_engine(name, pair.target, pair.draft, batch_size=int(s.get("batch_size") or 1),
+                         draft_tokens=int(s.get("draft_tokens") or 4), pad_token_id=pair.pad_token_id)
+    bundle = {**bundle, "settings": {**s, "dtype": dtype}}
+    result = replay_search_bundle(bundle, pair, engine, name, replay)
+    print(f"search bundle: {len(bundle['requests'])} request(s) in waves {bundle['waves']}, found on "
+          f"{bundle['engine']} ({bundle['pair']}, batch size {s.get('batch_size')}, {s['dtype']}); sent to {name}")
+    print(result["message"])
+    return int(result["exit_status"])

@@ -76,7 +76,9 @@ class RequestMixes(RuleBasedStateMachine):
     @rule(data=st.data())
     def shared_prefix(self, data: st.DataObject) -> None:
         ctx = self.context
-        earlier = data.draw(st.integers(0, len(self.mix.requests) - 1), label="shares with")
+        # counted back from the latest request (the shrink target): the one most likely still in flight
+        earlier = len(self.mix.requests) - 1 - data.draw(st.integers(0, len(self.mix.requests) - 1),
+                                                         label="shares with (back from the latest)")
         base = self.mix.requests[earlier].prompt
         length = data.draw(prefix_lengths(max_length=len(base)), label="prefix length")
         tail = tuple(data.draw(st.lists(st.integers(0, ctx.vocab_size - 1), min_size=1, max_size=16), label="tail"))
@@ -85,7 +87,8 @@ class RequestMixes(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.mix.requests))
     @rule(data=st.data())
     def identical(self, data: st.DataObject) -> None:
-        earlier = data.draw(st.integers(0, len(self.mix.requests) - 1), label="repeats")
+        earlier = len(self.mix.requests) - 1 - data.draw(st.integers(0, len(self.mix.requests) - 1),
+                                                         label="repeats (back from the latest)")
         base = self.mix.requests[earlier].prompt
         self._add(data, "identical", base, earlier, len(base))
 

@@ -107,7 +107,7 @@ class SearchOracle(WeightsOracle):
         audit["config"]["prompts"] = f"drawn by the search (pool: {self.settings.prompts})"
         audit["config"]["num_prompts"] = None
 
-    def greedy_run(self, engine_name: str, batch_size: int) -> dict[str, Any]:
+    def greedy_run(self, engine_name: str, batch_size: int, show_progress: bool = True) -> dict[str, Any]:
         from specaudit.equivalence.search.coverage import write_search_report
         from specaudit.equivalence.search.run import search
 
@@ -127,7 +127,7 @@ class SearchOracle(WeightsOracle):
             result = search(judging, search_settings=settings.search, pool=[list(p) for p in self.pool],
                             vocab_size=int(pair.target.config.vocab_size), out_dir=self.out_dir,
                             bad_words_as_text=black_box_prefix(engine_name) == "vllm", bundles=settings.bundles,
-                            target=target)
+                            target=target, progress=show_progress)
             write_search_report(self.out_dir, result.run)
             return result.run
         except KeyboardInterrupt:
@@ -151,4 +151,4 @@ class SearchJudge:
         oracle.open_greedy()
 
     def run(self, engine: str, batch_size: int, oracle: SearchOracle, progress: Any = None) -> Run:
-        return run_from_json(oracle.greedy_run(engine, batch_size))
+        return run_from_json(oracle.greedy_run(engine, batch_size, show_progress=progress is not None))

@@ -231,6 +231,6 @@ def merged_record(judged: list[tuple[Mix, dict[str, Any]]], finding: Mix | None,
             "coverage": result.coverage.to_dict(), "server_events": result.events or None},
     })
     if finding is None:
-        base.pop("error", None)
+        base["error"] = None
         base.pop("failed", None)
     return base

@@ -1,8 +1,8 @@
 """The search's Hypothesis strategies: one request's prompt, parameters and arrival.
 
 As property_tests/strategies.py: keyword-only bounds, everything random from Hypothesis draws, and shrinking
-toward the small case: short prompts, a prefix of one token, each parameter family off unless the draw turns it
-on (`st.booleans()` shrinks to False), the smallest numbers, a request that arrives alone.
+toward the small case: a pool prompt as the fixed audit sends it, a prefix of one token, each parameter family off unless the draw turns it
+on (`st.booleans()` shrinks to False), the smallest numbers, requests in flight together (one wave).
 
 Parameters are drawn from what the reference itself continues with (`Continuation`): a stop string is a piece of
 the reference's own text, a stop id or a logit-biased id one of its own tokens, so that they land inside the
@@ -21,7 +21,7 @@ from specaudit.engines.requests import RequestParams
 # the parameter families a request may draw, each on or off (a family off is the shrink target)
 FAMILIES = ("stop", "stop_token_ids", "max_tokens", "min_tokens", "penalties", "logit_bias", "bad_words",
             "logprobs", "seed")
-ARRIVALS = ("alone", "join", "after")  # a wave of its own; in flight with the wave before; a new wave others join
+ARRIVALS = ("join", "after", "alone")  # in flight with the wave before; a new wave others join; a wave of its own
 PROMPT_KINDS = ("fresh", "shared", "identical")
 FRESH_KINDS = ("pool", "random", "repeated")  # a pool prompt cut short, random ids, a repeated segment
 BLOCK_SIZE = 16  # vLLM's default KV block: prefix-cache hits come in whole blocks
@@ -39,13 +39,16 @@ class Continuation:
 
 @st.composite
 def prefix_lengths(draw: st.DrawFn, *, max_length: int, block_size: int = BLOCK_SIZE) -> int:
-    """How many tokens a prompt shares with an earlier one (1 to `max_length`): any length, a whole number of
-    blocks or one token either side of it, or around a power of two. Shrinks toward 1."""
+    """How many tokens a prompt shares with an earlier one (1 to `max_length`): any length, all of it but a few
+    tokens (a cached prefix, then a new tail), a whole number of blocks or one token either side of it, or around a
+    power of two. Shrinks toward 1."""
     if max_length <= 1:
         return 1
-    kind = draw(st.sampled_from(("any", "block", "power")))
+    kind = draw(st.sampled_from(("any", "most", "block", "power")))
     if kind == "any":
         return draw(st.integers(1, max_length))
+    if kind == "most":
+        return max(1, max_length - draw(st.integers(1, 4)))
     if kind == "block" and max_length >= block_size:
         blocks = draw(st.integers(1, max_length // block_size))
         return min(max_length, max(1, blocks * block_size + draw(st.sampled_from((0, -1, 1)))))
@@ -56,13 +59,16 @@ def prefix_lengths(draw: st.DrawFn, *, max_length: int, block_size: int = BLOCK_
 @st.composite
 def fresh_prompts(draw: st.DrawFn, *, pool: Sequence[Sequence[int]], vocab_size: int, min_length: int = 1,
                   max_length: int = 64) -> tuple[str, tuple[int, ...]]:
-    """(kind, prompt ids): a prompt of the pool cut to a drawn length, random ids, or a segment repeated (its
-    continuation repeats too: what an n-gram drafter proposes from). Shrinks toward one short pool prompt."""
+    """(kind, prompt ids): a prompt of the pool, whole or cut to a drawn length, random ids, or a segment repeated (its
+    continuation repeats too: what an n-gram drafter proposes from). Shrinks toward a whole pool prompt (what the fixed
+    audit sends), then a shorter cut of it."""
     kinds = FRESH_KINDS if pool else FRESH_KINDS[1:]
     kind = draw(st.sampled_from(kinds))
     if kind == "pool":
         source = list(draw(st.sampled_from(list(pool))))
-        length = draw(st.integers(min(min_length, len(source)), min(max_length, len(source))))
+        cut = draw(st.booleans())  # the whole prompt (up to max_length; the shrink target), or cut to a drawn length
+        length = (min(max_length, len(source)) if not cut else
+                  draw(st.integers(min(min_length, len(source)), min(max_length, len(source)))))
         return kind, tuple(source[:max(1, length)])
     if kind == "random":
         return kind, tuple(draw(st.lists(st.integers(0, vocab_size - 1), min_size=min_length, max_size=max_length)))
@@ -136,7 +142,7 @@ def request_params(draw: st.DrawFn, *, continuation: Continuation, vocab_size: i
 
 
 def arrivals() -> st.SearchStrategy[str]:
-    """How a request arrives: alone (a wave of its own), joining the wave before it (in flight together, one
-    `generate` call for an in-process engine), or after the waves before it finished (a new wave others may
-    join). Shrinks toward alone."""
+    """How a request arrives: joining the wave before it (in flight together, one `generate` call for an in-process
+    engine), after the waves before it finished (a new wave others may join), or alone (a wave of its own). Shrinks
+    toward joining: a mix whose failure does not need the order is sent as one batch, as the fixed audit sends."""
     return st.sampled_from(ARRIVALS)
