@@ -85,6 +85,7 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
     """`audit`, `pairs` and `engines` on the `specaudit` parser's subcommands."""
     from specaudit.equivalence.cli.request_args import add_request_arguments
     from specaudit.equivalence.sampling import cli as sampling_cli
+    from specaudit.equivalence.cli.search_args import add_search_arguments
     from specaudit.engines.registry import BUILTIN_ENGINES
     from specaudit.engines.models.zoo import builtin_pair_names
 
@@ -201,6 +202,7 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
 
     add_request_arguments(audit)  # requests, structured
     sampling_cli.add_options(audit)  # sampling
+    add_search_arguments(audit)  # search
 
     out = named_group(audit, "output", "output", "repro bundles, the progress bar")
     out.add_argument("--no-bundles", action="store_true",
@@ -222,6 +224,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     from specaudit.engines.models.zoo import builtin_pair_names
     from specaudit.engines.registry import black_box_prefix
     from specaudit.equivalence.cli.request_args import request_params_from_args
+    from specaudit.equivalence.cli.search_args import search_settings_from_args
     from specaudit.equivalence.pipeline import sampled
     from specaudit.equivalence.pipeline.settings import AuditSettings, SamplingSettings, UserPair
     from specaudit.equivalence.sampling.cli import refusal as sampled_refusal
@@ -270,6 +273,7 @@ def settings_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         reference=args.reference, tokenizer=args.tokenizer,
         reference_batch_invariant=args.reference_batch_invariant,
         reference_top_logprobs=args.reference_top_logprobs, sampling=sampling,
+        search=search_settings_from_args(args),
     )
     if sampling is not None:
         refused = sampled.refusal(settings)

@@ -129,6 +129,9 @@ def add_parsers(commands: Any, formatter: type) -> None:
     _add_target_options(replay)
     replay.add_argument("--dtype", default=None, choices=["float64", "float32", "bfloat16", "float16"],
                         help="the reference's dtype (default: the bundle's)")
+    replay.add_argument("--engine", default=None, metavar="E",
+                        help="a search bundle (OUT/bundles/search-*.json): send its requests to this engine and judge "
+                             "them (default: the engine it was found on); exit 1 when the finding reproduces")
     cli_record.add_parser(commands, formatter)
 
 
@@ -207,7 +210,13 @@ def run_diff(args: argparse.Namespace) -> int:
 
 def run_replay(args: argparse.Namespace) -> int:
     from specaudit.equivalence.blackbox.bundles import read_bundle, replay_bundle
+    from specaudit.equivalence.search.bundle import is_search_bundle, replay_from_args
 
+    if is_search_bundle(args.bundle):  # a search's shrunk mix: sent again to an engine and judged
+        return replay_from_args(args, _load_target)
+    if args.engine is not None:
+        raise ValueError("--engine replays a search bundle (OUT/bundles/search-*.json); this bundle's divergence "
+                         "is re-checked against the reference alone: drop --engine")
     bundle = read_bundle(args.bundle)
     dtype = args.dtype or bundle["settings"]["dtype"]
     pair = _load_target(args, dtype)

@@ -132,6 +132,10 @@ class Composition:
 def compose(settings: AuditSettings, out_dir: Path) -> Composition:
     """The one place that reads the composition's choices off the settings: every input checked before a model
     is loaded or a request sent (`UsageError`, exit 2), then the judge and the oracles."""
+    if settings.search is not None:  # the workload drawn instead of fixed (equivalence/search/pipeline.py)
+        from specaudit.equivalence.search.pipeline import composition
+
+        return Composition(*composition(settings, out_dir))
     served_reference, sampled_mode = settings.oracle == "served", settings.mode == "sampled"
     if served_reference:
         from specaudit.equivalence.pipeline import served

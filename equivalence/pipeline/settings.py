@@ -52,6 +52,25 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class SearchSettings:
+    """The workload drawn instead of fixed (`--search`, equivalence/search/): a Hypothesis state machine of
+    request mixes. The budget is examples or minutes (exactly one of them), `seed` derandomizes the draws."""
+
+    examples: int | None = 50  # examples judged (None: `minutes` decides)
+    minutes: float | None = None
+    seed: int = 0
+    max_requests: int = 6  # requests per example (Hypothesis's steps of the state machine)
+    diagnosis: str = "off"  # during the search ("off" or "quick"); the shrunk case gets "full"
+    # the parameter families drawn (equivalence/search/strategies.py FAMILIES); None: every one
+    families: tuple[str, ...] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"examples": self.examples, "minutes": self.minutes, "seed": self.seed,
+                "max_requests": self.max_requests, "diagnosis": self.diagnosis,
+                "families": None if self.families is None else list(self.families)}
+
+
+@dataclass(frozen=True)
 class AuditSettings:
     engines: list[str]
     pairs: list[str | UserPair] = field(default_factory=list)
@@ -90,6 +109,7 @@ class AuditSettings:
     reference_top_logprobs: int = 5
     # the judge: None, greedy tokens; else sampled statistics
     sampling: SamplingSettings | None = None
+    search: SearchSettings | None = None  # the workload: None, the fixed prompt set; else drawn (--search)
 
     @property
     def oracle(self) -> Oracle:
@@ -118,6 +138,8 @@ class AuditSettings:
             "request_params": self.request_params.to_dict() if self.request_params is not None else None,
             "oracle": self.oracle, "judge": self.mode,  # "judge": the key earlier versions wrote
         }
+        if self.search is not None:
+            data["search"] = self.search.to_dict()
         if self.reference is not None:
             data.update(reference=self.reference, tokenizer=self.tokenizer,
                         reference_batch_invariant=self.reference_batch_invariant,

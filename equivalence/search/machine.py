@@ -1,0 +1,116 @@
+"""The Hypothesis state machine that draws request mixes (equivalence/search/model.py `Mix`).
+
+Each step is one request: a fresh prompt, a prompt sharing a prefix of a drawn length with an earlier request,
+or an earlier request's prompt again, each with its own parameters and arrival (equivalence/search/strategies.py).
+The example is judged once, at teardown, as the greedy audit judges a run (equivalence/search/judging.py); a run
+that does not pass fails the example, and Hypothesis shrinks the steps (fewer requests, shorter prompts, fewer
+parameters, simpler arrivals) to a minimal mix that still fails. Every step says what it drew (`note`), and
+`target` steers the search toward mixes with more parameter families and longer shared prefixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hypothesis import note, reject, target
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from specaudit.equivalence.search.judging import failed
+from specaudit.equivalence.search.model import Mix, Request, families_of
+from specaudit.equivalence.search.strategies import FAMILIES, arrivals, fresh_prompts, prefix_lengths, request_params
+
+
+class MixFailed(AssertionError):
+    """A drawn mix whose run does not pass the audit."""
+
+
+@dataclass
+class MachineContext:
+    """What every example of one search shares (set on the machine's class by `machine_for`)."""
+
+    judging: Any  # equivalence/search/judging.py `Judging`
+    pool: list[list[int]]  # prompts fresh ones are cut from
+    vocab_size: int
+    max_prompt_length: int = 64
+    families: tuple[str, ...] = FAMILIES
+    bad_words_as_text: bool = False
+    diagnosis: str = "off"
+    expired: Callable[[], bool] = lambda: False  # the budget in minutes spent: no more examples
+    on_judged: Callable[[Mix, dict[str, Any], bool], None] = lambda mix, run, failed: None
+    failures: list[tuple[Mix, dict[str, Any]]] = field(default_factory=list)  # the last is the shrunk one
+
+
+class RequestMixes(RuleBasedStateMachine):
+    context: MachineContext  # set by `machine_for`
+
+    def __init__(self) -> None:
+        if self.context.expired():
+            reject()  # the budget is spent: Hypothesis stops after a run of rejected examples
+        super().__init__()
+        self.mix = Mix()
+
+    def _add(self, data: st.DataObject, kind: str, prompt: tuple[int, ...], shared_with: int | None = None,
+             shared_length: int = 0) -> None:
+        ctx = self.context
+        continuation = ctx.judging.continuation(prompt)
+        params = data.draw(request_params(continuation=continuation, vocab_size=ctx.vocab_size,
+                                          max_new_tokens=ctx.judging.settings.max_new_tokens, families=ctx.families,
+                                          bad_words_as_text=ctx.bad_words_as_text), label="params")
+        arrival = data.draw(arrivals(), label="arrival")
+        self.mix.requests.append(Request(prompt, params, arrival, kind, shared_with, shared_length))
+        note(f"request {len(self.mix.requests) - 1}: {kind} prompt of {len(prompt)} tokens"
+             + (f" sharing {shared_length} with request {shared_with}" if shared_with is not None else "")
+             + f", {arrival}, params {params.to_dict()}")
+
+    @rule(data=st.data())
+    def fresh(self, data: st.DataObject) -> None:
+        ctx = self.context
+        kind, prompt = data.draw(fresh_prompts(pool=ctx.pool, vocab_size=ctx.vocab_size,
+                                               max_length=ctx.max_prompt_length), label="fresh prompt")
+        note(f"fresh prompt ({kind})")
+        self._add(data, "fresh", prompt)
+
+    @precondition(lambda self: bool(self.mix.requests))
+    @rule(data=st.data())
+    def shared_prefix(self, data: st.DataObject) -> None:
+        ctx = self.context
+        # counted back from the latest request (the shrink target): the one most likely still in flight
+        earlier = len(self.mix.requests) - 1 - data.draw(st.integers(0, len(self.mix.requests) - 1),
+                                                         label="shares with (back from the latest)")
+        base = self.mix.requests[earlier].prompt
+        length = data.draw(prefix_lengths(max_length=len(base)), label="prefix length")
+        tail = tuple(data.draw(st.lists(st.integers(0, ctx.vocab_size - 1), min_size=1, max_size=16), label="tail"))
+        self._add(data, "shared", base[:length] + tail, earlier, length)
+
+    @precondition(lambda self: bool(self.mix.requests))
+    @rule(data=st.data())
+    def identical(self, data: st.DataObject) -> None:
+        earlier = len(self.mix.requests) - 1 - data.draw(st.integers(0, len(self.mix.requests) - 1),
+                                                         label="repeats (back from the latest)")
+        base = self.mix.requests[earlier].prompt
+        self._add(data, "identical", base, earlier, len(base))
+
+    def teardown(self) -> None:
+        ctx, mix = self.context, self.mix
+        if not mix.requests:
+            return
+        target(float(len({f for r in mix.requests for f in families_of(r.params)})), label="parameter families")
+        target(float(max((r.shared_length for r in mix.requests if r.kind == "shared"), default=0)),
+               label="shared prefix tokens")
+        target(float(max(len(w) for w in mix.waves())), label="requests in flight together")
+        run = ctx.judging.judge(mix, ctx.diagnosis)
+        bad = failed(run)
+        ctx.on_judged(mix, run, bad)
+        if bad:
+            ctx.failures.append((mix, run))
+            found = [f"request {d.get('prompt_index')} at {d.get('position')}: {(d.get('diagnosis') or {}).get('class')}"
+                     for d in run.get("divergences") or [] if d.get("kind") == "structural"]
+            raise MixFailed(f"{len(mix.requests)} request(s) in {len(mix.waves())} wave(s) not equivalent: "
+                            + ("; ".join(found) or str(run.get("error"))))
+
+
+def machine_for(context: MachineContext) -> type[RequestMixes]:
+    """A state-machine class bound to one search's context."""
+    return type("RequestMixes", (RequestMixes,), {"context": context})

@@ -1,0 +1,148 @@
+"""The search's Hypothesis strategies: one request's prompt, parameters and arrival.
+
+As property_tests/strategies.py: keyword-only bounds, everything random from Hypothesis draws, and shrinking
+toward the small case: a pool prompt as the fixed audit sends it, a prefix of one token, each parameter family off unless the draw turns it
+on (`st.booleans()` shrinks to False), the smallest numbers, requests in flight together (one wave).
+
+Parameters are drawn from what the reference itself continues with (`Continuation`): a stop string is a piece of
+the reference's own text, a stop id or a logit-biased id one of its own tokens, so that they land inside the
+output, where a speculative engine's accepted chunk can complete them mid-burst.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hypothesis import strategies as st
+
+from specaudit.engines.requests import RequestParams
+
+# the parameter families a request may draw, each on or off (a family off is the shrink target)
+FAMILIES = ("stop", "stop_token_ids", "max_tokens", "min_tokens", "penalties", "logit_bias", "bad_words",
+            "logprobs", "seed")
+ARRIVALS = ("join", "after", "alone")  # in flight with the wave before; a new wave others join; a wave of its own
+PROMPT_KINDS = ("fresh", "shared", "identical")
+FRESH_KINDS = ("pool", "random", "repeated")  # a pool prompt cut short, random ids, a repeated segment
+BLOCK_SIZE = 16  # vLLM's default KV block: prefix-cache hits come in whole blocks
+STOP_ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"
+FFFD = "\ufffd"  # a multi-byte character split across tokens: never part of a drawn stop string
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The reference's plain greedy continuation of one prompt: what the drawn parameters are taken from."""
+
+    tokens: tuple[int, ...]
+    text: str  # the tokens decoded ("" without a tokenizer)
+
+
+@st.composite
+def prefix_lengths(draw: st.DrawFn, *, max_length: int, block_size: int = BLOCK_SIZE) -> int:
+    """How many tokens a prompt shares with an earlier one (1 to `max_length`): any length, all of it but a few
+    tokens (a cached prefix, then a new tail), a whole number of blocks or one token either side of it, or around a
+    power of two. Shrinks toward 1."""
+    if max_length <= 1:
+        return 1
+    kind = draw(st.sampled_from(("any", "most", "block", "power")))
+    if kind == "any":
+        return draw(st.integers(1, max_length))
+    if kind == "most":
+        return max(1, max_length - draw(st.integers(1, 4)))
+    if kind == "block" and max_length >= block_size:
+        blocks = draw(st.integers(1, max_length // block_size))
+        return min(max_length, max(1, blocks * block_size + draw(st.sampled_from((0, -1, 1)))))
+    power = draw(st.integers(0, max(0, max_length.bit_length() - 1)))
+    return min(max_length, max(1, 2 ** power + draw(st.sampled_from((0, -1, 1)))))
+
+
+@st.composite
+def fresh_prompts(draw: st.DrawFn, *, pool: Sequence[Sequence[int]], vocab_size: int, min_length: int = 1,
+                  max_length: int = 64) -> tuple[str, tuple[int, ...]]:
+    """(kind, prompt ids): a prompt of the pool, whole or cut to a drawn length, random ids, or a segment repeated (its
+    continuation repeats too: what an n-gram drafter proposes from). Shrinks toward a whole pool prompt (what the fixed
+    audit sends), then a shorter cut of it."""
+    kinds = FRESH_KINDS if pool else FRESH_KINDS[1:]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "pool":
+        source = list(draw(st.sampled_from(list(pool))))
+        cut = draw(st.booleans())  # the whole prompt (up to max_length; the shrink target), or cut to a drawn length
+        length = (min(max_length, len(source)) if not cut else
+                  draw(st.integers(min(min_length, len(source)), min(max_length, len(source)))))
+        return kind, tuple(source[:max(1, length)])
+    if kind == "random":
+        return kind, tuple(draw(st.lists(st.integers(0, vocab_size - 1), min_size=min_length, max_size=max_length)))
+    segment = draw(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=8))
+    if pool and draw(st.booleans()):  # a piece of real text repeated
+        source = list(draw(st.sampled_from(list(pool))))
+        start = draw(st.integers(0, max(0, len(source) - 1)))
+        segment = source[start:start + draw(st.integers(1, 12))] or segment
+    repeats = draw(st.integers(2, max(2, max_length // len(segment))))
+    return kind, tuple((segment * repeats)[:max_length])
+
+
+@st.composite
+def stop_strings(draw: st.DrawFn, *, text: str, max_length: int = 4) -> str:
+    """A piece of `text` (the reference's continuation), so that it completes inside the output; with no usable
+    text, a short string of letters."""
+    spans = [i for i, c in enumerate(text) if c != FFFD and not c.isspace()]
+    if not spans:
+        return draw(st.text(STOP_ALPHABET.strip(), min_size=1, max_size=max_length))
+    start = draw(st.sampled_from(spans))
+    length = draw(st.integers(1, max_length))
+    piece = text[start:start + length].split(FFFD)[0]
+    return piece or text[start]
+
+
+@st.composite
+def request_params(draw: st.DrawFn, *, continuation: Continuation, vocab_size: int, max_new_tokens: int,
+                   families: Sequence[str] = FAMILIES, bad_words_as_text: bool = False) -> RequestParams:
+    """One request's parameters, each family of `families` drawn on or off, its values taken from the reference's
+    `continuation` where they then bite: stop strings from its text, stop ids, logit-biased ids and banned words from
+    its tokens; a small `max_tokens` (a stop or EOS near the budget's end), `min_tokens`, penalties, top
+    log-probabilities and a seed (greedy: it must change nothing). `bad_words_as_text`: the words as text (vLLM
+    takes no ids), else as token ids."""
+    tokens = list(continuation.tokens) or [0]
+    values: dict = {}
+    on = set(families)
+    if "stop" in on and draw(st.booleans()):
+        values["stop"] = tuple(draw(st.lists(stop_strings(text=continuation.text), min_size=1, max_size=2,
+                                             unique=True)))
+    if "stop_token_ids" in on and draw(st.booleans()):
+        values["stop_token_ids"] = tuple(draw(st.lists(st.sampled_from(tokens), min_size=1, max_size=2, unique=True)))
+    if "max_tokens" in on and draw(st.booleans()):
+        values["max_tokens"] = draw(st.integers(1, max(1, max_new_tokens)))
+    if "min_tokens" in on and draw(st.booleans()):
+        values["min_tokens"] = draw(st.integers(1, min(8, values.get("max_tokens", max_new_tokens))))
+    if "penalties" in on and draw(st.booleans()):
+        values["repetition_penalty"] = draw(st.sampled_from((1.0, 1.3, 2.0, 0.8, 1.1)))
+        values["frequency_penalty"] = draw(st.sampled_from((0.0, 1.0, 0.4, -0.3, 2.0)))
+        values["presence_penalty"] = draw(st.sampled_from((0.0, 1.0, 0.5, -0.5, 2.0)))
+    if "logit_bias" in on and draw(st.booleans()):
+        ids = draw(st.lists(st.one_of(st.sampled_from(tokens), st.integers(0, vocab_size - 1)), min_size=1,
+                            max_size=2, unique=True))
+        values["logit_bias"] = tuple((i, draw(st.sampled_from((-100.0, -5.0, 5.0, 100.0)))) for i in ids)
+    if "bad_words" in on and draw(st.booleans()):
+        start = draw(st.integers(0, len(tokens) - 1))
+        word = tuple(tokens[start:start + draw(st.integers(1, 2))])
+        if bad_words_as_text:
+            text = continuation.text.strip()
+            if text:
+                begin = draw(st.integers(0, len(text) - 1))
+                values["bad_words_text"] = (text[begin:begin + draw(st.integers(1, 4))].split(FFFD)[0] or text[0],)
+        else:
+            values["bad_words"] = (word,)
+    if "logprobs" in on and draw(st.booleans()):
+        values["logprobs"] = draw(st.integers(0, 5))
+    if "seed" in on and draw(st.booleans()):
+        values["seed"] = draw(st.integers(0, 2 ** 16))
+    if values.get("min_tokens") and values.get("max_tokens") and values["min_tokens"] > values["max_tokens"]:
+        values["min_tokens"] = values["max_tokens"]
+    return RequestParams(**values)
+
+
+def arrivals() -> st.SearchStrategy[str]:
+    """How a request arrives: joining the wave before it (in flight together, one `generate` call for an in-process
+    engine), after the waves before it finished (a new wave others may join), or alone (a wave of its own). Shrinks
+    toward joining: a mix whose failure does not need the order is sent as one batch, as the fixed audit sends."""
+    return st.sampled_from(ARRIVALS)

@@ -1,0 +1,197 @@
+"""The search over workloads (equivalence/search/) against a fake vLLM that decodes with the tiny model
+(tests/request_server.py), with three bugs planted that the fixed audit (the built-in prompts, no parameters)
+does not see: a stop string completed inside an accepted burst (vllm #47616), the frequency and presence penalties
+dropped (vllm #18902), and a wrong first token for a prompt that shares a prefix with an earlier one (a stale
+prefix-cache entry). The search finds each within a small budget, shrinks it to at most 3 requests and writes a
+bundle that replays; the correct server gives no finding in the same budget; the same seed draws the same."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from hex_tokenizer import hex_pair
+from fake_server import FakeServer
+from request_server import vllm_answer
+
+import cli_run
+from specaudit.engines.adapters.servers import VLLMEngine
+from specaudit.engines.models import zoo
+from specaudit.equivalence.audit import RunSettings, audit_engine
+from specaudit.equivalence.pipeline.settings import SearchSettings
+from specaudit.equivalence.search.bundle import replay_search_bundle
+from specaudit.equivalence.search.judging import Judging, JudgingSettings
+from specaudit.equivalence.search.run import search
+
+EOS = 258
+MAX_NEW = 10
+BUDGET = 30  # examples
+SHARED = 6  # tokens a prompt shares with one in flight for the planted prefix-cache bug
+IN_FLIGHT_S = 0.2
+# what the fake server implements (it reads no bad words and reports one log-probability per token)
+FAMILIES = ("stop", "stop_token_ids", "max_tokens", "min_tokens", "penalties", "logit_bias")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return hex_pair()
+
+
+def pool():
+    return [list(t.encode()) for t in ("The cat sat on the mat by the door", "Hello there, how are you today?")]
+
+
+def penalties_dropped(pair):
+    """vllm #18902: the frequency and presence penalties not applied."""
+    correct = vllm_answer(pair.target, pair.tokenizer, EOS)
+
+    def answer(path, body):
+        return correct(path, {**body, "frequency_penalty": 0.0, "presence_penalty": 0.0})
+
+    return answer
+
+
+def common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def stale_prefix(pair):
+    """A request that arrives while another is in flight whose prompt shares at least its first SHARED tokens, the
+    two parting before either ends (a prefix cached by the one in flight, then a new tail), gets a wrong first
+    token. Each request stays in flight for IN_FLIGHT_S, so that the requests of one wave overlap. The built-in
+    prompts share prefixes only whole (identical prompts, a prompt that is another's start)."""
+    correct = vllm_answer(pair.target, pair.tokenizer, EOS)
+    in_flight, lock = [], threading.Lock()
+
+    def answer(path, body):
+        prompt = tuple(body["prompt"])
+        with lock:
+            hit = any(SHARED <= common(p, prompt) < min(len(p), len(prompt)) for p in in_flight)
+            in_flight.append(prompt)
+        try:
+            time.sleep(IN_FLIGHT_S)
+            status, out = correct(path, body)
+        finally:
+            with lock:
+                in_flight.remove(prompt)
+        choice = out["choices"][0]
+        if hit and choice["token_ids"]:
+            choice["token_ids"][0] = (choice["token_ids"][0] + 1) % 256
+        return status, out
+
+    return answer
+
+
+ANSWERS = {"stop_tail": lambda pair: vllm_answer(pair.target, pair.tokenizer, EOS, "stop_tail"),
+           "penalties": penalties_dropped, "prefix": stale_prefix,
+           "correct": lambda pair: vllm_answer(pair.target, pair.tokenizer, EOS)}
+
+
+def searched(pair, answer, tmp_path, seed=0, examples=BUDGET):
+    with FakeServer(answer) as server:
+        judging = Judging(pair, VLLMEngine(server.url), JudgingSettings("vllm:fake", 1, "float64", MAX_NEW, EOS))
+        result = search(judging, search_settings=SearchSettings(examples=examples, seed=seed, max_requests=4,
+                                                                families=FAMILIES),
+                        pool=pool(), vocab_size=259, out_dir=tmp_path, progress=False, log=lambda line: None)
+    return result
+
+
+def fixed_audit(pair, answer):
+    """The audit with the built-in prompts and no request parameters."""
+    prompts = zoo.builtin_prompts()
+    with FakeServer(answer) as server:
+        return audit_engine(VLLMEngine(server.url, batch_size=8), pair, prompts, RunSettings(
+            max_new_tokens=MAX_NEW, eos_token_id=EOS, dtype="float64", engine_name="vllm:fake", batch_size=1))
+
+
+@pytest.mark.parametrize("bug, expected", [("stop_tail", "stop_string"), ("penalties", "logits_processor"),
+                                           ("prefix", None)])
+def test_search_finds_what_the_fixed_audit_misses_and_shrinks_it(pair, tmp_path, bug, expected):
+    fixed = fixed_audit(pair, ANSWERS[bug](pair))
+    assert fixed["equivalent"] and fixed["divergences"] == [], fixed["divergences"]
+
+    result = searched(pair, ANSWERS[bug](pair), tmp_path)
+    print(f"{bug}: found after {result.found_after} examples, {result.examples} judged with shrinking")
+    assert result.finding is not None and result.found_after <= BUDGET, result.run["search"]
+    assert len(result.finding.requests) <= 3
+    run = result.run
+    assert not run["equivalent"] and run["structural_divergences"] >= 1
+    classes = {d["diagnosis"]["class"] for d in run["divergences"] if d["kind"] == "structural"}
+    if expected is not None:
+        assert expected in classes, run["divergences"]
+    if bug == "prefix":  # needs two requests in flight together, sharing a prefix
+        assert len(result.finding.requests) == 2, result.finding
+        first, second = (r.prompt for r in result.finding.requests)
+        assert SHARED <= common(first, second) < min(len(first), len(second))
+        assert result.finding.waves() == [[0, 1]]
+    # the divergences point at the shrunk case, the last requests of the record's prompts
+    offset = run["search"]["finding"]["prompt_offset"]
+    assert all(d["prompt_index"] >= offset for d in run["divergences"])
+    assert run["num_prompts"] == len(run["prompts"]) == offset + len(result.finding.requests)
+
+    # the bundle: the requests as sent, the answers, and a replay that judges them again
+    bundle = json.loads(result.bundle.read_text())
+    assert [r["prompt_ids"] for r in bundle["requests"]] == [list(r.prompt) for r in result.finding.requests]
+    assert len(bundle["engine_outputs"]) == len(bundle["reference_outputs"]) == len(bundle["requests"])
+    assert bundle["engine_outputs"] != bundle["reference_outputs"]
+    for answer, status in ((ANSWERS[bug](pair), 1), (ANSWERS["correct"](pair), 0)):
+        with FakeServer(answer) as server:
+            replayed = replay_search_bundle(bundle, pair, VLLMEngine(server.url), "vllm:fake")
+        assert replayed["exit_status"] == status, replayed["message"]
+
+
+def test_correct_server_gives_no_finding_and_the_same_seed_draws_the_same(pair, tmp_path):
+    first = searched(pair, ANSWERS["correct"](pair), tmp_path / "a", seed=7)
+    assert first.finding is None and first.run["equivalent"] and first.run["divergences"] == []
+    assert first.examples == BUDGET and first.run["search"]["coverage"]["examples"] == BUDGET
+    again = searched(pair, ANSWERS["correct"](pair), tmp_path / "b", seed=7)
+    assert again.run["request_params"] == first.run["request_params"]
+    assert [p["reference_finish"] for p in again.run["prompts"]] == [p["reference_finish"] for p in first.run["prompts"]]
+    other = searched(pair, ANSWERS["correct"](pair), tmp_path / "c", seed=8)
+    assert other.run["request_params"] != first.run["request_params"]
+
+
+def test_the_same_seed_gives_the_same_finding(pair, tmp_path):
+    found = [searched(pair, ANSWERS["penalties"](pair), tmp_path / name, seed=3) for name in ("a", "b")]
+    assert found[0].finding is not None
+    assert found[0].finding == found[1].finding and found[0].found_after == found[1].found_after
+
+
+def test_coverage_says_what_was_reached_and_what_not(pair, tmp_path):
+    result = searched(pair, ANSWERS["correct"](pair), tmp_path, examples=4)
+    coverage = result.run["search"]["coverage"]
+    assert coverage["requests"] == sum(coverage["shapes"].get(k, 0) for k in ("fresh", "shared", "identical"))
+    missing = coverage["not_reached"]
+    assert "no request with bad_words" in missing and "no request with seed" in missing  # not drawn here
+    for family in FAMILIES:
+        assert (coverage["families"].get(family, 0) > 0) == (f"no request with {family}" not in missing)
+
+
+def test_a_recording_cannot_be_searched(tmp_path):
+    recording = tmp_path / "run.jsonl"
+    recording.write_text(json.dumps({"prompt_ids": [1, 2], "output_ids": [3]}) + "\n")
+    result = cli_run.audit("--engine", f"recorded:{recording}", "--pair", "tiny-llama", "--search",
+                           out=tmp_path / "out")
+    cli_run.usage_error(result, "a recording cannot be searched")
+
+
+def test_audit_search_of_an_in_process_engine_writes_the_audit_and_coverage(tmp_path):
+    out = tmp_path / "out"
+    result = cli_run.audit("--engine", "eqspec", "--pair", "tiny-llama", "--search", "--budget", "3", "--seed", "5",
+                           "--max-new-tokens", "6", "--batch-size", "2", out=out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "seed 5" in result.stderr
+    audit = json.loads((out / "audit.json").read_text())
+    assert audit["config"]["search"]["seed"] == 5 and audit["complete"]
+    (run,) = audit["runs"]
+    assert run["equivalent"] and run["search"]["examples"] == 3 and run["num_prompts"] == len(run["prompts"]) > 0
+    assert "no finding" in (out / "search.md").read_text()
+    assert (out / "report.md").is_file()
+    from specaudit import read_report
+
+    assert read_report(out).records[0].engine == "eqspec"
