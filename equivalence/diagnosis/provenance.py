@@ -266,6 +266,8 @@ class Provenance:
         if other is not None:
             return Violation(FOREIGN_ENTRY, slot, column, token, position, j, j, writer,
                              f"its writer read request {other}'s sequence")
+        if not note and 0 <= position < j and self.sequences[request][position] == token:
+            note = f"a second copy of index {position}"
         return Violation(EXTRA_ENTRY, slot, column, token, position, j, j, writer, note or "an entry the row never fed")
 
     def _served(self, writer: Slot, request: int) -> int | None:
@@ -284,11 +286,23 @@ class Provenance:
     # ---- producers -----------------------------------------------------------------------------------
     def producers(self, request: int, n: int, token: int) -> list[tuple[Slot, Violation | None]]:
         """The queries that chose `token` as the one after the first n tokens of request `request`'s sequence
-        (their fed token is its token n - 1), with the first violation behind each; the most correct first."""
+        (their fed token is its token n - 1), with the first violation behind each; the most correct first: no
+        violation, then the most of the sequence read (in order, whatever else was read among it), then the
+        longest prefix read right."""
         last = self.sequences[request][n - 1]
         found = [(slot, self.check(slot, request, n)) for slot in self.log.slots()
                  if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token]
-        return sorted(found, key=lambda item: (item[1] is not None, -(item[1].depth if item[1] else n), item[0]))
+        return sorted(found, key=lambda item: (item[1] is not None, -self._read_of(item[0], request, n),
+                                               -(item[1].depth if item[1] else n), item[0]))
+
+    def _read_of(self, slot: Slot, request: int, n: int) -> int:
+        """How many of the sequence's first n tokens the query read, in order (a subsequence of what it read)."""
+        expected, feed, j = self.sequences[request][:n], self.log.feed(slot), 0
+        for column in feed.reads(slot.index):
+            writers = self.log.writers.get(feed.prints[column], [])
+            if j < n and writers and self.log.token(writers[0]) == expected[j]:
+                j += 1
+        return j
 
     def correct_queries(self, request: int, n: int) -> list[Slot]:
         """The queries that read exactly the first n tokens of request `request`'s sequence."""
