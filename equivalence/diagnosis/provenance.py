@@ -1,0 +1,383 @@
+"""Diagnosis by provenance (being built; not yet the audit's diagnosis): which slot wrote every cache column each
+query read, and one check of what it read.
+
+Contract: pure. It reads per-call records (`CallRecord`, made by `provenance_hooks.ProvenanceHooks` from a real
+model, or by hand in a test) and the requests' sequences (prompt, then the engine's output); it needs no model, no
+row labels and no prompt labels, and changes nothing it is handed.
+
+1. The records. Per target call and batch row (`RowFeed`): the tokens fed, the positions they were fed at, the
+   cache column each was written to, a fingerprint of every column of the row's cache as the call left it (the
+   last attention layer's keys and values, their bits mixed: an entry copied or moved keeps its fingerprint), for
+   each query the columns it may read, and per query its argmax and the gap to the second.
+2. The provenance map (`ProvenanceLog.writers`): every fingerprint a call wrote -> its writer slots (call, row,
+   index among that row's fed tokens). Equal fingerprints are identical computations, so any of them serves. A
+   column whose fingerprint no call wrote was written by the engine itself (fill, a stale tail): no writer.
+3. The one check (`Provenance.check`): a query fed at index j of a request's sequence S must read, in column
+   order, slots holding S[0], S[1], ..., S[j] (itself last), each fed at its own index as position, and each
+   read slot must pass the same check at its index (memoized). A producing query of the emitted token at index
+   n reads S[:n]: the sequence so far, the same call's accepted proposals among it.
+4. The producer of an emitted token is a query whose argmax is that token and whose fed token is the one before
+   it (`Provenance.producers`), not a guess; of several, the one that read the longest correct prefix.
+5. The first violation names the class, by fact (`CLASS_OF`, the same table as code):
+
+    fact at the first violation                               class
+    a column the row never fed is read (an extra, stale or    kv_cache
+      duplicated entry; a foreign entry)
+    ... where its writer served another request               cross_row
+    a padding or fill column is read (a pad-id slot that is   attention_mask
+      not the row's token there; a column no call wrote)
+    a token of the row is hidden (the column holding it is    attention_mask
+      not visible to the query)
+    ... where the hidden token is the pad id                   pad_as_content
+    the right token at the wrong position                     position_ids
+    every query with the row's exact context chose the        acceptance_rule / stop_eos / stop_length /
+      reference's token (the bug is after the logits)          output_order, from the run's facts
+                                                              (`after_the_logits`)
+
+   A violation says where: call, batch row, column, token, the position fed and the index expected.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+# the facts of section 5, each to its class (the module's table, as code)
+EXTRA_ENTRY, FOREIGN_ENTRY, PADDING_VISIBLE, FILL_VISIBLE = "extra entry", "foreign entry", "padding visible", "fill visible"
+TOKEN_HIDDEN, PAD_HIDDEN, WRONG_POSITION, MISSING_ENTRY = "token hidden", "pad-id token hidden", "wrong position", "missing entry"
+CLASS_OF: dict[str, str] = {
+    EXTRA_ENTRY: "kv_cache",  # a column the row never fed: extra, stale or duplicated
+    MISSING_ENTRY: "kv_cache",  # a token of the row the cache does not hold at all
+    FOREIGN_ENTRY: "cross_row",  # a column the row never fed, written serving another request
+    PADDING_VISIBLE: "attention_mask",
+    FILL_VISIBLE: "attention_mask",  # a column no call wrote (the engine's own fill)
+    TOKEN_HIDDEN: "attention_mask",
+    PAD_HIDDEN: "pad_as_content",
+    WRONG_POSITION: "position_ids",
+}
+AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order")
+
+
+@dataclass(frozen=True, eq=False)
+class RowFeed:
+    """One batch row of one target call, as the hooks saw it."""
+
+    tokens: tuple[int, ...]  # [q] the ids fed
+    positions: tuple[int, ...]  # [q] the position each was fed at (as the model consumed it)
+    columns: tuple[int, ...]  # [q] the cache column each was written to
+    prints: tuple[int, ...]  # [kv] the fingerprint of every column of the row's cache after the call
+    visible: np.ndarray  # [q, kv] bool: which columns each query may read (the mask the attention layer received)
+    choices: tuple[int, ...]  # [q] each query's argmax (-1: the output head did not compute it)
+    gaps: tuple[float, ...]  # [q] the argmax's logit minus the second's (nan: not computed)
+
+    @property
+    def written(self) -> tuple[int, ...]:
+        """[q] the fingerprint of each column the call wrote."""
+        return tuple(self.prints[c] for c in self.columns)
+
+    def reads(self, query: int) -> list[int]:
+        """The columns query `query` may read, in column order."""
+        return [int(c) for c in np.nonzero(self.visible[query])[0]]
+
+    def hidden(self, query: int) -> list[int]:
+        """The columns up to the query's own (its own included) that it may not read."""
+        own = self.columns[query]
+        return [int(c) for c in np.nonzero(~self.visible[query][:own + 1])[0]]
+
+
+@dataclass(frozen=True, eq=False)
+class CallRecord:
+    call: int  # the target call, counted from 0
+    rows: tuple[RowFeed, ...]
+    cache: int | None = None  # the serial of the cache object the call used (for the evidence only)
+
+
+class Slot(NamedTuple):
+    call: int
+    row: int
+    index: int  # among that row's fed tokens in the call
+
+
+@dataclass(frozen=True)
+class Violation:
+    """The first input a query read that a correct engine does not feed it."""
+
+    fact: str  # a key of CLASS_OF
+    slot: Slot  # the query that read it (or whose own position is wrong)
+    column: int  # the column concerned (read, or hidden)
+    token: int  # the token that column holds (-1: no call wrote it)
+    position: int  # the position it was fed at (-1: no call wrote it)
+    index: int  # the index in the row's sequence the query expected there
+    depth: int  # how many of the sequence's tokens were read right before it (ranks producers)
+    writer: Slot | None = None
+    note: str = ""
+
+    @property
+    def cls(self) -> str:
+        return CLASS_OF[self.fact]
+
+    def evidence(self) -> str:
+        written = (f"written by target call {self.writer.call} (batch row {self.writer.row})"
+                   if self.writer is not None else "written by no target call")
+        return (f"target call {self.slot.call}, batch row {self.slot.row}, query {self.slot.index}: column "
+                f"{self.column} holds token {self.token} fed at position {self.position}, {written}; the row's "
+                f"index {self.index} was expected there: {self.fact}" + (f" ({self.note})" if self.note else ""))
+
+
+@dataclass
+class ProvenanceLog:
+    """The per-call records of one `generate` call of an engine, and the provenance map built from them."""
+
+    calls: list[CallRecord] = field(default_factory=list)
+    pad_token_id: int | None = None
+    hook_seconds: float = 0.0  # the hooks' own time inside the engine's call
+    _writers: dict[int, list[Slot]] | None = field(default=None, repr=False)
+
+    def add(self, record: CallRecord) -> None:
+        self.calls.append(record)
+        self._writers = None
+
+    def feed(self, slot: Slot) -> RowFeed:
+        return self.calls[slot.call].rows[slot.row]
+
+    def token(self, slot: Slot) -> int:
+        return self.feed(slot).tokens[slot.index]
+
+    def position(self, slot: Slot) -> int:
+        return self.feed(slot).positions[slot.index]
+
+    @property
+    def writers(self) -> dict[int, list[Slot]]:
+        """Every fingerprint a call wrote -> the slots that wrote it, in the order fed."""
+        if self._writers is None:
+            self._writers = {}
+            for record in self.calls:
+                for row, feed in enumerate(record.rows):
+                    for index, fingerprint in enumerate(feed.written):
+                        self._writers.setdefault(fingerprint, []).append(Slot(record.call, row, index))
+        return self._writers
+
+    def slots(self) -> list[Slot]:
+        return [Slot(r.call, row, i) for r in self.calls for row, feed in enumerate(r.rows)
+                for i in range(len(feed.tokens))]
+
+    @property
+    def speculated(self) -> bool:
+        """Some call fed a row several new tokens onto a cache that held entries (a verification of proposals)."""
+        return any(len(feed.tokens) > 1 and min(feed.columns) > 0 for r in self.calls for feed in r.rows)
+
+
+class Provenance:
+    """The one check over a `ProvenanceLog`, against the requests' sequences (prompt, then output)."""
+
+    def __init__(self, log: ProvenanceLog, sequences: Sequence[Sequence[int]]) -> None:
+        self.log = log
+        self.sequences = [tuple(int(t) for t in s) for s in sequences]
+        self._memo: dict[tuple[Slot, int, int], Violation | None] = {}
+
+    def check(self, slot: Slot, request: int, n: int) -> Violation | None:
+        """The first violation behind `slot` as the query at index n - 1 of request `request`'s sequence (None:
+        it read exactly the sequence's first n tokens, each at its index, each passing the same check)."""
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 4 * n + 1000))  # one frame per index of the sequence at most
+        try:
+            return self._check(slot, request, n)
+        finally:
+            sys.setrecursionlimit(limit)
+
+    def _check(self, slot: Slot, request: int, n: int) -> Violation | None:
+        key = (slot, request, n)
+        if key in self._memo:
+            return self._memo[key]
+        self._memo[key] = found = self._first_violation(slot, request, n)
+        return found
+
+    def _first_violation(self, slot: Slot, request: int, n: int) -> Violation | None:
+        log, expected = self.log, self.sequences[request][:n]
+        feed = log.feed(slot)
+        own = feed.columns[slot.index]
+        hidden = feed.hidden(slot.index)
+        j, seen = 0, set()  # j: the next index of the sequence to be read
+        for column in feed.reads(slot.index):
+            fingerprint = feed.prints[column]
+            writers = log.writers.get(fingerprint, [])
+            if column == own and j < n - 1:  # its own column comes before the sequence so far is read
+                return self._missing(slot, request, j, hidden, column)
+            if not writers:
+                return Violation(FILL_VISIBLE, slot, column, -1, -1, j, j)
+            if fingerprint in seen:  # one entry at two columns
+                return self._extra(slot, request, column, writers[0], j, "the same entry at two columns")
+            if j < n:
+                want = expected[j]
+                holding = [w for w in writers if log.token(w) == want]
+                if holding:
+                    writer = slot if column == own and slot in holding else min(
+                        holding, key=lambda w: (log.position(w) != j, w))
+                    position = log.position(writer)
+                    if position != j:
+                        if position < j and expected[position] == want:  # the row's token at `position` again
+                            return self._extra(slot, request, column, writer, j, f"a second copy of index {position}")
+                        return Violation(WRONG_POSITION, slot, column, want, position, j, j, writer)
+                    if writer != slot:
+                        below = self._check(writer, request, j + 1)
+                        if below is not None:
+                            return below
+                    seen.add(fingerprint)
+                    j += 1
+                    continue
+                before = [h for h in hidden if h < column and self._holds(feed, h, want)]
+                if before:  # the row's token sits in a column the query may not read
+                    return self._hidden(slot, before[0], want, j)
+            writer = writers[0]
+            return self._extra(slot, request, column, writer, j, "")
+        if j < n:
+            return self._missing(slot, request, j, hidden, own)
+        return None
+
+    # ---- the facts ---------------------------------------------------------------------------------
+    def _holds(self, feed: RowFeed, column: int, token: int) -> bool:
+        return any(self.log.token(w) == token for w in self.log.writers.get(feed.prints[column], []))
+
+    def _hidden(self, slot: Slot, column: int, token: int, j: int) -> Violation:
+        fact = PAD_HIDDEN if token == self.log.pad_token_id else TOKEN_HIDDEN
+        feed = self.log.feed(slot)
+        writer = next(w for w in self.log.writers[feed.prints[column]] if self.log.token(w) == token)
+        return Violation(fact, slot, column, token, self.log.position(writer), j, j, writer)
+
+    def _missing(self, slot: Slot, request: int, j: int, hidden: list[int], column: int) -> Violation:
+        want = self.sequences[request][j]
+        feed = self.log.feed(slot)
+        held = [h for h in hidden if self._holds(feed, h, want)]
+        if held:
+            return self._hidden(slot, held[0], want, j)
+        return Violation(MISSING_ENTRY, slot, column, want, -1, j, j, note="no column the query may read holds it")
+
+    def _extra(self, slot: Slot, request: int, column: int, writer: Slot, j: int, note: str) -> Violation:
+        """A read column that is not the row's token at index j: padding, another request's entry, or an entry
+        the row never fed."""
+        log = self.log
+        token, position = log.token(writer), log.position(writer)
+        if token == log.pad_token_id and not note:
+            return Violation(PADDING_VISIBLE, slot, column, token, position, j, j, writer)
+        other = None if note else self._served(writer, request)
+        if other is not None:
+            return Violation(FOREIGN_ENTRY, slot, column, token, position, j, j, writer,
+                             f"its writer read request {other}'s sequence")
+        if not note and 0 <= position < j and self.sequences[request][position] == token:
+            note = f"a second copy of index {position}"
+        return Violation(EXTRA_ENTRY, slot, column, token, position, j, j, writer, note or "an entry the row never fed")
+
+    def _served(self, writer: Slot, request: int) -> int | None:
+        """Another request whose sequence the writer's query read exactly, each at its index (None: none)."""
+        log = self.log
+        position = log.position(writer)
+        for other, sequence in enumerate(self.sequences):
+            if other == request or position >= len(sequence) or sequence[position] != log.token(writer):
+                continue
+            if self.sequences[request][:position + 1] == sequence[:position + 1]:
+                continue  # the same prefix: the same computation serves both
+            if self._check(writer, other, position + 1) is None:
+                return other
+        return None
+
+    # ---- producers -----------------------------------------------------------------------------------
+    def producers(self, request: int, n: int, token: int) -> list[tuple[Slot, Violation | None]]:
+        """The queries that chose `token` as the one after the first n tokens of request `request`'s sequence
+        (their fed token is its token n - 1), with the first violation behind each; the most correct first: no
+        violation, then the most of the sequence read (in order, whatever else was read among it), then the
+        longest prefix read right."""
+        last = self.sequences[request][n - 1]
+        found = [(slot, self.check(slot, request, n)) for slot in self.log.slots()
+                 if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token]
+        return sorted(found, key=lambda item: (item[1] is not None, -self._read_of(item[0], request, n),
+                                               -(item[1].depth if item[1] else n), item[0]))
+
+    def _read_of(self, slot: Slot, request: int, n: int) -> int:
+        """How many of the sequence's first n tokens the query read, in order (a subsequence of what it read)."""
+        expected, feed, j = self.sequences[request][:n], self.log.feed(slot), 0
+        for column in feed.reads(slot.index):
+            writers = self.log.writers.get(feed.prints[column], [])
+            if j < n and writers and self.log.token(writers[0]) == expected[j]:
+                j += 1
+        return j
+
+    def correct_queries(self, request: int, n: int) -> list[Slot]:
+        """The queries that read exactly the first n tokens of request `request`'s sequence."""
+        last = self.sequences[request][n - 1]
+        return [slot for slot in self.log.slots()
+                if self.log.token(slot) == last and self.check(slot, request, n) is None]
+
+
+def eos_set(eos_token_id: Any) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int):
+        return frozenset([eos_token_id])
+    return frozenset(int(e) for e in eos_token_id)
+
+
+def after_the_logits(request: int, position: int, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                     references: Sequence[Sequence[int]], speculated: bool, eos_token_id: Any = None,
+                     max_new_tokens: int | None = None) -> tuple[str, str]:
+    """The class of a divergence whose target queries chose right, from the run's own facts: the output is another
+    prompt's reference (`output_order`); it goes on past an EOS or stops short of the reference (`stop_eos` where
+    an EOS is involved, else `stop_length`); otherwise a token the target did not choose was emitted
+    (`acceptance_rule`, for an engine seen verifying proposals; `unknown` for one that was not)."""
+    output, reference = list(outputs[request]), list(references[request])
+    eos = eos_set(eos_token_id)
+    for other, expected in enumerate(references):
+        if other != request and expected != reference and output and output == list(expected)[:len(output)] \
+                and tuple(prompts[other]) != tuple(prompts[request]):
+            return "output_order", f"the output of prompt {request} is prompt {other}'s reference"
+    if any(t in eos for t in output[:-1]):
+        return "stop_eos", f"the output of prompt {request} goes on after an EOS"
+    limit = max_new_tokens if max_new_tokens is not None else len(reference)
+    if position >= len(output) or position >= len(reference) or len(output) > limit:
+        if (output and output[-1] in eos) or (position < len(reference) and reference[position] in eos):
+            return "stop_eos", (f"the output of prompt {request} has {len(output)} tokens where the reference has "
+                                f"{len(reference)}, at an EOS")
+        return "stop_length", (f"the output of prompt {request} has {len(output)} tokens where the reference has "
+                               f"{len(reference)} (max_new_tokens {limit})")
+    if speculated:
+        return "acceptance_rule", (f"token {position} of prompt {request} ({output[position]}) is not what the target "
+                                   f"chose after the row's exact context ({reference[position]})")
+    return "unknown", "the target chose right and the engine did not speculate: what emitted the token is not seen"
+
+
+def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                         references: Sequence[Sequence[int]], divergence: dict[str, Any], *,
+                         eos_token_id: Any = None, max_new_tokens: int | None = None,
+                         provenance: Provenance | None = None) -> tuple[str, str]:
+    """(class, evidence) of one structural divergence (`prompt_index`, `position`, `engine_token`): the first
+    violation behind the query that chose the engine's token, else, where queries read the row's exact context
+    and chose the reference's token, the class after the logits. `provenance`: one shared across the run's
+    divergences (its memo), built over `prompts` and `outputs` when not given."""
+    request, position = int(divergence["prompt_index"]), int(divergence["position"])
+    token = divergence.get("engine_token")
+    if provenance is None:
+        provenance = Provenance(log, [list(p) + list(o) for p, o in zip(prompts, outputs)])
+    n = len(prompts[request]) + position  # the emitted token's index in the sequence
+    if not log.calls:
+        return "unknown", "no target call was recorded"
+    if token is not None and n >= 1:
+        ranked = provenance.producers(request, n, int(token))
+        if ranked and ranked[0][1] is None:
+            return "unknown", (f"a query that read the row's exact context chose the engine's token {token} "
+                               f"(target call {ranked[0][0].call}, batch row {ranked[0][0].row})")
+        if ranked:
+            violation = ranked[0][1]
+            return violation.cls, violation.evidence()
+    correct = provenance.correct_queries(request, n) if n >= 1 else []
+    reference = list(references[request])
+    wanted = reference[position] if position < len(reference) else None
+    chose = {log.feed(s).choices[s.index] for s in correct}
+    if correct and (wanted is None or chose <= {wanted, -1}):
+        cls, why = after_the_logits(request, position, prompts, outputs, references, log.speculated, eos_token_id,
+                                    max_new_tokens)
+        return cls, f"{len(correct)} queries read the row's exact context and chose the reference's token: {why}"
+    if token is None:
+        return "unknown", "the output stops here and no query read the row's exact context"
+    return "unknown", f"no query chose token {token} after the row's first {n} tokens, and none read them exactly"

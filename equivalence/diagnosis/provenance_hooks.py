@@ -1,0 +1,222 @@
+"""The hooks that record, from a real transformers target, the per-call records the provenance check reads
+(`provenance.CallRecord`), during an engine's own `generate`.
+
+Contract: `ProvenanceHooks` changes nothing the engine computes; it keeps, per target call, copies of what it
+needs (ids, positions, the mask the last attention layer received, fingerprints of that layer's cache, each
+query's argmax and gap) and times itself (`ProvenanceLog.hook_seconds`). Where the hooks go is anatomy.py's
+knowledge: the module that takes the input ids, the one that consumes the position ids, and here the LAST
+full-attention layer (its forward hook reads the mask it received and, after it ran, its cache layer's keys and
+values) and the output head (argmax and gap per query).
+
+`Hooked` wraps an engine so that only its first `generate` call is recorded (the audited run itself, not a
+re-run the audit may make).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, bind_arguments, embedding_owner, layer_types,
+                                                      position_module)
+from specaudit.equivalence.diagnosis.capture import key_fingerprints
+from specaudit.equivalence.diagnosis.provenance import CallRecord, ProvenanceLog, RowFeed
+
+VALUE_MIX = 0x5851F42D4C957F2D  # odd: keys' and values' fingerprints mixed so that neither alone decides
+
+
+def entry_fingerprints(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[B, L] int64 from keys and values [B, H, L, D] in any dtype: each entry's bits mixed (capture's mixing, keys
+    and values apart), so an entry copied or moved keeps its fingerprint at any column of any cache."""
+    return key_fingerprints(keys) * VALUE_MIX + key_fingerprints(values)
+
+
+def last_attention(model: Any) -> Any:
+    """The last full-attention layer of `model` (not a sliding-window one, not a rotary embedding)."""
+    types = layer_types(model)
+    found = None
+    for _, module in model.named_modules():
+        name = type(module).__name__
+        if not name.endswith("Attention") or "Rotary" in name:
+            continue
+        index = getattr(module, "layer_idx", None)
+        kind = types[index] if types and isinstance(index, int) and index < len(types) else "full_attention"
+        if kind != "sliding_attention":
+            found = module
+    return found
+
+
+class _Pending:
+    """One target call in flight: what its hooks have kept so far."""
+
+    def __init__(self, ids: torch.Tensor, cache: Any, length: int, cache_position: Any) -> None:
+        self.ids, self.cache, self.length, self.cache_position = ids, cache, length, cache_position
+        self.positions: torch.Tensor | None = None
+        self.visible: torch.Tensor | None = None  # [B, q, kv] bool
+        self.prints: torch.Tensor | None = None  # [B, kv] int64
+        self.choices: torch.Tensor | None = None  # [B, q'] argmax of the last q' queries
+        self.gaps: torch.Tensor | None = None
+
+
+class ProvenanceHooks:
+    """Forward hooks on one target; a context manager around the engine's `generate`."""
+
+    def __init__(self, target: Any, pad_token_id: int | None) -> None:
+        self.model = target
+        self.log = ProvenanceLog(pad_token_id=pad_token_id)
+        self.base = embedding_owner(target)
+        self.attention = last_attention(self.base)
+        self.head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+        if self.attention is None or self.head is None:
+            raise ValueError("the target has no attention layer or output head the provenance hooks know: "
+                             "hook a transformers decoder-only model")
+        self.handles: list[Any] = []
+        self.pending: _Pending | None = None
+
+    def __enter__(self) -> "ProvenanceHooks":
+        self.handles = [self.base.register_forward_pre_hook(self._timed(self._start), with_kwargs=True),
+                        self.attention.register_forward_hook(self._timed(self._attention), with_kwargs=True),
+                        self.head.register_forward_hook(self._timed(self._head))]
+        found = position_module(self.base)
+        if found is not None:
+            self.handles.append(found[1].register_forward_pre_hook(self._timed(self._positions(found)),
+                                                                    with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        started = time.perf_counter()
+        self._finish()
+        self.log.hook_seconds += time.perf_counter() - started
+
+    def _timed(self, hook: Callable[..., None]) -> Callable[..., None]:
+        def timed(*args: Any) -> None:
+            started = time.perf_counter()
+            try:
+                hook(*args)
+            finally:
+                self.log.hook_seconds += time.perf_counter() - started
+        return timed
+
+    # ---- the hooks -------------------------------------------------------------------------------
+    def _start(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        self._finish()  # the call before, where its output head was not run through the model
+        bound = bind_arguments(module.forward, args, kwargs)
+        ids = bound.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            return
+        cache = bound.get("cache", bound.get("past_key_values"))
+        length = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        position = bound.get("cache_position")
+        self.pending = _Pending(ids.detach().to("cpu", torch.long, copy=True), cache, length,
+                                position.detach().to("cpu", torch.long, copy=True)
+                                if isinstance(position, torch.Tensor) else None)
+        given = bound.get("position_ids")
+        if isinstance(given, torch.Tensor):
+            self.pending.positions = given.detach().to("cpu", torch.long, copy=True)
+
+    def _positions(self, found: tuple[str, Any]) -> Callable[..., None]:
+        leaf, module = found
+
+        def hook(hooked: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+            if self.pending is None:
+                return
+            bound = bind_arguments(module.forward, args, kwargs)
+            positions = bound.get("position_ids")
+            if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
+                mask = bound.get("attention_mask")
+                cut = int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
+                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                    positions = ((mask.long().cumsum(1) * mask.long()) - 1)[:, cut:]
+            if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
+                positions = bound.get("input")
+            if isinstance(positions, torch.Tensor):
+                self.pending.positions = positions.detach().to("cpu", torch.long, copy=True)
+        return hook
+
+    def _attention(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        call = self.pending
+        if call is None:
+            return
+        bound = bind_arguments(module.forward, args, kwargs)
+        cache = next((bound[name] for name in ("cache", "past_key_values", "past_key_value")
+                      if bound.get(name) is not None), call.cache)
+        layers = getattr(cache, "layers", None)
+        if not layers:
+            return
+        index = getattr(module, "layer_idx", None)
+        layer = layers[index if isinstance(index, int) and index < len(layers) else -1]
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() != 4:
+            return
+        batch, q = call.ids.shape
+        kv = keys.shape[2]
+        call.prints = entry_fingerprints(keys, values)  # [B, kv]
+        call.visible = allowed_reads(bound.get("attention_mask"), batch, q, kv)
+        if call.visible is None:  # none received: causal over every column
+            own = torch.tensor(self._columns(call), device="cpu").view(q, 1)
+            call.visible = (torch.arange(kv, device="cpu").view(1, kv) <= own).expand(batch, q, kv)
+
+    def _head(self, module: Any, args: tuple, output: Any) -> None:
+        call = self.pending
+        if call is None or not isinstance(output, torch.Tensor) or output.dim() != 3:
+            return
+        top = output.detach().topk(2, dim=-1)
+        call.choices = top.indices[..., 0].to("cpu")
+        call.gaps = (top.values[..., 0] - top.values[..., 1]).to("cpu", torch.float64)
+        self._finish()
+
+    # ---- the record ------------------------------------------------------------------------------
+    @staticmethod
+    def _columns(call: _Pending) -> list[int]:
+        q = call.ids.shape[1]
+        if call.cache_position is not None and call.cache_position.numel() == q:
+            return call.cache_position.flatten().tolist()
+        return list(range(call.length, call.length + q))
+
+    def _finish(self) -> None:
+        call, self.pending = self.pending, None
+        if call is None or call.prints is None:
+            return
+        batch, q = call.ids.shape
+        columns = tuple(self._columns(call))
+        positions = call.positions if call.positions is not None else torch.tensor([columns])
+        positions = positions.reshape(-1, q).expand(batch, q)
+        seen = call.choices.shape[1] if call.choices is not None else 0  # the head may compute the last queries only
+        rows = []
+        for b in range(batch):
+            choices = [-1] * (q - seen) + (call.choices[b].tolist() if seen else [])
+            gaps = [float("nan")] * (q - seen) + (call.gaps[b].tolist() if seen else [])
+            rows.append(RowFeed(tuple(call.ids[b].tolist()), tuple(positions[b].tolist()), columns,
+                                tuple(call.prints[b].tolist()), np.asarray(call.visible[b], dtype=bool),
+                                tuple(choices), tuple(gaps)))
+        self.log.add(CallRecord(len(self.log.calls), tuple(rows)))
+
+
+class Hooked:
+    """An engine whose first `generate` call is recorded by `ProvenanceHooks` (later calls run unhooked); every
+    other attribute is the engine's."""
+
+    def __init__(self, engine: Any, target: Any, pad_token_id: int | None) -> None:
+        self.engine = engine
+        self.hooks = ProvenanceHooks(target, pad_token_id)
+        self.generate_seconds = 0.0  # the hooked call's own time, the hooks' included
+        self.outputs: list[list[int]] | None = None  # what the hooked call returned
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hooks.log.calls or self.generate_seconds:
+            return self.engine.generate(*args, **kwargs)
+        started = time.perf_counter()
+        with self.hooks:
+            result = self.engine.generate(*args, **kwargs)
+        self.generate_seconds = time.perf_counter() - started
+        self.outputs = [[int(t) for t in row] for row in result]
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
