@@ -10,7 +10,7 @@ from typing import Any, Callable
 from specaudit.engines.models import zoo
 from specaudit.equivalence.audit import Reference, RunSettings, audit_engine
 from specaudit.equivalence.diagnosis.provenance import Provenance, provenance_diagnosis
-from specaudit.equivalence.diagnosis.provenance_hooks import Hooked
+from specaudit.equivalence.diagnosis.provenance.hooks import Hooked
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The diagnosis by provenance (equivalence/diagnosis/provenance.py): the one check on synthetic call logs, no model,
-one test per class and one per ambiguity; then, through the hooks (provenance_hooks.py), the crop engine's three
+"""The diagnosis by provenance (equivalence/diagnosis/provenance/__init__.py): the one check on synthetic call logs, no model,
+one test per class and one per ambiguity; then, through the hooks (provenance/hooks.py), the crop engine's three
 bugs (tests/crop_engine.py) named by their cause on the built-in tiny pairs in float64, the correct twin clean.
 
 The synthetic target (`Sim`): a slot's fingerprint is a hash of its token, its position and the fingerprints of the

@@ -1,7 +1,7 @@
 """Diagnosis by provenance (being built; not yet the audit's diagnosis): which slot wrote every cache column each
 query read, and one check of what it read.
 
-Contract: pure. It reads per-call records (`CallRecord`, made by `provenance_hooks.ProvenanceHooks` from a real
+Contract: pure. It reads per-call records (`CallRecord`, made by `provenance.hooks.ProvenanceHooks` from a real
 model, or by hand in a test) and the requests' sequences (prompt, then the engine's output); it needs no model, no
 row labels and no prompt labels, and changes nothing it is handed.
 
