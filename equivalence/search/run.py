@@ -113,7 +113,10 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         diagnosis=search_settings.diagnosis,
         expired=(lambda: deadline is not None and time.monotonic() > deadline), on_judged=on_judged)
     machine = hypothesis_seed(search_settings.seed)(machine_for(context))
+    # from Hypothesis's own defaults, not the profile a test session or the plugin loaded (a derandomized profile
+    # would override the seed): the same seed draws the same examples wherever the search runs
     settings = hypothesis_settings(
+        parent=hypothesis_settings.get_profile("default"), derandomize=False,
         max_examples=search_settings.examples or UNBOUNDED_EXAMPLES, stateful_step_count=search_settings.max_requests,
         deadline=None, database=DirectoryBasedExampleDatabase(str(database)), report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
