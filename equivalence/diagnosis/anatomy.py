@@ -158,9 +158,11 @@ def position_module(model: Any) -> tuple[str, Any] | None:
     return None
 
 
-def attention_module(model: Any, types: list[str] | None, sliding: bool = False) -> Any:
+def attention_module(model: Any, types: list[str] | None, sliding: bool = False, last: bool = False) -> Any:
     """The first full-attention layer (the mask it receives is what every such layer receives), or with `sliding`
-    the first sliding-window layer; `types`: the model's layer types (None: every layer attends in full)."""
+    the first sliding-window layer, or with `last` the last of them (the layer whose cache entries a provenance
+    fingerprint reads); `types`: the model's layer types (None: every layer attends in full)."""
+    found = None
     for _, module in model.named_modules():
         name = type(module).__name__
         if not name.endswith("Attention") or "Rotary" in name:
@@ -168,8 +170,25 @@ def attention_module(model: Any, types: list[str] | None, sliding: bool = False)
         index = getattr(module, "layer_idx", None)
         kind = types[index] if types and isinstance(index, int) and index < len(types) else "full_attention"
         if (kind == "sliding_attention") == sliding:
-            return module
-    return None
+            if not last:
+                return module
+            found = module
+    return found
+
+
+def consumed_positions(leaf: str, module: Any, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The position ids a call hands the module that consumes them (`position_module`): its `position_ids`, OPT's
+    positions from the 2-D mask it is handed, or a learned table's input; None when none can be read."""
+    bound = bind_arguments(module.forward, args, kwargs)
+    positions = bound.get("position_ids")
+    if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
+        mask = bound.get("attention_mask")
+        cut = int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            positions = ((mask.long().cumsum(1) * mask.long()) - 1)[:, cut:]
+    if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
+        positions = bound.get("input")
+    return positions if isinstance(positions, torch.Tensor) else None
 
 
 def empty_reads_of(mask: Any) -> str:

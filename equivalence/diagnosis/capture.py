@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_module, bind_arguments,
+                                                      consumed_positions,
                                                       embedding_owner, empty_reads_of, first_keys,
                                                       layer_types, output_cache, position_module, recurrent_states,
                                                       row_state)
@@ -708,16 +709,8 @@ class CallHooks:
                 self.call_log.hook_seconds += time.perf_counter() - started
 
         def keep(args: tuple, kwargs: dict[str, Any]) -> None:
-            bound = bind_arguments(module.forward, args, kwargs)
-            positions = bound.get("position_ids")
-            if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
-                mask = bound.get("attention_mask")
-                cut = int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                    positions = ((mask.long().cumsum(1) * mask.long()) - 1)[:, cut:]
-            if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
-                positions = bound.get("input")
-            if isinstance(positions, torch.Tensor):
+            positions = consumed_positions(leaf, module, args, kwargs)
+            if positions is not None:
                 self.current.positions = positions.detach().to("cpu", dtype=torch.long, copy=True)
         return hook
 

@@ -20,7 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, bind_arguments, embedding_owner, layer_types,
+from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_module, bind_arguments,
+                                                      consumed_positions, embedding_owner, layer_types,
                                                       position_module)
 from specaudit.equivalence.diagnosis.capture import key_fingerprints
 from specaudit.equivalence.diagnosis.provenance import CallRecord, ProvenanceLog, RowFeed
@@ -32,21 +33,6 @@ def entry_fingerprints(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     """[B, L] int64 from keys and values [B, H, L, D] in any dtype: each entry's bits mixed (capture's mixing, keys
     and values apart), so an entry copied or moved keeps its fingerprint at any column of any cache."""
     return key_fingerprints(keys) * VALUE_MIX + key_fingerprints(values)
-
-
-def last_attention(model: Any) -> Any:
-    """The last full-attention layer of `model` (not a sliding-window one, not a rotary embedding)."""
-    types = layer_types(model)
-    found = None
-    for _, module in model.named_modules():
-        name = type(module).__name__
-        if not name.endswith("Attention") or "Rotary" in name:
-            continue
-        index = getattr(module, "layer_idx", None)
-        kind = types[index] if types and isinstance(index, int) and index < len(types) else "full_attention"
-        if kind != "sliding_attention":
-            found = module
-    return found
 
 
 class _Pending:
@@ -68,7 +54,7 @@ class ProvenanceHooks:
         self.model = target
         self.log = ProvenanceLog(pad_token_id=pad_token_id)
         self.base = embedding_owner(target)
-        self.attention = last_attention(self.base)
+        self.attention = attention_module(self.base, layer_types(self.base), last=True)
         self.head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
         if self.attention is None or self.head is None:
             raise ValueError("the target has no attention layer or output head the provenance hooks know: "
@@ -126,16 +112,8 @@ class ProvenanceHooks:
         def hook(hooked: Any, args: tuple, kwargs: dict[str, Any]) -> None:
             if self.pending is None:
                 return
-            bound = bind_arguments(module.forward, args, kwargs)
-            positions = bound.get("position_ids")
-            if positions is None and leaf == "embed_positions":  # OPT: from the mask it is handed
-                mask = bound.get("attention_mask")
-                cut = int(bound.get("cache_length", bound.get("past_key_values_length", 0)) or 0)
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                    positions = ((mask.long().cumsum(1) * mask.long()) - 1)[:, cut:]
-            if positions is None and leaf == "wpe":  # an Embedding: its input is the position ids
-                positions = bound.get("input")
-            if isinstance(positions, torch.Tensor):
+            positions = consumed_positions(leaf, module, args, kwargs)
+            if positions is not None:
                 self.pending.positions = positions.detach().to("cpu", torch.long, copy=True)
         return hook
 
