@@ -44,6 +44,18 @@ def free_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def failed_engine_run(base: dict[str, Any], engine_name: str, batch_size: int, device: str,
+                      exc: BaseException) -> dict[str, Any]:
+    """The failed run of an engine that raised in its run: the device's memory freed after an out-of-memory, and a
+    server that answered, then went away, said so (`server_died`, not "cannot reach")."""
+    if out_of_memory(exc):
+        free_device_memory(device)
+    failed = failed_run(base, failure_message(engine_name, exc, batch_size=batch_size, device=device), exc)
+    if isinstance(exc, ServerDied):
+        failed["server_died"] = exc.details
+    return failed
+
+
 def preflight(settings: AuditSettings) -> None:
     """The weights' inputs before a model is loaded: numbers, dtypes, the device, each pair's EOS ids and the
     prompts against each pair's vocabulary and positions (`UsageError`, exit 2)."""
@@ -161,13 +173,7 @@ class WeightsOracle:
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # one engine failing must not lose the others' runs
-            if out_of_memory(exc):
-                free_device_memory(settings.device)
-            failed = failed_run(base, failure_message(engine_name, exc, batch_size=batch_size,
-                                                      device=settings.device), exc)
-            if isinstance(exc, ServerDied):  # not "cannot reach": it answered, then went away
-                failed["server_died"] = exc.details
-            return failed
+            return failed_engine_run(base, engine_name, batch_size, settings.device, exc)
 
     # ---- the sampled judge ---------------------------------------------------------------------------
     def open_sampled(self) -> None:

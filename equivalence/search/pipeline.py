@@ -14,18 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from specaudit.engines.adapters._http import ServerDied
 from specaudit.engines.registry import black_box_prefix, make_engine, takes_request_params
 from specaudit.equivalence import validate
 from specaudit.equivalence.errors import UsageError
-from specaudit.equivalence.guard import failure_message, out_of_memory
 from specaudit.equivalence.pipeline.judges import Mode
 from specaudit.equivalence.pipeline.prompt_set import resolve_prompts
 from specaudit.equivalence.pipeline.settings import AuditSettings, UserPair
-from specaudit.equivalence.pipeline.weights import WeightsOracle, free_device_memory, load
+from specaudit.equivalence.pipeline.weights import WeightsOracle, failed_engine_run, load
 from specaudit.equivalence.records import Run
 from specaudit.equivalence.records.serialize import run_from_json
-from specaudit.equivalence.run_record import failed_run
 from specaudit.equivalence.search.judging import Judging, JudgingSettings
 from specaudit.equivalence.search.strategies import FAMILIES
 
@@ -133,13 +130,7 @@ class SearchOracle(WeightsOracle):
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # one engine failing must not lose the others' runs
-            if out_of_memory(exc):
-                free_device_memory(settings.device)
-            failed = failed_run(base, failure_message(engine_name, exc, batch_size=batch_size,
-                                                      device=settings.device), exc)
-            if isinstance(exc, ServerDied):
-                failed["server_died"] = exc.details
-            return failed
+            return failed_engine_run(base, engine_name, batch_size, settings.device, exc)
 
 
 class SearchJudge:
