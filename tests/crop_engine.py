@@ -24,6 +24,8 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
+from outside_styles import _eos_set as eos_set, _finish as finish  # the outside engines' own output contract
+
 POSITIONS, MASK, CROP = "positions", "mask", "crop"
 
 
@@ -38,8 +40,7 @@ class CropSpec:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  eos_token_id: int | Sequence[int] | None) -> list[list[int]]:
-        eos = frozenset() if eos_token_id is None else (
-            frozenset([eos_token_id]) if isinstance(eos_token_id, int) else frozenset(eos_token_id))
+        eos = eos_set(eos_token_id)
         out: list[list[int]] = []
         with torch.no_grad(), torch.device(self.target.device):
             for start in range(0, len(prompts), self.batch_size):
@@ -110,15 +111,7 @@ class CropSpec:
                 ends[b] = held[b][-1] + 1
                 sequences[b] += emitted
                 out[b] += emitted
-        return [self._finish(o, max_new_tokens, eos) for o in out]
-
-    @staticmethod
-    def _finish(tokens: list[int], max_new_tokens: int, eos: frozenset[int]) -> list[int]:
-        tokens = tokens[:max_new_tokens]
-        for i, t in enumerate(tokens):
-            if t in eos:
-                return tokens[:i + 1]
-        return tokens
+        return [finish(o, max_new_tokens, eos) for o in out]
 
 
 def _factory(bug: str | None = None):

@@ -18,23 +18,13 @@ NEW_TOKENS = 10
 
 
 class PositionsOverPaddingUnderRequests(PositionIdsCountPadding):
-    """The planted position bug, taking request parameters as its inner EQSPEC does."""
+    """The planted position bug, taking request parameters as its inner EQSPEC does: what the audit sets
+    (`request_params`, `request_tokenizer`) is set on the inner engine."""
 
-    @property
-    def request_params(self) -> Any:
-        return self.inner.request_params
-
-    @request_params.setter
-    def request_params(self, value: Any) -> None:
-        self.inner.request_params = value
-
-    @property
-    def request_tokenizer(self) -> Any:
-        return self.inner.request_tokenizer
-
-    @request_tokenizer.setter
-    def request_tokenizer(self, value: Any) -> None:
-        self.inner.request_tokenizer = value
+    request_params = property(lambda self: self.inner.request_params,
+                              lambda self, value: setattr(self.inner, "request_params", value))
+    request_tokenizer = property(lambda self: self.inner.request_tokenizer,
+                                 lambda self, value: setattr(self.inner, "request_tokenizer", value))
 
 
 @pytest.fixture(scope="module")
