@@ -88,9 +88,9 @@ def resolve_prompts(settings: AuditSettings, *, tokenizer: Any, vocab_size: int 
     return PromptSet(prompts, extra, requests, settings.prompts)
 
 
-def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list[Any] | None:
-    """One RequestParams per prompt (a prompts file line's `params` over the command line's, bad words resolved
-    with `tokenizer`), or None where the audit sends no request parameter."""
+def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any, common: Any = None) -> list[Any] | None:
+    """One RequestParams per prompt (a prompts file line's `params` over `common`, the command line's by default;
+    bad words resolved with `tokenizer` where given), or None where the audit sends no request parameter."""
     import json
 
     from specaudit.engines.requests import with_bad_words_resolved
@@ -99,7 +99,8 @@ def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any) -> list
     if not has_request_params(settings.prompts, settings.request_params):
         return None
     try:
-        params = prompt_params(settings.prompts, count, settings.request_params, settings.num_prompts)
+        params = prompt_params(settings.prompts, count, settings.request_params if common is None else common,
+                               settings.num_prompts)
     except (ValueError, json.JSONDecodeError) as exc:
         raise UsageError(str(exc)) from None
     return [with_bad_words_resolved(p, tokenizer) for p in params] if tokenizer is not None else params

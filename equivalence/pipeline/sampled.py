@@ -9,7 +9,6 @@ engine is a recording and no prompt file is given, the prompts are the recording
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +71,13 @@ def prompt_requests(settings: AuditSettings, count: int, tokenizer: Any, *, serv
     them; bad words resolved to ids with the target's tokenizer. None when nothing but the sampler is asked
     (every engine then samples as before). `UsageError` for a parameter the sampled judge cannot apply."""
     from specaudit.engines.requests import RequestParams, with_bad_words_resolved
-    from specaudit.equivalence.blackbox.requests_run import has_request_params, prompt_params
+    from specaudit.equivalence.pipeline import prompt_set
 
     sampling = settings.sampling
     sampler = RequestParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-    if not has_request_params(settings.prompts, settings.request_params):
-        return None
     common = sampler.merged(settings.request_params) if settings.request_params is not None else sampler
-    try:
-        params = prompt_params(settings.prompts, count, common, settings.num_prompts)
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise UsageError(str(exc)) from None
-    if all(p == sampler for p in params):  # --top-k alone: the sampler's own cut, as before
+    params = prompt_set.prompt_requests(settings, count, None, common=common)  # each line's params over the sampler's
+    if params is None or all(p == sampler for p in params):  # --top-k alone: the sampler's own cut, as before
         return None
     if served:  # against a served reference
         raise UsageError("request parameters with --temperature need the weights (--pair, or --target): a served "
