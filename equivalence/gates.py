@@ -10,6 +10,9 @@ Two gates turn a finding into a failure (exit 1):
 - `--require-speculation`: a run fails when its engine did not show that it drafted: it drafted nothing,
   or it exposes no draft counters (equivalence/speculation.py `unmet`).
 
+One check needs no option: a run whose every prompt's request parameters the engine refused judged nothing, and
+its "equivalent" proves nothing (`JUDGED`): it fails the audit with one line naming what was refused.
+
 A failed run (its engine crashed, timed out) fails on its own and is no gate's. `gate_failures` gives one
 `GateFailure` per run that is short of R x expected (each with its own numbers) and one per distinct reason
 a gate was not applied or not met, naming every run it covers, what is missing and how to give it.
@@ -28,6 +31,7 @@ from specaudit.equivalence.records.serialize import as_audit, as_run
 
 ACCEPTANCE = "--require-acceptance"
 SPECULATION = "--require-speculation"
+JUDGED = "a judged prompt"  # every run: at least one prompt judged (not refused, not failed)
 # what makes a server count its drafts, by engine prefix (engines/adapters/server_metrics.py)
 COUNTER_ADVICE = {
     "vllm": "serve it with --speculative-config, whose counters vLLM exposes on GET /metrics",
@@ -47,7 +51,7 @@ PER_POSITION_ADVICE = ("audit an engine that counts acceptance per draft positio
 class GateFailure:
     """One line on the terminal and in the report: a gate that failed runs, or could not be applied to them."""
 
-    gate: str  # ACCEPTANCE or SPECULATION
+    gate: str  # ACCEPTANCE, SPECULATION or JUDGED
     applied: bool  # False: the gate could not be evaluated on these runs (and fails them)
     runs: tuple[str, ...]  # the runs it names, each "engine pair B=N dtype"
     message: str  # one line: the gate, the runs, what is missing or short, and how to give it
@@ -133,4 +137,20 @@ def gate_failures(audit: Audit | Mapping[str, Any]) -> list[GateFailure]:
             verb = "failed on" if applied else "could not be checked on"
             found.append(GateFailure(SPECULATION, applied, tuple(run_label(r) for r in covered),
                                      f"{SPECULATION} {verb} {runs_text(covered)}: {missing}; {how}"))
+    for run in runs:
+        refused = nothing_judged(run)
+        if refused is not None:
+            found.append(GateFailure(JUDGED, False, (run_label(run),), (
+                f"nothing was judged on {run_label(run)}: the engine refused every prompt's request parameters "
+                f"({refused}); drop them, or audit an engine that takes them")))
     return found
+
+
+def nothing_judged(run: Run) -> str | None:
+    """What the engine refused, where a greedy run with request parameters judged no prompt (every one refused or
+    failed, at least one refused); None where some prompt was judged."""
+    refused = run.refused_parameters if isinstance(run.refused_parameters, tuple) else ()
+    if not run.greedy or not refused or any(p.get("exact") is not None for p in run.prompts):
+        return None
+    kinds = dict.fromkeys(f"{r.get('parameter')}: {r.get('why')}" for r in refused)
+    return "; ".join(kinds)

@@ -171,3 +171,19 @@ def test_gate_failures_on_speculation_say_what_the_counters_showed() -> None:
         (True, ("vllm:http://v p B=1 float64",))]
     assert "no draft counters" in failures[0].message and "--metrics" in failures[0].message
     assert "speculation not observed: the engine drafted no token" in failures[1].message
+
+
+def test_a_run_whose_every_prompt_s_parameters_were_refused_judged_nothing_and_fails(tmp_path) -> None:
+    """transformers' assisted generation has no frequency penalty: it refuses it on every prompt, so the run judged
+    no prompt; its 'equivalent' proves nothing, and the audit says so in one line and exits 1."""
+    result = audit("--engine", "hf-assisted", "--pair", "tiny-llama", "--batch-size", "1", "--num-prompts",
+                           "2", "--max-new-tokens", "6", "--no-adversarial", "--frequency-penalty", "0.5", out=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("nothing was judged on hf-assisted")]
+    assert len(lines) == 1 and "frequency_penalty" in lines[0], result.stderr
+    assert "NOT shown equivalent" in result.stdout
+    # with one prompt judged (no parameter refused), the same engine passes
+    fine = audit("--engine", "hf-assisted", "--pair", "tiny-llama", "--batch-size", "1", "--num-prompts",
+                         "2", "--max-new-tokens", "6", "--no-adversarial", "--repetition-penalty", "1.3",
+                         out=tmp_path / "fine")
+    assert fine.returncode == 0, fine.stdout + fine.stderr

@@ -122,12 +122,19 @@ def verdict(audit: Audit | Mapping[str, Any]) -> tuple[str, str]:
     """(status, sentence): status is "fail", "incomplete", "numerical", "pass" or "empty". A run whose
     engine drafted nothing adds "speculation not observed" (a failure with `require_speculation`).
     Sampled runs (reports/sampled.py) add their own verdict; an audit of sampled runs alone has theirs.
-    `--require-acceptance` adds the runs it fails, short or never compared (equivalence/gates.py)."""
+    `--require-acceptance` adds the runs it fails, short or never compared, and a run whose every prompt's request
+    parameters were refused the fact that it judged nothing (equivalence/gates.py)."""
     audit = as_audit(audit)
     status, sentence = _judged_verdict(audit)
     gated = _acceptance_gate_sentence(audit)
     if gated and status != "empty":
-        return "fail", f"{sentence} {gated}"
+        status, sentence = "fail", f"{sentence} {gated}"
+    from specaudit.equivalence.gates import JUDGED, gate_failures
+
+    unjudged = [f.message for f in gate_failures(audit) if f.gate == JUDGED]
+    if unjudged and status != "empty":  # a run that judged no prompt proves nothing
+        said = "; ".join(unjudged)
+        status, sentence = "fail", f"{sentence} {said[0].upper()}{said[1:]}."
     return status, sentence
 
 
@@ -487,6 +494,14 @@ def verdict_line(audit: Audit | Mapping[str, Any]) -> str:
         not_applied = sum(len(f.runs) for f in gate_failures(audit) if f.gate == ACCEPTANCE and not f.applied)
         if not_applied:
             gated += f"; --require-acceptance {ratio:g} not applied to {not_applied} run(s) (exit 1)"
+    from specaudit.equivalence.gates import JUDGED, gate_failures
+
+    unjudged = sum(len(f.runs) for f in gate_failures(audit) if f.gate == JUDGED)
+    if unjudged and all_passed(audit):  # every prompt's request parameters refused: those runs judged nothing
+        return (f"verdict: NOT shown equivalent: nothing judged in {unjudged} run(s), every prompt's request "
+                "parameters refused by the engine" + (f"; {unseen}" if unseen else "") + gated)
+    if unjudged:
+        gated += f"; nothing judged in {unjudged} run(s): every prompt's request parameters refused"
     mismatched = sum(int(given(run.reference_mismatches) or 0) for run in runs)
     if mismatched and all_passed(audit):
         return (f"verdict: NOT shown equivalent: {mismatched} divergence(s) are the reference's, not the engine's "
