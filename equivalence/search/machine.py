@@ -38,6 +38,7 @@ class MachineContext:
     bad_words_as_text: bool = False
     diagnosis: str = "off"
     expired: Callable[[], bool] = lambda: False  # the budget in minutes spent: no more examples
+    judge_more: Callable[[], bool] = lambda: True  # False: the budget's examples were judged, no failure found
     on_judged: Callable[[Mix, dict[str, Any], bool], None] = lambda mix, run, failed: None
     failures: list[tuple[Mix, dict[str, Any]]] = field(default_factory=list)  # the last is the shrunk one
 
@@ -100,6 +101,8 @@ class RequestMixes(RuleBasedStateMachine):
         target(float(max((r.shared_length for r in mix.requests if r.kind == "shared"), default=0)),
                label="shared prefix tokens")
         target(float(max(len(w) for w in mix.waves())), label="requests in flight together")
+        if not ctx.judge_more():  # a test case past the budget: drawn (generation stays the same), not judged
+            return
         run = ctx.judging.judge(mix, ctx.diagnosis)
         bad = failed(run)
         ctx.on_judged(mix, run, bad)

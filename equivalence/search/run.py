@@ -93,6 +93,13 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
                tqdm(total=int(60 * search_settings.minutes), unit="s", file=sys.stderr, dynamic_ncols=True,
                     leave=False))
 
+    def judge_more() -> bool:
+        """Whether a mix is still judged: always once a failure was found (shrinking is judged past the budget), else
+        while fewer than the budget's examples were judged. Hypothesis may run a test case beyond `max_examples` (one
+        it replays or does not count as valid): the budget counts what was judged, on any machine."""
+        examples = search_settings.examples
+        return examples is None or state["found_after"] is not None or len(judged) < examples
+
     def on_judged(mix: Mix, run: dict[str, Any], bad: bool) -> None:
         judged.append((mix, run))
         coverage.add(mix, run)
@@ -111,7 +118,8 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         judging=judging, pool=pool, vocab_size=vocab_size, max_prompt_length=max_prompt_length,
         families=tuple(search_settings.families or FAMILIES), bad_words_as_text=bad_words_as_text,
         diagnosis=search_settings.diagnosis,
-        expired=(lambda: deadline is not None and time.monotonic() > deadline), on_judged=on_judged)
+        expired=(lambda: deadline is not None and time.monotonic() > deadline), judge_more=judge_more,
+        on_judged=on_judged)
     machine = hypothesis_seed(search_settings.seed)(machine_for(context))
     # from Hypothesis's own defaults, not the profile a test session or the plugin loaded (a derandomized profile
     # would override the seed): the same seed draws the same examples wherever the search runs
