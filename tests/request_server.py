@@ -46,9 +46,10 @@ def params_from_vllm(body: dict[str, Any]) -> tuple[RequestParams, list[int]]:
     return params, stop_ids
 
 
-def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None = None):
-    """`answer(path, body)` for `FakeServer`."""
-    assert bug is None or bug in BUGS, bug
+def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | tuple[str, ...] | None = None):
+    """`answer(path, body)` for `FakeServer`, with the planted bug (or bugs) of `BUGS` named."""
+    bugs = set(bug if isinstance(bug, tuple) else () if bug is None else (bug,))
+    assert bugs <= set(BUGS), bug
 
     @torch.no_grad()
     def answer(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -64,11 +65,11 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
         while len(out) < limit:
             raw = model(input_ids=torch.tensor([prompt + out])).logits[0, -1].to(torch.float64)
             used = params
-            if bug == "bias_skipped" and len(out) % 2 == 1:
+            if "bias_skipped" in bugs and len(out) % 2 == 1:
                 used = RequestParams(**{**params.__dict__, "logit_bias": ()})
-            if bug == "min_tokens_skipped" and len(out) % 2 == 1:
+            if "min_tokens_skipped" in bugs and len(out) % 2 == 1:
                 used = RequestParams(**{**params.__dict__, "min_tokens": 0})
-            if bug == "min_tokens_past_end" and params.min_tokens and len(out) == params.min_tokens:
+            if "min_tokens_past_end" in bugs and params.min_tokens and len(out) == params.min_tokens:
                 used = RequestParams(**{**params.__dict__, "min_tokens": params.min_tokens + 1})
             row = process(raw, prompt, out, used, stop_ids).greedy
             token = int(row.argmax())
@@ -79,7 +80,7 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
                 if extra == 0:
                     break
                 continue
-            if bug == "stop_list_order" and params.stop and len(out) % (BURST + 1) and len(out) < limit \
+            if "stop_list_order" in bugs and params.stop and len(out) % (BURST + 1) and len(out) < limit \
                     and token not in stop_ids:
                 continue  # inside a burst: checked at its end, over the whole burst's text
             now = decode_text(tokenizer, out).rstrip("\ufffd")
@@ -88,7 +89,7 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
             if params.stop and len(out) > params.min_tokens:
                 if found is not None:
                     finish, reason, text = "stop", found[0], now[: found[1]]
-                    if bug == "stop_tail":
+                    if "stop_tail" in bugs:
                         extra = BURST
                         continue
                     break
@@ -99,11 +100,11 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | None =
                 break
         if text is None:
             text = decode_text(tokenizer, out[:-1] if finish == "stop" else out)
-        if bug == "finish_wrong" and finish == "stop":
+        if "finish_wrong" in bugs and finish == "stop":
             finish, reason = "length", None
-        if bug == "zero_logprobs":
+        if "zero_logprobs" in bugs:
             lps = [0.0] * len(lps)
-        completion_tokens = len(out) + (1 if bug == "usage_wrong" else 0)
+        completion_tokens = len(out) + (1 if "usage_wrong" in bugs else 0)
         top = [{f"token_id:{t}": lp} for t, lp in zip(out, lps)]
         return 200, {"choices": [{"index": 0, "text": text, "token_ids": out, "finish_reason": finish,
                                   "stop_reason": reason,

@@ -84,10 +84,12 @@ def test_search_finds_what_the_fixed_audit_misses_and_shrinks_it(pair, tmp_path,
     classes = {d["diagnosis"]["class"] for d in run["divergences"] if d["kind"] == "structural"}
     if expected is not None:
         assert expected in classes, run["divergences"]
-    # the divergences point at the shrunk case, the last requests of the record's prompts
+    # the divergences point at the shrunk cases, the last requests of the record's prompts
     offset = run["search"]["finding"]["prompt_offset"]
     assert all(d["prompt_index"] >= offset for d in run["divergences"])
-    assert run["num_prompts"] == len(run["prompts"]) == offset + len(result.finding.requests)
+    last = result.findings[-1]
+    assert run["num_prompts"] == len(run["prompts"]) == run["search"]["findings"][-1]["prompt_offset"] + len(
+        last.mix.requests)
 
     # the bundle: the requests as sent, the answers, and a replay that judges them again
     bundle = json.loads(result.bundle.read_text())
@@ -98,6 +100,29 @@ def test_search_finds_what_the_fixed_audit_misses_and_shrinks_it(pair, tmp_path,
         with FakeServer(answer) as server:
             replayed = replay_search_bundle(bundle, pair, VLLMEngine(server.url), "vllm:fake")
         assert replayed["exit_status"] == status, replayed["message"]
+
+
+def test_a_server_with_three_bugs_gives_three_findings_each_shrunk(pair, tmp_path):
+    """One server, three planted bugs of different kinds: the search does not stop at the first; each later
+    finding is a failure of a kind not found before, shrunk on its own, with its own bundle."""
+    with_bugs = vllm_answer(pair.target, pair.tokenizer, EOS, ("stop_tail", "bias_skipped"))
+
+    def answer(path, body):
+        return with_bugs(path, {**body, "frequency_penalty": 0.0, "presence_penalty": 0.0})
+
+    fixed = fixed_audit(pair, answer)
+    assert fixed["equivalent"], fixed["divergences"]
+    result = searched(pair, answer, tmp_path, examples=3 * BUDGET)
+    told = [set(map(tuple, f["signatures"])) for f in result.run["search"]["findings"]]
+    print("findings:", told, "after", [f.found_after for f in result.findings], "of", result.examples)
+    assert all(len(f.mix.requests) <= 3 for f in result.findings)
+    named = {named for found in told for _cls, named in found}
+    assert {"logit_bias"} <= named and any(cls == "stop_string" for found in told for cls, _ in found), told
+    assert any(n and "frequency" in n for n in named), told  # the penalties' processor
+    for earlier, later in zip(told, told[1:]):  # each finding tells something new
+        assert not later <= earlier
+    bundles = sorted(p.name for p in (tmp_path / "bundles").glob("search-*.json"))
+    assert len(bundles) == len(result.findings) >= 3, bundles
 
 
 def test_correct_server_gives_no_finding_and_the_same_seed_draws_the_same(pair, tmp_path):

@@ -15,6 +15,7 @@ Sending (`*_fields(params, eos_token_id)` -> the JSON fields to add to the diale
 | bad_words           | vLLM `bad_words` (text; ids alone: refused by the client); TensorRT-LLM: refused | refused | refused |
 | min_p, top_k        | `min_p`, `top_k`                        | `min_p`, `top_k`                     | `min_p`, `top_k`                |
 | logprobs            | `logprobs`                              | `top_logprobs_num`                   | `n_probs`                       |
+| seed                | `seed` (greedy: it must change nothing) | `sampling_seed`                      | `seed`                          |
 | constraint          | `structured_outputs`; TensorRT-LLM `response_format` | `json_schema` / `regex` / `ebnf` | `grammar` (engines/constraints/fields.py) |
 
 A parameter the dialect cannot express raises `ParameterRefused` before anything is sent; a server
@@ -51,14 +52,16 @@ SERVER_NAMES: dict[str, dict[str, str]] = {
              "max_tokens": "max_tokens", "repetition_penalty": "repetition_penalty",
              "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
              "logit_bias": "logit_bias", "bad_words": "bad_words", "min_p": "min_p", "top_k": "top_k",
-             "logprobs": "logprobs"},
+             "logprobs": "logprobs", "seed": "seed"},
     "sglang": {"stop": "stop", "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens",
                "max_tokens": "max_new_tokens", "repetition_penalty": "repetition_penalty",
                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-               "logit_bias": "logit_bias", "min_p": "min_p", "top_k": "top_k", "logprobs": "top_logprobs_num"},
+               "logit_bias": "logit_bias", "min_p": "min_p", "top_k": "top_k", "logprobs": "top_logprobs_num",
+               "seed": "sampling_seed"},
     "llamacpp": {"stop": "stop", "max_tokens": "n_predict", "repetition_penalty": "repeat_penalty",
                  "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-                 "logit_bias": "logit_bias", "min_p": "min_p", "top_k": "top_k", "logprobs": "n_probs"},
+                 "logit_bias": "logit_bias", "min_p": "min_p", "top_k": "top_k", "logprobs": "n_probs",
+                 "seed": "seed"},
 }
 SERVER_NAMES["trtllm"] = {k: v for k, v in SERVER_NAMES["vllm"].items() if k != "bad_words"}
 for _dialect, _field in (("vllm", "structured_outputs"), ("sglang", "json_schema"), ("llamacpp", "grammar"),
@@ -119,6 +122,8 @@ def openai_fields(params: RequestParams, eos_ids: list[int], dialect: str = "vll
         body["top_k"] = params.top_k
     if params.logprobs is not None:
         body["logprobs"] = params.logprobs
+    if params.seed is not None:  # greedy: a seed must change nothing
+        body["seed"] = params.seed
     if params.constraint is not None:
         body.update(constraint_fields.vllm_fields(params.constraint) if dialect == "vllm"
                     else constraint_fields.trtllm_fields(params.constraint))
@@ -148,6 +153,8 @@ def sglang_fields(params: RequestParams, eos_ids: list[int]) -> tuple[dict[str, 
         sampling["top_k"] = params.top_k
     if params.logprobs is not None:
         top["top_logprobs_num"] = params.logprobs
+    if params.seed is not None:
+        sampling["sampling_seed"] = params.seed
     if params.constraint is not None:
         sampling.update(constraint_fields.sglang_fields(params.constraint))
     return sampling, top
@@ -174,6 +181,8 @@ def llamacpp_fields(params: RequestParams) -> dict[str, Any]:
         body["top_k"] = params.top_k
     if params.logprobs is not None:
         body["n_probs"] = params.logprobs
+    if params.seed is not None:
+        body["seed"] = params.seed
     if params.constraint is not None:
         body.update(constraint_fields.llamacpp_fields(params.constraint))
     return body

@@ -33,19 +33,23 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     from specaudit.equivalence.cli.args import named_group
 
     group = named_group(parser, "search",
-                        "search (the workload drawn instead of fixed: request mixes from Hypothesis, the first "
-                        "failure shrunk)", "a search over request mixes instead of the fixed prompt set")
+                        "search (the workload drawn instead of fixed: request mixes from Hypothesis, each "
+                        "distinct failure shrunk)", "a search over request mixes instead of the fixed prompt set")
     group.add_argument("--search", action="store_true",
                        help="draw the requests instead of sending the prompt set: each request's prompt (fresh, "
                             "sharing a prefix with an earlier one, or identical), its parameters (stop strings from "
                             "the reference's own text, stop ids, max_tokens, min_tokens, penalties, logit bias, bad "
                             "words, logprobs, seeds) and its arrival (alone, in flight with others, after others), "
-                            "judged as the audit judges; the first failing mix is shrunk and written as "
-                            "OUT/bundles/search-*.json (docs/search.md). In-process engines and live servers")
+                            "judged as the audit judges; a failing mix is shrunk and written as "
+                            "OUT/bundles/search-*.json, and the search goes on for failures of another kind "
+                            "(docs/search.md). In-process engines and live servers")
     group.add_argument("--budget", type=budget, default=None, metavar="N|Nm",
                        help="with --search: examples to judge (default 50), or minutes (10m). --seed S seeds the "
                             "draws (default 0, printed): the same seed draws the same examples on the same code "
                             "and a fresh OUT")
+    group.add_argument("--max-findings", type=int, default=4, metavar="N",
+                       help="with --search: stop after N distinct failures, each shrunk to its own bundle "
+                            "(default: %(default)s); a failure of a kind already found is not searched again")
 
 
 def search_settings_from_args(args: argparse.Namespace) -> Any:
@@ -55,4 +59,5 @@ def search_settings_from_args(args: argparse.Namespace) -> Any:
     if not getattr(args, "search", False):
         return None
     examples, minutes = args.budget if args.budget is not None else (50, None)
-    return SearchSettings(examples=examples, minutes=minutes, seed=int(getattr(args, "seed", 0) or 0))
+    return SearchSettings(examples=examples, minutes=minutes, seed=int(getattr(args, "seed", 0) or 0),
+                          max_findings=int(getattr(args, "max_findings", 4)))

@@ -63,11 +63,13 @@ class SearchSettings:
     diagnosis: str = "off"  # during the search ("off" or "quick"); the shrunk case gets "full"
     # the parameter families drawn (equivalence/search/strategies.py FAMILIES); None: every one
     families: tuple[str, ...] | None = None
+    max_findings: int = 4  # distinct failures shrunk and kept (equivalence/search/run.py `signatures`)
 
     def to_dict(self) -> dict[str, Any]:
         return {"examples": self.examples, "minutes": self.minutes, "seed": self.seed,
                 "max_requests": self.max_requests, "diagnosis": self.diagnosis,
-                "families": None if self.families is None else list(self.families)}
+                "families": None if self.families is None else list(self.families),
+                "max_findings": self.max_findings}
 
 
 @dataclass(frozen=True)

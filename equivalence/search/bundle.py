@@ -1,6 +1,6 @@
 """A search finding as a repro bundle, and its replay against an engine (`specaudit replay BUNDLE --engine E`).
 
-`write_search_bundle` writes `OUT/bundles/search-<engine>-<pair>-b<batch>-<dtype>.json`: the shrunk mix's
+`write_search_bundle` writes `OUT/bundles/search-<engine>-<pair>-b<batch>-<dtype>-<N>.json` (finding N): the shrunk mix's
 requests as sent (token ids, parameters, arrival, the waves), the engine's answers and the reference's, the run's
 divergences with their diagnosis, the settings and the command that replays it. `replay_search_bundle` sends the
 same requests, wave by wave, to the engine named and judges them as the search did (equivalence/search/judging.py):
@@ -27,12 +27,13 @@ def _slug(text: Any) -> str:
 
 
 def write_search_bundle(folder: Path, mix: Mix, run: dict[str, Any], judging: Judging, seed: int,
-                        target: str | None) -> Path:
-    """The shrunk `mix` and its `run` (judged last by `judging`: its answers are the judging's last)."""
+                        target: str | None, number: int = 1) -> Path:
+    """The shrunk `mix` of finding `number` and its `run` (judged last by `judging`: its answers are the
+    judging's last)."""
     settings, pair_name = judging.settings, judging.pair.name
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / (f"search-{_slug(settings.engine_name)}-{_slug(pair_name)}-b{settings.batch_size}-"
-                     f"{settings.dtype}.json")
+                     f"{settings.dtype}-{number}.json")
     answers = {int(p.get("index", i)): p for i, p in enumerate(run.get("prompts") or [])}
     bundle = {
         "format": SEARCH_BUNDLE_FORMAT, "specaudit_version": VERSION, "engine": settings.engine_name,
@@ -40,6 +41,7 @@ def write_search_bundle(folder: Path, mix: Mix, run: dict[str, Any], judging: Ju
         "settings": {"dtype": settings.dtype, "batch_size": settings.batch_size,
                      "max_new_tokens": settings.max_new_tokens, "eos_token_id": settings.eos_token_id,
                      "draft_tokens": settings.draft_tokens, "seed": seed},
+        "finding": number,
         "waves": mix.waves(),
         "requests": [{"prompt_ids": list(r.prompt), "params": r.params.to_dict(), "arrival": r.arrival,
                       "kind": r.kind, "shared_with": r.shared_with, "shared_length": r.shared_length,

@@ -1,7 +1,7 @@
 """What a search reached, in words: `OUT/search.md`, one section per searched engine and batch size.
 
 Read from the run's `search` record (equivalence/search/run.py): the budget and seed, examples judged and their
-rate with the reference's share of the time, the finding (its shrunk size, its bundle and how to replay it), the
+rate with the reference's share of the time, each finding (what told it apart, its shrunk size, its bundle), the
 parameter families and pairs of them drawn within one request, the prompt shapes and wave sizes, how the
 reference's outputs ended, the parameters the engine refused, the server's counters the search moved (vLLM's
 prefix-cache hits and preemptions, where its `/metrics` has them), and what was not reached.
@@ -34,17 +34,24 @@ def search_lines(run: dict[str, Any]) -> list[str]:
                  + f"; {search.get('examples')} examples judged in {seconds:.1f} s"
                  + (f" ({rate:.1f} a minute" if rate else "")
                  + (f", the reference {share:.0%} of the time)" if share is not None and rate else ")" if rate else ""))
-    finding = search.get("finding")
-    if finding:
-        lines.append(f"- finding after {search.get('found_after')} examples, shrunk to {finding.get('requests')} "
-                     f"request(s) in waves {finding.get('waves')}; bundle {finding.get('bundle')}")
+    findings = search.get("findings") or ([search["finding"]] if search.get("finding") else [])
+    offsets = [f.get("prompt_offset", 0) for f in findings] + [float("inf")]
+    for number, finding in enumerate(findings, 1):
+        told = "; ".join(" ".join(x for x in sig if x) for sig in finding.get("signatures") or [])
+        lines.append(f"- finding {number} after {finding.get('found_after', search.get('found_after'))} examples"
+                     + (f" ({told})" if told else "") + f", shrunk to {finding.get('requests')} request(s) in waves "
+                     f"{finding.get('waves')}; bundle {finding.get('bundle')}"
+                     + ("" if finding.get("reproducible", True) else "; the failure did not always reproduce"))
+        start, stop = offsets[number - 1], offsets[number]
         for d in run.get("divergences") or []:
+            if not start <= (d.get("prompt_index") or 0) < stop:
+                continue
             diagnosis = d.get("diagnosis") or {}
-            lines.append(f"  - request {d.get('prompt_index') - finding.get('prompt_offset', 0)} at position "
+            lines.append(f"  - request {d.get('prompt_index') - start} at position "
                          f"{d.get('position')}: {d.get('kind')} {diagnosis.get('class')}: {diagnosis.get('evidence')}")
-    elif run.get("error"):
+    if not findings and run.get("error"):
         lines.append(f"- failed: {run.get('error')}")
-    else:
+    elif not findings:
         lines.append("- no finding: every judged example was equivalent")
     lines += [f"- requests: {coverage.get('requests', 0)}; parameter families: {_counts(coverage.get('families') or {})}",
               f"- families together in one request: {_counts(coverage.get('pairs') or {})}",

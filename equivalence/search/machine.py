@@ -33,6 +33,7 @@ class MachineContext:
     judging: Any  # equivalence/search/judging.py `Judging`
     pool: list[list[int]]  # prompts fresh ones are cut from
     vocab_size: int
+    tokens: tuple[int, ...] = ()  # what drawn prompt tokens come from (strategies.text_tokens); () every id
     max_prompt_length: int = 64
     families: tuple[str, ...] = FAMILIES
     bad_words_as_text: bool = False
@@ -40,6 +41,9 @@ class MachineContext:
     expired: Callable[[], bool] = lambda: False  # the budget in minutes spent: no more examples
     judge_more: Callable[[], bool] = lambda: True  # False: the budget's examples were judged, no failure found
     on_judged: Callable[[Mix, dict[str, Any], bool], None] = lambda mix, run, failed: None
+    # whether a judged run fails the example: it fails the audit, and (equivalence/search/run.py) not only as an
+    # earlier finding of the same search failed
+    is_failure: Callable[[dict[str, Any]], bool] = failed
     failures: list[tuple[Mix, dict[str, Any]]] = field(default_factory=list)  # the last is the shrunk one
 
 
@@ -68,7 +72,7 @@ class RequestMixes(RuleBasedStateMachine):
     @rule(data=st.data())
     def fresh(self, data: st.DataObject) -> None:
         ctx = self.context
-        kind, prompt = data.draw(fresh_prompts(pool=ctx.pool, vocab_size=ctx.vocab_size,
+        kind, prompt = data.draw(fresh_prompts(pool=ctx.pool, tokens=ctx.tokens or range(ctx.vocab_size),
                                                max_length=ctx.max_prompt_length), label="fresh prompt")
         note(f"fresh prompt ({kind})")
         self._add(data, "fresh", prompt)
@@ -82,7 +86,7 @@ class RequestMixes(RuleBasedStateMachine):
                                                          label="shares with (back from the latest)")
         base = self.mix.requests[earlier].prompt
         length = data.draw(prefix_lengths(max_length=len(base)), label="prefix length")
-        tail = tuple(data.draw(st.lists(st.integers(0, ctx.vocab_size - 1), min_size=1, max_size=16), label="tail"))
+        tail = tuple(data.draw(st.lists(st.sampled_from(ctx.tokens or range(ctx.vocab_size)), min_size=1, max_size=16), label="tail"))
         self._add(data, "shared", base[:length] + tail, earlier, length)
 
     @precondition(lambda self: bool(self.mix.requests))
@@ -104,7 +108,7 @@ class RequestMixes(RuleBasedStateMachine):
         if not ctx.judge_more():  # a test case past the budget: drawn (generation stays the same), not judged
             return
         run = ctx.judging.judge(mix, ctx.diagnosis)
-        bad = failed(run)
+        bad = ctx.is_failure(run)
         ctx.on_judged(mix, run, bad)
         if bad:
             ctx.failures.append((mix, run))

@@ -56,6 +56,8 @@ def refusal(settings: AuditSettings) -> str | None:
         return "--budget: give at least one example, or more than 0 minutes"
     if search.max_requests < 1:
         return "the search needs at least one request an example"
+    if search.max_findings < 1:
+        return "--max-findings: give at least 1"
     unknown = sorted(set(search.families or ()) - set(FAMILIES))
     if unknown:
         return f"unknown parameter families {', '.join(unknown)}: known are {', '.join(FAMILIES)}"

@@ -12,7 +12,7 @@ output, where a speculative engine's accepted chunk can complete them mid-burst.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from hypothesis import strategies as st
 
@@ -37,6 +37,30 @@ class Continuation:
     text: str  # the tokens decoded ("" without a tokenizer)
 
 
+def text_tokens(tokenizer: Any, vocab_size: int) -> tuple[int, ...]:
+    """The ids a drawn prompt's own tokens (random ones, a repeated segment, a shared prefix's tail) come from: each
+    that decodes alone to text (not empty, no U+FFFD, not a special token). A client sends text; a prompt that is
+    not text (a lone UTF-8 continuation byte, a special token) has no defined text report, and what a server says
+    of it is its detokenizer's own, with or without speculation. Without a tokenizer, every id."""
+    if tokenizer is None:
+        return tuple(range(vocab_size))
+    special = set(getattr(tokenizer, "all_special_ids", None) or ())
+    ids = [i for i in range(vocab_size) if i not in special]
+    try:
+        texts = tokenizer.batch_decode([[i] for i in ids])
+    except (AttributeError, TypeError):
+        texts = [tokenizer.decode([i]) for i in ids]
+    except Exception:  # an id past the tokenizer's own vocabulary (a padded embedding): decoded one by one
+        texts = []
+        for i in ids:
+            try:
+                texts.append(tokenizer.decode([i]))
+            except Exception:
+                texts.append("")
+    kept = tuple(i for i, text in zip(ids, texts) if text and FFFD not in text)
+    return kept or tuple(range(vocab_size))
+
+
 @st.composite
 def prefix_lengths(draw: st.DrawFn, *, max_length: int, block_size: int = BLOCK_SIZE) -> int:
     """How many tokens a prompt shares with an earlier one (1 to `max_length`): any length, all of it but a few
@@ -57,10 +81,10 @@ def prefix_lengths(draw: st.DrawFn, *, max_length: int, block_size: int = BLOCK_
 
 
 @st.composite
-def fresh_prompts(draw: st.DrawFn, *, pool: Sequence[Sequence[int]], vocab_size: int, min_length: int = 1,
+def fresh_prompts(draw: st.DrawFn, *, pool: Sequence[Sequence[int]], tokens: Sequence[int], min_length: int = 1,
                   max_length: int = 64) -> tuple[str, tuple[int, ...]]:
-    """(kind, prompt ids): a prompt of the pool, whole or cut to a drawn length, random ids, or a segment repeated (its
-    continuation repeats too: what an n-gram drafter proposes from). Shrinks toward a whole pool prompt (what the fixed
+    """(kind, prompt ids): a prompt of the pool, whole or cut to a drawn length, random ids among `tokens`
+    (`text_tokens`), or a segment repeated (its continuation repeats too: what an n-gram drafter proposes from). Shrinks toward a whole pool prompt (what the fixed
     audit sends), then a shorter cut of it."""
     kinds = FRESH_KINDS if pool else FRESH_KINDS[1:]
     kind = draw(st.sampled_from(kinds))
@@ -71,8 +95,8 @@ def fresh_prompts(draw: st.DrawFn, *, pool: Sequence[Sequence[int]], vocab_size:
                   draw(st.integers(min(min_length, len(source)), min(max_length, len(source)))))
         return kind, tuple(source[:max(1, length)])
     if kind == "random":
-        return kind, tuple(draw(st.lists(st.integers(0, vocab_size - 1), min_size=min_length, max_size=max_length)))
-    segment = draw(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=8))
+        return kind, tuple(draw(st.lists(st.sampled_from(tokens), min_size=min_length, max_size=max_length)))
+    segment = draw(st.lists(st.sampled_from(tokens), min_size=1, max_size=8))
     if pool and draw(st.booleans()):  # a piece of real text repeated
         source = list(draw(st.sampled_from(list(pool))))
         start = draw(st.integers(0, max(0, len(source) - 1)))
