@@ -4,7 +4,7 @@ for tests/fake_server.py's `FakeServer`; optionally with one of the bugs that sh
 It reads the request's parameters back from vLLM's field names, decodes greedily with the processors of
 engines/requests/__init__.py (the whole sequence through the model at every step: independent of the reference's
 cached loop), stops as vLLM does, and answers with `token_ids`, `text`, `finish_reason`, `stop_reason`,
-`usage` and per-token `logprobs` (raw, vLLM's default). Planted bugs (`bug=`):
+`usage` and per-token `logprobs` (raw, vLLM's default); banned words as vLLM resolves them. Planted bugs (`bug=`):
 
 - "stop_tail": a stop string completed inside an accepted burst: `text` cut at the stop, `token_ids` and
   log-probabilities keep the burst's tokens after it (vllm #47616);
@@ -27,22 +27,24 @@ from typing import Any
 import torch
 
 from specaudit.engines.requests.reference import decode_text, find_stop
-from specaudit.engines.requests import RequestParams, process
+from specaudit.engines.requests import RequestParams, bad_words_ids, process
 
 BUGS = ("stop_tail", "stop_list_order", "bias_skipped", "min_tokens_skipped", "min_tokens_past_end", "zero_logprobs", "finish_wrong",
         "usage_wrong")
 BURST = 3  # tokens a stop-string bug keeps after the stop
 
 
-def params_from_vllm(body: dict[str, Any]) -> tuple[RequestParams, list[int]]:
-    """RequestParams from a vLLM request body, and its stop token ids (EOS included)."""
+def params_from_vllm(body: dict[str, Any], tokenizer: Any = None) -> tuple[RequestParams, list[int]]:
+    """RequestParams from a vLLM request body, and its stop token ids (EOS included); banned words (text) resolved
+    to ids as vLLM resolves them, where a tokenizer is given."""
     stop_ids = [int(i) for i in body.get("stop_token_ids") or []]
+    banned = bad_words_ids(body.get("bad_words") or (), tokenizer) if tokenizer is not None else ()
     params = RequestParams(
         stop=tuple(body.get("stop") or ()), min_tokens=int(body.get("min_tokens") or 0),
         repetition_penalty=float(body.get("repetition_penalty", 1.0)),
         presence_penalty=float(body.get("presence_penalty", 0.0)),
         frequency_penalty=float(body.get("frequency_penalty", 0.0)),
-        logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()})
+        logit_bias={int(k): float(v) for k, v in (body.get("logit_bias") or {}).items()}, bad_words=banned)
     return params, stop_ids
 
 
@@ -55,7 +57,7 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | tuple[
     def answer(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         assert path == "/v1/completions"
         prompt = [int(t) for t in body["prompt"]]
-        params, stop_ids = params_from_vllm(body)
+        params, stop_ids = params_from_vllm(body, tokenizer)
         limit = int(body["max_tokens"])
         out: list[int] = []
         lps: list[float] = []

@@ -20,6 +20,11 @@ engine's samples against the target's distribution (`sampled.py`), failing with 
 `--specaudit-require-acceptance R` too, also where its acceptance is below R x the expected overlap of target
 and draft (equivalence/acceptance/sampled.py).
 
+With `--specaudit-target DIR`, a live server engine (`--specaudit-engine vllm:URL`, `llamacpp:URL`, ...) gets one
+search test per batch size (`search.py`): the search over request mixes (docs/search.md) against the server, judged
+against the weights in DIR; `--specaudit-search` adds the same test for each in-process engine and built-in pair.
+A failure prints each finding's shrunk requests, its bundle and the command that replays it.
+
 Seeds (`seed.py`): `--specaudit-seed N`, else `SPECAUDIT_SEED`, else a fixed seed when `CI` is set
 (the same examples on every run of the same code), else a fresh random seed; whichever it is, the
 terminal summary and every failure print it, so any run can be replayed. The sampled tests seed the
@@ -29,6 +34,7 @@ engine's requests with it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,6 +102,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                            'min_p; default: none)')
 
 
+    search = parser.getgroup("specaudit-search", "specaudit: the search over request mixes (docs/search.md)")
+    search.addoption("--specaudit-target", default=None, metavar="DIR",
+                     help="the weights a server engine serves (a Hugging Face folder with its tokenizer): each "
+                          "server engine gets one search test per batch size against them (default: none)")
+    search.addoption("--specaudit-search", action="store_true", default=False,
+                     help="also search each in-process engine on each pair (default: servers only)")
+    search.addoption("--specaudit-search-budget", default=None, metavar="N|Nm",
+                     help="examples per search test (50), or minutes (10m) (default: 50)")
+    search.addoption("--specaudit-dtype", default="float64", metavar="D",
+                     help="the reference's dtype for a search test (default: float64)")
+    search.addoption("--specaudit-prompts", default="builtin", metavar="FILE",
+                     help="the prompts fresh ones are cut from, a JSONL file (default: the built-in set)")
+    search.addoption("--specaudit-out", default=None, metavar="DIR",
+                     help="where each search test writes its audit.json, reports and bundles, one folder per test "
+                          "(default: under pytest's temporary directory; printed on failure)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """One seed for the whole run: the controller chooses it, pytest-xdist's workers are handed it."""
     given = getattr(config, "workerinput", {}).get("specaudit_seed")
@@ -124,6 +147,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             resolve(engine)
         except EngineSpecError as exc:
             raise pytest.UsageError(f"--specaudit-engine: {exc}") from exc
+    engines = _search_items(session, config, engines, pairs, items)
     batch_sizes = config.getoption("specaudit_batch_size") or DEFAULT_BATCH_SIZES
     for engine in engines:
         for pair in pairs:
@@ -159,6 +183,77 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         for pair in pairs:
             items.append(SampledItem.from_parent(
                 session, name=f"specaudit-sampled[{engine}|{pair}|T{setting.temperature:g}]", engine=engine, pair=pair))
+
+
+def _search_items(session: pytest.Session, config: pytest.Config, engines: list[str], pairs: list[str],
+                  items: list[pytest.Item]) -> list[str]:
+    """Add the search tests to `items`; the in-process engines, which the other tests are for."""
+    from specaudit.engines.registry import black_box_prefix
+    from specaudit.equivalence.plugin.search import DEFAULT_BUDGET, DEFAULT_SERVER_BATCH_SIZES, check_budget
+    from specaudit.equivalence.search.pipeline import SERVERS
+
+    servers = [e for e in engines if black_box_prefix(e) in SERVERS]
+    others = [e for e in engines if e not in servers]
+    target = config.getoption("specaudit_target")
+    if servers and target is None:
+        raise pytest.UsageError(f"--specaudit-engine {servers[0]} is a server: give --specaudit-target DIR, the "
+                                "weights it serves, for its search test")
+    if target is not None and not Path(target).is_dir():
+        raise pytest.UsageError(f"--specaudit-target: {target} is not a folder")
+    budget = config.getoption("specaudit_search_budget") or DEFAULT_BUDGET
+    try:
+        check_budget(budget)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    searched = [(e, None) for e in servers]
+    if config.getoption("specaudit_search"):
+        searched += [(e, p) for e in others for p in pairs]
+    for engine, pair in searched:
+        sizes = config.getoption("specaudit_batch_size") or (DEFAULT_SERVER_BATCH_SIZES if pair is None
+                                                             else DEFAULT_BATCH_SIZES)
+        for batch_size in sizes:
+            name = f"specaudit-search[{engine}|{pair or Path(target).name}|B{batch_size}]"
+            items.append(SearchItem.from_parent(session, name=name, engine=engine, pair=pair, batch_size=batch_size,
+                                                budget=budget))
+    return others
+
+
+class SearchItem(pytest.Item):
+    """The search over request mixes against one engine at one batch size (`search.py`)."""
+
+    def __init__(self, *, engine: str, pair: str | None, batch_size: int, budget: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine, self.pair, self.batch_size, self.budget = engine, pair, batch_size, budget
+
+    def search_test(self) -> Any:
+        from specaudit.equivalence.plugin.search import SearchTest
+
+        config = self.config
+        given = config.getoption("specaudit_out")
+        slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
+        out = Path(given) / slug if given else config._tmp_path_factory.mktemp("specaudit-search", numbered=True)
+        return SearchTest(engine=self.engine, batch_size=self.batch_size, seed=config.stash[SEED].value,
+                          budget=self.budget, max_new_tokens=config.getoption("specaudit_max_new_tokens"),
+                          dtype=config.getoption("specaudit_dtype"), out=out,
+                          target=config.getoption("specaudit_target") if self.pair is None else None,
+                          pair=self.pair, prompts=config.getoption("specaudit_prompts"))
+
+    def runtest(self) -> None:
+        from specaudit.equivalence.plugin.search import run_search
+
+        self.user_properties.append(("specaudit", (self.engine, self.pair or "search", self.batch_size)))
+        run_search(self.search_test())
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
+        from specaudit.equivalence.plugin.search import SearchFound
+
+        if isinstance(excinfo.value, SearchFound):
+            seed = self.config.stash[SEED]
+            return f"{excinfo.value}\nseed: {seed.value} ({seed.source})"
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return "specaudit", None, self.name
 
 
 class EquivalenceItem(pytest.Item):

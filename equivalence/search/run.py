@@ -78,7 +78,7 @@ class Finding:
     mix: Mix
     run: dict[str, Any]
     signatures: frozenset[Signature]
-    found_after: int  # examples judged (shrinking included) when its first failure was seen
+    found_after: int  # examples drawn (shrinking's not counted) when its first failure was seen
     bundle: Path | None = None
     reproducible: bool = True  # False: Hypothesis saw the failure come and go while shrinking
 
@@ -144,7 +144,8 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
     judged: list[tuple[Mix, dict[str, Any]]] = []
     findings: list[Finding] = []
     known: set[Signature] = set()
-    state: dict[str, Any] = {"drawn": 0, "found_at": None}  # drawn: examples judged outside shrinking
+    # drawn: examples judged outside shrinking; found_at: the drawn examples when this round's failure was seen
+    state: dict[str, Any] = {"drawn": 0, "found_at": None}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -177,7 +178,7 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         if not shrinking():
             state["drawn"] += 1
         if bad and not shrinking():
-            state["found_at"] = len(judged)
+            state["found_at"] = state["drawn"]
         if bar is not None:
             if search_settings.examples is not None:
                 bar.n = min(bar.total, state["drawn"])
