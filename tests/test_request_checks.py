@@ -239,3 +239,44 @@ def test_request_params_for_an_in_process_engine_or_a_bad_params_line_are_usage_
     result = cli_audit("--engine", "vllm:http://127.0.0.1:9", "--pair", "tiny-llama", "--logit-bias", "5:500",
                        out=tmp_path / "c")
     assert result.returncode == 2 and "[-100, 100]" in result.stderr
+
+
+class ByteText:
+    """Bytes decoded as UTF-8 (a lone continuation byte is U+FFFD), as a byte-level tokenizer decodes them."""
+
+    def decode(self, ids, **_):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def encode(self, text, **_):
+        return list(text.encode())
+
+
+def _report_classes(returned, report, params=RequestParams(), reference=None):
+    from specaudit.engines.requests.reference import RequestResult
+    from specaudit.equivalence.blackbox.outputs import check_report
+
+    reference = reference or RequestResult(list(returned), "length", None, ByteText().decode(returned))
+    return [d.diagnosis.cls for d in check_report(0, list(b"ab"), params, reference, list(returned), report, EOS,
+                                                     ByteText())]
+
+
+def test_a_detokenizer_may_drop_bytes_that_never_form_a_character_and_nothing_else():
+    returned = [0x80, 0x81] + list(b"xy") + [0x82]  # lone continuation bytes around real text
+    assert _report_classes(returned, {"finish_reason": "length", "text": "xy"}) == []
+    assert _report_classes(returned, {"finish_reason": "length", "text": "\ufffd\ufffdxy\ufffd"}) == []
+    assert _report_classes(returned, {"finish_reason": "length", "text": "x"}) == ["text_report"]
+
+
+def test_a_stop_id_that_completes_a_stop_string_may_be_reported_as_either():
+    from specaudit.engines.requests.reference import RequestResult
+
+    returned = list(b"xyz")
+    params = RequestParams(stop=("yz",), stop_token_ids=(ord("z"),))
+    reference = RequestResult(returned, "stop", "yz", "x")
+    for stop_reason in ("yz", ord("z")):
+        assert _report_classes(returned, {"finish_reason": "stop", "stop_reason": stop_reason, "text": "x"},
+                               params, reference) == [], stop_reason
+    # a stop string that the last token does not complete is not a reason the request ended
+    other = RequestParams(stop=("yz", "q"), stop_token_ids=(ord("z"),))
+    assert _report_classes(returned, {"finish_reason": "stop", "stop_reason": "q", "text": "x"}, other,
+                           reference) != []

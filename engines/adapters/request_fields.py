@@ -63,7 +63,8 @@ SERVER_NAMES: dict[str, dict[str, str]] = {
                  "logit_bias": "logit_bias", "min_p": "min_p", "top_k": "top_k", "logprobs": "n_probs",
                  "seed": "seed"},
 }
-SERVER_NAMES["trtllm"] = {k: v for k, v in SERVER_NAMES["vllm"].items() if k != "bad_words"}
+SERVER_NAMES["vllm"]["bad_words_text"] = "bad_words"  # the words as text: what an HTTP 400 about them names
+SERVER_NAMES["trtllm"] = {k: v for k, v in SERVER_NAMES["vllm"].items() if k not in ("bad_words", "bad_words_text")}
 for _dialect, _field in (("vllm", "structured_outputs"), ("sglang", "json_schema"), ("llamacpp", "grammar"),
                          ("trtllm", "response_format")):
     SERVER_NAMES[_dialect]["constraint"] = _field

@@ -174,8 +174,8 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
 
     def on_judged(mix: Mix, run: dict[str, Any], bad: bool) -> None:
         judged.append((mix, run))
-        coverage.add(mix, run)
-        if not shrinking():
+        if not shrinking():  # what the search drew; shrinking's simpler mixes would drown it
+            coverage.add(mix, run)
             state["drawn"] += 1
         if bad and not shrinking():
             state["found_at"] = state["drawn"]

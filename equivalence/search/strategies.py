@@ -151,9 +151,10 @@ def request_params(draw: st.DrawFn, *, continuation: Continuation, vocab_size: i
         word = tuple(tokens[start:start + draw(st.integers(1, 2))])
         if bad_words_as_text:
             text = continuation.text.strip()
-            if text:
+            if text:  # a word of letters (a server strips a word's spaces: one of spaces only bans nothing)
                 begin = draw(st.integers(0, len(text) - 1))
-                values["bad_words_text"] = (text[begin:begin + draw(st.integers(1, 4))].split(FFFD)[0] or text[0],)
+                word = text[begin:begin + draw(st.integers(1, 4))].split(FFFD)[0].strip() or text[0]
+                values["bad_words_text"] = (word,)
         else:
             values["bad_words"] = (word,)
     if "logprobs" in on and draw(st.booleans()):
