@@ -36,6 +36,7 @@ from hypothesis.stateful import get_state_machine_test
 
 from specaudit.equivalence.pipeline.settings import SearchSettings
 from specaudit.equivalence.run_record import passed
+from specaudit.equivalence.errors import one_line
 from specaudit.equivalence.search.judging import Judging, failed
 from specaudit.equivalence.search.machine import MachineContext, machine_for
 from specaudit.equivalence.search.model import Coverage, Mix
@@ -191,6 +192,7 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
     counters_before = server_counters(getattr(judging.engine, "url", None))
     for round_index in range(search_settings.max_findings + 1):
         state["found_at"] = None
+        drawn_before = state["drawn"]
         context = MachineContext(
             judging=judging, pool=pool, vocab_size=vocab_size, tokens=tokens, max_prompt_length=max_prompt_length,
             families=tuple(search_settings.families or FAMILIES), bad_words_as_text=bad_words_as_text,
@@ -201,6 +203,7 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         if not context.failures:
             if error is not None:
                 raise error
+            say(f"search: round {round_index}: no new failure in {state['drawn'] - drawn_before} examples")
             break
         mix, search_run = context.failures[-1]
         # the shrunk case, fewer requests where it still fails anew, judged with the full diagnosis
@@ -213,7 +216,8 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         number = len(findings) + 1
         say(f"search: finding {number} after {finding.found_after} examples, shrunk to {len(mix.requests)} "
             f"request(s) in {len(mix.waves())} wave(s): {describe(finding.signatures)}"
-            + ("" if finding.reproducible else f" ({type(error).__name__}: the failure did not always reproduce)"))
+            + ("" if finding.reproducible else f" (the failure did not always reproduce: {type(error).__name__}: "
+                                                 f"{one_line(str(error))[:200]})"))
         if bundles:
             from specaudit.equivalence.search.bundle import write_search_bundle
 
