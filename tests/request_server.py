@@ -126,7 +126,9 @@ def llamacpp_answer(model: Any, tokenizer: Any, eos_token_id: int, zero_logprobs
 
     def answer(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         assert path == "/completion"
-        assert "min_tokens" not in body and body.get("repeat_last_n", -1) == -1
+        # penalties over the whole context: -1, or a window that holds the prompt and every new token
+        window = body.get("repeat_last_n", -1)
+        assert "min_tokens" not in body and (window == -1 or window >= len(body["prompt"]) + body["n_predict"])
         vllm_body = {"prompt": body["prompt"], "max_tokens": body["n_predict"],
                      "stop_token_ids": [] if body.get("ignore_eos") else [eos_token_id], "stop": body.get("stop"),
                      "repetition_penalty": body.get("repeat_penalty", 1.0),

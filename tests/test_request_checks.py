@@ -183,7 +183,8 @@ def test_llamacpp_dialect_names_and_its_speculative_zero_logprobs(pair, prompts)
                         answer=llamacpp_answer(pair.target, pair.tokenizer, EOS))
     assert run["divergences"] == [] and run["exact_matches"] == 2 and run["penalty_scope"] == "context"
     body = server.requests[0][1]
-    assert body["repeat_penalty"] == 1.3 and body["repeat_last_n"] == -1 and body["n_probs"] == 2
+    # the whole context as a count (b11549 refuses -1)
+    assert body["repeat_penalty"] == 1.3 and body["repeat_last_n"] == len(body["prompt"]) + N and body["n_probs"] == 2
     assert body["logit_bias"] == [[plain[1], -30.0]] and server.requests[1][1]["stop"] == list(params[1].stop)
     run, _ = audit(pair, prompts, params, engine_class=LlamaCppEngine,
                    answer=llamacpp_answer(pair.target, pair.tokenizer, EOS, zero_logprobs=True))

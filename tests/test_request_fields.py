@@ -48,7 +48,8 @@ def test_sglang_and_llamacpp_names():
         llamacpp_request([1], 8, EOS, params=PARAMS)
     body = llamacpp_request([1], 8, EOS, params=RequestParams(stop=["ab"], max_tokens=5, repetition_penalty=1.2,
                                                               logit_bias={3: -4.0}, logprobs=3))
-    assert body["n_predict"] == 5 and body["repeat_penalty"] == 1.2 and body["repeat_last_n"] == -1
+    # penalties over the whole context, as a count (the prompt's token and the run's 8 new ones): b11549 refuses -1
+    assert body["n_predict"] == 5 and body["repeat_penalty"] == 1.2 and body["repeat_last_n"] == 9
     assert body["logit_bias"] == [[3, -4.0]] and body["n_probs"] == 3 and body["stop"] == ["ab"]
 
 

@@ -211,7 +211,8 @@ def test_servers_are_sent_the_parameters_in_their_dialect() -> None:
     assert sglang["presence_penalty"] == 0.5 and sglang["min_new_tokens"] == 2 and sglang["min_p"] == 0.1
     llama_request = RequestParams(temperature=0.9, presence_penalty=0.5, repetition_penalty=1.2)
     llama = sampled_request(LlamaCppEngine("http://x"), [1], 3, 258, sampling_of(llama_request), None, llama_request)
-    assert llama["repeat_penalty"] == 1.2 and llama["repeat_last_n"] == -1 and llama["samplers"][0] == "penalties"
+    # the whole context, as a count: the prompt's 1 token and 3 new ones
+    assert llama["repeat_penalty"] == 1.2 and llama["repeat_last_n"] == 4 and llama["samplers"][0] == "penalties"
 
 
 PLUGIN = ["-p", "no:cacheprovider", "--specaudit-pair", "tiny-llama", "--specaudit-temperature", "1.0",

@@ -8,7 +8,7 @@ Sending (`*_fields(params, eos_token_id)` -> the JSON fields to add to the diale
 | stop_token_ids      | `stop_token_ids` (with the EOS ids)     | `stop_token_ids` (with the EOS ids)  | none: refused by the client     |
 | min_tokens          | `min_tokens`                            | `min_new_tokens`                     | none: refused by the client     |
 | max_tokens          | `max_tokens`                            | `max_new_tokens`                     | `n_predict`                     |
-| repetition_penalty  | `repetition_penalty`                    | `repetition_penalty`                 | `repeat_penalty`, `repeat_last_n` -1 |
+| repetition_penalty  | `repetition_penalty`                    | `repetition_penalty`                 | `repeat_penalty`, `repeat_last_n` the whole context |
 | presence_penalty    | `presence_penalty`                      | `presence_penalty`                   | `presence_penalty`              |
 | frequency_penalty   | `frequency_penalty`                     | `frequency_penalty`                  | `frequency_penalty`             |
 | logit_bias          | `logit_bias` {"id": bias}               | `logit_bias` {"id": bias}            | `logit_bias` [[id, bias], ...]  |
@@ -70,7 +70,7 @@ for _dialect, _field in (("vllm", "structured_outputs"), ("sglang", "json_schema
     SERVER_NAMES[_dialect]["constraint"] = _field
 
 # presence/frequency counted over the output (vLLM, SGLang, TensorRT-LLM) or the whole context (llama.cpp,
-# whose window `repeat_last_n` -1 is the context): engines/requests.py `process`'s penalty_scope
+# whose window `repeat_last_n` is set to the request's whole context): engines/requests.py `process`'s penalty_scope
 PENALTY_SCOPE = {"vllm": "output", "sglang": "output", "trtllm": "output", "llamacpp": "context"}
 # the distribution each server's log-probabilities come from by default (vLLM `logprobs_mode` raw_logprobs,
 # llama.cpp `post_sampling_probs` false, SGLang's output logprobs of the model's logits)
@@ -161,8 +161,10 @@ def sglang_fields(params: RequestParams, eos_ids: list[int]) -> tuple[dict[str, 
     return sampling, top
 
 
-def llamacpp_fields(params: RequestParams) -> dict[str, Any]:
-    """llama.cpp `/completion` fields; penalties over the whole context (`repeat_last_n` -1)."""
+def llamacpp_fields(params: RequestParams, context: int | None = None) -> dict[str, Any]:
+    """llama.cpp `/completion` fields; penalties over the whole context: `repeat_last_n` the request's `context`
+    (its prompt and new tokens), or -1 (the slot's context) without one. Released builds since b11549 refuse -1
+    (HTTP 400, "Value must be between 0 <= value"), so the audit's requests always give the count."""
     refuse_unsupported("llamacpp", params)
     body: dict[str, Any] = {}
     if params.stop:
@@ -170,7 +172,7 @@ def llamacpp_fields(params: RequestParams) -> dict[str, Any]:
     if params.max_tokens is not None:
         body["n_predict"] = params.max_tokens
     if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
-        body["repeat_last_n"] = -1
+        body["repeat_last_n"] = -1 if context is None else max(1, int(context))
     body["repeat_penalty"] = params.repetition_penalty
     body["presence_penalty"] = params.presence_penalty
     body["frequency_penalty"] = params.frequency_penalty

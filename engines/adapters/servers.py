@@ -53,7 +53,7 @@ def llamacpp_request(prompt: list[int], max_new_tokens: int, eos_token_id: int |
         "ignore_eos": not eos_ids(eos_token_id),
     }
     if params is not None:
-        body.update(fields.llamacpp_fields(params))
+        body.update(fields.llamacpp_fields(params, context=len(prompt) + max_new_tokens))
     return body
 
 

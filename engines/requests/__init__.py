@@ -18,7 +18,7 @@ definitions are vLLM's (vllm/v1/sample/sampler.py and its ops), applied in vLLM'
    by the penalty, a negative one multiplied by it;
 5. `apply_frequency_presence`: `logit[t] -= frequency * count(t) + presence * (count(t) > 0)`, counts
    over the OUTPUT only (vLLM) or over prompt and output (llama.cpp, whose penalty window we set to the
-   whole context with `repeat_last_n: -1`);
+   whole context: `repeat_last_n` the request's prompt and new tokens);
 
 then greedy takes the argmax. `min_p` and `top_k` (`apply_min_p`, `apply_top_k`) only ever remove
 tokens below the top one, so they never change a greedy choice; they change the distribution a

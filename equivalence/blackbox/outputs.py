@@ -36,6 +36,7 @@ from specaudit.equivalence.blackbox.constraints import CONSTRAINT_CLASSES, CONST
 from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
 from specaudit.equivalence.records import Divergence
 from specaudit.equivalence.rulings.noise import dtype_noise
+from specaudit.equivalence.rulings.thresholds import REPORT_FLOOR
 from specaudit.equivalence.rulings.record import finding
 
 REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report",
@@ -198,14 +199,15 @@ def check_report(index: int, prompt: list[int], params: RequestParams, reference
             ok = True
         if not ok and finish == reference.finish_reason == "stop" and returned:
             # one token that ends the request under two rules at once (a stop id that also completes a stop
-            # string): a server may name either; vLLM checks the stop ids first
+            # string, two stop strings that it completes together): a server may name either; vLLM checks the
+            # stop ids first
             ending = {reference.stop_reason}
             if returned[-1] in stop_ids:
                 ending.add(returned[-1])
-            if params.stop and tokenizer is not None:
-                found = first_stop_completion(tokenizer, returned, params)
+            for stop in params.stop if tokenizer is not None else ():  # each stop string the last token completes
+                found = first_stop_completion(tokenizer, returned, params, only=stop)
                 if found is not None and found[0] == len(returned):
-                    ending.add(found[1])
+                    ending.add(stop)
             ok = stop_reason in ending
         if not ok:
             findings.append(finding(index, len(returned) - 1 if returned else None, "finish_reason", "finish-compare",
@@ -293,7 +295,10 @@ def _logprob_findings(index: int, reference: RequestResult, returned: list[int],
         if reported is None:
             continue
         top = float(reference.logits[position].max()) if reference.logits is not None else 0.0
-        tolerance = 2 * max(band_at(top), dtype_noise(FLOAT32, top))
+        # the run's band, float32's noise at the top logit, and at least the floor of a misreport: two correct
+        # float32 log-softmaxes by other kernels differ by more than rounding (thresholds.REPORT_FLOOR)
+        tolerance = max(2 * max(band_at(top), dtype_noise(FLOAT32, top)),
+                        REPORT_FLOOR * max(1.0, abs(ref_lps[position])))
         if abs(reported - ref_lps[position]) > tolerance:
             off.append((position, reported, ref_lps[position], tolerance))
     if not off:

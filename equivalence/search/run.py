@@ -37,6 +37,7 @@ from hypothesis.stateful import get_state_machine_test
 from specaudit.equivalence.pipeline.settings import SearchSettings
 from specaudit.equivalence.run_record import passed
 from specaudit.equivalence.errors import one_line
+from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.search.judging import Judging, failed
 from specaudit.equivalence.search.machine import MachineContext, machine_for
 from specaudit.equivalence.search.model import Coverage, Mix
@@ -195,6 +196,7 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         drawn_before = state["drawn"]
         context = MachineContext(
             judging=judging, pool=pool, vocab_size=vocab_size, tokens=tokens, max_prompt_length=max_prompt_length,
+            eos_ids=tuple(eos_ids(judging.settings.eos_token_id)),
             families=tuple(search_settings.families or FAMILIES), bad_words_as_text=bad_words_as_text,
             diagnosis=search_settings.diagnosis, expired=expired, judge_more=judge_more, on_judged=on_judged,
             is_failure=is_new_failure)

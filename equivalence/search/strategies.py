@@ -90,9 +90,12 @@ def fresh_prompts(draw: st.DrawFn, *, pool: Sequence[Sequence[int]], tokens: Seq
     kind = draw(st.sampled_from(kinds))
     if kind == "pool":
         source = list(draw(st.sampled_from(list(pool))))
-        cut = draw(st.booleans())  # the whole prompt (up to max_length; the shrink target), or cut to a drawn length
-        length = (min(max_length, len(source)) if not cut else
-                  draw(st.integers(min(min_length, len(source)), min(max_length, len(source)))))
+        # the whole prompt (up to max_length; the shrink target), cut a few tokens short (the same text, its
+        # output starting elsewhere: a speculative engine's steps fall elsewhere in it), or cut to any length
+        cut = draw(st.sampled_from(("whole", "short", "any")))
+        whole = min(max_length, len(source))
+        length = (whole if cut == "whole" else max(1, whole - draw(st.integers(1, 4))) if cut == "short" else
+                  draw(st.integers(min(min_length, len(source)), whole)))
         return kind, tuple(source[:max(1, length)])
     if kind == "random":
         return kind, tuple(draw(st.lists(st.sampled_from(tokens), min_size=min_length, max_size=max_length)))
@@ -118,35 +121,65 @@ def stop_strings(draw: st.DrawFn, *, text: str, max_length: int = 4) -> str:
     return piece or text[start]
 
 
+def family_on() -> st.SearchStrategy[bool]:
+    """Whether a request sets one parameter family: one time in three (so that a request carries one or two
+    families, a bug that needs one of them alone is drawn often, and a stop string taken from the plain
+    continuation is not moved away by penalties every time). Shrinks toward off."""
+    return st.integers(0, 2).map(lambda drawn: drawn == 2)
+
+
+def stop_positions(continuation: Continuation, stop_ids: Sequence[int], eos_ids: Sequence[int]) -> list[int]:
+    """Where the plain continuation meets a stop: the index of its EOS (it ended there) and of each of `stop_ids`."""
+    found = [i for i, t in enumerate(continuation.tokens) if t in set(stop_ids) | set(eos_ids)]
+    return found
+
+
+@st.composite
+def min_tokens_values(draw: st.DrawFn, *, continuation: Continuation, stop_ids: Sequence[int],
+                      eos_ids: Sequence[int], max_tokens: int) -> int:
+    """A `min_tokens` that bites: any small count, or one around a position where the plain continuation stops
+    (its EOS, a drawn stop id), so that the stop falls just inside or just past `min_tokens`, wherever the engine's
+    steps put it. Shrinks toward 1."""
+    positions = stop_positions(continuation, stop_ids, eos_ids)
+    if positions and draw(st.booleans()):
+        position = draw(st.sampled_from(positions))
+        return max(1, min(max_tokens, position + draw(st.sampled_from((0, 1, -1, 2, -2)))))
+    return draw(st.integers(1, max(1, min(8, max_tokens))))
+
+
 @st.composite
 def request_params(draw: st.DrawFn, *, continuation: Continuation, vocab_size: int, max_new_tokens: int,
-                   families: Sequence[str] = FAMILIES, bad_words_as_text: bool = False) -> RequestParams:
+                   families: Sequence[str] = FAMILIES, bad_words_as_text: bool = False,
+                   eos_ids: Sequence[int] = ()) -> RequestParams:
     """One request's parameters, each family of `families` drawn on or off, its values taken from the reference's
     `continuation` where they then bite: stop strings from its text, stop ids, logit-biased ids and banned words from
-    its tokens; a small `max_tokens` (a stop or EOS near the budget's end), `min_tokens`, penalties, top
+    its tokens; a small `max_tokens` (a stop or EOS near the budget's end), `min_tokens` (around where the
+    continuation stops: its EOS among `eos_ids`, a drawn stop id), penalties, top
     log-probabilities and a seed (greedy: it must change nothing). `bad_words_as_text`: the words as text (vLLM
     takes no ids), else as token ids."""
     tokens = list(continuation.tokens) or [0]
     values: dict = {}
     on = set(families)
-    if "stop" in on and draw(st.booleans()):
+    if "stop" in on and draw(family_on()):
         values["stop"] = tuple(draw(st.lists(stop_strings(text=continuation.text), min_size=1, max_size=2,
                                              unique=True)))
-    if "stop_token_ids" in on and draw(st.booleans()):
+    if "stop_token_ids" in on and draw(family_on()):
         values["stop_token_ids"] = tuple(draw(st.lists(st.sampled_from(tokens), min_size=1, max_size=2, unique=True)))
-    if "max_tokens" in on and draw(st.booleans()):
+    if "max_tokens" in on and draw(family_on()):
         values["max_tokens"] = draw(st.integers(1, max(1, max_new_tokens)))
-    if "min_tokens" in on and draw(st.booleans()):
-        values["min_tokens"] = draw(st.integers(1, min(8, values.get("max_tokens", max_new_tokens))))
-    if "penalties" in on and draw(st.booleans()):
+    if "min_tokens" in on and draw(family_on()):
+        values["min_tokens"] = draw(min_tokens_values(
+            continuation=continuation, stop_ids=values.get("stop_token_ids", ()), eos_ids=eos_ids,
+            max_tokens=values.get("max_tokens", max_new_tokens)))
+    if "penalties" in on and draw(family_on()):
         values["repetition_penalty"] = draw(st.sampled_from((1.0, 1.3, 2.0, 0.8, 1.1)))
         values["frequency_penalty"] = draw(st.sampled_from((0.0, 1.0, 0.4, -0.3, 2.0)))
         values["presence_penalty"] = draw(st.sampled_from((0.0, 1.0, 0.5, -0.5, 2.0)))
-    if "logit_bias" in on and draw(st.booleans()):
+    if "logit_bias" in on and draw(family_on()):
         ids = draw(st.lists(st.one_of(st.sampled_from(tokens), st.integers(0, vocab_size - 1)), min_size=1,
                             max_size=2, unique=True))
         values["logit_bias"] = tuple((i, draw(st.sampled_from((-100.0, -5.0, 5.0, 100.0)))) for i in ids)
-    if "bad_words" in on and draw(st.booleans()):
+    if "bad_words" in on and draw(family_on()):
         start = draw(st.integers(0, len(tokens) - 1))
         word = tuple(tokens[start:start + draw(st.integers(1, 2))])
         if bad_words_as_text:
@@ -157,9 +190,9 @@ def request_params(draw: st.DrawFn, *, continuation: Continuation, vocab_size: i
                 values["bad_words_text"] = (word,)
         else:
             values["bad_words"] = (word,)
-    if "logprobs" in on and draw(st.booleans()):
+    if "logprobs" in on and draw(family_on()):
         values["logprobs"] = draw(st.integers(0, 5))
-    if "seed" in on and draw(st.booleans()):
+    if "seed" in on and draw(family_on()):
         values["seed"] = draw(st.integers(0, 2 ** 16))
     if values.get("min_tokens") and values.get("max_tokens") and values["min_tokens"] > values["max_tokens"]:
         values["min_tokens"] = values["max_tokens"]
