@@ -4,6 +4,8 @@ the request's `temperature`, `top_k`, `top_p` and `seed`, on a tiny pair; option
 
 - "temperature_ignored": the request's temperature dropped (sampled at 1.0), top-k and top-p kept;
 - "seed_ignored": each request drawn from a fresh stream whatever its seed (the same seed, other tokens);
+- "unseeded_shared": every unseeded request drawn from one fixed stream (consecutive ones sample alike,
+  TensorRT-LLM #19487);
 - a fault of `specaudit.testing.faults.sampling` by name (e.g. "bonus_from_draft": the bonus token drawn
   from the draft's q instead of the target's p).
 
@@ -17,7 +19,7 @@ from typing import Any
 
 from specaudit.engines.sampling.engine import SampledSpeculative
 
-BUGS = ("temperature_ignored", "seed_ignored")
+BUGS = ("temperature_ignored", "seed_ignored", "unseeded_shared")
 DRAFT_TOKENS = 2
 
 
@@ -36,6 +38,8 @@ def sampled_vllm_answer(target: Any, draft: Any, bug: str | None = None):
         engine = (make_fault_engine(target, draft, fault=bug, **options) if bug and bug not in BUGS
                   else SampledSpeculative(target, draft, **options))
         seed = next(fresh) if bug == "seed_ignored" or body.get("seed") is None else int(body["seed"])
+        if bug == "unseeded_shared" and body.get("seed") is None:
+            seed = 12345
         stops = [int(t) for t in body.get("stop_token_ids") or []]
         (tokens,) = engine.generate([[int(t) for t in body["prompt"]]], int(body["max_tokens"]), stops or None,
                                     seeds=[seed])

@@ -12,6 +12,7 @@ import pytest
 from hex_tokenizer import hex_pair
 from fake_server import FakeServer
 from request_server import vllm_answer
+from sampling_server import sampled_vllm_answer
 
 import cli_run
 from specaudit.engines.adapters.servers import VLLMEngine
@@ -123,6 +124,42 @@ def test_a_server_with_three_bugs_gives_three_findings_each_shrunk(pair, tmp_pat
         assert not later <= earlier
     bundles = sorted(p.name for p in (tmp_path / "bundles").glob("search-*.json"))
     assert len(bundles) == len(result.findings) >= 3, bundles
+
+
+def sampling_router(pair, bug=None):
+    """A fake vLLM that decodes greedy requests as request_server does and samples the others as sampling_server
+    does (with its planted `bug`)."""
+    greedy = vllm_answer(pair.target, pair.tokenizer, EOS)
+    sampled = sampled_vllm_answer(pair.target, pair.draft, bug)
+
+    def answer(path, body):
+        return sampled(path, body) if float(body.get("temperature") or 0.0) > 0 else greedy(path, body)
+
+    return answer
+
+
+@pytest.mark.parametrize("bug, fact", [(None, None), ("seed_ignored", "same seed"),
+                                       ("unseeded_shared", "unseeded")])
+def test_sampled_probes_judge_what_a_seed_promises(pair, tmp_path, bug, fact):
+    """The search's seeded probes on a fake vLLM that samples with the project's speculative sampler: the correct
+    one gives no finding; one that ignores seeds, and one whose unseeded requests share one stream, are each named
+    `seeded_sampling` with the fact that failed."""
+    with FakeServer(sampling_router(pair, bug)) as server:
+        judging = Judging(pair, VLLMEngine(server.url), JudgingSettings("vllm:fake", 1, "float64", 6, EOS))
+        result = search(judging, search_settings=SearchSettings(examples=20, seed=2, max_requests=3,
+                                                                families=("stop", "seeded")),
+                        pool=pool(), vocab_size=259, out_dir=tmp_path, progress=False, log=lambda line: None)
+    coverage = result.run["search"]["coverage"]
+    assert coverage["seed_probes"] > 0, coverage
+    told = {sig for f in result.run["search"]["findings"] for sig in map(tuple, f["signatures"])}
+    if fact is None:
+        assert result.finding is None, told
+        return
+    assert ("seeded_sampling", fact) in told, told
+    finding = next(f for f in result.findings if ("seeded_sampling", fact) in f.signatures)
+    assert finding.mix.probes and len(finding.mix.requests) <= 2
+    bundle = json.loads(finding.bundle.read_text())
+    assert bundle["probes"] and bundle["seed_probes"]
 
 
 def test_correct_server_gives_no_finding_and_the_same_seed_draws_the_same(pair, tmp_path):

@@ -40,7 +40,7 @@ from specaudit.equivalence.rulings.thresholds import REPORT_FLOOR
 from specaudit.equivalence.rulings.record import finding
 
 REQUEST_CLASSES = ("stop_string", "logits_processor", "logprob_report", "finish_reason", "text_report", "usage_report",
-                   *CONSTRAINT_CLASSES)  # structured outputs: equivalence/blackbox/constraints.py
+                   "seeded_sampling", *CONSTRAINT_CLASSES)  # seeded_sampling: equivalence/search/seeds.py  # structured outputs: equivalence/blackbox/constraints.py
 REQUEST_FIXES = {
     "stop_string": "Check stop strings on each token as it is accepted, end the request at the token that completes "
                    "one (drop the accepted tokens after it from token_ids, logprobs and usage), and never before "
@@ -53,6 +53,8 @@ REQUEST_FIXES = {
                      "(EOS, stop token id, stop string, or max_tokens).",
     "text_report": "Build text from exactly the returned token_ids, cut only before a stop string.",
     "usage_report": "Count usage from the tokens actually returned (prompt and completion).",
+    "seeded_sampling": "Give each request its own random stream from its own seed (a fresh one when unseeded), "
+                       "advanced only by that request's own samples, whatever its neighbours and its drafts.",
     **CONSTRAINT_FIXES,
 }
 # servers compute and serialise log-probabilities in float32 at best: the smallest difference a report check

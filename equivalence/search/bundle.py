@@ -48,6 +48,7 @@ def write_search_bundle(folder: Path, mix: Mix, run: dict[str, Any], judging: Ju
                       "reference_finish": (answers.get(i) or {}).get("reference_finish"),
                       "reported_finish": (answers.get(i) or {}).get("reported_finish")}
                      for i, r in enumerate(mix.requests)],
+        "probes": [dict(p.__dict__) for p in mix.probes], "seed_probes": run.get("seed_probes"),
         "engine_outputs": judging.last_outputs, "reference_outputs": judging.last_reference_outputs,
         "divergences": run.get("divergences") or [], "error": run.get("error"),
         "replay": (f"specaudit replay {path} --engine {settings.engine_name}"
@@ -59,9 +60,12 @@ def write_search_bundle(folder: Path, mix: Mix, run: dict[str, Any], judging: Ju
 
 def read_mix(bundle: dict[str, Any]) -> Mix:
     """The bundle's requests as a mix (their arrivals give back its waves)."""
+    from specaudit.equivalence.search.seeds import SeedProbe
+
     return Mix([Request(tuple(int(t) for t in r["prompt_ids"]), RequestParams.from_dict(r.get("params") or {}),
                         r.get("arrival", "alone"), r.get("kind", "fresh"), r.get("shared_with"),
-                        int(r.get("shared_length") or 0)) for r in bundle["requests"]])
+                        int(r.get("shared_length") or 0)) for r in bundle["requests"]],
+               [SeedProbe(int(p["request"]), float(p["temperature"]), int(p["seed"])) for p in bundle.get("probes") or []])
 
 
 def replay_search_bundle(bundle: dict[str, Any], pair: Any, engine: Any, engine_name: str,

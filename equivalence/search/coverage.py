@@ -57,7 +57,8 @@ def search_lines(run: dict[str, Any]) -> list[str]:
               f"- families together in one request: {_counts(coverage.get('pairs') or {})}",
               f"- prompt shapes: {_counts(coverage.get('shapes') or {})}",
               f"- requests in one wave: {_counts(coverage.get('wave_sizes') or {})}",
-              f"- the reference's endings: {_counts(coverage.get('reference_endings') or {})}"]
+              f"- the reference's endings: {_counts(coverage.get('reference_endings') or {})}",
+              f"- sampled probes with seeds: {coverage.get('seed_probes', 0)}"]
     if coverage.get("refused"):
         lines.append(f"- refused by the engine: {_counts(coverage['refused'])}")
     events = search.get("server_events")

@@ -108,10 +108,43 @@ class Judging:
             run = failed_run({"engine": s.engine_name, "pair": pair.name, "batch_size": s.batch_size, "dtype": s.dtype,
                               "device": s.device, "num_prompts": len(prompts)},
                              failure_message(s.engine_name, exc, batch_size=s.batch_size, device=s.device), exc)
+        if mix.probes and not run.get("error"):
+            self._judge_probes(mix, run)
         self.engine_seconds += time.perf_counter() - started
         self.last_outputs = [list(o) for o in arrival.last_outputs]
         self.last_reference_outputs = [list(o) for o in reference.outputs]
         return run
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the engine takes sampled requests with seeds (equivalence/search/seeds.py)."""
+        from specaudit.equivalence.search.seeds import sampler_for
+
+        return sampler_for(self.engine, 1.0) is not None
+
+    def _judge_probes(self, mix: Mix, run: dict[str, Any]) -> None:
+        """Each seeded probe's findings added to `run` as structural divergences (seeds.py)."""
+        from specaudit.equivalence.records.serialize import divergence_to_json
+        from specaudit.equivalence.search.seeds import probe_findings, sampler_for
+
+        s = self.settings
+        seen = []
+        for probe in mix.probes:
+            sampler = sampler_for(self.engine, probe.temperature)
+            if sampler is None:
+                continue
+            try:
+                found, facts = probe_findings(probe.request, probe, mix.requests[probe.request].prompt, sampler,
+                                              self.pair.target, s.max_new_tokens, s.eos_token_id)
+            except Exception as exc:  # a server refusing sampled requests: said, not a finding
+                seen.append({"probe": probe.__dict__, "refused": f"{type(exc).__name__}: {exc}"[:300]})
+                continue
+            seen.append({"probe": probe.__dict__, **facts})
+            for divergence in found:
+                run.setdefault("divergences", []).append(divergence_to_json(divergence))
+                run["structural_divergences"] = int(run.get("structural_divergences") or 0) + 1
+                run["equivalent"] = False
+        run["seed_probes"] = seen
 
 
 def failed(run: dict[str, Any]) -> bool:

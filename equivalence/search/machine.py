@@ -35,6 +35,7 @@ class MachineContext:
     vocab_size: int
     tokens: tuple[int, ...] = ()  # what drawn prompt tokens come from (strategies.text_tokens); () every id
     eos_ids: tuple[int, ...] = ()  # the run's EOS ids (where a plain continuation stops)
+    sampled: bool = False  # the engine takes sampled requests with seeds: the `seeded` step is drawn
     max_prompt_length: int = 64
     families: tuple[str, ...] = FAMILIES
     bad_words_as_text: bool = False
@@ -98,6 +99,19 @@ class RequestMixes(RuleBasedStateMachine):
                                                          label="repeats (back from the latest)")
         base = self.mix.requests[earlier].prompt
         self._add(data, "identical", base, earlier, len(base))
+
+    @precondition(lambda self: bool(self.mix.requests) and not self.mix.probes and self.context.sampled)
+    @rule(data=st.data())
+    def seeded(self, data: st.DataObject) -> None:
+        """A sampled probe of an earlier request's prompt with seeds (equivalence/search/seeds.py)."""
+        from specaudit.equivalence.search.seeds import TEMPERATURES, SeedProbe
+
+        earlier = len(self.mix.requests) - 1 - data.draw(st.integers(0, len(self.mix.requests) - 1),
+                                                         label="probes (back from the latest)")
+        probe = SeedProbe(earlier, data.draw(st.sampled_from(TEMPERATURES), label="temperature"),
+                          data.draw(st.integers(0, 2 ** 16), label="seed"))
+        self.mix.probes.append(probe)
+        note(f"seeded probe of request {earlier}'s prompt: temperature {probe.temperature:g}, seeds from {probe.seed}")
 
     def teardown(self) -> None:
         ctx, mix = self.context, self.mix

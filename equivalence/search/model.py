@@ -31,6 +31,8 @@ class Request:
 @dataclass
 class Mix:
     requests: list[Request] = field(default_factory=list)
+    # sampled probes of the requests' prompts with seeds (equivalence/search/seeds.py), judged after the requests
+    probes: list[Any] = field(default_factory=list)
 
     def waves(self) -> list[list[int]]:
         """The request indices sent together, wave by wave (module docstring)."""
@@ -70,9 +72,11 @@ class Coverage:
     wave_sizes: Counter = field(default_factory=Counter)
     endings: Counter = field(default_factory=Counter)
     refused: Counter = field(default_factory=Counter)
+    probes: int = 0  # sampled probes with seeds judged (seeds.py)
 
     def add(self, mix: Mix, run: dict[str, Any]) -> None:
         self.examples += 1
+        self.probes += sum(1 for seen in run.get("seed_probes") or [] if "refused" not in seen)
         self.requests += len(mix.requests)
         for request in mix.requests:
             names = families_of(request.params)
@@ -107,10 +111,12 @@ class Coverage:
             missing.append("no two requests in flight together")
         if not self.endings["stop string"]:
             missing.append("no stop string inside the reference's output")
+        if not self.probes:
+            missing.append("no sampled probe with seeds (the engine takes no sampled requests, or none was drawn)")
         return missing
 
     def to_dict(self) -> dict[str, Any]:
         return {"examples": self.examples, "requests": self.requests, "families": dict(self.families),
                 "pairs": dict(self.pairs), "shapes": dict(self.shapes), "wave_sizes": dict(self.wave_sizes),
-                "reference_endings": dict(self.endings), "refused": dict(self.refused),
+                "reference_endings": dict(self.endings), "refused": dict(self.refused), "seed_probes": self.probes,
                 "not_reached": self.not_reached()}

@@ -24,7 +24,7 @@ from specaudit.equivalence.pipeline.weights import WeightsOracle, failed_engine_
 from specaudit.equivalence.records import Run
 from specaudit.equivalence.records.serialize import run_from_json
 from specaudit.equivalence.search.judging import Judging, JudgingSettings
-from specaudit.equivalence.search.strategies import FAMILIES
+from specaudit.equivalence.search.strategies import FAMILIES, PROBES
 
 SERVERS = ("llamacpp", "vllm", "sglang", "trtllm")
 
@@ -58,9 +58,9 @@ def refusal(settings: AuditSettings) -> str | None:
         return "the search needs at least one request an example"
     if search.max_findings < 1:
         return "--max-findings: give at least 1"
-    unknown = sorted(set(search.families or ()) - set(FAMILIES))
+    unknown = sorted(set(search.families or ()) - set(FAMILIES) - set(PROBES))
     if unknown:
-        return f"unknown parameter families {', '.join(unknown)}: known are {', '.join(FAMILIES)}"
+        return f"unknown parameter families {', '.join(unknown)}: known are {', '.join(FAMILIES + PROBES)}"
     if search.diagnosis not in ("off", "quick"):
         return f"the search's diagnosis is off or quick (the shrunk case gets full), not {search.diagnosis!r}"
     return None

@@ -41,7 +41,7 @@ from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.search.judging import Judging, failed
 from specaudit.equivalence.search.machine import MachineContext, machine_for
 from specaudit.equivalence.search.model import Coverage, Mix
-from specaudit.equivalence.search.strategies import FAMILIES, text_tokens
+from specaudit.equivalence.search.strategies import FAMILIES, PROBES, text_tokens
 
 UNBOUNDED_EXAMPLES = 10 ** 6  # a minutes budget: Hypothesis's count never ends the search first
 
@@ -197,7 +197,8 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         context = MachineContext(
             judging=judging, pool=pool, vocab_size=vocab_size, tokens=tokens, max_prompt_length=max_prompt_length,
             eos_ids=tuple(eos_ids(judging.settings.eos_token_id)),
-            families=tuple(search_settings.families or FAMILIES), bad_words_as_text=bad_words_as_text,
+            sampled="seeded" in (search_settings.families or PROBES) and judging.sampled,
+            families=tuple(f for f in search_settings.families or FAMILIES if f in FAMILIES), bad_words_as_text=bad_words_as_text,
             diagnosis=search_settings.diagnosis, expired=expired, judge_more=judge_more, on_judged=on_judged,
             is_failure=is_new_failure)
         error = hypothesis_round(context, search_settings, out_dir / "hypothesis" / f"round-{round_index}",

@@ -21,6 +21,7 @@ from specaudit.engines.requests import RequestParams
 # the parameter families a request may draw, each on or off (a family off is the shrink target)
 FAMILIES = ("stop", "stop_token_ids", "max_tokens", "min_tokens", "penalties", "logit_bias", "bad_words",
             "logprobs", "seed")
+PROBES = ("seeded",)  # steps beside the requests: a sampled probe with seeds (seeds.py), where the engine samples
 ARRIVALS = ("join", "after", "alone")  # in flight with the wave before; a new wave others join; a wave of its own
 PROMPT_KINDS = ("fresh", "shared", "identical")
 FRESH_KINDS = ("pool", "random", "repeated")  # a pool prompt cut short, random ids, a repeated segment
