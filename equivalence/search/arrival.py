@@ -10,6 +10,7 @@ in-process engine's steps) is kept only when the example is one wave: its rows a
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 from specaudit.engines.contract import capability
@@ -17,7 +18,7 @@ from specaudit.engines.contract import capability
 # what `ArrivalEngine` keeps itself; every other attribute is the wrapped engine's
 _OWN = ("_engine", "waves", "request_params", "request_tokenizer", "last_completions", "last_refused",
         "last_failures", "last_logprobs", "last_trace", "last_details", "last_speculation", "last_acceptance",
-        "last_step_offsets", "last_outputs")
+        "last_step_offsets", "last_outputs", "answer_seconds")
 
 
 class ArrivalEngine:
@@ -36,6 +37,7 @@ class ArrivalEngine:
         self.last_acceptance: Any = None
         self.last_step_offsets: Any = None
         self.last_outputs: list[list[int]] = []  # the last call's answers, per request
+        self.answer_seconds = 0.0  # inside the engine's own `generate`: what answering the mix alone takes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_engine"), name)
@@ -65,7 +67,9 @@ class ArrivalEngine:
             if capability(engine, "url") is not None and hasattr(engine, "batch_size"):
                 engine.batch_size = max(1, len(wave))  # the wave in flight at once
             limits = [max_new_tokens[i] for i in wave] if isinstance(max_new_tokens, list) else max_new_tokens
+            started = time.perf_counter()
             answered = engine.generate([list(prompts[i]) for i in wave], limits, eos_token_id)
+            self.answer_seconds += time.perf_counter() - started
             for row, index in enumerate(wave):
                 outputs[index] = list(answered[row])
             for name, into in (("last_completions", completions), ("last_logprobs", logprobs),

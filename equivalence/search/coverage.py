@@ -34,6 +34,10 @@ def search_lines(run: dict[str, Any]) -> list[str]:
                  + f"; {search.get('examples')} examples judged in {seconds:.1f} s"
                  + (f" ({rate:.1f} a minute" if rate else "")
                  + (f", the reference {share:.0%} of the time)" if share is not None and rate else ")" if rate else ""))
+    alone = search.get("speed_of_engine_alone")
+    if alone:
+        lines.append(f"- the engine answered the judged requests in {search.get('answer_seconds', 0.0):.1f} s: the search "
+                     f"ran at {alone:.0%} of the speed of the engine answering the same requests alone")
     findings = search.get("findings") or ([search["finding"]] if search.get("finding") else [])
     offsets = [f.get("prompt_offset", 0) for f in findings] + [float("inf")]
     for number, finding in enumerate(findings, 1):

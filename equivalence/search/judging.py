@@ -50,7 +50,8 @@ class Judging:
         self.continuations: dict[tuple[int, ...], Continuation] = {}
         self.results: dict[tuple[tuple[int, ...], RequestParams], RequestResult] = {}
         self.reference_seconds = 0.0
-        self.engine_seconds = 0.0
+        self.engine_seconds = 0.0  # judging the examples (the engine's answers and the rulings)
+        self.answer_seconds = 0.0  # the engine answering the examples' requests (inside its `generate`)
         self.examples = 0
         # the last example's answers, per request: the engine's and the reference's (what a bundle keeps)
         self.last_outputs: list[list[int]] = []
@@ -111,6 +112,7 @@ class Judging:
         if mix.probes and not run.get("error"):
             self._judge_probes(mix, run)
         self.engine_seconds += time.perf_counter() - started
+        self.answer_seconds += arrival.answer_seconds
         self.last_outputs = [list(o) for o in arrival.last_outputs]
         self.last_reference_outputs = [list(o) for o in reference.outputs]
         return run

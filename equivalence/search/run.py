@@ -348,7 +348,10 @@ def merged_record(judged: list[tuple[Mix, dict[str, Any]]], result: SearchResult
             "seed": search_settings.seed, "budget": search_settings.to_dict(), "examples": result.examples,
             "found_after": result.found_after, "seconds": result.seconds,
             "engine_seconds": judging.engine_seconds, "reference_seconds": judging.reference_seconds,
+            "answer_seconds": judging.answer_seconds,
             "examples_per_minute": 60 * result.examples / result.seconds if result.seconds else None,
+            # the search's speed against the engine answering the same requests alone: its answer time's share
+            "speed_of_engine_alone": judging.answer_seconds / result.seconds if result.seconds else None,
             "finding": findings[0] if findings else None, "findings": findings,
             "coverage": result.coverage.to_dict(), "server_events": result.events or None},
     })
