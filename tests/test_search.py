@@ -147,7 +147,7 @@ def test_sampled_probes_judge_what_a_seed_promises(pair, tmp_path, bug, fact):
     with FakeServer(sampling_router(pair, bug)) as server:
         judging = Judging(pair, VLLMEngine(server.url), JudgingSettings("vllm:fake", 1, "float64", 6, EOS))
         result = search(judging, search_settings=SearchSettings(examples=20, seed=2, max_requests=3,
-                                                                families=("stop", "seeded")),
+                                                                families=("seeded",)),
                         pool=pool(), vocab_size=259, out_dir=tmp_path, progress=False, log=lambda line: None)
     coverage = result.run["search"]["coverage"]
     assert coverage["seed_probes"] > 0, coverage
@@ -212,3 +212,15 @@ def test_audit_search_of_an_in_process_engine_writes_the_audit_and_coverage(tmp_
     from specaudit import read_report
 
     assert read_report(out).records[0].engine == "eqspec"
+
+
+def test_a_budget_of_minutes_ends_at_its_deadline_with_examples_judged(tmp_path):
+    """Under a budget of minutes the search runs Hypothesis round after round until the deadline, and an example
+    past it passes unjudged (no example stops drawing early: Hypothesis's draws stay consistent)."""
+    out = tmp_path / "out"
+    result = cli_run.audit("--engine", "eqspec", "--pair", "tiny-llama", "--search", "--budget", "6s",
+                           "--max-new-tokens", "4", "--batch-size", "2", out=out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run,) = json.loads((out / "audit.json").read_text())["runs"]
+    assert run["equivalent"] and run["search"]["examples"] >= 1 and run["search"]["budget"]["minutes"] == 0.1
+    assert "budget 0.1 minutes" in (out / "search.md").read_text()

@@ -30,7 +30,7 @@ def search_lines(run: dict[str, Any]) -> list[str]:
     share = (search.get("reference_seconds") or 0.0) / seconds if seconds else None
     lines.append(f"- seed {search.get('seed')}, budget "
                  + (f"{budget.get('examples')} examples" if budget.get("examples") is not None
-                    else f"{budget.get('minutes')} minutes")
+                    else f"{budget.get('minutes'):g} minutes")
                  + f"; {search.get('examples')} examples judged in {seconds:.1f} s"
                  + (f" ({rate:.1f} a minute" if rate else "")
                  + (f", the reference {share:.0%} of the time)" if share is not None and rate else ")" if rate else ""))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hypothesis import note, reject, target
+from hypothesis import note, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
@@ -40,7 +40,7 @@ class MachineContext:
     families: tuple[str, ...] = FAMILIES
     bad_words_as_text: bool = False
     diagnosis: str = "off"
-    expired: Callable[[], bool] = lambda: False  # the budget in minutes spent: no more examples
+    expired: Callable[[], bool] = lambda: False  # the budget in minutes spent: examples pass unjudged
     judge_more: Callable[[], bool] = lambda: True  # False: the budget's examples were judged, no failure found
     on_judged: Callable[[Mix, dict[str, Any], bool], None] = lambda mix, run, failed: None
     # whether a judged run fails the example: it fails the audit, and (equivalence/search/run.py) not only as an
@@ -53,8 +53,6 @@ class RequestMixes(RuleBasedStateMachine):
     context: MachineContext  # set by `machine_for`
 
     def __init__(self) -> None:
-        if self.context.expired():
-            reject()  # the budget is spent: Hypothesis stops after a run of rejected examples
         super().__init__()
         self.mix = Mix()
 
@@ -121,7 +119,7 @@ class RequestMixes(RuleBasedStateMachine):
         target(float(max((r.shared_length for r in mix.requests if r.kind == "shared"), default=0)),
                label="shared prefix tokens")
         target(float(max(len(w) for w in mix.waves())), label="requests in flight together")
-        if not ctx.judge_more():  # a test case past the budget: drawn (generation stays the same), not judged
+        if not ctx.judge_more() or ctx.expired():  # past the budget: drawn (the draws stay the same), not judged
             return
         run = ctx.judging.judge(mix, ctx.diagnosis)
         bad = ctx.is_failure(run)

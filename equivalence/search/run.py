@@ -10,10 +10,11 @@ Hypothesis's own bookkeeping: the example database under `OUT/hypothesis/` (`Dir
 failing mix found once is tried first next time), the seed (`--seed`, printed; on a fresh `OUT` the same seed
 draws the same examples on the same code), `target()` toward mixes with more parameter families, longer shared
 prefixes and more requests in flight, and its health checks (all but `too_slow`: every example is a real run).
-Each round of the search (one per finding, and the last that found nothing new) is one Hypothesis run with its own
-seed (`--seed` plus the round) and database (`OUT/hypothesis/round-K`). The budget is a number of drawn examples
-(shrinking's not counted) or minutes: past the deadline every new example is rejected at once and Hypothesis ends
-its run (a shrink under way gets `SHRINK_GRACE` of the budget more). One record comes back: the run of every judged
+Each round of the search is one Hypothesis run with its own seed (`--seed` plus the round) and database
+(`OUT/hypothesis/round-K`): under a budget of examples (drawn ones; shrinking's not counted), what is left of it,
+a round ending at a finding or when the budget is spent; under a budget of minutes, `ROUND_EXAMPLES` at a time
+until the deadline (past it, every example passes unjudged; a shrink under way gets `SHRINK_GRACE` of the budget
+more). One record comes back: the run of every judged
 example's requests (`audit.json`'s run, its divergences the shrunk findings'), with what the search covered under
 `search`.
 """
@@ -31,7 +32,7 @@ from hypothesis import HealthCheck, Phase, Verbosity
 from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as hypothesis_settings
 from hypothesis.database import DirectoryBasedExampleDatabase
-from hypothesis.errors import Unsatisfiable
+from hypothesis.errors import Flaky, Unsatisfiable
 from hypothesis.stateful import get_state_machine_test
 
 from specaudit.equivalence.pipeline.settings import SearchSettings
@@ -43,7 +44,9 @@ from specaudit.equivalence.search.machine import MachineContext, machine_for
 from specaudit.equivalence.search.model import Coverage, Mix
 from specaudit.equivalence.search.strategies import FAMILIES, PROBES, text_tokens
 
-UNBOUNDED_EXAMPLES = 10 ** 6  # a minutes budget: Hypothesis's count never ends the search first
+# examples of one Hypothesis run under a minutes budget: the deadline ends the search between runs (and, within one,
+# every example past it passes unjudged: an example that stops drawing early would make Hypothesis's draws flaky)
+ROUND_EXAMPLES = 25
 
 
 SHRINK_GRACE = 0.25  # of a minutes budget: a failure found near the deadline is still shrunk
@@ -191,7 +194,14 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
 
     tokens = text_tokens(judging.pair.tokenizer, vocab_size)
     counters_before = server_counters(getattr(judging.engine, "url", None))
-    for round_index in range(search_settings.max_findings + 1):
+    round_index = 0
+    while len(findings) < search_settings.max_findings and not expired():
+        if search_settings.examples is not None:
+            round_examples = search_settings.examples - state["drawn"]
+            if round_examples <= 0:
+                break
+        else:
+            round_examples = ROUND_EXAMPLES
         state["found_at"] = None
         drawn_before = state["drawn"]
         context = MachineContext(
@@ -202,12 +212,17 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
             diagnosis=search_settings.diagnosis, expired=expired, judge_more=judge_more, on_judged=on_judged,
             is_failure=is_new_failure)
         error = hypothesis_round(context, search_settings, out_dir / "hypothesis" / f"round-{round_index}",
-                                 search_settings.seed + round_index)
+                                 search_settings.seed + round_index, round_examples)
+        round_index += 1
         if not context.failures:
-            if error is not None:
+            if error is not None and not isinstance(error, Flaky):
                 raise error
-            say(f"search: round {round_index}: no new failure in {state['drawn'] - drawn_before} examples")
-            break
+            if error is not None:  # no failure, and Hypothesis saw the draws change: said, the search goes on
+                say(f"search: round {round_index - 1}: {type(error).__name__}: {one_line(str(error))[:200]}")
+            if search_settings.examples is not None:
+                say(f"search: no new failure in the last {state['drawn'] - drawn_before} examples")
+                break
+            continue  # a minutes budget: the next round, until the deadline
         mix, search_run = context.failures[-1]
         # the shrunk case, fewer requests where it still fails anew, judged with the full diagnosis
         mix, search_run = fewest_requests(judging, mix, search_run, search_settings.diagnosis, on_judged,
@@ -230,8 +245,6 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
                 f"--engine {judging.settings.engine_name}" + (f" --target {target}" if target else ""))
         findings.append(finding)
         state["found_at"] = None
-        if len(findings) >= search_settings.max_findings or expired() or not judge_more():
-            break
     if bar is not None:
         bar.close()
     counters_after = server_counters(getattr(judging.engine, "url", None))
@@ -248,7 +261,7 @@ def describe(found: frozenset[Signature]) -> str:
 
 
 def hypothesis_round(context: MachineContext, search_settings: SearchSettings, database: Path,
-                     seed: int) -> BaseException | None:
+                     seed: int, examples: int) -> BaseException | None:
     """One Hypothesis run of the state machine until its first (new) failure is shrunk, or the budget is spent;
     the exception it ended with (a shrunk `MixFailed`, or Hypothesis saying the engine is flaky), else None."""
     machine = hypothesis_seed(seed)(machine_for(context))
@@ -256,7 +269,7 @@ def hypothesis_round(context: MachineContext, search_settings: SearchSettings, d
     # would override the seed): the same seed draws the same examples wherever the search runs
     settings = hypothesis_settings(
         parent=hypothesis_settings.get_profile("default"), derandomize=False,
-        max_examples=search_settings.examples or UNBOUNDED_EXAMPLES, stateful_step_count=search_settings.max_requests,
+        max_examples=examples, stateful_step_count=search_settings.max_requests,
         deadline=None, database=DirectoryBasedExampleDatabase(str(database)), report_multiple_bugs=False,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
