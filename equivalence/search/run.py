@@ -50,6 +50,8 @@ ROUND_EXAMPLES = 25
 
 
 SHRINK_GRACE = 0.25  # of a minutes budget: a failure found near the deadline is still shrunk
+SHRINK_EXAMPLES = 120  # judged while one failure is shrunk by Hypothesis; past it, the shrink's mixes pass
+SHRINK_SHARE = 0.15  # of a minutes budget: the most one failure's shrinking may take
 
 
 Signature = tuple[str, str | None]  # (class, or what failed; the request parameter its evidence names)
@@ -167,11 +169,17 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
         return deadline is not None and time.monotonic() > deadline + (grace if shrinking() else 0.0)
 
     def judge_more() -> bool:
-        """Whether a mix is still judged: always while a failure is shrunk, else while fewer than the budget's
-        examples were drawn. Hypothesis may run a test case beyond `max_examples` (one it replays or does not count
-        as valid): the budget counts what was judged, on any machine."""
+        """Whether a mix is still judged: while a failure is shrunk, up to its shrink budget (`SHRINK_EXAMPLES`, and
+        `SHRINK_SHARE` of a minutes budget: a failure that comes and goes would shrink for ever); else while fewer
+        than the budget's examples were drawn. Hypothesis may run a test case beyond `max_examples` (one it replays
+        or does not count as valid): the budget counts what was judged, on any machine. A mix not judged passes."""
+        if shrinking():
+            spent = len(judged) - state["found_at_judged"]
+            late = (search_settings.minutes is not None
+                    and time.monotonic() - state["found_time"] > 60 * search_settings.minutes * SHRINK_SHARE)
+            return spent < SHRINK_EXAMPLES and not late
         examples = search_settings.examples
-        return examples is None or shrinking() or state["drawn"] < examples
+        return examples is None or state["drawn"] < examples
 
     def is_new_failure(run: dict[str, Any]) -> bool:
         """The run fails, and not only as a finding so far failed."""
@@ -184,6 +192,7 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
             state["drawn"] += 1
         if bad and not shrinking():
             state["found_at"] = state["drawn"]
+            state["found_at_judged"], state["found_time"] = len(judged), time.monotonic()
         if bar is not None:
             if search_settings.examples is not None:
                 bar.n = min(bar.total, state["drawn"])
