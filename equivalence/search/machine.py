@@ -47,6 +47,7 @@ class MachineContext:
     # earlier finding of the same search failed
     is_failure: Callable[[dict[str, Any]], bool] = failed
     failures: list[tuple[Mix, dict[str, Any]]] = field(default_factory=list)  # the last is the shrunk one
+    failed_keys: dict[tuple, str] = field(default_factory=dict)  # Mix.key() of each failing mix: its message
 
 
 class RequestMixes(RuleBasedStateMachine):
@@ -119,13 +120,17 @@ class RequestMixes(RuleBasedStateMachine):
         target(float(max((r.shared_length for r in mix.requests if r.kind == "shared"), default=0)),
                label="shared prefix tokens")
         target(float(max(len(w) for w in mix.waves())), label="requests in flight together")
-        if not ctx.judge_more() or ctx.expired():  # past the budget: drawn (the draws stay the same), not judged
+        key = mix.key()
+        if not ctx.judge_more() or ctx.expired():  # past the budget: drawn (the draws stay the same), not judged;
+            if key in ctx.failed_keys:  # a mix that failed before fails again (Hypothesis replays its best)
+                raise MixFailed(ctx.failed_keys[key])
             return
         run = ctx.judging.judge(mix, ctx.diagnosis)
         bad = ctx.is_failure(run)
         ctx.on_judged(mix, run, bad)
         if bad:
             ctx.failures.append((mix, run))
+            ctx.failed_keys[key] = f"{len(mix.requests)} request(s) in {len(mix.waves())} wave(s) not equivalent"
             found = [f"request {d.get('prompt_index')} at {d.get('position')}: {(d.get('diagnosis') or {}).get('class')}"
                      for d in run.get("divergences") or [] if d.get("kind") == "structural"]
             raise MixFailed(f"{len(mix.requests)} request(s) in {len(mix.waves())} wave(s) not equivalent: "

@@ -34,6 +34,11 @@ class Mix:
     # sampled probes of the requests' prompts with seeds (equivalence/search/seeds.py), judged after the requests
     probes: list[Any] = field(default_factory=list)
 
+    def key(self) -> tuple:
+        """What the mix sends, as a hashable value (the same key: the same requests, arrivals and probes)."""
+        return (tuple((r.prompt, r.params, r.arrival) for r in self.requests),
+                tuple((p.request, p.temperature, p.seed) for p in self.probes))
+
     def waves(self) -> list[list[int]]:
         """The request indices sent together, wave by wave (module docstring)."""
         out: list[list[int]] = []
