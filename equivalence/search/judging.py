@@ -135,9 +135,11 @@ class Judging:
             sampler = sampler_for(self.engine, probe.temperature)
             if sampler is None:
                 continue
+            prompt = mix.requests[probe.request].prompt
+            plain = self._result(tuple(prompt), RequestParams())  # memoized: its logits[0] are the prompt's last
             try:
-                found, facts = probe_findings(probe.request, probe, mix.requests[probe.request].prompt, sampler,
-                                              self.pair.target, s.max_new_tokens, s.eos_token_id)
+                found, facts = probe_findings(probe.request, probe, prompt, sampler, plain.logits[0],
+                                              s.max_new_tokens, s.eos_token_id)
             except Exception as exc:  # a server refusing sampled requests: said, not a finding
                 seen.append({"probe": probe.__dict__, "refused": f"{type(exc).__name__}: {exc}"[:300]})
                 continue

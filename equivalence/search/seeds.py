@@ -14,7 +14,7 @@ machine.py): no token-by-token reference exists for a sample, but three facts ho
 
 A failed fact is a structural divergence of class `seeded_sampling` naming which (`processor`: "same seed",
 "distinct seeds", "unseeded"). The checks are made only where the engine takes a sampled request: a live server
-(engines/adapters/sampled_servers.py) or an in-process engine whose `generate` takes `seeds`.
+(engines/adapters/sampled_servers.py).
 """
 
 from __future__ import annotations
@@ -43,25 +43,21 @@ class SeedProbe:
 
 
 class SeededSampler:
-    """`sample(prompts, seeds, max_new_tokens, eos)`: sampled outputs of `engine` at one temperature (seeds None:
-    unseeded requests)."""
+    """`sample(prompts, seeds, max_new_tokens, eos)`: a live server's sampled outputs at one temperature (seeds
+    None: unseeded requests, sent one after another)."""
 
-    def __init__(self, engine: Any, temperature: float) -> None:
-        self.engine, self.temperature = engine, temperature
+    def __init__(self, server: Any, temperature: float) -> None:
+        self.server, self.temperature = server, temperature
 
     def sample(self, prompts: list[list[int]], seeds: list[int] | None, max_new_tokens: int, eos: Any) -> list[list[int]]:
+        from specaudit.engines.adapters.sampled_servers import SampledServer
         from specaudit.engines.sampling.process import SamplingParams
 
-        params = SamplingParams(temperature=self.temperature)
-        dialect = getattr(self.engine, "dialect", None)
-        if dialect is not None:  # a live server: its sampled requests
-            from specaudit.engines.adapters.sampled_servers import SampledServer
-
-            server = SampledServer(self.engine, params, seed=0, seed_requests=seeds is not None)
-            if seeds is None:  # one after another: what a shared stream would give alike
-                return [server.generate([p], max_new_tokens, eos, seeds=[0])[0] for p in prompts]
-            return server.generate(prompts, max_new_tokens, eos, seeds=list(seeds))
-        raise TypeError("no sampled requests for this engine")
+        server = SampledServer(self.server, SamplingParams(temperature=self.temperature), seed=0,
+                               seed_requests=seeds is not None)
+        if seeds is None:  # one after another: what a shared stream would give alike
+            return [server.generate([p], max_new_tokens, eos, seeds=[0])[0] for p in prompts]
+        return server.generate(prompts, max_new_tokens, eos, seeds=list(seeds))
 
 
 def sampler_for(engine: Any, temperature: float) -> SeededSampler | None:
@@ -74,18 +70,17 @@ def sampler_for(engine: Any, temperature: float) -> SeededSampler | None:
     return None
 
 
-def first_token_collision(target: Any, prompt: Sequence[int], temperature: float, samples: int) -> float:
-    """sum_i p_i ** samples: the chance that `samples` independent samples of the first new token all agree."""
-    with torch.no_grad():
-        ids = torch.tensor([list(prompt)], device=next(target.parameters()).device)
-        logits = target(input_ids=ids).logits[0, -1].to(torch.float64)
-    p = torch.softmax(logits / temperature, dim=-1)
+def first_token_collision(logits: torch.Tensor, temperature: float, samples: int) -> float:
+    """sum_i p_i ** samples: the chance that `samples` independent samples of the first new token all agree, from
+    the target's raw logits at the prompt's last position ([V])."""
+    p = torch.softmax(logits.to(torch.float64) / temperature, dim=-1)
     return float((p ** samples).sum())
 
 
-def probe_findings(index: int, probe: SeedProbe, prompt: Sequence[int], sampler: SeededSampler, target: Any,
-                   max_new_tokens: int, eos: Any) -> tuple[list[Divergence], dict[str, Any]]:
-    """The three facts (module docstring) checked for one probe; (findings, what was seen)."""
+def probe_findings(index: int, probe: SeedProbe, prompt: Sequence[int], sampler: SeededSampler,
+                   first_logits: torch.Tensor, max_new_tokens: int, eos: Any) -> tuple[list[Divergence], dict[str, Any]]:
+    """The three facts (module docstring) checked for one probe, `first_logits` the target's at the prompt's last
+    position (the reference's plain continuation already has them); (findings, what was seen)."""
     prompt = [int(t) for t in prompt]
     seed = probe.seed
     together = sampler.sample([prompt, prompt], [seed, seed + 1], max_new_tokens, eos)
@@ -93,7 +88,7 @@ def probe_findings(index: int, probe: SeedProbe, prompt: Sequence[int], sampler:
     distinct = [together[0]] + sampler.sample([prompt] * (SEED_SAMPLES - 1),
                                               [seed + 2 + i for i in range(SEED_SAMPLES - 1)], max_new_tokens, eos)
     unseeded = sampler.sample([prompt] * SEED_SAMPLES, None, max_new_tokens, eos)
-    chance = first_token_collision(target, prompt, probe.temperature, SEED_SAMPLES)
+    chance = first_token_collision(first_logits, probe.temperature, SEED_SAMPLES)
     seen = {"temperature": probe.temperature, "seed": seed, "same_seed": [together[0], alone],
             "distinct_seeds_identical": all(o == distinct[0] for o in distinct),
             "unseeded_identical": all(o == unseeded[0] for o in unseeded), "chance_all_identical": chance}
