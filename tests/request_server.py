@@ -56,6 +56,8 @@ def vllm_answer(model: Any, tokenizer: Any, eos_token_id: int, bug: str | tuple[
     @torch.no_grad()
     def answer(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         assert path == "/v1/completions"
+        if body.get("structured_outputs") is not None:  # this server applies no grammar, and says so
+            return 400, {"object": "error", "message": "structured_outputs: not supported by this server"}
         prompt = [int(t) for t in body["prompt"]]
         params, stop_ids = params_from_vllm(body, tokenizer)
         limit = int(body["max_tokens"])

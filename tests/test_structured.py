@@ -251,3 +251,24 @@ def test_each_dialect_sends_the_constraint_in_its_own_fields():
     assert servers.trtllm_request([1], 8, EOS, params=schema)["response_format"] == {"type": "json", "schema": SCHEMA}
     with pytest.raises(ParameterRefused):
         servers.sglang_request([1], 8, EOS, params=lark)
+
+
+def test_an_unmasked_token_is_the_argmax_under_the_requests_other_processors():
+    """A bonus token left unmasked under a logit bias is the biased argmax, not the raw one: the replay applies
+    every processor of the request but the grammar before it asks what the unmasked row chooses."""
+    from specaudit.engines.requests.reference import RequestResult
+    from specaudit.equivalence.blackbox.constraints import constraint_cause
+
+    vocab = 10
+    raw = torch.zeros(1, vocab, dtype=torch.float64)
+    raw[0, 5] = 3.0  # the raw argmax, which the grammar forbids
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[3] = True  # the grammar admits 3 alone: the reference's token
+    reference = RequestResult(tokens=[3], finish_reason="length", stop_reason=None, text=None, logits=raw,
+                              allowed=[allowed])
+    biased = RequestParams(logit_bias=((7, 100.0),), constraint=Constraint("choice", choices=("a",)))
+    cause = constraint_cause(0, biased, reference, [7], [EOS], None)
+    assert cause is not None and cause.diagnosis_class == "constraint_unmasked"
+    unbiased = RequestParams(constraint=Constraint("choice", choices=("a",)))
+    assert constraint_cause(0, unbiased, reference, [5], [EOS], None).diagnosis_class == "constraint_unmasked"
+    assert constraint_cause(0, unbiased, reference, [7], [EOS], None).diagnosis_class == "constraint_state"

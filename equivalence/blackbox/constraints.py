@@ -4,11 +4,12 @@ explains a token that differs from the constrained reference.
 | class                    | decided by              | the check |
 |--------------------------|-------------------------|-----------|
 | `constraint_violation`   | `constraint-check`      | the returned text is not a sentence of the constraint (a finished output) or not a prefix of one (an output cut at its budget): the JSON does not parse, the regex does not match, no choice is it, the grammar refuses it (engines/constraints/check.py). A finding of its own, beside any token divergence, and checked where no reference runs |
-| `constraint_unmasked`    | `constraint-replay`     | at the first differing token the engine's token is one the grammar forbids there, and it is the argmax of the unmasked logits: no mask was applied at that position (a bonus token left unmasked) |
-| `constraint_mask_offset` | `constraint-replay`     | the engine's token is the argmax of the logits under the mask of the position before: the mask applied one position late (the bitmask rows shifted) |
+| `constraint_unmasked`    | `constraint-replay`     | at the first differing token the engine's token is one the grammar forbids there, and it is the argmax of the logits under every other processor of the request, unmasked: no mask was applied at that position (a bonus token left unmasked) |
+| `constraint_mask_offset` | `constraint-replay`     | the engine's token (forbidden there, or admitted but not the masked choice) is the argmax of the logits under the mask of the position before: the mask applied one position late (the bitmask rows shifted) |
 | `constraint_state`       | `constraint-replay`     | the engine's token is one the grammar forbids after the row's own output, and neither replay above makes it: the grammar state is not the output's (rejected draft tokens left in it, not rolled back: a state ahead of the output) |
 
-A token the grammar admits but the reference did not choose is left to the noise-band ruling, as any other.
+A token the grammar admits but the reference did not choose, and that the mask of the position before does not
+make, is left to the noise-band ruling, as any other.
 
 Under sampling (`sampled_constraint_findings`) there is no reference token to compare: each sample's output is
 checked against its constraint (`constraint_violation`), and its first token the grammar forbids after the
@@ -29,7 +30,7 @@ import torch
 
 from specaudit.engines.constraints.check import output_bytes, violation
 from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, mask, masks_along
-from specaudit.engines.requests import RequestParams
+from specaudit.engines.requests import RequestParams, process
 from specaudit.engines.requests.reference import RequestResult
 from specaudit.equivalence.records import Divergence
 from specaudit.equivalence.records.serialize import divergence_to_json
@@ -67,9 +68,15 @@ def violation_finding(index: int, params: RequestParams, tokens: Sequence[int], 
 
 
 def constraint_cause(index: int, params: RequestParams, reference: RequestResult, returned: Sequence[int],
-                     stop_ids: Sequence[int], tokenizer: Any) -> Divergence | None:
+                     stop_ids: Sequence[int], tokenizer: Any, prompt: Sequence[int] = (),
+                     penalty_scope: str = "output", admitted_too: bool = False) -> Divergence | None:
     """Which grammar mistake explains the first token that differs from the reference (module table), or
-    None (no constraint, the token is one the grammar admits there, or no logits to replay)."""
+    None (no constraint, the token is one the grammar admits there, or no logits to replay). "Unmasked" is the
+    row under every other processor of the request (its logit bias, penalties, banned words: `process` with the
+    grammar skipped), so an unmasked bonus token under a logit bias is the biased argmax; `prompt` is what the
+    penalties count (with `penalty_scope`). `admitted_too`: a token the grammar admits there is replayed under
+    the mask of the position before too (asked only after the noise band ruled the token structural: below
+    float64 an admitted token may be a flip)."""
     if params.constraint is None or reference.allowed is None or reference.logits is None:
         return None
     ref = reference.tokens
@@ -77,11 +84,13 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
     if agree is None or agree >= len(reference.allowed) or agree >= reference.logits.shape[0]:
         return None
     token, allowed = int(returned[agree]), reference.allowed[agree]
-    if 0 <= token < allowed.shape[0] and bool(allowed[token]):
+    admitted = 0 <= token < allowed.shape[0] and bool(allowed[token])
+    if admitted and not admitted_too:
         return None  # admitted: the noise band rules it
-    raw = reference.logits[agree].to(torch.float64)  # [V]
+    raw = process(reference.logits[agree], prompt, ref[:agree], params, stop_ids, penalty_scope,
+                  skip="constraint").greedy  # [V] every processor but the grammar
     evidence = {"constraint": params.constraint.describe(), "position": agree}
-    if int(raw.argmax()) == token:
+    if not admitted and int(raw.argmax()) == token:  # (an admitted argmax is the masked argmax too)
         return finding(index, agree, "constraint_unmasked", "constraint-replay",
                         f"token {token} at position {agree} is one the grammar forbids there, and the argmax of the "
                         "unmasked logits: no grammar mask was applied at that position", evidence, ref[agree], token)
@@ -96,9 +105,13 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
             other = None
         if other is not None and bool(other.any()) and int(mask(raw, other).argmax()) == token:
             return finding(index, agree, "constraint_mask_offset", "constraint-replay",
-                            f"token {token} at position {agree} is forbidden by the grammar there, and the argmax "
-                            f"under the mask of the position {label} it: the mask was applied one position off",
+                            f"token {token} at position {agree} is "
+                            + ("not the grammar's choice there" if admitted else "forbidden by the grammar there")
+                            + f", and the argmax under the mask of the position {label} it: the mask was applied one "
+                            "position off",
                             {**evidence, "offset": shift}, ref[agree], token)
+    if admitted:  # a token the grammar admits, no mask replay makes it: the noise band rules it
+        return None
     return finding(index, agree, "constraint_state", "constraint-replay",
                     f"token {token} at position {agree} is one the grammar forbids after the row's own output, and "
                     "neither the unmasked logits nor a neighbouring position's mask choose it: the grammar state was "

@@ -193,11 +193,15 @@ def rule_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list
         prompt_records.append(record)
         row_findings: list[Divergence] = []
         if not exact:  # a grammar mistake first (a forbidden token), then the processors' replays
-            cause = constraint_cause(index, p, result, tokens, stop_ids, pair.tokenizer)
+            cause = constraint_cause(index, p, result, tokens, stop_ids, pair.tokenizer, prompts[index], scope)
             cause = cause or token_cause(index, prompts[index], p, result, tokens, eos_token_id, pair.tokenizer, scope,
                                          band.at, reported_stop=report.get("stop_reason"))
-            row_findings.append(cause if cause is not None else
-                                _ruled(index, prompts[index], p, result, tokens, band, stop_ids, scope, limit))
+            if cause is None:
+                cause = _ruled(index, prompts[index], p, result, tokens, band, stop_ids, scope, limit)
+                if cause.kind == "structural" and cause.diagnosis_class == "unknown":  # a mask one position off?
+                    cause = constraint_cause(index, p, result, tokens, stop_ids, pair.tokenizer, prompts[index],
+                                             scope, admitted_too=True) or cause
+            row_findings.append(cause)
         named = {d.diagnosis_class for d in row_findings}
         reported = (CONSTRAINED_LOGPROB_DEFINITION.get(dialect, definition) if p.constraint is not None
                     and capability(inner, "black_box") else definition)  # under a grammar, the dialect's own

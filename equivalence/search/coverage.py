@@ -61,6 +61,7 @@ def search_lines(run: dict[str, Any]) -> list[str]:
               f"- families together in one request: {_counts(coverage.get('pairs') or {})}",
               f"- prompt shapes: {_counts(coverage.get('shapes') or {})}",
               f"- requests in one wave: {_counts(coverage.get('wave_sizes') or {})}",
+              f"- structured outputs: {_counts(coverage.get('constraints') or {})}",
               f"- the reference's endings: {_counts(coverage.get('reference_endings') or {})}",
               f"- sampled probes with seeds: {coverage.get('seed_probes', 0)}"]
     if coverage.get("refused"):

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from specaudit.engines.constraints import ConstraintError
 from specaudit.engines.requests import RequestParams, with_bad_words_resolved
 from specaudit.engines.requests.reference import RequestResult, decode_with_params
 from specaudit.equivalence.audit import RunSettings, audit_engine
@@ -23,6 +24,11 @@ from specaudit.equivalence.run_record import failed_run, passed
 from specaudit.equivalence.search.arrival import ArrivalEngine
 from specaudit.equivalence.search.model import Mix
 from specaudit.equivalence.search.strategies import Continuation
+
+
+class Unanswerable(ValueError):
+    """A drawn request that no engine can answer: the reference finds no token its parameters leave (a
+    constraint whose only tokens are banned or biased away). Not a mix: the search draws another."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +75,13 @@ class Judging:
         if key not in self.results:
             started = time.perf_counter()
             s = self.settings
-            self.results[key] = decode_with_params(self.pair.target, list(prompt), params, s.max_new_tokens,
-                                                   s.eos_token_id, self.pair.tokenizer, penalty_scope=self.scope)
+            try:
+                self.results[key] = decode_with_params(self.pair.target, list(prompt), params, s.max_new_tokens,
+                                                       s.eos_token_id, self.pair.tokenizer, penalty_scope=self.scope)
+            except ValueError as exc:  # no token left at some step (engines/requests/reference.py), a grammar refused
+                if not (isinstance(exc, ConstraintError) or str(exc).startswith("no token left")):
+                    raise
+                raise Unanswerable(str(exc)) from None
             self.reference_seconds += time.perf_counter() - started
         return self.results[key]
 

@@ -17,9 +17,10 @@ from hypothesis import note, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from specaudit.equivalence.search.judging import failed
+from specaudit.equivalence.search.judging import Unanswerable, failed
 from specaudit.equivalence.search.model import Mix, Request, families_of
-from specaudit.equivalence.search.strategies import FAMILIES, arrivals, fresh_prompts, prefix_lengths, request_params
+from specaudit.equivalence.search.strategies import (FAMILIES, ConstraintScope, arrivals, fresh_prompts,
+                                                     prefix_lengths, request_params)
 
 
 class MixFailed(AssertionError):
@@ -39,6 +40,7 @@ class MachineContext:
     max_prompt_length: int = 64
     families: tuple[str, ...] = FAMILIES
     bad_words_as_text: bool = False
+    constraint_scope: ConstraintScope = ConstraintScope()  # the structured outputs the engine takes (none: never drawn)
     diagnosis: str = "off"
     expired: Callable[[], bool] = lambda: False  # the budget in minutes spent: examples pass unjudged
     judge_more: Callable[[], bool] = lambda: True  # False: the budget's examples were judged, no failure found
@@ -63,7 +65,8 @@ class RequestMixes(RuleBasedStateMachine):
         continuation = ctx.judging.continuation(prompt)
         params = data.draw(request_params(continuation=continuation, vocab_size=ctx.vocab_size,
                                           max_new_tokens=ctx.judging.settings.max_new_tokens, families=ctx.families,
-                                          bad_words_as_text=ctx.bad_words_as_text, eos_ids=ctx.eos_ids),
+                                          bad_words_as_text=ctx.bad_words_as_text, eos_ids=ctx.eos_ids,
+                                          constraint_scope=ctx.constraint_scope),
                            label="params")
         arrival = data.draw(arrivals(), label="arrival")
         self.mix.requests.append(Request(prompt, params, arrival, kind, shared_with, shared_length))
@@ -125,7 +128,11 @@ class RequestMixes(RuleBasedStateMachine):
             if key in ctx.failed_keys:  # a mix that failed before fails again (Hypothesis replays its best)
                 raise MixFailed(ctx.failed_keys[key])
             return
-        run = ctx.judging.judge(mix, ctx.diagnosis)
+        try:
+            run = ctx.judging.judge(mix, ctx.diagnosis)
+        except Unanswerable as exc:  # no output satisfies the request (its constraint, banned words): passes
+            note(f"not judged: {exc}")  # unjudged, not rejected (a rejection in teardown, Hypothesis freezes on)
+            return
         bad = ctx.is_failure(run)
         ctx.on_judged(mix, run, bad)
         if bad:

@@ -77,6 +77,7 @@ class Coverage:
     wave_sizes: Counter = field(default_factory=Counter)
     endings: Counter = field(default_factory=Counter)
     refused: Counter = field(default_factory=Counter)
+    constraints: Counter = field(default_factory=Counter)  # structured-output kinds drawn
     probes: int = 0  # sampled probes with seeds judged (seeds.py)
 
     def add(self, mix: Mix, run: dict[str, Any]) -> None:
@@ -88,6 +89,8 @@ class Coverage:
             self.families.update(names or ["none"])
             self.pairs.update(f"{a}+{b}" for i, a in enumerate(names) for b in names[i + 1:])
             self.shapes[request.kind] += 1
+            if request.params.constraint is not None:
+                self.constraints[request.params.constraint.kind] += 1
             if request.kind == "shared":
                 aligned = request.shared_length % BLOCK_SIZE == 0
                 self.shapes["shared, block-aligned" if aligned else "shared, not block-aligned"] += 1
@@ -123,5 +126,6 @@ class Coverage:
     def to_dict(self) -> dict[str, Any]:
         return {"examples": self.examples, "requests": self.requests, "families": dict(self.families),
                 "pairs": dict(self.pairs), "shapes": dict(self.shapes), "wave_sizes": dict(self.wave_sizes),
-                "reference_endings": dict(self.endings), "refused": dict(self.refused), "seed_probes": self.probes,
+                "reference_endings": dict(self.endings), "refused": dict(self.refused), "constraints": dict(self.constraints),
+                "seed_probes": self.probes,
                 "not_reached": self.not_reached()}

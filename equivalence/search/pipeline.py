@@ -24,7 +24,7 @@ from specaudit.equivalence.pipeline.weights import WeightsOracle, failed_engine_
 from specaudit.equivalence.records import Run
 from specaudit.equivalence.records.serialize import run_from_json
 from specaudit.equivalence.search.judging import Judging, JudgingSettings
-from specaudit.equivalence.search.strategies import FAMILIES, PROBES
+from specaudit.equivalence.search.strategies import ALL_CONSTRAINTS, FAMILIES, PROBES, ConstraintScope
 
 SERVERS = ("llamacpp", "vllm", "sglang", "trtllm")
 
@@ -126,13 +126,48 @@ class SearchOracle(WeightsOracle):
             result = search(judging, search_settings=settings.search, pool=[list(p) for p in self.pool],
                             vocab_size=int(pair.target.config.vocab_size), out_dir=self.out_dir,
                             bad_words_as_text=black_box_prefix(engine_name) == "vllm", bundles=settings.bundles,
-                            target=target, progress=show_progress)
+                            target=target, progress=show_progress,
+                            constraint_scope=constraint_scope(engine_name, engine, pair.tokenizer))
             write_search_report(self.out_dir, result.run)
             return result.run
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # one engine failing must not lose the others' runs
             return failed_engine_run(base, engine_name, batch_size, settings.device, exc)
+
+
+def constraint_scope(engine_name: str, engine: Any, tokenizer: Any) -> ConstraintScope:
+    """The structured outputs the search may send `engine` (strategies.ConstraintScope): a server what its
+    dialect carries, as it is started by default (EBNF grammars, JSON with any whitespace; llama.cpp's JSON
+    with llguidance, as it applies it); an in-process engine that declares `takes_constraints`, every kind.
+    None without a tokenizer (a grammar's mask is over text) or the reference's grammar engine."""
+    from specaudit.engines.constraints import KINDS, Constraint
+    from specaudit.engines.constraints.fields import dialect_refusal
+
+    if tokenizer is None:
+        return ConstraintScope()
+    try:
+        from specaudit.engines.constraints.matcher import _xgrammar
+
+        _xgrammar()
+    except Exception:
+        return ConstraintScope()
+    dialect = black_box_prefix(engine_name)
+    if dialect not in SERVERS:
+        return ALL_CONSTRAINTS if getattr(engine, "takes_constraints", False) else ConstraintScope()
+    backend = "llguidance" if dialect == "llamacpp" else "xgrammar"
+    samples = {"json_schema": Constraint("json_schema", '{"type": "object"}', backend=backend),
+               "json_object": Constraint("json_object", backend=backend), "regex": Constraint("regex", "a"),
+               "choice": Constraint("choice", choices=("a",)), "grammar": Constraint("grammar", 'root ::= "a"')}
+    kinds = tuple(k for k in KINDS if dialect_refusal(dialect, samples[k]) is None)
+    if backend == "llguidance" and any(k.startswith("json") for k in kinds):
+        try:
+            from specaudit.engines.constraints.llguidance_matcher import llguidance_grammar
+
+            llguidance_grammar(samples["json_object"])
+        except Exception:  # llguidance not installed: no JSON kind
+            kinds = tuple(k for k in kinds if not k.startswith("json"))
+    return ConstraintScope(kinds=kinds, syntaxes=("ebnf",), whitespace=(True,), json_backend=backend)
 
 
 class SearchJudge:

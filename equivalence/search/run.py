@@ -42,7 +42,7 @@ from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.search.judging import Judging, failed
 from specaudit.equivalence.search.machine import MachineContext, machine_for
 from specaudit.equivalence.search.model import Coverage, Mix
-from specaudit.equivalence.search.strategies import FAMILIES, PROBES, text_tokens
+from specaudit.equivalence.search.strategies import FAMILIES, PROBES, ConstraintScope, text_tokens
 
 # examples of one Hypothesis run under a minutes budget: the deadline ends the search between runs (and, within one,
 # every example past it passes unjudged: an example that stops drawing early would make Hypothesis's draws flaky)
@@ -135,7 +135,7 @@ def server_counters(url: str | None) -> dict[str, float] | None:
 def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list[int]], vocab_size: int,
            out_dir: Path, bad_words_as_text: bool = False, max_prompt_length: int = 64,
            progress: bool = True, log: Callable[[str], None] | None = None, bundles: bool = True,
-           target: str | None = None) -> SearchResult:
+           target: str | None = None, constraint_scope: ConstraintScope = ConstraintScope()) -> SearchResult:
     """Search one engine (module docstring); each finding's bundle under `out_dir/bundles/` (`bundles`), its replay
     command naming `target` (the reference's folder) where given."""
     say = log or (lambda line: print(line, file=sys.stderr))
@@ -218,7 +218,7 @@ def search(judging: Judging, *, search_settings: SearchSettings, pool: list[list
             eos_ids=tuple(eos_ids(judging.settings.eos_token_id)),
             sampled="seeded" in (search_settings.families or PROBES) and judging.sampled,
             families=tuple(f for f in search_settings.families or FAMILIES if f in FAMILIES), bad_words_as_text=bad_words_as_text,
-            diagnosis=search_settings.diagnosis, expired=expired, judge_more=judge_more, on_judged=on_judged,
+            constraint_scope=constraint_scope, diagnosis=search_settings.diagnosis, expired=expired, judge_more=judge_more, on_judged=on_judged,
             is_failure=is_new_failure)
         error = hypothesis_round(context, search_settings, out_dir / "hypothesis" / f"round-{round_index}",
                                  search_settings.seed + round_index, round_examples)

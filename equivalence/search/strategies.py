@@ -16,11 +16,13 @@ from typing import Any, Sequence
 
 from hypothesis import strategies as st
 
+from specaudit.engines.constraints import KINDS, Constraint
 from specaudit.engines.requests import RequestParams
+from specaudit.testing.constraint_strategies import GRAMMARS, REGEX_PIECES, constraints
 
 # the parameter families a request may draw, each on or off (a family off is the shrink target)
 FAMILIES = ("stop", "stop_token_ids", "max_tokens", "min_tokens", "penalties", "logit_bias", "bad_words",
-            "logprobs", "seed")
+            "logprobs", "seed", "constraint")
 PROBES = ("seeded",)  # steps beside the requests: a sampled probe with seeds (seeds.py), where the engine samples
 ARRIVALS = ("join", "after", "alone")  # in flight with the wave before; a new wave others join; a wave of its own
 PROMPT_KINDS = ("fresh", "shared", "identical")
@@ -28,6 +30,22 @@ FRESH_KINDS = ("pool", "random", "repeated")  # a pool prompt cut short, random 
 BLOCK_SIZE = 16  # vLLM's default KV block: prefix-cache hits come in whole blocks
 STOP_ALPHABET = "abcdefghijklmnopqrstuvwxyz .,"
 FFFD = "\ufffd"  # a multi-byte character split across tokens: never part of a drawn stop string
+
+
+@dataclass(frozen=True)
+class ConstraintScope:
+    """The structured outputs an engine takes, so the search draws only those: the kinds, the grammar syntaxes
+    and JSON whitespace rules it applies as the reference does, and the grammar engine for the JSON kinds. A
+    server takes what its dialect carries (engines/constraints/fields.py), written as it is started by default
+    (EBNF, any whitespace); an in-process engine that declares `takes_constraints`, every kind."""
+
+    kinds: tuple[str, ...] = ()  # (): the engine takes no constraint, the family is never drawn
+    syntaxes: tuple[str, ...] = ("ebnf", "lark")
+    whitespace: tuple[bool, ...] = (True, False)  # `any_whitespace` values drawn for the JSON kinds
+    json_backend: str = "xgrammar"
+
+
+ALL_CONSTRAINTS = ConstraintScope(kinds=KINDS)
 
 
 @dataclass(frozen=True)
@@ -122,6 +140,45 @@ def stop_strings(draw: st.DrawFn, *, text: str, max_length: int = 4) -> str:
     return piece or text[start]
 
 
+def text_start(text: str) -> str:
+    """The plain continuation's text from its start while it is letters, digits and spaces (what a regex, a
+    choice or a grammar may spell without escapes); "" where it starts otherwise."""
+    out = []
+    for c in text:
+        if not (c.isascii() and (c.isalnum() or c == " ")):
+            break
+        out.append(c)
+    return "".join(out)
+
+
+@st.composite
+def drawn_constraints(draw: st.DrawFn, *, continuation: Continuation, scope: ConstraintScope) -> Constraint:
+    """A structured-output constraint of a kind `scope` takes. A choice, a regex or a grammar may begin with the
+    plain continuation's own first characters (`text_start`): the draft's proposals agree there, and the
+    grammar's end (EOS forced, nothing else admitted) lands inside an accepted chunk; otherwise one of the
+    property tests' constraints (property_tests/constraint_strategies.py), which bite at the first token."""
+    kind = draw(st.sampled_from(list(scope.kinds)))
+    start = text_start(continuation.text)
+    if start and kind in ("choice", "regex", "grammar") and draw(st.booleans()):
+        head = start[:draw(st.integers(1, min(8, len(start))))]
+        if kind == "choice":
+            other = draw(st.text("abcdefxyz", min_size=1, max_size=4))
+            return Constraint("choice", choices=tuple(dict.fromkeys((head, other))))
+        piece = draw(st.sampled_from(("", *REGEX_PIECES[:3])))
+        if kind == "regex":
+            return Constraint("regex", head + piece)
+        tail = draw(st.sampled_from(('', ' [a-z]*', ' [0-9]+ "."')))
+        return Constraint("grammar", f'root ::= "{head}"{tail}', syntax="ebnf")
+    if kind in ("json_schema", "json_object"):
+        drawn = draw(constraints(kinds=(kind,)))
+        return Constraint(kind, drawn.text, any_whitespace=draw(st.sampled_from(scope.whitespace)),
+                          backend=scope.json_backend)
+    if kind == "grammar":
+        syntax = draw(st.sampled_from(list(scope.syntaxes)))
+        return Constraint("grammar", draw(st.sampled_from(GRAMMARS[syntax])), syntax=syntax)
+    return draw(constraints(kinds=(kind,)))
+
+
 def family_on() -> st.SearchStrategy[bool]:
     """Whether a request sets one parameter family: one time in three (so that a request carries one or two
     families, a bug that needs one of them alone is drawn often, and a stop string taken from the plain
@@ -151,16 +208,22 @@ def min_tokens_values(draw: st.DrawFn, *, continuation: Continuation, stop_ids: 
 @st.composite
 def request_params(draw: st.DrawFn, *, continuation: Continuation, vocab_size: int, max_new_tokens: int,
                    families: Sequence[str] = FAMILIES, bad_words_as_text: bool = False,
-                   eos_ids: Sequence[int] = ()) -> RequestParams:
+                   eos_ids: Sequence[int] = (), constraint_scope: ConstraintScope = ConstraintScope()) -> RequestParams:
     """One request's parameters, each family of `families` drawn on or off, its values taken from the reference's
     `continuation` where they then bite: stop strings from its text, stop ids, logit-biased ids and banned words from
     its tokens; a small `max_tokens` (a stop or EOS near the budget's end), `min_tokens` (around where the
     continuation stops: its EOS among `eos_ids`, a drawn stop id), penalties, top
-    log-probabilities and a seed (greedy: it must change nothing). `bad_words_as_text`: the words as text (vLLM
-    takes no ids), else as token ids."""
+    log-probabilities, a seed (greedy: it must change nothing) and a structured-output constraint of a kind
+    `constraint_scope` takes (never with `min_tokens` or banned words: either may leave a finished sentence no
+    token). `bad_words_as_text`: the words as text (vLLM takes no ids), else as token ids."""
     tokens = list(continuation.tokens) or [0]
     values: dict = {}
     on = set(families)
+    if not constraint_scope.kinds:
+        on.discard("constraint")
+    if "constraint" in on and draw(family_on()):
+        values["constraint"] = draw(drawn_constraints(continuation=continuation, scope=constraint_scope))
+        on -= {"min_tokens", "bad_words"}
     if "stop" in on and draw(family_on()):
         values["stop"] = tuple(draw(st.lists(stop_strings(text=continuation.text), min_size=1, max_size=2,
                                              unique=True)))
