@@ -22,7 +22,7 @@ from specaudit.engines.trace import Trace
 from specaudit.engines.models.zoo import ModelPair, float64_copy
 from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.blackbox import requests_run
-from specaudit.equivalence.diagnosis.core import Diagnoser, note_shared_mechanisms
+from specaudit.equivalence.diagnosis.core import PROVENANCE, Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.feed_check import INPUT_CLASSES
 from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE
@@ -278,7 +278,7 @@ def audit_engine(
                     if diagnoser is not None else 0.0),
         "reruns": diagnoser.rerun_seconds if diagnoser is not None else 0.0,
         # the hooks inside the engine's own call (part of "engine"), and reading what they kept or a hooked re-run
-        "observation_hooks": watch.call_log.hook_seconds if watch is not None else 0.0,
+        "observation_hooks": watch.hook_seconds if watch is not None else 0.0,
         "observation": diagnoser.observe_seconds if diagnoser is not None else 0.0,
         "diagnosis": diagnosis_seconds,  # replays, re-runs and observation included
         "diagnosis_mode": diagnosis,
@@ -512,11 +512,12 @@ def unnamed(divergence: Divergence) -> bool:
 
 
 def seen_input(diagnosis: Diagnosis) -> bool:
-    """A wrong input the watched run was seen feeding and a replay (or the state's re-run) confirmed: the cause,
+    """A wrong input the watched run was seen feeding (its provenance, or a replay or the state's re-run confirmed
+    what was fed): the cause,
     before a class named from outputs alone (a processor replay whose token the wrong input chose by chance)."""
     named_by = str(diagnosis.named_by or "")
     return diagnosis.cls in INPUT_CLASSES and (
-        named_by in ("a reproducing replay", "the observed inputs") or named_by.startswith(OBSERVED_STATE))
+        named_by in ("a reproducing replay", "the observed inputs", PROVENANCE) or named_by.startswith(OBSERVED_STATE))
 
 
 def diagnose(judged: Ruled, facts: RunFacts) -> Diagnoser:

@@ -16,7 +16,7 @@ import pytest
 
 from cli_run import audit, runs
 from specaudit.equivalence.diagnosis.causes import Cause
-from specaudit.equivalence.diagnosis.core import Diagnoser
+from specaudit.equivalence.diagnosis.core import PROVENANCE, Diagnoser
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.feed_check import CLEAN, Verdict
 
@@ -48,17 +48,28 @@ def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> No
         if len(named) < 0.9 * len(structural) or any(d["diagnosis"]["class"] == "cross_row" for d in structural):
             wrong.append(f"{variant}: " + "; ".join(f"prompt {d['prompt_index']}: {d['diagnosis']['class']}"
                                                    for d in structural))
-        observed = [d for d in named if d["diagnosis"]["evidence"].startswith("observed: ")]
+        observed = [d for d in named if seen(d)]
         assert observed, f"{variant}: the observation decided none"
         evidence = observed[0]["diagnosis"]["evidence"]
-        if expected == "position_ids":  # what it saw, checkable: the token, the position fed, its index
+        if observed[0]["diagnosis"]["named_by"] == PROVENANCE:  # what each query read, by its writers
+            fact = "wrong position" if expected == "position_ids" else "padding visible"
+            assert " fed at position " in evidence and f"was expected there: {fact}" in evidence, evidence
+        elif expected == "position_ids":  # what it saw, checkable: the token, the position fed, its index
             assert " fed position " in evidence and "its index in the row is" in evidence, evidence
         else:
             assert "padding column(s)" in evidence, evidence
-        assert "a replay of the target with exactly the observed inputs chooses the engine's token" in evidence
+        if observed[0]["diagnosis"]["named_by"] != PROVENANCE:
+            assert "a replay of the target with exactly the observed inputs chooses the engine's token" in evidence
         assert run["timing"]["observation"] > 0, run["timing"]
     assert not wrong, "\n".join(wrong)
 
+
+
+def seen(divergence: dict) -> bool:
+    """Named by what the run's own call was seen to feed: the provenance of each column read, or the
+    observation's feed check."""
+    diagnosis = divergence["diagnosis"]
+    return diagnosis.get("named_by") == PROVENANCE or diagnosis["evidence"].startswith("observed: ")
 
 
 @pytest.mark.precision  # the engine's tokens round in bfloat16: run under the CPU's other kernels too
@@ -75,7 +86,7 @@ def test_the_observation_reads_a_cache_below_float64(tmp_path: Path) -> None:
     assert not [line for line in tried if "the observation failed" in line], tried
     named = [d for d in structural if d["diagnosis"]["class"] == "position_ids"]
     assert len(named) >= 0.9 * len(structural), [d["diagnosis"]["class"] for d in structural]
-    assert any(d["diagnosis"]["evidence"].startswith("observed: ") for d in named)
+    assert any(seen(d) for d in named)
 
 
 SLIDING = {"holes": "the window counts columns", "recompute": "the window is not applied",
@@ -92,15 +103,16 @@ def test_sliding_window_targets_are_observed(tmp_path: Path) -> None:
     result = audit(*args, "--pair", "tiny-gemma3", *SETTINGS, out=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     for run in runs(tmp_path):
-        seen = SLIDING[run["engine"].split(":")[1]]
+        fact = SLIDING[run["engine"].split(":")[1]]
         structural = [d for d in run["divergences"] if d["kind"] == "structural"]
-        if seen is None:
+        if fact is None:
             assert run["equivalent"] and not run["divergences"] and not run["failures"], run["engine"]
             continue
         classes = [d["diagnosis"]["class"] for d in structural]
         assert structural and classes.count("attention_mask") >= 0.9 * len(structural), (run["engine"], classes)
-        observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["evidence"].startswith("observed: ")]
-        assert observed and any(seen in e for e in observed), (run["engine"], observed[:1])
+        observed = [d["diagnosis"]["evidence"] for d in structural if seen(d)]
+        facts = (fact, "padding visible") if fact == "padding column(s)" else (fact,)
+        assert observed and any(f in e for e in observed for f in facts), (run["engine"], observed[:1])
 
 CACHE_AND_PAD = {"rows_not_cropped": "kv_cache", "pad_id_masked": "pad_as_content", "padding_shown_late": "attention_mask",
                  "rows": None, "loop": None}
@@ -129,11 +141,13 @@ def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> No
         assert set(classes) <= {expected, "unknown"}, (run["engine"], classes)
         if expected == "kv_cache":
             observed = [d["diagnosis"]["evidence"] for d in structural if d["diagnosis"]["class"] == expected
-                        and d["diagnosis"]["evidence"].startswith("observed: ")]
-            assert observed and "cached column(s) not in the row's sequence" in observed[0], observed[:1]
-        if expected == "attention_mask":  # the padding, computed reading nothing, replayed so: the engine's token
-            confirmed = [d for d in structural if "padding column(s)" in d["diagnosis"]["evidence"]
-                         and "observed inputs chooses the engine's token" in d["diagnosis"]["evidence"]]
+                        and seen(d)]
+            assert observed and any(f in observed[0] for f in ("cached column(s) not in the row's sequence",
+                                                              "extra entry")), observed[:1]
+        if expected == "attention_mask":  # the padding seen read (or computed reading nothing, replayed so)
+            confirmed = [d for d in structural if "padding visible" in d["diagnosis"]["evidence"]
+                         or ("padding column(s)" in d["diagnosis"]["evidence"]
+                             and "observed inputs chooses the engine's token" in d["diagnosis"]["evidence"])]
             assert len(confirmed) >= 0.9 * len(structural), [d["diagnosis"]["evidence"][:200] for d in structural]
 
 
@@ -162,7 +176,7 @@ def test_quick_diagnosis_observes_the_run_itself_and_reruns_nothing(tmp_path: Pa
     classes = [d["diagnosis"]["class"] for d in run["divergences"] if d["kind"] == "structural"]
     assert classes and set(classes) == {"position_ids"}, classes
     named = [d["diagnosis"]["named_by"] for d in run["divergences"] if d["kind"] == "structural"]
-    assert all(by == "a reproducing replay" for by in named), named
+    assert all(by in ("a reproducing replay", PROVENANCE) for by in named), named
 
 
 def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:

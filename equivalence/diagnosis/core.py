@@ -29,7 +29,9 @@ correct engine feeds that a replay of exactly the observed inputs reproduces dec
 shifted positions or a widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
 bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
 choice) and the length symptom; last, re-runs alone and beside a copy of itself. Where the audited run itself
-was watched, the observation ranks first. `evidence` says
+was watched, the provenance of what the producing query read ranks first (diagnosis/provenance/: a column its
+row's sequence does not hold there, a row token it could not read, a token at another position name the class
+by fact), then the observation. `evidence` says
 what was tried and what it showed, and `named_by` which evidence decided. A class that the observation
 positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
 class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not
@@ -48,6 +50,7 @@ experiments that need it are reported as not run.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from collections.abc import Sequence
@@ -64,10 +67,19 @@ from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.feed_check import FeedCheck
-from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE, Observing
+from specaudit.equivalence.diagnosis.observe import OBSERVED_MECHANISMS, OBSERVED_STATE, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
+from specaudit.equivalence.diagnosis.provenance import AFTER_THE_LOGITS, Provenance, provenance_diagnosis
 from specaudit.equivalence.records import ABSENT, Diagnosis, Divergence
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PAD_RERUN_BUDGET, RERUN_BUDGET
+
+PROVENANCE = "the provenance of the columns each query read"
+# what the provenance check decides first: a column the producing query read that its row's sequence does not
+# hold there (padding, fill, an extra entry), a row token it could not read, a token at another position. A
+# token no readable column holds (a missing entry), a foreign entry and the classes after the logits are left
+# to the checks below: the outputs against every reference, the pad-id and stop experiments, the trace
+DECISIVE = ("attention_mask", "kv_cache", "pad_as_content", "position_ids")
+DECISIVE_FACTS = ("padding visible", "fill visible", "token hidden", "extra entry", "wrong position")
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -169,6 +181,7 @@ class Diagnoser(Experiments, Observing):
     _observed: Any = None  # the observation's verdict on the divergence being diagnosed
     # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
     silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)
+    _provenance_check: Any = None  # provenance.Provenance over the watched call, shared by the run's divergences
 
     def __post_init__(self) -> None:
         self.references = list(self.facts.references)
@@ -192,7 +205,7 @@ class Diagnoser(Experiments, Observing):
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
         if found.cls == "unknown":  # an experiment narrowed it down without naming it
             return diagnosis("unknown", found.evidence, tried, would_decide=found.named_by or None)
-        if str(found.named_by).startswith(OBSERVED_STATE):  # the state was seen and its re-run made
+        if str(found.named_by).startswith((OBSERVED_STATE, PROVENANCE)):  # seen, not guessed: decided as seen
             return diagnosis(found.cls, found.evidence, tried, found.named_by, found.mechanism or None)
         cls, evidence, decided = recurrent_or_attention(self, divergence.prompt_index, found, tried)
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
@@ -213,7 +226,7 @@ class Diagnoser(Experiments, Observing):
         the engine may never have formed, while a violation seen in the run and reproduced by a replay is the
         cause (a row whose pad-id tokens were hidden is `pad_as_content` there too)."""
         if self.facts.watch is not None:
-            return (self._observed_inputs, self._output_order, self._answered_elsewhere, self._truncation,
+            return (self._provenance, self._observed_inputs, self._output_order, self._answered_elsewhere, self._truncation,
                     self._pad_cause, self._stop_eos, self._trace_and_logits, self._overlong, self._reproducing_replay,
                     self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
         return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
@@ -269,6 +282,37 @@ class Diagnoser(Experiments, Observing):
         found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,
                                    self.facts.eos_token_id, self._continuation(case.index, len(case.output)))
         return _cause(found, "the output's length against max_new_tokens") if found else None
+
+    def _provenance(self, case: Case, tried: list[str]) -> Cause | None:
+        """The provenance check on the watched call (diagnosis/provenance/): the first violation behind the query
+        that chose the engine's token names the input class by fact. Where queries that read the row's exact
+        context chose the reference's token (the bug is after the logits), a query with the row's exact context
+        chose the engine's token, or none was seen, it decides nothing: the checks below (the outputs against
+        the references, the pad-id and stop experiments, the trace) go on."""
+        log = self.facts.watch.provenance_log()
+        if log is None:
+            return None
+        started = time.perf_counter()
+        try:
+            return self._provenance_cause(log, case, tried)
+        finally:
+            self.observe_seconds += time.perf_counter() - started  # reading what the hooks kept
+
+    def _provenance_cause(self, log: Any, case: Case, tried: list[str]) -> Cause | None:
+        if self._provenance_check is None:
+            self._provenance_check = Provenance(log, [list(p) + list(o) for p, o in
+                                                      zip(self.facts.prompts, self.facts.outputs)])
+        output = case.output
+        divergence = {"prompt_index": case.index, "position": case.position,
+                      "engine_token": output[case.position] if case.position < len(output) else None}
+        cls, evidence = provenance_diagnosis(log, self.facts.prompts, self.facts.outputs, self.references,
+                                             divergence, eos_token_id=self.facts.eos_token_id,
+                                             max_new_tokens=self.facts.max_new_tokens,
+                                             provenance=self._provenance_check)
+        tried.append(f"provenance of what each query read: {cls}: {evidence}")
+        if cls not in DECISIVE or not any(fact in evidence for fact in DECISIVE_FACTS):
+            return None  # the inputs seen right, or a fact the checks below tell apart better (module docstring)
+        return Cause(cls, evidence, PROVENANCE, OBSERVED_MECHANISMS[cls])  # the observation's words: one mechanism
 
     def _observed_inputs(self, case: Case, tried: list[str]) -> Cause | None:
         """The observation's cause (observe.py); its verdict is kept (`_observed`) to check the class the later

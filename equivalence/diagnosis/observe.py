@@ -62,6 +62,8 @@ from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.feed_check import CLEAN, INPUT_CLASSES, FeedCheck, Verdict
 from specaudit.equivalence.diagnosis.layers import diverges_silenced
 from specaudit.equivalence.diagnosis.capture import CallHooks, CallLog
+from specaudit.equivalence.diagnosis.provenance import ProvenanceLog
+from specaudit.equivalence.diagnosis.provenance.hooks import ProvenanceHooks
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE
 from specaudit.equivalence.run_context import RunContext
 
@@ -90,18 +92,40 @@ class Watch:
         if draft is not None and draft is not target:
             self.hooks.append(CallHooks(self.call_log, draft, "draft"))
         self.spoiled: str | None = None  # why what was recorded is not the run (the call raised, ...)
+        # what each query read, by the writers of the columns (diagnosis/provenance/); None: the target has no
+        # attention layer and output head the hooks know
+        self.provenance: ProvenanceHooks | None = None
+        try:
+            self.provenance = ProvenanceHooks(target, pad_token_id)
+        except ValueError:
+            self.provenance = None
 
     def __enter__(self) -> "Watch":
         self.call_log.entered += 1
         for hooks in self.hooks:
             hooks.install()
+        if self.provenance is not None and self.call_log.entered == 1:
+            self.provenance.__enter__()
         return self
 
     def __exit__(self, kind: Any, exc: Any, traceback: Any) -> None:
         for hooks in self.hooks:
             hooks.remove()
+        if self.provenance is not None and self.provenance.handles:
+            self.provenance.__exit__(kind, exc, traceback)
         if exc is not None and self.spoiled is None:
             self.spoiled = f"the engine's call raised {type(exc).__name__}"
+
+    @property
+    def hook_seconds(self) -> float:
+        """The hooks' own time inside the watched call (the feed capture's and the provenance's)."""
+        return self.call_log.hook_seconds + (self.provenance.log.hook_seconds if self.provenance is not None else 0.0)
+
+    def provenance_log(self) -> ProvenanceLog | None:
+        """The provenance records of the watched call (None: not recorded, or not the run)."""
+        if self.provenance is None or self.spoiled or self.call_log.entered != 1 or not self.provenance.log.calls:
+            return None
+        return self.provenance.log
 
     def feed_check(self, outputs: list[list[int]]) -> FeedCheck | str:
         """A `FeedCheck` over what the call fed the target, its rows labelled by `outputs` (the call's own), or a

@@ -19,7 +19,7 @@ EXPECTED: dict[str, dict[str, str | None]] = {
                       "accept_extra": "acceptance_rule", "overshoot": "stop_length",
                       "eos_after": "stop_eos"},
     "recompute_spec": {"correct": None, "pos_padded": "position_ids", "pos_holes": "position_ids",
-                       "mask_holes": "attention_mask", "mask_padding": "attention_mask",
+                       "mask_holes": "kv_cache", "mask_padding": "attention_mask",
                        "accept_extra": "acceptance_rule"},
     "row_cache_spec": {"correct": None, "no_crop": "kv_cache", "pos_rejected": "position_ids",
                        "accept_extra": "acceptance_rule", "bonus_twice": "acceptance_rule", "overshoot": "stop_length"},
@@ -28,8 +28,11 @@ EXPECTED: dict[str, dict[str, str | None]] = {
     "generate_chunks": {"correct": None, "pos_padded": "position_ids"},
     "static_cache_spec": {"correct": None, "pos_column": "position_ids", "pos_padded": "position_ids"},
     "right_padded_loop": {"correct": None, "pos_column": "position_ids", "gap_visible": "attention_mask"},
-    "mask2d_spec": {"correct": None, "library_positions": "position_ids", "holes_visible": "attention_mask"},
+    "mask2d_spec": {"correct": None, "library_positions": "position_ids", "holes_visible": "kv_cache"},
 }
+# the rejected proposals left in the cache and read (mask_holes, holes_visible) are `kv_cache`: a column the row's
+# sequence does not hold there, read (the README's "the target cache holds wrong, extra or missing entries"), by
+# the provenance of what each query read; they were `attention_mask` while the mask the engine meant was the guide
 # variants the diagnosis does not name yet, and why; their divergences must still never be `cross_row`, and
 # each `unknown` must say what would decide it
 KNOWN_GAPS: dict[str, str] = {}

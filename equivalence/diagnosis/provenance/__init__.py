@@ -31,8 +31,8 @@ row labels and no prompt labels, and changes nothing it is handed.
     ... where the hidden token is the pad id                   pad_as_content
     the right token at the wrong position                     position_ids
     every query with the row's exact context chose the        acceptance_rule / stop_eos / stop_length /
-      reference's token (the bug is after the logits)          output_order, from the run's facts
-                                                              (`after_the_logits`)
+      reference's token (the bug is after the logits)          output_order / pad_as_content, from the
+                                                              run's facts (`after_the_logits`)
 
    A violation says where: call, batch row, column, token, the position fed and the index expected.
 """
@@ -40,6 +40,7 @@ row labels and no prompt labels, and changes nothing it is handed.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
@@ -58,7 +59,7 @@ CLASS_OF: dict[str, str] = {
     PAD_HIDDEN: "pad_as_content",
     WRONG_POSITION: "position_ids",
 }
-AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order")
+AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order", "pad_as_content")
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,10 +136,12 @@ class ProvenanceLog:
     pad_token_id: int | None = None
     hook_seconds: float = 0.0  # the hooks' own time inside the engine's call
     _writers: dict[int, list[Slot]] | None = field(default=None, repr=False)
+    _tokens: dict[int, frozenset[int]] | None = field(default=None, repr=False)
+    _after: dict[int, frozenset[int]] | None = field(default=None, repr=False)
 
     def add(self, record: CallRecord) -> None:
         self.calls.append(record)
-        self._writers = None
+        self._writers = self._tokens = self._after = None
 
     def feed(self, slot: Slot) -> RowFeed:
         return self.calls[slot.call].rows[slot.row]
@@ -159,6 +162,35 @@ class ProvenanceLog:
                     for index, fingerprint in enumerate(feed.written):
                         self._writers.setdefault(fingerprint, []).append(Slot(record.call, row, index))
         return self._writers
+
+    def tokens_of(self, fingerprint: int) -> frozenset[int]:
+        """The tokens the slots that wrote `fingerprint` were fed (one, unless unequal tokens left equal entries)."""
+        if self._tokens is None or self._writers is None:
+            self._tokens = {}
+        found = self._tokens.get(fingerprint)
+        if found is None:
+            found = self._tokens[fingerprint] = frozenset(self.token(w) for w in self.writers.get(fingerprint, []))
+        return found
+
+    def fed_after(self, token: int, position: int) -> frozenset[int]:
+        """The tokens fed to queries whose last column read before their own holds `token` fed at `position` (the
+        entry itself, or the same token re-fed there): what a row went on with after it."""
+        if self._after is None:
+            writers, after, seen = self.writers, {}, {}
+            for record in self.calls:
+                for feed in record.rows:
+                    for index, fed in enumerate(feed.tokens):
+                        own = feed.columns[index]
+                        before = [c for c in feed.reads(index) if c < own]
+                        if not before:
+                            continue
+                        fingerprint = feed.prints[before[-1]]
+                        if fingerprint not in seen:
+                            seen[fingerprint] = {(self.token(w), self.position(w)) for w in writers.get(fingerprint, [])}
+                        for key in seen[fingerprint]:
+                            after.setdefault(key, set()).add(fed)
+            self._after = {key: frozenset(tokens) for key, tokens in after.items()}
+        return self._after.get((token, position), frozenset())
 
     def slots(self) -> list[Slot]:
         return [Slot(r.call, row, i) for r in self.calls for row, feed in enumerate(r.rows)
@@ -220,9 +252,19 @@ class Provenance:
                     if position != j:
                         if position < j and expected[position] == want:  # the row's token at `position` again
                             return self._extra(slot, request, column, writer, j, f"a second copy of index {position}")
+                        whole = self.sequences[request]
+                        if j < position < len(whole) and whole[position] == want:  # index `position`'s entry:
+                            return Violation(MISSING_ENTRY, slot, column, want, position, j, j, writer,  # j's missing
+                                             f"the entry of index {position}, which holds the same token")
                         return Violation(WRONG_POSITION, slot, column, want, position, j, j, writer)
                     if writer != slot:
                         below = self._check(writer, request, j + 1)
+                        if below is not None and below.slot == writer and not self._reads_itself(writer):
+                            # its writer could not read its own entry: padding computed from nothing, not the
+                            # row's token (a pad id at the position of the row's first token looks alike)
+                            return Violation(PADDING_VISIBLE if log.token(writer) == log.pad_token_id else FILL_VISIBLE,
+                                             slot, column, log.token(writer), log.position(writer), j, j, writer,
+                                             "its writer could not read its own entry")
                         if below is not None:
                             return below
                     seen.add(fingerprint)
@@ -237,9 +279,14 @@ class Provenance:
             return self._missing(slot, request, j, hidden, own)
         return None
 
+    def _reads_itself(self, slot: Slot) -> bool:
+        """Whether the query may read its own column (every token fed as content does)."""
+        feed = self.log.feed(slot)
+        return bool(feed.visible[slot.index][feed.columns[slot.index]])
+
     # ---- the facts ---------------------------------------------------------------------------------
     def _holds(self, feed: RowFeed, column: int, token: int) -> bool:
-        return any(self.log.token(w) == token for w in self.log.writers.get(feed.prints[column], []))
+        return token in self.log.tokens_of(feed.prints[column])
 
     def _hidden(self, slot: Slot, column: int, token: int, j: int) -> Violation:
         fact = PAD_HIDDEN if token == self.log.pad_token_id else TOKEN_HIDDEN
@@ -260,7 +307,9 @@ class Provenance:
         the row never fed."""
         log = self.log
         token, position = log.token(writer), log.position(writer)
-        if token == log.pad_token_id and not note:
+        sequence = self.sequences[request]
+        if token == log.pad_token_id and (j >= len(sequence) or sequence[j] != token):
+            # a pad-id entry where the row's token is not the pad id: padding, however many columns hold it
             return Violation(PADDING_VISIBLE, slot, column, token, position, j, j, writer)
         other = None if note else self._served(writer, request)
         if other is not None:
@@ -286,14 +335,69 @@ class Provenance:
     # ---- producers -----------------------------------------------------------------------------------
     def producers(self, request: int, n: int, token: int) -> list[tuple[Slot, Violation | None]]:
         """The queries that chose `token` as the one after the first n tokens of request `request`'s sequence
-        (their fed token is its token n - 1), with the first violation behind each; the most correct first: no
-        violation, then the most of the sequence read (in order, whatever else was read among it), then the
-        longest prefix read right."""
+        (their fed token is its token n - 1; not one that read the sequence past it, a later query fed the same
+        token, nor one fed at another index where the sequence holds the same token, that index's query), with
+        the first violation behind each; the most correct first: no
+        violation, then the most of the sequence its row holds, then the most read (in order, whatever else was
+        read among it), then one whose row went on with the token, then one fed at the token's own index, then the
+        fewest other columns read (a query of another request whose context
+        holds the sequence's few tokens among many reads them too), then the longest prefix read right."""
         last = self.sequences[request][n - 1]
-        found = [(slot, self.check(slot, request, n)) for slot in self.log.slots()
-                 if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token]
-        return sorted(found, key=lambda item: (item[1] is not None, -self._read_of(item[0], request, n),
-                                               -(item[1].depth if item[1] else n), item[0]))
+        sequence = self.sequences[request]
+
+        def elsewhere(slot: Slot) -> bool:
+            """Fed at another index of the sequence that holds its token there: that index's query."""
+            position = self.log.position(slot)
+            return position != n - 1 and 0 <= position < len(sequence) and sequence[position] == last
+
+        chose = [slot for slot in self.log.slots()
+                 if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token
+                 and not self._reads_past(slot, request, n) and not elsewhere(slot)]
+        found = [(slot, self.check(slot, request, n)) for slot in chose]
+        def rank(item: tuple[Slot, Violation | None]) -> tuple:
+            slot, violation = item
+            held = self.held_of(slot, request, n)
+            read = self._read_of(slot, request, n)
+            extra = len(self.log.feed(slot).reads(slot.index)) - read  # columns read beside the sequence's
+            moved = self.log.position(slot) != n - 1  # fed elsewhere than the token's index in the sequence
+            # a row that went on with the query's choice (the token fed next after the same token and position)
+            went_on = token in self.log.fed_after(self.log.token(slot), self.log.position(slot))
+            return (violation is not None, -held, -read, not went_on, moved, extra,
+                    -(violation.depth if violation else n), slot)
+
+        return sorted(found, key=rank)
+
+    def held_of(self, slot: Slot, request: int, n: int | None = None) -> int:
+        """How many of the first n tokens of the sequence (all of it: None) the query's row holds up to the query's
+        own column, visible to it or not, counted as a multiset (an entry out of place or overwritten costs one):
+        a query of the request's own row at index n - 1 holds all n; a query of another request's row, fewer
+        (unless the two share the prefix: the same computation)."""
+        sequence = self.sequences[request] if n is None else self.sequences[request][:n]
+        feed = self.log.feed(slot)
+        wanted = Counter(sequence)
+        held = 0
+        for column in range(min(feed.columns[slot.index] + 1, len(feed.prints))):
+            for token in self.log.tokens_of(feed.prints[column]):
+                if wanted[token] > 0:
+                    wanted[token] -= 1
+                    held += 1
+                    break
+        return held
+
+    def _reads_past(self, slot: Slot, request: int, n: int) -> bool:
+        """The query reads, before its own column and in order, the sequence's first n + 1 tokens: a later query of
+        the row fed the same token again, not the one at index n - 1."""
+        sequence = self.sequences[request][:n + 1]
+        if len(sequence) <= n:
+            return False
+        feed, j = self.log.feed(slot), 0
+        own = feed.columns[slot.index]
+        for column in feed.reads(slot.index):
+            if column == own:
+                break
+            if j < len(sequence) and sequence[j] in self.log.tokens_of(feed.prints[column]):
+                j += 1
+        return j > n
 
     def _read_of(self, slot: Slot, request: int, n: int) -> int:
         """How many of the sequence's first n tokens the query read, in order (a subsequence of what it read)."""
@@ -321,13 +425,18 @@ def eos_set(eos_token_id: Any) -> frozenset[int]:
 
 def after_the_logits(request: int, position: int, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                      references: Sequence[Sequence[int]], speculated: bool, eos_token_id: Any = None,
-                     max_new_tokens: int | None = None) -> tuple[str, str]:
+                     max_new_tokens: int | None = None, pad_token_id: int | None = None) -> tuple[str, str]:
     """The class of a divergence whose target queries chose right, from the run's own facts: the output is another
-    prompt's reference (`output_order`); it goes on past an EOS or stops short of the reference (`stop_eos` where
+    prompt's reference (`output_order`); it ends, the reference's prefix, where the reference's next token is the
+    pad id (`pad_as_content`: a real token taken for padding); it goes on past an EOS or stops short of the reference (`stop_eos` where
     an EOS is involved, else `stop_length`); otherwise a token the target did not choose was emitted
     (`acceptance_rule`, for an engine seen verifying proposals; `unknown` for one that was not)."""
     output, reference = list(outputs[request]), list(references[request])
     eos = eos_set(eos_token_id)
+    if (pad_token_id is not None and len(output) <= position < len(reference) and reference[position] == pad_token_id
+            and output == reference[:len(output)]):
+        return "pad_as_content", (f"the output of prompt {request} ends where the reference's next token is the pad "
+                                  f"id {pad_token_id}: a real token taken for padding")
     for other, expected in enumerate(references):
         if other != request and expected != reference and output and output == list(expected)[:len(output)] \
                 and tuple(prompts[other]) != tuple(prompts[request]):
@@ -362,21 +471,32 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
     n = len(prompts[request]) + position  # the emitted token's index in the sequence
     if not log.calls:
         return "unknown", "no target call was recorded"
+    correct = provenance.correct_queries(request, n) if n >= 1 else []
+    reference = list(references[request])
+    wanted = reference[position] if position < len(reference) else None
+    chose = {log.feed(s).choices[s.index] for s in correct} - {-1}  # -1: the head did not compute it
+    # a query fed the row's exact context at the token's own index that chose the reference's token: the target
+    # chose right where the row asked it, whatever other query chose the engine's token
+    chose_right = wanted is not None and chose == {wanted} and any(
+        log.position(s) == n - 1 and log.feed(s).choices[s.index] == wanted for s in correct)
     if token is not None and n >= 1:
         ranked = provenance.producers(request, n, int(token))
+        held = provenance.held_of(ranked[0][0], request, n) if ranked else 0
+        at_index = bool(ranked) and log.position(ranked[0][0]) == n - 1
+        if ranked and ranked[0][1] is not None and (held < n - 1 or chose_right and not (held == n and at_index)):
+            # the best query that chose the engine's token holds little of the row's sequence (a query of another
+            # context), or, where a query fed the row's exact context at the token's index chose the reference's
+            # token, is not itself a query of the whole sequence at that index: a coincidence of tokens
+            ranked = []
         if ranked and ranked[0][1] is None:
             return "unknown", (f"a query that read the row's exact context chose the engine's token {token} "
                                f"(target call {ranked[0][0].call}, batch row {ranked[0][0].row})")
         if ranked:
             violation = ranked[0][1]
             return violation.cls, violation.evidence()
-    correct = provenance.correct_queries(request, n) if n >= 1 else []
-    reference = list(references[request])
-    wanted = reference[position] if position < len(reference) else None
-    chose = {log.feed(s).choices[s.index] for s in correct}
-    if correct and (wanted is None or chose <= {wanted, -1}):
+    if correct and (wanted is None or chose == {wanted}):
         cls, why = after_the_logits(request, position, prompts, outputs, references, log.speculated, eos_token_id,
-                                    max_new_tokens)
+                                    max_new_tokens, log.pad_token_id)
         return cls, f"{len(correct)} queries read the row's exact context and chose the reference's token: {why}"
     if token is None:
         return "unknown", "the output stops here and no query read the row's exact context"
