@@ -123,7 +123,8 @@ class Watch:
 
     def provenance_log(self) -> ProvenanceLog | None:
         """The provenance records of the watched call (None: not recorded, or not the run)."""
-        if self.provenance is None or self.spoiled or self.call_log.entered != 1 or not self.provenance.log.calls:
+        if (self.provenance is None or self.spoiled or self.provenance.failed or self.call_log.entered != 1
+                or not self.provenance.log.calls):
             return None
         return self.provenance.log
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 import specaudit.engines.eqspec
 from specaudit.engines.eqspec import EQSpec
 from specaudit.testing.faults import FAULTS, FaultEngine
-from specaudit.testing.faults.classes import EXPECTED_CLASS, INVISIBLE_BELOW_FLOAT64
+from specaudit.testing.faults.classes import ALSO_SEEN, EXPECTED_CLASS, INVISIBLE_BELOW_FLOAT64
 from specaudit.testing.faults.draft_check import check_draft_proposals
 from specaudit.testing.faults.hunt import Finding, check_fault, fault_cases, hunt, hunt_below_float64
 from specaudit.testing.faults.table import render_table
@@ -109,8 +109,9 @@ def test_planted_fault_is_caught_in_bfloat16(fault: type[FaultEngine], pair: str
     assert finding.detected_by == ("draft tokens" if fault.drafter_kind == "model" else "tokens"), finding.report()
     structural = [d for d in finding.divergences if d["kind"] == "structural"]
     assert structural, "the audit of the minimal counterexample ruled nothing structural:\n" + finding.report()
-    assert {(d.get("diagnosis") or {}).get("class") for d in structural} == {EXPECTED_CLASS[fault.slug()]}, \
-        finding.report()
+    named = {(d.get("diagnosis") or {}).get("class") for d in structural}
+    expected = EXPECTED_CLASS[fault.slug()]
+    assert expected in named and named - {expected} <= ALSO_SEEN.get(fault.slug(), frozenset()), finding.report()
 
 
 def test_fault_engines_leave_the_shipped_engines_alone() -> None:

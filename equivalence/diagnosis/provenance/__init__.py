@@ -272,11 +272,32 @@ class Provenance:
                     continue
                 before = [h for h in hidden if h < column and self._holds(feed, h, want)]
                 if before:  # the row's token sits in a column the query may not read
+                    stale = self._stale_read(slot, request, j)
+                    if stale is not None:  # and an entry its sequence never holds read: the window moved over it
+                        return stale
                     return self._hidden(slot, before[0], want, j)
             writer = writers[0]
             return self._extra(slot, request, column, writer, j, "")
         if j < n:
             return self._missing(slot, request, j, hidden, own)
+        return None
+
+    def _stale_read(self, slot: Slot, request: int, j: int) -> Violation | None:
+        """The first column the query reads before its own whose entry its sequence holds at no index (not
+        padding, not fill, not the row's token at the position it was fed at), as an extra or foreign entry."""
+        log, feed, whole = self.log, self.log.feed(slot), self.sequences[request]
+        own = feed.columns[slot.index]
+        for column in feed.reads(slot.index):
+            if column == own:
+                break
+            writers = log.writers.get(feed.prints[column], [])
+            if not writers:
+                continue
+            if any(0 <= log.position(w) < len(whole) and whole[log.position(w)] == log.token(w) for w in writers):
+                continue  # the row's token at its own index
+            found = self._extra(slot, request, column, writers[0], j, "")
+            if found.fact in (EXTRA_ENTRY, FOREIGN_ENTRY):
+                return found
         return None
 
     def _reads_itself(self, slot: Slot) -> bool:
@@ -308,8 +329,10 @@ class Provenance:
         log = self.log
         token, position = log.token(writer), log.position(writer)
         sequence = self.sequences[request]
-        if token == log.pad_token_id and (j >= len(sequence) or sequence[j] != token):
-            # a pad-id entry where the row's token is not the pad id: padding, however many columns hold it
+        copy = not note and 0 <= position < j and sequence[position] == token and self._reads_itself(writer)
+        if token == log.pad_token_id and (j >= len(sequence) or sequence[j] != token) and not copy:
+            # a pad-id entry where the row's token is not the pad id: padding, however many columns hold it (a
+            # copy of the row's own pad-id token, computed reading itself as content is, is an extra entry)
             return Violation(PADDING_VISIBLE, slot, column, token, position, j, j, writer)
         other = None if note else self._served(writer, request)
         if other is not None:

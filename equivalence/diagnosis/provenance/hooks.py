@@ -61,6 +61,7 @@ class ProvenanceHooks:
                              "hook a transformers decoder-only model")
         self.handles: list[Any] = []
         self.pending: _Pending | None = None
+        self.failed: str | None = None  # why nothing the hooks kept can be read (a hook raised)
 
     def __enter__(self) -> "ProvenanceHooks":
         self.handles = [self.base.register_forward_pre_hook(self._timed(self._start), with_kwargs=True),
@@ -76,15 +77,18 @@ class ProvenanceHooks:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        started = time.perf_counter()
-        self._finish()
-        self.log.hook_seconds += time.perf_counter() - started
+        self._timed(self._finish)()
 
     def _timed(self, hook: Callable[..., None]) -> Callable[..., None]:
         def timed(*args: Any) -> None:
+            if self.failed:
+                return
             started = time.perf_counter()
             try:
                 hook(*args)
+            except Exception as exc:  # a model the hooks do not know: nothing recorded, the engine's call untouched
+                self.failed = f"the provenance hooks failed: {type(exc).__name__}: {exc}".splitlines()[0]
+                self.pending = None
             finally:
                 self.log.hook_seconds += time.perf_counter() - started
         return timed
@@ -164,6 +168,8 @@ class ProvenanceHooks:
         batch, q = call.ids.shape
         columns = tuple(self._columns(call))
         positions = call.positions if call.positions is not None else torch.tensor([columns])
+        if positions.dim() == 3:  # [3, B, q] multimodal rotary positions: text tokens carry one position thrice
+            positions = positions[0]
         positions = positions.reshape(-1, q).expand(batch, q)
         seen = call.choices.shape[1] if call.choices is not None else 0  # the head may compute the last queries only
         rows = []
