@@ -165,7 +165,7 @@ class ProvenanceLog:
 
     def tokens_of(self, fingerprint: int) -> frozenset[int]:
         """The tokens the slots that wrote `fingerprint` were fed (one, unless unequal tokens left equal entries)."""
-        if self._tokens is None or self._writers is None:
+        if self._tokens is None:  # emptied by `add` with the writers
             self._tokens = {}
         found = self._tokens.get(fingerprint)
         if found is None:
