@@ -268,6 +268,39 @@ def test_a_detokenizer_may_drop_bytes_that_never_form_a_character_and_nothing_el
     assert _report_classes(returned, {"finish_reason": "length", "text": "x"}) == ["text_report"]
 
 
+def _byte_fallback_tokenizer():
+    """A tokenizer whose 256 ids are `<0xNN>` byte tokens under a byte-fallback decoder (a llama/sentencepiece
+    style tokenizer.json): it decodes a run of byte tokens that fails as UTF-8 to one U+FFFD per token."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    inner = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, fuse_unk=True))
+    inner.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=inner)
+
+
+def test_invalid_bytes_may_be_rendered_by_utf8s_own_replacement_rule():
+    pytest.importorskip("xgrammar")  # the decoded vocabulary comes from the grammar engine
+    from specaudit.engines.requests.reference import RequestResult
+    from specaudit.equivalence.blackbox.outputs import check_report
+
+    tokenizer = _byte_fallback_tokenizer()
+    returned = [ord("k")] + [0x8F] * 5  # a letter, then lone continuation bytes
+    decoded = tokenizer.decode(returned)
+    assert decoded == "\ufffd" * 6  # the premise: the decoder swallows the valid byte into the run
+    reference = RequestResult(list(returned), "length", None, decoded)
+
+    def classes(text):
+        return [d.diagnosis.cls for d in check_report(0, list(b"ab"), RequestParams(), reference, list(returned),
+                                                         {"finish_reason": "length", "text": text}, EOS, tokenizer)]
+
+    assert classes("k" + "\ufffd" * 5) == []  # llama.cpp's rendering: the bytes under UTF-8's rule
+    assert classes(decoded) == []
+    assert classes("kk" + "\ufffd" * 5) == ["text_report"]  # a letter the tokens do not hold
+    assert classes("j" + "\ufffd" * 5) == ["text_report"]
+
+
 def test_a_stop_id_that_completes_a_stop_string_may_be_reported_as_either():
     from specaudit.engines.requests.reference import RequestResult
 

@@ -18,8 +18,10 @@ Relation of text and tokens (engines/requests/reference.py): the tokens end at t
 the request; the text is those tokens decoded, without a final EOS / stop id's text, cut just before
 a stop string. Decoding is compared both alone and after the prompt (a tokenizer whose first output
 token decodes differently after the prompt, e.g. a sentencepiece leading space), and with or without
-the final stop token's text, and with the bytes that never form a character (U+FFFD) dropped: any of these is
-accepted. A token that ends the request under two rules at once (a stop id completing a stop string) may be
+the final stop token's text, with the bytes that never form a character (U+FFFD) dropped, and as the tokens'
+bytes decoded by UTF-8's own replacement rule (one U+FFFD per maximal invalid subpart: llama.cpp's text), where
+the tokenizer's decoder renders invalid bytes otherwise (a byte-fallback decoder turns a whole run of byte tokens
+that fails to decode into one U+FFFD per token, the valid bytes in the run too): any of these is accepted. A token that ends the request under two rules at once (a stop id completing a stop string) may be
 reported under either.
 """
 
@@ -88,6 +90,18 @@ def _texts(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list
     after = decode_text(tokenizer, list(prompt) + list(tokens))
     head = decode_text(tokenizer, list(prompt))
     return list(dict.fromkeys([alone] + ([after[len(head):]] if after.startswith(head) else [])))
+
+
+def _byte_text(tokenizer: Any, tokens: Sequence[int]) -> str | None:
+    """`tokens` as bytes (the grammar engine's decoded vocabulary: a byte token is its byte) decoded under
+    UTF-8's replacement rule, or None without a grammar engine to read the vocabulary."""
+    from specaudit.engines.constraints import ConstraintError
+    from specaudit.engines.constraints.check import output_bytes
+    try:
+        raw, _ = output_bytes(tokens, tokenizer, [])
+    except ConstraintError:  # no xgrammar (the optional `structured` extra)
+        return None
+    return raw.decode("utf-8", errors="replace")
 
 
 def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
@@ -270,6 +284,10 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
             held_back = [t for held in (1, 2, 3) if len(returned) > held for t in _texts(tokenizer, prompt, returned[:-held])]
             wanted += held_back + [t + "\ufffd" for t in held_back]
         wanted += dropped
+        if wanted and "\ufffd" in wanted[0]:  # invalid bytes: their rendering is the decoder's choice
+            raw = [_byte_text(tokenizer, tokens) for tokens in
+                   ([returned, returned[:-1]] if returned and returned[-1] in stop_ids else [returned])]
+            wanted += [t for t in raw if t is not None]
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):
