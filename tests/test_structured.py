@@ -272,3 +272,26 @@ def test_an_unmasked_token_is_the_argmax_under_the_requests_other_processors():
     unbiased = RequestParams(constraint=Constraint("choice", choices=("a",)))
     assert constraint_cause(0, unbiased, reference, [5], [EOS], None).diagnosis_class == "constraint_unmasked"
     assert constraint_cause(0, unbiased, reference, [7], [EOS], None).diagnosis_class == "constraint_state"
+
+
+def test_the_band_rules_a_constrained_divergence_on_the_masked_row():
+    """Two admitted tokens tied exactly under the grammar, while the raw row's top two (both forbidden) lie far
+    apart: a server that breaks the tie the other way made a near-tie, not a structural divergence. The ruling
+    masks the reference's row with the grammar it chose under, as the reference did."""
+    from specaudit.engines.requests.reference import RequestResult
+    from specaudit.equivalence import rulings
+    from specaudit.equivalence.blackbox.requests_run import _ruled
+
+    vocab = 10
+    raw = torch.zeros(1, vocab, dtype=torch.float64)
+    raw[0, 7], raw[0, 8] = 10.0, 8.5  # forbidden: a margin of 1.5 between them
+    allowed = torch.zeros(vocab, dtype=torch.bool)
+    allowed[[2, 4]] = True  # admitted, tied at 0.0: the reference takes the lower id
+    reference = RequestResult(tokens=[2], finish_reason="length", stop_reason=None, text=None, logits=raw,
+                              allowed=[allowed])
+    params = RequestParams(constraint=Constraint("choice", choices=("a", "b")))
+    band = rulings.noise_band("float32")
+    tie = _ruled(0, [1], params, reference, [4], band, [EOS], "output", 1)
+    assert tie.kind == "numerical" and tie.evidence["reference_margin"] == 0.0
+    raw[0, 4] = -1.0  # the admitted token the server chose is now clearly below the reference's
+    assert _ruled(0, [1], params, reference, [4], band, [EOS], "output", 1).kind == "structural"

@@ -65,6 +65,13 @@ class RequestResult:
     finish_ambiguous: bool = False
     allowed: list[torch.Tensor] | None = None  # a constrained request: per position the tokens its grammar admitted [V]
 
+    def allowed_at(self, position: int) -> torch.Tensor | None:
+        """[V] the tokens the grammar admitted at new token `position` (None: unconstrained): every ruling on
+        the reference's processed row masks with it first, as the reference chose under it."""
+        if self.allowed is None or position >= len(self.allowed):
+            return None
+        return self.allowed[position]
+
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
                 "text": self.text, "logprobs": self.logprobs, "finish_ambiguous": self.finish_ambiguous}

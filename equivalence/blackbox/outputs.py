@@ -166,16 +166,19 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
     raw = reference.logits[agree].to(torch.float64)
     output = ref[:agree]
     engine_token, reference_token = returned[agree], ref[agree]
-    full = process(raw, prompt, output, params, stop_ids, penalty_scope)
+    allowed = reference.allowed_at(agree)  # [V] a grammar stays applied: its own faults are constraints.py's
+    full = process(raw, prompt, output, params, stop_ids, penalty_scope, allowed=allowed)
     gap = float(full.greedy[reference_token] - full.greedy[engine_token])
     if not gap > band_at(float(full.greedy.max())):
         return None  # a near-tie under the processed logits: the noise band rules it
-    candidates = [(name, process(raw, prompt, output, params, stop_ids, penalty_scope, skip=name).greedy)
+    candidates = [(name, process(raw, prompt, output, params, stop_ids, penalty_scope, skip=name,
+                                 allowed=allowed).greedy)
                   for name in PROCESSOR_NAMES if name in full.applied]
-    candidates.append(("all", raw))
+    candidates.append(("all", raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))))
     for name, row in candidates:
         if int(row.argmax()) == engine_token:
-            what = "no processor applied (the raw logits' argmax)" if name == "all" else f"{name} not applied"
+            what = (f"{name} not applied" if name != "all" else "no processor applied (the raw logits' argmax)"
+                    if allowed is None else "no processor but the grammar applied")
             return finding(index, agree, "logits_processor", "processor-replay",
                             f"at new token {agree} the server's token {engine_token} is the reference's choice with "
                             f"{what}; with every processor the reference chooses {reference_token}, {gap:.3g} above",
@@ -184,7 +187,8 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
     if params.min_tokens and "min_tokens" not in full.applied:
         # the opposite fault: the stop ids masked at a position min_tokens no longer covers (a server that
         # counts only its committed output, not the drafts accepted in the same step)
-        stretched = process(raw, prompt, output, replace(params, min_tokens=agree + 1), stop_ids, penalty_scope)
+        stretched = process(raw, prompt, output, replace(params, min_tokens=agree + 1), stop_ids, penalty_scope,
+                            allowed=allowed)
         if "min_tokens" in stretched.applied and int(stretched.greedy.argmax()) == engine_token:
             return finding(index, agree, "logits_processor", "processor-replay",
                             f"at new token {agree} the server's token {engine_token} is the reference's choice with "

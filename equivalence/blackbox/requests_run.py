@@ -310,7 +310,7 @@ def _ruled(index: int, prompt: list[int], params: RequestParams, reference: Requ
     row = None
     if reference.logits is not None and position < reference.logits.shape[0]:
         row = process(reference.logits[position].to(torch.float64), prompt, reference.tokens[:position], params,
-                      stop_ids, scope).greedy
+                      stop_ids, scope, allowed=reference.allowed_at(position)).greedy  # [V] as the reference chose
     kind, evidence = rulings.rule_on_band(band, row, reference_token, engine_token)
     return make_divergence(
         prompt_index=index, position=position, reference_token=reference_token, engine_token=engine_token, kind=kind,

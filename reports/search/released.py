@@ -1,13 +1,15 @@
 """The search, blind, against the released builds of the suite and the same builds without speculation.
 
     python reports/search/released.py CASE OUT [BUDGET] [SEED]
+    python reports/search/released.py CASE OUT BUNDLE.json [BUNDLE.json ...]
 
 CASE is one of `CASES`: a vLLM CPU release (tests/vllm_models.py `VLLMServer`, the server arguments of
 tests/test_wild_vllm_0_21.py) or the pinned llama.cpp build (tests/llamacpp_models.py `LlamaServer`, the f32 GGUF
 of tests/test_wild_llamacpp.py), serving the table model of tests/wild_models.py with or without speculation.
 Every case is searched with the same prompts file, the table model's two ordinary prompts (the alphabet, which its
 continuation cycles through, and the digits, which count up to EOS) and no parameter: which parameters, shapes
-and arrivals to send is the search's to draw. Prints the command, its exit status and the search's lines.
+and arrivals to send is the search's to draw. Prints the command, its exit status and the search's lines. Given bundles instead of a budget, replays each
+against the case's server (`specaudit replay`): what a false alarm's fix is checked with.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ def main() -> int:
         print(__doc__ + "\ncases: " + ", ".join(CASES))
         return 2
     case, out = sys.argv[1], Path(sys.argv[2])
+    bundles = [a for a in sys.argv[3:] if a.endswith(".json")]
+    if bundles:
+        return replay(case, out, bundles)
     budget = sys.argv[3] if len(sys.argv) > 3 else "10m"
     seed = sys.argv[4] if len(sys.argv) > 4 else "0"
     out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +83,21 @@ def main() -> int:
         print(done.stderr[-6000:])
         print(f"exit {done.returncode} after {time.monotonic() - started:.0f} s", flush=True)
     return done.returncode
+
+
+def replay(case: str, out: Path, bundles: list[str]) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    pair, kind, worst = wm.table_pair(), CASES[case][0], 0
+    with server_for(case, out) as server:
+        for bundle in bundles:
+            command = [sys.executable, "-m", "specaudit", "replay", bundle, "--engine", f"{kind}:{server.url}",
+                       "--target", str(pair.target)]
+            print("$ " + " ".join(command), flush=True)
+            done = subprocess.run(command, text=True, capture_output=True)
+            print(done.stdout[-3000:] + done.stderr[-3000:])
+            print(f"exit {done.returncode}", flush=True)
+            worst = max(worst, done.returncode)
+    return worst
 
 
 if __name__ == "__main__":
