@@ -301,6 +301,26 @@ def test_invalid_bytes_may_be_rendered_by_utf8s_own_replacement_rule():
     assert classes("j" + "\ufffd" * 5) == ["text_report"]
 
 
+def test_a_special_tokens_text_may_be_left_out_and_nothing_else():
+    from specaudit.engines.requests.reference import RequestResult
+    from specaudit.equivalence.blackbox.outputs import check_report
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = _byte_fallback_tokenizer()
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    returned = [bos, ord("x"), bos]
+    reference = RequestResult(list(returned), "length", None, tokenizer.decode(returned))
+
+    def classes(text):
+        return [d.diagnosis.cls for d in check_report(0, list(b"ab"), RequestParams(), reference, list(returned),
+                                                         {"finish_reason": "length", "text": text}, EOS, tokenizer)]
+
+    assert classes("<s>x<s>") == [] and classes("x") == []  # with the special's text, or without (llama.cpp)
+    assert classes("") == ["text_report"]  # the letter is not a special token
+
+
 def test_a_stop_id_that_completes_a_stop_string_may_be_reported_as_either():
     from specaudit.engines.requests.reference import RequestResult
 

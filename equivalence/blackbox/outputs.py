@@ -85,11 +85,16 @@ def first_stop_completion(tokenizer: Any, tokens: Sequence[int], params: Request
 
 
 def _texts(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int]) -> list[str]:
-    """The accepted decodings of `tokens`: alone, and as the text after the prompt."""
+    """The accepted decodings of `tokens`: alone, as the text after the prompt, and without special tokens."""
     alone = decode_text(tokenizer, list(tokens))
     after = decode_text(tokenizer, list(prompt) + list(tokens))
     head = decode_text(tokenizer, list(prompt))
-    return list(dict.fromkeys([alone] + ([after[len(head):]] if after.startswith(head) else [])))
+    texts = [alone] + ([after[len(head):]] if after.startswith(head) else [])
+    try:  # a special token's text left out (llama.cpp renders no control token: BOS sampled is "")
+        texts.append(tokenizer.decode(list(tokens), skip_special_tokens=True))
+    except TypeError:  # a tokenizer without the keyword: it has no specials to leave out
+        pass
+    return list(dict.fromkeys(texts))
 
 
 def _byte_text(tokenizer: Any, tokens: Sequence[int]) -> str | None:
