@@ -21,8 +21,9 @@ token decodes differently after the prompt, e.g. a sentencepiece leading space),
 the final stop token's text, with the bytes that never form a character (U+FFFD) dropped, and as the tokens'
 bytes decoded by UTF-8's own replacement rule (one U+FFFD per maximal invalid subpart: llama.cpp's text), where
 the tokenizer's decoder renders invalid bytes otherwise (a byte-fallback decoder turns a whole run of byte tokens
-that fails to decode into one U+FFFD per token, the valid bytes in the run too): any of these is accepted. A token that ends the request under two rules at once (a stop id completing a stop string) may be
-reported under either.
+that fails to decode into one U+FFFD per token, the valid bytes in the run too), and without special tokens'
+text (llama.cpp renders no control token): any of these is accepted. A token that ends the request under two
+rules at once (a stop id completing a stop string) may be reported under either.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from specaudit.engines.limits import eos_ids
+from specaudit.engines.constraints.matcher import mask
 from specaudit.engines.requests.reference import RequestResult, decode_text, find_stop
 from specaudit.equivalence.blackbox.constraints import CONSTRAINT_CLASSES, CONSTRAINT_FIXES
 from specaudit.engines.requests import PROCESSOR_NAMES, RequestParams, process
@@ -179,11 +181,11 @@ def token_cause(index: int, prompt: list[int], params: RequestParams, reference:
     candidates = [(name, process(raw, prompt, output, params, stop_ids, penalty_scope, skip=name,
                                  allowed=allowed).greedy)
                   for name in PROCESSOR_NAMES if name in full.applied]
-    candidates.append(("all", raw if allowed is None else raw.masked_fill(~allowed, float("-inf"))))
+    candidates.append(("all", raw if allowed is None else mask(raw, allowed)))
+    nothing = "no processor applied (the raw logits' argmax)" if allowed is None else "no processor but the grammar applied"
     for name, row in candidates:
         if int(row.argmax()) == engine_token:
-            what = (f"{name} not applied" if name != "all" else "no processor applied (the raw logits' argmax)"
-                    if allowed is None else "no processor but the grammar applied")
+            what = nothing if name == "all" else f"{name} not applied"
             return finding(index, agree, "logits_processor", "processor-replay",
                             f"at new token {agree} the server's token {engine_token} is the reference's choice with "
                             f"{what}; with every processor the reference chooses {reference_token}, {gap:.3g} above",
