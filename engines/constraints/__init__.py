@@ -13,6 +13,8 @@ A `Constraint` says what the output must be, in the kinds a server takes:
 `backend` is the grammar engine that applies it ("xgrammar", vLLM's and SGLang's default; "llguidance", what
 llama.cpp applies to a JSON schema; another is refused, never approximated), `any_whitespace` its whitespace rule for the JSON kinds
 (vLLM's `disable_any_whitespace` is its negation: False allows no whitespace between JSON tokens).
+`reasoning_end` is the text of a reasoning section's end marker (`</think>`): the grammar applies from the
+token after it on (a server started with `--reasoning-parser`; a server setting, never a request field).
 
 How a constraint is applied to each step's logits (masking, EOS, speculation) is engines/constraints/matcher.py;
 whether a finished output satisfies it is `violation` (engines/constraints/check.py).
@@ -44,6 +46,7 @@ class Constraint:
     syntax: str = "auto"  # grammar only
     backend: str = "xgrammar"
     any_whitespace: bool = True  # JSON kinds: vLLM's `not disable_any_whitespace`
+    reasoning_end: str = ""  # the reasoning section's end marker: the grammar starts after it ("" none)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -79,6 +82,8 @@ class Constraint:
             raise ValueError("grammar: an empty grammar")
         elif self.kind in ("json_object", "choice") and self.text:
             raise ValueError(f"a {self.kind} constraint takes no text")
+        if not isinstance(self.reasoning_end, str) or (self.reasoning_end and not self.reasoning_end.strip()):
+            raise ValueError("reasoning_end: the end marker's text (for example </think>), not blank")
 
     @property
     def grammar_syntax(self) -> str:
@@ -95,7 +100,8 @@ class Constraint:
         """One line: the kind and its text, shortened."""
         body = " | ".join(self.choices) if self.kind == "choice" else self.text
         body = body if len(body) <= 60 else body[:57] + "..."
-        return f"{self.kind}: {body}" if body else self.kind
+        after = f" after {self.reasoning_end}" if self.reasoning_end else ""
+        return (f"{self.kind}: {body}" if body else self.kind) + after
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able, the fields that differ from their defaults (the inverse of `from_dict`)."""
@@ -112,13 +118,16 @@ class Constraint:
             out["backend"] = self.backend
         if not self.any_whitespace:
             out["any_whitespace"] = False
+        if self.reasoning_end:
+            out["reasoning_end"] = self.reasoning_end
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Constraint":
         """From a prompts file's `constraint` object: `kind` and `schema` (an object or its text), `text`
-        (regex, grammar), `choices`, `syntax`, `backend`, `any_whitespace`; an unknown key raises ValueError."""
-        known = {"kind", "schema", "text", "choices", "syntax", "backend", "any_whitespace"}
+        (regex, grammar), `choices`, `syntax`, `backend`, `any_whitespace`, `reasoning_end`; an unknown key raises
+        ValueError."""
+        known = {"kind", "schema", "text", "choices", "syntax", "backend", "any_whitespace", "reasoning_end"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown constraint field(s) {', '.join(unknown)}: known are {', '.join(sorted(known))}")

@@ -24,6 +24,16 @@ after all of them); the acceptance rule then rolls back the draft tokens that we
 consumes the recovered or bonus token. A draft token the grammar forbids stops the advance: the target's
 masked choice there cannot equal it, so nothing after it is accepted.
 
+Reasoning (`Constraint.reasoning_end`, a server's `--reasoning-parser`): the grammar engages after the
+reasoning section, at the first token after its end marker (the marker's text encoded by the request's
+tokenizer: one special token such as `</think>`, or a sequence). `ReasoningGate` wraps the row's matcher:
+until the marker is consumed every token is admitted and nothing reaches the grammar; from the token after
+it on, the grammar applies from its initial state, inside a draft window as anywhere (the marker's own
+verify position and the positions after it are masked by the state they follow). A prompt that holds the
+marker has ended its reasoning before the first new token (vLLM's `is_reasoning_end(prompt_token_ids)`).
+`row_matcher` makes the matcher a request needs, gated or not; `grammar_start` says where in an output
+the grammar began.
+
 Vocabularies (`token_vocabulary`): a Hugging Face tokenizer through `TokenizerInfo.from_huggingface` (as
 vLLM); a tokenizer with `token_bytes()` (the built-in byte tokenizer: ids 0..255 are bytes, the specials
 none) as a raw byte vocabulary; any other by decoding each id alone. Ids past the tokenizer's (a padded
@@ -150,16 +160,119 @@ class RowMatcher:
         return bool(self.matcher.is_terminated())
 
 
+def marker_ids(constraint: Constraint, tokenizer: Any) -> tuple[int, ...]:
+    """The reasoning end marker's token ids, as the request's tokenizer encodes its text (no specials added);
+    () when the constraint has none."""
+    if not constraint.reasoning_end:
+        return ()
+    if tokenizer is None:
+        raise ConstraintError("a reasoning end marker needs the target's tokenizer to find it among the tokens")
+    try:
+        ids = tokenizer.encode(constraint.reasoning_end, add_special_tokens=False)
+    except TypeError:  # a tokenizer without the keyword (the built-in byte tokenizer adds none)
+        ids = tokenizer.encode(constraint.reasoning_end)
+    ids = tuple(int(i) for i in ids)
+    if not ids:
+        raise ConstraintError(f"the reasoning end marker {constraint.reasoning_end!r} encodes to no token")
+    return ids
+
+
+def _ends_with(tokens: Sequence[int], marker: Sequence[int]) -> bool:
+    return len(tokens) >= len(marker) and list(tokens[len(tokens) - len(marker):]) == list(marker)
+
+
+def _holds(tokens: Sequence[int], marker: Sequence[int]) -> bool:
+    n = len(marker)
+    return any(list(tokens[i:i + n]) == list(marker) for i in range(len(tokens) - n + 1))
+
+
+def grammar_start(marker: Sequence[int], prompt: Sequence[int], output: Sequence[int]) -> int | None:
+    """Where in `output` the grammar began: 0 with no marker or a prompt that holds it, else the index after
+    the first marker completed in the output (one that begins in the prompt's tail counts); None where the
+    reasoning never ended."""
+    if not marker or _holds(prompt, marker):
+        return 0
+    tail = list(prompt[max(0, len(prompt) - len(marker) + 1):])
+    for end in range(len(output)):
+        if _ends_with(tail + list(output[: end + 1]), marker):
+            return end + 1
+    return None
+
+
+class ReasoningGate:
+    """A matcher behind a reasoning section (module docstring): `RowMatcher`'s interface; every token admitted
+    until the marker is consumed, the grammar's masks from the token after it on."""
+
+    def __init__(self, inner: Any, marker: Sequence[int], prompt: Sequence[int], vocab_size: int) -> None:
+        self.inner, self.marker, self.vocab_size = inner, tuple(marker), vocab_size
+        self.tail = list(prompt[max(0, len(prompt) - len(self.marker) + 1):])  # a marker may begin in the prompt
+        self.tokens: list[int] = []  # every token consumed, reasoning and grammar alike
+        self.ended_at: int | None = 0 if _holds(prompt, self.marker) else None  # tokens consumed when it ended
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+    @property
+    def consumed(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return self.inner.stop_ids
+
+    def allowed(self) -> torch.Tensor:
+        """[V] the grammar's mask once the reasoning ended; every token before."""
+        if not self.ended:
+            return torch.ones(self.vocab_size, dtype=torch.bool)  # [V]
+        return self.inner.allowed()
+
+    def advance(self, token: int) -> bool:
+        """Consume `token`: into the reasoning (always admitted) or into the grammar (False where it forbids)."""
+        if self.ended:
+            if not self.inner.advance(token):
+                return False
+            self.tokens.append(int(token))
+            return True
+        self.tokens.append(int(token))
+        if _ends_with(self.tail + self.tokens, self.marker):
+            self.ended_at = len(self.tokens)
+        return True
+
+    def rollback(self, count: int) -> None:
+        """Undo the last `count` consumed tokens, the grammar's first and then, past the marker, the reasoning's."""
+        if count <= 0:
+            return
+        if self.ended:
+            self.inner.rollback(min(count, len(self.tokens) - int(self.ended_at)))
+        del self.tokens[len(self.tokens) - count:]
+        if self.ended_at is not None and len(self.tokens) < self.ended_at:
+            self.ended_at = None
+
+    @property
+    def terminated(self) -> bool:
+        return self.ended and bool(self.inner.terminated)
+
+
+def row_matcher(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
+                prompt: Sequence[int] = ()) -> Any:
+    """The grammar state one request needs: its `RowMatcher` (or llguidance's), behind a `ReasoningGate` when
+    the constraint has a reasoning end marker (`prompt`: the request's, which may hold the marker)."""
+    matcher = RowMatcher(constraint, tokenizer, vocab_size, stop_ids)
+    marker = marker_ids(constraint, tokenizer)
+    return ReasoningGate(matcher, marker, prompt, vocab_size) if marker else matcher
+
+
 def mask(row: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """`row` [V] (float64) with every token outside `allowed` [V] at `-inf`."""
     return row.masked_fill(~allowed.to(row.device), -math.inf)
 
 
 def allowed_after(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
-                  output: Sequence[int]) -> torch.Tensor | None:
-    """[V] the tokens the grammar admits after `output` (a fresh matcher advanced over it); None where
+                  output: Sequence[int], prompt: Sequence[int] = ()) -> torch.Tensor | None:
+    """[V] the tokens the grammar admits after `output` (a fresh `row_matcher` advanced over it); None where
     `output` itself leaves the grammar (some token of it forbidden)."""
-    matcher = RowMatcher(constraint, tokenizer, vocab_size, stop_ids)
+    matcher = row_matcher(constraint, tokenizer, vocab_size, stop_ids, prompt)
     for token in output:
         if not matcher.advance(token):
             return None
@@ -167,12 +280,12 @@ def allowed_after(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_
 
 
 def masks_along(constraint: Constraint, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int],
-                tokens: Sequence[int], before: Sequence[int] = ()) -> list[torch.Tensor]:
+                tokens: Sequence[int], before: Sequence[int] = (), prompt: Sequence[int] = ()) -> list[torch.Tensor]:
     """[V] per token of `tokens`: what the grammar admits at its position, after `before` and the tokens of
     `tokens` ahead of it (one matcher advanced along them: a sampled output's masks, teacher-forced). A token
     the grammar refuses is not consumed (the matcher keeps its state, as vLLM's does), so the positions after
-    it are masked with the state before it."""
-    matcher = RowMatcher(constraint, tokenizer, vocab_size, stop_ids)
+    it are masked with the state before it. `prompt`: the request's (a reasoning end marker in it)."""
+    matcher = row_matcher(constraint, tokenizer, vocab_size, stop_ids, prompt)
     for token in before:
         matcher.advance(token)
     masks = []

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specaudit.engines.constraints.matcher import RowMatcher
+from specaudit.engines.constraints.matcher import RowMatcher, row_matcher
 from specaudit.engines.limits import eos_ids
 from specaudit.engines.ops.hf_call import cached_forward
 from specaudit.engines.ops.layout import last_logits_only
@@ -138,7 +138,7 @@ def decode_with_params(model: PreTrainedModel, prompt: list[int], params: Reques
         allowed = None
         if params.constraint is not None:
             if matcher is None:
-                matcher = RowMatcher(params.constraint, tokenizer, raw.shape[-1], stop_ids)
+                matcher = row_matcher(params.constraint, tokenizer, raw.shape[-1], stop_ids, prompt)
             allowed = matcher.allowed()  # [V]
             result.allowed.append(allowed)
         processed = process(raw, prompt, output, params, stop_ids, penalty_scope, allowed=allowed)

@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from specaudit.engines.constraints.draft import DraftMask
-from specaudit.engines.constraints.matcher import RowMatcher
+from specaudit.engines.constraints.matcher import RowMatcher, row_matcher
 from specaudit.engines.contract import Capabilities
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import PENALTY_SCOPES, RequestParams, process, with_bad_words_resolved
@@ -117,7 +117,7 @@ class RowRequests:
         """The row's grammar state, made at its first use over `vocab_size` ids."""
         if row.matcher is None:
             assert row.params.constraint is not None
-            row.matcher = RowMatcher(row.params.constraint, self.tokenizer, vocab_size, row.stop_ids)
+            row.matcher = row_matcher(row.params.constraint, self.tokenizer, vocab_size, row.stop_ids, row.prompt)
         return row.matcher
 
     def verify_masks(self, row: RowRequest, drafts: Sequence[int], vocab_size: int) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from specaudit.engines.constraints.matcher import RowMatcher
+from specaudit.engines.constraints.matcher import RowMatcher, row_matcher
 from specaudit.engines.limits import eos_ids, request_limits
 from specaudit.engines.requests import RequestParams
 from specaudit.engines.requests.sampled import processed_row, request_table, sampling_of
@@ -115,7 +115,8 @@ class _SampledEngine:
         if row.matcher is None:
             if self.request_tokenizer is None:
                 raise ValueError("a constrained request needs the target's tokenizer (request_tokenizer)")
-            row.matcher = RowMatcher(row.params.constraint, self.request_tokenizer, vocab_size, row.stop_ids)
+            row.matcher = row_matcher(row.params.constraint, self.request_tokenizer, vocab_size, row.stop_ids,
+                                      row.prompt)
             _consume(row, row.output)  # a row that begins with output already (a continued request)
         return row.matcher.allowed()
 

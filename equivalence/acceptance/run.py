@@ -164,15 +164,16 @@ class _GrammarAlong:
         return None if self.broken else self.matcher.allowed()
 
 
-def grammar_makers(requests: Sequence[Any], tokenizer: Any, vocab_size: int,
-                   stop_ids: Sequence[Sequence[int]]) -> list[Any]:
+def grammar_makers(requests: Sequence[Any], tokenizer: Any, vocab_size: int, stop_ids: Sequence[Sequence[int]],
+                   prompts: Sequence[Sequence[int]]) -> list[Any]:
     """Per request, a maker of a fresh matcher of its constraint (None: unconstrained)."""
-    from specaudit.engines.constraints.matcher import RowMatcher
+    from specaudit.engines.constraints.matcher import row_matcher
 
-    def maker(constraint: Any, stops: Sequence[int]) -> Any:
-        return lambda: RowMatcher(constraint, tokenizer, vocab_size, list(stops))
+    def maker(constraint: Any, stops: Sequence[int], prompt: Sequence[int]) -> Any:
+        return lambda: row_matcher(constraint, tokenizer, vocab_size, list(stops), prompt)
 
-    return [maker(r.constraint, stops) if r.constraint is not None else None for r, stops in zip(requests, stop_ids)]
+    return [maker(r.constraint, stops, prompt) if r.constraint is not None else None
+            for r, stops, prompt in zip(requests, stop_ids, prompts)]
 
 
 def unreplayable(requests: Sequence[Any], proposer: Any, black_box: bool, tokenizer: Any = None) -> str | None:
@@ -237,7 +238,7 @@ def acceptance_of_run(engine: Any, trace: Trace | None, evidence: dict[str, Any]
             rows = [i for i in range(len(prompts)) if i not in failed and outputs[i]]
             unavailable = unreplayable(requests, proposer, black_box, tokenizer) if requests is not None else None
             stops = stop_ids or [[] for _ in prompts]
-            grammars = (grammar_makers(requests, tokenizer, _vocab_width(target), stops)
+            grammars = (grammar_makers(requests, tokenizer, _vocab_width(target), stops, prompts)
                         if requests is not None and not unavailable else None)
             choosers = (request_choosers(requests, prompts, stops, penalty_scope, grammars)
                         if requests is not None else None)

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from specaudit.engines.constraints.check import output_bytes, violation
-from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, mask, masks_along
+from specaudit.engines.constraints.matcher import ConstraintError, allowed_after, grammar_start, marker_ids, mask, masks_along
 from specaudit.engines.requests import RequestParams, process
 from specaudit.engines.requests.reference import RequestResult
 from specaudit.equivalence.records import Divergence
@@ -50,12 +50,18 @@ CONSTRAINT_FIXES = {
 
 
 def violation_finding(index: int, params: RequestParams, tokens: Sequence[int], stop_ids: Sequence[int],
-                      tokenizer: Any) -> Divergence | None:
+                      tokenizer: Any, prompt: Sequence[int] = ()) -> Divergence | None:
     """`constraint_violation` when the output's bytes (its `tokens` read through the grammar engine's own
-    vocabulary, `output_bytes`) do not satisfy `params.constraint`; None when they do."""
+    vocabulary, `output_bytes`) do not satisfy `params.constraint`; None when they do. Under a reasoning end
+    marker only the tokens after it are the grammar's (`grammar_start`, the marker looked for in `prompt` too);
+    an output whose reasoning never ended has nothing the grammar judges."""
     if params.constraint is None or tokenizer is None:
         return None
     try:
+        start = grammar_start(marker_ids(params.constraint, tokenizer), prompt, tokens)
+        if start is None:
+            return None
+        tokens = list(tokens[start:])
         data, finished = output_bytes(tokens, tokenizer, stop_ids)
         why = violation(params.constraint, data, finished)
     except ConstraintError as exc:
@@ -100,7 +106,7 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
         if upto < 0 or upto > len(ref):
             continue
         try:
-            other = allowed_after(params.constraint, tokenizer, vocab, stop_ids, ref[:upto])
+            other = allowed_after(params.constraint, tokenizer, vocab, stop_ids, ref[:upto], prompt)
         except ConstraintError:
             other = None
         if other is not None and bool(other.any()) and int(mask(raw, other).argmax()) == token:
@@ -118,11 +124,11 @@ def constraint_cause(index: int, params: RequestParams, reference: RequestResult
                     "not the output's (rejected draft tokens left in it)", evidence, ref[agree], token)
 
 
-def _first_forbidden(params: RequestParams, tokens: Sequence[int], stop_ids: Sequence[int], tokenizer: Any,
-                     vocab_size: int) -> int | None:
+def _first_forbidden(params: RequestParams, prompt: Sequence[int], tokens: Sequence[int], stop_ids: Sequence[int],
+                     tokenizer: Any, vocab_size: int) -> int | None:
     """The position of the output's first token its grammar forbids after the output before it, or None."""
     assert params.constraint is not None
-    masks = masks_along(params.constraint, tokenizer, vocab_size, stop_ids, tokens)
+    masks = masks_along(params.constraint, tokenizer, vocab_size, stop_ids, tokens, prompt=prompt)
     return next((j for j, (token, allowed) in enumerate(zip(tokens, masks))
                  if not (0 <= token < allowed.shape[0] and bool(allowed[token]))), None)
 
@@ -137,17 +143,17 @@ def sampled_constraint_findings(samples: Sequence[tuple[Sequence[int], Sequence[
     if not any(r.constraint is not None for r in requests):
         return None
     violations, forbidden = [], []
-    for index, ((_, tokens), params) in enumerate(zip(samples, requests)):
+    for index, ((prompt, tokens), params) in enumerate(zip(samples, requests)):
         if params.constraint is None:
             continue
-        found = violation_finding(index, params, tokens, stop_ids, tokenizer)
+        found = violation_finding(index, params, tokens, stop_ids, tokenizer, prompt)
         if found is not None:
             violations.append(found)
-        position = _first_forbidden(params, tokens, stop_ids, tokenizer, vocab_size)
+        position = _first_forbidden(params, prompt, tokens, stop_ids, tokenizer, vocab_size)
         if position is None:
             continue
         token = int(tokens[position])
-        before = (allowed_after(params.constraint, tokenizer, vocab_size, stop_ids, tokens[:position - 1])
+        before = (allowed_after(params.constraint, tokenizer, vocab_size, stop_ids, tokens[:position - 1], prompt)
                   if position >= 1 else None)
         offset = int(offsets[index][position]) if offsets is not None and position < len(offsets[index]) else None
         forbidden.append({"sample": index, "position": position, "token": token, "step_offset": offset,

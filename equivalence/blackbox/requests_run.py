@@ -208,7 +208,7 @@ def rule_requests(engine: Any, pair: Any, prompts: list[list[int]], params: list
         row_findings += [d for d in check_report(index, prompts[index], p, result, returned, report, eos_token_id,
                                                  pair.tokenizer, reported, band.at)
                          if d.diagnosis_class not in named]  # one finding per cause and prompt
-        broken = violation_finding(index, p, tokens, stop_ids, pair.tokenizer)
+        broken = violation_finding(index, p, tokens, stop_ids, pair.tokenizer, prompts[index])
         if broken is not None:  # the output itself breaks its constraint: a finding of its own
             row_findings.append(broken)
             record["constraint_violation"] = broken.evidence["reason"]

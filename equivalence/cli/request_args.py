@@ -68,6 +68,9 @@ def add_constraint_arguments(audit: argparse.ArgumentParser) -> None:
                             "vLLM's and SGLang's; llguidance: what llama.cpp applies to --json-schema/--json-object)")
     group.add_argument("--no-any-whitespace", action="store_true",
                        help="JSON kinds: no whitespace between tokens (the server runs with vLLM's disable_any_whitespace)")
+    group.add_argument("--reasoning-end", metavar="TEXT", default="",
+                       help="the grammar applies after a reasoning section ending in TEXT (for example </think>; the "
+                            "server runs with vLLM's --reasoning-parser); default: none, the grammar from the first token")
 
 
 def constraint_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Constraint | None:
@@ -79,8 +82,11 @@ def constraint_from_args(args: argparse.Namespace, parser: argparse.ArgumentPars
         parser.error(f"structured outputs: one constraint per audit, got {' and '.join(given)} "
                      "(give prompts their own in the prompts file's params.constraint)")
     if not given:
+        if getattr(args, "reasoning_end", ""):
+            parser.error("--reasoning-end says where a constraint begins: give one (--json-schema, --regex, ...)")
         return None
-    common = {"backend": args.grammar_backend, "any_whitespace": not args.no_any_whitespace}
+    common = {"backend": args.grammar_backend, "any_whitespace": not args.no_any_whitespace,
+              "reasoning_end": getattr(args, "reasoning_end", "")}
     try:
         if args.json_schema is not None:
             return Constraint("json_schema", _read(args.json_schema, "--json-schema"), **common)

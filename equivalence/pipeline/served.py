@@ -364,7 +364,7 @@ class ServedOracle:
                 from specaudit.equivalence.blackbox.constraints import violation_finding
 
                 stops = sorted(set(eos_ids(eos)) | set(params.stop_token_ids))
-                broken = violation_finding(index, params, out, stops, self.served_model.tokenizer)
+                broken = violation_finding(index, params, out, stops, self.served_model.tokenizer, prompt)
                 if broken is not None:
                     divergences.append(broken)
         structural = sum(d.structural for d in divergences)

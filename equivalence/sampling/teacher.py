@@ -62,15 +62,16 @@ class Processing:
     penalty_scope: str = "output"
     tokenizer: Any = None
 
-    def masks(self, index: int, before: Sequence[int], tokens: Sequence[int], vocab_size: int
-              ) -> list[torch.Tensor] | None:
-        """[V] per token of `tokens` (after `before`): what sample `index`'s grammar admits; None unconstrained."""
+    def masks(self, index: int, before: Sequence[int], tokens: Sequence[int], vocab_size: int,
+              prompt: Sequence[int] = ()) -> list[torch.Tensor] | None:
+        """[V] per token of `tokens` (after `before`, the output after `prompt`): what sample `index`'s grammar
+        admits; None unconstrained."""
         constraint = self.requests[index].constraint if self.requests is not None else None
         if constraint is None:
             return None
         if self.tokenizer is None:
             raise ValueError("a constrained request's distribution needs the target's tokenizer (Processing.tokenizer)")
-        return masks_along(constraint, self.tokenizer, vocab_size, self.stop_ids, tokens, before)
+        return masks_along(constraint, self.tokenizer, vocab_size, self.stop_ids, tokens, before, prompt)
 
     def table(self, index: int, sample: Sample, logits: torch.Tensor) -> torch.Tensor:
         """[n, V] raw logits before each of the sample's tokens -> [n, V] float64 probabilities."""
@@ -79,14 +80,14 @@ class Processing:
         prompt, tokens = sample
         continuation = tokens[: logits.shape[0]]
         return request_table(logits, prompt, [], continuation, self.requests[index], self.stop_ids,
-                             self.penalty_scope, self.masks(index, [], continuation, logits.shape[-1]))
+                             self.penalty_scope, self.masks(index, [], continuation, logits.shape[-1], prompt))
 
     def row(self, index: int, sample: Sample, position: int, logits: torch.Tensor) -> torch.Tensor:
         """[V] raw logits before the sample's token at `position` -> [V] float64 probabilities."""
         if self.requests is None:
             return process_logits(logits, self.params)
         prompt, tokens = sample
-        masks = self.masks(index, tokens[:position], tokens[position:position + 1], logits.shape[-1])
+        masks = self.masks(index, tokens[:position], tokens[position:position + 1], logits.shape[-1], prompt)
         return request_table(logits.unsqueeze(0), prompt, tokens[:position], [], self.requests[index],
                              self.stop_ids, self.penalty_scope, masks)[0]
 

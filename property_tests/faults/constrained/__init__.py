@@ -12,17 +12,22 @@ equivalence/blackbox/constraints.py (under sampling from the forbidden tokens' s
 | `BonusTokenUnmasked`           | the bonus position is taken from the unmasked logits         | `constraint_unmasked`    |
 | `MaskOnePositionOff`           | verify position i gets the mask of position i-1              | `constraint_mask_offset` |
 | `DraftUnmasked`                | the draft proposes unmasked: exact, acceptance falls         | none (exact; sampled: exact in distribution) |
+| `GrammarLateAfterReasoning`    | a pass that began in reasoning is unmasked whole, and its tokens after the end marker never reach the grammar (vLLM #34650) | `constraint_unmasked` (a forbidden token after the marker in its pass), or `constraint_state` (the grammar restarted behind the text: a doubled `{`) |
+
+`GrammarLateAfterReasoning` needs a constraint with a reasoning end marker (`--reasoning-end`); without one it
+is EQSPEC.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from specaudit.engines.constraints.draft import DraftMask
+from specaudit.engines.constraints.matcher import ReasoningGate
 from specaudit.engines.eqspec import EQSpec
-from specaudit.engines.requests.rows import RowRequest, RowRequests
+from specaudit.engines.requests.rows import RowRequest, RowRequests, StepRequests
 
 
 class NoRollbackRequests(RowRequests):
@@ -47,6 +52,50 @@ class OffsetMaskRequests(RowRequests):
 class UnmaskedDraftRequests(RowRequests):
     def draft_mask(self, rows: Sequence[RowRequest | None]) -> DraftMask | None:
         return None
+
+
+class PassStartGate(ReasoningGate):
+    """Whether the reasoning has ended is read once per verify pass (vLLM's `should_fill_bitmask` at the pass's
+    start), and a pass that began in reasoning hands none of its tokens to the grammar (`should_advance` False
+    for it): those after the marker are kept as text and never consumed."""
+
+    began_in_reasoning = False
+
+    def advance(self, token: int) -> bool:
+        if self.began_in_reasoning and self.ended:
+            self.tokens.append(int(token))  # past the marker, in the pass that ended the reasoning: skipped
+            return True
+        return super().advance(token)
+
+
+class PassStartStep(StepRequests):
+    def commit(self, tokens: torch.Tensor, emitted: torch.Tensor, ended: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().commit(tokens, emitted, ended)
+        for row in self.rows:
+            if row is not None and isinstance(row.matcher, PassStartGate):
+                row.matcher.began_in_reasoning = False  # the next pass (and its drafts) read the state anew
+        return out
+
+
+class PassStartGateRequests(RowRequests):
+    def matcher(self, row: RowRequest, vocab_size: int) -> Any:
+        gate = super().matcher(row, vocab_size)
+        if isinstance(gate, ReasoningGate) and not isinstance(gate, PassStartGate):
+            moved = PassStartGate.__new__(PassStartGate)
+            moved.__dict__.update(gate.__dict__)
+            row.matcher = gate = moved
+        return gate
+
+    def verify_masks(self, row: RowRequest, drafts: Sequence[int], vocab_size: int) -> list[torch.Tensor]:
+        gate = self.matcher(row, vocab_size)
+        if not isinstance(gate, PassStartGate) or gate.ended:
+            return super().verify_masks(row, drafts, vocab_size)
+        gate.began_in_reasoning = True
+        row.advanced = []  # nothing consumed: the emitted tokens go through `advance` at commit
+        return [torch.ones(vocab_size, dtype=torch.bool)] * (len(drafts) + 1)  # [V] each: the whole pass unmasked
+
+    def step(self, request_ids: Sequence[int | None]) -> StepRequests:
+        return PassStartStep(self, [self.rows[i] if i is not None else None for i in request_ids])
 
 
 class GrammarNotRolledBack(EQSpec):
@@ -74,6 +123,14 @@ class DraftUnmasked(EQSpec):
     but every proposal the grammar forbids is rejected and acceptance falls."""
 
     row_requests_class = UnmaskedDraftRequests
+
+
+class GrammarLateAfterReasoning(EQSpec):
+    """The grammar is ignored when the reasoning ends inside the draft window (vLLM #34650, #43338, #48228): a
+    verify pass that began in reasoning is unmasked at every position, the marker's followers included, and
+    the grammar starts only at the next pass, from its initial state, behind the text already emitted."""
+
+    row_requests_class = PassStartGateRequests
 
 
 CONSTRAINT_FAULTS = (GrammarNotRolledBack, BonusTokenUnmasked, MaskOnePositionOff)
