@@ -196,3 +196,9 @@ def test_cli_takes_a_marker_with_a_constraint_and_refuses_one_without(tmp_path):
     assert record["request_params"][0]["constraint"] == {"kind": "regex", "text": "[0-9]+", "reasoning_end": "e"}
     refused = cli_audit(*common, "--reasoning-end", "</think>", out=tmp_path / "no")
     assert refused.returncode == 2 and "--reasoning-end" in refused.stderr
+    searched = cli_audit(*common, "--search", "--budget", "2", "--reasoning-end", "e", out=tmp_path / "search")
+    assert searched.returncode == 0, searched.stderr
+    [record] = runs(tmp_path / "search")
+    assert record["search"]["budget"]["reasoning_end"] == "e"
+    blank = cli_audit(*common, "--search", "--budget", "2", "--reasoning-end", " ", out=tmp_path / "blank")
+    assert blank.returncode == 2 and "--reasoning-end" in blank.stderr

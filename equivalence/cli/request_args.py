@@ -70,7 +70,9 @@ def add_constraint_arguments(audit: argparse.ArgumentParser) -> None:
                        help="JSON kinds: no whitespace between tokens (the server runs with vLLM's disable_any_whitespace)")
     group.add_argument("--reasoning-end", metavar="TEXT", default="",
                        help="the grammar applies after a reasoning section ending in TEXT (for example </think>; the "
-                            "server runs with vLLM's --reasoning-parser); default: none, the grammar from the first token")
+                            "server runs with vLLM's --reasoning-parser); with --search, every drawn constraint carries it. Default: "
+                            "none, the grammar from the first token (--search on an in-process engine draws markers "
+                            "from the reference's own text)")
 
 
 def constraint_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Constraint | None:
@@ -82,8 +84,9 @@ def constraint_from_args(args: argparse.Namespace, parser: argparse.ArgumentPars
         parser.error(f"structured outputs: one constraint per audit, got {' and '.join(given)} "
                      "(give prompts their own in the prompts file's params.constraint)")
     if not given:
-        if getattr(args, "reasoning_end", ""):
-            parser.error("--reasoning-end says where a constraint begins: give one (--json-schema, --regex, ...)")
+        if getattr(args, "reasoning_end", "") and not getattr(args, "search", False):
+            parser.error("--reasoning-end says where a constraint begins: give one (--json-schema, --regex, ...), "
+                         "or --search, whose drawn constraints all carry it")
         return None
     common = {"backend": args.grammar_backend, "any_whitespace": not args.no_any_whitespace,
               "reasoning_end": getattr(args, "reasoning_end", "")}

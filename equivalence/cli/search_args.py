@@ -60,4 +60,5 @@ def search_settings_from_args(args: argparse.Namespace) -> Any:
         return None
     examples, minutes = args.budget if args.budget is not None else (50, None)
     return SearchSettings(examples=examples, minutes=minutes, seed=int(getattr(args, "seed", 0) or 0),
-                          max_findings=int(getattr(args, "max_findings", 4)))
+                          max_findings=int(getattr(args, "max_findings", 4)),
+                          reasoning_end=getattr(args, "reasoning_end", "") or "")

@@ -64,12 +64,15 @@ class SearchSettings:
     # the parameter families drawn (equivalence/search/strategies.py FAMILIES); None: every one
     families: tuple[str, ...] | None = None
     max_findings: int = 4  # distinct failures shrunk and kept (equivalence/search/run.py `signatures`)
+    # the reasoning end marker the engine applies to every constraint (`--reasoning-end`; a server's reasoning
+    # parser); "": a server applies none, an in-process engine gets one drawn per constraint, on or off
+    reasoning_end: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"examples": self.examples, "minutes": self.minutes, "seed": self.seed,
                 "max_requests": self.max_requests, "diagnosis": self.diagnosis,
                 "families": None if self.families is None else list(self.families),
-                "max_findings": self.max_findings}
+                "max_findings": self.max_findings, "reasoning_end": self.reasoning_end or None}
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ class Coverage:
             self.shapes[request.kind] += 1
             if request.params.constraint is not None:
                 self.constraints[request.params.constraint.kind] += 1
+                if request.params.constraint.reasoning_end:
+                    self.constraints["after a reasoning end marker"] += 1
             if request.kind == "shared":
                 aligned = request.shared_length % BLOCK_SIZE == 0
                 self.shapes["shared, block-aligned" if aligned else "shared, not block-aligned"] += 1

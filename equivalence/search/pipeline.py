@@ -11,6 +11,7 @@ search covered is in the run's `search` and in `OUT/search.md`.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -61,6 +62,8 @@ def refusal(settings: AuditSettings) -> str | None:
     unknown = sorted(set(search.families or ()) - set(FAMILIES) - set(PROBES))
     if unknown:
         return f"unknown parameter families {', '.join(unknown)}: known are {', '.join(FAMILIES + PROBES)}"
+    if search.reasoning_end and not search.reasoning_end.strip():
+        return "--reasoning-end: give the marker's text (for example </think>), not blank"
     if search.diagnosis not in ("off", "quick"):
         return f"the search's diagnosis is off or quick (the shrunk case gets full), not {search.diagnosis!r}"
     return None
@@ -127,7 +130,8 @@ class SearchOracle(WeightsOracle):
                             vocab_size=int(pair.target.config.vocab_size), out_dir=self.out_dir,
                             bad_words_as_text=black_box_prefix(engine_name) == "vllm", bundles=settings.bundles,
                             target=target, progress=show_progress,
-                            constraint_scope=constraint_scope(engine_name, engine, pair.tokenizer))
+                            constraint_scope=constraint_scope(engine_name, engine, pair.tokenizer,
+                                                              settings.search.reasoning_end))
             write_search_report(self.out_dir, result.run)
             return result.run
         except KeyboardInterrupt:
@@ -136,10 +140,11 @@ class SearchOracle(WeightsOracle):
             return failed_engine_run(base, engine_name, batch_size, settings.device, exc)
 
 
-def constraint_scope(engine_name: str, engine: Any, tokenizer: Any) -> ConstraintScope:
+def constraint_scope(engine_name: str, engine: Any, tokenizer: Any, reasoning_end: str = "") -> ConstraintScope:
     """The structured outputs the search may send `engine` (strategies.ConstraintScope): a server what its
     dialect carries, as it is started by default (EBNF grammars, JSON with any whitespace; llama.cpp's JSON
-    with llguidance, as it applies it); an in-process engine that declares `takes_constraints`, every kind.
+    with llguidance, as it applies it), behind `reasoning_end` (its reasoning parser's marker, "" none); an
+    in-process engine that declares `takes_constraints`, every kind, behind `reasoning_end` or markers drawn.
     None without a tokenizer (a grammar's mask is over text) or the reference's grammar engine."""
     from specaudit.engines.constraints import KINDS, Constraint
     from specaudit.engines.constraints.fields import dialect_refusal
@@ -154,7 +159,9 @@ def constraint_scope(engine_name: str, engine: Any, tokenizer: Any) -> Constrain
         return ConstraintScope()
     dialect = black_box_prefix(engine_name)
     if dialect not in SERVERS:
-        return ALL_CONSTRAINTS if getattr(engine, "takes_constraints", False) else ConstraintScope()
+        if not getattr(engine, "takes_constraints", False):
+            return ConstraintScope()
+        return replace(ALL_CONSTRAINTS, reasoning_end=reasoning_end or None)
     backend = "llguidance" if dialect == "llamacpp" else "xgrammar"
     samples = {"json_schema": Constraint("json_schema", '{"type": "object"}', backend=backend),
                "json_object": Constraint("json_object", backend=backend), "regex": Constraint("regex", "a"),
@@ -167,7 +174,8 @@ def constraint_scope(engine_name: str, engine: Any, tokenizer: Any) -> Constrain
             llguidance_grammar(samples["json_object"])
         except Exception:  # llguidance not installed: no JSON kind
             kinds = tuple(k for k in kinds if not k.startswith("json"))
-    return ConstraintScope(kinds=kinds, syntaxes=("ebnf",), whitespace=(True,), json_backend=backend)
+    return ConstraintScope(kinds=kinds, syntaxes=("ebnf",), whitespace=(True,), json_backend=backend,
+                           reasoning_end=reasoning_end)
 
 
 class SearchJudge:

@@ -11,7 +11,7 @@ output, where a speculative engine's accepted chunk can complete them mid-burst.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from hypothesis import strategies as st
@@ -37,15 +37,21 @@ class ConstraintScope:
     """The structured outputs an engine takes, so the search draws only those: the kinds, the grammar syntaxes
     and JSON whitespace rules it applies as the reference does, and the grammar engine for the JSON kinds. A
     server takes what its dialect carries (engines/constraints/fields.py), written as it is started by default
-    (EBNF, any whitespace); an in-process engine that declares `takes_constraints`, every kind."""
+    (EBNF, any whitespace); an in-process engine that declares `takes_constraints`, every kind.
+
+    `reasoning_end` is where the grammar begins (`Constraint.reasoning_end`). A server applies its reasoning
+    parser to every request, so every drawn constraint carries the one marker it was started with (`--reasoning-end`;
+    "" for none); an in-process engine applies what each request says, so None draws one per constraint, on or
+    off, from the reference's own text (`reasoning_markers`)."""
 
     kinds: tuple[str, ...] = ()  # (): the engine takes no constraint, the family is never drawn
     syntaxes: tuple[str, ...] = ("ebnf", "lark")
     whitespace: tuple[bool, ...] = (True, False)  # `any_whitespace` values drawn for the JSON kinds
     json_backend: str = "xgrammar"
+    reasoning_end: str | None = ""  # the marker every constraint carries ("" none); None: drawn per constraint
 
 
-ALL_CONSTRAINTS = ConstraintScope(kinds=KINDS)
+ALL_CONSTRAINTS = ConstraintScope(kinds=KINDS, reasoning_end=None)
 
 
 @dataclass(frozen=True)
@@ -152,11 +158,30 @@ def text_start(text: str) -> str:
 
 
 @st.composite
+def reasoning_markers(draw: st.DrawFn, *, text: str) -> str:
+    """A reasoning end marker taken from the plain continuation's text past its first character (a piece of one
+    to three characters, as `stop_strings`), so that the reasoning ends inside the output, where a draft window
+    may hold the marker and the grammar's first tokens together (vLLM #34650)."""
+    return draw(stop_strings(text=text[1:] or text, max_length=3))
+
+
+@st.composite
 def drawn_constraints(draw: st.DrawFn, *, continuation: Continuation, scope: ConstraintScope) -> Constraint:
-    """A structured-output constraint of a kind `scope` takes. A choice, a regex or a grammar may begin with the
-    plain continuation's own first characters (`text_start`): the draft's proposals agree there, and the
-    grammar's end (EOS forced, nothing else admitted) lands inside an accepted chunk; otherwise one of the
-    property tests' constraints (property_tests/constraint_strategies.py), which bite at the first token."""
+    """A structured-output constraint of a kind `scope` takes, behind the reasoning end marker the scope gives
+    or draws (`ConstraintScope.reasoning_end`; a drawn one shrinks toward none)."""
+    constraint = draw(_constraint_of_kind(continuation=continuation, scope=scope))
+    marker = scope.reasoning_end
+    if marker is None:
+        marker = draw(reasoning_markers(text=continuation.text)) if continuation.text and draw(st.booleans()) else ""
+    return replace(constraint, reasoning_end=marker) if marker else constraint
+
+
+@st.composite
+def _constraint_of_kind(draw: st.DrawFn, *, continuation: Continuation, scope: ConstraintScope) -> Constraint:
+    """A choice, a regex or a grammar may begin with the plain continuation's own first characters
+    (`text_start`): the draft's proposals agree there, and the grammar's end (EOS forced, nothing else
+    admitted) lands inside an accepted chunk; otherwise one of the property tests' constraints
+    (property_tests/constraint_strategies.py), which bite at the first token."""
     kind = draw(st.sampled_from(list(scope.kinds)))
     start = text_start(continuation.text)
     if start and kind in ("choice", "regex", "grammar") and draw(st.booleans()):
