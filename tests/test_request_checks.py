@@ -334,3 +334,27 @@ def test_a_stop_id_that_completes_a_stop_string_may_be_reported_as_either():
     other = RequestParams(stop=("yz", "q"), stop_token_ids=(ord("z"),))
     assert _report_classes(returned, {"finish_reason": "stop", "stop_reason": "q", "text": "x"}, other,
                            reference) != []
+
+
+def test_an_incremental_detokenizer_keeps_what_it_showed_before_an_invalid_run():
+    """vLLM detokenizes with tokenizers' `DecodeStream`: letters shown before a byte run turns invalid stay in
+    its text, the invalid run is never shown, and a special token after it starts a fresh stream."""
+    pytest.importorskip("xgrammar")
+    from tokenizers import AddedToken
+    from specaudit.engines.requests.reference import RequestResult
+    from specaudit.equivalence.blackbox.outputs import check_report
+
+    tokenizer = _byte_fallback_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<s>", special=True)]})
+    bos = tokenizer.convert_tokens_to_ids("<s>")
+    returned = [ord('"')] * 3 + [0xAF, 0x08, 0xE6] + [bos] + [0xF2, 0xB6]
+    assert tokenizer.decode(returned).startswith("\ufffd\ufffd\ufffd")  # the premise: the quotes swallowed whole
+    reference = RequestResult(list(returned), "length", None, tokenizer.decode(returned))
+
+    def classes(text):
+        return [d.diagnosis.cls for d in check_report(0, list(b"ab"), RequestParams(), reference, list(returned),
+                                                         {"finish_reason": "length", "text": text}, EOS, tokenizer)]
+
+    assert classes('"""<s>') == []  # what vLLM 0.32.0's detokenizer reports for such tokens
+    assert classes('""""<s>') == ["text_report"]  # a quote the tokens do not hold
+    assert classes('"""') == ["text_report"]  # the special token's text left out, the quotes kept: no decoder's

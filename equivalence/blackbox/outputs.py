@@ -111,6 +111,37 @@ def _byte_text(tokenizer: Any, tokens: Sequence[int]) -> str | None:
     return raw.decode("utf-8", errors="replace")
 
 
+def _streamed_text(tokenizer: Any, prompt: Sequence[int], tokens: Sequence[int]) -> str | None:
+    """`tokens` as an incremental detokenizer reports them: the chunks of tokenizers' `DecodeStream` (primed with
+    the prompt, specials kept) joined, the stream started afresh where a prefix stops being one (a byte run that
+    turns invalid re-renders earlier bytes: vLLM's `FastIncrementalDetokenizer`, its #17448). A chunk is emitted
+    only once it holds no unfinished character, so bytes shown early stay while a later invalid run is never
+    shown. None without a fast tokenizer."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if backend is None:
+        return None
+    try:
+        stream = DecodeStream(ids=list(prompt), skip_special_tokens=False)
+    except TypeError:  # a tokenizers release without priming
+        stream = DecodeStream(skip_special_tokens=False)
+    chunks = []
+    for token in tokens:
+        try:
+            chunk = stream.step(backend, int(token))
+        except Exception as exc:  # "Invalid prefix encountered": start again from this token
+            if "prefix" not in str(exc).lower():
+                return None
+            stream = DecodeStream(skip_special_tokens=False)
+            chunk = stream.step(backend, int(token))
+        if chunk is not None:
+            chunks.append(chunk)
+    return "".join(chunks)
+
+
 def _cut_at(texts: list[str], stop: str, start: int) -> list[str]:
     """Each decoding cut before the stop string found at `start` of the first (the one decoded alone);
     another decoding is shifted by its length difference (a leading space after the prompt)."""
@@ -299,6 +330,9 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
             raw = [_byte_text(tokenizer, tokens) for tokens in
                    ([returned, returned[:-1]] if returned and returned[-1] in stop_ids else [returned])]
             wanted += [t for t in raw if t is not None]
+            streamed = [_streamed_text(tokenizer, prompt, tokens) for tokens in
+                        ([returned, returned[:-1]] if returned and returned[-1] in stop_ids else [returned])]
+            wanted += [t for t in streamed if t is not None]
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):
