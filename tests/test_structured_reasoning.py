@@ -11,7 +11,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from cli_run import audit as cli_audit, runs
 
 from specaudit.engines.constraints import Constraint

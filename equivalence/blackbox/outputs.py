@@ -327,12 +327,10 @@ def _text_findings(index: int, prompt: list[int], params: RequestParams, returne
             wanted += held_back + [t + "\ufffd" for t in held_back]
         wanted += dropped
         if wanted and "\ufffd" in wanted[0]:  # invalid bytes: their rendering is the decoder's choice
-            raw = [_byte_text(tokenizer, tokens) for tokens in
-                   ([returned, returned[:-1]] if returned and returned[-1] in stop_ids else [returned])]
-            wanted += [t for t in raw if t is not None]
-            streamed = [_streamed_text(tokenizer, prompt, tokens) for tokens in
-                        ([returned, returned[:-1]] if returned and returned[-1] in stop_ids else [returned])]
-            wanted += [t for t in streamed if t is not None]
+            bodies = [returned, returned[:-1]] if returned and returned[-1] in stop_ids else [returned]
+            rendered = ([_byte_text(tokenizer, tokens) for tokens in bodies]
+                        + [_streamed_text(tokenizer, prompt, tokens) for tokens in bodies])
+            wanted += [t for t in rendered if t is not None]
         if params.stop:  # a stop string the server did not name: text cut before it while tokens went on
             cut = first_stop_completion(tokenizer, returned, params)
             if cut is not None and cut[0] < len(returned):
