@@ -227,6 +227,31 @@ def test_a_cache_copied_between_caches_keeps_its_writers() -> None:
     assert every_choice_checked(sim, [A, B], [[7, 8], [9, 6]]) == [None] * 4
 
 
+def test_a_request_sharing_the_prefix_does_not_answer_for_this_row() -> None:
+    """C extends A. C's row, unpadded, reads A's three tokens right and chooses A's reference 7; A's row, padded
+    beside a longer prompt and numbered over its padding, chooses 66, the token the engine emitted for A. The
+    correct query is C's (its row went on with C's own token 9), so A's token is named by A's row: position_ids,
+    not a bug after the logits."""
+    prompt = A + [9]
+    sim = Sim(2)
+    sim.call([[PAD] + A, prompt], [[0, 1, 2, 3], [0, 1, 2, 3]], {0: {0}}, {(0, 3): 66, (1, 2): 7, (1, 3): 5})
+    cls, evidence = diagnose(sim, [A, prompt], [[66], [5]], [[7], [5]], 0, 0)
+    assert cls == "position_ids" and "token 1 fed at position 1" in evidence, evidence
+
+
+def test_a_rejected_proposal_that_another_request_holds_next_is_kv_cache() -> None:
+    """E is B's prompt and B's first new token 9, then 3. B's row keeps its rejected proposal 3 (an entry B never
+    fed as its sequence): its writer read B's own context, which is E's too, so it is an extra entry of B's, not
+    E's entry crossed into B's row."""
+    other = B + [9, 3]
+    sim = Sim(2)
+    sim.call([[PAD, PAD] + B, other], [[0, 0, 0, 1], [0, 1, 2, 3]], {0: {0, 1}}, {(0, 3): 9, (1, 3): 77})
+    sim.call([[9, 3], [77]], [[2, 3], [4]], {0: {0, 1}}, {(0, 0): 6, (0, 1): 11, (1, 0): 78})
+    sim.call([[6], [78]], [[3], [5]], {0: {0, 1}}, {(0, 0): 66, (1, 0): 79})
+    cls, evidence = diagnose(sim, [B, other], [[9, 6, 66], [77, 78, 79]], [[9, 6, 2], [77, 78, 79]], 0, 2)
+    assert cls == "kv_cache" and "column 5 holds token 3" in evidence and "extra entry" in evidence, evidence
+
+
 def test_a_cache_compacted_between_calls_is_clean() -> None:
     """The rejected entry and the padding dropped between calls: every column moved, every writer kept."""
     cls, evidence = stale_run(compact=True)

@@ -75,12 +75,12 @@ from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PA
 
 PROVENANCE = "the provenance of the columns each query read"
 # what the provenance check decides first: a column the producing query read that its row's sequence does not
-# hold there (padding, an extra entry), a row token it could not read, a token at another position. A token no
-# readable column holds (a missing entry), a column no call wrote (fill, or an entry the engine rewrote between
-# calls: its bits are no call's), a foreign entry and the classes after the logits are left to the checks
-# below: the outputs against every reference, the pad-id and stop experiments, the trace
+# hold there (padding, fill no target call wrote, an extra entry), a row token it could not read, a token at
+# another position. A token no readable column holds (a missing entry), a foreign entry and the classes after
+# the logits are left to the checks below: the outputs against every reference, the pad-id and stop experiments,
+# the trace
 DECISIVE = ("attention_mask", "kv_cache", "pad_as_content", "position_ids")
-DECISIVE_FACTS = ("padding visible", "token hidden", "extra entry", "wrong position")
+DECISIVE_FACTS = ("padding visible", "fill visible", "token hidden", "extra entry", "wrong position")
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",

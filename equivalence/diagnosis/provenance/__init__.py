@@ -1,5 +1,5 @@
-"""Diagnosis by provenance (being built; not yet the audit's diagnosis): which slot wrote every cache column each
-query read, and one check of what it read.
+"""Diagnosis by provenance (first in a watched run's diagnosis, `core.Diagnoser._provenance`): which slot wrote
+every cache column each query read, and one check of what it read.
 
 Contract: pure. It reads per-call records (`CallRecord`, made by `provenance.hooks.ProvenanceHooks` from a real
 model, or by hand in a test) and the requests' sequences (prompt, then the engine's output); it needs no model, no
@@ -17,7 +17,10 @@ row labels and no prompt labels, and changes nothing it is handed.
    read slot must pass the same check at its index (memoized). A producing query of the emitted token at index
    n reads S[:n]: the sequence so far, the same call's accepted proposals among it.
 4. The producer of an emitted token is a query whose argmax is that token and whose fed token is the one before
-   it (`Provenance.producers`), not a guess; of several, the one that read the longest correct prefix.
+   it (`Provenance.producers`), not a guess; of several, the one that read the longest correct prefix. A query
+   that read the row's exact context speaks for the row only where no other request shares that context, or
+   where its row then went on with the engine's token: a request sharing the prefix computes the same context
+   in its own row.
 5. The first violation names the class, by fact (`CLASS_OF`, the same table as code):
 
     fact at the first violation                               class
@@ -349,8 +352,12 @@ class Provenance:
         for other, sequence in enumerate(self.sequences):
             if other == request or position >= len(sequence) or sequence[position] != log.token(writer):
                 continue
-            if self.sequences[request][:position + 1] == sequence[:position + 1]:
-                continue  # the same prefix: the same computation serves both
+            # the same context before the writer's token: it read nothing of another request's (a rejected
+            # proposal the row fed that the other request's sequence holds next is the row's own extra entry); at
+            # position 0 it read nothing at all, and the token alone says which request it served
+            context = position if position > 0 else 1
+            if self.sequences[request][:context] == sequence[:context]:
+                continue
             if self._check(writer, other, position + 1) is None:
                 return other
         return None
@@ -495,6 +502,11 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
     if not log.calls:
         return "unknown", "no target call was recorded"
     correct = provenance.correct_queries(request, n) if n >= 1 else []
+    if token is not None and any(other != request and tuple(sequence[:n]) == provenance.sequences[request][:n]
+                                 for other, sequence in enumerate(provenance.sequences)):
+        # another request shares the first n tokens: a query of its row computes the same context, and its choice
+        # says nothing of this row's, unless this row went on with the engine's token after it
+        correct = [s for s in correct if int(token) in log.fed_after(log.token(s), log.position(s))]
     reference = list(references[request])
     wanted = reference[position] if position < len(reference) else None
     chose = {log.feed(s).choices[s.index] for s in correct} - {-1}  # -1: the head did not compute it

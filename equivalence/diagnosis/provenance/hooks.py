@@ -149,7 +149,7 @@ class ProvenanceHooks:
         if call is None or not isinstance(output, torch.Tensor) or output.dim() != 3:
             return
         top = output.detach().topk(2, dim=-1)
-        call.choices = top.indices[..., 0].to("cpu")
+        call.choices = output.detach().argmax(dim=-1).to("cpu")  # as engines choose: the first of tied maxima
         call.gaps = (top.values[..., 0] - top.values[..., 1]).to("cpu", torch.float64)
         self._finish()
 
