@@ -271,11 +271,11 @@ def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
 @pytest.mark.parametrize("pair", ["tiny-lfm2", "tiny-qwen3-next", "tiny-bamba"])
 def test_a_recurrent_state_not_rolled_back_is_seen(pair: str, tmp_path: Path) -> None:
     """On hybrids (short convolutions, gated delta-net, Mamba-2 beside attention) each row's recurrent state is
-    read as every call finds it and compared with the states other histories leave: an engine that crops only the
-    attention layers at a rejection is named `recurrent_state` by what was seen (the state after every token fed,
-    the rejected ones kept), confirmed by a re-run with the attention silenced; its twin, which restores a copy
-    of the cache and feeds it the kept tokens, is exact. The cache's own `crop` rolls back the convolution windows
-    and not an SSM state: exact where the state is a convolution window alone, else the SSM state is named."""
+    fingerprinted as every call finds and leaves it, so the state a query read carries the history of the call
+    that left it: an engine that crops only the attention layers at a rejection is named `recurrent_state` by that
+    provenance (the state after every token fed, the rejected ones kept); its twin, which restores a copy of the
+    cache and feeds it the kept tokens, is exact. The cache's own `crop` rolls back the convolution windows and not
+    an SSM state: exact where the state is a convolution window alone, else the SSM state is named."""
     engines = ["state_not_rolled_back", "state_rolled_back", "state_cropped"]
     result = audit(*[arg for engine in engines for arg in ("--engine", f"observed_engines:{engine}")],
                    "--pair", pair, *SETTINGS, out=tmp_path)
@@ -290,12 +290,9 @@ def test_a_recurrent_state_not_rolled_back_is_seen(pair: str, tmp_path: Path) ->
         named = [d for d in structural if d["diagnosis"]["class"] == "recurrent_state"]
         assert len(named) >= 0.9 * len(structural), (variant, [d["diagnosis"]["class"] for d in structural])
         evidence = named[0]["diagnosis"]["evidence"]
-        assert evidence.startswith("observed: ") and "the rejected ones kept" in evidence, evidence
-        assert variant != "state_cropped" or "(its SSM state)" in evidence, evidence
-        assert "the call started from a recurrent state" in evidence, evidence
-        # confirmed: a replay feeding the recurrent layers what was kept, or a re-run with the attention silenced
-        assert ("a replay of the target feeding its recurrent layers that history chooses token" in evidence
-                or "still diverges" in evidence), evidence
+        assert named[0]["diagnosis"]["named_by"] == PROVENANCE, named[0]["diagnosis"]
+        assert "the recurrent state it read is not its row's" in evidence and "the rejected ones kept" in evidence, evidence
+        assert variant != "state_cropped" or "its SSM state" in evidence, evidence
 
 
 def test_which_targets_are_observed() -> None:
@@ -313,9 +310,9 @@ def test_which_targets_are_observed() -> None:
 
 def test_padding_the_model_is_not_told_of_enters_the_state(tmp_path: Path) -> None:
     """On a hybrid, the recurrent layers zero only the padding a 2-D mask marks: an uncached loop whose 4-D mask is
-    right for attention feeds its left padding into every row's recurrent state (`attention_mask`, with the columns
-    no such mask marks, confirmed by a replay that feeds them to the recurrent layers); the padded loop handing the
-    model its 2-D mask is exact."""
+    right for attention feeds its left padding into every row's recurrent state (`attention_mask`: the state the
+    producing query read holds the padding, by the provenance of the state); the padded loop handing the model its
+    2-D mask is exact."""
     result = audit("--engine", "observed_engines:recompute", "--engine", "observed_engines:loop", "--pair", "tiny-lfm2",
                    *SETTINGS, out=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -328,5 +325,5 @@ def test_padding_the_model_is_not_told_of_enters_the_state(tmp_path: Path) -> No
         named = [d for d in structural if d["diagnosis"]["class"] == "attention_mask"]
         assert len(named) >= 0.9 * len(structural), [d["diagnosis"]["class"] for d in structural]
         evidence = named[0]["diagnosis"]["evidence"]
-        assert "that no 2-D mask handed to the model marks" in evidence, evidence
-        assert "a replay of the target feeding its recurrent layers that history chooses token" in evidence, evidence
+        assert "padding in the state" in evidence and "no 2-D mask marks it" in evidence, evidence
+        assert named[0]["diagnosis"]["named_by"] == PROVENANCE, named[0]["diagnosis"]

@@ -9,12 +9,13 @@ columns it reads, so identical computations leave identical fingerprints, as the
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
 
-from specaudit.equivalence.diagnosis.provenance import (CLASS_OF, CallRecord, Provenance, ProvenanceLog, RowFeed,
-                                                         Slot, provenance_diagnosis)
+from specaudit.equivalence.diagnosis.provenance import (CLASS_OF, ZERO, CallRecord, Provenance, ProvenanceLog,
+                                                         RowFeed, Slot, provenance_diagnosis)
 
 PAD = 0
 A, B = [1, 2, 3], [4, 5]  # two requests; B is left-padded by one column in a batch with A
@@ -190,7 +191,8 @@ def test_outputs_returned_for_the_wrong_prompts_are_output_order() -> None:
 
 
 def test_the_class_table_is_the_readmes() -> None:
-    assert set(CLASS_OF.values()) == {"kv_cache", "cross_row", "attention_mask", "pad_as_content", "position_ids"}
+    assert set(CLASS_OF.values()) == {"kv_cache", "cross_row", "attention_mask", "pad_as_content", "position_ids",
+                                      "recurrent_state"}
 
 
 # ---- one test per ambiguity --------------------------------------------------------------------------
@@ -256,6 +258,89 @@ def test_a_cache_compacted_between_calls_is_clean() -> None:
     """The rejected entry and the padding dropped between calls: every column moved, every writer kept."""
     cls, evidence = stale_run(compact=True)
     assert cls == "unknown" and "exact context chose the engine's token" in evidence, evidence
+
+
+# ---- recurrent states -------------------------------------------------------------------------------------
+class HybridSim(Sim):
+    """`Sim` with a recurrent state per row beside the cache: a fingerprint of the state a call found and of the
+    state it left, its inputs hashed in (zeroed inputs too: a zero input still moves a state), ZERO when empty."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(rows)
+        self.states = [ZERO] * rows
+
+    def call(self, tokens, positions, hidden=None, choices=None, zeroed=None) -> None:
+        super().call(tokens, positions, hidden, choices)
+        record = self.log.calls.pop()
+        rows = []
+        for b, feed in enumerate(record.rows):
+            marks = tuple(i in (zeroed or {}).get(b, set()) for i in range(len(feed.tokens)))
+            found = self.states[b]
+            state = found
+            for token, mark in zip(feed.tokens, marks):
+                if not (mark and state == ZERO):  # a zero input to a zero state leaves it zero
+                    state = hash((state, token, mark))
+            self.states[b] = state
+            rows.append(dataclasses.replace(feed, states_in=(found, None), states_out=(state, None), zeroed=marks))
+        self.log.add(CallRecord(record.call, tuple(rows)))
+
+
+def hybrid_verify(roll_back: bool) -> tuple[HybridSim, list[list[int]]]:
+    """B verified with proposals 6, 3 after 9 (3 rejected); the engine restores B's state from before the pass
+    and feeds it the kept tokens 9, 6 again (the twin), or keeps the state after every token fed (the bug)."""
+    sim = HybridSim(2)
+    sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 9}, zeroed={1: {0}})
+    saved = list(sim.states)
+    sim.call([[7], [9, 6, 3]], [[3], [2, 3, 4]], {1: {0}}, {(0, 0): 8, (1, 0): 6, (1, 1): 2, (1, 2): 13})
+    sim.caches[1] = sim.caches[1][:5]  # the rejected entry cropped from the attention cache
+    if roll_back:
+        sim.states[1] = saved[1]
+        sim.caches[1] = sim.caches[1][:3]
+        sim.call([[8], [9, 6]], [[4], [2, 3]], {1: {0}}, {(0, 0): 10, (1, 1): 2})
+    sim.call([[10], [2]], [[5], [4]], {1: {0}}, {(0, 0): 12, (1, 0): 2 if roll_back else 66})
+    return sim, [[7, 8, 10, 12], [9, 6, 2, 2 if roll_back else 66]]
+
+
+def test_a_state_rolled_back_by_a_copy_is_clean() -> None:
+    sim, outputs = hybrid_verify(roll_back=True)
+    cls, evidence = diagnose(sim, [A, B], outputs, [[7, 8, 10, 12], [9, 6, 2, 2]], 1, 3)
+    assert cls != "recurrent_state", evidence
+    provenance = Provenance(sim.log, [p + o for p, o in zip([A, B], outputs)])
+    last = Slot(len(sim.log.calls) - 1, 1, 0)
+    assert provenance.check(last, 1, len(B) + 3) is None
+
+
+def test_a_state_not_rolled_back_is_recurrent_state() -> None:
+    sim, outputs = hybrid_verify(roll_back=False)
+    cls, evidence = diagnose(sim, [A, B], outputs, [[7, 8, 10, 12], [9, 6, 2, 2]], 1, 3)
+    assert cls == "recurrent_state" and "the rejected ones kept" in evidence, evidence
+
+
+def test_padding_the_model_was_not_told_of_in_a_state_is_attention_mask() -> None:
+    """B's pad column hidden from attention by a 4-D mask, but no 2-D mask zeroes it for the recurrent layers."""
+    sim = HybridSim(2)
+    sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 66})
+    cls, evidence = diagnose(sim, [A, B], [[7], [66]], [[7], [9]], 1, 0)
+    assert cls == "attention_mask" and "padding in the state" in evidence, evidence
+
+
+def test_another_rows_state_is_recurrent_state() -> None:
+    sim = HybridSim(2)
+    sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 9}, zeroed={1: {0}})
+    sim.states = sim.states[::-1]  # the states given to the wrong rows
+    sim.call([[7], [9]], [[3], [2]], {1: {0}}, {(0, 0): 66, (1, 0): 67})
+    cls, evidence = diagnose(sim, [A, B], [[7, 66], [9, 67]], [[7, 8], [9, 6]], 1, 1)
+    assert cls == "recurrent_state" and "the call found request 0's state" in evidence, evidence
+
+
+def test_a_state_no_call_left_is_not_judged() -> None:
+    """A state the engine wrote itself (no call left it, not zero): its history is unknown, nothing is said of it."""
+    sim, outputs = hybrid_verify(roll_back=False)
+    sim.log.calls[-1] = CallRecord(sim.log.calls[-1].call, tuple(
+        dataclasses.replace(feed, states_in=(12345, None)) for feed in sim.log.calls[-1].rows))
+    sim.log.add(sim.log.calls.pop())
+    cls, evidence = diagnose(sim, [A, B], outputs, [[7, 8, 10, 12], [9, 6, 2, 2]], 1, 3)
+    assert cls != "recurrent_state", evidence
 
 
 # ---- end to end: the crop engine through the hooks ----------------------------------------------------

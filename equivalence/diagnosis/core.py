@@ -79,8 +79,9 @@ PROVENANCE = "the provenance of the columns each query read"
 # another position. A token no readable column holds (a missing entry), a foreign entry and the classes after
 # the logits are left to the checks below: the outputs against every reference, the pad-id and stop experiments,
 # the trace
-DECISIVE = ("attention_mask", "kv_cache", "pad_as_content", "position_ids")
-DECISIVE_FACTS = ("padding visible", "fill visible", "token hidden", "extra entry", "wrong position")
+DECISIVE = ("attention_mask", "kv_cache", "pad_as_content", "position_ids", "recurrent_state")
+DECISIVE_FACTS = ("padding visible", "fill visible", "token hidden", "extra entry", "wrong position", "wrong state",
+                  "padding in the state")
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",

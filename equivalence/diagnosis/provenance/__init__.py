@@ -52,6 +52,9 @@ import numpy as np
 # the facts of section 5, each to its class (the module's table, as code)
 EXTRA_ENTRY, FOREIGN_ENTRY, PADDING_VISIBLE, FILL_VISIBLE = "extra entry", "foreign entry", "padding visible", "fill visible"
 TOKEN_HIDDEN, PAD_HIDDEN, WRONG_POSITION, MISSING_ENTRY = "token hidden", "pad-id token hidden", "wrong position", "missing entry"
+WRONG_STATE, PADDING_IN_STATE = "wrong state", "padding in the state"
+STATE_PARTS = ("convolution window", "SSM state")  # the parts of a recurrent state, fingerprinted apart
+ZERO = 0  # the fingerprint of a state part that is all zeros: the state of an empty history
 CLASS_OF: dict[str, str] = {
     EXTRA_ENTRY: "kv_cache",  # a column the row never fed: extra, stale or duplicated
     MISSING_ENTRY: "kv_cache",  # a token of the row the cache does not hold at all
@@ -61,6 +64,8 @@ CLASS_OF: dict[str, str] = {
     TOKEN_HIDDEN: "attention_mask",
     PAD_HIDDEN: "pad_as_content",
     WRONG_POSITION: "position_ids",
+    WRONG_STATE: "recurrent_state",  # the state a query's recurrent layer read is not its row's sequence's
+    PADDING_IN_STATE: "attention_mask",  # padding the model was not told of entered the state
 }
 AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order", "pad_as_content")
 
@@ -76,6 +81,12 @@ class RowFeed:
     visible: np.ndarray  # [q, kv] bool: which columns each query may read (the mask the attention layer received)
     choices: tuple[int, ...]  # [q] each query's argmax (-1: the output head did not compute it)
     gaps: tuple[float, ...]  # [q] the argmax's logit minus the second's (nan: not computed)
+    # hybrids: the fingerprint of each part of the first recurrent layer's state (STATE_PARTS; None: the layer holds
+    # no such part) as the call found it and as it left it, and which fed tokens a 2-D mask marks as padding
+    # (the recurrent layers zero those inputs); None: no recurrent layer
+    states_in: tuple[int | None, ...] | None = None
+    states_out: tuple[int | None, ...] | None = None
+    zeroed: tuple[bool, ...] | None = None  # [q]
 
     @property
     def written(self) -> tuple[int, ...]:
@@ -124,6 +135,9 @@ class Violation:
         return CLASS_OF[self.fact]
 
     def evidence(self) -> str:
+        if self.column < 0:  # the recurrent state the query read
+            return (f"target call {self.slot.call}, batch row {self.slot.row}, query {self.slot.index}: the recurrent "
+                    f"state it read is not its row's: {self.fact} ({self.note})")
         written = (f"written by target call {self.writer.call} (batch row {self.writer.row})"
                    if self.writer is not None else "written by no target call")
         return (f"target call {self.slot.call}, batch row {self.slot.row}, query {self.slot.index}: column "
@@ -141,10 +155,40 @@ class ProvenanceLog:
     _writers: dict[int, list[Slot]] | None = field(default=None, repr=False)
     _tokens: dict[int, frozenset[int]] | None = field(default=None, repr=False)
     _after: dict[int, frozenset[int]] | None = field(default=None, repr=False)
+    # per (call, row, part): the history the state the call found holds, (token, zeroed) per input in the order
+    # fed (None: a state no call left and not zero: written by the engine itself)
+    _histories: dict[tuple[int, int, int], tuple[tuple[int, bool], ...] | None] | None = field(default=None, repr=False)
 
     def add(self, record: CallRecord) -> None:
         self.calls.append(record)
-        self._writers = self._tokens = self._after = None
+        self._writers = self._tokens = self._after = self._histories = None
+
+    def state_history(self, slot: Slot, part: int) -> tuple[tuple[int, bool], ...] | None:
+        """The inputs the query's recurrent state holds, its own token last: the history of the state its call
+        found (the state another call left carries that call's; zero carries none), then the tokens its row was
+        fed in the call up to it. None: no recurrent state, or one no call left (the engine wrote it)."""
+        if self._histories is None:
+            self._histories, left = {}, {}
+            for record in self.calls:
+                for row, feed in enumerate(record.rows):
+                    if feed.states_in is None or feed.states_out is None:
+                        continue
+                    fed = tuple(zip(feed.tokens, feed.zeroed or (False,) * len(feed.tokens)))
+                    for kept, (found, after) in enumerate(zip(feed.states_in, feed.states_out)):
+                        if after is None:  # a part the model does not keep
+                            continue
+                        # a part made by this call (none before it) started from zero
+                        history = () if found in (None, ZERO) else left.get((kept, found))
+                        self._histories[(record.call, row, kept)] = history
+                        if history is not None and after != ZERO:
+                            left.setdefault((kept, after), history + fed)
+        feed = self.feed(slot)
+        if feed.states_in is None or part >= len(feed.states_in):
+            return None
+        history = self._histories.get((slot.call, slot.row, part))
+        if history is None:
+            return None
+        return history + tuple(zip(feed.tokens[:slot.index + 1], (feed.zeroed or (False,) * len(feed.tokens))[:slot.index + 1]))
 
     def feed(self, slot: Slot) -> RowFeed:
         return self.calls[slot.call].rows[slot.row]
@@ -283,7 +327,49 @@ class Provenance:
             return self._extra(slot, request, column, writer, j, "")
         if j < n:
             return self._missing(slot, request, j, hidden, own)
+        return self._state_violation(slot, request, n)
+
+    def _state_violation(self, slot: Slot, request: int, n: int) -> Violation | None:
+        """The same check on the recurrent state the query read (each part apart): its inputs, padding the model
+        was told of before any token aside (zero inputs to a zero state), must be the sequence's first n tokens."""
+        expected = self.sequences[request][:n]
+        for part, name in enumerate(STATE_PARTS):
+            history = self.log.state_history(slot, part)
+            if history is None:
+                continue
+            start = 0
+            while start < len(history) and history[start][1]:
+                start += 1
+            history = history[start:]
+            tokens = tuple(t for t, _ in history)
+            if tokens == expected and not any(z for _, z in history):
+                continue
+            pad = self.log.pad_token_id
+            fed = tuple(t for t, z in history if not z)
+            if pad is not None and tuple(t for t in fed if t != pad) == expected and fed != expected:
+                return Violation(PADDING_IN_STATE, slot, -1, pad, -1, 0, 0,
+                                 note=f"its {name} took in padding the model was not told of (no 2-D mask marks it)")
+            first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+            return Violation(WRONG_STATE, slot, -1, tokens[first] if first < len(tokens) else -1, -1, first, first,
+                             note=f"its {name}: {self._state_text(history, expected, request, slot.index + 1)}")
         return None
+
+    def _state_text(self, history: tuple[tuple[int, bool], ...], expected: tuple[int, ...], request: int,
+                    fed: int) -> str:
+        """What the state holds against the sequence, in words (`fed`: how many of its inputs the call itself fed)."""
+        tokens = [t for t, _ in history]
+        found = tuple(tokens[:len(tokens) - fed])  # the state the call found
+        for other, sequence in enumerate(self.sequences):
+            if found and other != request and found == sequence[:len(found)] and found != expected[:len(found)]:
+                return f"the call found request {other}'s state"
+        if any(z for _, z in history) and [t for t, z in history if not z] == list(expected):
+            return "inputs the 2-D mask marks as padding, fed between the row's tokens, moved it (zero inputs still move a state)"
+        if len(tokens) > len(expected) and _subsequence(list(expected), tokens):
+            return (f"the state after {len(tokens)} inputs where the row's sequence has {len(expected)}: every token "
+                    "fed kept, the rejected ones kept (not rolled back)")
+        if len(tokens) < len(expected) and tuple(tokens) == expected[len(expected) - len(tokens):]:
+            return f"the state of the row's last {len(tokens)} tokens alone: reset"
+        return f"the state after {len(tokens)} inputs that are not the row's first {len(expected)} tokens"
 
     def _stale_read(self, slot: Slot, request: int, j: int) -> Violation | None:
         """The first column the query reads before its own whose entry its sequence holds at no index (not
@@ -536,3 +622,9 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
     if token is None:
         return "unknown", "the output stops here and no query read the row's exact context"
     return "unknown", f"no query chose token {token} after the row's first {n} tokens, and none read them exactly"
+
+
+def _subsequence(short: list[int], long: list[int]) -> bool:
+    """`short` is `long` with some items left out."""
+    items = iter(long)
+    return all(any(x == y for y in items) for x in short)

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_module, bind_arguments,
-                                                      consumed_positions, embedding_owner, layer_types,
-                                                      position_module)
+                                                      consumed_positions, embedding_owner, has_recurrent_layers,
+                                                      keeps_state, layer_types, position_module)
 from specaudit.equivalence.diagnosis.capture import key_fingerprints
-from specaudit.equivalence.diagnosis.provenance import CallRecord, ProvenanceLog, RowFeed
+from specaudit.equivalence.diagnosis.provenance import ZERO, CallRecord, ProvenanceLog, RowFeed
 
 VALUE_MIX = 0x5851F42D4C957F2D  # odd: keys' and values' fingerprints mixed so that neither alone decides
 
@@ -33,6 +33,36 @@ def entry_fingerprints(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     """[B, L] int64 from keys and values [B, H, L, D] in any dtype: each entry's bits mixed (capture's mixing, keys
     and values apart), so an entry copied or moved keeps its fingerprint at any column of any cache."""
     return key_fingerprints(keys) * VALUE_MIX + key_fingerprints(values)
+
+
+def state_fingerprints(cache: Any, batch: int) -> list[tuple[int | None, ...]]:
+    """Per row, the fingerprint of each part of the cache's first recurrent layer's state (its convolution windows,
+    the last `kernel` columns of each; its SSM states), the bits of every element mixed, `ZERO` where the part is
+    all zeros, None where the layer holds no such part (yet, or ever: a model without an SSM state)."""
+    for layer in getattr(cache, "layers", None) or []:
+        if not keeps_state(layer):
+            continue
+        kernels = getattr(layer, "conv_kernel_size", None) or {}
+        convs = []
+        for key, conv in sorted((getattr(layer, "conv_states", None) or {}).items()):
+            if isinstance(conv, torch.Tensor):
+                kernel = kernels.get(key) if isinstance(kernels, dict) else None
+                convs.append(conv[..., -kernel:] if kernel else conv)
+        ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
+               if isinstance(state, torch.Tensor)]
+        rows: list[list[int | None]] = [[] for _ in range(batch)]
+        for tensors in (convs, ssm):
+            tensors = [t for t in tensors if t.shape[0] == batch]
+            prints = torch.zeros(batch, dtype=torch.int64)
+            nonzero = torch.zeros(batch, dtype=torch.bool)
+            for k, tensor in enumerate(tensors):
+                flat = tensor.detach().reshape(batch, 1, 1, -1)
+                prints = prints + key_fingerprints(flat)[:, 0] * (2 * k + 1)
+                nonzero |= (flat.reshape(batch, -1) != 0).any(dim=1).cpu()
+            for b in range(batch):
+                rows[b].append(None if not tensors else int(prints[b]) if bool(nonzero[b]) else ZERO)
+        return [tuple(row) for row in rows]
+    return [(None, None)] * batch  # no recurrent layer made yet
 
 
 class _Pending:
@@ -45,6 +75,8 @@ class _Pending:
         self.prints: torch.Tensor | None = None  # [B, kv] int64
         self.choices: torch.Tensor | None = None  # [B, q'] argmax of the last q' queries
         self.gaps: torch.Tensor | None = None
+        self.states_in: list[tuple[int | None, ...]] | None = None  # hybrids: the state each row was found in
+        self.zeroed: torch.Tensor | None = None  # [B, q] bool: fed tokens a 2-D mask marks as padding
 
 
 class ProvenanceHooks:
@@ -62,6 +94,7 @@ class ProvenanceHooks:
         self.handles: list[Any] = []
         self.pending: _Pending | None = None
         self.failed: str | None = None  # why nothing the hooks kept can be read (a hook raised)
+        self.recurrent = has_recurrent_layers(target)
 
     def __enter__(self) -> "ProvenanceHooks":
         self.handles = [self.base.register_forward_pre_hook(self._timed(self._start), with_kwargs=True),
@@ -109,6 +142,15 @@ class ProvenanceHooks:
         given = bound.get("position_ids")
         if isinstance(given, torch.Tensor):
             self.pending.positions = given.detach().to("cpu", torch.long, copy=True)
+        if self.recurrent:
+            batch, q = ids.shape
+            self.pending.states_in = state_fingerprints(cache, batch)
+            mask = bound.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch:
+                columns = torch.tensor(self._columns(self.pending)).clamp(max=mask.shape[1] - 1)
+                self.pending.zeroed = (mask.detach().to("cpu")[:, columns] == 0)
+            else:
+                self.pending.zeroed = torch.zeros(batch, q, dtype=torch.bool)
 
     def _positions(self, found: tuple[str, Any]) -> Callable[..., None]:
         leaf, module = found
@@ -128,6 +170,8 @@ class ProvenanceHooks:
         bound = bind_arguments(module.forward, args, kwargs)
         cache = next((bound[name] for name in ("cache", "past_key_values", "past_key_value")
                       if bound.get(name) is not None), call.cache)
+        if call.cache is None:
+            call.cache = cache  # made by the model in this call: read its state when the call ends
         layers = getattr(cache, "layers", None)
         if not layers:
             return
@@ -172,13 +216,16 @@ class ProvenanceHooks:
             positions = positions[0]
         positions = positions.reshape(-1, q).expand(batch, q)
         seen = call.choices.shape[1] if call.choices is not None else 0  # the head may compute the last queries only
+        states_out = state_fingerprints(call.cache, batch) if call.states_in is not None else None
         rows = []
         for b in range(batch):
             choices = [-1] * (q - seen) + (call.choices[b].tolist() if seen else [])
             gaps = [float("nan")] * (q - seen) + (call.gaps[b].tolist() if seen else [])
+            states = ((call.states_in[b], states_out[b], tuple(bool(z) for z in call.zeroed[b].tolist()))
+                      if states_out is not None else (None, None, None))
             rows.append(RowFeed(tuple(call.ids[b].tolist()), tuple(positions[b].tolist()), columns,
                                 tuple(call.prints[b].tolist()), np.asarray(call.visible[b], dtype=bool),
-                                tuple(choices), tuple(gaps)))
+                                tuple(choices), tuple(gaps), *states))
         self.log.add(CallRecord(len(self.log.calls), tuple(rows)))
 
 
