@@ -343,6 +343,47 @@ def test_a_state_no_call_left_is_not_judged() -> None:
     assert cls != "recurrent_state", evidence
 
 
+# ---- sliding windows ----------------------------------------------------------------------------------------
+def windowed(sim: Sim, window: int, applied: bool = True) -> Sim:
+    """The log as a model with a sliding-window layer of `window` tokens would leave it: each query of that layer
+    reads what its full-attention query reads among the last `window` columns (counted as columns, as models do),
+    or (`applied` False) all of it."""
+    sim.log.window = window
+    for i, record in enumerate(sim.log.calls):
+        rows = []
+        for feed in record.rows:
+            own = np.asarray(feed.columns).reshape(-1, 1)
+            kv = feed.visible.shape[1]
+            near = np.arange(kv).reshape(1, -1) > own - window
+            rows.append(dataclasses.replace(feed, window=feed.visible & near if applied else feed.visible.copy()))
+        sim.log.calls[i] = CallRecord(record.call, tuple(rows))
+    sim.log.add(sim.log.calls.pop())
+    return sim
+
+
+def test_a_sliding_window_over_the_rows_tokens_is_clean() -> None:
+    sim, outputs = batch_of_a_and_b()
+    assert every_choice_checked(windowed(sim, 2), [A, B], outputs) == [None] * 4
+
+
+def test_holes_the_window_counts_are_attention_mask() -> None:
+    """B's rejected proposal 3 left as a hidden hole: the full layer reads B's tokens right, but a window of 3 columns
+    over the hole holds only 2 of B's last 3 tokens."""
+    sim = Sim(2)
+    sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 9})
+    sim.call([[7, 8], [9, 3]], [[3, 4], [2, 3]], {1: {0}}, {(0, 0): 8, (0, 1): 10, (1, 0): 6, (1, 1): 11})
+    sim.call([[10], [6]], [[5], [3]], {1: {0, 4}}, {(0, 0): 12, (1, 0): 66})
+    outputs = [[7, 8, 10, 12], [9, 6, 66]]
+    cls, evidence = diagnose(windowed(sim, 3), [A, B], outputs, [[7, 8, 10, 12], [9, 6, 2]], 1, 2)
+    assert cls == "attention_mask" and "the window counts columns" in evidence, evidence
+
+
+def test_a_window_not_applied_is_attention_mask() -> None:
+    sim, outputs = batch_of_a_and_b()
+    cls, evidence = diagnose(windowed(sim, 2, applied=False), [A, B], outputs, [[7, 8], [9, 6]], 1, 1)
+    assert cls == "attention_mask" and "the window is not applied" in evidence, evidence
+
+
 # ---- end to end: the crop engine through the hooks ----------------------------------------------------
 @pytest.mark.parametrize("pair_name", ["tiny-gpt2", "tiny-llama"])
 @pytest.mark.parametrize("engine", ["crop_spec", "crop_spec_positions_over_padding", "crop_spec_padding_visible",

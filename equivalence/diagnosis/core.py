@@ -81,7 +81,7 @@ PROVENANCE = "the provenance of the columns each query read"
 # the trace
 DECISIVE = ("attention_mask", "kv_cache", "pad_as_content", "position_ids", "recurrent_state")
 DECISIVE_FACTS = ("padding visible", "fill visible", "token hidden", "extra entry", "wrong position", "wrong state",
-                  "padding in the state")
+                  "padding in the state", "wrong window")
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",

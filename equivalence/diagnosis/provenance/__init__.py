@@ -53,6 +53,7 @@ import numpy as np
 EXTRA_ENTRY, FOREIGN_ENTRY, PADDING_VISIBLE, FILL_VISIBLE = "extra entry", "foreign entry", "padding visible", "fill visible"
 TOKEN_HIDDEN, PAD_HIDDEN, WRONG_POSITION, MISSING_ENTRY = "token hidden", "pad-id token hidden", "wrong position", "missing entry"
 WRONG_STATE, PADDING_IN_STATE = "wrong state", "padding in the state"
+WRONG_WINDOW = "wrong window"
 STATE_PARTS = ("convolution window", "SSM state")  # the parts of a recurrent state, fingerprinted apart
 ZERO = 0  # the fingerprint of a state part that is all zeros: the state of an empty history
 CLASS_OF: dict[str, str] = {
@@ -66,6 +67,7 @@ CLASS_OF: dict[str, str] = {
     WRONG_POSITION: "position_ids",
     WRONG_STATE: "recurrent_state",  # the state a query's recurrent layer read is not its row's sequence's
     PADDING_IN_STATE: "attention_mask",  # padding the model was not told of entered the state
+    WRONG_WINDOW: "attention_mask",  # a sliding-window layer's query does not read the row's last `window` tokens
 }
 AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order", "pad_as_content")
 
@@ -87,6 +89,8 @@ class RowFeed:
     states_in: tuple[int | None, ...] | None = None
     states_out: tuple[int | None, ...] | None = None
     zeroed: tuple[bool, ...] | None = None  # [q]
+    # sliding windows: [q, kv] bool, which columns each query of the last sliding-window layer may read (None: none)
+    window: np.ndarray | None = None
 
     @property
     def written(self) -> tuple[int, ...]:
@@ -135,9 +139,11 @@ class Violation:
         return CLASS_OF[self.fact]
 
     def evidence(self) -> str:
+        where = f"target call {self.slot.call}, batch row {self.slot.row}, query {self.slot.index}"
+        if self.fact == WRONG_WINDOW:
+            return f"{where}: {self.note}: {self.fact}"
         if self.column < 0:  # the recurrent state the query read
-            return (f"target call {self.slot.call}, batch row {self.slot.row}, query {self.slot.index}: the recurrent "
-                    f"state it read is not its row's: {self.fact} ({self.note})")
+            return f"{where}: the recurrent state it read is not its row's: {self.fact} ({self.note})"
         written = (f"written by target call {self.writer.call} (batch row {self.writer.row})"
                    if self.writer is not None else "written by no target call")
         return (f"target call {self.slot.call}, batch row {self.slot.row}, query {self.slot.index}: column "
@@ -151,6 +157,7 @@ class ProvenanceLog:
 
     calls: list[CallRecord] = field(default_factory=list)
     pad_token_id: int | None = None
+    window: int | None = None  # the sliding window (tokens, the query's own included) of the target's windowed layers
     hook_seconds: float = 0.0  # the hooks' own time inside the engine's call
     _writers: dict[int, list[Slot]] | None = field(default=None, repr=False)
     _tokens: dict[int, frozenset[int]] | None = field(default=None, repr=False)
@@ -327,7 +334,42 @@ class Provenance:
             return self._extra(slot, request, column, writer, j, "")
         if j < n:
             return self._missing(slot, request, j, hidden, own)
-        return self._state_violation(slot, request, n)
+        return self._window_violation(slot, request, n) or self._state_violation(slot, request, n)
+
+    def _window_violation(self, slot: Slot, request: int, n: int) -> Violation | None:
+        """The same check in the last sliding-window layer: the query reads, in column order, the sequence's last
+        `window` tokens up to its own (its full-attention reads passed, so every column it reads was written)."""
+        log, feed = self.log, self.log.feed(slot)
+        if feed.window is None or not log.window:
+            return None
+        sequence = self.sequences[request]
+        expected = sequence[max(0, n - log.window):n]
+        read, padding = [], 0
+        for column in np.nonzero(feed.window[slot.index])[0]:
+            writers = log.writers.get(feed.prints[column], [])
+            if not writers:  # fill
+                padding += 1
+                continue
+            token, position = log.token(writers[0]), log.position(writers[0])
+            if token == log.pad_token_id and not (0 <= position < len(sequence) and sequence[position] == token):
+                padding += 1  # a pad-id entry where the row holds no pad id
+                continue
+            read.append(token)
+        read_tuple = tuple(read)
+        if read_tuple == expected and not padding:
+            return None
+        w = log.window
+        if padding:
+            note = f"it reads {padding} padding column(s) in a sliding-window layer (window {w})"
+        elif len(read) < len(expected) and read_tuple == expected[len(expected) - len(read):]:
+            note = (f"it reads {len(read)} of the row's last {len(expected)} tokens in a sliding-window layer (window "
+                    f"{w}): the window counts columns, and columns of this row it cannot read fill the rest")
+        elif len(read) > len(expected) and read_tuple[len(read) - len(expected):] == expected:
+            note = (f"it reads {len(read)} of the row's tokens in a sliding-window layer where the window holds "
+                    f"{len(expected)}: the window is not applied")
+        else:
+            note = f"it reads {len(read)} token(s) in a sliding-window layer (window {w}) that are not the row's last {len(expected)}"
+        return Violation(WRONG_WINDOW, slot, -1, -1, -1, n - len(expected), n - len(expected), note=note)
 
     def _state_violation(self, slot: Slot, request: int, n: int) -> Violation | None:
         """The same check on the recurrent state the query read (each part apart): its inputs, padding the model

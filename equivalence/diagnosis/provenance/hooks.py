@@ -22,7 +22,7 @@ import torch
 
 from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_module, bind_arguments,
                                                       consumed_positions, embedding_owner, has_recurrent_layers,
-                                                      keeps_state, layer_types, position_module)
+                                                      keeps_state, layer_types, position_module, sliding_window)
 from specaudit.equivalence.diagnosis.capture import key_fingerprints
 from specaudit.equivalence.diagnosis.provenance import ZERO, CallRecord, ProvenanceLog, RowFeed
 
@@ -72,6 +72,7 @@ class _Pending:
         self.ids, self.cache, self.length, self.cache_position = ids, cache, length, cache_position
         self.positions: torch.Tensor | None = None
         self.visible: torch.Tensor | None = None  # [B, q, kv] bool
+        self.window_mask: Any = None  # the mask the last sliding-window layer received
         self.prints: torch.Tensor | None = None  # [B, kv] int64
         self.choices: torch.Tensor | None = None  # [B, q'] argmax of the last q' queries
         self.gaps: torch.Tensor | None = None
@@ -95,11 +96,16 @@ class ProvenanceHooks:
         self.pending: _Pending | None = None
         self.failed: str | None = None  # why nothing the hooks kept can be read (a hook raised)
         self.recurrent = has_recurrent_layers(target)
+        self.log.window = sliding_window(target)
+        self.sliding = (attention_module(self.base, layer_types(self.base), sliding=True, last=True)
+                        if self.log.window else None)
 
     def __enter__(self) -> "ProvenanceHooks":
         self.handles = [self.base.register_forward_pre_hook(self._timed(self._start), with_kwargs=True),
                         self.attention.register_forward_hook(self._timed(self._attention), with_kwargs=True),
                         self.head.register_forward_hook(self._timed(self._head))]
+        if self.sliding is not None:
+            self.handles.append(self.sliding.register_forward_pre_hook(self._timed(self._window), with_kwargs=True))
         found = position_module(self.base)
         if found is not None:
             self.handles.append(found[1].register_forward_pre_hook(self._timed(self._positions(found)),
@@ -163,6 +169,10 @@ class ProvenanceHooks:
                 self.pending.positions = positions.detach().to("cpu", torch.long, copy=True)
         return hook
 
+    def _window(self, module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.pending is not None:
+            self.pending.window_mask = bind_arguments(module.forward, args, kwargs).get("attention_mask")
+
     def _attention(self, module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         call = self.pending
         if call is None:
@@ -217,6 +227,13 @@ class ProvenanceHooks:
         positions = positions.reshape(-1, q).expand(batch, q)
         seen = call.choices.shape[1] if call.choices is not None else 0  # the head may compute the last queries only
         states_out = state_fingerprints(call.cache, batch) if call.states_in is not None else None
+        window = None  # [B, q, kv]: what each query of the last sliding-window layer could read
+        if self.log.window:
+            kv = call.visible.shape[-1]
+            window = allowed_reads(call.window_mask, batch, q, kv, last=True)
+            if window is None:  # none received, or another form: the model's own window over the columns
+                own = torch.tensor(columns).view(q, 1)
+                window = call.visible & (torch.arange(kv).view(1, kv) > own - self.log.window)
         rows = []
         for b in range(batch):
             choices = [-1] * (q - seen) + (call.choices[b].tolist() if seen else [])
@@ -225,7 +242,8 @@ class ProvenanceHooks:
                       if states_out is not None else (None, None, None))
             rows.append(RowFeed(tuple(call.ids[b].tolist()), tuple(positions[b].tolist()), columns,
                                 tuple(call.prints[b].tolist()), np.asarray(call.visible[b], dtype=bool),
-                                tuple(choices), tuple(gaps), *states))
+                                tuple(choices), tuple(gaps), *states,
+                                None if window is None else np.asarray(window[b], dtype=bool)))
         self.log.add(CallRecord(len(self.log.calls), tuple(rows)))
 
 
