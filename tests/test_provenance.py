@@ -138,6 +138,27 @@ def test_padding_visible_is_attention_mask() -> None:
     assert cls == "attention_mask" and "padding visible" in evidence and "column 0 holds token 0" in evidence, evidence
 
 
+def fill_run(lost: bool) -> tuple[str, str]:
+    """B's cache after the prefill gets a column no call wrote (zeros): in place of its padding, every entry kept and
+    the mask showing it (`lost` False), or in place of its first entry, its padding hidden as before (`lost`)."""
+    sim, _ = batch_of_a_and_b()
+    sim.log.calls.pop()
+    sim.caches[1] = sim.caches[1][:3]
+    sim.caches[1][1 if lost else 0] = 424242  # a fingerprint no call wrote
+    sim.call([[7], [9]], [[3], [2]], {1: {0}} if lost else None, {(0, 0): 8, (1, 0): 66})
+    return diagnose(sim, [A, B], [[7, 8], [9, 66]], [[7, 8], [9, 6]], 1, 1)
+
+
+def test_fill_shown_beside_the_rows_entries_is_attention_mask() -> None:
+    cls, evidence = fill_run(lost=False)
+    assert cls == "attention_mask" and "fill visible" in evidence, evidence
+
+
+def test_fill_in_place_of_a_rows_entry_is_kv_cache() -> None:
+    cls, evidence = fill_run(lost=True)
+    assert cls == "kv_cache" and "where the row's entries should be" in evidence, evidence
+
+
 def test_a_hidden_row_token_is_attention_mask() -> None:
     sim = Sim(2)
     sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 9})
@@ -322,6 +343,19 @@ def test_padding_the_model_was_not_told_of_in_a_state_is_attention_mask() -> Non
     sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 66})
     cls, evidence = diagnose(sim, [A, B], [[7], [66]], [[7], [9]], 1, 0)
     assert cls == "attention_mask" and "padding in the state" in evidence, evidence
+
+
+def test_padding_after_the_rows_tokens_in_a_state_is_recurrent_state() -> None:
+    """A ragged verify pass: B has one proposal where A has two, so B is fed a pad id after it; the engine lets
+    it into B's state (the attention cache drops it): not padding the model was not told of, an input the state
+    should not have taken."""
+    sim = HybridSim(2)
+    sim.call([A, [PAD] + B], [[0, 1, 2], [0, 0, 1]], {1: {0}}, {(0, 2): 7, (1, 2): 9}, zeroed={1: {0}})
+    sim.call([[7, 8, 10], [9, 6, PAD]], [[3, 4, 5], [2, 3, 4]], {1: {0, 5}}, {(0, 0): 8, (0, 1): 10, (1, 0): 6})
+    sim.caches[1] = sim.caches[1][:5]
+    sim.call([[12], [2]], [[6], [4]], {1: {0}}, {(0, 0): 13, (1, 0): 66})
+    cls, evidence = diagnose(sim, [A, B], [[7, 8, 10, 12], [9, 6, 2, 66]], [[7, 8, 10, 12], [9, 6, 2, 3]], 1, 3)
+    assert cls == "recurrent_state" and "pad ids fed after the row's tokens" in evidence, evidence
 
 
 def test_another_rows_state_is_recurrent_state() -> None:

@@ -293,6 +293,10 @@ class Provenance:
             if column == own and j < n - 1:  # its own column comes before the sequence so far is read
                 return self._missing(slot, request, j, hidden, column)
             if not writers:
+                written = sum(1 for c in feed.reads(slot.index) if feed.prints[c] in log.writers)
+                if written < n:  # fewer entries than the sequence's tokens: the fill sits where the row's are
+                    return Violation(MISSING_ENTRY, slot, column, expected[j] if j < n else -1, -1, j, j,
+                                     note="fill no target call wrote where the row's entries should be")
                 return Violation(FILL_VISIBLE, slot, column, -1, -1, j, j)
             if fingerprint in seen:  # one entry at two columns
                 return self._extra(slot, request, column, writers[0], j, "the same entry at two columns")
@@ -386,9 +390,12 @@ class Provenance:
             tokens = tuple(t for t, _ in history)
             if tokens == expected and not any(z for _, z in history):
                 continue
-            pad = self.log.pad_token_id
-            fed = tuple(t for t, z in history if not z)
-            if pad is not None and tuple(t for t in fed if t != pad) == expected and fed != expected:
+            pad, lead = self.log.pad_token_id, 0
+            while lead < len(tokens) and tokens[lead] == pad and tokens[lead:] != expected:
+                lead += 1
+            if lead and tokens[lead:] == expected and not any(z for _, z in history):
+                # padding before every token of the row: the model was not told it is padding (a 2-D mask
+                # zeroes it); padding after them is an input the state should not have taken (below)
                 return Violation(PADDING_IN_STATE, slot, -1, pad, -1, 0, 0,
                                  note=f"its {name} took in padding the model was not told of (no 2-D mask marks it)")
             first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
@@ -406,6 +413,9 @@ class Provenance:
                 return f"the call found request {other}'s state"
         if any(z for _, z in history) and [t for t, z in history if not z] == list(expected):
             return "inputs the 2-D mask marks as padding, fed between the row's tokens, moved it (zero inputs still move a state)"
+        pad = self.log.pad_token_id
+        if pad is not None and pad not in expected and [t for t in tokens if t != pad] == list(expected):
+            return "pad ids fed after the row's tokens moved it (the state kept through a ragged pass's padding)"
         if len(tokens) > len(expected) and _subsequence(list(expected), tokens):
             return (f"the state after {len(tokens)} inputs where the row's sequence has {len(expected)}: every token "
                     "fed kept, the rejected ones kept (not rolled back)")
