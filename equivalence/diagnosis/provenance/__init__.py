@@ -33,6 +33,12 @@ row labels and no prompt labels, and changes nothing it is handed.
       not visible to the query)
     ... where the hidden token is the pad id                   pad_as_content
     the right token at the wrong position                     position_ids
+    a sliding-window layer's query does not read the row's    attention_mask
+      last `window` tokens (holes counted, no window)
+    the recurrent state read is not the row's sequence up     recurrent_state
+      to the query (not rolled back, reset, another row's)
+    ... the difference is padding before every token of the   attention_mask
+      row that no 2-D mask marks
     every query with the row's exact context chose the        acceptance_rule / stop_eos / stop_length /
       reference's token (the bug is after the logits)          output_order / pad_as_content, from the
                                                               run's facts (`after_the_logits`)
@@ -195,7 +201,8 @@ class ProvenanceLog:
         history = self._histories.get((slot.call, slot.row, part))
         if history is None:
             return None
-        return history + tuple(zip(feed.tokens[:slot.index + 1], (feed.zeroed or (False,) * len(feed.tokens))[:slot.index + 1]))
+        zeroed = feed.zeroed or (False,) * len(feed.tokens)
+        return history + tuple(zip(feed.tokens[:slot.index + 1], zeroed[:slot.index + 1]))
 
     def feed(self, slot: Slot) -> RowFeed:
         return self.calls[slot.call].rows[slot.row]
@@ -372,7 +379,8 @@ class Provenance:
             note = (f"it reads {len(read)} of the row's tokens in a sliding-window layer where the window holds "
                     f"{len(expected)}: the window is not applied")
         else:
-            note = f"it reads {len(read)} token(s) in a sliding-window layer (window {w}) that are not the row's last {len(expected)}"
+            note = (f"it reads {len(read)} token(s) in a sliding-window layer (window {w}) that are not the row's "
+                    f"last {len(expected)}")
         return Violation(WRONG_WINDOW, slot, -1, -1, -1, n - len(expected), n - len(expected), note=note)
 
     def _state_violation(self, slot: Slot, request: int, n: int) -> Violation | None:
@@ -398,7 +406,8 @@ class Provenance:
                 # zeroes it); padding after them is an input the state should not have taken (below)
                 return Violation(PADDING_IN_STATE, slot, -1, pad, -1, 0, 0,
                                  note=f"its {name} took in padding the model was not told of (no 2-D mask marks it)")
-            first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
+            first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b),
+                         min(len(tokens), len(expected)))
             return Violation(WRONG_STATE, slot, -1, tokens[first] if first < len(tokens) else -1, -1, first, first,
                              note=f"its {name}: {self._state_text(history, expected, request, slot.index + 1)}")
         return None
@@ -412,7 +421,8 @@ class Provenance:
             if found and other != request and found == sequence[:len(found)] and found != expected[:len(found)]:
                 return f"the call found request {other}'s state"
         if any(z for _, z in history) and [t for t, z in history if not z] == list(expected):
-            return "inputs the 2-D mask marks as padding, fed between the row's tokens, moved it (zero inputs still move a state)"
+            return ("inputs the 2-D mask marks as padding, fed between the row's tokens, moved it (zero inputs still "
+                    "move a state)")
         pad = self.log.pad_token_id
         if pad is not None and pad not in expected and [t for t in tokens if t != pad] == list(expected):
             return "pad ids fed after the row's tokens moved it (the state kept through a ragged pass's padding)"
