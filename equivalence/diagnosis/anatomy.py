@@ -50,22 +50,33 @@ def first_keys(cache: Any) -> torch.Tensor | None:
 STATE_PARTS = ("convolution window", "SSM state")
 
 
+def first_recurrent_layer(cache: Any) -> Any:
+    """The cache's first layer that keeps a recurrent state (None: none)."""
+    return next((layer for layer in getattr(cache, "layers", None) or [] if keeps_state(layer)), None)
+
+
+def state_parts(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A recurrent cache layer's state, per part (`STATE_PARTS`): its convolution windows (the last `kernel` columns
+    of each) and its SSM states, each a list of [B, ...] tensors in key order."""
+    kernels = getattr(layer, "conv_kernel_size", None) or {}
+    convs = []
+    for key, conv in sorted((getattr(layer, "conv_states", None) or {}).items()):
+        if isinstance(conv, torch.Tensor):
+            kernel = kernels.get(key) if isinstance(kernels, dict) else None
+            convs.append(conv[..., -kernel:] if kernel else conv)
+    ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
+           if isinstance(state, torch.Tensor)]
+    return convs, ssm
+
+
 def recurrent_states(cache: Any) -> dict[str, torch.Tensor] | None:
     """Per part of the cache's first recurrent layer's state (`STATE_PARTS`: its convolution windows, the last
     `kernel` columns of each, and its SSM states), [B, n] float64 on the CPU, `STATE_SAMPLE` evenly spaced
     elements at most (the parts apart: an engine may roll one back and not the other); None where the cache keeps
     none yet."""
-    for layer in getattr(cache, "layers", None) or []:
-        if not keeps_state(layer):
-            continue
-        kernels = getattr(layer, "conv_kernel_size", None) or {}
-        convs = []
-        for key, conv in sorted((getattr(layer, "conv_states", None) or {}).items()):
-            if isinstance(conv, torch.Tensor):
-                kernel = kernels.get(key) if isinstance(kernels, dict) else None
-                convs.append(conv[..., -kernel:] if kernel else conv)
-        ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
-               if isinstance(state, torch.Tensor)]
+    layer = first_recurrent_layer(cache)
+    if layer is not None:
+        convs, ssm = state_parts(layer)
         states = {}
         for name, parts in zip(STATE_PARTS, (convs, ssm)):
             if parts:

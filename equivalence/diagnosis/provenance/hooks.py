@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_module, bind_arguments,
-                                                      consumed_positions, embedding_owner, has_recurrent_layers,
-                                                      keeps_state, layer_types, position_module, sliding_window)
+                                                      consumed_positions, embedding_owner, first_recurrent_layer,
+                                                      has_recurrent_layers, layer_types, position_module,
+                                                      sliding_window, state_parts)
 from specaudit.equivalence.diagnosis.capture import key_fingerprints
 from specaudit.equivalence.diagnosis.provenance import ZERO, CallRecord, ProvenanceLog, RowFeed
 
@@ -39,17 +40,9 @@ def state_fingerprints(cache: Any, batch: int) -> list[tuple[int | None, ...]]:
     """Per row, the fingerprint of each part of the cache's first recurrent layer's state (its convolution windows,
     the last `kernel` columns of each; its SSM states), the bits of every element mixed, `ZERO` where the part is
     all zeros, None where the layer holds no such part (yet, or ever: a model without an SSM state)."""
-    for layer in getattr(cache, "layers", None) or []:
-        if not keeps_state(layer):
-            continue
-        kernels = getattr(layer, "conv_kernel_size", None) or {}
-        convs = []
-        for key, conv in sorted((getattr(layer, "conv_states", None) or {}).items()):
-            if isinstance(conv, torch.Tensor):
-                kernel = kernels.get(key) if isinstance(kernels, dict) else None
-                convs.append(conv[..., -kernel:] if kernel else conv)
-        ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
-               if isinstance(state, torch.Tensor)]
+    layer = first_recurrent_layer(cache)
+    if layer is not None:
+        convs, ssm = state_parts(layer)
         rows: list[list[int | None]] = [[] for _ in range(batch)]
         for tensors in (convs, ssm):
             tensors = [t for t in tensors if t.shape[0] == batch]
