@@ -14,8 +14,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from specaudit.equivalence.diagnosis.provenance import (CLASS_OF, ZERO, CallRecord, Provenance, ProvenanceLog,
-                                                         RowFeed, Slot, provenance_diagnosis)
+from specaudit.equivalence.diagnosis.provenance import (CHOSE_RIGHT, CLASS_OF, EXTRA_ENTRY, WRONG_POSITION, ZERO, CallRecord,
+                                                         Provenance, ProvenanceLog, RowFeed, Slot,
+                                                         provenance_diagnosis)
 
 PAD = 0
 A, B = [1, 2, 3], [4, 5]  # two requests; B is left-padded by one column in a batch with A
@@ -65,7 +66,7 @@ def diagnose(sim: Sim, prompts: list[list[int]], outputs: list[list[int]], refer
              index: int, position: int) -> tuple[str, str]:
     divergence = {"prompt_index": index, "position": position,
                   "engine_token": outputs[index][position] if position < len(outputs[index]) else None}
-    return provenance_diagnosis(sim.log, prompts, outputs, references, divergence)
+    return provenance_diagnosis(sim.log, prompts, outputs, references, divergence)[:2]
 
 
 def every_choice_checked(sim: Sim, prompts: list[list[int]], outputs: list[list[int]]) -> list:
@@ -231,6 +232,21 @@ def test_identical_prompts_are_one_prefix() -> None:
     assert cls == "kv_cache", evidence
 
 
+def test_a_right_choice_in_a_context_another_request_shares_refutes_nothing() -> None:
+    """Both requests are A; row 1 lost an entry of its cache and chose 66 where row 0, reading the same context
+    whole, chose the reference's 10. The right choice may be the other request's row, so it shows nothing of
+    row 1's inputs: no `CHOSE_RIGHT` fact, which would refute an input class a later check names."""
+    sim = Sim(2)
+    sim.call([A, A], [[0, 1, 2], [0, 1, 2]], None, {(0, 2): 7, (1, 2): 7})
+    sim.call([[7], [7]], [[3], [3]], None, {(0, 0): 8, (1, 0): 8})
+    del sim.caches[1][1]  # row 1's entry of index 1 lost
+    sim.call([[8], [8]], [[4], [4]], None, {(0, 0): 10, (1, 0): 66})
+    sim.call([[10], [66]], [[5], [5]], None, {(0, 0): 11, (1, 0): 12})
+    reading = provenance_diagnosis(sim.log, [A, A], [[7, 8, 10, 11], [7, 8, 66, 12]], [[7, 8, 10, 11]] * 2,
+                                   {"prompt_index": 1, "position": 2, "engine_token": 66})
+    assert reading.fact != CHOSE_RIGHT, reading
+
+
 def test_a_prompt_of_pad_ids_alone_is_content() -> None:
     """A prompt of pad ids alone, left-padded beside A: its pad ids are its tokens, read at their indices."""
     prompt = [PAD, PAD]
@@ -273,6 +289,43 @@ def test_a_rejected_proposal_that_another_request_holds_next_is_kv_cache() -> No
     sim.call([[6], [78]], [[3], [5]], {0: {0, 1}}, {(0, 0): 66, (1, 0): 79})
     cls, evidence = diagnose(sim, [B, other], [[9, 6, 66], [77, 78, 79]], [[9, 6, 2], [77, 78, 79]], 0, 2)
     assert cls == "kv_cache" and "column 5 holds token 3" in evidence and "extra entry" in evidence, evidence
+
+
+def test_a_later_call_computing_the_context_again_does_not_answer_for_an_earlier_step() -> None:
+    """An engine that re-feeds whole sequences: B, left-padded and numbered over its padding, chose 66 in call 0;
+    call 1 computes B's context again, unpadded and right, and its query chooses the reference's 9. The token
+    was emitted by call 0's query: position_ids, not a bug after the logits."""
+    sim = Sim(2)
+    sim.call([A, [PAD] + B], [[0, 1, 2], [0, 1, 2]], {1: {0}}, {(0, 2): 7, (1, 2): 66})
+    sim.caches = [[], []]
+    sim.call([[], B + [66]], [[], [0, 1, 2]], None, {(1, 1): 9, (1, 2): 13})
+    cls, evidence = diagnose(sim, [A, B], [[7], [66, 13]], [[7], [9, 2]], 1, 0)
+    assert cls == "position_ids" and "index 0" in evidence, evidence
+
+
+def test_a_wrong_position_that_the_sequence_holds_the_token_at_is_position_ids() -> None:
+    """The prompt 5, 4, 5 fed at positions 2, 3, 4: the first 5 sits at position 2, where the sequence holds a 5
+    too, but its writer read nothing before it, so it is index 0's entry at a wrong position, not index 2's
+    with two entries lost."""
+    prompt = [5, 4, 5]
+    sim = Sim(1)
+    sim.call([prompt], [[2, 3, 4]], None, {(0, 2): 66})
+    cls, evidence = diagnose(sim, [prompt], [[66]], [[7]], 0, 0)
+    assert cls == "position_ids" and "index 0 was expected there: wrong position" in evidence, evidence
+
+
+def test_a_token_doubled_in_the_output_tells_no_position_from_a_lost_copy() -> None:
+    """The output holds 7 twice, the row fed it once, numbered as if twice (a doubled bonus): a query fed 7 at
+    position 4 where the sequence holds 7 at indices 3 and 4 is index 3's at a wrong position or index 4's with
+    a copy lost. A run of one token tells no count from a position, so no input class is named: the checks
+    after the logits decide."""
+    sim = Sim(1)
+    sim.call([A], [[0, 1, 2]], None, {(0, 2): 7})
+    sim.call([[7]], [[4]], None, {(0, 0): 7})
+    reading = provenance_diagnosis(sim.log, [A], [[7, 7, 7]], [[7, 10, 11]],
+                                   {"prompt_index": 0, "position": 1, "engine_token": 7})
+    assert reading.fact not in (WRONG_POSITION, EXTRA_ENTRY), reading
+    assert "which holds the same token" in reading.evidence, reading
 
 
 def test_a_cache_compacted_between_calls_is_clean() -> None:

@@ -76,6 +76,7 @@ CLASS_OF: dict[str, str] = {
     WRONG_WINDOW: "attention_mask",  # a sliding-window layer's query does not read the row's last `window` tokens
 }
 AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order", "pad_as_content")
+CHOSE_RIGHT = "chose right"  # every query with the row's exact context chose the reference's token
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,6 +166,7 @@ class ProvenanceLog:
     pad_token_id: int | None = None
     window: int | None = None  # the sliding window (tokens, the query's own included) of the target's windowed layers
     hook_seconds: float = 0.0  # the hooks' own time inside the engine's call
+    draft_calls: int = 0  # the draft model's forward calls inside the engine's call
     _writers: dict[int, list[Slot]] | None = field(default=None, repr=False)
     _tokens: dict[int, frozenset[int]] | None = field(default=None, repr=False)
     _after: dict[int, frozenset[int]] | None = field(default=None, repr=False)
@@ -259,8 +261,9 @@ class ProvenanceLog:
 
     @property
     def speculated(self) -> bool:
-        """Some call fed a row several new tokens onto a cache that held entries (a verification of proposals)."""
-        return any(len(feed.tokens) > 1 and min(feed.columns) > 0 for r in self.calls for feed in r.rows)
+        """The engine ran its draft model, or some call fed a row several new tokens onto a cache that held entries
+        (a verification of proposals)."""
+        return self.draft_calls > 0 or any(len(feed.tokens) > 1 and min(feed.columns) > 0 for r in self.calls for feed in r.rows)
 
 
 class Provenance:
@@ -315,10 +318,17 @@ class Provenance:
                         holding, key=lambda w: (log.position(w) != j, w))
                     position = log.position(writer)
                     if position != j:
-                        if position < j and expected[position] == want:  # the row's token at `position` again
-                            return self._extra(slot, request, column, writer, j, f"a second copy of index {position}")
+                        # where the sequence holds the same token at the index fed, the entry may be that index's
+                        # (a copy, or entries between lost): so it is where its writer read another count than j
+                        # tokens in order, or where every index between holds the token too (a run of one token
+                        # tells no count from a position); otherwise it is index j's entry at a wrong position
                         whole = self.sequences[request]
-                        if j < position < len(whole) and whole[position] == want:  # index `position`'s entry:
+                        low, high = min(position, j), max(position, j)
+                        if 0 <= position < len(whole) and whole[position] == want and (
+                                all(t == want for t in whole[low:high + 1])
+                                or self._read_of(writer, request, min(len(whole), high + 1)) != j + 1):
+                            if position < j:  # index `position` again
+                                return self._extra(slot, request, column, writer, j, f"a second copy of index {position}")
                             return Violation(MISSING_ENTRY, slot, column, want, position, j, j, writer,  # j's missing
                                              f"the entry of index {position}, which holds the same token")
                         return Violation(WRONG_POSITION, slot, column, want, position, j, j, writer)
@@ -514,7 +524,8 @@ class Provenance:
     def producers(self, request: int, n: int, token: int) -> list[tuple[Slot, Violation | None]]:
         """The queries that chose `token` as the one after the first n tokens of request `request`'s sequence
         (their fed token is its token n - 1; not one that read the sequence past it, a later query fed the same
-        token, nor one fed at another index where the sequence holds the same token, that index's query), with
+        token, nor one fed at another index where the sequence holds the same token that did not read the first
+        n tokens, that index's query), with
         the first violation behind each; the most correct first: no
         violation, then the most of the sequence its row holds, then the most read (in order, whatever else was
         read among it), then one whose row went on with the token, then one fed at the token's own index, then the
@@ -524,9 +535,11 @@ class Provenance:
         sequence = self.sequences[request]
 
         def elsewhere(slot: Slot) -> bool:
-            """Fed at another index of the sequence that holds its token there: that index's query."""
+            """Fed at another index of the sequence that holds its token there, reading less than the first n
+            tokens in order: that index's query (one that read them all is this index's, at a wrong position)."""
             position = self.log.position(slot)
-            return position != n - 1 and 0 <= position < len(sequence) and sequence[position] == last
+            return (position != n - 1 and 0 <= position < len(sequence) and sequence[position] == last
+                    and self._read_of(slot, request, n) < n)
 
         chose = [slot for slot in self.log.slots()
                  if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token
@@ -634,11 +647,20 @@ def after_the_logits(request: int, position: int, prompts: Sequence[Sequence[int
     return "unknown", "the target chose right and the engine did not speculate: what emitted the token is not seen"
 
 
+class Reading(NamedTuple):
+    """What the provenance says of one divergence: its class, the evidence, and the fact that decided it (a key of
+    `CLASS_OF` for a violation, `CHOSE_RIGHT` for a class after the logits; None: nothing seen decides)."""
+
+    cls: str
+    evidence: str
+    fact: str | None = None
+
+
 def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                          references: Sequence[Sequence[int]], divergence: dict[str, Any], *,
                          eos_token_id: Any = None, max_new_tokens: int | None = None,
-                         provenance: Provenance | None = None) -> tuple[str, str]:
-    """(class, evidence) of one structural divergence (`prompt_index`, `position`, `engine_token`): the first
+                         provenance: Provenance | None = None) -> Reading:
+    """The `Reading` of one structural divergence (`prompt_index`, `position`, `engine_token`): the first
     violation behind the query that chose the engine's token, else, where queries read the row's exact context
     and chose the reference's token, the class after the logits. `provenance`: one shared across the run's
     divergences (its memo), built over `prompts` and `outputs` when not given."""
@@ -648,42 +670,49 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
         provenance = Provenance(log, [list(p) + list(o) for p, o in zip(prompts, outputs)])
     n = len(prompts[request]) + position  # the emitted token's index in the sequence
     if not log.calls:
-        return "unknown", "no target call was recorded"
+        return Reading("unknown", "no target call was recorded")
     correct = provenance.correct_queries(request, n) if n >= 1 else []
-    if token is not None and any(other != request and tuple(sequence[:n]) == provenance.sequences[request][:n]
-                                 for other, sequence in enumerate(provenance.sequences)):
+    shared = any(other != request and tuple(sequence[:n]) == provenance.sequences[request][:n]
+                 for other, sequence in enumerate(provenance.sequences))
+    if token is not None and shared:
         # another request shares the first n tokens: a query of its row computes the same context, and its choice
         # says nothing of this row's, unless this row went on with the engine's token after it
         correct = [s for s in correct if int(token) in log.fed_after(log.token(s), log.position(s))]
     reference = list(references[request])
     wanted = reference[position] if position < len(reference) else None
     chose = {log.feed(s).choices[s.index] for s in correct} - {-1}  # -1: the head did not compute it
-    # a query fed the row's exact context at the token's own index that chose the reference's token: the target
-    # chose right where the row asked it, whatever other query chose the engine's token
-    chose_right = wanted is not None and chose == {wanted} and any(
-        log.position(s) == n - 1 and log.feed(s).choices[s.index] == wanted for s in correct)
     if token is not None and n >= 1:
         ranked = provenance.producers(request, n, int(token))
         held = provenance.held_of(ranked[0][0], request, n) if ranked else 0
-        at_index = bool(ranked) and log.position(ranked[0][0]) == n - 1
-        if ranked and ranked[0][1] is not None and (held < n - 1 or chose_right and not (held == n and at_index)):
+        # a query fed the row's exact context at the token's own index, no later than the producer's call, that
+        # chose the reference's token: the target chose right where the row asked it (a later call's query
+        # computes the context again, after the token was emitted: an engine that re-feeds whole sequences)
+        chose_right = bool(ranked) and wanted is not None and chose == {wanted} and any(
+            s.call <= ranked[0][0].call and log.position(s) == n - 1 and log.feed(s).choices[s.index] == wanted
+            for s in correct)
+        if ranked and ranked[0][1] is not None and (held < n - 1 or chose_right and held < n):
             # the best query that chose the engine's token holds little of the row's sequence (a query of another
             # context), or, where a query fed the row's exact context at the token's index chose the reference's
-            # token, is not itself a query of the whole sequence at that index: a coincidence of tokens
+            # token, does not hold the whole sequence: a coincidence of tokens
             ranked = []
         if ranked and ranked[0][1] is None:
-            return "unknown", (f"a query that read the row's exact context chose the engine's token {token} "
-                               f"(target call {ranked[0][0].call}, batch row {ranked[0][0].row})")
+            return Reading("unknown", f"a query that read the row's exact context chose the engine's token {token} "
+                           f"(target call {ranked[0][0].call}, batch row {ranked[0][0].row})")
         if ranked:
             violation = ranked[0][1]
-            return violation.cls, violation.evidence()
+            return Reading(violation.cls, violation.evidence(), violation.fact)
     if correct and (wanted is None or chose == {wanted}):
         cls, why = after_the_logits(request, position, prompts, outputs, references, log.speculated, eos_token_id,
                                     max_new_tokens, log.pad_token_id)
-        return cls, f"{len(correct)} queries read the row's exact context and chose the reference's token: {why}"
+        if shared:  # the right choice may be another request's row: it shows nothing of this row's inputs
+            return Reading(cls, f"{len(correct)} queries read the row's exact context, which another request "
+                           f"shares, and chose the reference's token: {why}")
+        return Reading(cls, f"{len(correct)} queries read the row's exact context and chose the reference's token: "
+                       f"{why}", CHOSE_RIGHT)
     if token is None:
-        return "unknown", "the output stops here and no query read the row's exact context"
-    return "unknown", f"no query chose token {token} after the row's first {n} tokens, and none read them exactly"
+        return Reading("unknown", "the output stops here and no query read the row's exact context")
+    return Reading("unknown", f"no query chose token {token} after the row's first {n} tokens, and none read them "
+                   "exactly")
 
 
 def _subsequence(short: list[int], long: list[int]) -> bool:
