@@ -24,9 +24,7 @@ from specaudit.equivalence import rulings, speculation
 from specaudit.equivalence.blackbox import requests_run
 from specaudit.equivalence.diagnosis.core import PROVENANCE, Diagnoser, note_shared_mechanisms
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.feed_check import INPUT_CLASSES
-from specaudit.equivalence.diagnosis.observe import OBSERVED_STATE
-from specaudit.equivalence.diagnosis.observe import watch_for
+from specaudit.equivalence.diagnosis.observe import INPUT_CLASSES, watch_for
 from specaudit.equivalence.acceptance.run import acceptance_of_run, load_baseline
 from specaudit.equivalence.draft_fidelity import draft_divergence, first_draft_mismatches
 from specaudit.equivalence.isolate import Isolation, failure_finding, isolatable, isolate_failures
@@ -213,8 +211,8 @@ def audit_engine(
     #    compactly for the diagnosis (diagnosis/observe.py)
     watch = None
     if diagnosis != "off" and not capability(engine, "black_box"):
-        watch = watch_for(prompts, pair.target, pair.draft, pad_token_id if pad_token_id is not None
-                          else pair.pad_token_id)
+        watch = watch_for(pair.target, pad_token_id if pad_token_id is not None else pair.pad_token_id,
+                          getattr(pair, "draft", None))
     run = run_engine(engine, prompts, max_new_tokens, eos_token_id, context, watch, isolate=requests is None)
     # 2. compare with the reference and rule each divergence: in float64 every mismatch is a bug; below it,
     #    and for black-box engines in any dtype, precision is measured on the run (rulings/ruler.py); under
@@ -512,12 +510,9 @@ def unnamed(divergence: Divergence) -> bool:
 
 
 def seen_input(diagnosis: Diagnosis) -> bool:
-    """A wrong input the watched run was seen feeding (its provenance, or a replay or the state's re-run confirmed
-    what was fed): the cause,
-    before a class named from outputs alone (a processor replay whose token the wrong input chose by chance)."""
-    named_by = str(diagnosis.named_by or "")
-    return diagnosis.cls in INPUT_CLASSES and (
-        named_by in ("a reproducing replay", "the observed inputs", PROVENANCE) or named_by.startswith(OBSERVED_STATE))
+    """A wrong input the watched run was seen feeding (its provenance named it): the cause, before a class named
+    from outputs alone (a processor replay whose token the wrong input chose by chance)."""
+    return diagnosis.cls in INPUT_CLASSES and str(diagnosis.named_by or "") == PROVENANCE
 
 
 def diagnose(judged: Ruled, facts: RunFacts) -> Diagnoser:

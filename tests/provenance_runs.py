@@ -37,5 +37,5 @@ def provenance_run(pair_name: str, make: Callable[..., Any], *, num_prompts: int
     provenance = Provenance(hooked.hooks.log, [list(p) + list(o) for p, o in zip(prompts, outputs)])
     found = [provenance_diagnosis(hooked.hooks.log, prompts, outputs, references, d, max_new_tokens=max_new_tokens,
                                   provenance=provenance) for d in structural]
-    return ProvenanceRun(record, [c for c, _ in found], [e for _, e in found], hooked.hooks.log.hook_seconds,
+    return ProvenanceRun(record, [r.cls for r in found], [r.evidence for r in found], hooked.hooks.log.hook_seconds,
                          hooked.generate_seconds)

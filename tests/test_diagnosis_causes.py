@@ -22,6 +22,7 @@ import pytest
 from specaudit.testing.faults.outside import EOS, EXPECTED_OUTSIDE_CLASS, OUTSIDE_FAULTS, PAD, audit_outside_fault
 
 from cli_run import audit, runs
+from specaudit.equivalence.diagnosis.core import PROVENANCE
 
 def _content(seed: int, length: int) -> list[int]:
     rng = random.Random(seed)
@@ -91,17 +92,17 @@ def test_published_eqspec_with_its_cache_is_diagnosed_by_cause(tmp_path: Path) -
     """The closer port (`tests/paper_engines_cached.py`: draft through `generate`, a cropped and
     realigned DynamicCache). On the built-in prompts tiny-llama generates the pad id 256 as a new
     token of prompt 4; the published masks then hide it from later passes only. The audited run is watched, so
-    the observation decides first: the query that chose the divergent token cannot read that pad id, and a replay
-    of exactly those inputs chooses the engine's token (a free-running masked replay would miss it; without the
-    observation the replay along the engine's own output decides)."""
+    the provenance decides first: the query that chose the divergent token cannot read that pad id, which its row
+    fed (a free-running masked replay would miss it; without the observation the replay along the engine's own
+    output decides)."""
     result = audit("--engine", "paper_engines_cached:make_eqspec", "--pair", "tiny-llama", "--batch-size", "4",
                    "--num-prompts", "6", "--no-adversarial", out=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     (run,) = runs(tmp_path)
     found = {d["prompt_index"]: d["diagnosis"] for d in run["divergences"] if d["kind"] == "structural"}
     assert found[4]["class"] == "pad_as_content", found[4]
-    assert found[4]["named_by"] == "a reproducing replay" and found[4]["evidence"].startswith("observed: "), found[4]
-    assert "each the pad id 256" in found[4]["evidence"], found[4]
+    assert found[4]["named_by"] == PROVENANCE, found[4]
+    assert "holds token 256" in found[4]["evidence"] and "pad-id token hidden" in found[4]["evidence"], found[4]
     assert found[5]["class"] == "stop_eos", found[5]
     assert _classes(run)["unknown"] == 0, found
 

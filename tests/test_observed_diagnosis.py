@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cli_run import audit, runs
 from specaudit.equivalence.diagnosis.causes import Cause
 from specaudit.equivalence.diagnosis.core import PROVENANCE, Diagnoser
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.feed_check import CLEAN, Verdict
+from specaudit.equivalence.diagnosis.observe import DRAFT_CHOICE
+from specaudit.equivalence.diagnosis.provenance import (CHOSE_RIGHT, MISSING_ENTRY, CallRecord, ProvenanceLog,
+                                                        Reading, RowFeed)
 
 EXPECTED = {"loop_padded_positions": "position_ids", "holes_all_slots": "position_ids",
             "recompute_sees_padding": "attention_mask", "generate_all_ones": "attention_mask",
@@ -50,26 +53,17 @@ def test_observed_bugs_are_named_by_their_cause(pair: str, tmp_path: Path) -> No
                                                    for d in structural))
         observed = [d for d in named if seen(d)]
         assert observed, f"{variant}: the observation decided none"
-        evidence = observed[0]["diagnosis"]["evidence"]
-        if observed[0]["diagnosis"]["named_by"] == PROVENANCE:  # what each query read, by its writers
-            fact = "wrong position" if expected == "position_ids" else "padding visible"
-            assert " fed at position " in evidence and f"was expected there: {fact}" in evidence, evidence
-        elif expected == "position_ids":  # what it saw, checkable: the token, the position fed, its index
-            assert " fed position " in evidence and "its index in the row is" in evidence, evidence
-        else:
-            assert "padding column(s)" in evidence, evidence
-        if observed[0]["diagnosis"]["named_by"] != PROVENANCE:
-            assert "a replay of the target with exactly the observed inputs chooses the engine's token" in evidence
+        evidence = observed[0]["diagnosis"]["evidence"]  # what each query read, by its writers
+        fact = "wrong position" if expected == "position_ids" else "padding visible"
+        assert " fed at position " in evidence and f"was expected there: {fact}" in evidence, evidence
         assert run["timing"]["observation"] > 0, run["timing"]
     assert not wrong, "\n".join(wrong)
 
 
 
 def seen(divergence: dict) -> bool:
-    """Named by what the run's own call was seen to feed: the provenance of each column read, or the
-    observation's feed check."""
-    diagnosis = divergence["diagnosis"]
-    return diagnosis.get("named_by") == PROVENANCE or diagnosis["evidence"].startswith("observed: ")
+    """Named by what the run's own call was seen to read: the provenance of each column read."""
+    return divergence["diagnosis"].get("named_by") == PROVENANCE
 
 
 @pytest.mark.precision  # the engine's tokens round in bfloat16: run under the CPU's other kernels too
@@ -145,9 +139,7 @@ def test_a_cache_not_cropped_and_a_pad_id_masked_are_named(tmp_path: Path) -> No
             assert observed and any(f in observed[0] for f in ("cached column(s) not in the row's sequence",
                                                               "extra entry")), observed[:1]
         if expected == "attention_mask":  # the padding seen read (or computed reading nothing, replayed so)
-            confirmed = [d for d in structural if "padding visible" in d["diagnosis"]["evidence"]
-                         or ("padding column(s)" in d["diagnosis"]["evidence"]
-                             and "observed inputs chooses the engine's token" in d["diagnosis"]["evidence"])]
+            confirmed = [d for d in structural if "padding visible" in d["diagnosis"]["evidence"]]
             assert len(confirmed) >= 0.9 * len(structural), [d["diagnosis"]["evidence"][:200] for d in structural]
 
 
@@ -179,40 +171,50 @@ def test_quick_diagnosis_observes_the_run_itself_and_reruns_nothing(tmp_path: Pa
     assert all(by in ("a reproducing replay", PROVENANCE) for by in named), named
 
 
-def _reconciled(verdict: Verdict, found: Cause | None) -> Cause | None:
+def _log(speculated: bool) -> ProvenanceLog:
+    """One target call of one row: a prefill (one token onto an empty cache), or a verification (two tokens onto
+    a cache that held one)."""
+    tokens, columns = ((4, 5), (1, 2)) if speculated else ((4,), (0,))
+    width = columns[-1] + 1
+    log = ProvenanceLog(pad_token_id=None)
+    log.add(CallRecord(0, (RowFeed(tokens, columns, columns, tuple(range(width)), np.ones((len(tokens), width), bool),
+                                   (3,) * len(tokens), (1.0,) * len(tokens)),)))
+    return log
+
+
+def _reconciled(log: ProvenanceLog | str, reading: Reading | None, found: Cause | None) -> Cause | None:
     diagnoser = Diagnoser(RunFacts(prompts=[[1]], references=[[2]], outputs=[[3]], max_new_tokens=1,
                                    eos_token_id=None, pad_token_id=None))
-    diagnoser._observed = verdict
+    diagnoser._run_observation, diagnoser._observed = log, reading
     return diagnoser._reconcile(found, [])
 
 
 def test_a_class_the_observation_contradicts_becomes_unknown() -> None:
-    clean = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3, batched=True)
+    """Only what was seen overrules a class the later checks named: queries with the row's exact context that
+    chose the reference's token refute an input class; an engine seen never verifying proposals, or a target query
+    that chose the engine's token, refutes `acceptance_rule`. Nothing seen, or a fact left to the checks, overrules
+    nothing."""
+    right = Reading("acceptance_rule", "3 queries read the row's exact context and chose the reference's token",
+                    CHOSE_RIGHT)
     named = Cause("position_ids", "a replay with shifted positions", "a reproducing replay", "")
-    assert _reconciled(clean, named).cls == "unknown"
-    assert "the observation contradicts it" in _reconciled(clean, named).evidence
-    other = Verdict("attention_mask", "observed: padding read", confirmed=False, speculated=True, target_calls=3,
-                    batched=True)
-    assert _reconciled(other, named).cls == "unknown"
-    same = Verdict("position_ids", "observed: position 13", confirmed=False, speculated=True, target_calls=3)
-    assert _reconciled(same, named).cls == "position_ids"
-    kept = Cause("acceptance_rule", "the engine's token is the draft's own choice", "a heuristic", "")
-    plain = Verdict(CLEAN, "observed: inputs right", confirmed=False, speculated=False, target_calls=3)
-    assert _reconciled(plain, kept).cls == "unknown"  # an engine that never called its draft did not speculate
-    speculating = Verdict(CLEAN, "observed: inputs right", confirmed=True, speculated=True, target_calls=3)
-    assert _reconciled(speculating, kept).cls == "acceptance_rule"
-    assert _reconciled(Verdict(None, "nothing seen"), named).cls == "position_ids"
-
-
-def test_only_the_batch_calls_contradict_a_class() -> None:
-    """Inputs seen right in a call that decoded the row alone (not the engine's batched pass) overrule nothing,
-    and neither does a violation seen there: the class the replays named stands."""
-    named = Cause("kv_cache", "a replay with the rejected slots kept", "a reproducing replay", "")
-    alone = Verdict(CLEAN, "observed: inputs right (batch row 0 of 1)", confirmed=True, speculated=True,
-                    target_calls=3, batched=False)
-    assert _reconciled(alone, named).cls == "kv_cache"
-    other = Verdict("attention_mask", "observed: padding read", speculated=True, target_calls=3, batched=False)
-    assert _reconciled(other, named).cls == "kv_cache"
+    assert _reconciled(_log(True), right, named).cls == "unknown"
+    assert "contradicts" in _reconciled(_log(True), right, named).evidence
+    missing = Reading("kv_cache", "column 3: missing entry", MISSING_ENTRY)
+    assert _reconciled(_log(True), missing, named).cls == "position_ids"
+    assert _reconciled(_log(True), Reading("unknown", "no query chose it"), named).cls == "position_ids"
+    assert _reconciled("the run was not watched", right, named).cls == "position_ids"
+    pad = Cause("pad_as_content", "the reference's next token is the pad id", "the outputs", "")
+    assert _reconciled(_log(True), right._replace(cls="pad_as_content"), pad).cls == "pad_as_content"
+    kept = Cause("acceptance_rule", "the engine's token is the draft's own choice", DRAFT_CHOICE, "")
+    assert _reconciled(_log(False), right, kept).cls == "unknown"  # an engine that never verified did not speculate
+    assert _reconciled(_log(True), right, kept).cls == "acceptance_rule"
+    assert _reconciled(_log(True), missing, kept).cls == "unknown"  # the target chose the engine's token
+    # a replay that reproduces a doubled bonus explains the wrong input seen after it: not overruled
+    doubled = Cause("acceptance_rule", "a replay with the bonus token emitted twice", "a reproducing replay", "")
+    assert _reconciled(_log(True), missing, doubled).cls == "acceptance_rule"
+    drafted = _log(False)
+    drafted.draft_calls = 2  # an engine that ran its draft model speculated, whatever its target calls were
+    assert _reconciled(drafted, right, kept).cls == "acceptance_rule"
 
 
 def test_the_hooks_cover_the_engines_own_call_alone() -> None:
@@ -253,19 +255,6 @@ def test_the_hooks_cover_the_engines_own_call_alone() -> None:
 
     plain.pair = models.pair("tiny-gpt2")
     assert "takes no `around`" in observe_run(plain, [[5]], None)
-
-
-def test_a_coincidence_gives_way_to_a_wrong_input_seen() -> None:
-    """A repeated token left unjudged, whose pass was seen feeding a wrong input, is not `acceptance_rule` on the
-    draft-choice coincidence alone; a reproducing replay of a doubled token still names it."""
-    seen = Verdict(None, "observed, not judged: a repeated token", speculated=True, target_calls=3, seen="kv_cache")
-    chance = Cause("acceptance_rule", "the draft's own choice",
-                   "the engine's token is the draft's own choice (no replay reproduced it)", "")
-    assert _reconciled(seen, chance).cls == "unknown"
-    replayed = Cause("acceptance_rule", "the bonus token emitted twice", "a reproducing replay", "")
-    assert _reconciled(seen, replayed).cls == "acceptance_rule"
-    unconfirmed = Verdict("kv_cache", "observed: stale columns read", speculated=True, target_calls=3)
-    assert _reconciled(unconfirmed, chance).cls == "unknown"
 
 
 @pytest.mark.parametrize("pair", ["tiny-lfm2", "tiny-qwen3-next", "tiny-bamba"])

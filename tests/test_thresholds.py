@@ -11,7 +11,7 @@ THRESHOLDS = ROOT / "equivalence" / "rulings" / "thresholds.py"
 LIBRARY = ("specaudit", "engines", "equivalence", "bench", "property_tests", "fixtures")
 # the thresholds a ruling, a diagnosis, a gate or a statistical test decides by (each once, in thresholds.py)
 DECIDING = ("FLOAT64_LOGIT_TOLERANCE", "NOISE_FACTOR", "REPORT_FLOOR", "OTHER_REFERENCE_TOKENS", "EXPLAIN_RATIO",
-            "NOISY_EXPLAIN_RATIO", "MASKED_REPLAY_AGREEMENT", "STATE_RESOLUTION_EPS", "HIDDEN_MASK_FRACTION",
+            "NOISY_EXPLAIN_RATIO", "MASKED_REPLAY_AGREEMENT", "HIDDEN_MASK_FRACTION",
             "RERUN_BUDGET", "PAD_RERUN_BUDGET", "MASKED_WINDOW", "TOKEN_WINDOW", "ALPHA", "POWER", "PIT_BINS",
             "SERVED_PIT_BINS", "MIN_EXPECTED_PER_BIN", "ROUNDING", "ROUNDING_FACTOR", "MEAN_TOLERANCE")
 

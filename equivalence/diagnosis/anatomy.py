@@ -8,10 +8,8 @@ and library versions.
 1. Where to hook: `embedding_owner` (the module that takes the input ids), `position_module` (the one that
    consumes the position ids), `attention_module` (the first full-attention layer, or sliding-window layer).
 2. What a call hands over: `bind_arguments` (its arguments by name), `allowed_reads` (which columns each query
-   may read, from the mask an attention layer receives), `empty_reads_of` (how a query that reads nothing is
-   computed), `output_cache` (the cache a model's output hands back).
-3. What a cache holds: `first_keys` (the keys of its first full-attention layer), `key_of` (one entry's keys as
-   bytes), `recurrent_states` and `row_state` (the first recurrent layer's state, sampled per row).
+   may read, from the mask an attention layer receives).
+3. What a cache holds: `first_recurrent_layer` and `state_parts` (the first recurrent layer's state, per part).
 4. What the model is: `layer_types`, `sliding_window`, `has_recurrent_layers`, and `observable` (why its inputs
    cannot be judged by observation, or None).
 """
@@ -22,32 +20,16 @@ import functools
 import inspect
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from specaudit.equivalence.rulings.thresholds import HIDDEN_MASK_FRACTION
 
 POSITION_MODULE_NAMES = ("wpe", "embed_positions")
-STATE_SAMPLE = 4096  # elements of a row's recurrent state kept per call (evenly spaced): enough to tell histories apart
 
 
 def keeps_state(layer: Any) -> bool:
     """A cache layer that keeps a recurrent state (a convolution window, an SSM state)."""
     return hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states")
-
-
-def first_keys(cache: Any) -> torch.Tensor | None:
-    """The keys [B, H, columns, D] of the cache's first layer that keeps every column (not a sliding window's,
-    which drops the old ones, nor a recurrent layer's); None: no such layer holds them as a tensor."""
-    for layer in getattr(cache, "layers", None) or []:
-        if getattr(layer, "sliding_window", None) is not None or (keeps_state(layer) and not hasattr(layer, "keys")):
-            continue
-        keys = getattr(layer, "keys", None)
-        return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
-    return None
-
-
-STATE_PARTS = ("convolution window", "SSM state")
 
 
 def first_recurrent_layer(cache: Any) -> Any:
@@ -56,7 +38,7 @@ def first_recurrent_layer(cache: Any) -> Any:
 
 
 def state_parts(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A recurrent cache layer's state, per part (`STATE_PARTS`): its convolution windows (the last `kernel` columns
+    """A recurrent cache layer's state, per part (`provenance.STATE_PARTS`): its convolution windows (the last `kernel` columns
     of each) and its SSM states, each a list of [B, ...] tensors in key order."""
     kernels = getattr(layer, "conv_kernel_size", None) or {}
     convs = []
@@ -67,40 +49,6 @@ def state_parts(layer: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ssm = [state for _, state in sorted((getattr(layer, "recurrent_states", None) or {}).items())
            if isinstance(state, torch.Tensor)]
     return convs, ssm
-
-
-def recurrent_states(cache: Any) -> dict[str, torch.Tensor] | None:
-    """Per part of the cache's first recurrent layer's state (`STATE_PARTS`: its convolution windows, the last
-    `kernel` columns of each, and its SSM states), [B, n] float64 on the CPU, `STATE_SAMPLE` evenly spaced
-    elements at most (the parts apart: an engine may roll one back and not the other); None where the cache keeps
-    none yet."""
-    layer = first_recurrent_layer(cache)
-    if layer is not None:
-        convs, ssm = state_parts(layer)
-        states = {}
-        for name, parts in zip(STATE_PARTS, (convs, ssm)):
-            if parts:
-                rows = torch.cat([p.detach().reshape(p.shape[0], -1).to("cpu", torch.float64) for p in parts], dim=1)
-                if rows.shape[1] > STATE_SAMPLE:
-                    rows = rows[:, torch.linspace(0, rows.shape[1] - 1, STATE_SAMPLE, device="cpu").long()]
-                states[name] = rows
-        return states or None
-    return None
-
-
-def output_cache(output: Any) -> Any:
-    """The cache a model's output hands back (`cache` from transformers 5.24, `past_key_values` before)."""
-    for name in ("cache", "past_key_values"):
-        value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def row_state(states: dict[str, torch.Tensor] | None, row: int) -> dict[str, np.ndarray] | None:
-    if states is None or any(row >= rows.shape[0] for rows in states.values()):
-        return None
-    return {name: rows[row].numpy() for name, rows in states.items()}
 
 
 def layer_types(model: Any) -> list[str] | None:
@@ -118,11 +66,6 @@ def sliding_window(model: Any) -> int | None:
     window = getattr(config, "sliding_window", None) or getattr(getattr(config, "text_config", None),
                                                                  "sliding_window", None)
     return int(window) if window else None
-
-
-def key_of(keys: torch.Tensor, row: int, column: int) -> bytes:
-    """The bytes of one entry's keys [H, D], in any dtype (numpy has no bfloat16: read as raw bytes)."""
-    return keys[row, :, column, :].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def bind_arguments(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -202,13 +145,6 @@ def consumed_positions(leaf: str, module: Any, args: tuple, kwargs: dict[str, An
     return positions if isinstance(positions, torch.Tensor) else None
 
 
-def empty_reads_of(mask: Any) -> str:
-    """How the attention layer computed a query its mask hides everything from (`CallRow.empty_reads`)."""
-    if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point and not bool(torch.isinf(mask).any()):
-        return "every"
-    return "nothing"
-
-
 def allowed_reads(mask: Any, batch: int, q: int, kv: int, last: bool = False) -> torch.Tensor | None:
     """[B, q, kv] bool from a mask as an attention layer receives it ([B|1, 1|H, q, kv] bool or additive);
     None when it is not a tensor of that shape. `last`: a sliding-window layer's mask, which may cover only the
@@ -228,8 +164,6 @@ def allowed_reads(mask: Any, batch: int, q: int, kv: int, last: bool = False) ->
     out = torch.zeros(batch, q, kv, dtype=torch.bool, device="cpu")
     out[..., kv - width:] = mask.expand(batch, q, width)
     return out
-
-
 
 
 def has_recurrent_layers(model: Any) -> bool:

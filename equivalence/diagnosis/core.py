@@ -18,29 +18,28 @@ the user must fix, from one vocabulary (`CLASSES`, each with its fix in one sent
     prompt_truncated the prompt cut to a limit (its first or last N tokens) before decoding
     unknown          none of the above is shown by the evidence
 
-The diagnosis ranks causes before symptoms and experiments before coincidences, and stops at the
-first decisive result: the output against other prompts' references; a reference replay on the
-prompt cut to a common limit (`prompt_truncated`); the pad id in the row (or equal to EOS beside a
-row that stopped early), decided by a re-run with another pad id or, when the engine takes no pad
-option, by a replay with the pad-id tokens masked and where the divergence starts
-(`diagnosis/causes.py`); the EOS and the trace's own record; for an in-process engine, one hooked re-run
-of the divergent batch that observes what it fed the target (`diagnosis/observe.py`): a violation of what a
-correct engine feeds that a replay of exactly the observed inputs reproduces decides; then logit replays with
-shifted positions or a widened mask (`diagnosis/replay.py`), one judged on tokens alone tested by the re-run that would show its
-bug (alone, or with another pad id); only then the heuristics (the engine's token is the draft's own
-choice) and the length symptom; last, re-runs alone and beside a copy of itself. Where the audited run itself
-was watched, the provenance of what the producing query read ranks first (diagnosis/provenance/: a column its
-row's sequence does not hold there, a row token it could not read, a token at another position name the class
-by fact), then the observation. `evidence` says
-what was tried and what it showed, and `named_by` which evidence decided. A class that the observation
-positively contradicts (the inputs of a call of the row's batch seen right, or wrong in another way than the
-class says) becomes `unknown` with what was seen, and so does `acceptance_rule` for an engine that did not
-speculate; an observation that judged nothing leaves the class to the replays. Divergences of one run
-that one mechanism explains say so (`note_shared_mechanisms`).
+The diagnosis ranks causes before symptoms and facts before coincidences, and stops at the first decisive
+result. For an in-process engine whose audited run was watched, the provenance of what the producing query
+read comes first (diagnosis/provenance/; a run not watched is observed by one hooked re-run of its call, after
+the checks that need no re-run, `_ranked_checks`): a column its row never fed, padding or fill visible, a row token hidden, a token
+at another position, a recurrent state or window not the row's own name the class by fact. Then the output
+against other prompts' references; a reference replay on the prompt cut to a common limit
+(`prompt_truncated`); the pad id in the row (or equal to EOS beside a row that stopped early), decided by a
+re-run with another pad id or, when the engine takes no pad option, by a replay with the pad-id tokens masked
+and where the divergence starts (`diagnosis/causes.py`); the EOS and the trace's own record; then logit replays
+with shifted positions or a widened mask (`diagnosis/replay.py`), made only where the provenance saw nothing
+(servers, recordings, an engine whose target cannot be hooked), one judged on tokens alone tested by the re-run
+that would show its bug (alone, or with another pad id); only then the heuristics (the engine's token is the
+draft's own choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
+what was tried and what it showed, and `named_by` which evidence decided. An input class that the provenance
+contradicts (every query with the row's exact context chose the reference's token) becomes `unknown` with
+what was seen, and so does `acceptance_rule` for an engine that did not speculate; a provenance that saw
+nothing leaves the class to the replays. Divergences of one run that one mechanism explains say so
+(`note_shared_mechanisms`).
 
 The ranking is `Diagnoser._ranked_checks`, a tuple of checks in that order: each reads the divergence (`Case`),
-notes what it tried and returns a cause or None, and the first cause decides (`_decide`); the observation's
-verdict is kept for the reconciliation (`observe.Observing._reconcile`). What a run's diagnosis reads comes in
+notes what it tried and returns a cause or None, and the first cause decides (`_decide`); the provenance's
+reading is kept for the reconciliation (`observe.Observing._reconcile`). What a run's diagnosis reads comes in
 one frozen record, `facts.RunFacts`, built where the audit diagnoses the run.
 
 Re-runs go through the run's context (`equivalence/run_context.py`): `run.rerun(indices, pad_token_id)`
@@ -66,10 +65,12 @@ from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.facts import RunFacts
-from specaudit.equivalence.diagnosis.feed_check import FeedCheck
-from specaudit.equivalence.diagnosis.observe import OBSERVED_MECHANISMS, OBSERVED_STATE, Observing
+from specaudit.equivalence.diagnosis.observe import DRAFT_CHOICE, OBSERVED_MECHANISMS, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
-from specaudit.equivalence.diagnosis.provenance import AFTER_THE_LOGITS, Provenance, provenance_diagnosis
+from specaudit.equivalence.diagnosis.provenance import (CHOSE_RIGHT, EXTRA_ENTRY, FILL_VISIBLE, PADDING_IN_STATE,
+                                                        PADDING_VISIBLE, PAD_HIDDEN, TOKEN_HIDDEN, WRONG_POSITION,
+                                                        WRONG_STATE, WRONG_WINDOW, Provenance, ProvenanceLog,
+                                                        provenance_diagnosis)
 from specaudit.equivalence.records import ABSENT, Diagnosis, Divergence
 from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PAD_RERUN_BUDGET, RERUN_BUDGET
 
@@ -79,9 +80,8 @@ PROVENANCE = "the provenance of the columns each query read"
 # another position. A token no readable column holds (a missing entry), a foreign entry and the classes after
 # the logits are left to the checks below: the outputs against every reference, the pad-id and stop experiments,
 # the trace
-DECISIVE = ("attention_mask", "kv_cache", "pad_as_content", "position_ids", "recurrent_state")
-DECISIVE_FACTS = ("padding visible", "fill visible", "token hidden", "extra entry", "wrong position", "wrong state",
-                  "padding in the state", "wrong window")
+DECISIVE_FACTS = (PADDING_VISIBLE, FILL_VISIBLE, TOKEN_HIDDEN, PAD_HIDDEN, EXTRA_ENTRY, WRONG_POSITION, WRONG_STATE,
+                  PADDING_IN_STATE, WRONG_WINDOW)
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -178,9 +178,9 @@ class Diagnoser(Experiments, Observing):
     # per batch: the other pad id and the batch's re-run with it (or why none ran)
     _pad_read: dict[tuple[int, ...], tuple[int | None, Any]] = field(default_factory=dict)
     _draft_precision: Any = None  # draft_fidelity.DraftPrecision, made on the first draft check below float64
-    # per batch: what one hooked re-run saw the engine feed the target (or why nothing was observed)
-    _run_observation: Any = None  # the hooked re-run of the run's call (observe.py), once made
-    _observed: Any = None  # the observation's verdict on the divergence being diagnosed
+    # the provenance records of the watched call or of one hooked re-run (or why none), once read (observe.py)
+    _run_observation: Any = None
+    _observed: Any = None  # provenance.Reading of the divergence being diagnosed, for `_reconcile`
     # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
     silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)
     _provenance_check: Any = None  # provenance.Provenance over the watched call, shared by the run's divergences
@@ -207,7 +207,7 @@ class Diagnoser(Experiments, Observing):
             return diagnosis("unknown", "no check or experiment named the mechanism; see what was tried", tried)
         if found.cls == "unknown":  # an experiment narrowed it down without naming it
             return diagnosis("unknown", found.evidence, tried, would_decide=found.named_by or None)
-        if str(found.named_by).startswith((OBSERVED_STATE, PROVENANCE)):  # seen, not guessed: decided as seen
+        if str(found.named_by).startswith(PROVENANCE):  # seen, not guessed: decided as seen
             return diagnosis(found.cls, found.evidence, tried, found.named_by, found.mechanism or None)
         cls, evidence, decided = recurrent_or_attention(self, divergence.prompt_index, found, tried)
         return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
@@ -223,16 +223,17 @@ class Diagnoser(Experiments, Observing):
     def _ranked_checks(self) -> tuple[Check, ...]:
         """Causes before symptoms, experiments before coincidences: the order is the ranking. Each check reads
         the divergence (and notes what it tried) and returns its verdict, a cause or None; the first cause
-        decides. Where the run's own call was watched, its observed inputs rank first: the output against other
+        decides. Where the run's own call was watched, its provenance ranks first: the output against other
         prompts' references is a coincidence of tokens, and the pad-id re-run runs a batch of consecutive prompts
-        the engine may never have formed, while a violation seen in the run and reproduced by a replay is the
-        cause (a row whose pad-id tokens were hidden is `pad_as_content` there too)."""
+        the engine may never have formed, while a violation seen in the run is the cause (a row whose pad-id
+        tokens were hidden is `pad_as_content` there too). Unwatched, the provenance needs a hooked re-run of the
+        whole call, so the checks that need none come first."""
         if self.facts.watch is not None:
-            return (self._provenance, self._observed_inputs, self._output_order, self._answered_elsewhere, self._truncation,
+            return (self._provenance, self._output_order, self._answered_elsewhere, self._truncation,
                     self._pad_cause, self._stop_eos, self._trace_and_logits, self._overlong, self._reproducing_replay,
                     self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
         return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
-                self._trace_and_logits, self._overlong, self._observed_inputs, self._reproducing_replay,
+                self._trace_and_logits, self._overlong, self._provenance, self._reproducing_replay,
                 self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
 
     def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
@@ -286,13 +287,16 @@ class Diagnoser(Experiments, Observing):
         return _cause(found, "the output's length against max_new_tokens") if found else None
 
     def _provenance(self, case: Case, tried: list[str]) -> Cause | None:
-        """The provenance check on the watched call (diagnosis/provenance/): the first violation behind the query
-        that chose the engine's token names the input class by fact. Where queries that read the row's exact
-        context chose the reference's token (the bug is after the logits), a query with the row's exact context
-        chose the engine's token, or none was seen, it decides nothing: the checks below (the outputs against
-        the references, the pad-id and stop experiments, the trace) go on."""
-        log = self.facts.watch.provenance_log()
-        if log is None:
+        """The provenance check on the watched call, else on one hooked re-run of it (diagnosis/provenance/): the
+        first violation behind the query that chose the engine's token names the input class by fact. Where
+        queries that read the row's exact context chose the reference's token (the bug is after the logits), a
+        query with the row's exact context chose the engine's token, the fact is one the checks below tell apart
+        better (a missing or foreign entry), or nothing was seen, it decides nothing: the checks below (the
+        outputs against the references, the pad-id and stop experiments, the trace) go on, and what it read is
+        kept to check their class (`_reconcile`)."""
+        log = self._observation()
+        if not isinstance(log, ProvenanceLog):
+            tried.append(f"provenance of what each query read: not seen ({log})")
             return None
         started = time.perf_counter()
         try:
@@ -300,44 +304,26 @@ class Diagnoser(Experiments, Observing):
         finally:
             self.observe_seconds += time.perf_counter() - started  # reading what the hooks kept
 
-    def _provenance_cause(self, log: Any, case: Case, tried: list[str]) -> Cause | None:
+    def _provenance_cause(self, log: ProvenanceLog, case: Case, tried: list[str]) -> Cause | None:
         if self._provenance_check is None:
             self._provenance_check = Provenance(log, [list(p) + list(o) for p, o in
                                                       zip(self.facts.prompts, self.facts.outputs)])
         output = case.output
         divergence = {"prompt_index": case.index, "position": case.position,
                       "engine_token": output[case.position] if case.position < len(output) else None}
-        cls, evidence = provenance_diagnosis(log, self.facts.prompts, self.facts.outputs, self.references,
-                                             divergence, eos_token_id=self.facts.eos_token_id,
-                                             max_new_tokens=self.facts.max_new_tokens,
-                                             provenance=self._provenance_check)
-        tried.append(f"provenance of what each query read: {cls}: {evidence}")
-        if cls not in DECISIVE or not any(fact in evidence for fact in DECISIVE_FACTS):
+        reading = provenance_diagnosis(log, self.facts.prompts, self.facts.outputs, self.references, divergence,
+                                       eos_token_id=self.facts.eos_token_id, max_new_tokens=self.facts.max_new_tokens,
+                                       provenance=self._provenance_check)
+        tried.append(f"provenance of what each query read: {reading.cls}: {reading.evidence}")
+        self._observed = reading
+        if reading.fact not in DECISIVE_FACTS:
             return None  # the inputs seen right, or a fact the checks below tell apart better (module docstring)
-        return Cause(cls, evidence, PROVENANCE, OBSERVED_MECHANISMS[cls])  # the observation's words: one mechanism
-
-    def _observed_inputs(self, case: Case, tried: list[str]) -> Cause | None:
-        """The observation's cause (observe.py); its verdict is kept (`_observed`) to check the class the later
-        checks name (`_reconcile`)."""
-        observed = self._observe(case.index, case.q, tried)
-        self._observed = observed.verdict
-        return observed.cause
-
-    def _inputs_observed(self) -> bool:
-        """The inputs behind the divergent token were observed and a replay of them confirmed the verdict (seen
-        right: the reference's token; a violation decides before this): the replays of hypotheses on the target's
-        inputs, made for engines whose inputs cannot be seen (servers, recordings, an engine that never calls the
-        target's forward), are not made (the re-runs still are: they name what comes after the logits, such as
-        results written to other rows). Where the observation judged nothing (a token never fed after, a
-        repeated token) or no replay confirmed it (a violation below float64), they are, and a class they name
-        other than the one seen becomes `unknown` (`_reconcile`)."""
-        observation, verdict = self._run_observation, self._observed
-        return (isinstance(observation, FeedCheck) and observation.seen.calls > 0 and verdict is not None
-                and verdict.cls is not None and verdict.confirmed)
+        return Cause(reading.cls, reading.evidence, PROVENANCE, OBSERVED_MECHANISMS[reading.cls])
 
     def _reproducing_replay(self, case: Case, tried: list[str]) -> Cause | None:
-        if self._inputs_observed():
-            tried.append("replays of hypotheses: not made (the engine's own inputs were observed, and decide)")
+        if self._observed is not None and self._observed.fact == CHOSE_RIGHT:
+            tried.append("replays of hypotheses on the target's inputs: not made (queries that read the row's exact "
+                         "context chose the reference's token)")
             return None
         index, q, logits = case.index, case.q, case.logits
         hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q,
@@ -369,7 +355,7 @@ class Diagnoser(Experiments, Observing):
         tried.append("the engine's token against the draft model's own choice")
         found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.facts.draft,
                                         case.logits, self._draft_chose, self._choice(case.index))
-        return _cause(found, "the engine's token is the draft's own choice (no replay reproduced it)") if found else None
+        return _cause(found, DRAFT_CHOICE) if found else None
 
     def _length(self, case: Case, tried: list[str]) -> Cause | None:
         found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,

@@ -18,24 +18,11 @@ def float64_equal(error: float | None) -> bool:
     """Whether a float64 logit difference is within rounding (a replay reproduces what it replays)."""
     return error is not None and error <= FLOAT64_LOGIT_TOLERANCE
 
-# The diagnosis's recurrent-state comparison (diagnosis/states.py): two histories whose states lie closer than
-# this many machine epsilons of the run's dtype, relative to the norm of the row's own state, are one state and
-# do not compete as explanations. A state is the sum of a few rounded updates per token: histories that differ
-# only where the dtype cannot hold the difference (a convolution window that keeps its last inputs alone, padding
-# the model zeroes) land within a few epsilons of each other, while a token more or less moves it by far more.
-STATE_RESOLUTION_EPS = 16
-# the norm below which a state counts as zero (the resolution must stay positive for an all-zero state)
-STATE_NORM_FLOOR = 1e-30
 
 # An additive attention mask hides a column where its value lies below this fraction of the dtype's lowest value:
 # models write the lowest value itself (or -inf) there and 0 elsewhere; half leaves room for a mask built as a sum.
 HIDDEN_MASK_FRACTION = 0.5
 
-
-def state_resolution(eps: float, own_norm: float) -> float:
-    """The distance under which two recurrent states are one state for a run of machine epsilon `eps`, whose
-    row's own state has norm `own_norm` (`STATE_RESOLUTION_EPS`)."""
-    return STATE_RESOLUTION_EPS * eps * max(own_norm, STATE_NORM_FLOOR)
 
 # The diagnosis's logit replays (diagnosis/replay.py): a hypothesis explains the engine's logits when its replay
 # is at most this share of the plain replay's distance from them. In float64 a right hypothesis reproduces them

@@ -24,15 +24,32 @@ from specaudit.equivalence.diagnosis.anatomy import (allowed_reads, attention_mo
                                                       consumed_positions, embedding_owner, first_recurrent_layer,
                                                       has_recurrent_layers, layer_types, position_module,
                                                       sliding_window, state_parts)
-from specaudit.equivalence.diagnosis.capture import key_fingerprints
 from specaudit.equivalence.diagnosis.provenance import ZERO, CallRecord, ProvenanceLog, RowFeed
 
 VALUE_MIX = 0x5851F42D4C957F2D  # odd: keys' and values' fingerprints mixed so that neither alone decides
+_MULTIPLIERS: dict[tuple[int, int], torch.Tensor] = {}  # per (heads, dim): the fixed odd multipliers
+
+
+def key_fingerprints(keys: torch.Tensor) -> torch.Tensor:
+    """[B, L] int64 from keys [B, H, L, D] in any dtype: each entry's bits mixed by fixed odd multipliers and summed
+    with wrap-around, so equal entries give equal fingerprints whatever the tensor's length (integer sums do not
+    depend on their order), and different ones collide with chance about 2**-64."""
+    keys = keys.detach()
+    width = keys.element_size()
+    bits = keys.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[width]).to(
+        device="cpu", dtype=torch.int64)
+    heads, dim = keys.shape[1], keys.shape[3]
+    multipliers = _MULTIPLIERS.get((heads, dim))
+    if multipliers is None:
+        generator = torch.Generator().manual_seed(heads * 100003 + dim)
+        multipliers = torch.randint(1, 2**62, (heads, 1, dim), generator=generator, dtype=torch.int64) * 2 + 1
+        _MULTIPLIERS[(heads, dim)] = multipliers
+    return (bits * multipliers).sum(dim=(1, 3))  # [B, L]
 
 
 def entry_fingerprints(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """[B, L] int64 from keys and values [B, H, L, D] in any dtype: each entry's bits mixed (capture's mixing, keys
-    and values apart), so an entry copied or moved keeps its fingerprint at any column of any cache."""
+    """[B, L] int64 from keys and values [B, H, L, D] in any dtype: each entry's bits mixed (keys and values apart),
+    so an entry copied or moved keeps its fingerprint at any column of any cache."""
     return key_fingerprints(keys) * VALUE_MIX + key_fingerprints(values)
 
 
@@ -76,8 +93,9 @@ class _Pending:
 class ProvenanceHooks:
     """Forward hooks on one target; a context manager around the engine's `generate`."""
 
-    def __init__(self, target: Any, pad_token_id: int | None) -> None:
+    def __init__(self, target: Any, pad_token_id: int | None, draft: Any = None) -> None:
         self.model = target
+        self.draft = draft if draft is not None and draft is not target else None  # its calls are counted
         self.log = ProvenanceLog(pad_token_id=pad_token_id)
         self.base = embedding_owner(target)
         self.attention = attention_module(self.base, layer_types(self.base), last=True)
@@ -97,6 +115,8 @@ class ProvenanceHooks:
         self.handles = [self.base.register_forward_pre_hook(self._timed(self._start), with_kwargs=True),
                         self.attention.register_forward_hook(self._timed(self._attention), with_kwargs=True),
                         self.head.register_forward_hook(self._timed(self._head))]
+        if self.draft is not None and hasattr(self.draft, "register_forward_pre_hook"):
+            self.handles.append(self.draft.register_forward_pre_hook(self._timed(self._draft_call)))
         if self.sliding is not None:
             self.handles.append(self.sliding.register_forward_pre_hook(self._timed(self._window), with_kwargs=True))
         found = position_module(self.base)
@@ -110,6 +130,9 @@ class ProvenanceHooks:
             handle.remove()
         self.handles = []
         self._timed(self._finish)()
+
+    def _draft_call(self, *_: Any) -> None:
+        self.log.draft_calls += 1
 
     def _timed(self, hook: Callable[..., None]) -> Callable[..., None]:
         def timed(*args: Any) -> None:
