@@ -525,7 +525,7 @@ class Provenance:
         """The queries that chose `token` as the one after the first n tokens of request `request`'s sequence
         (their fed token is its token n - 1; not one that read the sequence past it, a later query fed the same
         token, nor one fed at another index where the sequence holds the same token that did not read the first
-        n tokens, that index's query), with
+        n tokens in order, or where every index between holds it too: that index's query), with
         the first violation behind each; the most correct first: no
         violation, then the most of the sequence its row holds, then the most read (in order, whatever else was
         read among it), then one whose row went on with the token, then one fed at the token's own index, then the
@@ -536,10 +536,12 @@ class Provenance:
 
         def elsewhere(slot: Slot) -> bool:
             """Fed at another index of the sequence that holds its token there, reading less than the first n
-            tokens in order: that index's query (one that read them all is this index's, at a wrong position)."""
+            tokens in order, or in a run of that one token (no count told from a position): that index's query
+            (one that read them all, outside such a run, is this index's at a wrong position)."""
             position = self.log.position(slot)
             return (position != n - 1 and 0 <= position < len(sequence) and sequence[position] == last
-                    and self._read_of(slot, request, n) < n)
+                    and (self._read_of(slot, request, n) < n
+                         or all(t == last for t in sequence[min(position, n - 1):max(position, n - 1) + 1])))
 
         chose = [slot for slot in self.log.slots()
                  if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token
