@@ -323,10 +323,9 @@ class Provenance:
                         # tokens in order, or where every index between holds the token too (a run of one token
                         # tells no count from a position); otherwise it is index j's entry at a wrong position
                         whole = self.sequences[request]
-                        low, high = min(position, j), max(position, j)
                         if 0 <= position < len(whole) and whole[position] == want and (
-                                all(t == want for t in whole[low:high + 1])
-                                or self._read_of(writer, request, min(len(whole), high + 1)) != j + 1):
+                                one_token_run(whole, position, j)
+                                or self._read_of(writer, request, min(len(whole), max(position, j) + 1)) != j + 1):
                             if position < j:  # index `position` again
                                 return self._extra(slot, request, column, writer, j, f"a second copy of index {position}")
                             return Violation(MISSING_ENTRY, slot, column, want, position, j, j, writer,  # j's missing
@@ -540,8 +539,7 @@ class Provenance:
             (one that read them all, outside such a run, is this index's at a wrong position)."""
             position = self.log.position(slot)
             return (position != n - 1 and 0 <= position < len(sequence) and sequence[position] == last
-                    and (self._read_of(slot, request, n) < n
-                         or all(t == last for t in sequence[min(position, n - 1):max(position, n - 1) + 1])))
+                    and (self._read_of(slot, request, n) < n or one_token_run(sequence, position, n - 1)))
 
         chose = [slot for slot in self.log.slots()
                  if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token
@@ -606,6 +604,12 @@ class Provenance:
         last = self.sequences[request][n - 1]
         return [slot for slot in self.log.slots()
                 if self.log.token(slot) == last and self.check(slot, request, n) is None]
+
+
+def one_token_run(sequence: Sequence[int], i: int, j: int) -> bool:
+    """Indices i..j of the sequence (either order) all hold one token: there no count is told from a position."""
+    low, high = min(i, j), max(i, j)
+    return len(set(sequence[low:high + 1])) == 1
 
 
 def eos_set(eos_token_id: Any) -> frozenset[int]:
