@@ -328,6 +328,19 @@ def test_a_token_doubled_in_the_output_tells_no_position_from_a_lost_copy() -> N
     assert reading.fact not in (WRONG_POSITION, EXTRA_ENTRY), reading
 
 
+def test_one_choice_emitted_twice_is_acceptance_rule() -> None:
+    """A verify pass keeps proposal 8 and the target's bonus 9, and the engine emits 9 twice: the cache holds one 9,
+    fed at the index of the second copy. The first copy's choice was made by a query with the row's exact context,
+    and no query read a sequence with both copies: one target choice emitted twice (a doubled bonus)."""
+    sim = Sim(1)
+    sim.call([A], [[0, 1, 2]], None, {(0, 2): 7})
+    sim.call([[7, 8]], [[3, 4]], None, {(0, 0): 8, (0, 1): 9})  # proposal 8 accepted, bonus 9
+    sim.call([[9]], [[6]], None, {(0, 0): 10})  # the second copy's index, one entry fewer in the cache
+    reading = provenance_diagnosis(sim.log, [A], [[7, 8, 9, 9, 10]], [[7, 8, 9, 11, 12]],
+                                   {"prompt_index": 0, "position": 3, "engine_token": 9})
+    assert reading.cls == "acceptance_rule" and "emitted twice" in reading.evidence, reading
+
+
 def test_a_cache_compacted_between_calls_is_clean() -> None:
     """The rejected entry and the padding dropped between calls: every column moved, every writer kept."""
     cls, evidence = stale_run(compact=True)

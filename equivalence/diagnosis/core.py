@@ -67,7 +67,7 @@ from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.observe import DRAFT_CHOICE, OBSERVED_MECHANISMS, Observing
 from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
-from specaudit.equivalence.diagnosis.provenance import (CHOSE_RIGHT, EXTRA_ENTRY, FILL_VISIBLE, PADDING_IN_STATE,
+from specaudit.equivalence.diagnosis.provenance import (CHOSE_RIGHT, EMITTED_TWICE, EXTRA_ENTRY, FILL_VISIBLE, PADDING_IN_STATE,
                                                         PADDING_VISIBLE, PAD_HIDDEN, TOKEN_HIDDEN, WRONG_POSITION,
                                                         WRONG_STATE, WRONG_WINDOW, Provenance, ProvenanceLog,
                                                         provenance_diagnosis)
@@ -77,11 +77,11 @@ from specaudit.equivalence.rulings.thresholds import FLOAT64_LOGIT_TOLERANCE, PA
 PROVENANCE = "the provenance of the columns each query read"
 # what the provenance check decides first: a column the producing query read that its row's sequence does not
 # hold there (padding, fill no target call wrote, an extra entry), a row token it could not read, a token at
-# another position. A token no readable column holds (a missing entry), a foreign entry and the classes after
+# another position, one target choice emitted twice (`provenance.emitted_twice`). A token no readable column holds (a missing entry), a foreign entry and the classes after
 # the logits are left to the checks below: the outputs against every reference, the pad-id and stop experiments,
 # the trace
 DECISIVE_FACTS = (PADDING_VISIBLE, FILL_VISIBLE, TOKEN_HIDDEN, PAD_HIDDEN, EXTRA_ENTRY, WRONG_POSITION, WRONG_STATE,
-                  PADDING_IN_STATE, WRONG_WINDOW)
+                  PADDING_IN_STATE, WRONG_WINDOW, EMITTED_TWICE)
 
 CLASSES: tuple[str, ...] = ("position_ids", "attention_mask", "kv_cache", "draft_cache", "acceptance_rule",
                             "stop_eos", "stop_length", "pad_as_content", "output_order", "cross_row", "recurrent_state",
@@ -231,10 +231,12 @@ class Diagnoser(Experiments, Observing):
         if self.facts.watch is not None:
             return (self._provenance, self._output_order, self._answered_elsewhere, self._truncation,
                     self._pad_cause, self._stop_eos, self._trace_and_logits, self._overlong, self._reproducing_replay,
-                    self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
+                    self._doubled_token, self._draft_choice, self._after_the_logits, self._length,
+                    self._batch_experiments)
         return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
                 self._trace_and_logits, self._overlong, self._provenance, self._reproducing_replay,
-                self._doubled_token, self._draft_choice, self._length, self._batch_experiments)
+                self._doubled_token, self._draft_choice, self._after_the_logits, self._length,
+                self._batch_experiments)
 
     def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
         case = self._case(index, position)
@@ -356,6 +358,14 @@ class Diagnoser(Experiments, Observing):
         found = checks.draft_token_kept(case.prompt, case.reference, case.output, case.position, self.facts.draft,
                                         case.logits, self._draft_chose, self._choice(case.index))
         return _cause(found, DRAFT_CHOICE) if found else None
+
+    def _after_the_logits(self, case: Case, tried: list[str]) -> Cause | None:
+        """Where the provenance saw the target choose right and no check above named
+        what came after the logits, the class it read from the run's own facts (`provenance.after_the_logits`)."""
+        reading = self._observed
+        if reading is None or reading.fact != CHOSE_RIGHT or reading.cls == "unknown":
+            return None
+        return Cause(reading.cls, reading.evidence, PROVENANCE, "")
 
     def _length(self, case: Case, tried: list[str]) -> Cause | None:
         found = checks.length_stop(case.reference, case.output, case.position, self.facts.max_new_tokens,

@@ -48,6 +48,7 @@ OBSERVED_MECHANISMS: dict[str, str] = {
     "pad_as_content": "pad-id tokens of the row hidden as padding (observed)",
     "cross_row": "another row's tokens read (observed)",
     "recurrent_state": "a recurrent state not the row's own after its accepted tokens (observed)",
+    "acceptance_rule": "one target choice emitted twice (observed)",
 }
 
 

@@ -42,6 +42,9 @@ row labels and no prompt labels, and changes nothing it is handed.
     every query with the row's exact context chose the        acceptance_rule / stop_eos / stop_length /
       reference's token (the bug is after the logits)          output_order / pad_as_content, from the
                                                               run's facts (`after_the_logits`)
+    the token repeats the one before it, which queries with   acceptance_rule
+      the exact context chose there, and no query read both
+      copies (one choice emitted twice: `emitted_twice`)
 
    A violation says where: call, batch row, column, token, the position fed and the index expected.
 """
@@ -77,6 +80,7 @@ CLASS_OF: dict[str, str] = {
 }
 AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order", "pad_as_content")
 CHOSE_RIGHT = "chose right"  # every query with the row's exact context chose the reference's token
+EMITTED_TWICE = "emitted twice"  # the token the query of the index before chose, emitted again: no query chose it here
 
 
 @dataclass(frozen=True, eq=False)
@@ -662,6 +666,21 @@ class Reading(NamedTuple):
     fact: str | None = None
 
 
+def emitted_twice(provenance: Provenance, request: int, n: int, token: int, prompt_length: int) -> str:
+    """Whether token n of the request's sequence is the choice for index n - 1 emitted again: it repeats the token
+    before it, which queries that read the exact first n - 1 tokens chose there (the caller has seen that no query
+    read the first n: the engine never computed the sequence it emitted). The evidence, or ''."""
+    log, sequence = provenance.log, provenance.sequences[request]
+    if n < 2 or n - 1 < prompt_length or sequence[n - 1] != token or not log.speculated:
+        return ""
+    before = provenance.correct_queries(request, n - 1)
+    if not before or {log.feed(s).choices[s.index] for s in before} != {token}:
+        return ""
+    return (f"repeats the token before it, which {len(before)} queries that read the row's exact context chose "
+            "there, and no query read the sequence with both copies: one target choice emitted twice (a doubled "
+            "bonus token)")
+
+
 def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                          references: Sequence[Sequence[int]], divergence: dict[str, Any], *,
                          eos_token_id: Any = None, max_new_tokens: int | None = None,
@@ -701,6 +720,11 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
             # context), or, where a query fed the row's exact context at the token's index chose the reference's
             # token, does not hold the whole sequence: a coincidence of tokens
             ranked = []
+        if (not ranked or ranked[0][1] is not None and ranked[0][1].fact == MISSING_ENTRY) and not correct:
+            twice = emitted_twice(provenance, request, n, int(token), len(prompts[request]))
+            if twice:
+                return Reading("acceptance_rule", f"token {position} of prompt {request} ({token}) {twice}",
+                               EMITTED_TWICE)
         if ranked and ranked[0][1] is None:
             return Reading("unknown", f"a query that read the row's exact context chose the engine's token {token} "
                            f"(target call {ranked[0][0].call}, batch row {ranked[0][0].row})")
