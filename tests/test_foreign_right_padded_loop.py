@@ -1,9 +1,8 @@
 """The foreign engine of `tests/foreign/right_padded_loop.py`, written after every other module of the corpus and
 in the one layout none of them has (right padding: a gap of pads between a short prompt and its new tokens): its
 buggy variants named by their cause on at least 90% of their structural divergences, never `cross_row`, the
-correct variant exact, on absolute (tiny-gpt2) and rotary (tiny-llama) positions. Before the replay of a right
-padding attended (`replay.right_padding_visible`), `gap_visible` was `unknown` on 5 of 5 divergences on
-tiny-llama."""
+correct variant exact, on absolute (tiny-gpt2) and rotary (tiny-llama) positions, by the provenance of what each
+query read (the gap of pads visible, new tokens numbered by their column)."""
 
 from __future__ import annotations
 

@@ -341,6 +341,32 @@ def test_one_choice_emitted_twice_is_acceptance_rule() -> None:
     assert reading.cls == "acceptance_rule" and "emitted twice" in reading.evidence, reading
 
 
+def test_a_choice_emitted_twice_before_the_divergence_is_acceptance_rule() -> None:
+    """The same doubled bonus, its second copy equal to the reference's next token: the divergence comes one token
+    later, from a query that misses the first copy's entry. Where the row's sequence was first never computed, a
+    second copy of one choice explains it: not a position, and not a lost entry."""
+    sim = Sim(1)
+    sim.call([A], [[0, 1, 2]], None, {(0, 2): 7})
+    sim.call([[7, 8]], [[3, 4]], None, {(0, 0): 8, (0, 1): 9})
+    sim.call([[9]], [[6]], None, {(0, 0): 10})
+    reading = provenance_diagnosis(sim.log, [A], [[7, 8, 9, 9, 10]], [[7, 8, 9, 9, 11]],
+                                   {"prompt_index": 0, "position": 4, "engine_token": 10})
+    assert reading.cls == "acceptance_rule" and "new token 3 (9) repeats" in reading.evidence, reading
+    assert "comes after it" in reading.evidence, reading
+
+
+def test_entries_numbered_from_a_wrong_position_in_a_run_of_one_token_are_position_ids() -> None:
+    """A counter that runs ahead by two after a rejection: 7, 7, 7 fed at positions 5, 6, 7 for indices 3, 4, 5.
+    Each entry sits where the sequence holds a 7 too, but the query's reads hold every token of the row up to its
+    own: nothing was lost, the numbering moved."""
+    sim = Sim(1)
+    sim.call([A], [[0, 1, 2]], None, {(0, 2): 7})
+    sim.call([[7, 7, 7]], [[5, 6, 7]], None, {(0, 0): 7, (0, 1): 7, (0, 2): 66})
+    reading = provenance_diagnosis(sim.log, [A], [[7, 7, 7, 66]], [[7, 7, 7, 8]],
+                                   {"prompt_index": 0, "position": 3, "engine_token": 66})
+    assert reading.cls == "position_ids" and reading.fact == WRONG_POSITION, reading
+
+
 def test_a_cache_compacted_between_calls_is_clean() -> None:
     """The rejected entry and the padding dropped between calls: every column moved, every writer kept."""
     cls, evidence = stale_run(compact=True)

@@ -62,11 +62,10 @@ from specaudit.equivalence.diagnosis import causes, checks
 from specaudit.equivalence.diagnosis.layers import recurrent_or_attention
 from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
 from specaudit.equivalence.diagnosis.checks import Finding
-from specaudit.equivalence.diagnosis.doubled import doubled_bonus_hypotheses
 from specaudit.equivalence.diagnosis.experiments import Experiments
 from specaudit.equivalence.diagnosis.facts import RunFacts
 from specaudit.equivalence.diagnosis.observe import DRAFT_CHOICE, OBSERVED_MECHANISMS, Observing
-from specaudit.equivalence.diagnosis.replay import MoreHypotheses, RowContext, explain
+from specaudit.equivalence.diagnosis.replay import RowContext, explain
 from specaudit.equivalence.diagnosis.provenance import (CHOSE_RIGHT, EMITTED_TWICE, EXTRA_ENTRY, FILL_VISIBLE, PADDING_IN_STATE,
                                                         PADDING_VISIBLE, PAD_HIDDEN, TOKEN_HIDDEN, WRONG_POSITION,
                                                         WRONG_STATE, WRONG_WINDOW, Provenance, ProvenanceLog,
@@ -328,11 +327,15 @@ class Diagnoser(Experiments, Observing):
                          "context chose the reference's token)")
             return None
         index, q, logits = case.index, case.q, case.logits
+        if logits is None and isinstance(self._run_observation, ProvenanceLog):
+            # a replay judged on tokens alone can agree by chance; where the run was seen, what it read decides
+            tried.append("replays of hypotheses on tokens: not made (the provenance saw the run's inputs)")
+            return None
         hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q,
                                       self.facts.trace, index, self.facts.pad_token_id,
                                       logits[q] if logits is not None and q < logits.shape[0] else None,
-                                      None, prefer=tuple(self._explained_by), row=self._row_context(index, q),
-                                      noise=self.precision_noise(index), more=self._doubled_bonus(index, q))
+                                      None, prefer=tuple(self._explained_by), row=self._row_context(index),
+                                      noise=self.precision_noise(index))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
         if hypothesis is not None and logits is None:
             hypothesis = self._shows_alone(index, hypothesis, tried)
@@ -398,30 +401,12 @@ class Diagnoser(Experiments, Observing):
         start = index - index % self.facts.batch_size
         return list(range(start, min(start + self.facts.batch_size, len(self.facts.prompts))))
 
-    def _row_context(self, index: int, q: int = 0) -> RowContext:
+    def _row_context(self, index: int) -> RowContext:
         padding = None
-        widths: set[int] = set()
         if self.facts.batch_size:
             rows = self._batch_rows(index)
             padding = max(len(self.facts.prompts[j]) for j in rows) - len(self.facts.prompts[index])
-            # a re-padding engine pads the row to its longest neighbour at each step: a neighbour's length
-            # (prompt and t new tokens, t near q) minus the row's own when it fed new token q
-            own = len(self.facts.prompts[index]) + q
-            reach = 2 * (self.facts.draft_tokens + 1)
-            for j in rows:
-                if j == index:
-                    continue
-                for t in range(max(0, q - reach), min(len(self.facts.outputs[j]), q + reach) + 1):
-                    widths.add(len(self.facts.prompts[j]) + t - own)
-        ordered = sorted((w for w in widths if w > 0), key=lambda w: (abs(w - (padding or 0)), w))[:24]
-        return RowContext(padding, self.facts.draft, self.facts.draft_tokens, tuple(ordered))
-
-    def _doubled_bonus(self, index: int, q: int) -> MoreHypotheses | None:
-        """For an engine without a trace: the doubled-bonus token replays (`doubled.py`) beside the others."""
-        if self.facts.trace is not None and self.facts.trace.steps:
-            return None
-        row = self._row_context(index, q)
-        return lambda prompt, output, end: doubled_bonus_hypotheses(prompt, output, end, row)
+        return RowContext(padding, self.facts.draft, self.facts.draft_tokens)
 
     def _continuation(self, index: int, length: int) -> list[int] | None:
         if self.facts.target is None:

@@ -105,9 +105,6 @@ class RowContext:
     batch_padding: int | None = None
     draft: Any = None
     draft_tokens: int = 0
-    # the paddings this row can have had at any step: its batch neighbours' lengths (prompt and any number
-    # of their new tokens) minus its own at the query, for engines that re-pad the batch as rows grow
-    neighbour_paddings: tuple[int, ...] = ()
 
 
 @torch.no_grad()
@@ -272,191 +269,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Trace | None
 
         found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant, alone=True))
     found += prefill_hypotheses(prompt, sequence)
-    if (trace is None or not trace.steps) and row is not None:
-        found += padding_scan(sequence, row, pad_id, len(prompt))
-        found += holes_hypotheses(prompt, output, q, row)
     return found
-
-
-HOLE_MODES = {
-    "counted": "rejected draft slots left in the sequence as masked holes and counted in the positions",
-    "counted_padding": "rejected draft slots left as masked holes, the positions counted over them and over the "
-                       "row's left padding (the column index)",
-    "visible": "rejected draft slots left in the sequence and visible to later queries (positions counting only "
-               "the kept tokens)",
-    "visible_counted": "rejected draft slots left in the sequence, visible to later queries and counted in the "
-                       "positions",
-    "stale": "the rejected draft tokens' entries left in the target cache (not cropped), at the positions they were "
-             "computed at, the kept tokens numbered by their own count",
-}
-HOLE_CLASSES = {"counted": "position_ids", "counted_padding": "position_ids", "visible": "attention_mask",
-                "visible_counted": "attention_mask", "stale": "kv_cache"}
-HOLE_MECHANISMS = {"position_ids": "position ids counted past rejected draft slots",
-                   "attention_mask": "rejected draft slots visible to later queries",
-                   "kv_cache": "rejected draft tokens left in the target cache"}
-
-
-def holes_hypotheses(prompt: list[int], output: list[int], q: int, row: RowContext) -> list[Hypothesis]:
-    """For a speculative engine without a trace that keeps rejected draft tokens in its sequence as holes
-    (recomputing or caching it whole): the holes rebuilt step by step from the draft model's proposals,
-    the draft run under the same numbering and mask as the target (one forward code for both), then the
-    target replayed over the holey sequence. Token 0 comes from the prefill, each step appends k proposals
-    (the accepted ones kept, the rest holes) and the target's token."""
-    if row.draft is None or not row.draft_tokens or q == 0:
-        return []
-    found = []
-    for mode, text in HOLE_MODES.items():
-        if mode == "counted_padding" and not row.batch_padding:
-            continue
-        cls = HOLE_CLASSES[mode]
-        mechanism = HOLE_MECHANISMS[cls]
-
-        def build(mode: str = mode) -> tuple[Any, ...] | None:
-            return holey_replay_inputs(row.draft, row.draft_tokens, prompt, output, q, mode, row.batch_padding or 0)
-
-        found.append(Hypothesis(cls, text, build, mechanism))
-
-    def cropped_by_count() -> tuple[Any, ...] | None:
-        return counter_cropped_inputs(row.draft, row.draft_tokens, prompt, output, q)
-
-    found.append(Hypothesis("position_ids", "each new token numbered past the row's rejected draft slots, and the "
-                            "row's caches cropped to that count (the rejected entries it runs ahead by stay "
-                            "visible)", cropped_by_count, HOLE_MECHANISMS["position_ids"]))
-    return found
-
-
-@torch.no_grad()
-def counter_cropped_inputs(draft: Any, k: int, prompt: list[int], output: list[int],
-                           end: int) -> tuple[Any, ...] | None:
-    """(ids, positions, allowed, rows) of a row whose one position counter goes on past its rejected draft
-    slots (k + 1 a step) and whose caches are cropped to `counter + accepted + 1` entries after each
-    verification: the crop is right while the counter is, and once it runs ahead the cropped caches keep
-    some rejected entries. Both caches are simulated as lists of slots; each slot is replayed seeing what
-    its model's cache held when that model computed it (the draft one token a pass, the target the pending
-    token and k proposals in one pass). Slot i sits at position i, `rows` as in `holey_replay_inputs`."""
-    n = len(prompt)
-    ids = list(prompt) + [output[0]]
-    # per slot: the slots its query saw when its model computed it
-    seen_target: dict[int, set[int]] = {i: set(range(i + 1)) for i in range(n)}
-    seen_draft = dict(seen_target)
-    cache_target, cache_draft = list(range(n)), list(range(n))  # the slots each cache holds, in order
-    kept_at = list(range(n + 1))  # slot of each kept token: the prompt, then new token 0
-    done, rejected = 1, 0
-    drafting = GrowingReplay(draft)
-
-    def visibility(seen: dict[int, set[int]], size: int) -> torch.Tensor:
-        allowed = torch.zeros(size, size, dtype=torch.bool)  # [L, L]: key j visible to query i
-        for i in range(size):
-            # a slot its model never computed (a last proposal the draft did not feed) sees itself: finite
-            # keys that no query sees (a masked NaN would still poison the attention's sums)
-            allowed[i, sorted(j for j in seen.get(i, ()) if j < size) or [i]] = True
-        return allowed
-
-    def needed() -> bool:  # the target's query of new token `end` not yet rebuilt
-        return len(kept_at) <= n - 1 + end or kept_at[n - 1 + end] not in seen_target
-
-    while needed() and done < len(output):
-        pending = len(ids) - 1  # the counter: the pending token's slot
-        proposals: list[int] = []
-        written = [pending]
-        for i in range(k):  # the draft: one token a pass, its cache growing by the token fed
-            query = written[-1]
-            seen_draft[query] = set(cache_draft) | set(written)
-            logits = drafting.last(ids[:query + 1], list(range(query + 1)), visibility(seen_draft, query + 1))
-            if logits is None:
-                return None
-            proposals.append(int(logits.argmax()))
-            if i < k - 1:
-                written.append(pending + i + 1)
-                ids.append(proposals[-1])
-        ids.append(proposals[-1])
-        step_slots = list(range(pending, pending + k + 1))  # the target's pass: pending + k proposals
-        for slot in step_slots:
-            seen_target[slot] = set(cache_target) | set(range(pending, slot + 1))
-        accepted = 0
-        while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
-            accepted += 1
-        rejected += k - accepted
-        keep = pending + accepted + 1  # the crop, by the counter
-        cache_target = (cache_target + step_slots)[:keep]
-        cache_draft = (cache_draft + written)[:keep]
-        if accepted == k:  # the draft never saw its own last proposal: fed now
-            seen_draft[pending + k] = set(cache_draft) | {pending + k}
-            cache_draft.append(pending + k)
-        kept_at += list(range(pending + 1, pending + accepted + 1))
-        done += accepted
-        if done < len(output):
-            ids.append(output[done])  # the target's token: the next step's pending slot
-            kept_at.append(len(ids) - 1)
-            done += 1
-    if not rejected or needed():
-        return None  # no rejection, or the rebuild ran out of output: nothing to say
-    rows = [kept_at[n - 1 + j] for j in range(end + 1)]
-    cut = rows[-1] + 1
-    return ids[:cut], list(range(cut)), visibility(seen_target, cut), rows
-
-
-def _holey_inputs(slots: list[tuple[int, bool]], mode: str, padding: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """ids, positions and the visibility [L, L] of a holey sequence (`slots`: token, kept) under `mode`."""
-    ids = [t for t, _ in slots]
-    kept = torch.tensor([k for _, k in slots])  # [L]
-    counted = mode in ("counted", "counted_padding", "visible_counted")
-    if counted:
-        positions = [i + (padding if mode == "counted_padding" else 0) for i in range(len(slots))]
-    elif mode == "stale":  # a rejected token keeps the position it had as a proposal; kept tokens count kept ones
-        positions, last = [], -1
-        for i, (_, keep) in enumerate(slots):
-            last = last + 1 if keep else last
-            positions.append(last if keep else positions[-1] + 1)
-    else:  # "visible" and "clean": numbered by the kept tokens before them
-        positions = (kept.long().cumsum(0) - 1).clamp(min=0).tolist()
-    causal = torch.ones(len(slots), len(slots), dtype=torch.bool).tril()
-    shown = mode.startswith("visible") or mode == "stale"
-    allowed = causal if shown else causal & (kept.unsqueeze(0) | torch.eye(len(slots), dtype=torch.bool))
-    return ids, positions, allowed
-
-
-@torch.no_grad()
-def holey_replay_inputs(draft: Any, k: int, prompt: list[int], output: list[int], end: int, mode: str,
-                        padding: int) -> tuple[Any, ...] | None:
-    """(ids, positions, allowed, rows) of the holey sequence through the query of new token `end`; `rows`
-    are the query slots of new tokens 0..end (each the slot of the kept token before it)."""
-    slots: list[tuple[int, bool]] = [(t, True) for t in prompt] + [(output[0], True)]
-    # where the holes are masked from every later query (the draft's and the target's), a rejected proposal's
-    # id never reaches a kept token: after a step's first rejection its remaining proposals are only counted
-    hidden_holes = mode in ("counted", "counted_padding")
-    done, rejected = 1, 0
-    drafting = GrowingReplay(draft)  # each proposal's sequence extends the one before
-    while done < end:
-        proposals: list[int] = []
-        for i in range(k):
-            # the draft under the target's numbering and mask; beside a stale target cache, a clean draft
-            ids, positions, allowed = _holey_inputs(slots + [(t, True) for t in proposals],
-                                                    "clean" if mode == "stale" else mode, padding)
-            logits = drafting.last(ids, positions, allowed)
-            if logits is None:
-                return None
-            proposals.append(int(logits.argmax()))
-            if hidden_holes and (done + i >= len(output) or proposals[i] != output[done + i]):
-                proposals += [proposals[i]] * (k - i - 1)  # rejected whatever they are; never seen
-                break
-        accepted = 0
-        while accepted < k and done + accepted < len(output) and proposals[accepted] == output[done + accepted]:
-            accepted += 1
-        slots += [(t, True) for t in proposals[:accepted]] + [(t, False) for t in proposals[accepted:]]
-        rejected += k - accepted
-        done += accepted
-        if done < len(output):
-            slots.append((output[done], True))
-            done += 1
-    if not rejected:
-        return None  # no hole before the query: the plain replay already says it
-    kept_at = [i for i, (_, kept) in enumerate(slots) if kept]  # slot of each kept token, in order
-    n = len(prompt)
-    rows = [kept_at[n - 1 + j] for j in range(end + 1)]
-    cut = rows[-1] + 1
-    ids, positions, allowed = _holey_inputs(slots[:cut], mode, padding)
-    return ids, positions, allowed, rows
 
 
 CHUNK_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -493,63 +306,6 @@ def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesi
             found.append(Hypothesis("attention_mask", f"a causal mask one column off: each query {what} "
                                     f"({'in the prefill' if where == 'prompt' else 'in every pass'})", shifted,
                                     "a causal mask off by one column", alone=True))
-    return found
-
-
-def padding_scan(sequence: list[int], row: RowContext, pad_id: int | None, prompt_length: int) -> list[Hypothesis]:
-    """For an engine without a trace: the row numbered over, or attending to, a left padding of each width
-    its batch neighbours' lengths allow (an engine that re-pads the batch as rows grow at different rates),
-    and a right padding (pads between the prompt and the new tokens) attended by the new tokens."""
-    found: list[Hypothesis] = right_padding_visible(sequence, row, pad_id, prompt_length)
-    total = len(sequence)
-    widths = [p for p in row.neighbour_paddings if p > 0 and p != row.batch_padding]
-    for pad in widths:
-        def counted(pad: int = pad) -> tuple[list[int], list[int]] | None:
-            return sequence, [p + pad for p in range(total)]
-
-        found.append(Hypothesis("position_ids", f"every position shifted by a left padding of {pad} (a neighbour's "
-                                "length in its batch)", counted, "position ids counted over the row's padding"))
-    if pad_id is not None:
-        for pad in ([row.batch_padding] if row.batch_padding else []) + widths:
-            for at_zero in (True, False):
-                def visible(pad: int = pad, at_zero: bool = at_zero) -> tuple[list[int], list[int]] | None:
-                    ids = [pad_id] * pad + sequence
-                    return ids, ([0] * pad + list(range(total))) if at_zero else list(range(len(ids)))
-
-                found.append(Hypothesis("attention_mask", f"a left padding of {pad} visible to the row's queries "
-                                        f"({'pad positions at 0' if at_zero else 'counted in its positions'})",
-                                        visible, "the row's padding visible to its queries"))
-    return found
-
-
-def right_padding_visible(sequence: list[int], row: RowContext, pad_id: int | None,
-                          prompt_length: int) -> list[Hypothesis]:
-    """A right-padded batch (prompts from column 0, pads after the shorter ones, every row's new tokens
-    appended at one shared column): the gap of `row.batch_padding` pads between the row's prompt and its
-    new tokens visible to the new tokens. The pads sit at the positions after the prompt and were computed
-    in the prefill seeing the prompt only (a padding mask) or everything before them (no mask at all); the
-    new tokens are numbered by the row's own tokens, or by their column (over the gap)."""
-    gap, n = row.batch_padding, prompt_length
-    if not gap or pad_id is None or len(sequence) <= n:
-        return []
-    found: list[Hypothesis] = []
-    for pads_see_pads in (False, True):
-        for counted in (False, True):
-            def build(pads_see_pads: bool = pads_see_pads, counted: bool = counted) -> tuple[Any, ...]:
-                ids = sequence[:n] + [pad_id] * gap + sequence[n:]
-                new = len(sequence) - n
-                positions = list(range(n + gap)) + [n + (gap if counted else 0) + j for j in range(new)]
-                allowed = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()  # [L, L]
-                if not pads_see_pads:  # a pad's query sees the prompt only
-                    allowed[n:n + gap, n:n + gap] = False
-                return ids, positions, allowed
-
-            what = ("seeing the pads before them in the prefill" if pads_see_pads else
-                    "computed seeing the prompt only")
-            found.append(Hypothesis("attention_mask", f"a right padding of {gap} (pads after the prompt, {what}) "
-                                    "visible to the row's new tokens"
-                                    f"{', the new tokens numbered over it' if counted else ''}", build,
-                                    "the row's padding visible to its queries"))
     return found
 
 
@@ -601,18 +357,18 @@ def explains(error: float, base: float, noise: float) -> bool:
 def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Trace | None, index: int,
             pad_id: int | None, engine_logits: torch.Tensor | None, plain: torch.Tensor | None,
             prefer: tuple[str, ...] = (), row: RowContext | None = None,
-            noise: float = 0.0, more: MoreHypotheses | None = None) -> tuple[Hypothesis | None, list[str]]:
+            noise: float = 0.0) -> tuple[Hypothesis | None, list[str]]:
     """The first hypothesis that explains the engine at new token `q`, and what each one showed.
     Hypotheses named in `prefer` (those that explained other divergences of the run) go first;
     `noise` is the precision's own logit error (0 in float64, see `explains`). Without the engine's
-    logits, see `explain_tokens` (`more` adds token replays of its own there)."""
+    logits, see `explain_tokens`."""
     tried: list[str] = []
     matched_at_q.clear()
     passed_at_q.clear()
     if target is None:
         return None, tried
     if engine_logits is None:
-        return explain_tokens(target, prompt, output, q, trace, index, pad_id, prefer, row, more)
+        return explain_tokens(target, prompt, output, q, trace, index, pad_id, prefer, row)
     if plain is None:
         plain = replay_last(target, list(prompt) + list(output[:q]), list(range(len(prompt) + q)))
     if plain is None:
@@ -643,14 +399,9 @@ def _ordered(found: list[Hypothesis], prefer: tuple[str, ...]) -> list[Hypothesi
     return sorted(found, key=lambda h: prefer.index(h.name) if h.name in prefer else len(prefer))
 
 
-# further token replays for the new tokens up to a query: (prompt, output, q) -> hypotheses whose build
-# gives (ids, positions, allowed, rows), as `doubled.doubled_bonus_hypotheses` does
-MoreHypotheses = Callable[[list[int], list[int], int], list[Hypothesis]]
-
-
 def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, trace: Trace | None, index: int,
-                   pad_id: int | None, prefer: tuple[str, ...] = (), row: RowContext | None = None,
-                   more: MoreHypotheses | None = None) -> tuple[Hypothesis | None, list[str]]:
+                   pad_id: int | None, prefer: tuple[str, ...] = (),
+                   row: RowContext | None = None) -> tuple[Hypothesis | None, list[str]]:
     """Without the engine's logits a hypothesis is judged on tokens, teacher-forced along the engine's own
     output: it must choose the engine's token at `q` where the plain replay does not, and agree with the
     engine on more of the next new tokens (up to TOKEN_WINDOW in all) than the plain replay does, or on as
@@ -680,7 +431,7 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
             kept_agree = sum(e in (t, d) for e, t, d in zip(engine[1:], plain[1:], by_draft[1:]))
     matched_at_q.clear()
     passing: list[tuple[int, Hypothesis]] = []
-    found = hypotheses(prompt, output, end, trace, index, pad_id, row) + (more(prompt, output, end) if more else [])
+    found = hypotheses(prompt, output, end, trace, index, pad_id, row)
     sequence = list(prompt) + list(output[:end])
     shared = PrefixReplay(target, sequence, list(range(len(sequence))))  # most hypotheses keep the prompt as it is
     for hypothesis in _ordered(found, prefer):
@@ -689,21 +440,17 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
         built = hypothesis.build()
         if built is None:
             continue
-        # the rows of the window's new tokens: the last `width`, or where a sequence with holes names them
-        window_rows = built[3][-width:] if len(built) == 4 else list(range(len(built[0]) - width, len(built[0])))
-        first = min(window_rows)
-        logits = shared.rows(*built[:3], first=first)
+        first = len(built[0]) - width  # the rows of the window's new tokens: the last `width`
+        logits = shared.rows(*built, first=first)
         if logits is None:
             continue
-        chosen = logits[[r - first for r in window_rows]].argmax(-1).tolist()
+        chosen = logits.argmax(-1).tolist()
         agree = sum(a == b for a, b in zip(chosen[1:], engine[1:]))
         tried.append(f"{hypothesis.name}: chooses {chosen[0]} at new token {q} (engine {engine[0]}, plain replay "
                      f"{plain[0]}); the next {width - 1} new token(s): {agree} agree (plain replay {plain_agree})")
         if chosen[0] != engine[0]:
             continue
         matched_at_q.append(hypothesis)
-        if len(built) == 4 and agree * 2 < width - 1:
-            continue  # holes rebuilt from the draft's proposals: more freedom, so most of the window must agree
         if width == 1 or agree > plain_agree or (agree == plain_agree and draft_choice != engine[0]):
             passing.append((agree, hypothesis))
             if agree == width - 1:

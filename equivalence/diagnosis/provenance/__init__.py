@@ -323,17 +323,20 @@ class Provenance:
                     position = log.position(writer)
                     if position != j:
                         # where the sequence holds the same token at the index fed, the entry may be that index's
-                        # (a copy, or entries between lost): so it is where its writer read another count than j
-                        # tokens in order, or where every index between holds the token too (a run of one token
-                        # tells no count from a position); otherwise it is index j's entry at a wrong position
+                        # (a copy, or entries between lost): so it may be where its writer read another count than
+                        # j tokens in order, or where every index between holds the token too (a run of one token
+                        # tells no count from a position). A later index's entry is a second copy; an earlier one
+                        # is index j's at a wrong position where the rest of the read holds the sequence's next
+                        # tokens up to the query's own (`_shifted_read`), else entries between were lost
                         whole = self.sequences[request]
                         if 0 <= position < len(whole) and whole[position] == want and (
                                 one_token_run(whole, position, j)
-                                or self._read_of(writer, request, min(len(whole), max(position, j) + 1)) != j + 1):
+                                or self.read_of(writer, request, min(len(whole), max(position, j) + 1)) != j + 1):
                             if position < j:  # index `position` again
                                 return self._extra(slot, request, column, writer, j, f"a second copy of index {position}")
-                            return Violation(MISSING_ENTRY, slot, column, want, position, j, j, writer,  # j's missing
-                                             f"the entry of index {position}, which holds the same token")
+                            if not self._shifted_read(slot, request, n, column, j):
+                                return Violation(MISSING_ENTRY, slot, column, want, position, j, j, writer,
+                                                 f"the entry of index {position}, which holds the same token")
                         return Violation(WRONG_POSITION, slot, column, want, position, j, j, writer)
                     if writer != slot:
                         below = self._check(writer, request, j + 1)
@@ -359,6 +362,22 @@ class Provenance:
         if j < n:
             return self._missing(slot, request, j, hidden, own)
         return self._window_violation(slot, request, n) or self._state_violation(slot, request, n)
+
+    def _shifted_read(self, slot: Slot, request: int, n: int, column: int, j: int) -> bool:
+        """Whether, with `column` read as index j of the sequence, the query's later reads hold indices j + 1 .. n - 2 in
+        order (other entries among them aside) and its own column is index n - 1: every entry of the row is there,
+        numbered from a wrong position on. Where they run out first, entries were lost instead."""
+        feed, sequence = self.log.feed(slot), self.sequences[request]
+        own = feed.columns[slot.index]
+        if column == own:
+            return j == n - 1
+        j += 1
+        for read in feed.reads(slot.index):
+            if read == own:
+                return j == n - 1
+            if read > column and j < n - 1 and sequence[j] in self.log.tokens_of(feed.prints[read]):
+                j += 1
+        return False
 
     def _window_violation(self, slot: Slot, request: int, n: int) -> Violation | None:
         """The same check in the last sliding-window layer: the query reads, in column order, the sequence's last
@@ -543,7 +562,7 @@ class Provenance:
             (one that read them all, outside such a run, is this index's at a wrong position)."""
             position = self.log.position(slot)
             return (position != n - 1 and 0 <= position < len(sequence) and sequence[position] == last
-                    and (self._read_of(slot, request, n) < n or one_token_run(sequence, position, n - 1)))
+                    and (self.read_of(slot, request, n) < n or one_token_run(sequence, position, n - 1)))
 
         chose = [slot for slot in self.log.slots()
                  if self.log.token(slot) == last and self.log.feed(slot).choices[slot.index] == token
@@ -552,7 +571,7 @@ class Provenance:
         def rank(item: tuple[Slot, Violation | None]) -> tuple:
             slot, violation = item
             held = self.held_of(slot, request, n)
-            read = self._read_of(slot, request, n)
+            read = self.read_of(slot, request, n)
             extra = len(self.log.feed(slot).reads(slot.index)) - read  # columns read beside the sequence's
             moved = self.log.position(slot) != n - 1  # fed elsewhere than the token's index in the sequence
             # a row that went on with the query's choice (the token fed next after the same token and position)
@@ -594,7 +613,7 @@ class Provenance:
                 j += 1
         return j > n
 
-    def _read_of(self, slot: Slot, request: int, n: int) -> int:
+    def read_of(self, slot: Slot, request: int, n: int) -> int:
         """How many of the sequence's first n tokens the query read, in order (a subsequence of what it read)."""
         expected, feed, j = self.sequences[request][:n], self.log.feed(slot), 0
         for column in feed.reads(slot.index):
@@ -666,19 +685,26 @@ class Reading(NamedTuple):
     fact: str | None = None
 
 
-def emitted_twice(provenance: Provenance, request: int, n: int, token: int, prompt_length: int) -> str:
-    """Whether token n of the request's sequence is the choice for index n - 1 emitted again: it repeats the token
-    before it, which queries that read the exact first n - 1 tokens chose there (the caller has seen that no query
-    read the first n: the engine never computed the sequence it emitted). The evidence, or ''."""
+def emitted_twice(provenance: Provenance, request: int, m: int, prompt_length: int) -> str:
+    """Whether token m of the request's sequence is the choice for index m - 1 emitted again: it repeats the token
+    before it, queries that read the exact first m - 1 tokens chose that token there (a context no other request
+    shares), and no query was fed that first copy at its index after the row's first m - 1 tokens: the engine
+    never computed the sequence it emitted. The evidence, or ''."""
     log, sequence = provenance.log, provenance.sequences[request]
-    if n < 2 or n - 1 < prompt_length or sequence[n - 1] != token or not log.speculated:
+    if not log.speculated or not prompt_length < m < len(sequence) or sequence[m - 1] != sequence[m]:
         return ""
-    before = provenance.correct_queries(request, n - 1)
-    if not before or {log.feed(s).choices[s.index] for s in before} != {token}:
+    if any(other != request and tuple(whole[:m - 1]) == sequence[:m - 1]
+           for other, whole in enumerate(provenance.sequences)):
+        return ""  # a query with that context may be another request's row: its choice is not this row's
+    before = provenance.correct_queries(request, m - 1) if m >= 2 else []
+    if not before or {log.feed(s).choices[s.index] for s in before} != {sequence[m]}:
         return ""
-    return (f"repeats the token before it, which {len(before)} queries that read the row's exact context chose "
-            "there, and no query read the sequence with both copies: one target choice emitted twice (a doubled "
-            "bonus token)")
+    if any(log.token(s) == sequence[m] and log.position(s) == m - 1 and provenance.read_of(s, request, m) == m
+           for s in log.slots()):
+        return ""  # the first copy was fed at its index after the row's tokens (whatever else was read among them)
+    return (f"new token {m - prompt_length} ({sequence[m]}) repeats the one before it, which {len(before)} queries "
+            "that read the row's exact context chose there, and no query was fed that first copy in the row's "
+            "context: one target choice emitted twice (a doubled bonus token)")
 
 
 def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
@@ -720,11 +746,15 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
             # context), or, where a query fed the row's exact context at the token's index chose the reference's
             # token, does not hold the whole sequence: a coincidence of tokens
             ranked = []
-        if (not ranked or ranked[0][1] is not None and ranked[0][1].fact == MISSING_ENTRY) and not correct:
-            twice = emitted_twice(provenance, request, n, int(token), len(prompts[request]))
+        if not ranked or ranked[0][1] is not None and ranked[0][1].fact == MISSING_ENTRY:
+            # no producer, or one that misses an entry: where the row's sequence was first never computed (no query
+            # fed its token m - 1 in its exact context), a second copy of one choice there explains both
+            start = len(prompts[request]) + 1
+            m = next((m for m in range(start, n + 1) if not provenance.correct_queries(request, m)), None)
+            twice = emitted_twice(provenance, request, m, len(prompts[request])) if m is not None else ""
             if twice:
-                return Reading("acceptance_rule", f"token {position} of prompt {request} ({token}) {twice}",
-                               EMITTED_TWICE)
+                after = f"; the divergence at new token {position} comes after it" if m < n else ""
+                return Reading("acceptance_rule", f"prompt {request}: {twice}{after}", EMITTED_TWICE)
         if ranked and ranked[0][1] is None:
             return Reading("unknown", f"a query that read the row's exact context chose the engine's token {token} "
                            f"(target call {ranked[0][0].call}, batch row {ranked[0][0].row})")
