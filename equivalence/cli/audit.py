@@ -174,7 +174,7 @@ def add_parsers(commands: Any, formatter: type[argparse.HelpFormatter]) -> None:
                             "naming a structural divergence's cause: quick or full, a budget")
     diagnosis.add_argument("--diagnosis", choices=("quick", "full"), default="full",
                            help="full (default): checks, logit replays and re-runs of the engine (alone, beside a "
-                                "copy, with another pad id, with layers silenced); quick: checks and replays only, "
+                                "copy, with another pad id); quick: checks and replays only, "
                                 "no re-run: a class where they decide it, else unknown with what a re-run would "
                                 "try. For a merge gate: quick, see docs/ci.md")
     diagnosis.add_argument("--diagnosis-budget", type=_seconds, default=None, metavar="SECONDS",

@@ -59,7 +59,6 @@ import torch
 
 from specaudit.engines.limits import eos_ids
 from specaudit.equivalence.diagnosis import causes, checks
-from specaudit.equivalence.diagnosis.layers import recurrent_or_attention
 from specaudit.equivalence.diagnosis.causes import Cause, note_shared_mechanisms  # noqa: F401 (re-exported)
 from specaudit.equivalence.diagnosis.checks import Finding
 from specaudit.equivalence.diagnosis.experiments import Experiments
@@ -180,8 +179,6 @@ class Diagnoser(Experiments, Observing):
     # the provenance records of the watched call or of one hooked re-run (or why none), once read (observe.py)
     _run_observation: Any = None
     _observed: Any = None  # provenance.Reading of the divergence being diagnosed, for `_reconcile`
-    # per (batch, silenced layer kind): the batch's re-run with those layers silenced (layers.py), or why none ran
-    silenced_runs: dict[tuple[tuple[int, ...], str], Any] = field(default_factory=dict)
     _provenance_check: Any = None  # provenance.Provenance over the watched call, shared by the run's divergences
 
     def __post_init__(self) -> None:
@@ -208,8 +205,8 @@ class Diagnoser(Experiments, Observing):
             return diagnosis("unknown", found.evidence, tried, would_decide=found.named_by or None)
         if str(found.named_by).startswith(PROVENANCE):  # seen, not guessed: decided as seen
             return diagnosis(found.cls, found.evidence, tried, found.named_by, found.mechanism or None)
-        cls, evidence, decided = recurrent_or_attention(self, divergence.prompt_index, found, tried)
-        return diagnosis(cls, evidence + f" (decided by {decided})", tried, decided, found.mechanism or None)
+        return diagnosis(found.cls, found.evidence + f" (decided by {found.named_by})", tried, found.named_by,
+                         found.mechanism or None)
 
     def _logits(self, index: int) -> torch.Tensor | None:
         return self.facts.engine_logits[index] if index < len(self.facts.engine_logits) else None

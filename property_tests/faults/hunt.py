@@ -198,8 +198,7 @@ def case_rerun(fault: type[FaultEngine], case: DecodingCase, pair: Any, eos: int
         if scripted:
             def schedule(row: int, step: int) -> int:
                 return case.schedule(indices[row], step)
-            # the target's own greedy tokens now (not cached): a re-run with some layers silenced
-            # (`equivalence/diagnosis/layers.py`) keeps the schedule's acceptance on the silenced target
+            # the target's own greedy tokens for the re-run's prompts
             reference = [greedy_decode(pair.target, list(p), case.max_new_tokens, eos)[0] for p in prompts]
             drafter = ScriptedDrafter(reference, schedule, int(pair.target.config.vocab_size))
         engine = build_engine(fault, rerun_case, pair, drafter)
