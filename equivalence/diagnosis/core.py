@@ -539,11 +539,6 @@ class Diagnoser(Experiments, Observing):
             twin_exact = all(self.equivalent(index, out) for out in twin)
             tried.append(f"re-run beside a copy of itself (batch of 2 identical rows): "
                          f"{'equivalent' if twin_exact else 'diverges'}")
-        if self.facts.trace is None or not self.facts.trace.steps:
-            named = self._padding_replay(index, 0, position, "it is the longest of its batch (no padding at the "
-                                         "prefill) and diverges only where the other rows grow past it")
-            if named:
-                return named
         detail = ""
         finished = checks.finished_beside(index, position, self.facts.trace)
         if finished is not None:
@@ -584,12 +579,7 @@ class Diagnoser(Experiments, Observing):
         if hypothesis not in rivals or (hypothesis.cls != "attention_mask" and len({h.cls for h in rivals}) < 2):
             return hypothesis
         batch = self._batch_rows(index)
-        key = tuple(batch)
-        if key not in self._pad_read:
-            other = self.other_pad_id(batch)
-            self._pad_read[key] = (other, self._run(batch, other) if other is not None else
-                                   "no unused token id for another pad id")
-        other, result = self._pad_read[key]
+        other, result = self._pad_rerun(batch)
         if isinstance(result, str):
             tried.append(f"re-run with another pad id to tell counted padding from attended padding: not run ({result})")
             return hypothesis
@@ -600,20 +590,6 @@ class Diagnoser(Experiments, Observing):
         if any(h.cls == cls for h in rivals):
             return next(h for h in rivals if h.cls == cls)
         return hypothesis if read else None
-
-    def _padding_replay(self, index: int, pad: int, position: int, shown: str) -> Cause | None:
-        """The row's own padding is shown to change its tokens: the replays that chose the engine's token
-        at the divergence (their window undecided) say whether it was numbered over it or attended it."""
-        from specaudit.equivalence.diagnosis.replay import matched_at_q
-
-        padding = [h for h in matched_at_q if h.cls in ("position_ids", "attention_mask") and "padding" in h.name]
-        if not padding:
-            return None
-        first = padding[0]
-        padded = f"its own left padding ({pad})" if pad else "the padding its neighbours' lengths give it"
-        return Cause(first.cls, f"alone the prompt is exact; {shown}: {padded} changes its tokens; at new token "
-                     f"{position} a replay with {first.name} chooses the engine's token (the plain replay does not)",
-                     "re-runs alone and with the row's padding, then the replay at the divergence", first.mechanism)
 
     def _own_padding(self, index: int, position: int, tried: list[str]) -> Cause | None:
         """Alone exact, in its batch not: is it the row's own left padding or its neighbours? Re-run the row
@@ -638,11 +614,6 @@ class Diagnoser(Experiments, Observing):
                      f"{self._verdict(index, padded)}"
                      + (", the run's own output" if padded == self.facts.outputs[index] else ""))
         if self.equivalent(index, padded):
-            named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone, with the same left "
-                                         "padding, it is exact; in its batch, where the other rows' lengths set its "
-                                         "padding at each step, it diverges")
-            if named:
-                return named
             return Cause("cross_row", f"alone the prompt is exact; beside prompt {longest} alone, with the same left "
                          f"padding ({pad}) as in its batch, it is exact too; in its batch it diverges: the other rows "
                          "of its batch (not its own padding) change its tokens", "re-runs with the same padding beside "
@@ -652,13 +623,9 @@ class Diagnoser(Experiments, Observing):
                   if j not in (index, longest) and len(prompts[j]) == width and prompts[j] != prompts[longest]]
         if not others:
             tried.append(f"re-run beside another prompt of length {width}: none in the run")
-            named = self._padding_replay(index, pad, position, f"beside prompt {longest} alone it diverges")
-            if named:
-                return named
-            return Cause("unknown", f"alone the prompt is exact; beside prompt {longest} alone, with the same left "
-                         f"padding ({pad}) as in its batch, it still diverges: its own left padding changes its tokens "
-                         "(positions counted over it, or the padding attended), and no replay reproduced which",
-                         WOULD_DECIDE, "")
+            return self._own_padding_read(index, pad, f"alone the prompt is exact; beside prompt {longest} alone, with "
+                                          f"the same left padding ({pad}) as in its batch, it still diverges: its own "
+                                          "left padding changes its tokens", tried)
         swapped = self._run([index, others[0]])
         if isinstance(swapped, str):
             tried.append(f"re-run beside prompt {others[0]} (the same length): not run ({swapped})")
@@ -668,24 +635,45 @@ class Diagnoser(Experiments, Observing):
         tried.append(f"re-run beside prompt {others[0]} instead (the same length, the same padding; only the "
                      f"neighbour changed): {'the same' if same else 'other'} tokens up to new token {position}")
         if not same:
-            named = self._padding_replay(index, pad, position, f"beside prompt {longest} and beside prompt "
-                                         f"{others[0]} (the same length) it gives different tokens, the neighbours' "
-                                         "lengths setting its padding at each step")
-            if named:
-                return named
             return Cause("cross_row", f"with the same left padding ({pad}), beside prompt {longest} and beside prompt "
                          f"{others[0]} (the same length) the row gives different tokens: its neighbour's content "
                          "changes its output", "a re-run that changes only the neighbour",
                          "other rows' content read by this row")
-        named = self._padding_replay(index, pad, position, f"with the same left padding it diverges beside prompt "
-                                     f"{longest} and gives the same tokens beside prompt {others[0]} (only the "
-                                     "neighbour changed)")
-        if named:
-            return named
-        return Cause("unknown", f"alone the prompt is exact; with the same left padding ({pad}) it diverges beside "
-                     f"prompt {longest} and gives the same tokens beside prompt {others[0]} (only the neighbour "
-                     "changed): its own left padding, not its neighbours, changes its tokens (positions counted over "
-                     "it, or the padding attended); no replay reproduced which", WOULD_DECIDE, "")
+        return self._own_padding_read(index, pad, f"alone the prompt is exact; with the same left padding ({pad}) it "
+                                      f"diverges beside prompt {longest} and gives the same tokens beside prompt "
+                                      f"{others[0]} (only the neighbour changed): its own left padding, not its "
+                                      "neighbours, changes its tokens", tried)
+
+    def _own_padding_read(self, index: int, pad: int, shown: str, tried: list[str]) -> Cause:
+        """The row's own left padding changes its tokens: counted in its positions, or attended. Another pad id
+        tells them apart (attended padding is read, so its tokens change; padding only counted is never read);
+        without that re-run the two stay named together."""
+        batch = self._batch_rows(index)
+        other, result = self._pad_rerun(batch)
+        if isinstance(result, str):
+            tried.append(f"re-run with another pad id: not run ({result})")
+            return Cause("unknown", f"{shown}: it depends on its padding, `attention_mask` or `position_ids` "
+                         "(positions counted over it, or the padding attended), and no re-run with another pad id "
+                         "could tell which", "a re-run of its batch with another pad id", "")
+        read = result[batch.index(index)] != self.facts.outputs[index]
+        tried.append(f"re-run of its batch with pad id {other} instead of {self.facts.pad_token_id}: the row's tokens "
+                     f"{'change' if read else 'stay the same'}")
+        if read:
+            return Cause("attention_mask", f"{shown}; with pad id {other} its tokens change: its queries read the "
+                         f"padding", "re-runs with the same padding, then with another pad id",
+                         "the row's padding visible to its queries")
+        return Cause("position_ids", f"{shown}; with pad id {other} its tokens stay the same: the padding is not "
+                     "read, only counted in its positions", "re-runs with the same padding, then with another pad id",
+                     "position ids counted over the row's padding")
+
+    def _pad_rerun(self, batch: list[int]) -> tuple[int | None, Any]:
+        """The batch's re-run with another pad id, made once per batch: (the pad id, the outputs or why none)."""
+        key = tuple(batch)
+        if key not in self._pad_read:
+            other = self.other_pad_id(batch)
+            self._pad_read[key] = (other, self._run(batch, other) if other is not None else
+                                   "no unused token id for another pad id")
+        return self._pad_read[key]
 
     def _single_row(self, index: int, q: int, tried: list[str], alone_known: bool) -> Finding | None:
         rejected = checks.rejection_before(index, q, self.facts.trace)

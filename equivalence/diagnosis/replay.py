@@ -363,7 +363,6 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Tr
     `noise` is the precision's own logit error (0 in float64, see `explains`). Without the engine's
     logits, see `explain_tokens`."""
     tried: list[str] = []
-    matched_at_q.clear()
     passed_at_q.clear()
     if target is None:
         return None, tried
@@ -429,7 +428,6 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
             by_draft = drafted[-width:].argmax(-1).tolist()
             draft_choice = by_draft[0]
             kept_agree = sum(e in (t, d) for e, t, d in zip(engine[1:], plain[1:], by_draft[1:]))
-    matched_at_q.clear()
     passing: list[tuple[int, Hypothesis]] = []
     found = hypotheses(prompt, output, end, trace, index, pad_id, row)
     sequence = list(prompt) + list(output[:end])
@@ -450,7 +448,6 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
                      f"{plain[0]}); the next {width - 1} new token(s): {agree} agree (plain replay {plain_agree})")
         if chosen[0] != engine[0]:
             continue
-        matched_at_q.append(hypothesis)
         if width == 1 or agree > plain_agree or (agree == plain_agree and draft_choice != engine[0]):
             passing.append((agree, hypothesis))
             if agree == width - 1:
@@ -472,7 +469,5 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
     return best, tried
 
 
-# the hypotheses that chose the engine's token at the divergence in the last `explain_tokens` call,
-# whatever the window showed: evidence for a re-run that has ruled the neighbours out
-matched_at_q: list[Hypothesis] = []
-passed_at_q: list[Hypothesis] = []  # those that also passed the window
+# the hypotheses that passed the window in the last `explain_tokens` call, for the re-runs that test them
+passed_at_q: list[Hypothesis] = []
