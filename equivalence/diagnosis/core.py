@@ -28,9 +28,11 @@ against other prompts' references; a reference replay on the prompt cut to a com
 re-run with another pad id or, when the engine takes no pad option, by a replay with the pad-id tokens masked
 and where the divergence starts (`diagnosis/causes.py`); the EOS and the trace's own record; then logit replays
 with shifted positions or a widened mask (`diagnosis/replay.py`), made only where the provenance saw nothing
-(servers, recordings, an engine whose target cannot be hooked), one judged on tokens alone tested by the re-run
-that would show its bug (alone, or with another pad id); only then the heuristics (the engine's token is the
-draft's own choice) and the length symptom; last, re-runs alone and beside a copy of itself. `evidence` says
+(servers, recordings, an engine whose target cannot be hooked), judged on tokens alone only where nothing can
+run again (a recording); then a repeated token and the length symptom; last, the controlled re-runs: alone,
+beside a neighbour of the same padding and beside another of the same length, with another pad id. The
+heuristic that the engine's token is the draft's own choice ranks before those re-runs in a watched run and
+after them in one not watched (a coincidence of tokens after the experiments). `evidence` says
 what was tried and what it showed, and `named_by` which evidence decided. An input class that the provenance
 contradicts (every query with the row's exact context chose the reference's token) becomes `unknown` with
 what was seen, and so does `acceptance_rule` for an engine that did not speculate; a provenance that saw
@@ -229,10 +231,11 @@ class Diagnoser(Experiments, Observing):
                     self._pad_cause, self._stop_eos, self._trace_and_logits, self._overlong, self._reproducing_replay,
                     self._doubled_token, self._draft_choice, self._after_the_logits, self._length,
                     self._batch_experiments)
+        # unwatched, the draft's own choice is a coincidence of tokens: it ranks after the controlled re-runs
         return (self._output_order, self._answered_elsewhere, self._truncation, self._pad_cause, self._stop_eos,
                 self._trace_and_logits, self._overlong, self._provenance, self._reproducing_replay,
-                self._doubled_token, self._draft_choice, self._after_the_logits, self._length,
-                self._batch_experiments)
+                self._doubled_token, self._after_the_logits, self._length, self._batch_experiments,
+                self._draft_choice)
 
     def _decide(self, index: int, position: int, tried: list[str]) -> Cause | None:
         case = self._case(index, position)
@@ -324,9 +327,12 @@ class Diagnoser(Experiments, Observing):
                          "context chose the reference's token)")
             return None
         index, q, logits = case.index, case.q, case.logits
-        if logits is None and isinstance(self._run_observation, ProvenanceLog):
-            # a replay judged on tokens alone can agree by chance; where the run was seen, what it read decides
-            tried.append("replays of hypotheses on tokens: not made (the provenance saw the run's inputs)")
+        if logits is None and (isinstance(self._run_observation, ProvenanceLog) or self.facts.run is not None):
+            # a replay judged on tokens alone can agree by chance: where the run was seen, what it read decides;
+            # where the engine can run again, the controlled re-runs below do (alone, beside a neighbour, the pad id)
+            seen = "the provenance saw the run's inputs" if isinstance(self._run_observation, ProvenanceLog) else \
+                "the engine can run again: controlled re-runs decide"
+            tried.append(f"replays of hypotheses on tokens: not made ({seen})")
             return None
         hypothesis, replays = explain(self.facts.replay_target or self.facts.target, case.prompt, case.output, q,
                                       self.facts.trace, index, self.facts.pad_token_id,
@@ -334,10 +340,6 @@ class Diagnoser(Experiments, Observing):
                                       None, prefer=tuple(self._explained_by), row=self._row_context(index),
                                       noise=self.precision_noise(index))
         tried += [f"replay at new token {q}: {line}" for line in replays] or [f"replay at new token {q}: nothing to replay"]
-        if hypothesis is not None and logits is None:
-            hypothesis = self._shows_alone(index, hypothesis, tried)
-        if hypothesis is not None:
-            hypothesis = self._padding_read_or_numbered(index, hypothesis, tried)
         if hypothesis is None:
             return None
         if hypothesis.name in self._explained_by:
@@ -549,47 +551,6 @@ class Diagnoser(Experiments, Observing):
                        f"(rows {uneven[1]} accepted {uneven[2]})")
         return Finding("cross_row", "alone the prompt is exact and in its batch it diverges, and neither shifted "
                        f"positions nor visible padding explain its logits: its output depends on the other rows{detail}")
-
-    def _shows_alone(self, index: int, hypothesis: Any, tried: list[str]) -> Any:
-        """A replay judged on tokens can agree by chance. One that stands for a bug the row shows alone too
-        (`Hypothesis.alone`: a constant offset, a prefill numbered or masked wrong) is tested by the re-run
-        alone: exact there, the bug is not that one, and a passing rival that needs the batch (padding) is
-        taken instead, or none (the re-runs that follow decide)."""
-        from specaudit.equivalence.diagnosis.replay import passed_at_q
-
-        if not hypothesis.alone:
-            return hypothesis
-        alone = self.alone(index)
-        if not isinstance(alone, list) or not self.equivalent(index, alone):
-            return hypothesis
-        rivals = [h for h in passed_at_q if not h.alone]
-        tried.append(f"re-run alone (batch of 1): exact, so not {hypothesis.name} (a bug the row would show alone "
-                     f"too); {'taken instead: ' + rivals[0].name if rivals else 'no passing replay needs the batch'}")
-        return rivals[0] if rivals else None
-
-    def _padding_read_or_numbered(self, index: int, hypothesis: Any, tried: list[str]) -> Any:
-        """Without the engine's logits, padding counted in the positions and padding attended can both
-        reproduce its tokens, and a replay of attended padding can agree with them by chance. The pad id
-        decides: re-run the row's batch with another pad id; attended padding is read, so its tokens change;
-        padding only counted in the positions is never read. Padding shown not read rules out the attended
-        padding: a passing rival that counts it is taken instead, or none (the re-runs that follow decide)."""
-        from specaudit.equivalence.diagnosis.replay import passed_at_q
-
-        rivals = [h for h in passed_at_q if "padding" in h.name and h.cls in ("position_ids", "attention_mask")]
-        if hypothesis not in rivals or (hypothesis.cls != "attention_mask" and len({h.cls for h in rivals}) < 2):
-            return hypothesis
-        batch = self._batch_rows(index)
-        other, result = self._pad_rerun(batch)
-        if isinstance(result, str):
-            tried.append(f"re-run with another pad id to tell counted padding from attended padding: not run ({result})")
-            return hypothesis
-        read = result[batch.index(index)] != self.facts.outputs[index]
-        cls = "attention_mask" if read else "position_ids"
-        tried.append(f"re-run of its batch with pad id {other} instead of {self.facts.pad_token_id}: the row's tokens "
-                     f"{'change' if read else 'stay the same'}: the padding is {'read' if read else 'not read'}")
-        if any(h.cls == cls for h in rivals):
-            return next(h for h in rivals if h.cls == cls)
-        return hypothesis if read else None
 
     def _own_padding(self, index: int, position: int, tried: list[str]) -> Cause | None:
         """Alone exact, in its batch not: is it the row's own left padding or its neighbours? Re-run the row

@@ -48,9 +48,6 @@ class Hypothesis:
     mechanism: str = ""  # the bug it stands for, shared by hypotheses that differ only in how they count
     # a replay of its own (the target -> logits [V] or None), for a hypothesis no (ids, positions) can state
     replay: Callable[[Any], torch.Tensor | None] | None = None
-    # the bug it stands for shows on the row run alone too (a constant offset, a prefill numbered or masked
-    # wrong): it needs no padding, no neighbour and no speculation state, so a row exact alone rules it out
-    alone: bool = False
 
     def __post_init__(self) -> None:
         if not self.mechanism:
@@ -267,7 +264,7 @@ def hypotheses(prompt: list[int], output: list[int], q: int, trace: Trace | None
             positions = [p + shift for p in true_positions]
             return (sequence, positions) if min(positions) >= 0 else None
 
-        found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant, alone=True))
+        found.append(Hypothesis("position_ids", f"every position shifted by {shift:+d}", constant))
     found += prefill_hypotheses(prompt, sequence)
     return found
 
@@ -289,8 +286,7 @@ def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesi
             return sequence, [i % chunk for i in range(n)] + list(range(n, total))
 
         found.append(Hypothesis("position_ids", f"the prompt's positions reset every {chunk} tokens (a chunked "
-                                "prefill numbering each chunk from 0)", reset, "position ids reset per prefill chunk",
-                                alone=True))
+                                "prefill numbering each chunk from 0)", reset, "position ids reset per prefill chunk"))
     for offset, what in ((1, "also sees the next token"), (-1, "misses its own token")):
         for where in ("prompt", "sequence"):
             def shifted(offset: int = offset, where: str = where) -> tuple[Any, ...] | None:
@@ -305,7 +301,7 @@ def prefill_hypotheses(prompt: list[int], sequence: list[int]) -> list[Hypothesi
 
             found.append(Hypothesis("attention_mask", f"a causal mask one column off: each query {what} "
                                     f"({'in the prefill' if where == 'prompt' else 'in every pass'})", shifted,
-                                    "a causal mask off by one column", alone=True))
+                                    "a causal mask off by one column"))
     return found
 
 
@@ -363,7 +359,6 @@ def explain(target: Any, prompt: list[int], output: list[int], q: int, trace: Tr
     `noise` is the precision's own logit error (0 in float64, see `explains`). Without the engine's
     logits, see `explain_tokens`."""
     tried: list[str] = []
-    passed_at_q.clear()
     if target is None:
         return None, tried
     if engine_logits is None:
@@ -452,7 +447,6 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
             passing.append((agree, hypothesis))
             if agree == width - 1:
                 break  # the whole window reproduced: nothing can do better
-    passed_at_q[:] = [h for _, h in passing]
     if not passing:
         return None, tried
     if draft_choice == engine[0] and kept_agree >= max(agree for agree, _ in passing):
@@ -460,14 +454,9 @@ def explain_tokens(target: Any, prompt: list[int], output: list[int], q: int, tr
         # kept draft tokens explain them as well (the acceptance checks decide)
         tried.append(f"the engine's tokens are the target's or the draft's own choices on {kept_agree} of the next "
                      f"{width - 1} new token(s), as many as the best replay reproduces: no replay decides")
-        passed_at_q.clear()
         return None, tried
     # of the hypotheses that pass, the one that reproduces most of the window (the first of those)
     best = max(passing, key=lambda item: item[0])[1]
     if best is not passing[-1][1] or len(passing) > 1:
         tried.append(f"chosen: {best.name} (reproduces the most of the window)")
     return best, tried
-
-
-# the hypotheses that passed the window in the last `explain_tokens` call, for the re-runs that test them
-passed_at_q: list[Hypothesis] = []
