@@ -466,12 +466,8 @@ class Diagnoser(Experiments, Observing):
         mechanism = "pad-id tokens treated as padding"
         tried.append(f"the pad id {pad} in the row: {evidence.where() or 'none'}; pad id = EOS: {evidence.pad_is_eos}")
         # the row's own batch again (consecutive batches), only the pad id changed: a controlled experiment
-        batch = [index]
-        if self.facts.batch_size:
-            start = index - index % self.facts.batch_size
-            batch = list(range(start, min(start + self.facts.batch_size, len(self.facts.prompts))))
-        other = self.other_pad_id(batch)
-        result = self._run(batch, other) if other is not None else "no unused token id for another pad id"
+        batch = self._batch_rows(index)
+        other, result = self._pad_rerun(batch)
         if isinstance(result, list):
             exact = self.equivalent(index, result[batch.index(index)])
             where = "alone" if len(batch) == 1 else f"in its batch (prompts {batch[0]} to {batch[-1]})"

@@ -43,8 +43,9 @@ row labels and no prompt labels, and changes nothing it is handed.
       reference's token (the bug is after the logits)          output_order / pad_as_content, from the
                                                               run's facts (`after_the_logits`)
     the token repeats the one before it, which queries with   acceptance_rule
-      the exact context chose there, and no query read both
-      copies (one choice emitted twice: `emitted_twice`)
+      the exact context chose there, and no query was fed the
+      first copy at its index (one choice emitted twice:
+      `emitted_twice`)
 
    A violation says where: call, batch row, column, token, the position fed and the index expected.
 """
@@ -80,7 +81,7 @@ CLASS_OF: dict[str, str] = {
 }
 AFTER_THE_LOGITS = ("acceptance_rule", "stop_eos", "stop_length", "output_order", "pad_as_content")
 CHOSE_RIGHT = "chose right"  # every query with the row's exact context chose the reference's token
-EMITTED_TWICE = "emitted twice"  # the token the query of the index before chose, emitted again: no query chose it here
+EMITTED_TWICE = "emitted twice"  # the choice for the index before emitted again, its first copy never fed
 
 
 @dataclass(frozen=True, eq=False)
@@ -622,6 +623,11 @@ class Provenance:
                 j += 1
         return j
 
+    def shared(self, request: int, n: int) -> bool:
+        """Whether another request's sequence starts with the same first n tokens (its row computes them too)."""
+        head = self.sequences[request][:n]
+        return any(other != request and tuple(sequence[:n]) == head for other, sequence in enumerate(self.sequences))
+
     def correct_queries(self, request: int, n: int) -> list[Slot]:
         """The queries that read exactly the first n tokens of request `request`'s sequence."""
         last = self.sequences[request][n - 1]
@@ -693,8 +699,7 @@ def emitted_twice(provenance: Provenance, request: int, m: int, prompt_length: i
     log, sequence = provenance.log, provenance.sequences[request]
     if not log.speculated or not prompt_length < m < len(sequence) or sequence[m - 1] != sequence[m]:
         return ""
-    if any(other != request and tuple(whole[:m - 1]) == sequence[:m - 1]
-           for other, whole in enumerate(provenance.sequences)):
+    if provenance.shared(request, m - 1):
         return ""  # a query with that context may be another request's row: its choice is not this row's
     before = provenance.correct_queries(request, m - 1) if m >= 2 else []
     if not before or {log.feed(s).choices[s.index] for s in before} != {sequence[m]}:
@@ -723,8 +728,7 @@ def provenance_diagnosis(log: ProvenanceLog, prompts: Sequence[Sequence[int]], o
     if not log.calls:
         return Reading("unknown", "no target call was recorded")
     correct = provenance.correct_queries(request, n) if n >= 1 else []
-    shared = any(other != request and tuple(sequence[:n]) == provenance.sequences[request][:n]
-                 for other, sequence in enumerate(provenance.sequences))
+    shared = provenance.shared(request, n)
     if token is not None and shared:
         # another request shares the first n tokens: a query of its row computes the same context, and its choice
         # says nothing of this row's, unless this row went on with the engine's token after it
