@@ -1,8 +1,8 @@
 """The model forwards of the diagnosis's replays: one row, batch size 1, under any position ids and mask.
 
 `replay_all` runs a whole sequence uncached: the target's replays under a hypothesis, which change
-positions or visibility anywhere in the row. `GrowingReplay` serves the loops that rebuild a draft model's
-steps (holey sequences, doubled bonuses, rejected slots): each proposal is the last-token argmax of a sequence
+positions or visibility anywhere in the row. `GrowingReplay` serves the loop that rebuilds a draft model's
+steps (the rejected slots of an engine without a trace): each proposal is the last-token argmax of a sequence
 that differs from the one before it only near its end. It keeps the key/value cache of the longest prefix
 whose slots are unchanged and feeds the rest; a slot's keys and values depend only on its token, its
 position and the slots its query sees, so that prefix's cache is what a whole replay would compute again

@@ -12,9 +12,8 @@ context that a suspected bug would give that row:
 - every position shifted by a constant (an offset applied twice, a 1-based count);
 - the row's left padding visible to its queries, at position 0 or counted (a mask blind to
   padding);
-- for an engine without a trace: left paddings its neighbours allow, a right padding (pads between the
-  prompt and the new tokens) attended by the new tokens, rejected draft slots rebuilt from the draft's
-  proposals and left as holes, and one row counter that runs past rejected slots and also crops the caches.
+- for an engine without a trace: positions shifted by the row's left padding in its batch (consecutive
+  batches), and past its rejected draft slots, the steps rebuilt from the draft's proposals.
 
 A hypothesis explains the engine's logits at a position when it brings them at least 100 times
 closer than the plain replay does (in float64 an exact hypothesis reproduces them to ~1e-13).
@@ -23,6 +22,8 @@ hypothesis explains when it brings them within that error (`noise`, the audit-dt
 largest logit error against float64 on the prompt, measured) and at least 4 times closer than the
 plain replay. Without recorded logits, a hypothesis explains the engine's token when its argmax is
 that token and the plain replay's is not. Replays run on the float64 target wherever the audit has one.
+Token replays run only for a run the provenance did not see and that cannot run again (a recording):
+elsewhere what the queries read, or the controlled re-runs, decide (`core.Diagnoser._reproducing_replay`).
 """
 
 from __future__ import annotations
